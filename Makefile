@@ -1,0 +1,35 @@
+# Thin wrapper. `make demo` runs a real refit; `make test` installs everything and runs every test.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test lint bench schema clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: install
+	$(VENV)/bin/dcr demo
+
+test: install
+	$(PY) -m pytest
+
+lint: install
+	$(VENV)/bin/ruff check agent operator tests bench
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+bench: install
+	$(PY) bench/codec.py
+
+# Regenerate the manifest JSON schema from its pydantic model (a test keeps them in sync).
+schema: install
+	$(PY) -c "from dcr.format.manifest import SCHEMA_PATH, json_schema; SCHEMA_PATH.write_text(json_schema())"
+
+clean:
+	rm -rf $(VENV) demo-out .mypy_cache .ruff_cache .pytest_cache .hypothesis

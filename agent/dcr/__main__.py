@@ -1,0 +1,5 @@
+import sys
+
+from dcr.cli import main
+
+sys.exit(main())

@@ -1,0 +1,187 @@
+"""The ``dcr`` command line: diff, patch, inspect, demo.
+
+Exit status: 0 on success, 1 when DCR refuses or fails (the message names the value),
+2 for usage errors. With ``--json`` a command prints exactly one JSON object on stdout
+and no progress bars.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from dcr.checkpoint import Checkpoint
+from dcr.errors import DcrError
+from dcr.files.diff import DiffSettings, MiB, diff_checkpoints
+from dcr.files.inspect import describe, render
+from dcr.files.patch import load_manifest, patch_checkpoint
+from dcr.transport.store import open_store
+
+EPILOG = """\
+examples:
+  dcr diff ckpt/v1 ckpt/v2 --store file:///tmp/deltas --version 2 --json
+  dcr patch rollout/ckpt --store file:///tmp/deltas --version 2
+  dcr inspect --store file:///tmp/deltas --version 2
+  dcr demo
+"""
+
+
+@contextmanager
+def _progress(total: int, desc: str, enabled: bool) -> Iterator[Callable[[int], None] | None]:
+    if not (enabled and sys.stderr.isatty()):
+        yield None
+        return
+    from tqdm import tqdm
+
+    with tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr) as bar:
+        yield bar.update
+
+
+def _emit(args: argparse.Namespace, summary: dict[str, Any], text: str) -> None:
+    print(json.dumps(summary, sort_keys=True) if args.json else text)
+
+
+def cmd_diff(args: argparse.Namespace) -> None:
+    settings = DiffSettings(
+        version=args.version,
+        base_version=args.version - 1 if args.base_version is None else args.base_version,
+        mode=args.mode,
+        bucket_bytes=args.bucket_mib * MiB,
+        level=args.level,
+        threads=args.threads,
+        overwrite=tuple(args.overwrite),
+    )
+    store = open_store(args.store)
+    t0 = time.perf_counter()
+    with Checkpoint(Path(args.base)) as base, Checkpoint(Path(args.target)) as target:
+        total = sum(i.nbytes for i in base)
+        with _progress(total, "diff", not args.json) as bar:
+            m = diff_checkpoints(base, target, store, settings, bar)
+    seconds = time.perf_counter() - t0
+    st = m.stats
+    summary = {
+        **st.model_dump(),
+        "seconds": round(seconds, 4),
+        "payloads": len(m.payloads),
+        "attempt": m.attempt,
+        "base_version": m.base_version,
+        "version": m.target_version,
+        "mode": m.mode,
+        "store": store.uri,
+    }
+    pct = 100 * st.changed_elements / max(1, st.total_elements)
+    text = (
+        f"version {m.base_version} -> {m.target_version} ({m.mode}, attempt {m.attempt}): "
+        f"{st.changed_elements:,} of {st.total_elements:,} elements changed ({pct:.3f}%) in "
+        f"{st.tensors} tensors; {len(m.payloads)} payloads, {st.payload_bytes:,} bytes = "
+        f"{100 * st.payload_bytes / max(1, st.dense_bytes):.3f}% of {st.dense_bytes:,} dense "
+        f"bytes; {seconds:.2f} s"
+    )
+    _emit(args, summary, text)
+
+
+def cmd_patch(args: argparse.Namespace) -> None:
+    store = open_store(args.store)
+    root = Path(args.checkpoint)
+    t0 = time.perf_counter()
+    with Checkpoint(root) as c:
+        total = sum(f.stat().st_size for f in c.files)
+    with _progress(total, "patch", not args.json) as bar:
+        r = patch_checkpoint(root, store, args.version, progress=bar)
+    seconds = time.perf_counter() - t0
+    summary = {
+        "version": r.manifest.target_version,
+        "base_version": r.manifest.base_version,
+        "attempt": r.manifest.attempt,
+        "files_patched": r.files_patched,
+        "files_already_at_target": r.files_already_at_target,
+        "records_applied": r.records_applied,
+        "payload_bytes": r.manifest.stats.payload_bytes,
+        "seconds": round(seconds, 4),
+    }
+    text = (
+        f"{root}: version {r.manifest.base_version} -> {r.manifest.target_version}: "
+        f"{r.records_applied:,} records applied to {r.files_patched} files "
+        f"({r.files_already_at_target} already at target); verified; {seconds:.2f} s"
+    )
+    _emit(args, summary, text)
+
+
+def cmd_inspect(args: argparse.Namespace) -> None:
+    store = open_store(args.store)
+    m = load_manifest(store, args.version)
+    report = describe(store, m)
+    _emit(args, report, render(report))
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from dcr.demo import run_demo
+
+    run_demo(Path(args.out), steps=args.steps, seed=args.seed)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dcr",
+        description="Delta-Compressed Refit: ship only the changed bits of a checkpoint.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    d = sub.add_parser("diff", help="write the delta BASE -> TARGET as version N to a store")
+    d.add_argument("base", metavar="BASE", help="HF checkpoint dir or .safetensors file")
+    d.add_argument("target", metavar="TARGET", help="HF checkpoint dir or .safetensors file")
+    d.add_argument("--store", required=True, help="file:///abs/path or a plain path")
+    d.add_argument("--version", type=int, required=True, metavar="N", help="target version")
+    d.add_argument("--base-version", type=int, metavar="M", help="base version (default N-1)")
+    d.add_argument("--mode", choices=["mixed", "overwrite"], default="mixed",
+                   help="mixed: XOR where allowed; overwrite: every entry absolute (default mixed)")
+    d.add_argument("--bucket-mib", type=int, default=256, metavar="K",
+                   help="dense MiB of source tensors per payload (default 256)")
+    d.add_argument("--level", type=int, default=1, help="zstd level (default 1)")
+    d.add_argument("--threads", type=int, default=2, help="diff threads (default 2)")
+    d.add_argument("--overwrite", action="append", default=[], metavar="REGEX",
+                   help="tensors (full-match regex) that always travel as overwrites")
+    d.add_argument("--json", action="store_true", help="print one JSON summary object")
+    d.set_defaults(func=cmd_diff)
+
+    pa = sub.add_parser("patch", help="apply version N in place to a checkpoint at its base")
+    pa.add_argument("checkpoint", metavar="CKPT", help="HF checkpoint dir or .safetensors file")
+    pa.add_argument("--store", required=True)
+    pa.add_argument("--version", type=int, required=True, metavar="N")
+    pa.add_argument("--json", action="store_true")
+    pa.set_defaults(func=cmd_patch)
+
+    i = sub.add_parser("inspect", help="summarise the delta of version N")
+    i.add_argument("--store", required=True)
+    i.add_argument("--version", type=int, required=True, metavar="N")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=cmd_inspect)
+
+    dm = sub.add_parser("demo", help="train a small model, refit it step by step, verify bits")
+    dm.add_argument("--out", default="demo-out", help="working directory (default demo-out)")
+    dm.add_argument("--steps", type=int, default=3, help="optimizer steps to refit (default 3)")
+    dm.add_argument("--seed", type=int, default=0)
+    dm.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except DcrError as e:
+        print(f"dcr: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

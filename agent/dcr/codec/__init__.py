@@ -1,0 +1,1 @@
+"""The codec: find changed elements, code their locations and values, decode and apply."""

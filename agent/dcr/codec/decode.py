@@ -1,0 +1,129 @@
+"""Decoding and in-place apply to tensors held in canonical layout.
+
+``decode`` turns a verified :class:`~dcr.format.payload.Payload` into per-item views of
+its streams and checks every record: positions inside the item's range, run lengths
+consistent, XOR masks nonzero. ``apply_items`` then checks every item against the
+target tensors (name, dtype, shape, writable) before it writes a single element, so a
+payload that fails any check leaves the targets untouched.
+
+XOR entries flip bits (``old ^ mask``) and must be applied exactly once; overwrite
+entries set bits and are idempotent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from dcr.codec import locations
+from dcr.codec.locations import Locations
+from dcr.codec.planes import U8, UInt, join
+from dcr.errors import MalformedPayload, TargetMismatch
+from dcr.format.dtypes import DTYPES
+from dcr.format.payload import ItemHeader, Payload, check_disjoint, decode_streams
+
+APPLY_BLOCK = 1 << 22  # records per scatter; bounds temporaries to ~64 MiB
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodedItem:
+    header: ItemHeader
+    locations: Locations
+    values: UInt
+
+    def blocks(self, block: int = APPLY_BLOCK) -> Iterator[tuple[npt.NDArray[np.int64], UInt]]:
+        """Yield (flat tensor indices, values) in blocks of at most ``block`` records."""
+        for lo, pos in locations.iter_positions(self.locations, block=block):
+            pos += self.header.start
+            yield pos, self.values[lo : lo + len(pos)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Target:
+    """A tensor in canonical layout, seen as raw bits (``DType.bits``), to patch in place."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    bits: UInt
+
+
+def decode(payload: Payload) -> list[DecodedItem]:
+    """Split a verified payload's streams into items and validate every record."""
+    header = payload.header
+    streams = {
+        sid: np.frombuffer(buf, dtype=np.uint8) for sid, buf in decode_streams(payload).items()
+    }
+    cursor = dict.fromkeys(streams, 0)
+
+    def take(sid: str, n: int) -> U8:
+        lo = cursor[sid]
+        cursor[sid] = lo + n
+        return streams[sid][lo : lo + n]
+
+    items: list[DecodedItem] = []
+    for it in header.items:
+        where = f"{it.where} of {header.label}"
+        loc_values = join([take(f"loc.{k}", it.location_values) for k in range(it.loc_width)],
+                          it.loc_width)
+        len_values = (
+            join([take(f"len.{k}", it.runs) for k in range(it.len_width)], it.len_width)
+            if it.loc == "runs"
+            else None
+        )
+        size = DTYPES[it.dtype].itemsize
+        values = join([take(f"val.{it.entry}.{it.dtype}.{k}", it.count) for k in range(size)], size)
+        locs = Locations(loc=it.loc, count=it.count, loc_values=loc_values, len_values=len_values)
+        locations.validate(where, locs, it.stop - it.start)
+        if it.entry == "xor":
+            zeros = it.count - int(np.count_nonzero(values))
+            if zeros:
+                raise MalformedPayload(f"Item {where}: {zeros} XOR masks are zero.")
+        items.append(DecodedItem(header=it, locations=locs, values=values))
+    return items
+
+
+def check_targets(items: Iterable[DecodedItem], targets: Mapping[str, Target]) -> None:
+    """Raise :class:`TargetMismatch` unless every item fits its target tensor."""
+    for item in items:
+        h = item.header
+        t = targets.get(h.name)
+        if t is None:
+            raise TargetMismatch(f"Item {h.where}: the target has no tensor named {h.name!r}.")
+        if (t.dtype, tuple(t.shape)) != (h.dtype, h.shape):
+            raise TargetMismatch(
+                f"Item {h.where}: payload says {h.dtype}{list(h.shape)}, target tensor is "
+                f"{t.dtype}{list(t.shape)}."
+            )
+        want = DTYPES[h.dtype].bits
+        if t.bits.dtype != want or t.bits.size != h.numel:
+            raise TargetMismatch(
+                f"Item {h.where}: target storage is {t.bits.dtype}[{t.bits.size}], "
+                f"expected {want}[{h.numel}]."
+            )
+        if not (t.bits.flags.writeable and t.bits.flags.c_contiguous):
+            raise TargetMismatch(
+                f"Item {h.where}: target tensor {h.name!r} is read-only or not contiguous."
+            )
+
+
+def apply_items(items: list[DecodedItem], targets: Mapping[str, Target]) -> int:
+    """Validate everything, then apply every record in place. Returns records applied."""
+    try:
+        check_disjoint(i.header for i in items)
+    except ValueError as e:
+        raise MalformedPayload(f"Items to apply conflict: {e}.") from e
+    check_targets(items, targets)
+    applied = 0
+    for item in items:
+        flat = targets[item.header.name].bits.reshape(-1)
+        xor = item.header.entry == "xor"
+        for pos, vals in item.blocks():
+            if xor:
+                flat[pos] ^= vals
+            else:
+                flat[pos] = vals
+            applied += len(pos)
+    return applied

@@ -1,0 +1,72 @@
+"""Every error DCR raises, under one root so callers can catch the package as a whole.
+
+Hierarchy::
+
+    DcrError
+    ├── ConfigError            bad settings or arguments (names the value)
+    ├── CheckpointError        a safetensors file or index is unreadable or inconsistent
+    ├── PayloadError           a payload failed validation; nothing was written
+    │   ├── TruncatedPayload   fewer (or more) bytes than the preamble declares
+    │   ├── DigestMismatch     the BLAKE2b digest does not match the bytes
+    │   ├── LimitExceeded      a declared size is over a decode limit (bomb guard)
+    │   └── MalformedPayload   a field is out of range or inconsistent
+    ├── ManifestError          a manifest is missing, malformed, or disagrees with payloads
+    ├── TargetMismatch         a payload does not fit the tensors it would be applied to
+    │   └── WrongBaseVersion   the target is not at the payload's base version
+    └── StoreError             an object store read or write failed
+        └── ObjectNotFound     the key does not exist
+
+Messages are sentences that carry the offending values.
+"""
+
+
+class DcrError(Exception):
+    """Root of every DCR error."""
+
+
+class ConfigError(DcrError):
+    """Settings or command-line arguments are invalid."""
+
+
+class CheckpointError(DcrError):
+    """A checkpoint file or index cannot be read or is inconsistent."""
+
+
+class PayloadError(DcrError):
+    """A payload failed validation. Nothing was decoded into or written to a target."""
+
+
+class TruncatedPayload(PayloadError):
+    """The payload is shorter or longer than its preamble declares."""
+
+
+class DigestMismatch(PayloadError):
+    """The payload's digest does not match its bytes."""
+
+
+class LimitExceeded(PayloadError):
+    """A declared size exceeds a decode limit."""
+
+
+class MalformedPayload(PayloadError):
+    """A field of the payload is out of range or inconsistent with another."""
+
+
+class ManifestError(DcrError):
+    """A manifest is missing, malformed, or disagrees with the payloads it lists."""
+
+
+class TargetMismatch(DcrError):
+    """A payload does not fit the tensors it would be applied to."""
+
+
+class WrongBaseVersion(TargetMismatch):
+    """The target holds bits that are neither the base nor the target version."""
+
+
+class StoreError(DcrError):
+    """An object store operation failed."""
+
+
+class ObjectNotFound(StoreError):
+    """The requested object does not exist in the store."""

@@ -1,0 +1,1 @@
+"""The wire formats: dtypes, the payload container, and the per-attempt manifest."""

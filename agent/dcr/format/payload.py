@@ -1,0 +1,419 @@
+"""The payload container, version 1: preamble, compressed JSON header, compressed streams.
+
+A payload is one owner's bucket of items for one attempt. ``agent/FORMAT.md`` documents
+every byte; this module is the only code that reads or writes that layout. Reading is
+defensive: lengths and the digest are checked before anything is decompressed, every
+declared size is checked against limits and against what the items imply, and each
+zstd frame must decompress to exactly its declared size with no bytes left over.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import re
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+import zstandard
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from dcr.errors import (
+    DigestMismatch,
+    LimitExceeded,
+    MalformedPayload,
+    PayloadError,
+    TruncatedPayload,
+)
+from dcr.format.dtypes import DTYPES
+
+MAGIC = b"\x89DCR\r\n\x1a\n"
+FORMAT_VERSION = 1
+_PREAMBLE = struct.Struct("<8sHHIIQI")  # magic, version, flags, header packed/raw, body, reserved
+DIGEST_SIZE = 16
+DIGEST_PERSON = b"dcr-payload-v1"
+PREAMBLE_SIZE = _PREAMBLE.size + DIGEST_SIZE  # 48
+
+EntryKind = Literal["xor", "overwrite"]
+LocCoding = Literal["gaps", "runs"]
+Mode = Literal["mixed", "overwrite"]
+WIDTHS = (1, 2, 4, 8)
+
+_ATTEMPT_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+_NAME_RE = re.compile(r"^[^\x00-\x1f\x7f]{1,1024}$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeLimits:
+    """Upper bounds a reader enforces before it allocates anything.
+
+    Defaults fit the largest real checkpoints (a 1T-parameter model's biggest tensor is
+    well under 2**36 elements) and a 4 GiB bucket; lower them for untrusted sources.
+    """
+
+    max_header_bytes: int = 64 << 20  # decompressed JSON header
+    max_items: int = 1 << 20
+    max_stream_bytes: int = 8 << 30  # one decompressed stream
+    max_total_bytes: int = 16 << 30  # all decompressed streams of one payload
+    max_elements: int = 1 << 40  # elements in one canonical tensor
+    max_ndim: int = 16
+
+
+DEFAULT_LIMITS = DecodeLimits()
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+class ItemHeader(_Frozen):
+    """One owner's entries for one contiguous element range of one canonical tensor."""
+
+    name: str
+    dtype: str
+    shape: tuple[Annotated[int, Field(ge=0)], ...]
+    start: Annotated[int, Field(ge=0)]
+    stop: Annotated[int, Field(ge=1)]
+    entry: EntryKind
+    loc: LocCoding
+    count: Annotated[int, Field(ge=1)]
+    runs: Annotated[int, Field(ge=0)]
+    loc_width: Literal[1, 2, 4, 8]
+    len_width: Literal[0, 1, 2, 4, 8]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def location_values(self) -> int:
+        """How many values this item puts into the ``loc`` streams."""
+        return self.count if self.loc == "gaps" else self.runs
+
+    @property
+    def where(self) -> str:
+        return f"{self.name}[{self.start}:{self.stop}]"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ItemHeader:
+        if not _NAME_RE.match(self.name):
+            raise ValueError(f"tensor name {self.name!r} is empty, too long or has control bytes")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"item {self.name!r}: unknown dtype {self.dtype!r}")
+        if not self.start < self.stop <= self.numel:
+            raise ValueError(
+                f"item {self.name!r}: range [{self.start}, {self.stop}) is not inside "
+                f"a tensor of {self.numel} elements"
+            )
+        if self.count > self.stop - self.start:
+            raise ValueError(
+                f"item {self.where}: {self.count} records in a range of "
+                f"{self.stop - self.start} elements"
+            )
+        if self.loc == "gaps" and (self.runs != 0 or self.len_width != 0):
+            raise ValueError(f"item {self.where}: gap coding takes runs=0 and len_width=0")
+        if self.loc == "runs" and not (1 <= self.runs <= self.count and self.len_width != 0):
+            raise ValueError(
+                f"item {self.where}: run coding needs 1 <= runs ({self.runs}) <= count "
+                f"({self.count}) and a nonzero len_width"
+            )
+        return self
+
+
+class StreamHeader(_Frozen):
+    """One zstd frame of the body: its stream id, raw size and compressed size."""
+
+    id: str
+    raw: Annotated[int, Field(ge=1)]
+    packed: Annotated[int, Field(ge=1)]
+
+
+class PayloadHeader(_Frozen):
+    """The decompressed JSON header of a payload."""
+
+    base_version: Annotated[int, Field(ge=0)]
+    target_version: Annotated[int, Field(ge=0)]
+    attempt: Annotated[str, Field(pattern=_ATTEMPT_RE)]
+    owner: Annotated[int, Field(ge=0, le=2**31 - 1)]
+    seq: Annotated[int, Field(ge=0, le=2**31 - 1)]
+    mode: Mode
+    items: tuple[ItemHeader, ...]
+    streams: tuple[StreamHeader, ...]
+
+    @property
+    def label(self) -> str:
+        return f"payload {self.attempt}/o{self.owner}/s{self.seq}"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PayloadHeader:
+        if self.base_version == self.target_version:
+            raise ValueError(f"base and target version are both {self.base_version}")
+        if self.mode == "overwrite":
+            bad = [i.where for i in self.items if i.entry != "overwrite"]
+            if bad:
+                raise ValueError(f"mode is overwrite but items {bad[:3]} carry XOR entries")
+        check_disjoint(self.items)
+        expected = expected_streams(self.items)
+        declared = [(s.id, s.raw) for s in self.streams]
+        if declared != expected:
+            raise ValueError(f"streams {declared} differ from what the items imply: {expected}")
+        return self
+
+
+def check_disjoint(items: Iterable[ItemHeader]) -> None:
+    """Raise if two items cover the same element or disagree on a tensor's dtype or shape.
+
+    Overlapping XOR items would apply a mask twice, which restores the old bits.
+    """
+    ordered = sorted(items, key=lambda i: (i.name, i.start))
+    for prev, cur in itertools.pairwise(ordered):
+        if prev.name != cur.name:
+            continue
+        if (prev.dtype, prev.shape) != (cur.dtype, cur.shape):
+            raise ValueError(
+                f"tensor {cur.name!r} is {prev.dtype}{list(prev.shape)} in one item "
+                f"and {cur.dtype}{list(cur.shape)} in another"
+            )
+        if cur.start < prev.stop:
+            raise ValueError(f"items {prev.where} and {cur.where} overlap")
+
+
+def stream_ids(items: Iterable[ItemHeader]) -> list[str]:
+    return [sid for sid, _ in expected_streams(items)]
+
+
+def expected_streams(items: Iterable[ItemHeader]) -> list[tuple[str, int]]:
+    """The streams, in body order, and their raw sizes, as the items imply them.
+
+    ``loc.K``: byte K of every location value of items whose ``loc_width > K``.
+    ``len.K``: byte K of every (run length - 1) of run-coded items with ``len_width > K``.
+    ``val.ENTRY.DTYPE.K``: byte K of every value of items with that entry kind and dtype.
+    Empty streams are omitted.
+    """
+    sizes: dict[str, int] = {}
+
+    def add(sid: str, n: int) -> None:
+        sizes[sid] = sizes.get(sid, 0) + n
+
+    for it in items:
+        for k in range(it.loc_width):
+            add(f"loc.{k}", it.location_values)
+        for k in range(it.len_width):
+            add(f"len.{k}", it.runs)
+        for k in range(DTYPES[it.dtype].itemsize):
+            add(f"val.{it.entry}.{it.dtype}.{k}", it.count)
+    return sorted(((s, n) for s, n in sizes.items() if n), key=lambda s: _stream_order(s[0]))
+
+
+def _stream_order(sid: str) -> tuple[int, str, int]:
+    family, _, rest = sid.partition(".")
+    rank = {"loc": 0, "len": 1, "val": 2}[family]
+    head, _, plane = rest.rpartition(".")
+    return rank, head, int(plane)
+
+
+# --- writing -------------------------------------------------------------------------
+
+
+def pack_payload(
+    *,
+    base_version: int,
+    target_version: int,
+    attempt: str,
+    owner: int,
+    seq: int,
+    mode: Mode,
+    items: tuple[ItemHeader, ...],
+    streams: Mapping[str, bytes],
+    level: int = 1,
+) -> bytes:
+    """Compress the streams and the header and assemble a digest-sealed payload."""
+    ids = stream_ids(items)
+    if sorted(ids) != sorted(streams):
+        raise MalformedPayload(f"streams given {sorted(streams)} but items imply {sorted(ids)}")
+    compressor = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    frames = [compressor.compress(streams[sid]) for sid in ids]
+    header = PayloadHeader(
+        base_version=base_version,
+        target_version=target_version,
+        attempt=attempt,
+        owner=owner,
+        seq=seq,
+        mode=mode,
+        items=items,
+        streams=tuple(
+            StreamHeader(id=sid, raw=len(streams[sid]), packed=len(f))
+            for sid, f in zip(ids, frames, strict=True)
+        ),
+    )
+    raw_header = header.model_dump_json().encode()
+    packed_header = compressor.compress(raw_header)
+    body_len = sum(len(f) for f in frames)
+    pre = _PREAMBLE.pack(
+        MAGIC, FORMAT_VERSION, 0, len(packed_header), len(raw_header), body_len, 0
+    )
+    h = hashlib.blake2b(digest_size=DIGEST_SIZE, person=DIGEST_PERSON)
+    for part in (pre, packed_header, *frames):
+        h.update(part)
+    return b"".join((pre, h.digest(), packed_header, *frames))
+
+
+# --- reading -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Payload:
+    """A payload whose digest and header have been verified; streams not yet decoded."""
+
+    header: PayloadHeader
+    data: memoryview
+    body_offset: int
+
+
+def read_payload(data: bytes | memoryview, limits: DecodeLimits = DEFAULT_LIMITS) -> Payload:
+    """Check framing and digest, then parse and validate the header. Decompresses only it."""
+    buf = memoryview(data).cast("B")
+    if len(buf) < PREAMBLE_SIZE:
+        raise TruncatedPayload(
+            f"Payload of {len(buf)} bytes is shorter than the {PREAMBLE_SIZE}-byte preamble."
+        )
+    magic, version, flags, h_packed, h_raw, body_len, reserved = _PREAMBLE.unpack_from(buf)
+    if magic != MAGIC:
+        raise MalformedPayload(f"Not a DCR payload: magic is {bytes(magic)!r}, want {MAGIC!r}.")
+    if version != FORMAT_VERSION:
+        raise MalformedPayload(
+            f"Payload format version {version} is not supported (this reader: {FORMAT_VERSION})."
+        )
+    if flags != 0 or reserved != 0:
+        raise MalformedPayload(f"Reserved preamble fields are nonzero (flags={flags}, "
+                               f"reserved={reserved}).")
+    expected_len = PREAMBLE_SIZE + h_packed + body_len
+    if len(buf) != expected_len:
+        raise TruncatedPayload(
+            f"Payload is {len(buf)} bytes but its preamble declares {expected_len} "
+            f"(48 + header {h_packed} + body {body_len})."
+        )
+    want = bytes(buf[_PREAMBLE.size : PREAMBLE_SIZE])
+    h = hashlib.blake2b(digest_size=DIGEST_SIZE, person=DIGEST_PERSON)
+    h.update(buf[: _PREAMBLE.size])
+    h.update(buf[PREAMBLE_SIZE:])
+    got = h.digest()
+    if got != want:
+        raise DigestMismatch(
+            f"Payload digest mismatch (expected {want.hex()}, got {got.hex()}): "
+            "the bytes were corrupted or truncated in transit or storage."
+        )
+    if h_raw > limits.max_header_bytes:
+        raise LimitExceeded(
+            f"Payload header declares {h_raw} bytes, over the limit of {limits.max_header_bytes}."
+        )
+    raw = _decompress_exact(buf[PREAMBLE_SIZE : PREAMBLE_SIZE + h_packed], h_raw, "header")
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MalformedPayload(f"Payload header is not valid JSON: {e}.") from e
+    if isinstance(obj, dict) and len(obj.get("items", ())) > limits.max_items:
+        raise LimitExceeded(
+            f"Payload header lists {len(obj['items'])} items, over the limit of "
+            f"{limits.max_items}."
+        )
+    try:
+        header = PayloadHeader.model_validate(obj, strict=False)
+    except ValidationError as e:
+        raise MalformedPayload(f"Payload header is invalid: {_first_error(e)}") from e
+    _check_limits(header, body_len, limits)
+    return Payload(header=header, data=buf, body_offset=PREAMBLE_SIZE + h_packed)
+
+
+def decode_streams(payload: Payload) -> dict[str, memoryview]:
+    """Decompress every stream of a verified payload, each to exactly its declared size."""
+    out: dict[str, memoryview] = {}
+    offset = payload.body_offset
+    for s in payload.header.streams:
+        frame = payload.data[offset : offset + s.packed]
+        out[s.id] = memoryview(_decompress_exact(frame, s.raw, f"stream {s.id!r}"))
+        offset += s.packed
+    return out
+
+
+def _check_limits(header: PayloadHeader, body_len: int, limits: DecodeLimits) -> None:
+    for it in header.items:
+        if it.numel > limits.max_elements or len(it.shape) > limits.max_ndim:
+            raise LimitExceeded(
+                f"{header.label}: tensor {it.name!r} of shape {list(it.shape)} is over the "
+                f"limits ({limits.max_elements} elements, {limits.max_ndim} dims)."
+            )
+    total = 0
+    for s in header.streams:
+        if s.raw > limits.max_stream_bytes:
+            raise LimitExceeded(
+                f"{header.label}: stream {s.id!r} declares {s.raw} bytes, over the limit "
+                f"of {limits.max_stream_bytes}."
+            )
+        total += s.raw
+    if total > limits.max_total_bytes:
+        raise LimitExceeded(
+            f"{header.label}: streams declare {total} bytes in all, over the limit of "
+            f"{limits.max_total_bytes}."
+        )
+    packed = sum(s.packed for s in header.streams)
+    if packed != body_len:
+        raise MalformedPayload(
+            f"{header.label}: streams declare {packed} compressed bytes but the body has "
+            f"{body_len}."
+        )
+
+
+def _decompress_exact(frame: memoryview, size: int, what: str) -> bytes:
+    """Decompress one zstd frame that must hold exactly ``size`` bytes and nothing after."""
+    try:
+        declared = zstandard.frame_content_size(frame)
+    except zstandard.ZstdError as e:
+        raise MalformedPayload(f"The {what} is not a zstd frame: {e}.") from e
+    if declared != size:
+        raise MalformedPayload(
+            f"The {what} frame declares {declared} bytes but the header says {size}."
+        )
+    try:
+        out = zstandard.ZstdDecompressor().decompress(
+            frame, max_output_size=size, allow_extra_data=False
+        )
+    except zstandard.ZstdError as e:
+        raise MalformedPayload(f"The {what} does not decompress: {e}.") from e
+    if len(out) != size:
+        raise MalformedPayload(f"The {what} decompressed to {len(out)} bytes, not {size}.")
+    return out
+
+
+def _first_error(e: ValidationError) -> str:
+    err = e.errors()[0]
+    where = ".".join(str(p) for p in err["loc"])
+    return f"{where}: {err['msg']}" if where else err["msg"]
+
+
+__all__ = [
+    "DEFAULT_LIMITS",
+    "FORMAT_VERSION",
+    "MAGIC",
+    "DecodeLimits",
+    "EntryKind",
+    "ItemHeader",
+    "LocCoding",
+    "Mode",
+    "Payload",
+    "PayloadError",
+    "PayloadHeader",
+    "StreamHeader",
+    "check_disjoint",
+    "decode_streams",
+    "expected_streams",
+    "pack_payload",
+    "read_payload",
+    "stream_ids",
+]

@@ -1,0 +1,1 @@
+"""Moving payloads and manifests between owners and receivers."""

@@ -1,0 +1,101 @@
+"""Object stores: where owners put payloads and manifests and receivers get them.
+
+``Store`` is the seam. ``FileStore`` (a local directory, the embedded default) makes
+every write atomic: bytes go to a temporary file in the same directory, are flushed
+and fsynced, then renamed over the key, so a reader sees a whole object or none.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path, PurePosixPath
+from typing import Protocol
+from urllib.parse import urlparse
+
+from dcr.errors import ConfigError, ObjectNotFound, StoreError
+
+
+class Store(Protocol):
+    uri: str
+
+    def put(self, key: str, data: bytes) -> None: ...
+
+    def get(self, key: str) -> bytes: ...
+
+    def exists(self, key: str) -> bool: ...
+
+    def list(self, prefix: str) -> list[str]: ...
+
+
+def _check_key(key: str) -> str:
+    p = PurePosixPath(key)
+    if not key or p.is_absolute() or any(part in ("", ".", "..") for part in key.split("/")):
+        raise ConfigError(f"Store key {key!r} must be a relative path without '.' or '..'.")
+    return key
+
+
+class FileStore:
+    """A directory as an object store with atomic puts."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.uri = root.as_uri()
+
+    def _path(self, key: str) -> Path:
+        return self.root / _check_key(key)
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+            dir_fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        except OSError as e:
+            raise StoreError(f"Cannot write {key!r} to {self.uri}: {e}.") from e
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            raise ObjectNotFound(f"No object {key!r} in {self.uri}.") from None
+        except OSError as e:
+            raise StoreError(f"Cannot read {key!r} from {self.uri}: {e}.") from e
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list(self, prefix: str) -> list[str]:
+        base = self.root / prefix if prefix else self.root
+        if not base.is_dir():
+            return []
+        return sorted(
+            str(p.relative_to(self.root))
+            for p in base.rglob("*")
+            if p.is_file() and not p.name.startswith(".")
+        )
+
+
+def open_store(uri: str) -> Store:
+    """Open a store from a URI: ``file:///abs/path`` or a plain path."""
+    parsed = urlparse(uri)
+    if parsed.scheme == "file":
+        if parsed.netloc not in ("", "localhost"):
+            raise ConfigError(f"Store URI {uri!r}: file URIs take no host.")
+        return FileStore(Path(parsed.path))
+    if parsed.scheme == "":
+        return FileStore(Path(uri).absolute())
+    raise ConfigError(f"Store URI {uri!r}: scheme {parsed.scheme!r} is not supported (use file://).")
