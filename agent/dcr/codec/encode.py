@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dcr.codec import locations
-from dcr.codec.changes import DEFAULT_CHUNK, Positions, changed_positions
+from dcr.codec.changes import DEFAULT_CHUNK, Positions, find_changes
 from dcr.codec.planes import U8, UInt, split
 from dcr.format.dtypes import DType
 from dcr.format.payload import EntryKind, ItemHeader, Mode, pack_payload, stream_ids
@@ -46,11 +46,10 @@ def diff_range(
     chunk: int = DEFAULT_CHUNK,
 ) -> ItemDelta | None:
     """Compare one element range of a tensor; ``None`` when nothing changed."""
-    pos = changed_positions(base, target, chunk=chunk)
-    if pos.size == 0:
+    ch = find_changes(base, target, chunk=chunk)
+    if ch.positions.size == 0:
         return None
-    new = target[pos]
-    values = (base[pos] ^ new) if entry == "xor" else new
+    values = np.bitwise_xor(ch.old, ch.new, out=ch.old) if entry == "xor" else ch.new
     return ItemDelta(
         name=name,
         dtype=dtype,
@@ -58,7 +57,7 @@ def diff_range(
         start=start,
         stop=start + base.size,
         entry=entry,
-        positions=pos,
+        positions=ch.positions,
         values=values,
     )
 

@@ -55,9 +55,10 @@ def encode(positions: Positions) -> Locations:
     count = len(positions)
     if count == 0:
         raise ValueError("an item needs at least one record")
-    breaks = np.flatnonzero(np.diff(positions) != 1) + 1
-    nruns = len(breaks) + 1
+    steps = np.diff(positions, prepend=-1)  # gap + 1
+    nruns = 1 + int(np.count_nonzero(steps[1:] != 1))
     if count >= RUNS_MIN_MEAN_LENGTH * nruns:
+        breaks = np.flatnonzero(steps[1:] != 1) + 1
         starts = positions[np.concatenate(([0], breaks))]
         ends = positions[np.concatenate((breaks - 1, [count - 1]))] + 1
         prev_end = np.concatenate(([0], ends[:-1]))
@@ -67,8 +68,8 @@ def encode(positions: Positions) -> Locations:
             loc_values=_narrow(starts - prev_end),
             len_values=_narrow(ends - starts - 1),
         )
-    gaps = np.diff(positions, prepend=-1) - 1
-    return Locations(loc="gaps", count=count, loc_values=_narrow(gaps), len_values=None)
+    steps -= 1
+    return Locations(loc="gaps", count=count, loc_values=_narrow(steps), len_values=None)
 
 
 def _narrow(values: Positions) -> UInt:
