@@ -47,7 +47,9 @@ from dcr.transport.store import FileStore
 Arrays = dict[str, np.ndarray]
 
 
-def model_shapes(hidden: int, inter: int, vocab: int, layers: int, kv: int) -> dict[str, tuple[int, ...]]:
+def model_shapes(
+    hidden: int, inter: int, vocab: int, layers: int, kv: int
+) -> dict[str, tuple[int, ...]]:
     s: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
     for i in range(layers):
         p = f"model.layers.{i}."
@@ -74,8 +76,7 @@ def adamw_pair(shapes: dict[str, tuple[int, ...]], warmup: int, seed: int) -> tu
         for n, s in shapes.items()
     }
     opt = torch.optim.AdamW(params.values(), lr=1e-6, weight_decay=0.01)
-    row_scale = {n: torch.exp(torch.randn(s[0], 1 if len(s) > 1 else 1, generator=g))
-                 for n, s in shapes.items()}
+    row_scale = {n: torch.exp(torch.randn(s[0], 1, generator=g)) for n, s in shapes.items()}
 
     def step() -> None:
         for n, p in params.items():
@@ -84,8 +85,11 @@ def adamw_pair(shapes: dict[str, tuple[int, ...]], warmup: int, seed: int) -> tu
         opt.step()
 
     def export() -> Arrays:
-        return {n: p.detach().to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(-1).copy()
-                for n, p in params.items()}
+        return {
+            n: p.detach().to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            .reshape(-1).copy()
+            for n, p in params.items()
+        }
 
     for _ in range(warmup):
         step()
@@ -228,7 +232,9 @@ def run_dataset(name: str, base: Arrays, target: Arrays, shapes: dict[str, tuple
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true", help="small tensors, one repetition")
     ap.add_argument("--out", default="bench/results/codec.json")
     ap.add_argument("--reps", type=int, default=3)

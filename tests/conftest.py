@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -31,6 +30,5 @@ def _guarded_connect(self: socket.socket, address: Any) -> Any:
 
 
 @pytest.fixture(autouse=True)
-def _loopback_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def _loopback_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(socket.socket, "connect", _guarded_connect)
-    yield
