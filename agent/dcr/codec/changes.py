@@ -8,6 +8,7 @@ cache and memory stays bounded whatever the tensor size; no per-element Python r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -15,6 +16,7 @@ import numpy.typing as npt
 from dcr.codec.planes import UInt
 
 Positions = npt.NDArray[np.int64]
+A = TypeVar("A", bound=npt.NDArray[Any])
 
 DEFAULT_CHUNK = 1 << 18  # elements per compare; 256 Ki keeps the mask in L2
 
@@ -57,8 +59,8 @@ def find_changes(base: UInt, target: UInt, *, chunk: int = DEFAULT_CHUNK) -> Cha
     return Changes(positions=_cat(pos), old=_cat(old), new=_cat(new))
 
 
-def _cat(parts: list[npt.NDArray[np.generic]]) -> npt.NDArray[np.generic]:  # type: ignore[type-var]
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+def _cat(parts: list[A]) -> A:
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)  # type: ignore[return-value]
 
 
 def changed_positions(base: UInt, target: UInt, *, chunk: int = DEFAULT_CHUNK) -> Positions:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import re
 import struct
 from collections.abc import Iterable, Mapping
@@ -315,18 +314,17 @@ def read_payload(data: bytes | memoryview, limits: DecodeLimits = DEFAULT_LIMITS
         )
     raw = _decompress_exact(buf[PREAMBLE_SIZE : PREAMBLE_SIZE + h_packed], h_raw, "header")
     try:
-        obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise MalformedPayload(f"Payload header is not valid JSON: {e}.") from e
-    if isinstance(obj, dict) and len(obj.get("items", ())) > limits.max_items:
+        # Strict JSON mode: UTF-8 only, integers must be JSON integers, no coercion.
+        header = PayloadHeader.model_validate_json(raw, strict=True)
+    except ValidationError as e:
+        if e.errors()[0]["type"] == "json_invalid":
+            raise MalformedPayload(f"Payload header is not valid JSON: {_first_error(e)}") from e
+        raise MalformedPayload(f"Payload header is invalid: {_first_error(e)}") from e
+    if len(header.items) > limits.max_items:
         raise LimitExceeded(
-            f"Payload header lists {len(obj['items'])} items, over the limit of "
+            f"{header.label}: header lists {len(header.items)} items, over the limit of "
             f"{limits.max_items}."
         )
-    try:
-        header = PayloadHeader.model_validate(obj, strict=False)
-    except ValidationError as e:
-        raise MalformedPayload(f"Payload header is invalid: {_first_error(e)}") from e
     _check_limits(header, body_len, limits)
     return Payload(header=header, data=buf, body_offset=PREAMBLE_SIZE + h_packed)
 
