@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import mmap
 import os
 import struct
@@ -103,7 +104,7 @@ def _tensor_info(path: Path, name: str, spec: object, data_start: int, size: int
     ):
         raise CheckpointError(f"{path}: tensor {name!r} has invalid data_offsets {offsets!r}.")
     begin, end = offsets
-    numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    numel = math.prod(shape)  # exact: a wrapped int64 product would pass the size check
     if not 0 <= begin <= end or end - begin != numel * dt.itemsize or data_start + end > size:
         raise CheckpointError(
             f"{path}: tensor {name!r} ({dt.name}{shape}) has data_offsets {offsets} that do "
@@ -137,7 +138,7 @@ class Checkpoint:
         index = self.root / INDEX_NAME
         if not index.exists():
             return
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        weight_map = _read_weight_map(index)
         for name, info in self.tensors.items():
             if weight_map.get(name) != info.file.name:
                 raise CheckpointError(
@@ -185,6 +186,21 @@ def fingerprint(bits: UInt) -> str:
     return "xxh3-128:" + xxhash.xxh3_128_hexdigest(np.ascontiguousarray(bits).data.cast("B"))
 
 
+def _read_weight_map(index: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index} is not a safetensors index: {e}.") from e
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise CheckpointError(
+            f"{index}: weight_map must map tensor names to shard file names, got "
+            f"{str(weight_map)[:80]!r}."
+        )
+    return weight_map
+
+
 def _checkpoint_files(root: Path) -> list[Path]:
     if root.is_file():
         return [root]
@@ -192,10 +208,7 @@ def _checkpoint_files(root: Path) -> list[Path]:
         raise CheckpointError(f"Checkpoint {root} does not exist.")
     index = root / INDEX_NAME
     if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index} is not a safetensors index: {e}.") from e
+        weight_map = _read_weight_map(index)
         names = sorted(set(weight_map.values()))
         for n in names:
             if os.sep in n or n.startswith(".") or not (root / n).is_file():

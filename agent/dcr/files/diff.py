@@ -21,7 +21,7 @@ from dcr.codec.encode import EncodedItem, PayloadBuilder, diff_range, encode_ite
 from dcr.errors import CheckpointError, ConfigError
 from dcr.files.layout import manifest_key, payload_key
 from dcr.format.manifest import Manifest, PayloadEntry, Stats, TensorEntry
-from dcr.format.payload import EntryKind, Mode
+from dcr.format.payload import NAME_RE, EntryKind, Mode
 from dcr.transport.store import Store
 
 MiB = 1 << 20
@@ -86,6 +86,11 @@ def check_same_tensors(base: Checkpoint, target: Checkpoint) -> None:
             f"target {only_target[:5]}."
         )
     for name, b in base.tensors.items():
+        if not NAME_RE.fullmatch(name):
+            raise CheckpointError(
+                f"Tensor name {name!r} cannot travel in a payload: names are 1-1024 "
+                "characters without control characters."
+            )
         t = target.tensors[name]
         if (b.dtype, b.shape) != (t.dtype, t.shape):
             raise CheckpointError(

@@ -1,12 +1,15 @@
 """``dcr patch``: bring a checkpoint from the base version to the target version in place.
 
-Nothing is written until everything is known to be right: the manifest and every
-payload are fetched and verified (size, BLAKE2b digest, header fields against the
-manifest), every item is decoded and validated, and every tensor of the checkpoint is
-fingerprinted and must be at the base version or, for a whole file, already at the
-target (a re-run after a crash). Each file to change is then copied to a temporary
-file beside it, patched there, checked against the target fingerprints, fsynced and
-renamed over the original: a file is always wholly old or wholly new.
+Nothing is written until all inputs are verified: the manifest and every payload are
+fetched and checked (size, BLAKE2b digest, header fields against the manifest), every
+item is decoded and validated, and every tensor of the checkpoint is fingerprinted and
+must be at the base version or, for a whole file, already at the target (a re-run
+after a crash). Each file to change is then copied to a temporary file beside it (mode
+bits kept), patched there, checked against the target fingerprints, fsynced and renamed
+over the original: a file is always wholly old or wholly new. Should a later file fail
+its target check (a manifest whose fingerprints disagree with its payloads), the files
+renamed before it stay at the target and the command fails naming the file; a re-run
+with a correct manifest finishes the rest.
 """
 
 from __future__ import annotations
@@ -103,7 +106,7 @@ def _classify(ckpt: Checkpoint, manifest: Manifest) -> tuple[list[Path], list[Pa
         prints = {i.name: ckpt.fingerprint(i.name) for i in infos}
         at_base = all(prints[n] == entries[n].base for n in prints)
         at_target = all(prints[n] == entries[n].target for n in prints)
-        if at_target and not at_base:
+        if at_target:  # includes files no tensor of which changes
             done.append(path)
         elif at_base:
             todo.append(path)
@@ -129,6 +132,7 @@ def _patch_file(
 ) -> int:
     tmp = path.with_name(f".{path.name}.dcr-patch")
     shutil.copyfile(path, tmp)
+    shutil.copymode(path, tmp)
     try:
         infos = read_header(tmp)
         with tmp.open("r+b") as f:

@@ -42,7 +42,7 @@ Mode = Literal["mixed", "overwrite"]
 WIDTHS = (1, 2, 4, 8)
 
 _ATTEMPT_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
-_NAME_RE = re.compile(r"^[^\x00-\x1f\x7f]{1,1024}$")
+NAME_RE = re.compile(r"[^\x00-\x1f\x7f]{1,1024}")  # use fullmatch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,7 +101,7 @@ class ItemHeader(_Frozen):
 
     @model_validator(mode="after")
     def _consistent(self) -> ItemHeader:
-        if not _NAME_RE.match(self.name):
+        if not NAME_RE.fullmatch(self.name):
             raise ValueError(f"tensor name {self.name!r} is empty, too long or has control bytes")
         if self.dtype not in DTYPES:
             raise ValueError(f"item {self.name!r}: unknown dtype {self.dtype!r}")

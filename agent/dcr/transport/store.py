@@ -11,7 +11,7 @@ import os
 import tempfile
 from pathlib import Path, PurePosixPath
 from typing import Protocol
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 from dcr.errors import ConfigError, ObjectNotFound, StoreError
 
@@ -95,7 +95,7 @@ def open_store(uri: str) -> Store:
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):
             raise ConfigError(f"Store URI {uri!r}: file URIs take no host.")
-        return FileStore(Path(parsed.path))
+        return FileStore(Path(unquote(parsed.path)))
     if parsed.scheme == "":
         return FileStore(Path(uri).absolute())
     raise ConfigError(f"Store URI {uri!r}: scheme {parsed.scheme!r} is not supported (use file://).")
