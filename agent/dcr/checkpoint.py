@@ -46,10 +46,7 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:

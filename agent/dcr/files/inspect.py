@@ -6,6 +6,7 @@ giving each item the share of every stream's compressed size that its raw bytes 
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any
 
@@ -16,7 +17,7 @@ from dcr.transport.store import Store
 
 
 def describe(store: Store, m: Manifest) -> dict[str, Any]:
-    numel = {t.name: _prod(t.shape) for t in m.tensors}
+    numel = {t.name: math.prod(t.shape) for t in m.tensors}
     dtype = {t.name: t.dtype for t in m.tensors}
     changed: dict[str, int] = defaultdict(int)
     wire: dict[str, float] = defaultdict(float)
@@ -79,9 +80,3 @@ def render(report: dict[str, Any]) -> str:
     )
     return "\n".join(lines)
 
-
-def _prod(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

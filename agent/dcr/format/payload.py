@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 import re
 import struct
 from collections.abc import Iterable, Mapping
@@ -85,10 +86,7 @@ class ItemHeader(_Frozen):
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def location_values(self) -> int:
