@@ -61,7 +61,3 @@ def find_changes(base: UInt, target: UInt, *, chunk: int = DEFAULT_CHUNK) -> Cha
 
 def _cat(parts: list[A]) -> A:
     return parts[0] if len(parts) == 1 else np.concatenate(parts)  # type: ignore[return-value]
-
-
-def changed_positions(base: UInt, target: UInt, *, chunk: int = DEFAULT_CHUNK) -> Positions:
-    return find_changes(base, target, chunk=chunk).positions
