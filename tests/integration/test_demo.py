@@ -13,9 +13,9 @@ import pytest
 @pytest.mark.slow
 def test_demo_refits_every_step_bit_exactly(tmp_path: Path) -> None:
     out = tmp_path / "demo"
-    proc = subprocess.run(
-        [sys.executable, "-m", "dcr", "demo", "--out", str(out), "--steps", "2"],
-        capture_output=True, text=True, timeout=600, check=False,
+    proc = subprocess.run(  # a relative --out, as `make demo` passes by default
+        [sys.executable, "-m", "dcr", "demo", "--out", "demo", "--steps", "2"],
+        capture_output=True, text=True, timeout=600, check=False, cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
     rows = json.loads((out / "summary.json").read_text())

@@ -39,8 +39,8 @@ class FileStore:
     """A directory as an object store with atomic puts."""
 
     def __init__(self, root: Path) -> None:
-        self.root = root
-        self.uri = root.as_uri()
+        self.root = root.absolute()
+        self.uri = self.root.as_uri()
 
     def _path(self, key: str) -> Path:
         return self.root / _check_key(key)
