@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from dcr.codec import locations
 from dcr.codec.decode import Target, apply_items, decode
-from dcr.codec.encode import PayloadBuilder, diff_range, encode_item
+from dcr.codec.encode import ItemDelta, PayloadBuilder, diff_range, encode_item
+from dcr.codec.planes import escape_join, escape_split
 from dcr.format.dtypes import DTYPES, dtype
 from dcr.format.payload import read_payload
 
@@ -120,7 +121,8 @@ def test_sparse_changes_use_gap_coding_with_narrowest_width() -> None:
                    target=target, entry="xor")
     assert d is not None
     h = encode_item(d).header
-    assert (h.loc, h.loc_width, h.count) == ("gaps", 4, 3)
+    # gaps 10, 289, 99698: two escapes, the widest 99698 - 255 = 99443 needs 4 bytes
+    assert (h.loc, h.escapes, h.loc_width, h.count) == ("gaps", 2, 4, 3)
 
 
 def test_xor_payload_applied_twice_restores_the_old_bits() -> None:
@@ -192,3 +194,110 @@ def test_zstd_level_changes_size_not_result(level: int) -> None:
     apply_items(decode(read_payload(pb.seal())),
                 {"t": Target(dtype="BF16", shape=(20_000,), bits=out)})
     assert np.array_equal(out, target)
+
+
+# --- escaped location values -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("gap", "escapes", "loc_width", "esc"), [
+    (0, 0, 0, None),
+    (254, 0, 0, None),  # the largest value that is its own byte
+    (255, 1, 1, 0),  # 255 itself escapes, to 0
+    (256, 1, 1, 1),
+    (510, 1, 1, 255),  # the largest escape that fits one byte
+    (511, 1, 2, 256),
+    (65790, 1, 2, 65535),
+    (65791, 1, 4, 65536),
+])
+def test_gap_escape_boundaries_roundtrip(gap: int, escapes: int, loc_width: int,
+                                         esc: int | None) -> None:
+    n = gap + 2
+    base = np.zeros(n, dtype=np.uint8)
+    target = base.copy()
+    target[[gap, n - 1]] = 1  # gaps: gap, 0
+    d = diff_range(name="t", dtype=dtype("U8"), shape=(n,), start=0, base=base,
+                   target=target, entry="xor")
+    assert d is not None
+    item = encode_item(d)
+    h = item.header
+    assert (h.loc, h.count, h.escapes, h.loc_width) == ("gaps", 2, escapes, loc_width)
+    assert item.planes["loc.0"].tolist() == [min(gap, 255), 0]
+    assert sorted(k for k in item.planes if k.startswith("esc.")) == [
+        f"esc.{k}" for k in range(loc_width)]
+    if esc is not None:
+        got = sum(int(item.planes[f"esc.{k}"][0]) << (8 * k) for k in range(loc_width))
+        assert got == esc
+    sid = [s.id for s in read_payload(seal(d)).header.streams]
+    assert sid[: 1 + loc_width] == ["loc.0", *(f"esc.{k}" for k in range(loc_width))]
+    assert np.array_equal(roundtrip(base, target, (n,), dtype("U8"), "xor"), target)
+
+
+def test_run_gap_escape_roundtrips() -> None:
+    base = np.zeros(2000, dtype=np.uint16)
+    target = base.copy()
+    target[300:340] = 1  # run gap 300: escaped (45)
+    target[1500:1600] = 2  # run gap 1160: escaped (905, 2 bytes)
+    d = diff_range(name="t", dtype=dtype("BF16"), shape=(2000,), start=0, base=base,
+                   target=target, entry="overwrite")
+    assert d is not None
+    item = encode_item(d)
+    h = item.header
+    assert (h.loc, h.runs, h.escapes, h.loc_width, h.len_width) == ("runs", 2, 2, 2, 1)
+    assert item.planes["loc.0"].tolist() == [255, 255]
+    assert item.planes["esc.0"].tolist() == [45, 905 & 0xFF]
+    assert item.planes["esc.1"].tolist() == [0, 905 >> 8]
+    assert item.planes["len.0"].tolist() == [39, 99]
+    assert np.array_equal(roundtrip(base, target, (2000,), dtype("BF16"), "overwrite"), target)
+
+
+def test_eight_byte_escape_decodes_without_materialising_the_tensor() -> None:
+    """A gap past 2**32 + 255 needs loc_width 8; decode checks it without a target."""
+    n = 2**33
+    pos = np.array([7, 2**32 + 300, n - 1], dtype=np.int64)  # gaps 7, 2**32 + 292, ...
+    delta = ItemDelta(name="big", dtype=dtype("U8"), shape=(n,), start=0, stop=n,
+                      entry="overwrite", positions=pos,
+                      values=np.array([1, 2, 3], dtype=np.uint8))
+    h = encode_item(delta).header
+    assert (h.loc, h.escapes, h.loc_width) == ("gaps", 2, 8)
+    (item,) = decode(read_payload(seal(delta, mode="overwrite")))
+    got = np.concatenate([p for p, _ in item.blocks()])
+    assert got.tolist() == pos.tolist()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from([0, 1, 254, 255, 256, 510, 511, 65790, 65791, 2**32 + 254,
+                                 2**32 + 255, 2**63]) | st.integers(0, 2**64 - 1),
+                max_size=50))
+def test_escape_split_and_join_are_inverse(values: list[int]) -> None:
+    arr = np.array(values, dtype=np.uint64)
+    small, escaped = escape_split(arr)
+    assert small.dtype == np.uint8
+    assert small.tolist() == [min(v, 255) for v in values]
+    big = [v - 255 for v in values if v >= 255]
+    if not big:
+        assert escaped is None
+    else:
+        assert escaped is not None
+        assert escaped.tolist() == big
+        assert escaped.dtype.itemsize == next(w for w in (1, 2, 4, 8) if max(big) < 1 << (8 * w))
+    assert escape_join(small, escaped).tolist() == values
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.integers(0, 1200), min_size=1, max_size=40),
+    st.integers(0, 3),
+)
+def test_payload_roundtrips_any_gaps_around_the_escape(gaps: list[int], tail: int) -> None:
+    pos = np.cumsum(np.array(gaps, dtype=np.int64) + 1) - 1
+    n = int(pos[-1]) + 1 + tail
+    base = np.zeros(n, dtype=np.uint8)
+    target = base.copy()
+    target[pos] = 1
+    d = diff_range(name="t", dtype=dtype("U8"), shape=(n,), start=0, base=base,
+                   target=target, entry="xor")
+    assert d is not None
+    h = encode_item(d).header
+    if h.loc == "gaps":
+        assert h.escapes == sum(g >= 255 for g in gaps)
+    assert np.array_equal(roundtrip(base, target, (n,), dtype("U8"), "xor"), target)

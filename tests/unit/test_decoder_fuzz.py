@@ -1,9 +1,11 @@
 """Fuzzing the payload reader, decoder and apply step with hypothesis.
 
-Four valid payloads (XOR with gap coding, XOR with run coding, an overwrite-mode payload
-with F8_E4M3 / U16 / a 0-d F32 tensor and a 4-byte location width, and a mixed payload
-with BF16, F32, F8_E4M3, F64, a 0-d BF16 tensor and two items of one tensor) are mutated
-at random: bit flips, truncation, insertion, deletion and overwriting of byte ranges.
+Four valid payloads (XOR with gap coding and one escaped gap, XOR with run coding and
+no escapes, an overwrite-mode payload with F8_E4M3 / U16 / a 0-d F32 tensor whose
+escaped location values take 1 and 4 bytes, and a mixed payload with BF16, F32, F8_E4M3,
+F64, a 0-d BF16 tensor, two items of one tensor and escapes of 1 and 2 bytes in items
+that share the ``esc.K`` streams) are mutated at random: bit flips, truncation,
+insertion, deletion and overwriting of byte ranges.
 
 * Digest intact (the mutated bytes go to the reader as they are): ``read_payload`` +
   ``decode`` + ``apply_items`` either succeed, and then only because the bytes equal
@@ -116,14 +118,17 @@ def _cases() -> list[Case]:
     out.append(b.case("xor-runs"))
 
     b = _Build("overwrite")
-    b.tensor("e4m3", "F8_E4M3", (300,), [*range(5, 61), *range(200, 211)], "overwrite")
+    # run gaps 5, 339: one escape (339 - 255 = 84), loc_width 1
+    b.tensor("e4m3", "F8_E4M3", (500,), [*range(5, 61), *range(400, 411)], "overwrite")
     b.tensor("scalar", "F32", (), [0], "overwrite")
     b.tensor("ids", "U16", (70000,), [0, 69999], "overwrite")  # gap 69998: loc_width 4
     out.append(b.case("overwrite"))
 
     b = _Build("mixed")
-    b.tensor("w", "BF16", (10, 100), [1, 2, 499, 500, 777], "xor",
-             items=[(0, 500), (500, 1000)])
+    # w[0:1000] gaps 1, 0, 996 (escape 741, loc_width 2); w[1000:2000] gaps 0, 399
+    # (escape 144, loc_width 1): both items share esc.0, only the first has esc.1.
+    b.tensor("w", "BF16", (10, 200), [1, 2, 999, 1000, 1400], "xor",
+             items=[(0, 1000), (1000, 2000)])
     b.tensor("f", "F32", (4, 40), [*range(0, 16), 159], "xor")
     b.tensor("q", "F8_E4M3", (64,), [0, 9, 63], "overwrite")
     b.tensor("d", "F64", (3, 7), [7, 8, 20], "xor", items=[(7, 21)])
@@ -161,7 +166,12 @@ def test_cases_cover_the_codings_and_dtypes() -> None:
     assert {it.entry for it in items} == {"xor", "overwrite"}
     assert {"F32", "F8_E4M3", "BF16", "F64", "U16"} <= {it.dtype for it in items}
     assert () in {it.shape for it in items}
-    assert 4 in {it.loc_width for it in items}
+    assert {0, 1, 2, 4} <= {it.loc_width for it in items}
+    assert {(it.loc, it.escapes > 0) for it in items} == {
+        ("gaps", True), ("gaps", False), ("runs", True), ("runs", False)}
+    mixed = read_payload(CASES[3].data).header.items
+    assert [(it.where, it.escapes, it.loc_width) for it in mixed if it.escapes] == [
+        ("w[0:1000]", 1, 2), ("w[1000:2000]", 1, 1)]
 
 
 # --- sealing (from FORMAT.md) --------------------------------------------------------------
@@ -234,6 +244,18 @@ def _values(raw: Mapping[str, bytes], cursor: Counter[str], prefix: str, n: int,
     return [sum(planes[k][i] << (8 * k) for k in range(width)) for i in range(n)]
 
 
+def _locations(raw: Mapping[str, bytes], cursor: Counter[str], n: int, escapes: int,
+               width: int) -> list[int]:
+    """``n`` one-byte location values from ``loc.0``; each 255 takes the next escape."""
+    small = _values(raw, cursor, "loc", n, 1)
+    assert small.count(255) == escapes, "escape count differs from the 255 bytes present"
+    assert (escapes == 0) == (width == 0)
+    rest = iter(_values(raw, cursor, "esc", escapes, width))
+    out = [v if v < 255 else next(rest) + 255 for v in small]
+    assert next(rest, None) is None
+    return out
+
+
 def _positions(loc: str, locs: list[int], lens: list[int]) -> Iterator[int]:
     if loc == "gaps":
         p = -1
@@ -259,7 +281,7 @@ def reference_apply(payload: Payload, case: Case) -> dict[str, np.ndarray]:
     cursor: Counter[str] = Counter()
     out = {name: flat.copy() for name, (_, _, flat) in case.base.items()}
     for it in payload.header.items:
-        locs = _values(raw, cursor, "loc", it.location_values, it.loc_width)
+        locs = _locations(raw, cursor, it.location_values, it.escapes, it.loc_width)
         lens = _values(raw, cursor, "len", it.runs, it.len_width) if it.loc == "runs" else []
         vals = _values(raw, cursor, f"val.{it.entry}.{it.dtype}", it.count,
                        DTYPES[it.dtype].itemsize)
@@ -335,7 +357,7 @@ JSON_SCALARS = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=12),
     st.sampled_from(["xor", "overwrite", "gaps", "runs", "mixed", "BF16", "F32", "U8",
-                     "loc.0", "w", "f", "z"]),
+                     "loc.0", "esc.0", "esc.1", "w", "f", "z"]),
 )
 JSON_VALUES = st.recursive(
     JSON_SCALARS,

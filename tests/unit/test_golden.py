@@ -4,18 +4,20 @@ Three payloads are built deterministically (arithmetic arrays, fixed attempt id,
 seq and versions, zstd level 1) and compared with files committed under
 ``tests/fixtures/``:
 
-* ``golden_xor_gaps.dcrp``: mode ``mixed``, XOR entries with gap coding (BF16 and F32,
-  2-byte locations);
-* ``golden_runs_overwrite.dcrp``: mode ``overwrite``, run coding (F8_E4M3), gap coding
-  with 4-byte locations (U16), a 0-d I64 tensor;
+* ``golden_xor_gaps.dcrp``: mode ``mixed``, XOR entries with gap coding (BF16 with one
+  gap of 699 escaped in 2 bytes, F32 with no escapes);
+* ``golden_runs_overwrite.dcrp``: mode ``overwrite``, run coding (F8_E4M3, a run gap of
+  372 escaped in 1 byte), gap coding with a gap of 69996 escaped in 4 bytes (U16), a 0-d
+  I64 tensor; the two escaping items share ``esc.0`` while only one reaches ``esc.3``;
 * ``golden_mixed_dtypes.dcrp``: mode ``mixed``, XOR and overwrite entries in one
   payload (F16 runs, U8 and BOOL overwrite, F64 sub-range item, BF16 split over two
-  items).
+  items), no location value reaching 255 and so no escape streams.
 
 For each, the tests check that (a) encoding today yields exactly the fixture bytes,
 (b) decoding the fixture and applying it to the known base yields the known target bit
 for bit, and (c) the preamble fields sit at the offsets FORMAT.md gives (magic, version,
-flags, header/body lengths, reserved, digest).
+flags, header/body lengths, reserved, digest); the header and the raw location streams
+(``loc.0`` bytes with 255 as the escape, ``esc.K`` planes of value - 255) are pinned too.
 
 Regenerate the fixtures (only after a deliberate format or encoder change) with::
 
@@ -37,6 +39,7 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -266,25 +269,97 @@ def test_xor_gaps_fixture_header_matches_the_spec_example_shape() -> None:
     w, norm = header.items
     assert (w.name, w.dtype, w.shape, w.start, w.stop) == (
         "model.layers.0.mlp.down_proj.weight", "BF16", (16, 64), 0, 1024)
-    assert (w.entry, w.loc, w.count, w.runs, w.loc_width, w.len_width) == (
-        "xor", "gaps", 7, 0, 2, 0)
-    assert (norm.loc, norm.count, norm.loc_width) == ("gaps", 1, 1)
+    # gaps 0, 4, 71, 0, 221, 699, 22: one escape, 699 - 255 = 444 needs 2 bytes
+    assert (w.entry, w.loc, w.count, w.runs, w.escapes, w.loc_width, w.len_width) == (
+        "xor", "gaps", 7, 0, 1, 2, 0)
+    assert (norm.loc, norm.count, norm.escapes, norm.loc_width) == ("gaps", 1, 0, 0)
     assert [(s.id, s.raw) for s in header.streams] == [
-        ("loc.0", 8), ("loc.1", 7),
+        ("loc.0", 8), ("esc.0", 1), ("esc.1", 1),
         ("val.xor.BF16.0", 7), ("val.xor.BF16.1", 7),
         ("val.xor.F32.0", 1), ("val.xor.F32.1", 1), ("val.xor.F32.2", 1), ("val.xor.F32.3", 1),
     ]
 
 
-def test_runs_overwrite_fixture_uses_runs_and_four_byte_locations() -> None:
+def test_runs_overwrite_fixture_uses_runs_and_one_and_four_byte_escapes() -> None:
     header = read_payload(fixture_bytes("golden_runs_overwrite.dcrp")).header
     lm, ids, step = header.items
+    # run gaps 64, 372 (one escape: 117, 1 byte), run lengths 63, 39
     assert (lm.loc, lm.count, lm.runs, lm.entry) == ("runs", 104, 2, "overwrite")
-    assert (ids.loc, ids.loc_width, ids.count) == ("gaps", 4, 2)
+    assert (lm.escapes, lm.loc_width, lm.len_width) == (1, 1, 1)
+    # gaps 2, 69996 (one escape: 69741, 4 bytes)
+    assert (ids.loc, ids.escapes, ids.loc_width, ids.count) == ("gaps", 1, 4, 2)
     assert (step.shape, step.start, step.stop, step.count) == ((), 0, 1, 1)
-    assert [s.id for s in header.streams] == [
-        "loc.0", "loc.1", "loc.2", "loc.3", "len.0",
-        "val.overwrite.F8_E4M3.0",
-        *(f"val.overwrite.I64.{k}" for k in range(8)),
-        "val.overwrite.U16.0", "val.overwrite.U16.1",
+    assert (step.escapes, step.loc_width) == (0, 0)
+    assert [(s.id, s.raw) for s in header.streams] == [
+        ("loc.0", 5), ("esc.0", 2), ("esc.1", 1), ("esc.2", 1), ("esc.3", 1), ("len.0", 2),
+        ("val.overwrite.F8_E4M3.0", 104),
+        *((f"val.overwrite.I64.{k}", 1) for k in range(8)),
+        ("val.overwrite.U16.0", 2), ("val.overwrite.U16.1", 2),
     ]
+
+
+def test_mixed_dtypes_fixture_has_no_escapes() -> None:
+    header = read_payload(fixture_bytes("golden_mixed_dtypes.dcrp")).header
+    assert len(header.items) == 6
+    assert all((it.escapes, it.loc_width) == (0, 0) for it in header.items)
+    assert {it.loc for it in header.items} == {"gaps", "runs"}
+    ids = [s.id for s in header.streams]
+    assert ids[:2] == ["loc.0", "len.0"]
+    assert not [sid for sid in ids if sid.startswith("esc.")]
+
+
+def _raw_streams(data: bytes) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """The header JSON and every stream's raw bytes, read straight from FORMAT.md."""
+    h_packed = int.from_bytes(data[12:16], "little")
+    d = zstandard.ZstdDecompressor()
+    header = json.loads(d.decompress(data[48 : 48 + h_packed]))
+    streams, off = {}, 48 + h_packed
+    for s in header["streams"]:
+        streams[s["id"]] = d.decompress(data[off : off + s["packed"]])
+        off += s["packed"]
+    return header, streams
+
+
+def _planes(planes: Sequence[bytes]) -> list[int]:
+    return [sum(p[i] << (8 * k) for k, p in enumerate(planes)) for i in range(len(planes[0]))]
+
+
+@pytest.mark.parametrize(("name", "loc0", "esc", "items"), [
+    # w: gaps 0,4,71,0,221,699,22 (699 -> 255 + 444); norm: gap 31
+    ("golden_xor_gaps.dcrp", [0, 4, 71, 0, 221, 255, 22, 31], [[444]],
+     [(0, 0, 1, 2), (1, 0, 0, 0)]),
+    # lm_head: run gaps 64, 372 (-> 255 + 117); ids: gaps 2, 69996 (-> 255 + 69741); step: 0
+    ("golden_runs_overwrite.dcrp", [64, 255, 2, 255, 0], [[117], [69741]],
+     [(0, 0, 1, 1), (1, 0, 1, 4), (2, 0, 0, 0)]),
+    # a.f16 run gaps 0, 44, 62; b.u8 1,0,0,36; c.f64 1,7; d.mask 0,28; e.bf16 5,93 and 0,49
+    ("golden_mixed_dtypes.dcrp", [0, 44, 62, 1, 0, 0, 36, 1, 7, 0, 28, 5, 93, 0, 49], [],
+     [(i, 0, 0, 0) for i in range(6)]),
+])
+def test_fixture_location_streams_hold_the_escape_coding(
+    name: str, loc0: list[int], esc: list[list[int]], items: list[tuple[int, int, int, int]]
+) -> None:
+    """loc.0 holds each location value or 255; esc.K holds plane K of (value - 255),
+    items in header order, each item contributing to the planes below its loc_width."""
+    header, streams = _raw_streams(fixture_bytes(name))
+    assert list(streams["loc.0"]) == loc0
+    hitems = header["items"]
+    for i, _, escapes, width in items:
+        assert (hitems[i]["escapes"], hitems[i]["loc_width"]) == (escapes, width)
+    assert sum(it["escapes"] for it in hitems) == loc0.count(255)
+    # Decode every item's escapes from the shared planes, cursor per plane.
+    cursor = dict.fromkeys(streams, 0)
+    got = []
+    for it in hitems:
+        if not it["escapes"]:
+            continue
+        planes = []
+        for k in range(it["loc_width"]):
+            sid = f"esc.{k}"
+            planes.append(streams[sid][cursor[sid] : cursor[sid] + it["escapes"]])
+            cursor[sid] += it["escapes"]
+        got.append(_planes(planes))
+        # loc_width is the smallest width that holds the item's largest escaped value
+        widest = max(got[-1])
+        assert it["loc_width"] == next(w for w in (1, 2, 4, 8) if widest < 1 << (8 * w))
+    assert got == esc
+    assert all(cursor[s] == len(streams[s]) for s in streams if s.startswith("esc."))

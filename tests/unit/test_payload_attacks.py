@@ -4,8 +4,9 @@ Covers the reader's whole validation order from ``agent/FORMAT.md``: framing (le
 magic, version, flags, reserved), the BLAKE2b digest, the compressed JSON header (schema,
 unknown fields, item rules, disjoint items, the stream list the items imply), decode
 limits (header size, item count, elements, dims, stream and total sizes: bomb guards),
-each zstd stream frame, per-record checks (locations past ``stop``, run lengths, zero
-XOR masks), and the checks against the target tensors (missing, wrong dtype or shape,
+each zstd stream frame, per-record checks (escape counts against the 255 bytes in
+``loc.0``, escaped location values, locations past ``stop``, run lengths, zero XOR
+masks), and the checks against the target tensors (missing, wrong dtype or shape,
 read-only, non-contiguous), including items of two payloads that overlap when applied
 together.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import re
 import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -31,6 +33,7 @@ from typing import Any
 import numpy as np
 import pytest
 import zstandard
+from pydantic import ValidationError
 
 from dcr.codec.decode import DecodedItem, Target, apply_items, decode
 from dcr.codec.encode import PayloadBuilder, diff_range, encode_item
@@ -156,6 +159,50 @@ def set_planes(streams: dict[str, bytearray], prefix: str, width: int, index: in
         streams[f"{prefix}.{k}"][index] = (value >> (8 * k)) & 0xFF
 
 
+def get_planes(streams: Mapping[str, bytes | bytearray], prefix: str, width: int) -> list[int]:
+    """Every value of the byte-planed sequence ``prefix.0 .. prefix.{w-1}``."""
+    n = len(streams[f"{prefix}.0"])
+    return [sum(streams[f"{prefix}.{k}"][i] << (8 * k) for k in range(width)) for i in range(n)]
+
+
+ESCAPE = 255  # FORMAT.md: a loc.0 byte of 255 sends the value (minus 255) to esc.K
+
+
+def locations_of(streams: Mapping[str, bytes | bytearray], loc_width: int) -> list[int]:
+    """The location values of a one-item payload, decoded from loc.0 and esc.K (FORMAT.md)."""
+    escaped = iter(get_planes(streams, "esc", loc_width) if loc_width else [])
+    out = [v if v < ESCAPE else next(escaped) + ESCAPE for v in streams["loc.0"]]
+    assert next(escaped, None) is None
+    return out
+
+
+def set_locations(header: dict[str, Any], streams: dict[str, bytearray],
+                  values: list[int]) -> None:
+    """Re-code every location value of a one-item payload as FORMAT.md says.
+
+    Rewrites ``loc.0`` and the ``esc.K`` planes (smallest width that fits the largest
+    escaped value), the item's ``escapes`` and ``loc_width``, and the header's stream list
+    (ids in body order, ``raw`` sizes; ``repack`` fixes ``packed``).
+    """
+    assert len(header["items"]) == 1
+    escaped = [v - ESCAPE for v in values if v >= ESCAPE]
+    width = 0 if not escaped else next(w for w in (1, 2, 4, 8) if max(escaped) < 1 << (8 * w))
+    rest = {sid: b for sid, b in streams.items() if sid.split(".")[0] not in ("loc", "esc")}
+    streams.clear()
+    streams["loc.0"] = bytearray(min(v, ESCAPE) for v in values)
+    for k in range(width):
+        streams[f"esc.{k}"] = bytearray((v >> (8 * k)) & 0xFF for v in escaped)
+    streams.update(rest)
+    header["items"][0]["escapes"] = len(escaped)
+    header["items"][0]["loc_width"] = width
+    sync_raw(header, streams)
+
+
+def sync_raw(header: dict[str, Any], streams: Mapping[str, bytes | bytearray]) -> None:
+    """Make the header's stream list the streams' ids and sizes, in the mapping's order."""
+    header["streams"] = [{"id": sid, "raw": len(b), "packed": 1} for sid, b in streams.items()]
+
+
 # --- good payloads ---------------------------------------------------------------------
 
 
@@ -177,7 +224,12 @@ def _builder(mode: str = "mixed", *, owner: int = 0, seq: int = 0) -> PayloadBui
 
 
 def xor_gaps() -> Good:
-    """BF16 w[10,100], five scattered changes: gap coding, loc_width 2 (gaps 3,46,0,0,946)."""
+    """BF16 w[10,100], five scattered changes: gap coding (gaps 3,46,0,0,946).
+
+    The gap 946 is escaped: loc.0 holds 3,46,0,0,255 and esc.0/esc.1 hold 946 - 255 = 691
+    (escapes 1, loc_width 2). Streams: loc.0 (5), esc.0 (1), esc.1 (1), val.xor.BF16.0
+    and .1 (5 each).
+    """
     base = _bf16_base()
     target = base.copy()
     target[[3, 50, 51, 52, 999]] ^= 0x0101
@@ -190,7 +242,10 @@ def xor_gaps() -> Good:
 
 
 def xor_runs() -> Good:
-    """F32 r[4,40], changes at 10..29 and 100..139: run coding (gaps 10,70; lens 19,39)."""
+    """F32 r[4,40], changes at 10..29 and 100..139: run coding (gaps 10,70; lens 19,39).
+
+    No location value reaches 255: escapes 0, loc_width 0, no esc streams.
+    """
     base = (np.arange(160, dtype=np.uint64) * 2654435761 % (1 << 32)).astype(np.uint32)
     target = base.copy()
     target[10:30] ^= 0x80000001
@@ -201,6 +256,24 @@ def xor_runs() -> Good:
     pb = _builder()
     pb.add(encode_item(d), dense_bytes=base.nbytes)
     return Good(pb.seal(), {"r": ("F32", (4, 40), base)}, {"r": target})
+
+
+def xor_runs_far() -> Good:
+    """F32 r[4,100], changes at 10..29 and 300..339: run coding with an escaped run gap.
+
+    Run gaps 10, 270 (loc.0 10,255; esc.0 270 - 255 = 15: escapes 1, loc_width 1), lengths
+    19, 39. Streams: loc.0 (2), esc.0 (1), len.0 (2), val.xor.F32.0..3 (60 each).
+    """
+    base = (np.arange(400, dtype=np.uint64) * 2654435761 % (1 << 32)).astype(np.uint32)
+    target = base.copy()
+    target[10:30] ^= 0x80000001
+    target[300:340] ^= 0x00010000
+    d = diff_range(name="r", dtype=dtype("F32"), shape=(4, 100), start=0, base=base,
+                   target=target, entry="xor")
+    assert d is not None
+    pb = _builder()
+    pb.add(encode_item(d), dense_bytes=base.nbytes)
+    return Good(pb.seal(), {"r": ("F32", (4, 100), base)}, {"r": target})
 
 
 def two_tensors(*, owner: int = 0, w_start: int = 0) -> Good:
@@ -274,7 +347,7 @@ def reject(
 # --- controls: the helpers themselves produce payloads the reader accepts ---------------
 
 
-@pytest.mark.parametrize("make", [xor_gaps, xor_runs, two_tensors])
+@pytest.mark.parametrize("make", [xor_gaps, xor_runs, xor_runs_far, two_tensors])
 def test_good_payload_applies_exactly(make: Callable[[], Good]) -> None:
     good = make()
     targets = targets_for(good)
@@ -283,7 +356,7 @@ def test_good_payload_applies_exactly(make: Callable[[], Good]) -> None:
         assert np.array_equal(targets[name].bits.reshape(-1), want)
 
 
-@pytest.mark.parametrize("make", [xor_gaps, xor_runs, two_tensors])
+@pytest.mark.parametrize("make", [xor_gaps, xor_runs, xor_runs_far, two_tensors])
 def test_repacked_unmodified_payload_still_applies(make: Callable[[], Good]) -> None:
     good = make()
     assert reseal(good.data) == good.data
@@ -296,14 +369,40 @@ def test_repacked_unmodified_payload_still_applies(make: Callable[[], Good]) -> 
 
 def test_gaps_and_runs_fixtures_use_the_codings_the_attacks_assume() -> None:
     hg, sg = unpack(xor_gaps().data)
-    assert (hg["items"][0]["loc"], hg["items"][0]["loc_width"]) == ("gaps", 2)
-    gaps = [sg["loc.0"][i] | sg["loc.1"][i] << 8 for i in range(5)]
-    assert gaps == [3, 46, 0, 0, 946]
+    it = hg["items"][0]
+    assert (it["loc"], it["count"], it["escapes"], it["loc_width"]) == ("gaps", 5, 1, 2)
+    assert list(sg) == ["loc.0", "esc.0", "esc.1", "val.xor.BF16.0", "val.xor.BF16.1"]
+    assert list(sg["loc.0"]) == [3, 46, 0, 0, 255]
+    assert get_planes(sg, "esc", 2) == [691]
+    assert locations_of(sg, 2) == [3, 46, 0, 0, 946]
     hr, sr = unpack(xor_runs().data)
     it = hr["items"][0]
-    assert (it["loc"], it["runs"], it["loc_width"], it["len_width"]) == ("runs", 2, 1, 1)
+    assert (it["loc"], it["runs"], it["escapes"], it["loc_width"], it["len_width"]) == (
+        "runs", 2, 0, 0, 1)
+    assert list(sr) == ["loc.0", "len.0", *(f"val.xor.F32.{k}" for k in range(4))]
     assert list(sr["loc.0"]) == [10, 70]
     assert list(sr["len.0"]) == [19, 39]
+    hf, sf = unpack(xor_runs_far().data)
+    it = hf["items"][0]
+    assert (it["loc"], it["runs"], it["escapes"], it["loc_width"], it["len_width"]) == (
+        "runs", 2, 1, 1, 1)
+    assert list(sf) == ["loc.0", "esc.0", "len.0", *(f"val.xor.F32.{k}" for k in range(4))]
+    assert list(sf["loc.0"]) == [10, 255]
+    assert list(sf["esc.0"]) == [15]
+    assert list(sf["len.0"]) == [19, 39]
+
+
+def test_set_locations_codes_exactly_what_the_writer_codes() -> None:
+    """Control for the attacks below: the hand-written location coder matches the writer."""
+    for make in (xor_gaps, xor_runs, xor_runs_far):
+        header, streams = unpack(make().data)
+        want_header, want_streams = copy.deepcopy(header), dict(streams)
+        set_locations(header, streams, locations_of(streams, header["items"][0]["loc_width"]))
+        assert streams == want_streams
+        assert list(streams) == list(want_streams)
+        for s in (*header["streams"], *want_header["streams"]):
+            del s["packed"]
+        assert header == want_header
 
 
 # --- framing: length, magic, version, flags, reserved -----------------------------------
@@ -498,8 +597,8 @@ def test_huge_declared_stream_is_refused_before_any_decompression() -> None:
     """A 10 GB stream declared by a consistent header, carried by a 13-byte frame."""
     n = 10**10  # over the default 8 GiB per-stream limit
     item = {"name": "big", "dtype": "U8", "shape": [n], "start": 0, "stop": n,
-            "entry": "xor", "loc": "gaps", "count": n, "runs": 0, "loc_width": 1,
-            "len_width": 0}
+            "entry": "xor", "loc": "gaps", "count": n, "runs": 0, "escapes": 0,
+            "loc_width": 0, "len_width": 0}
     tiny = zc(b"\x01")
     header = {"base_version": 1, "target_version": 2, "attempt": "a-1", "owner": 0, "seq": 0,
               "mode": "mixed", "items": [item],
@@ -511,9 +610,18 @@ def test_huge_declared_stream_is_refused_before_any_decompression() -> None:
 
 
 def test_streams_over_the_total_limit_are_refused() -> None:
-    # xor_gaps declares four streams of 5 bytes each: 20 in all.
-    reject(LimitExceeded, xor_gaps().data, "20 bytes in all", "limit of 19",
-           limits=DecodeLimits(max_total_bytes=19))
+    # xor_gaps declares loc.0 (5), esc.0 (1), esc.1 (1) and two value planes (5 each): 17.
+    reject(LimitExceeded, xor_gaps().data, "17 bytes in all", "limit of 16",
+           limits=DecodeLimits(max_total_bytes=16))
+
+
+def test_escape_stream_over_a_lowered_stream_limit_is_refused() -> None:
+    # xor_runs_far: loc.0 2, esc.0 1, len.0 2, then four value planes of 60 bytes.
+    good = xor_runs_far()
+    reject(LimitExceeded, good.data, "'val.xor.F32.0'", "60 bytes", "limit of 59",
+           good=good, limits=DecodeLimits(max_stream_bytes=59))
+    reject(LimitExceeded, good.data, "245 bytes in all", "limit of 244",
+           good=good, limits=DecodeLimits(max_total_bytes=244))
 
 
 def test_stream_over_a_lowered_stream_limit_is_refused() -> None:
@@ -533,34 +641,40 @@ def test_stream_frame_declaring_more_than_its_raw_size_is_malformed() -> None:
     reject(MalformedPayload, data, "'loc.0'", "declares 1000000 bytes", "says 5")
 
 
-def test_stream_frame_without_content_size_is_malformed() -> None:
+@pytest.mark.parametrize(("sid", "size"), [("loc.0", 5), ("esc.1", 1), ("val.xor.BF16.1", 5)])
+def test_stream_frame_without_content_size_is_malformed(sid: str, size: int) -> None:
     header, streams = unpack(xor_gaps().data)
+    i = list(streams).index(sid)
     frames = [zc(bytes(v)) for v in streams.values()]
-    frames[1] = zc(bytes(streams["loc.1"]), content_size=False)
-    header["streams"][1]["packed"] = len(frames[1])
+    frames[i] = zc(bytes(streams[sid]), content_size=False)
+    header["streams"][i]["packed"] = len(frames[i])
     raw = json.dumps(header).encode()
     data = seal(zc(raw), b"".join(frames), header_raw=len(raw))
-    reject(MalformedPayload, data, "'loc.1'", "declares -1 bytes", "says 5")
+    reject(MalformedPayload, data, f"'{sid}'", "declares -1 bytes", f"says {size}.")
 
 
-def test_stream_frame_with_trailing_bytes_is_malformed() -> None:
+@pytest.mark.parametrize("sid", ["val.xor.BF16.0", "esc.0"])
+def test_stream_frame_with_trailing_bytes_is_malformed(sid: str) -> None:
     header, streams = unpack(xor_gaps().data)
+    i = list(streams).index(sid)
     frames = [zc(bytes(v)) for v in streams.values()]
-    frames[2] += zc(b"")  # a second (empty) frame glued on
-    header["streams"][2]["packed"] = len(frames[2])
+    frames[i] += zc(b"")  # a second (empty) frame glued on
+    header["streams"][i]["packed"] = len(frames[i])
     raw = json.dumps(header).encode()
     data = seal(zc(raw), b"".join(frames), header_raw=len(raw))
-    reject(MalformedPayload, data, "'val.xor.BF16.0'", "does not decompress")
+    reject(MalformedPayload, data, f"'{sid}'", "does not decompress")
 
 
-def test_stream_frame_cut_short_is_malformed() -> None:
+@pytest.mark.parametrize("sid", ["val.xor.BF16.1", "esc.1"])
+def test_stream_frame_cut_short_is_malformed(sid: str) -> None:
     header, streams = unpack(xor_gaps().data)
+    i = list(streams).index(sid)
     frames = [zc(bytes(v)) for v in streams.values()]
-    frames[3] = frames[3][:-2]
-    header["streams"][3]["packed"] = len(frames[3])
+    frames[i] = frames[i][:-2]
+    header["streams"][i]["packed"] = len(frames[i])
     raw = json.dumps(header).encode()
     data = seal(zc(raw), b"".join(frames), header_raw=len(raw))
-    reject(MalformedPayload, data, "'val.xor.BF16.1'")
+    reject(MalformedPayload, data, f"'{sid}'")
 
 
 def test_body_longer_than_the_stream_frames_is_malformed() -> None:
@@ -614,7 +728,12 @@ def _set(path: tuple[Any, ...], value: Any) -> Callable[[dict[str, Any]], None]:
         (("items", 0, "name"), "w" * 1025, ["too long"]),
         (("items", 0, "entry"), "add", ["items.0.entry", "'xor' or 'overwrite'"]),
         (("items", 0, "loc"), "rle", ["items.0.loc", "'gaps' or 'runs'"]),
-        (("items", 0, "loc_width"), 3, ["items.0.loc_width", "1, 2, 4 or 8"]),
+        (("items", 0, "loc_width"), 3, ["items.0.loc_width", "0, 1, 2, 4 or 8"]),
+        (("items", 0, "loc_width"), 16, ["items.0.loc_width", "0, 1, 2, 4 or 8"]),
+        (("items", 0, "escapes"), -1, ["items.0.escapes", "greater than or equal to 0"]),
+        (("items", 0, "escapes"), True, ["items.0.escapes", "valid integer"]),
+        (("items", 0, "escapes"), "1", ["items.0.escapes", "valid integer"]),
+        (("items", 0, "escapes"), 1.0, ["items.0.escapes", "valid integer"]),
         (("items", 0, "count"), 0, ["items.0.count", "greater than or equal to 1"]),
         (("items", 0, "runs"), 1, ["gap coding takes runs=0"]),
         (("items", 0, "len_width"), 1, ["gap coding takes runs=0 and len_width=0"]),
@@ -697,7 +816,8 @@ def test_overlapping_items_in_one_payload_are_malformed() -> None:
 def test_overlapping_items_in_one_payload_built_by_hand_are_malformed() -> None:
     """Two XOR items over the same elements: applying both would restore the old bits."""
     item = ItemHeader(name="w", dtype="BF16", shape=(10, 100), start=0, stop=10,
-                      entry="xor", loc="gaps", count=1, runs=0, loc_width=1, len_width=0)
+                      entry="xor", loc="gaps", count=1, runs=0, escapes=0, loc_width=0,
+                      len_width=0)
     other = item.model_copy(update={"start": 5, "stop": 20})
     header = {"base_version": 1, "target_version": 2, "attempt": "a-1", "owner": 0,
               "seq": 0, "mode": "mixed",
@@ -722,22 +842,54 @@ def test_same_tensor_with_two_dtypes_in_one_payload_is_malformed() -> None:
            good=good)
 
 
-def test_stream_with_a_wrong_id_is_malformed() -> None:
+@pytest.mark.parametrize(("index", "bad", "want"), [
+    (0, "loc.1", "('loc.0', 5)"),  # old layout: a second location plane
+    (1, "esc.2", "('esc.0', 1)"),
+    (2, "loc.1", "('esc.1', 1)"),
+])
+def test_stream_with_a_wrong_id_is_malformed(index: int, bad: str, want: str) -> None:
+    good = xor_gaps()
+    raw = unpack(good.data)[0]["streams"][index]["raw"]
+
     def rename(h: dict[str, Any]) -> None:
-        h["streams"][1]["id"] = "loc.2"
+        h["streams"][index]["id"] = bad
 
-    reject(MalformedPayload, edit(xor_gaps().data, rename), "('loc.2', 5)", "('loc.1', 5)")
+    reject(MalformedPayload, edit(good.data, rename), f"('{bad}', {raw})", want)
 
 
-def test_stream_with_a_wrong_raw_size_is_malformed() -> None:
+@pytest.mark.parametrize(("sid", "raw"), [("loc.0", 5), ("esc.1", 1)])
+def test_stream_with_a_wrong_raw_size_is_malformed(sid: str, raw: int) -> None:
     def longer(s: dict[str, bytearray]) -> None:
-        s["loc.1"].append(0)
+        s[sid].append(0)
 
     def declare(h: dict[str, Any]) -> None:
-        h["streams"][1]["raw"] = 6
+        next(x for x in h["streams"] if x["id"] == sid)["raw"] = raw + 1
 
-    reject(MalformedPayload, edit(xor_gaps().data, declare, longer), "('loc.1', 6)",
-           "('loc.1', 5)")
+    reject(MalformedPayload, edit(xor_gaps().data, declare, longer), f"('{sid}', {raw + 1})",
+           f"('{sid}', {raw})")
+
+
+def test_escape_streams_missing_for_an_item_with_escapes_are_malformed() -> None:
+    def drop_header(h: dict[str, Any]) -> None:
+        h["streams"] = [x for x in h["streams"] if not x["id"].startswith("esc.")]
+
+    def drop_streams(s: dict[str, bytearray]) -> None:
+        del s["esc.0"], s["esc.1"]
+
+    reject(MalformedPayload, edit(xor_gaps().data, drop_header, drop_streams),
+           "('esc.0', 1)", "('esc.1', 1)")
+
+
+def test_loc_width_wider_than_the_escape_streams_is_malformed() -> None:
+    # loc_width 2 -> 4 implies esc.2 and esc.3 as well; the payload carries two planes.
+    reject(MalformedPayload, edit(xor_gaps().data, _set(("items", 0, "loc_width"), 4)),
+           "('esc.1', 1), ('val.xor.BF16.0', 5)", "('esc.3', 1)")
+
+
+def test_escape_count_without_matching_stream_sizes_is_malformed() -> None:
+    # escapes 1 -> 2 implies two bytes in each esc plane; the streams still hold one.
+    reject(MalformedPayload, edit(xor_gaps().data, _set(("items", 0, "escapes"), 2)),
+           "('esc.0', 1)", "('esc.0', 2)")
 
 
 def test_missing_stream_is_malformed() -> None:
@@ -766,13 +918,45 @@ def test_streams_out_of_order_are_malformed() -> None:
         h["streams"][0], h["streams"][1] = h["streams"][1], h["streams"][0]
 
     def swap_streams(s: dict[str, bytearray]) -> None:
-        order = ["loc.1", "loc.0", "val.xor.BF16.0", "val.xor.BF16.1"]
+        order = ["esc.0", "loc.0", "esc.1", "val.xor.BF16.0", "val.xor.BF16.1"]
         items = {k: s[k] for k in order}
         s.clear()
         s.update(items)
 
     reject(MalformedPayload, edit(xor_gaps().data, swap_header, swap_streams),
-           "[('loc.1', 5), ('loc.0', 5)")
+           "[('esc.0', 1), ('loc.0', 5)")
+
+
+def test_escape_planes_out_of_order_are_malformed() -> None:
+    def swap_header(h: dict[str, Any]) -> None:
+        h["streams"][1], h["streams"][2] = h["streams"][2], h["streams"][1]
+
+    def swap_streams(s: dict[str, bytearray]) -> None:
+        order = ["loc.0", "esc.1", "esc.0", "val.xor.BF16.0", "val.xor.BF16.1"]
+        items = {k: s[k] for k in order}
+        s.clear()
+        s.update(items)
+
+    reject(MalformedPayload, edit(xor_gaps().data, swap_header, swap_streams),
+           "[('loc.0', 5), ('esc.1', 1), ('esc.0', 1)")
+
+
+def test_escape_stream_after_the_run_lengths_is_malformed() -> None:
+    """FORMAT.md: loc.0, then esc.K, then len.K; the old order put len right after loc."""
+    good = xor_runs_far()
+
+    def swap_header(h: dict[str, Any]) -> None:
+        h["streams"][1], h["streams"][2] = h["streams"][2], h["streams"][1]
+
+    def swap_streams(s: dict[str, bytearray]) -> None:
+        order = ["loc.0", "len.0", "esc.0", *(f"val.xor.F32.{k}" for k in range(4))]
+        items = {k: s[k] for k in order}
+        s.clear()
+        s.update(items)
+
+    reject(MalformedPayload, edit(good.data, swap_header, swap_streams),
+           "[('loc.0', 2), ('len.0', 2), ('esc.0', 1)",
+           "[('loc.0', 2), ('esc.0', 1), ('len.0', 2)", good=good)
 
 
 # --- per-record checks (valid digest, valid header) -------------------------------------
@@ -780,15 +964,191 @@ def test_streams_out_of_order_are_malformed() -> None:
 
 def test_gap_reaching_past_stop_is_malformed() -> None:
     # gaps 3,46,0,0,946 put the last record on element 999; 947 puts it on 1000.
+    # 946 and 947 are both escaped: only esc.0/esc.1 change (691 -> 692).
     data = edit(xor_gaps().data,
-                streams_fn=lambda s: set_planes(s, "loc", 2, 4, 947))
+                streams_fn=lambda s: set_planes(s, "esc", 2, 0, 947 - ESCAPE))
     reject(MalformedPayload, data, "w[0:1000]", "reach element 1000", "1000 elements")
 
 
-def test_single_gap_larger_than_the_range_is_malformed() -> None:
-    data = edit(xor_gaps().data,
-                streams_fn=lambda s: set_planes(s, "loc", 2, 0, 0xFFFF))
-    reject(MalformedPayload, data, "w[0:1000]", "location value 65535", "1000 elements")
+def test_unescaped_gap_reaching_past_stop_is_malformed() -> None:
+    # gaps 3,46,0,0,946 -> 3,46,0,1,946: the last record moves from 999 to 1000.
+    data = edit(xor_gaps().data, streams_fn=lambda s: set_planes(s, "loc", 1, 3, 1))
+    reject(MalformedPayload, data, "w[0:1000]", "reach element 1000", "1000 elements")
+
+
+@pytest.mark.parametrize("gaps", [[1200, 46, 0, 0, 946], [3, 46, 0, 0, 1001],
+                                  [3, 46, 0, 0, 1255]])
+def test_single_gap_larger_than_the_range_is_malformed(gaps: list[int]) -> None:
+    """Escaped gaps whose escaped part (gap - 255) fits the range, the gap itself does not."""
+    header, streams = unpack(xor_gaps().data)
+    set_locations(header, streams, gaps)
+    assert header["items"][0]["escapes"] == (2 if gaps[0] > 255 else 1)
+    reject(MalformedPayload, repack(header, streams), "w[0:1000]",
+           f"location value {max(gaps)} exceeds", "1000 elements")
+
+
+@pytest.mark.parametrize(("gap", "width"), [(1256, 2), (0xFFFF, 2), (2**32 + 254, 4),
+                                            (2**64 - 1 + ESCAPE, 8)])
+def test_escaped_gap_larger_than_the_range_is_malformed(gap: int, width: int) -> None:
+    """The escaped part itself (gap - 255) is past the range; the widest overflows uint64
+    once 255 is added back, so the reader must check before it adds."""
+    header, streams = unpack(xor_gaps().data)
+    set_locations(header, streams, [3, 46, 0, 0, gap])
+    assert (header["items"][0]["escapes"], header["items"][0]["loc_width"]) == (1, width)
+    reject(MalformedPayload, repack(header, streams), "w[0:1000]",
+           f"escaped location value {gap} ({gap - ESCAPE} + 255)", "1000 elements")
+
+
+def test_escaped_run_gap_reaching_past_stop_is_malformed() -> None:
+    good = xor_runs_far()
+    # run gaps 10, 270 and lengths 20, 40 end at element 339; gap 331 ends at 400 = stop.
+    data = edit(good.data, streams_fn=lambda s: set_planes(s, "esc", 1, 0, 331 - ESCAPE))
+    reject(MalformedPayload, data, "r[0:400]", "reach element 400", "400 elements", good=good)
+
+
+def test_escaped_run_gap_larger_than_the_range_is_malformed() -> None:
+    good = xor_runs_far()
+    # esc.0 = 255 codes the run gap 510, past r's 400 elements (255 itself is not).
+    data = edit(good.data, streams_fn=lambda s: set_planes(s, "esc", 1, 0, 255))
+    reject(MalformedPayload, data, "r[0:400]", "location value 510 exceeds", "400 elements",
+           good=good)
+
+
+# --- escape counts: the header's ``escapes`` against the 255 bytes in loc.0 --------------
+
+
+def _escapes(n: int) -> Callable[[dict[str, Any]], None]:
+    """Set item 0's ``escapes`` to ``n`` and resize its esc planes to match (valid header)."""
+    def apply(h: dict[str, Any]) -> None:
+        h["items"][0]["escapes"] = n
+        for s in h["streams"]:
+            if s["id"].startswith("esc."):
+                s["raw"] = n
+
+    return apply
+
+
+def _esc_planes(n: int) -> Callable[[dict[str, bytearray]], None]:
+    def apply(s: dict[str, bytearray]) -> None:
+        for sid in s:
+            if sid.startswith("esc."):
+                s[sid] = (s[sid] + bytearray(n))[:n]
+
+    return apply
+
+
+def test_header_escape_count_larger_than_the_escape_bytes_present_is_malformed() -> None:
+    # loc.0 is 3,46,0,0,255: one escape byte; the header says two (esc planes hold two).
+    data = edit(xor_gaps().data, _escapes(2), _esc_planes(2))
+    reject(MalformedPayload, data, "w[0:1000]", "loc.0 holds 1 escape bytes",
+           "header says 2")
+
+
+def test_header_escape_count_equal_to_all_location_values_is_checked_too() -> None:
+    # escapes 5 = every location value is allowed by the header rules; loc.0 has one 255.
+    data = edit(xor_gaps().data, _escapes(5), _esc_planes(5))
+    reject(MalformedPayload, data, "w[0:1000]", "loc.0 holds 1 escape bytes",
+           "header says 5")
+
+
+def test_header_escape_count_smaller_than_the_escape_bytes_present_is_malformed() -> None:
+    # loc.0 3,46,0,0,255 -> 255,46,0,0,255: two escape bytes, the header still says one.
+    def mark(s: dict[str, bytearray]) -> None:
+        s["loc.0"][0] = ESCAPE
+
+    data = edit(xor_gaps().data, streams_fn=mark)
+    reject(MalformedPayload, data, "w[0:1000]", "loc.0 holds 2 escape bytes",
+           "header says 1")
+
+
+def test_escape_byte_in_an_item_without_escapes_is_malformed() -> None:
+    # xor_runs has escapes 0 and no esc streams; loc.0 10,70 -> 10,255.
+    good = xor_runs()
+
+    def mark(s: dict[str, bytearray]) -> None:
+        s["loc.0"][1] = ESCAPE
+
+    reject(MalformedPayload, edit(good.data, streams_fn=mark), "r[0:160]",
+           "loc.0 holds 1 escape bytes", "header says 0", good=good)
+
+
+def test_escape_count_is_checked_per_item_not_per_payload() -> None:
+    """Two items share loc.0: moving an escape from one item's slice to the other's keeps
+    the payload's total count of 255 bytes and every stream size, but not each item's."""
+    base = _bf16_base()
+    new = base.copy()
+    new[[10, 400, 520, 530]] ^= 0x0003  # w[0:500] gaps 10, 389 (escaped); w[500:] 20, 9
+    pb = _builder()
+    for lo, hi in [(0, 500), (500, 1000)]:
+        d = diff_range(name="w", dtype=dtype("BF16"), shape=(10, 100), start=lo,
+                       base=base[lo:hi], target=new[lo:hi], entry="xor")
+        assert d is not None
+        pb.add(encode_item(d), dense_bytes=base[lo:hi].nbytes)
+    good = Good(pb.seal(), {"w": ("BF16", (10, 100), base)}, {"w": new})
+    header, streams = unpack(good.data)
+    assert [(i["escapes"], i["loc_width"]) for i in header["items"]] == [(1, 1), (0, 0)]
+    assert list(streams["loc.0"]) == [10, 255, 20, 9]
+
+    def move(s: dict[str, bytearray]) -> None:
+        s["loc.0"][1], s["loc.0"][2] = 10, ESCAPE
+
+    reject(MalformedPayload, edit(good.data, streams_fn=move), "w[0:500]",
+           "loc.0 holds 0 escape bytes", "header says 1", good=good)
+
+
+@pytest.mark.parametrize(("make", "field", "value", "needles"), [
+    # loc_width nonzero with escapes 0
+    (xor_gaps, "escapes", 0, ["w[0:1000]", "0 escapes with loc_width 2", "5 location values"]),
+    (xor_runs_far, "escapes", 0,
+     ["r[0:400]", "0 escapes with loc_width 1", "2 location values"]),
+    (xor_runs, "loc_width", 1, ["r[0:160]", "0 escapes with loc_width 1", "2 location values"]),
+    (xor_runs, "loc_width", 8, ["r[0:160]", "0 escapes with loc_width 8"]),
+    # escapes nonzero with loc_width 0
+    (xor_gaps, "loc_width", 0, ["w[0:1000]", "1 escapes with loc_width 0", "5 location values"]),
+    (xor_runs, "escapes", 1, ["r[0:160]", "1 escapes with loc_width 0", "2 location values"]),
+    # more escapes than location values (gap coding: count; run coding: runs, not count)
+    (xor_gaps, "escapes", 6, ["w[0:1000]", "6 escapes with loc_width 2", "5 location values"]),
+    (xor_runs_far, "escapes", 3,
+     ["r[0:400]", "3 escapes with loc_width 1", "for 2 location values"]),
+    (xor_runs_far, "escapes", 60,
+     ["r[0:400]", "60 escapes with loc_width 1", "for 2 location values"]),
+    (xor_gaps, "escapes", 2**63,
+     ["w[0:1000]", f"{2**63} escapes with loc_width 2", "5 location values"]),
+])
+def test_item_escape_fields_that_disagree_are_malformed(
+    make: Callable[[], Good], field: str, value: int, needles: list[str]
+) -> None:
+    good = make()
+    reject(MalformedPayload, edit(good.data, _set(("items", 0, field), value)), *needles,
+           good=good)
+
+
+def test_payload_in_the_old_byte_plane_location_layout_is_malformed() -> None:
+    """Before escapes, gaps 3,46,0,0,946 went to planes loc.0/loc.1 with loc_width 2 and no
+    ``escapes`` field. Such a payload must be refused, not read with the new layout."""
+    header, streams = unpack(xor_gaps().data)
+    del header["items"][0]["escapes"]
+    old = {"loc.0": bytearray([3, 46, 0, 0, 946 & 0xFF]), "loc.1": bytearray([0, 0, 0, 0, 3])}
+    old.update((k, v) for k, v in streams.items() if k.startswith("val."))
+    sync_raw(header, old)
+    reject(MalformedPayload, repack(header, old), "items.0.escapes", "Field required")
+
+
+def test_old_layout_stream_list_with_the_new_fields_is_malformed() -> None:
+    """The same old-layout streams under a header that does carry escapes 0, loc_width 2."""
+    header, streams = unpack(xor_gaps().data)
+    header["items"][0]["escapes"] = 0
+    old = {"loc.0": bytearray([3, 46, 0, 0, 946 & 0xFF]), "loc.1": bytearray([0, 0, 0, 0, 3])}
+    old.update((k, v) for k, v in streams.items() if k.startswith("val."))
+    sync_raw(header, old)
+    reject(MalformedPayload, repack(header, old), "0 escapes with loc_width 2")
+
+
+def test_escapes_over_location_values_with_matching_stream_sizes_is_malformed() -> None:
+    """escapes 6 > 5 gaps, even with esc planes sized for 6: the header rule rejects it."""
+    data = edit(xor_gaps().data, _escapes(6), _esc_planes(6))
+    reject(MalformedPayload, data, "w[0:1000]", "6 escapes with loc_width 2",
+           "5 location values")
 
 
 def test_gap_reaching_past_stop_of_a_sub_range_item_is_malformed() -> None:
@@ -984,11 +1344,37 @@ def test_payloads_disagreeing_on_a_tensor_dtype_write_nothing() -> None:
 
 def test_pack_payload_refuses_streams_that_differ_from_the_items() -> None:
     item = ItemHeader(name="w", dtype="U8", shape=(4,), start=0, stop=4, entry="xor",
-                      loc="gaps", count=1, runs=0, loc_width=1, len_width=0)
+                      loc="gaps", count=1, runs=0, escapes=0, loc_width=0, len_width=0)
     with pytest.raises(MalformedPayload, match=r"loc\.1"):
         pack_payload(base_version=1, target_version=2, attempt="a-1", owner=0, seq=0,
                      mode="mixed", items=(item,),
                      streams={"loc.1": b"\x00", "val.xor.U8.0": b"\x01"})
+
+
+def test_pack_payload_refuses_missing_escape_planes() -> None:
+    item = ItemHeader(name="w", dtype="U8", shape=(600,), start=0, stop=600, entry="xor",
+                      loc="gaps", count=1, runs=0, escapes=1, loc_width=2, len_width=0)
+    with pytest.raises(MalformedPayload, match=r"\['esc\.0', 'esc\.1', 'loc\.0',"):
+        pack_payload(base_version=1, target_version=2, attempt="a-1", owner=0, seq=0,
+                     mode="mixed", items=(item,),
+                     streams={"loc.0": b"\xff", "esc.0": b"\x2c", "val.xor.U8.0": b"\x01"})
+
+
+@pytest.mark.parametrize(("escapes", "loc_width", "loc", "runs", "count", "needle"), [
+    (0, 1, "gaps", 0, 2, "0 escapes with loc_width 1 for 2 location values"),
+    (1, 0, "gaps", 0, 2, "1 escapes with loc_width 0 for 2 location values"),
+    (3, 1, "gaps", 0, 2, "3 escapes with loc_width 1 for 2 location values"),
+    (2, 1, "runs", 1, 2, "2 escapes with loc_width 1 for 1 location values"),
+])
+def test_item_header_refuses_inconsistent_escape_fields(
+    escapes: int, loc_width: int, loc: str, runs: int, count: int, needle: str
+) -> None:
+    with pytest.raises(ValidationError, match=re.escape(needle)) as info:
+        ItemHeader(name="w", dtype="U8", shape=(600,), start=0, stop=600, entry="xor",
+                   loc=loc, count=count, runs=runs, escapes=escapes,  # type: ignore[arg-type]
+                   loc_width=loc_width, len_width=1 if loc == "runs" else 0)  # type: ignore[arg-type]
+    assert type(info.value) is ValidationError
+    assert "w[0:600]" in str(info.value)
 
 
 # --- known bugs ------------------------------------------------------------------------
@@ -1030,3 +1416,29 @@ def test_header_in_utf16_is_malformed() -> None:
     header, streams = unpack(xor_gaps().data)
     data = repack(header, streams, raw_header=json.dumps(header).encode("utf-16"))
     reject(MalformedPayload, data, "JSON")
+
+
+def test_escape_width_wider_than_needed_is_malformed() -> None:
+    """One payload, one byte form: 691 fits two bytes, so a four-byte esc width is refused."""
+    header, streams = unpack(xor_gaps().data)
+    assert header["items"][0]["loc_width"] == 2
+    for k in (2, 3):
+        streams[f"esc.{k}"] = bytearray(1)
+    order = ["loc.0", "esc.0", "esc.1", "esc.2", "esc.3"]
+    streams = {sid: streams[sid] for sid in order + [s for s in streams if s not in order]}
+    header["items"][0]["loc_width"] = 4
+    sync_raw(header, streams)
+    reject(MalformedPayload, repack(header, streams), "loc_width is 4", "691", "needs 2")
+
+
+def test_run_length_width_wider_than_needed_is_malformed() -> None:
+    good = xor_runs()
+    header, streams = unpack(good.data)
+    item = header["items"][0]
+    assert item["len_width"] == 1
+    streams["len.1"] = bytearray(item["runs"])
+    order = [s for s in streams if not s.startswith("val")]
+    streams = {sid: streams[sid] for sid in order + [s for s in streams if s.startswith("val")]}
+    item["len_width"] = 2
+    sync_raw(header, streams)
+    reject(MalformedPayload, repack(header, streams), "len_width is 2", "needs 1", good=good)

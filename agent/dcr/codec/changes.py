@@ -1,8 +1,9 @@
 """Change detection on stored bit patterns.
 
 Both sides are integer views of the same width, so ``-0.0 -> +0.0`` and NaN payload
-changes count. The scan is chunked so the boolean mask and the gathered values stay in
-cache and memory stays bounded whatever the tensor size; no per-element Python runs.
+changes count. The scan is a small C kernel (``_native.c``) that compares, finds and
+gathers in one pass, without the GIL; it runs over chunks so its output buffers stay
+bounded whatever the tensor size.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from dcr.codec import _native  # type: ignore[attr-defined]
 from dcr.codec.planes import UInt
 
 Positions = npt.NDArray[np.int64]
 A = TypeVar("A", bound=npt.NDArray[Any])
 
-DEFAULT_CHUNK = 1 << 18  # elements per compare; 256 Ki keeps the mask in L2
+DEFAULT_CHUNK = 1 << 20  # elements per scan call; bounds the output buffers
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,23 +38,23 @@ def find_changes(base: UInt, target: UInt, *, chunk: int = DEFAULT_CHUNK) -> Cha
         raise ValueError(
             f"cannot compare {base.dtype}{list(base.shape)} with {target.dtype}{list(target.shape)}"
         )
-    b = base.reshape(-1)
-    t = target.reshape(-1)
+    b = np.ascontiguousarray(base).reshape(-1)
+    t = np.ascontiguousarray(target).reshape(-1)
     n = b.size
-    mask = np.empty(min(chunk, n), dtype=bool)
+    size = min(chunk, n)
+    pos_buf = np.empty(size, dtype=np.int64)
+    old_buf = np.empty(size, dtype=b.dtype)
+    new_buf = np.empty(size, dtype=b.dtype)
     pos: list[Positions] = []
     old: list[UInt] = []
     new: list[UInt] = []
     for lo in range(0, n, chunk):
         hi = min(n, lo + chunk)
-        bc, tc, m = b[lo:hi], t[lo:hi], mask[: hi - lo]
-        np.not_equal(bc, tc, out=m)
-        idx = np.flatnonzero(m)
-        if idx.size:
-            old.append(bc[idx])  # gathered while the chunk is still in cache
-            new.append(tc[idx])
-            idx += lo
-            pos.append(idx)
+        k = _native.scan(b[lo:hi], t[lo:hi], b.itemsize, pos_buf, old_buf, new_buf, lo)
+        if k:
+            pos.append(pos_buf[:k].copy())
+            old.append(old_buf[:k].copy())
+            new.append(new_buf[:k].copy())
     if not pos:
         empty = np.empty(0, dtype=b.dtype)
         return Changes(positions=np.empty(0, dtype=np.int64), old=empty, new=empty)

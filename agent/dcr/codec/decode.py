@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from dcr.codec import locations
+from dcr.codec import _native, locations  # type: ignore[attr-defined]
 from dcr.codec.locations import Locations
-from dcr.codec.planes import U8, UInt, join
+from dcr.codec.planes import ESCAPE, U8, UInt, escape_join, join, width_for
 from dcr.errors import MalformedPayload, TargetMismatch
 from dcr.format.dtypes import DTYPES
 from dcr.format.payload import ItemHeader, Payload, check_disjoint, decode_streams
@@ -64,26 +64,53 @@ def decode(payload: Payload) -> list[DecodedItem]:
         cursor[sid] = lo + n
         return streams[sid][lo : lo + n]
 
+    def planes(parts: dict[str, U8], family: str, width: int) -> UInt:
+        return join([parts[f"{family}.{k}"] for k in range(width)], width)
+
     items: list[DecodedItem] = []
     for it in header.items:
         where = f"{it.where} of {header.label}"
-        loc_values = join([take(f"loc.{k}", it.location_values) for k in range(it.loc_width)],
-                          it.loc_width)
-        len_values = (
-            join([take(f"len.{k}", it.runs) for k in range(it.len_width)], it.len_width)
-            if it.loc == "runs"
-            else None
-        )
+        span = it.stop - it.start
+        parts = {sid: take(sid, n) for sid, n in it.stream_sizes()}
+        small = parts["loc.0"]
+        marked = int(np.count_nonzero(small == ESCAPE))
+        if marked != it.escapes:
+            raise MalformedPayload(
+                f"Item {where}: loc.0 holds {marked} escape bytes (255), header says "
+                f"{it.escapes}."
+            )
+        escaped = planes(parts, "esc", it.loc_width) if it.escapes else None
+        if escaped is not None:
+            top = int(escaped.max())
+            if top > span:
+                raise MalformedPayload(
+                    f"Item {where}: escaped location value {top + ESCAPE} ({top} + {ESCAPE}) "
+                    f"exceeds the item's {span} elements."
+                )
+            _check_width(where, "loc_width", it.loc_width, top)
+        loc_values = escape_join(small, escaped)
+        len_values = planes(parts, "len", it.len_width) if it.loc == "runs" else None
+        if len_values is not None:
+            _check_width(where, "len_width", it.len_width, int(len_values.max()))
         size = DTYPES[it.dtype].itemsize
-        values = join([take(f"val.{it.entry}.{it.dtype}.{k}", it.count) for k in range(size)], size)
+        values = planes(parts, f"val.{it.entry}.{it.dtype}", size)
         locs = Locations(loc=it.loc, count=it.count, loc_values=loc_values, len_values=len_values)
-        locations.validate(where, locs, it.stop - it.start)
+        locations.validate(where, locs, span)
         if it.entry == "xor":
             zeros = it.count - int(np.count_nonzero(values))
             if zeros:
                 raise MalformedPayload(f"Item {where}: {zeros} XOR masks are zero.")
         items.append(DecodedItem(header=it, locations=locs, values=values))
     return items
+
+
+def _check_width(where: str, field: str, width: int, top: int) -> None:
+    """One payload has one byte form: widths must be the narrowest that fit."""
+    if width != width_for(top):
+        raise MalformedPayload(
+            f"Item {where}: {field} is {width} but its largest value {top} needs "
+            f"{width_for(top)} (widths must be the narrowest that fit)."
+        )
 
 
 def check_targets(items: Iterable[DecodedItem], targets: Mapping[str, Target]) -> None:
@@ -129,10 +156,7 @@ def apply_items(
         xor = item.header.entry == "xor"
         n = 0
         for pos, vals in item.blocks():
-            if xor:
-                flat[pos] ^= vals
-            else:
-                flat[pos] = vals
+            _native.scatter(flat, flat.itemsize, pos, np.ascontiguousarray(vals), xor)
             n += len(pos)
         return n
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from dcr.codec import locations
 from dcr.codec.changes import DEFAULT_CHUNK, Positions, find_changes
-from dcr.codec.planes import U8, UInt, split
+from dcr.codec.planes import U8, UInt, escape_split, split
 from dcr.format.dtypes import DType
 from dcr.format.payload import EntryKind, ItemHeader, Mode, pack_payload, stream_ids
 
@@ -70,6 +70,8 @@ class EncodedItem:
 
 def encode_item(delta: ItemDelta) -> EncodedItem:
     locs = locations.encode(delta.positions)
+    small, escaped = escape_split(locs.loc_values)
+    esc_width = 0 if escaped is None else escaped.dtype.itemsize
     header = ItemHeader(
         name=delta.name,
         dtype=delta.dtype.name,
@@ -80,12 +82,14 @@ def encode_item(delta: ItemDelta) -> EncodedItem:
         loc=locs.loc,
         count=locs.count,
         runs=locs.runs,
-        loc_width=locs.loc_width,  # type: ignore[arg-type]
+        escapes=0 if escaped is None else len(escaped),
+        loc_width=esc_width,  # type: ignore[arg-type]
         len_width=locs.len_width,  # type: ignore[arg-type]
     )
-    planes: dict[str, U8] = {}
-    for k, p in enumerate(split(locs.loc_values, locs.loc_width)):
-        planes[f"loc.{k}"] = p
+    planes: dict[str, U8] = {"loc.0": small}
+    if escaped is not None:
+        for k, p in enumerate(split(escaped, esc_width)):
+            planes[f"esc.{k}"] = p
     if locs.len_values is not None:
         for k, p in enumerate(split(locs.len_values, locs.len_width)):
             planes[f"len.{k}"] = p

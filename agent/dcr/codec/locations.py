@@ -8,9 +8,8 @@ Two codings, chosen per item by which is smaller:
   run's end and the run length minus one. Dense or clustered changes; a whole-tensor
   overwrite is a single run.
 
-Values are stored in the smallest unsigned width that fits the item's largest value
-and split into byte planes (see :mod:`dcr.codec.planes`); because planes above the
-first are almost all zero, one large gap costs little, so no escape code is needed.
+Location values travel as one byte each with 255 escaping to a wider side stream, and
+run lengths as byte planes (see :mod:`dcr.codec.planes`).
 """
 
 from __future__ import annotations
@@ -40,10 +39,6 @@ class Locations:
     @property
     def runs(self) -> int:
         return 0 if self.len_values is None else len(self.len_values)
-
-    @property
-    def loc_width(self) -> int:
-        return self.loc_values.dtype.itemsize
 
     @property
     def len_width(self) -> int:

@@ -47,3 +47,30 @@ def join(planes: list[U8], width: int) -> UInt:
     for k, plane in enumerate(planes):
         out[:, k] = plane
     return out.reshape(-1).view(_UINT[width])
+
+
+ESCAPE = 255
+
+
+def escape_split(values: UInt) -> tuple[U8, UInt | None]:
+    """Code unsigned values as one byte each, 255 marking an escape to ``value - 255``.
+
+    Location values are near-geometric: most fit a byte, a few do not. Keeping every
+    value in one byte stream lets zstd's Huffman stage code the rare large ones with a
+    long code word, where byte planes would spend at least a bit per value on a high
+    plane that is almost all zeros. Escapes are returned narrowed to the smallest width.
+    """
+    small = np.minimum(values, ESCAPE).astype(np.uint8)
+    big = values[small == ESCAPE]
+    if big.size == 0:
+        return small, None
+    rest = big.astype(np.uint64) - ESCAPE
+    return small, rest.astype(_UINT[width_for(int(rest.max()))])
+
+
+def escape_join(small: U8, escaped: UInt | None) -> npt.NDArray[np.uint64]:
+    """Inverse of :func:`escape_split`; the caller checks the escape count first."""
+    out = small.astype(np.uint64)
+    if escaped is not None and escaped.size:
+        out[small == ESCAPE] = escaped.astype(np.uint64) + ESCAPE
+    return out

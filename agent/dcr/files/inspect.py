@@ -28,12 +28,7 @@ def describe(store: Store, m: Manifest) -> dict[str, Any]:
         for it in h.items:
             changed[it.name] += it.count
             coding[it.name].add(f"{it.entry}/{it.loc}")
-            size = DTYPES[it.dtype].itemsize
-            wire[it.name] += sum(
-                ratio[f"loc.{k}"] * it.location_values for k in range(it.loc_width)
-            ) + sum(ratio[f"len.{k}"] * it.runs for k in range(it.len_width)) + sum(
-                ratio[f"val.{it.entry}.{it.dtype}.{k}"] * it.count for k in range(size)
-            )
+            wire[it.name] += sum(ratio[sid] * n for sid, n in it.stream_sizes())
     tensors = [
         {
             "name": t.name,

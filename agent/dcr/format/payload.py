@@ -81,7 +81,8 @@ class ItemHeader(_Frozen):
     loc: LocCoding
     count: Annotated[int, Field(ge=1)]
     runs: Annotated[int, Field(ge=0)]
-    loc_width: Literal[1, 2, 4, 8]
+    escapes: Annotated[int, Field(ge=0)]
+    loc_width: Literal[0, 1, 2, 4, 8]
     len_width: Literal[0, 1, 2, 4, 8]
 
     @property
@@ -90,8 +91,17 @@ class ItemHeader(_Frozen):
 
     @property
     def location_values(self) -> int:
-        """How many values this item puts into the ``loc`` streams."""
+        """How many location values (gaps or run gaps) this item codes."""
         return self.count if self.loc == "gaps" else self.runs
+
+    def stream_sizes(self) -> list[tuple[str, int]]:
+        """The bytes this item puts into each stream, in body order."""
+        sizes = [("loc.0", self.location_values)]
+        sizes += [(f"esc.{k}", self.escapes) for k in range(self.loc_width)]
+        sizes += [(f"len.{k}", self.runs) for k in range(self.len_width)]
+        itemsize = DTYPES[self.dtype].itemsize
+        sizes += [(f"val.{self.entry}.{self.dtype}.{k}", self.count) for k in range(itemsize)]
+        return sizes
 
     @property
     def where(self) -> str:
@@ -112,6 +122,11 @@ class ItemHeader(_Frozen):
             raise ValueError(
                 f"item {self.where}: {self.count} records in a range of "
                 f"{self.stop - self.start} elements"
+            )
+        if self.escapes > self.location_values or (self.escapes == 0) != (self.loc_width == 0):
+            raise ValueError(
+                f"item {self.where}: {self.escapes} escapes with loc_width {self.loc_width} "
+                f"for {self.location_values} location values"
             )
         if self.loc == "gaps" and (self.runs != 0 or self.len_width != 0):
             raise ValueError(f"item {self.where}: gap coding takes runs=0 and len_width=0")
@@ -188,29 +203,22 @@ def stream_ids(items: Iterable[ItemHeader]) -> list[str]:
 def expected_streams(items: Iterable[ItemHeader]) -> list[tuple[str, int]]:
     """The streams, in body order, and their raw sizes, as the items imply them.
 
-    ``loc.K``: byte K of every location value of items whose ``loc_width > K``.
+    ``loc.0``: one byte per location value, the value itself or 255 for an escape.
+    ``esc.K``: byte K of (value - 255) of every escaped location value, ``K < loc_width``.
     ``len.K``: byte K of every (run length - 1) of run-coded items with ``len_width > K``.
     ``val.ENTRY.DTYPE.K``: byte K of every value of items with that entry kind and dtype.
-    Empty streams are omitted.
+    Items contribute in header order; empty streams are omitted.
     """
     sizes: dict[str, int] = {}
-
-    def add(sid: str, n: int) -> None:
-        sizes[sid] = sizes.get(sid, 0) + n
-
     for it in items:
-        for k in range(it.loc_width):
-            add(f"loc.{k}", it.location_values)
-        for k in range(it.len_width):
-            add(f"len.{k}", it.runs)
-        for k in range(DTYPES[it.dtype].itemsize):
-            add(f"val.{it.entry}.{it.dtype}.{k}", it.count)
+        for sid, n in it.stream_sizes():
+            sizes[sid] = sizes.get(sid, 0) + n
     return sorted(((s, n) for s, n in sizes.items() if n), key=lambda s: _stream_order(s[0]))
 
 
 def _stream_order(sid: str) -> tuple[int, str, int]:
     family, _, rest = sid.partition(".")
-    rank = {"loc": 0, "len": 1, "val": 2}[family]
+    rank = {"loc": 0, "esc": 1, "len": 2, "val": 3}[family]
     head, _, plane = rest.rpartition(".")
     return rank, head, int(plane)
 
