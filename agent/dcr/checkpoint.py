@@ -15,9 +15,10 @@ import math
 import mmap
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -220,3 +221,53 @@ def _checkpoint_files(root: Path) -> list[Path]:
     raise CheckpointError(
         f"{root} has no {INDEX_NAME}, no {SINGLE_NAME}, and {len(found)} .safetensors files."
     )
+
+
+class TensorSource(Protocol):
+    """What a diff reads: tensors by canonical name, as raw bits."""
+
+    tensors: dict[str, TensorInfo]
+
+    def names(self) -> list[str]: ...
+
+    def bits(self, name: str) -> UInt: ...
+
+    def fingerprint(self, name: str) -> str: ...
+
+    def __iter__(self) -> Iterator[TensorInfo]: ...
+
+
+MEMORY = Path("<memory>")
+
+
+class ArrayCheckpoint:
+    """Canonical tensors held in memory (a trainer's export), with the Checkpoint API."""
+
+    def __init__(self, arrays: Mapping[str, tuple[str, tuple[int, ...], UInt]]) -> None:
+        """``arrays``: name -> (dtype name, shape, raw bits in that dtype's width)."""
+        self._bits: dict[str, UInt] = {}
+        self.tensors: dict[str, TensorInfo] = {}
+        for name, (dtype_name, shape, bits) in arrays.items():
+            dt = DTYPES[dtype_name]
+            flat = np.ascontiguousarray(bits).reshape(-1).view(dt.bits)
+            if flat.size != math.prod(shape):
+                raise CheckpointError(
+                    f"Tensor {name!r}: {flat.size} elements do not fill shape {list(shape)}."
+                )
+            self._bits[name] = flat
+            self.tensors[name] = TensorInfo(
+                name=name, file=MEMORY, dtype=dt, shape=tuple(shape), offset=0,
+                nbytes=flat.nbytes,
+            )
+
+    def names(self) -> list[str]:
+        return sorted(self.tensors)
+
+    def bits(self, name: str) -> UInt:
+        return self._bits[name]
+
+    def fingerprint(self, name: str) -> str:
+        return fingerprint(self._bits[name])
+
+    def __iter__(self) -> Iterator[TensorInfo]:
+        return (self.tensors[n] for n in self.names())

@@ -62,6 +62,22 @@ def diff_range(
     )
 
 
+def whole_range(
+    *, name: str, dtype: DType, shape: tuple[int, ...], start: int, target: UInt
+) -> ItemDelta:
+    """Every element of a range as an overwrite: for paths where one change moves all bits."""
+    return ItemDelta(
+        name=name,
+        dtype=dtype,
+        shape=shape,
+        start=start,
+        stop=start + target.size,
+        entry="overwrite",
+        positions=np.arange(target.size, dtype=np.int64),
+        values=np.array(target, copy=True),
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class EncodedItem:
     header: ItemHeader

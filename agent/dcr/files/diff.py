@@ -15,13 +15,15 @@ import secrets
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Literal
 
-from dcr.checkpoint import Checkpoint, TensorInfo
-from dcr.codec.encode import EncodedItem, PayloadBuilder, diff_range, encode_item
+from dcr.checkpoint import TensorInfo, TensorSource
+from dcr.codec.encode import EncodedItem, PayloadBuilder, diff_range, encode_item, whole_range
 from dcr.errors import CheckpointError, ConfigError
 from dcr.files.layout import manifest_key, payload_key
 from dcr.format.manifest import Manifest, PayloadEntry, Stats, TensorEntry
 from dcr.format.payload import NAME_RE, EntryKind, Mode
+from dcr.format.profile import ReceiverProfile
 from dcr.transport.store import Store
 
 MiB = 1 << 20
@@ -42,6 +44,7 @@ class DiffSettings:
     overwrite: tuple[str, ...] = ()  # regexes (full match) of tensors whose path casts
     owner: int = 0
     attempt: str | None = None  # fresh random id when None
+    profile: ReceiverProfile | None = None  # receivers' classes (merged); None: all XOR
 
     def __post_init__(self) -> None:
         if self.base_version == self.version:
@@ -60,8 +63,16 @@ class DiffSettings:
             except re.error as e:
                 raise ConfigError(f"Overwrite pattern {pattern!r} is not a regex: {e}.") from e
 
-    def entry_for(self, name: str) -> EntryKind:
-        if self.mode == "overwrite" or any(re.fullmatch(p, name) for p in self.overwrite):
+    def entry_for(self, name: str) -> EntryKind | Literal["dense"]:
+        """How a tensor travels: XOR, overwrite, or dense (every element, when any changed)."""
+        cls = self.profile.tensors.get(name, "xor") if self.profile else "xor"
+        if cls == "dense":
+            return "dense"
+        if (
+            self.mode == "overwrite"
+            or cls == "overwrite"
+            or any(re.fullmatch(p, name) for p in self.overwrite)
+        ):
             return "overwrite"
         return "xor"
 
@@ -77,7 +88,7 @@ class _Range:
         return (self.stop - self.start) * self.info.dtype.itemsize
 
 
-def check_same_tensors(base: Checkpoint, target: Checkpoint) -> None:
+def check_same_tensors(base: TensorSource, target: TensorSource) -> None:
     only_base = sorted(set(base.tensors) - set(target.tensors))
     only_target = sorted(set(target.tensors) - set(base.tensors))
     if only_base or only_target:
@@ -99,7 +110,7 @@ def check_same_tensors(base: Checkpoint, target: Checkpoint) -> None:
             )
 
 
-def _buckets(ckpt: Checkpoint, s: DiffSettings) -> Iterator[list[_Range]]:
+def _buckets(ckpt: TensorSource, s: DiffSettings) -> Iterator[list[_Range]]:
     bucket: list[_Range] = []
     size = 0
     for info in ckpt:
@@ -115,8 +126,8 @@ def _buckets(ckpt: Checkpoint, s: DiffSettings) -> Iterator[list[_Range]]:
 
 
 def diff_checkpoints(
-    base: Checkpoint,
-    target: Checkpoint,
+    base: TensorSource,
+    target: TensorSource,
     store: Store,
     settings: DiffSettings,
     progress: Progress | None = None,
@@ -128,13 +139,26 @@ def diff_checkpoints(
     entries: list[PayloadEntry] = []
     changed = 0
 
+    # A dense tensor travels whole, every range of it, once any element changed.
+    dense_changed = {
+        n for n in base.names()
+        if s.entry_for(n) == "dense" and base.fingerprint(n) != target.fingerprint(n)
+    }
+
     def diff_one(r: _Range) -> tuple[_Range, EncodedItem | None]:
-        b = base.bits(r.info.name)[r.start : r.stop]
-        t = target.bits(r.info.name)[r.start : r.stop]
-        delta = diff_range(
-            name=r.info.name, dtype=r.info.dtype, shape=r.info.shape, start=r.start,
-            base=b, target=t, entry=s.entry_for(r.info.name),
-        )
+        name = r.info.name
+        b = base.bits(name)[r.start : r.stop]
+        t = target.bits(name)[r.start : r.stop]
+        info, entry = r.info, s.entry_for(name)
+        if entry == "dense":
+            delta = (
+                whole_range(name=name, dtype=info.dtype, shape=info.shape, start=r.start, target=t)
+                if name in dense_changed
+                else None
+            )
+        else:
+            delta = diff_range(name=name, dtype=info.dtype, shape=info.shape, start=r.start,
+                               base=b, target=t, entry=entry)
         return r, None if delta is None else encode_item(delta)
 
     def seal_and_put(builder: PayloadBuilder) -> PayloadEntry:

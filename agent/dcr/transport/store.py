@@ -89,6 +89,29 @@ class FileStore:
         )
 
 
+class MemoryStore:
+    """Objects in a dict: for in-process senders and receivers, and tests."""
+
+    def __init__(self) -> None:
+        self.uri = "memory://"
+        self.objects: dict[str, bytes] = {}
+
+    def put(self, key: str, data: bytes) -> None:
+        self.objects[_check_key(key)] = bytes(data)
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self.objects[key]
+        except KeyError:
+            raise ObjectNotFound(f"No object {key!r} in {self.uri}.") from None
+
+    def exists(self, key: str) -> bool:
+        return key in self.objects
+
+    def list(self, prefix: str) -> list[str]:
+        return sorted(k for k in self.objects if k.startswith(prefix))
+
+
 def open_store(uri: str) -> Store:
     """Open a store from a URI: ``file:///abs/path`` or a plain path."""
     parsed = urlparse(uri)

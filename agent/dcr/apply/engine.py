@@ -1,0 +1,406 @@
+"""The apply engine: decoded items -> scratch -> the runtime's own loader -> storage.
+
+For each canonical tensor a payload touches, the engine stages its entries in a
+reusable scratch tensor shaped like the canonical tensor (XOR masks on zeros; absolute
+values on NaN placeholders where the path converts), calls the runtime's native loader
+with ``(name, scratch)``, and intercepts the loader's final copies into parameter
+storage (:mod:`dcr.apply.intercept`):
+
+* a copy of a scratch view of the same dtype is inverted (:mod:`dcr.apply.geometry`) and
+  only the changed elements are touched: XOR the mask in, or write the value;
+* a converting copy (a cast) writes the positions whose source is not a placeholder;
+* a copy of a tensor classified ``dense`` (whole-tensor quantization) runs as is.
+
+Prewarm runs every tensor once in record mode, classifies it (see
+:mod:`dcr.apply.profile`) and keeps the exact list of writes it made; an apply whose
+writes differ from that list fails. Payloads are deduplicated by id, because XOR is
+not idempotent.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from dcr.apply.geometry import UnsupportedView, View, check_invertible, locate, storage_index
+from dcr.apply.intercept import LoaderPathError, WriteInterceptor, storage_key
+from dcr.apply.runtime import Runtime
+from dcr.codec.decode import DecodedItem, decode
+from dcr.errors import DcrError, MalformedPayload, TargetMismatch
+from dcr.format.dtypes import DTYPES
+from dcr.format.payload import check_disjoint, read_payload
+from dcr.format.profile import ReceiverProfile, TensorClass
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+BITS: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+FLOATS = {"F64", "F32", "F16", "BF16"}  # dtypes whose NaN can mark "no value here"
+
+
+class DuplicatePayload(DcrError):
+    """A payload id was applied before: applying XOR masks twice restores the old bits."""
+
+
+class PayloadConflict(DcrError):
+    """A payload id was applied before with different bytes."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CanonicalTensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPES[self.dtype].itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True, kw_only=True)
+class CopySig:
+    """One intercepted write, as geometry: where it lands and what it reads."""
+
+    storage: str
+    dst: View
+    src: View | None  # the scratch view it copies, or None for a converted source
+    dst_dtype: str
+    src_dtype: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorPlan:
+    cls: TensorClass
+    writes: tuple[CopySig, ...]
+
+
+@dataclass(kw_only=True)
+class ApplyReport:
+    tensors: int = 0
+    records: int = 0
+    writes: int = 0
+    scatter_s: float = 0.0
+    loader_s: float = 0.0
+    intercept_s: float = 0.0
+    classes: dict[str, int] = field(default_factory=dict)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A flat integer view over the whole storage of ``t`` (same element width)."""
+    return torch.empty(0, dtype=BITS[t.element_size()], device=t.device).set_(
+        t.untyped_storage()
+    )
+
+
+class ApplyEngine:
+    """Applies payloads to one runtime (one rank) in place."""
+
+    def __init__(self, runtime: Runtime, *, device: str | torch.device = "cpu",
+                 verify: bool = False) -> None:
+        self.runtime = runtime
+        self.device = torch.device(device)
+        self.verify = verify
+        self._storages: dict[tuple[str, int], str] = {}
+        self._key_of: dict[str, tuple[str, int]] = {}
+        for name, t in runtime.named_tensors():
+            self._storages.setdefault(storage_key(t), name)
+            self._key_of[name] = storage_key(t)
+        self._scratch = torch.zeros(0, dtype=torch.uint8, device=self.device)
+        self.tensors: dict[str, CanonicalTensor] = {}
+        self.plans: dict[str, TensorPlan] = {}
+        self._applied: dict[tuple[str, int, int], bytes] = {}
+
+    # --- prewarm -------------------------------------------------------------------
+
+    def prewarm(self, tensors: Iterable[CanonicalTensor]) -> ReceiverProfile:
+        """Reserve scratch, run every tensor through the loader in record mode, classify.
+
+        Nothing is written to the runtime's storage.
+        """
+        self.tensors = {t.name: t for t in tensors}
+        largest = max((t.nbytes for t in self.tensors.values()), default=0)
+        self._scratch = torch.zeros(largest, dtype=torch.uint8, device=self.device)
+        touched: dict[str, list[tuple[str, View]]] = defaultdict(list)
+        for t in self.tensors.values():
+            plan = self._record(t)
+            self.plans[t.name] = plan
+            for w in plan.writes:
+                touched[w.storage].append((t.name, w.dst))
+        self._check_overlaps(touched)
+        return ReceiverProfile(tensors={n: p.cls for n, p in sorted(self.plans.items())})
+
+    def _scratch_for(self, t: CanonicalTensor) -> torch.Tensor:
+        return self._scratch[: t.nbytes].view(TORCH_DTYPES[t.dtype]).view(t.shape)
+
+    def _record(self, t: CanonicalTensor) -> TensorPlan:
+        scratch = self._scratch_for(t)
+        if t.dtype in FLOATS:  # a probe: finite values with NaN between them
+            flat = scratch.view(-1)
+            flat.fill_(float("nan"))
+            flat[::2] = 0.5
+        sigs: list[CopySig] = []
+        converting_ok = True
+
+        def record(storage: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+            nonlocal converting_ok
+            sig = self._signature(storage, dst, src, scratch)
+            sigs.append(sig)
+            if sig.src is None and src.is_floating_point():
+                nan = torch.isnan(src)
+                converting_ok &= bool(nan.any()) and not bool(nan.all())
+
+        with WriteInterceptor(self._storages, record):
+            loaded = self.runtime.load_weights([(t.name, scratch)])
+        self._scratch.zero_()
+        if not sigs:
+            if loaded:
+                raise LoaderPathError(
+                    f"The loader reports {sorted(loaded)[:3]} loaded from {t.name!r} but no "
+                    "write into parameter storage was intercepted: it bypasses the hook."
+                )
+            return TensorPlan(cls="skip", writes=())
+        return TensorPlan(cls=self._classify(t, sigs, converting_ok), writes=tuple(sigs))
+
+    def _classify(self, t: CanonicalTensor, sigs: list[CopySig], converting_ok: bool
+                  ) -> TensorClass:
+        mapped = all(s.src is not None and s.src_dtype == s.dst_dtype for s in sigs)
+        if mapped and not _self_overlap(sigs):
+            return "xor"
+        if mapped:
+            return "overwrite"
+        return "overwrite" if t.dtype in FLOATS and converting_ok else "dense"
+
+    def _signature(self, storage: str, dst: torch.Tensor, src: torch.Tensor,
+                   scratch: torch.Tensor) -> CopySig:
+        shares = (
+            src.device == scratch.device
+            and src.untyped_storage().data_ptr() == scratch.untyped_storage().data_ptr()
+        )
+        if tuple(src.shape) != tuple(dst.shape):
+            raise LoaderPathError(
+                f"The loader copies a {list(src.shape)} source into a {list(dst.shape)} "
+                f"view of {storage!r}; broadcasting copies are not supported."
+            )
+        src_view = View.of(src) if shares and src.dtype == scratch.dtype else None
+        try:
+            if src_view is not None:
+                check_invertible(src_view)
+                check_invertible(View.of(dst))
+        except UnsupportedView:
+            src_view = None
+        return CopySig(storage=storage, dst=View.of(dst), src=src_view,
+                       dst_dtype=str(dst.dtype), src_dtype=str(src.dtype))
+
+    def _check_overlaps(self, touched: dict[str, list[tuple[str, View]]]) -> None:
+        """Two canonical tensors writing the same bytes cannot be refit by parts."""
+        tensors = dict(self.runtime.named_tensors())
+        for storage, writes in touched.items():
+            names = sorted({name for name, _ in writes})
+            if len(names) < 2:
+                continue
+            base = tensors[storage]
+            size = base.untyped_storage().nbytes() // base.element_size()
+            owner = torch.full((size,), -1, dtype=torch.int32, device=base.device)
+            for name, v in writes:
+                me = names.index(name)
+                region = owner.as_strided(v.sizes, v.strides, v.offset)
+                others = region[(region >= 0) & (region != me)]
+                if others.numel():
+                    raise LoaderPathError(
+                        f"Canonical tensors {name!r} and {names[int(others[0])]!r} both write "
+                        f"{storage!r}; a refit by parts cannot reproduce a dense load."
+                    )
+                region.fill_(me)
+
+    # --- apply ---------------------------------------------------------------------
+
+    def apply_payloads(self, payloads: Sequence[bytes]) -> ApplyReport:
+        """Validate and deduplicate every payload, then apply them as one set, in order."""
+        items: list[DecodedItem] = []
+        ids: dict[tuple[str, int, int], bytes] = {}
+        for data in payloads:
+            p = read_payload(data)
+            h = p.header
+            pid = (h.attempt, h.owner, h.seq)
+            digest = bytes(p.data[32:48])
+            seen = self._applied.get(pid, ids.get(pid))
+            if seen == digest:
+                raise DuplicatePayload(
+                    f"{h.label} was already applied; XOR masks applied twice restore the "
+                    "old bits, so it is refused."
+                )
+            if seen is not None:
+                raise PayloadConflict(
+                    f"{h.label} was seen before with digest {seen.hex()}; this one is "
+                    f"{digest.hex()}. The attempt must fail."
+                )
+            ids[pid] = digest
+            items.extend(decode(p))
+        try:
+            check_disjoint(i.header for i in items)
+        except ValueError as e:
+            raise MalformedPayload(f"Payloads to apply conflict: {e}.") from e
+        groups = self._check_items(items)
+        self._applied.update(ids)  # from here on, these must never be applied again
+        report = ApplyReport()
+        for name, group in groups.items():
+            self._apply_tensor(name, group, report)
+        moved = [n for n, t in self.runtime.named_tensors() if storage_key(t) != self._key_of[n]]
+        if moved:
+            raise LoaderPathError(
+                f"The loader replaced the storage of {moved[:3]} instead of writing it in "
+                "place: those writes bypass the hook."
+            )
+        return report
+
+    def _check_items(self, items: list[DecodedItem]) -> dict[str, list[DecodedItem]]:
+        groups: dict[str, list[DecodedItem]] = defaultdict(list)
+        for it in items:
+            h = it.header
+            t = self.tensors.get(h.name)
+            if t is None:
+                raise TargetMismatch(f"Item {h.where}: no canonical tensor {h.name!r} was "
+                                     "prewarmed on this rank.")
+            if (t.dtype, t.shape) != (h.dtype, h.shape):
+                raise TargetMismatch(f"Item {h.where}: payload says {h.dtype}{list(h.shape)}, "
+                                     f"the runtime's tensor is {t.dtype}{list(t.shape)}.")
+            cls = self.plans[h.name].cls
+            if h.entry == "xor" and cls not in ("xor", "skip"):
+                raise TargetMismatch(
+                    f"Item {h.where} carries XOR masks, but {h.name!r} reaches storage "
+                    f"through a {cls} path on this rank: the sender must overwrite it."
+                )
+            groups[h.name].append(it)
+        for name, group in groups.items():
+            t = self.tensors[name]
+            if self.plans[name].cls == "dense":
+                count = sum(i.header.count for i in group)
+                numel = t.nbytes // DTYPES[t.dtype].itemsize
+                if count != numel:
+                    raise TargetMismatch(
+                        f"Tensor {name!r} is quantized as a whole on this rank, so every one "
+                        f"of its {numel} elements must be sent; the payloads carry {count}."
+                    )
+            if len({i.header.entry for i in group}) > 1:
+                raise MalformedPayload(f"Tensor {name!r} has both XOR and overwrite items.")
+        return groups
+
+    def _apply_tensor(self, name: str, group: list[DecodedItem], report: ApplyReport) -> None:
+        plan = self.plans[name]
+        if plan.cls == "skip":
+            return
+        t = self.tensors[name]
+        xor = group[0].header.entry == "xor"
+        t0 = time.perf_counter()
+        scratch = self._scratch_for(t)
+        sbits = scratch.view(BITS[scratch.element_size()]).view(-1)
+        pos_np = np.concatenate([p for it in group for p, _ in it.blocks()])
+        val_np = np.concatenate([v for it in group for _, v in it.blocks()])
+        positions = torch.from_numpy(pos_np).to(self.device)
+        values = torch.from_numpy(val_np.view(np.dtype(f"<i{val_np.itemsize}"))
+                                  if val_np.itemsize > 1 else val_np).to(self.device)
+        masked = plan.cls == "overwrite" and any(w.src is None for w in plan.writes)
+        if masked:
+            if bool(torch.isnan(values.view(scratch.dtype)).any()):
+                raise TargetMismatch(
+                    f"Tensor {name!r}: a NaN value cannot pass a converting path whose "
+                    "placeholder is NaN; the sender must send it dense."
+                )
+            scratch.view(-1).fill_(float("nan"))
+        sbits[positions] = values
+        report.scatter_s += time.perf_counter() - t0
+
+        observed: list[CopySig] = []
+        spent = 0.0
+
+        def write(storage: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+            nonlocal spent
+            t1 = time.perf_counter()
+            observed.append(self._signature(storage, dst, src, scratch))
+            sig = observed[-1]
+            if plan.cls == "dense":
+                dst.copy_(src)
+            elif sig.src is not None:
+                self._write_mapped(sig, dst, positions, values, xor)
+            else:
+                if xor:
+                    raise LoaderPathError(f"A converting write of {name!r} got XOR masks.")
+                keep = torch.isnan(src) if src.is_floating_point() else None
+                if keep is None:
+                    raise LoaderPathError(f"A converting write of {name!r} has no placeholder.")
+                dst.copy_(torch.where(keep, dst, src.to(dst.dtype)))
+            spent += time.perf_counter() - t1
+
+        t2 = time.perf_counter()
+        try:
+            with WriteInterceptor(self._storages, write):
+                loaded = self.runtime.load_weights([(name, scratch)])
+        finally:
+            if masked:
+                scratch.view(torch.uint8).zero_()
+            else:
+                sbits[positions] = 0  # back to all zeros, touching only what we set
+        report.loader_s += time.perf_counter() - t2 - spent
+        report.intercept_s += spent
+        if tuple(observed) != plan.writes:
+            raise LoaderPathError(
+                f"Tensor {name!r}: the loader's writes differ from prewarm's "
+                f"({len(observed)} now, {len(plan.writes)} then); the path changed."
+            )
+        written = {self._key_of[w.storage] for w in observed}
+        bypass = [n for n in loaded if n in self._key_of and self._key_of[n] not in written]
+        if bypass:
+            raise LoaderPathError(
+                f"Tensor {name!r}: the loader reports {bypass[:3]} loaded without an "
+                "intercepted write: it bypasses the hook."
+            )
+        report.tensors += 1
+        report.records += len(positions)
+        report.writes += len(observed)
+        report.classes[plan.cls] = report.classes.get(plan.cls, 0) + 1
+
+    def _write_mapped(self, sig: CopySig, dst: torch.Tensor, positions: torch.Tensor,
+                      values: torch.Tensor, xor: bool) -> None:
+        assert sig.src is not None
+        inside, flat = locate(sig.src, positions)
+        if flat.numel() == 0:
+            return
+        idx = storage_index(sig.dst, flat)
+        bits = _bits(dst)
+        v = values[inside]
+        before = bits[idx]
+        after = before ^ v if xor else v
+        bits[idx] = after
+        if self.verify and not bool(torch.equal(bits[idx], after)):
+            raise LoaderPathError(f"Post-apply check failed for a write into {sig.storage!r}.")
+
+
+def _self_overlap(sigs: list[CopySig]) -> bool:
+    """Whether two writes of one tensor hit the same element of one storage."""
+    by_storage: dict[str, list[View]] = defaultdict(list)
+    for s in sigs:
+        by_storage[s.storage].append(s.dst)
+    for views in by_storage.values():
+        if len(views) < 2:
+            continue
+        top = max(v.offset + sum((n - 1) * st for n, st in zip(v.sizes, v.strides, strict=True))
+                  for v in views) + 1
+        count = torch.zeros(top, dtype=torch.int16)
+        for v in views:
+            count.as_strided(v.sizes, v.strides, v.offset).add_(1)
+        if bool((count > 1).any()):
+            return True
+    return False
+

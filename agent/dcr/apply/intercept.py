@@ -1,0 +1,80 @@
+"""Catching the loader's writes into parameter storage.
+
+While the native loader runs, a ``TorchDispatchMode`` sees every aten op. A ``copy_``
+whose destination lies in a registered storage (a parameter or persistent buffer) is
+handed to a handler instead of running; the handler decides what the write means (XOR a
+mask in, write only active positions, copy as is, or just record it during prewarm).
+Any other op that would write a registered storage (``fill_``, ``index_put_``, an
+``out=`` variant, ...) fails the apply: DCR only knows how to honour plain copies.
+Writes to other tensors (the loader's temporaries) run normally.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dcr.errors import DcrError
+
+aten = torch.ops.aten
+
+
+class LoaderPathError(DcrError):
+    """The runtime's loader wrote parameter storage in a way DCR cannot honour exactly."""
+
+
+def storage_key(t: torch.Tensor) -> tuple[str, int]:
+    return (str(t.device), t.untyped_storage().data_ptr())
+
+
+Handler = Callable[[str, torch.Tensor, torch.Tensor], None]  # (storage name, dst, src)
+
+
+class WriteInterceptor(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Routes ``copy_`` into registered storages to ``handler``; refuses other writes."""
+
+    def __init__(self, storages: Mapping[tuple[str, int], str], handler: Handler) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.storages = storages
+        self.handler = handler
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is aten.copy_.default:
+            dst, src = args[0], args[1]
+            name = self.storages.get(storage_key(dst))
+            if name is not None:
+                self.handler(name, dst, src)
+                return dst
+        else:
+            hit = self._written_storage(func, args, kwargs)
+            if hit is not None:
+                raise LoaderPathError(
+                    f"The loader writes parameter storage {hit!r} with {func}; only copy_ "
+                    "into parameter views can be applied in place."
+                )
+        return func(*args, **kwargs)
+
+    def _written_storage(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> str | None:
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            tensors = value if isinstance(value, list | tuple) else [value]
+            for t in tensors:
+                if isinstance(t, torch.Tensor):
+                    name = self.storages.get(storage_key(t))
+                    if name is not None:
+                        return name
+        return None

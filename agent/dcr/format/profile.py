@@ -1,0 +1,66 @@
+"""The receiver profile: how each canonical tensor reaches this rank's storage.
+
+Prewarm runs the loader once per tensor in record mode and classifies it:
+
+* ``xor``: every write copies a view of the scratch tensor, same dtype, into a view of
+  parameter storage that no other write touches. XOR masks apply exactly, and only the
+  changed elements are touched.
+* ``overwrite``: some write converts element by element (a cast), or writes the same
+  bytes twice. Absolute values apply exactly; XOR would not.
+* ``dense``: a write depends on the whole tensor (a per-tensor quantization scale): one
+  changed element can change every stored byte, so the sender sends the whole tensor.
+* ``skip``: this rank does not hold the tensor (an expert on another rank, a tied head).
+
+The sender merges the profiles of all ranks (the most demanding class wins) and encodes
+each tensor accordingly.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+TensorClass = Literal["xor", "overwrite", "dense", "skip"]
+_RANK: dict[str, int] = {"skip": 0, "xor": 1, "overwrite": 2, "dense": 3}
+
+
+class ReceiverProfile(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    format: Literal["dcr-receiver-profile"] = "dcr-receiver-profile"
+    version: Literal[1] = 1
+    tensors: dict[str, TensorClass]
+
+    def save(self, path: Path) -> None:
+        path.write_text(self.model_dump_json(indent=1))
+
+    @classmethod
+    def load(cls, path: Path) -> ReceiverProfile:
+        return cls.model_validate_json(path.read_text())
+
+
+def merge(profiles: Iterable[ReceiverProfile]) -> ReceiverProfile:
+    """One profile for the sender: per tensor, the most demanding class of any rank."""
+    out: dict[str, TensorClass] = {}
+    for p in profiles:
+        for name, cls in p.tensors.items():
+            if name not in out or _RANK[cls] > _RANK[out[name]]:
+                out[name] = cls
+    return ReceiverProfile(tensors=dict(sorted(out.items())))
+
+
+def coverage(profile: ReceiverProfile, nbytes: dict[str, int]) -> dict[str, float]:
+    """Fraction of weight bytes per class (a tensor skipped everywhere counts as skip)."""
+    total = sum(nbytes[n] for n in profile.tensors) or 1
+    share = dict.fromkeys(_RANK, 0.0)
+    for name, cls in profile.tensors.items():
+        share[cls] += nbytes[name] / total
+    return share
+
+
+def dumps(profile: ReceiverProfile) -> str:
+    return json.dumps(profile.model_dump(), indent=1)
