@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -77,7 +77,11 @@ class CopySig:
     dst: View
     src: View | None  # the scratch view it copies, or None for a converted source
     dst_dtype: str
-    src_dtype: str
+    src_dtype: str  # "fill" for a constant fill
+
+    @property
+    def is_fill(self) -> bool:
+        return self.src_dtype == "fill"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,11 +157,12 @@ class ApplyEngine:
         sigs: list[CopySig] = []
         converting_ok = True
 
-        def record(storage: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+        def record(storage: str, dst: torch.Tensor, src: torch.Tensor | None,
+                   run: Callable[[], object]) -> None:
             nonlocal converting_ok
             sig = self._signature(storage, dst, src, scratch)
             sigs.append(sig)
-            if sig.src is None and src.is_floating_point():
+            if src is not None and sig.src is None and src.is_floating_point():
                 nan = torch.isnan(src)
                 converting_ok &= bool(nan.any()) and not bool(nan.all())
 
@@ -175,15 +180,21 @@ class ApplyEngine:
 
     def _classify(self, t: CanonicalTensor, sigs: list[CopySig], converting_ok: bool
                   ) -> TensorClass:
-        mapped = all(s.src is not None and s.src_dtype == s.dst_dtype for s in sigs)
-        if mapped and not _self_overlap(sigs):
+        copies = [s for s in sigs if not s.is_fill]
+        if _overlap([s.dst for s in copies], [s.dst for s in sigs if s.is_fill], by=sigs):
+            return "dense"  # a constant fill under a copy: only a whole load reproduces it
+        mapped = all(s.src is not None and s.src_dtype == s.dst_dtype for s in copies)
+        if mapped and not _overlap([s.dst for s in copies], [], by=copies):
             return "xor"
         if mapped:
             return "overwrite"
         return "overwrite" if t.dtype in FLOATS and converting_ok else "dense"
 
-    def _signature(self, storage: str, dst: torch.Tensor, src: torch.Tensor,
+    def _signature(self, storage: str, dst: torch.Tensor, src: torch.Tensor | None,
                    scratch: torch.Tensor) -> CopySig:
+        if src is None:
+            return CopySig(storage=storage, dst=View.of(dst), src=None,
+                           dst_dtype=str(dst.dtype), src_dtype="fill")
         shares = (
             src.device == scratch.device
             and src.untyped_storage().data_ptr() == scratch.untyped_storage().data_ptr()
@@ -325,19 +336,20 @@ class ApplyEngine:
         observed: list[CopySig] = []
         spent = 0.0
 
-        def write(storage: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+        def write(storage: str, dst: torch.Tensor, src: torch.Tensor | None,
+                  run: Callable[[], object]) -> None:
             nonlocal spent
             t1 = time.perf_counter()
             observed.append(self._signature(storage, dst, src, scratch))
             sig = observed[-1]
-            if plan.cls == "dense":
-                dst.copy_(src)
+            if src is None or plan.cls == "dense":
+                run()  # a constant fill, or a whole-tensor path: as the loader meant it
             elif sig.src is not None:
                 self._write_mapped(sig, dst, positions, values, xor)
             else:
                 if xor:
                     raise LoaderPathError(f"A converting write of {name!r} got XOR masks.")
-                keep = torch.isnan(src) if src.is_floating_point() else None
+                keep = torch.isnan(src) if src.is_floating_point() else None  # placeholders
                 if keep is None:
                     raise LoaderPathError(f"A converting write of {name!r} has no placeholder.")
                 dst.copy_(torch.where(keep, dst, src.to(dst.dtype)))
@@ -387,20 +399,31 @@ class ApplyEngine:
             raise LoaderPathError(f"Post-apply check failed for a write into {sig.storage!r}.")
 
 
-def _self_overlap(sigs: list[CopySig]) -> bool:
-    """Whether two writes of one tensor hit the same element of one storage."""
-    by_storage: dict[str, list[View]] = defaultdict(list)
-    for s in sigs:
-        by_storage[s.storage].append(s.dst)
-    for views in by_storage.values():
-        if len(views) < 2:
+def _overlap(views: list[View], others: list[View], *, by: Sequence[CopySig]) -> bool:
+    """Whether two of ``views`` share an element, or one of them shares one with ``others``.
+
+    Views are compared per storage (``by`` gives each view's storage, in order).
+    """
+    storage_of = {id(s.dst): s.storage for s in by}
+    groups: dict[str, tuple[list[View], list[View]]] = defaultdict(lambda: ([], []))
+    for v in views:
+        groups[storage_of[id(v)]][0].append(v)
+    for v in others:
+        groups[storage_of[id(v)]][1].append(v)
+    for mine, theirs in groups.values():
+        if not mine or len(mine) + len(theirs) < 2:
             continue
-        top = max(v.offset + sum((n - 1) * st for n, st in zip(v.sizes, v.strides, strict=True))
-                  for v in views) + 1
+        top = max(1, *(_extent(v) for v in mine + theirs))
         count = torch.zeros(top, dtype=torch.int16)
-        for v in views:
+        for v in mine:
             count.as_strided(v.sizes, v.strides, v.offset).add_(1)
         if bool((count > 1).any()):
             return True
+        for v in theirs:
+            if bool(count.as_strided(v.sizes, v.strides, v.offset).any()):
+                return True
     return False
 
+
+def _extent(v: View) -> int:
+    return v.offset + sum((n - 1) * st for n, st in zip(v.sizes, v.strides, strict=True)) + 1

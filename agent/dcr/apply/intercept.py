@@ -4,8 +4,10 @@ While the native loader runs, a ``TorchDispatchMode`` sees every aten op. A ``co
 whose destination lies in a registered storage (a parameter or persistent buffer) is
 handed to a handler instead of running; the handler decides what the write means (XOR a
 mask in, write only active positions, copy as is, or just record it during prewarm).
-Any other op that would write a registered storage (``fill_``, ``index_put_``, an
-``out=`` variant, ...) fails the apply: DCR only knows how to honour plain copies.
+A ``fill_`` with a constant (vLLM zeroes vocabulary padding rows on every load) goes to
+the handler too, as a source of ``None``: it writes the same bytes on every load, so it
+is replayed as is. Any other op that would write a registered storage (``index_put_``,
+an ``out=`` variant, ...) fails the apply: DCR only knows how to honour these two.
 Writes to other tensors (the loader's temporaries) run normally.
 """
 
@@ -30,7 +32,8 @@ def storage_key(t: torch.Tensor) -> tuple[str, int]:
     return (str(t.device), t.untyped_storage().data_ptr())
 
 
-Handler = Callable[[str, torch.Tensor, torch.Tensor], None]  # (storage name, dst, src)
+# (storage name, dst, src); src is None for a constant fill, replayed by calling ``fill``
+Handler = Callable[[str, torch.Tensor, torch.Tensor | None, Callable[[], Any]], None]
 
 
 class WriteInterceptor(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -49,11 +52,12 @@ class WriteInterceptor(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if func is aten.copy_.default:
-            dst, src = args[0], args[1]
+        if func is aten.copy_.default or func is aten.fill_.Scalar:
+            dst = args[0]
             name = self.storages.get(storage_key(dst))
             if name is not None:
-                self.handler(name, dst, src)
+                src = args[1] if func is aten.copy_.default else None
+                self.handler(name, dst, src, lambda: func(*args, **kwargs))
                 return dst
         else:
             hit = self._written_storage(func, args, kwargs)
