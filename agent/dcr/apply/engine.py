@@ -30,6 +30,7 @@ import torch
 from dcr.apply.geometry import UnsupportedView, View, check_invertible, locate, storage_index
 from dcr.apply.intercept import LoaderPathError, WriteInterceptor, storage_key
 from dcr.apply.runtime import Runtime
+from dcr.codec import _native  # type: ignore[attr-defined]
 from dcr.codec.decode import DecodedItem, decode
 from dcr.errors import DcrError, MalformedPayload, TargetMismatch
 from dcr.format.dtypes import DTYPES
@@ -319,6 +320,9 @@ class ApplyEngine:
         sbits = scratch.view(BITS[scratch.element_size()]).view(-1)
         pos_np = np.concatenate([p for it in group for p, _ in it.blocks()])
         val_np = np.concatenate([v for it in group for _, v in it.blocks()])
+        if len(group) > 1 and not bool(np.all(pos_np[1:] > pos_np[:-1])):
+            order = np.argsort(pos_np, kind="stable")  # items may arrive in any order
+            pos_np, val_np = pos_np[order], val_np[order]
         positions = torch.from_numpy(pos_np).to(self.device)
         values = torch.from_numpy(val_np.view(np.dtype(f"<i{val_np.itemsize}"))
                                   if val_np.itemsize > 1 else val_np).to(self.device)
@@ -330,7 +334,7 @@ class ApplyEngine:
                     "placeholder is NaN; the sender must send it dense."
                 )
             scratch.view(-1).fill_(float("nan"))
-        sbits[positions] = values
+        _put(sbits, positions, values, xor=False)
         report.scatter_s += time.perf_counter() - t0
 
         observed: list[CopySig] = []
@@ -362,8 +366,8 @@ class ApplyEngine:
         finally:
             if masked:
                 scratch.view(torch.uint8).zero_()
-            else:
-                sbits[positions] = 0  # back to all zeros, touching only what we set
+            else:  # back to all zeros, touching only what we set
+                _put(sbits, positions, torch.zeros_like(values), xor=False)
         report.loader_s += time.perf_counter() - t2 - spent
         report.intercept_s += spent
         if tuple(observed) != plan.writes:
@@ -386,17 +390,28 @@ class ApplyEngine:
     def _write_mapped(self, sig: CopySig, dst: torch.Tensor, positions: torch.Tensor,
                       values: torch.Tensor, xor: bool) -> None:
         assert sig.src is not None
-        inside, flat = locate(sig.src, positions)
+        inside, flat = locate(sig.src, positions)  # positions ascend
         if flat.numel() == 0:
             return
         idx = storage_index(sig.dst, flat)
         bits = _bits(dst)
         v = values[inside]
-        before = bits[idx]
-        after = before ^ v if xor else v
-        bits[idx] = after
-        if self.verify and not bool(torch.equal(bits[idx], after)):
+        if self.verify:
+            expect = bits[idx] ^ v if xor else v
+        _put(bits, idx, v, xor=xor)
+        if self.verify and not bool(torch.equal(bits[idx], expect)):
             raise LoaderPathError(f"Post-apply check failed for a write into {sig.storage!r}.")
+
+
+def _put(bits: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, *, xor: bool) -> None:
+    """``bits[idx] = values`` (or ``^=``); on CPU through the codec's bounds-checked kernel."""
+    if bits.device.type == "cpu":
+        _native.scatter(bits.numpy(), bits.element_size(), idx.contiguous().numpy(),
+                        values.contiguous().numpy(), xor)
+    elif xor:
+        bits[idx] = bits[idx] ^ values
+    else:
+        bits[idx] = values
 
 
 def _overlap(views: list[View], others: list[View], *, by: Sequence[CopySig]) -> bool:

@@ -47,6 +47,16 @@ class View:
         return n
 
 
+def is_rowmajor(v: View) -> bool:
+    """Whether the view's elements are contiguous in storage, in row-major order."""
+    expect = 1
+    for size, stride in zip(reversed(v.sizes), reversed(v.strides), strict=True):
+        if size != 1 and stride != expect:
+            return False
+        expect *= size
+    return True
+
+
 def _nested_order(v: View) -> list[int]:
     """Dims by decreasing stride, after checking the strides nest without overlap."""
     dims = [d for d, s in enumerate(v.sizes) if s != 1]
@@ -60,12 +70,16 @@ def _nested_order(v: View) -> list[int]:
     return dims
 
 
-def locate(src: View, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For storage positions, which lie in ``src`` and at which flat (row-major) index.
+def locate(src: View, positions: torch.Tensor) -> tuple[slice | torch.Tensor, torch.Tensor]:
+    """For ascending storage positions, which lie in ``src`` and at which row-major index.
 
-    Returns ``(inside, flat)``: a boolean mask over ``positions`` and, for those inside,
-    their row-major index within the view.
+    Returns ``(inside, flat)``: which of ``positions`` are inside (a slice, or a boolean
+    mask) and, for those, their row-major index within the view.
     """
+    if is_rowmajor(src):  # a contiguous block: binary search, no pass over the rest
+        bounds = torch.tensor([src.offset, src.offset + src.numel], device=positions.device)
+        lo, hi = (int(i) for i in torch.searchsorted(positions, bounds))
+        return slice(lo, hi), positions[lo:hi] - src.offset
     order = _nested_order(src)
     rest = positions - src.offset
     inside = rest >= 0
@@ -84,6 +98,8 @@ def locate(src: View, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 def storage_index(dst: View, flat: torch.Tensor) -> torch.Tensor:
     """Storage indices of row-major positions ``flat`` of the view ``dst``."""
+    if is_rowmajor(dst):
+        return flat + dst.offset
     out = torch.full_like(flat, dst.offset)
     rest = flat
     for d in reversed(range(len(dst.sizes))):
