@@ -26,6 +26,7 @@ lint: install
 
 bench: install
 	$(PY) bench/codec.py
+	$(PY) bench/apply.py
 
 # Regenerate the manifest JSON schema from its pydantic model (a test keeps them in sync).
 schema: install

@@ -222,9 +222,11 @@ class ApplyEngine:
             names = sorted({name for name, _ in writes})
             if len(names) < 2:
                 continue
+            if len(names) > torch.iinfo(torch.int16).max:
+                raise LoaderPathError(f"{len(names)} canonical tensors write {storage!r}.")
             base = tensors[storage]
             size = base.untyped_storage().nbytes() // base.element_size()
-            owner = torch.full((size,), -1, dtype=torch.int32, device=base.device)
+            owner = torch.full((size,), -1, dtype=torch.int16, device=base.device)
             for name, v in writes:
                 me = names.index(name)
                 region = owner.as_strided(v.sizes, v.strides, v.offset)
@@ -428,14 +430,14 @@ def _overlap(views: list[View], others: list[View], *, by: Sequence[CopySig]) ->
     for mine, theirs in groups.values():
         if not mine or len(mine) + len(theirs) < 2:
             continue
-        top = max(1, *(_extent(v) for v in mine + theirs))
-        count = torch.zeros(top, dtype=torch.int16)
+        seen = torch.zeros(max(1, *(_extent(v) for v in mine + theirs)), dtype=torch.bool)
         for v in mine:
-            count.as_strided(v.sizes, v.strides, v.offset).add_(1)
-        if bool((count > 1).any()):
-            return True
+            region = seen.as_strided(v.sizes, v.strides, v.offset)
+            if bool(region.any()):
+                return True
+            region.fill_(True)
         for v in theirs:
-            if bool(count.as_strided(v.sizes, v.strides, v.offset).any()):
+            if bool(seen.as_strided(v.sizes, v.strides, v.offset).any()):
                 return True
     return False
 
