@@ -21,6 +21,7 @@ from dcr.errors import DcrError
 from dcr.files.diff import DiffSettings, MiB, diff_checkpoints
 from dcr.files.inspect import describe, render
 from dcr.files.patch import load_manifest, patch_checkpoint
+from dcr.format.profile import load_profile
 from dcr.transport.store import open_store
 
 EPILOG = """\
@@ -56,6 +57,7 @@ def cmd_diff(args: argparse.Namespace) -> None:
         level=args.level,
         threads=args.threads,
         overwrite=tuple(args.overwrite),
+        profile=load_profile(Path(args.profile)) if args.profile else None,
     )
     store = open_store(args.store)
     t0 = time.perf_counter()
@@ -149,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--threads", type=int, default=2, help="diff threads (default 2)")
     d.add_argument("--overwrite", action="append", default=[], metavar="REGEX",
                    help="tensors (full-match regex) that always travel as overwrites")
+    d.add_argument("--profile", metavar="FILE",
+                   help="merged receiver profile (JSON): per tensor xor, overwrite or dense")
     d.add_argument("--json", action="store_true", help="print one JSON summary object")
     d.set_defaults(func=cmd_diff)
 

@@ -15,6 +15,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 from dcr.apply.engine import ApplyEngine, CanonicalTensor, DuplicatePayload
+from dcr.apply.intercept import LoaderPathError
 from dcr.apply.runtime import HFRuntime
 from dcr.checkpoint import ArrayCheckpoint
 from dcr.files.diff import DiffSettings, diff_checkpoints
@@ -106,3 +107,62 @@ def test_the_same_payload_applied_twice_is_refused() -> None:
     with pytest.raises(DuplicatePayload, match="already applied"):
         engine.apply_payloads(payloads)
     assert all(torch.equal(after[n], t) for n, t in receiver.state_dict().items())
+
+
+def test_a_receiver_that_casts_on_load_is_profiled_overwrite_and_refits_exactly() -> None:
+    """An fp32 receiver of a BF16 checkpoint: every copy converts, XOR cannot apply."""
+    torch.manual_seed(2)
+    master = build("llama", False)
+    receiver = build("llama", False)  # stays fp32: load_state_dict casts BF16 -> fp32
+    runtime = HFRuntime(receiver)
+    old = export(master, False)
+    runtime.load_weights(old.items())
+    engine = ApplyEngine(runtime, verify=True)
+    profile = engine.prewarm(
+        CanonicalTensor(name=n, dtype="BF16", shape=tuple(t.shape)) for n, t in old.items()
+    )
+    assert set(profile.tensors.values()) == {"overwrite"}
+    with torch.no_grad():
+        for p in master.parameters():
+            p.add_(torch.randn_like(p) * 1e-3)
+    new = export(master, False)
+    store = MemoryStore()
+    m = diff_checkpoints(as_source(old), as_source(new), store,
+                         DiffSettings(version=1, base_version=0, profile=profile))
+    engine.apply_payloads([store.get(e.key) for e in m.payloads])
+    dense = build("llama", False)
+    HFRuntime(dense).load_weights(new.items())
+    assert bits_equal(receiver, dense) == []
+
+
+class Rebinding(HFRuntime):
+    """Behaves during prewarm; once armed, swaps the final norm's storage on any load."""
+
+    armed = False
+
+    def load_weights(self, weights):  # type: ignore[no-untyped-def]
+        if self.armed:
+            norm = self.model.model.norm.weight  # type: ignore[union-attr]
+            norm.data = norm.data.clone()
+        return super().load_weights(weights)
+
+
+def test_a_loader_that_replaces_storage_during_apply_fails_loudly() -> None:
+    torch.manual_seed(3)
+    master = build("llama", False)
+    receiver = build("llama", False).to(torch.bfloat16)
+    runtime = Rebinding(receiver)
+    old = export(master, False)
+    runtime.load_weights(old.items())
+    engine = ApplyEngine(runtime)
+    engine.prewarm(CanonicalTensor(name=n, dtype="BF16", shape=tuple(t.shape))
+                   for n, t in old.items())
+    with torch.no_grad():
+        master.model.embed_tokens.weight.add_(0.25)
+    new = export(master, False)
+    store = MemoryStore()
+    m = diff_checkpoints(as_source(old), as_source(new), store,
+                         DiffSettings(version=1, base_version=0))
+    runtime.armed = True
+    with pytest.raises(LoaderPathError, match=r"replaced the storage of \['model.norm.weight'\]"):
+        engine.apply_payloads([store.get(e.key) for e in m.payloads])

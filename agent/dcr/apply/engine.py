@@ -84,6 +84,11 @@ class CopySig:
     def is_fill(self) -> bool:
         return self.src_dtype == "fill"
 
+    @property
+    def mapped(self) -> bool:
+        """A same-dtype copy of a scratch view: positions map one to one."""
+        return self.src is not None and self.src_dtype == self.dst_dtype
+
 
 @dataclass(frozen=True, kw_only=True)
 class TensorPlan:
@@ -184,7 +189,7 @@ class ApplyEngine:
         copies = [s for s in sigs if not s.is_fill]
         if _overlap([s.dst for s in copies], [s.dst for s in sigs if s.is_fill], by=sigs):
             return "dense"  # a constant fill under a copy: only a whole load reproduces it
-        mapped = all(s.src is not None and s.src_dtype == s.dst_dtype for s in copies)
+        mapped = all(s.mapped for s in copies)
         if mapped and not _overlap([s.dst for s in copies], [], by=copies):
             return "xor"
         if mapped:
@@ -328,7 +333,7 @@ class ApplyEngine:
         positions = torch.from_numpy(pos_np).to(self.device)
         values = torch.from_numpy(val_np.view(np.dtype(f"<i{val_np.itemsize}"))
                                   if val_np.itemsize > 1 else val_np).to(self.device)
-        masked = plan.cls == "overwrite" and any(w.src is None for w in plan.writes)
+        masked = plan.cls == "overwrite" and not all(w.mapped or w.is_fill for w in plan.writes)
         if masked:
             if bool(torch.isnan(values.view(scratch.dtype)).any()):
                 raise TargetMismatch(
@@ -350,7 +355,7 @@ class ApplyEngine:
             sig = observed[-1]
             if src is None or plan.cls == "dense":
                 run()  # a constant fill, or a whole-tensor path: as the loader meant it
-            elif sig.src is not None:
+            elif sig.mapped:
                 self._write_mapped(sig, dst, positions, values, xor)
             else:
                 if xor:
@@ -358,7 +363,10 @@ class ApplyEngine:
                 keep = torch.isnan(src) if src.is_floating_point() else None  # placeholders
                 if keep is None:
                     raise LoaderPathError(f"A converting write of {name!r} has no placeholder.")
-                dst.copy_(torch.where(keep, dst, src.to(dst.dtype)))
+                converted = src.to(dst.dtype)
+                dst.copy_(torch.where(keep, dst, converted))
+                if self.verify and not bool(torch.equal(dst[~keep], converted[~keep])):
+                    raise LoaderPathError(f"Post-apply check failed for {storage!r}.")
             spent += time.perf_counter() - t1
 
         t2 = time.perf_counter()

@@ -22,7 +22,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from dcr.errors import ConfigError
 
 TensorClass = Literal["xor", "overwrite", "dense", "skip"]
 _RANK: dict[str, int] = {"skip": 0, "xor": 1, "overwrite": 2, "dense": 3}
@@ -35,12 +37,13 @@ class ReceiverProfile(BaseModel):
     version: Literal[1] = 1
     tensors: dict[str, TensorClass]
 
-    def save(self, path: Path) -> None:
-        path.write_text(self.model_dump_json(indent=1))
 
-    @classmethod
-    def load(cls, path: Path) -> ReceiverProfile:
-        return cls.model_validate_json(path.read_text())
+def load_profile(path: Path) -> ReceiverProfile:
+    """Read a profile file, or fail naming it."""
+    try:
+        return ReceiverProfile.model_validate_json(path.read_bytes())
+    except (OSError, ValidationError) as e:
+        raise ConfigError(f"Receiver profile {path} is unreadable or invalid: {e}") from e
 
 
 def merge(profiles: Iterable[ReceiverProfile]) -> ReceiverProfile:
