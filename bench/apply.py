@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 from dcr.apply.engine import ApplyEngine, CanonicalTensor
 from dcr.apply.runtime import HFRuntime
@@ -135,6 +135,46 @@ def bit_exact_run(cfg: ReferenceConfig, tp: int, ep: bool, mode: str, steps: int
     return True
 
 
+def hf_bit_exact_run(kind: str, mode: str, steps: int) -> bool:
+    """The same check through transformers models (HFRuntime, load_state_dict)."""
+    small = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+    def build() -> torch.nn.Module:
+        if kind == "llama":
+            return LlamaForCausalLM(LlamaConfig(**small))
+        return MixtralForCausalLM(MixtralConfig(**small, num_local_experts=4,
+                                                num_experts_per_tok=2))
+
+    torch.manual_seed(0)
+    master = build()
+    opt = torch.optim.AdamW(master.parameters(), lr=1e-4)
+    export = lambda: {n: t.detach().to(torch.bfloat16)  # noqa: E731
+                      for n, t in master.state_dict().items()}
+    old = export()
+    receiver = build().to(torch.bfloat16)
+    runtime = HFRuntime(receiver)
+    runtime.load_weights(old.items())
+    engine = ApplyEngine(runtime)
+    profile = engine.prewarm(canonical(old))
+    store = MemoryStore()
+    for v in range(1, steps + 1):
+        tokens = torch.randint(0, 128, (2, 16))
+        loss = master(input_ids=tokens, labels=tokens).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        new = export()
+        m = diff_checkpoints(source(old), source(new), store, DiffSettings(
+            version=v, base_version=v - 1, mode=mode, profile=profile))  # type: ignore[arg-type]
+        engine.apply_payloads([store.get(x.key) for x in m.payloads])
+        old = new
+    dense = build().to(torch.bfloat16)
+    HFRuntime(dense).load_weights(old.items())
+    a, b = receiver.state_dict(), dense.state_dict()
+    return all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a)
+
+
 def coverage_rows(cfgs: dict[str, ReferenceConfig]) -> dict[str, dict[str, float]]:
     rows = {}
     for label, cfg in cfgs.items():
@@ -193,6 +233,11 @@ def main() -> None:
                     key = f"{label} TP{tp} EP{'on' if ep else 'off'} {mode}"
                     exact[key] = bit_exact_run(cfg, tp, ep, mode, steps)
                     print(f"{key}: {steps} steps bit-exact = {exact[key]}", file=sys.stderr)
+    for kind in ("llama", "mixtral"):
+        for mode in ("mixed", "overwrite"):
+            key = f"transformers {kind} {mode}"
+            exact[key] = hf_bit_exact_run(kind, mode, steps)
+            print(f"{key}: {steps} steps bit-exact = {exact[key]}", file=sys.stderr)
     cov = coverage_rows(cfgs)
     for label, c in cov.items():
         print(f"coverage {label}: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in c.items()))
