@@ -113,12 +113,18 @@ class MemoryStore:
 
 
 def open_store(uri: str) -> Store:
-    """Open a store from a URI: ``file:///abs/path`` or a plain path."""
+    """Open a store from a URI: ``file:///abs/path``, a plain path or ``s3://bucket/prefix``."""
     parsed = urlparse(uri)
+    if parsed.scheme == "s3":
+        from dcr.transport.s3 import S3Store  # here: boto3 loads only when S3 is used
+
+        return S3Store(uri)
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):
             raise ConfigError(f"Store URI {uri!r}: file URIs take no host.")
         return FileStore(Path(unquote(parsed.path)))
     if parsed.scheme == "":
         return FileStore(Path(uri).absolute())
-    raise ConfigError(f"Store URI {uri!r}: scheme {parsed.scheme!r} is not supported (use file://).")
+    raise ConfigError(
+        f"Store URI {uri!r}: scheme {parsed.scheme!r} is not supported (use file:// or s3://)."
+    )
