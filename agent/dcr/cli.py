@@ -1,4 +1,4 @@
-"""The ``dcr`` command line: diff, patch, inspect, demo.
+"""The ``dcr`` command line: diff, patch, inspect, demo, relay.
 
 Exit status: 0 on success, 1 when DCR refuses or fails (the message names the value),
 2 for usage errors. With ``--json`` a command prints exactly one JSON object on stdout
@@ -30,6 +30,8 @@ examples:
   dcr patch rollout/ckpt --store file:///tmp/deltas --version 2
   dcr inspect --store file:///tmp/deltas --version 2
   dcr demo
+  dcr relay --listen 0.0.0.0:8470 --members r0:8470,r1:8470,r2:8470 --index 1 \
+            --fanout 2 --token-file /etc/dcr/token
 """
 
 
@@ -128,6 +130,37 @@ def cmd_demo(args: argparse.Namespace) -> None:
     run_demo(Path(args.out), steps=args.steps, seed=args.seed)
 
 
+def cmd_relay(args: argparse.Namespace) -> None:
+    import logging
+
+    from dcr.errors import ConfigError
+    from dcr.transport.relay import RelaySettings, run_relay
+
+    try:
+        token = Path(args.token_file).read_text().strip()
+    except OSError as e:
+        raise ConfigError(f"Cannot read the relay token file {args.token_file!r}: {e}.") from e
+    settings = RelaySettings(
+        members=tuple(m.strip() for m in args.members.split(",") if m.strip()),
+        index=args.index,
+        fanout=args.fanout,
+        token=token,
+        listen=args.listen,
+        budget_bytes=args.budget_mib * MiB,
+        spool_dir=Path(args.spool) if args.spool else None,
+        spool_budget_bytes=args.spool_budget_mib * MiB,
+        admit_timeout_s=args.admit_timeout_s,
+        parent_timeout_s=args.parent_timeout_s,
+        health_interval_s=args.health_interval_s,
+        resync_interval_s=args.resync_interval_s,
+    )
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    run_relay(settings)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dcr",
@@ -174,6 +207,34 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--steps", type=int, default=3, help="optimizer steps to refit (default 3)")
     dm.add_argument("--seed", type=int, default=0)
     dm.set_defaults(func=cmd_demo)
+
+    r = sub.add_parser("relay", help="run one relay tree node until SIGTERM")
+    r.add_argument("--listen", required=True, metavar="HOST:PORT", help="address to bind")
+    r.add_argument("--members", required=True, metavar="H:P,H:P,...",
+                   help="every node's address in tree order; the first is the root")
+    r.add_argument("--index", type=int, required=True, metavar="I",
+                   help="this node's position in --members")
+    r.add_argument("--fanout", type=int, default=2, metavar="K",
+                   help="children per node (default 2)")
+    r.add_argument("--token-file", required=True, metavar="PATH",
+                   help="file holding the bearer token every node and client shares")
+    r.add_argument("--spool", metavar="DIR",
+                   help="directory for staged bytes beyond the memory budget (default: none)")
+    r.add_argument("--budget-mib", type=int, default=1024, metavar="N",
+                   help="staged MiB held in memory (default 1024)")
+    r.add_argument("--spool-budget-mib", type=int, default=64 * 1024, metavar="N",
+                   help="staged MiB held in --spool (default 65536)")
+    r.add_argument("--admit-timeout-s", type=float, default=30.0, metavar="S",
+                   help="how long an upload waits for staging space before 503 (default 30)")
+    r.add_argument("--parent-timeout-s", type=float, default=1.0, metavar="S",
+                   help="parent unreachable this long -> re-attach to an ancestor (default 1)")
+    r.add_argument("--health-interval-s", type=float, default=0.25, metavar="S",
+                   help="how often the parent is probed (default 0.25)")
+    r.add_argument("--resync-interval-s", type=float, default=10.0, metavar="S",
+                   help="how often a node sends its parent the ids it holds, so the parent "
+                        "re-sends what it missed (default 10)")
+    r.add_argument("--verbose", action="store_true", help="log every payload (DEBUG)")
+    r.set_defaults(func=cmd_relay)
     return p
 
 

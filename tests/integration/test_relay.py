@@ -1,0 +1,634 @@
+"""The relay tree as real processes on loopback: ``python -m dcr relay`` per member.
+
+Payloads are real (built with ``dcr.codec.encode``), a few MiB of incompressible XOR
+masks each. Every check reads the nodes' own answers (``GET`` of the bytes, listings,
+``/healthz`` and ``/v1/status``), never their internals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import pytest
+
+from dcr.codec.encode import PayloadBuilder, diff_range, encode_item
+from dcr.format.dtypes import dtype
+from dcr.format.manifest import Manifest, PayloadEntry, Stats
+from dcr.transport.relay import (
+    RelayClient,
+    RelayError,
+    RelayNotFound,
+    ancestors_of,
+    children_of,
+    depth_of,
+    parent_of,
+    tree_depth,
+)
+
+TOKEN = "relay-test-token-7f2c"
+ELEMENTS = 1_500_000  # BF16 elements per payload, all changed: about 3 MiB of masks
+
+
+# --- payloads -----------------------------------------------------------------------
+
+
+def make_payload(attempt: str, owner: int, seq: int, *, elements: int = ELEMENTS,
+                 salt: int = 0) -> bytes:
+    """A sealed payload whose every element changed (random masks: no compression)."""
+    rng = np.random.default_rng([owner, seq, salt, len(attempt)])
+    base = rng.integers(0, 1 << 16, elements, dtype=np.uint16)
+    target = base ^ rng.integers(1, 1 << 16, elements, dtype=np.uint16)
+    d = diff_range(name=f"model.layers.{owner}.w{seq}", dtype=dtype("BF16"), shape=(elements,),
+                   start=0, base=base, target=target, entry="xor")
+    assert d is not None
+    pb = PayloadBuilder(base_version=1, target_version=2, attempt=attempt, owner=owner,
+                        seq=seq, mode="mixed")
+    pb.add(encode_item(d), dense_bytes=base.nbytes)
+    return pb.seal()
+
+
+def make_manifest(attempt: str, payloads: dict[tuple[int, int], bytes]) -> bytes:
+    entries = tuple(
+        PayloadEntry(key=f"v0000000002/{attempt}/o{o:04d}-s{s:06d}.dcrp", owner=o, seq=s,
+                     size=len(data), digest=_digest(data), items=1, records=ELEMENTS)
+        for (o, s), data in sorted(payloads.items())
+    )
+    total = sum(len(d) for d in payloads.values())
+    stats = Stats(tensors=len(entries), changed_elements=ELEMENTS * len(entries),
+                  total_elements=ELEMENTS * len(entries),
+                  dense_bytes=2 * ELEMENTS * len(entries), payload_bytes=total)
+    return Manifest(base_version=1, target_version=2, attempt=attempt, mode="mixed",
+                    payloads=entries, tensors=(), stats=stats).to_json()
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+async def slow_body(data: bytes, *, piece: int = 64 << 10,
+                    pause_at: int | None = None,
+                    pause: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[bytes]:
+    """``data`` in pieces; at byte ``pause_at`` it waits for ``pause()`` before going on."""
+    for off in range(0, len(data), piece):
+        if pause is not None and pause_at is not None and off >= pause_at:
+            await pause()
+            pause = None
+        yield data[off : off + piece]
+        await asyncio.sleep(0)
+
+
+# --- processes ----------------------------------------------------------------------
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass
+class Tree:
+    """Relay processes on loopback; ``urls[i]`` is member ``i``."""
+
+    root_dir: Path
+    ports: list[int]
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{p}" for p in self.ports]
+
+    def log(self, i: int, tail: int = 3000) -> str:
+        return (self.root_dir / f"member-{i}.log").read_text(errors="replace")[-tail:]
+
+    def kill(self, i: int) -> None:
+        self.procs[i].send_signal(signal.SIGKILL)
+        self.procs[i].wait(5)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+
+
+def start_tree(root_dir: Path, n: int, fanout: int, *extra: str) -> Tree:
+    root_dir.mkdir(parents=True, exist_ok=True)
+    token_file = root_dir / "token"
+    token_file.write_text(TOKEN + "\n")
+    tree = Tree(root_dir, free_ports(n))
+    members = ",".join(f"127.0.0.1:{p}" for p in tree.ports)
+    for i, port in enumerate(tree.ports):
+        with open(root_dir / f"member-{i}.log", "wb") as log:
+            tree.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "dcr", "relay", "--listen", f"127.0.0.1:{port}",
+                 "--members", members, "--index", str(i), "--fanout", str(fanout),
+                 "--token-file", str(token_file), *extra],
+                stdout=log, stderr=subprocess.STDOUT,
+            ))
+    try:
+        asyncio.run(_wait_ready(tree))
+    except BaseException:
+        tree.stop()
+        raise
+    return tree
+
+
+async def _wait_ready(tree: Tree) -> None:
+    async def ready(c: RelayClient) -> bool:
+        try:
+            return bool((await c.health(timeout_s=1))["joined"])
+        except RelayError:
+            return False
+
+    async with Clients(tree) as cs:
+        for i, c in enumerate(cs):
+            await until(lambda c=c: ready(c), 20, f"member {i} up", tree)
+
+
+class Clients(list[RelayClient]):
+    """One client per member, closed together."""
+
+    def __init__(self, tree: Tree, token: str = TOKEN) -> None:
+        super().__init__(RelayClient(u, token) for u in tree.urls)
+
+    async def __aenter__(self) -> Clients:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for c in self:
+            await c.close()
+
+
+async def until(pred: Callable[[], Awaitable[bool]], timeout: float, what: str,
+                tree: Tree | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while not await pred():
+        if time.monotonic() > deadline:
+            logs = "" if tree is None else "\n".join(
+                f"--- member {i}\n{tree.log(i)}" for i in range(len(tree.ports)))
+            pytest.fail(f"timed out after {timeout} s waiting for {what}\n{logs}")
+        await asyncio.sleep(0.05)
+
+
+async def holds(c: RelayClient, attempt: str, count: int, manifest: bool = False) -> bool:
+    """Whether member ``c`` lists ``count`` payloads of ``attempt`` (and its manifest)."""
+    if len(await c.list_payloads(attempt)) < count:
+        return False
+    if manifest:
+        try:
+            await c.get_manifest(attempt)
+        except RelayNotFound:
+            return False
+    return True
+
+
+class Counts(dict[str, int]):
+    def __missing__(self, key: str) -> int:
+        return 0
+
+
+async def counters(c: RelayClient) -> Counts:
+    return Counts((await c.status())["counters"])
+
+
+@pytest.fixture(scope="module")
+def tree7(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tree]:
+    """Seven members, fan-out 2: root 0; 1 and 2; leaves 3, 4, 5, 6."""
+    tree = start_tree(tmp_path_factory.mktemp("relay7"), 7, 2)
+    yield tree
+    tree.stop()
+
+
+@pytest.fixture
+def trees(tmp_path: Path) -> Iterator[Callable[..., Tree]]:
+    """``trees(n, fanout, *extra_args)`` starts a tree stopped at teardown."""
+    started: list[Tree] = []
+
+    def start(n: int, fanout: int, *extra: str) -> Tree:
+        started.append(start_tree(tmp_path / f"tree{len(started)}", n, fanout, *extra))
+        return started[-1]
+
+    yield start
+    for t in started:
+        t.stop()
+
+
+# --- tree math ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fanout", [2, 3])
+@pytest.mark.parametrize("size", [1, 2, 7, 13, 14, 40])
+def test_tree_math_reaches_every_member_once_with_log_depth(fanout: int, size: int) -> None:
+    seen = [0]
+    frontier = [0]
+    while frontier:
+        nxt = [c for p in frontier for c in children_of(p, fanout, size)]
+        for c in nxt:
+            assert parent_of(c, fanout) in frontier
+        seen += nxt
+        frontier = nxt
+    assert sorted(seen) == list(range(size))  # reachable, and each exactly once
+    for i in range(size):
+        assert len(children_of(i, fanout, size)) <= fanout
+        assert depth_of(i, fanout) == len(ancestors_of(i, fanout))
+        assert (ancestors_of(i, fanout) or [0])[-1] == 0
+    want = math.ceil(math.log(size * (fanout - 1) + 1, fanout)) - 1
+    assert tree_depth(size, fanout) == want
+
+
+def test_tree_math_examples() -> None:
+    assert parent_of(0, 2) is None
+    assert list(children_of(0, 2, 7)) == [1, 2]
+    assert list(children_of(2, 2, 7)) == [5, 6]
+    assert list(children_of(3, 2, 7)) == []
+    assert ancestors_of(6, 2) == [2, 0]
+    assert tree_depth(7, 2) == 2
+    assert tree_depth(8, 2) == 3
+    assert list(children_of(1, 3, 13)) == [4, 5, 6]
+    assert list(children_of(3, 3, 11)) == [10]
+    assert parent_of(12, 3) == 3
+    assert tree_depth(13, 3) == 2
+    assert tree_depth(14, 3) == 3
+
+
+# --- the tree -----------------------------------------------------------------------
+
+
+def test_fan_out_over_three_levels_delivers_every_payload_and_manifest_intact(
+    tree7: Tree,
+) -> None:
+    attempt = "a-fanout"
+    payloads = {(o, s): make_payload(attempt, o, s) for o in range(2) for s in range(3)}
+    manifest = make_manifest(attempt, payloads)
+
+    async def scenario() -> None:
+        async with Clients(tree7) as cs:
+            got = await asyncio.gather(*(cs[0].put_payload(attempt, o, s, data)
+                                         for (o, s), data in payloads.items()))
+            assert got == ["queued"] * len(payloads)
+            assert await cs[0].put_manifest(attempt, manifest) == "queued"
+            for i, c in enumerate(cs):
+                await until(lambda c=c: holds(c, attempt, len(payloads), manifest=True),
+                            20, f"member {i} to hold the attempt", tree7)
+            for i, c in enumerate(cs):
+                listing = await c.list_payloads(attempt)
+                assert {(p.owner, p.seq): (p.size, p.digest) for p in listing} == {
+                    k: (len(d), _digest(d)) for k, d in payloads.items()
+                }, f"member {i}"
+                for (o, s), data in payloads.items():
+                    assert await c.get_payload(attempt, o, s) == data, f"member {i} {o}/{s}"
+                assert await c.get_manifest(attempt) == manifest, f"member {i}"
+                h = await c.health()
+                assert h["status"] == "ok"
+                assert h["parent"] == parent_of(i, 2)
+
+    asyncio.run(scenario())
+
+
+def test_payload_reaches_a_leaf_before_the_owner_finishes_sending_it(tree7: Tree) -> None:
+    attempt, leaf = "a-stream", 6  # root -> 2 -> 6
+    data = make_payload(attempt, 0, 0)
+    seen_at_leaf: list[int] = []
+
+    async def scenario() -> None:
+        async with Clients(tree7) as cs:
+            async def leaf_has_bytes() -> bool:
+                arriving = (await cs[leaf].status())["arriving"]
+                got = [a["received"] for a in arriving if a["attempt"] == attempt]
+                seen_at_leaf.extend(g for g in got if g > 0)
+                return bool(seen_at_leaf)
+
+            async def pause() -> None:  # the owner holds back the second half until then
+                await until(leaf_has_bytes, 10, "the leaf to receive the first bytes", tree7)
+
+            body = slow_body(data, pause_at=len(data) // 2, pause=pause)
+            assert await cs[0].put_payload(attempt, 0, 0, body, size=len(data)) == "queued"
+            await until(lambda: holds(cs[leaf], attempt, 1), 10, "the leaf to stage it")
+            assert await cs[leaf].get_payload(attempt, 0, 0) == data
+
+    asyncio.run(scenario())
+    # The leaf, two hops down, held bytes while the owner had sent only half: cut-through.
+    assert 0 < seen_at_leaf[0] <= len(data) // 2 + (64 << 10)
+
+
+def test_corrupted_payload_is_refused_at_the_root_and_kept_nowhere(tree7: Tree) -> None:
+    attempt = "a-corrupt"
+    data = bytearray(make_payload(attempt, 0, 0))
+    data[len(data) // 2] ^= 0x01
+
+    async def scenario() -> None:
+        async with Clients(tree7) as cs:
+            with pytest.raises(RelayError, match="digest mismatch") as e:
+                await cs[0].put_payload(attempt, 0, 0, bytes(data))
+            assert e.value.status == 400
+            for i, c in enumerate(cs):
+                async def settled(c: RelayClient = c) -> bool:
+                    return not (await c.status())["arriving"]
+                await until(settled, 5, f"member {i} to drop the partial copy", tree7)
+                assert await c.list_payloads(attempt) == [], f"member {i}"
+
+    asyncio.run(scenario())
+
+
+def test_payload_whose_header_names_another_id_is_refused(tree7: Tree) -> None:
+    attempt = "a-mismatch"
+    data = make_payload(attempt, 0, 5, elements=10_000)
+
+    async def scenario() -> None:
+        async with Clients(tree7) as cs:
+            with pytest.raises(RelayError, match="header says") as e:
+                await cs[0].put_payload(attempt, 0, 6, data)
+            assert e.value.status == 400
+            with pytest.raises(RelayError) as e:
+                await cs[0].put_payload("a-other", 0, 5, data)
+            assert e.value.status == 400
+            await asyncio.sleep(0.3)
+            for c in cs:
+                assert await c.list_payloads(attempt) == []
+                assert (await c.status())["arriving"] == []
+
+    asyncio.run(scenario())
+
+
+def test_duplicate_is_acknowledged_but_not_forwarded_again(tree7: Tree) -> None:
+    attempt = "a-dup"
+    data = make_payload(attempt, 1, 1)
+
+    async def scenario() -> None:
+        async with Clients(tree7) as cs:
+            assert await cs[0].put_payload(attempt, 1, 1, data) == "queued"
+            for i, c in enumerate(cs):
+                await until(lambda c=c: holds(c, attempt, 1), 10, f"member {i}", tree7)
+            before = [await counters(c) for c in cs]
+            assert await cs[0].put_payload(attempt, 1, 1, data) == "duplicate"
+            await asyncio.sleep(0.5)
+            after = [await counters(c) for c in cs]
+            assert after[0]["duplicates"] == before[0]["duplicates"] + 1
+            assert after[0]["forwards"] == before[0]["forwards"]
+            assert after[0]["staged"] == before[0]["staged"]
+            for i in range(1, 7):  # nothing reached the rest of the tree
+                assert after[i] == before[i], f"member {i}"
+
+    asyncio.run(scenario())
+
+
+def test_same_id_with_other_bytes_is_a_conflict(tree7: Tree) -> None:
+    attempt = "a-conflict"
+    first = make_payload(attempt, 2, 0, elements=50_000)
+    other = make_payload(attempt, 2, 0, elements=50_000, salt=1)
+    assert first != other
+
+    async def scenario() -> None:
+        async with Clients(tree7) as cs:
+            assert await cs[0].put_payload(attempt, 2, 0, first) == "queued"
+            with pytest.raises(RelayError, match="other bytes") as e:
+                await cs[0].put_payload(attempt, 2, 0, other)
+            assert e.value.status == 409
+            for i, c in enumerate(cs):
+                await until(lambda c=c: holds(c, attempt, 1), 10, f"member {i}", tree7)
+                assert await c.get_payload(attempt, 2, 0) == first
+
+    asyncio.run(scenario())
+
+
+def test_every_endpoint_but_healthz_needs_the_token(tree7: Tree) -> None:
+    data = make_payload("a-auth", 0, 0, elements=1000)
+    url = tree7.urls[1]
+    calls = [
+        ("GET", "/v1/attempts/a-auth/payloads", None),
+        ("GET", "/v1/payloads/a-auth/0/0", None),
+        ("PUT", "/v1/payloads/a-auth/0/0", data),
+        ("PUT", "/v1/manifests/a-auth", b"{}"),
+        ("GET", "/v1/manifests/a-auth", None),
+        ("DELETE", "/v1/attempts/a-auth", None),
+        ("POST", "/v1/subscribe", b'{"index": 3}'),
+        ("GET", "/v1/status", None),
+    ]
+
+    async def scenario() -> None:
+        async with aiohttp.ClientSession() as http:
+            for auth in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+                for method, path, body in calls:
+                    async with http.request(method, url + path, data=body, headers=auth) as r:
+                        assert r.status == 401, (method, path, auth)
+                        assert r.headers["WWW-Authenticate"] == "Bearer"
+                        assert TOKEN not in await r.text()
+            async with http.get(url + "/healthz") as r:
+                assert r.status == 200
+        async with RelayClient(url, "not-the-token") as c:
+            with pytest.raises(RelayError) as e:
+                await c.put_payload("a-auth", 0, 0, data)
+            assert e.value.status == 401
+        async with RelayClient(url, TOKEN) as c:
+            assert await c.list_payloads("a-auth") == []
+        assert TOKEN not in tree7.log(1, tail=1 << 30)
+
+    asyncio.run(scenario())
+
+
+# --- failures -----------------------------------------------------------------------
+
+
+def test_children_of_a_killed_interior_node_reattach_and_get_every_payload_once(
+    trees: Callable[..., Tree],
+) -> None:
+    tree = trees(7, 2, "--parent-timeout-s", "1", "--health-interval-s", "0.2")
+    attempt, victim, orphans = "a-fail", 1, (3, 4)
+    payloads = {(0, s): make_payload(attempt, 0, s, elements=700_000) for s in range(5)}
+    manifest = make_manifest(attempt, payloads)
+    alive = [i for i in range(7) if i != victim]
+
+    async def scenario() -> None:
+        async with Clients(tree) as cs:
+            for s in (0, 1):  # before the failure
+                assert await cs[0].put_payload(attempt, 0, s, payloads[0, s]) == "queued"
+            for i, c in enumerate(cs):
+                await until(lambda c=c: holds(c, attempt, 2), 10, f"member {i}", tree)
+
+            async def orphan_receiving() -> bool:
+                arriving = (await cs[3].status())["arriving"]
+                return any(a["seq"] == 2 and a["received"] > 0 for a in arriving)
+
+            async def kill_mid_payload() -> None:
+                await until(orphan_receiving, 10, "member 3 to receive payload 2", tree)
+                tree.kill(victim)
+
+            body = slow_body(payloads[0, 2], pause_at=len(payloads[0, 2]) // 2,
+                             pause=kill_mid_payload)
+            assert await cs[0].put_payload(attempt, 0, 2, body,
+                                           size=len(payloads[0, 2])) == "queued"
+            for s in (3, 4):  # after the failure
+                assert await cs[0].put_payload(attempt, 0, s, payloads[0, s]) == "queued"
+            assert await cs[0].put_manifest(attempt, manifest) == "queued"
+
+            for i in orphans:
+                async def adopted(c: RelayClient = cs[i]) -> bool:
+                    return (await c.health())["parent"] == 0
+                await until(adopted, 10, f"member {i} to re-attach to the root", tree)
+            for i in alive:
+                await until(lambda c=cs[i]: holds(c, attempt, 5, manifest=True), 15,
+                            f"member {i} to hold every payload", tree)
+            for i in alive:
+                listing = await cs[i].list_payloads(attempt)
+                assert sorted((p.owner, p.seq) for p in listing) == sorted(payloads)
+                for (o, s), data in payloads.items():
+                    assert await cs[i].get_payload(attempt, o, s) == data
+                assert await cs[i].get_manifest(attempt) == manifest
+            for i in orphans:  # each payload and the manifest staged exactly once
+                c = await counters(cs[i])
+                assert c["staged"] == len(payloads) + 1, (i, c)
+                assert (await cs[i].health())["status"] == "ok"
+            assert set(orphans) <= set((await cs[0].health())["children"])
+
+            tree.kill(0)  # now no ancestor of 2, 3 or 4 is left
+            for i in (2, 3, 4):
+                async def detached(c: RelayClient = cs[i]) -> bool:
+                    return (await c.health())["status"] == "detached"
+                await until(detached, 10, f"member {i} to report detached", tree)
+
+    asyncio.run(scenario())
+
+
+def test_a_member_that_lost_a_payload_gets_it_back_on_its_next_resync(
+    trees: Callable[..., Tree],
+) -> None:
+    tree = trees(2, 2, "--resync-interval-s", "0.5")
+    data = make_payload("a-resync", 3, 1, elements=200_000)
+
+    async def scenario() -> None:
+        async with Clients(tree) as cs:
+            assert await cs[0].put_payload("a-resync", 3, 1, data) == "queued"
+            await until(lambda: holds(cs[1], "a-resync", 1), 10, "member 1", tree)
+            assert await cs[1].delete_attempt("a-resync") == 1  # a leaf: only its own copy
+            assert await cs[1].list_payloads("a-resync") == []
+            await until(lambda: holds(cs[1], "a-resync", 1), 5, "the resync", tree)
+            assert await cs[1].get_payload("a-resync", 3, 1) == data
+
+    asyncio.run(scenario())
+
+
+# --- staging budget -----------------------------------------------------------------
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_tiny_budget_without_spool_bounds_staging_and_makes_uploads_wait(
+    trees: Callable[..., Tree],
+) -> None:
+    budget = 4 << 20
+    tree = trees(1, 2, "--budget-mib", "4", "--admit-timeout-s", "1.5")
+    old = {s: make_payload("bp-old", 0, s, elements=700_000) for s in range(2)}
+    late = make_payload("bp-new", 0, 0, elements=700_000)
+    big = make_payload("bp-flood", 0, 0, elements=2_000_000)  # ~4 MiB: fits no budget left
+    flood = 12  # uploads of ``big`` under ids (0, 0..11): a node must refuse them unread,
+    # so it never sees that the header names seq 0 (if it read them: 400, not 503)
+    huge = make_payload("bp-huge", 0, 0, elements=2_500_000)
+    old_bytes = sum(len(d) for d in old.values())
+    assert old_bytes <= budget < old_bytes + len(late)
+    samples: list[dict[str, Any]] = []
+    pid = tree.procs[0].pid
+
+    async def scenario() -> None:
+        async with Clients(tree) as (c,):
+            for s, data in old.items():
+                assert await c.put_payload("bp-old", 0, s, data) == "queued"
+            with pytest.raises(RelayError) as e:
+                await c.put_payload("bp-huge", 0, 0, huge)
+            assert e.value.status == 413
+
+            rss_before = _rss_bytes(pid)
+            t0 = time.monotonic()
+            uploads = asyncio.gather(*(c.put_payload("bp-flood", 0, s, big)
+                                       for s in range(flood)), return_exceptions=True)
+            while not uploads.done():
+                samples.append({**await c.health(), "rss": _rss_bytes(pid) - rss_before})
+                await asyncio.sleep(0.05)
+            results = await uploads
+            assert all(isinstance(r, RelayError) and r.status == 503 for r in results), results
+            assert time.monotonic() - t0 >= 1.4
+
+            # A waiting upload goes ahead as soon as an obsolete attempt frees space.
+            waiting = asyncio.ensure_future(c.put_payload("bp-new", 0, 0, late))
+            await until(lambda: _waiting(c), 1, "the upload to wait")
+            assert await c.delete_attempt("bp-old") == 2
+            assert await waiting == "queued"
+            assert await c.get_payload("bp-new", 0, 0) == late
+            assert await c.list_payloads("bp-old") == []
+
+    asyncio.run(scenario())
+    assert max(s["waiting"] for s in samples) == flood
+    assert all(s["staged_bytes"] == old_bytes for s in samples)
+    assert all(s["memory_bytes"] <= budget and s["spool_bytes"] == 0 for s in samples)
+    # While they wait, the node holds socket buffers (about 0.5 MiB each), not the bodies.
+    growth = max(s["rss"] for s in samples if s["waiting"] == flood)
+    assert growth < flood * len(big) // 4, growth
+
+
+async def _waiting(c: RelayClient) -> bool:
+    return bool((await c.health())["waiting"])
+
+
+def test_beyond_the_memory_budget_payloads_spill_to_the_spool_and_read_back(
+    trees: Callable[..., Tree], tmp_path: Path,
+) -> None:
+    spool = tmp_path / "spool"
+    tree = trees(2, 2, "--budget-mib", "3", "--spool", str(spool))
+    payloads = {s: make_payload("sp", 0, s, elements=700_000) for s in range(4)}
+
+    async def scenario() -> None:
+        async with Clients(tree) as cs:
+            for s, data in payloads.items():
+                assert await cs[0].put_payload("sp", 0, s, data) == "queued"
+            h = await cs[0].health()
+            assert h["memory_bytes"] <= 3 << 20
+            assert h["spool_bytes"] > 0
+            assert h["memory_bytes"] + h["spool_bytes"] == sum(map(len, payloads.values()))
+            root_spool = [f for f in spool.glob("relay-0-*/*") if f.is_file()]  # member 0's own
+            assert sum(f.stat().st_size for f in root_spool) == h["spool_bytes"]
+            await until(lambda: holds(cs[1], "sp", 4), 10, "member 1 to hold them", tree)
+            for c in cs:
+                for s, data in payloads.items():
+                    assert await c.get_payload("sp", 0, s) == data
+            # A subscriber that lacks them is replayed from memory and spool alike.
+            assert await cs[1].delete_attempt("sp") == 4
+            assert await cs[1].list_payloads("sp") == []
+            assert (await cs[0].subscribe(1, {}, []))["replaying"] == 4
+            await until(lambda: holds(cs[1], "sp", 4), 10, "the replay", tree)
+            for s, data in payloads.items():
+                assert await cs[1].get_payload("sp", 0, s) == data
+            assert await cs[0].delete_attempt("sp") == 4
+            assert not [f for f in spool.glob("relay-0-*/*") if f.is_file()]
+            assert (await cs[0].health())["staged_bytes"] == 0
+
+    asyncio.run(scenario())
+    assert os.path.isdir(spool)
