@@ -5,6 +5,9 @@ training side; N rollout nodes each reach the training side through their own em
 link (``bench/linkemu.py``: a bandwidth cap and a propagation delay). Local links
 inside the rollout side are loopback, unshaped.
 
+With ``--topology shared`` all nodes share one boundary link instead (an inter-region
+pipe), which is where sending each payload across once pays off.
+
 Three ways to get version 1 of a 1 GiB BF16 checkpoint (3% of elements changed) onto
 every node, each measured end to end (publish, then all nodes done), side by side:
 
@@ -275,25 +278,33 @@ class RelayPush:
 # --- the three ways ------------------------------------------------------------------
 
 
-def run_full(procs: Procs, s3_port: int, v1: Path, n: int, mbit: float, rtt: float
-             ) -> dict[str, Any]:
-    links = [start_link(procs, s3_port, mbit, rtt) for _ in range(n)]
-    nodes = start_nodes(procs, n, "full", v1, [f"127.0.0.1:{p}" for _, p in links])
+def node_links(procs: Procs, s3_port: int, n: int, mbit: float, rtt: float, shared: bool
+               ) -> tuple[list[subprocess.Popen[str]], list[str]]:
+    """Each node's way to the training side: its own link, or one link they all share."""
+    links = [start_link(procs, s3_port, mbit, rtt) for _ in range(1 if shared else n)]
+    endpoints = [f"127.0.0.1:{links[0 if shared else i][1]}" for i in range(n)]
+    return [p for p, _ in links], endpoints
+
+
+def run_full(procs: Procs, s3_port: int, v1: Path, n: int, mbit: float, rtt: float,
+             shared: bool) -> dict[str, Any]:
+    links, endpoints = node_links(procs, s3_port, n, mbit, rtt, shared)
+    nodes = start_nodes(procs, n, "full", v1, endpoints)
     os.environ.update(s3_env(s3_port))
     t0 = time.perf_counter()
     open_store(f"s3://{BUCKET}/full").put("v1.safetensors", v1.read_bytes())
     publish = time.perf_counter() - t0
     results = go(nodes)
     total = publish + max(r["seconds"] for r in results)
-    crossed = sum(link_bytes(p)[1] for p, _ in links)
+    crossed = sum(link_bytes(p)[1] for p in links)
     return {"publish_s": publish, "nodes": results, "total_s": total,
             "boundary_bytes": crossed}
 
 
 def run_dcr_s3(procs: Procs, s3_port: int, v0: Path, v1: Path, n: int, mbit: float,
-               rtt: float) -> dict[str, Any]:
-    links = [start_link(procs, s3_port, mbit, rtt) for _ in range(n)]
-    nodes = start_nodes(procs, n, "dcr-s3", v0, [f"127.0.0.1:{p}" for _, p in links])
+               rtt: float, shared: bool) -> dict[str, Any]:
+    links, endpoints = node_links(procs, s3_port, n, mbit, rtt, shared)
+    nodes = start_nodes(procs, n, "dcr-s3", v0, endpoints)
     os.environ.update(s3_env(s3_port))
     t0 = time.perf_counter()
     with Checkpoint(v0) as b, Checkpoint(v1) as t:
@@ -302,7 +313,7 @@ def run_dcr_s3(procs: Procs, s3_port: int, v0: Path, v1: Path, n: int, mbit: flo
     publish = time.perf_counter() - t0
     results = go(nodes)
     total = publish + max(r["seconds"] for r in results)
-    crossed = sum(link_bytes(p)[1] for p, _ in links)
+    crossed = sum(link_bytes(p)[1] for p in links)
     return {"publish_s": publish, "payload_bytes": m.stats.payload_bytes, "nodes": results,
             "total_s": total, "boundary_bytes": crossed}
 
@@ -353,6 +364,8 @@ def main() -> None:
     ap.add_argument("--mbit", type=float, default=250.0)
     ap.add_argument("--rtt-ms", type=float, default=20.0)
     ap.add_argument("--fanout", type=int, default=2)
+    ap.add_argument("--topology", choices=["per-node", "shared"], default="per-node",
+                    help="per-node: a link per rollout node; shared: one boundary link")
     ap.add_argument("--out", default="bench/results/transport.json")
     args = ap.parse_args()
     if args.cmd == "node":
@@ -369,10 +382,10 @@ def main() -> None:
                      "--auth-key", f"{KEY},{SECRET}", str(data)],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_http(f"http://127.0.0.1:{s3_port}/")
-        n, mbit, rtt = args.nodes, args.mbit, args.rtt_ms
+        n, mbit, rtt, shared = args.nodes, args.mbit, args.rtt_ms, args.topology == "shared"
         rows = {
-            "full": run_full(procs, s3_port, v1, n, mbit, rtt),
-            "dcr-s3": run_dcr_s3(procs, s3_port, v0, v1, n, mbit, rtt),
+            "full": run_full(procs, s3_port, v1, n, mbit, rtt, shared),
+            "dcr-s3": run_dcr_s3(procs, s3_port, v0, v1, n, mbit, rtt, shared),
             "dcr-relay": run_dcr_relay(procs, v0, v1, n, mbit, rtt, args.fanout, work),
         }
     finally:
@@ -386,13 +399,15 @@ def main() -> None:
         "command": " ".join(["python", "bench/transport.py", *sys.argv[1:]]),
         "setup": {"nodes": n, "checkpoint_bytes": dense, "changed_pct": args.pct,
                   "link_mbit": mbit, "rtt_ms": rtt, "relay_fanout": args.fanout,
+                  "topology": args.topology,
                   "s3_server": "rclone serve s3", "cpus": os.cpu_count(),
                   "python": platform.python_version()},
         "results": rows,
         "speedup_vs_full": {k: full / r["total_s"] for k, r in rows.items()},
         "relay_vs_s3": rows["dcr-s3"]["total_s"] / rows["dcr-relay"]["total_s"],
-        "full_download_link_efficiency": max(
-            (r["bytes"] / r["seconds"]) / link_bytes_s for r in rows["full"]["nodes"]),
+        "full_download_link_efficiency": (
+            rows["full"]["boundary_bytes"] / (rows["full"]["total_s"] - rows["full"]["publish_s"])
+            / (link_bytes_s * (1 if shared else n))),
         "all_exact": all(r["exact"] for k in ("dcr-s3", "dcr-relay") for r in rows[k]["nodes"]),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
