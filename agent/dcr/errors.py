@@ -14,7 +14,9 @@ Hierarchy::
     ├── TargetMismatch         a payload does not fit the tensors it would be applied to
     │   └── WrongBaseVersion   the target is not at the payload's base version
     └── StoreError             an object store read or write failed
-        └── ObjectNotFound     the key does not exist
+        ├── ObjectNotFound     the key does not exist
+        └── RelayError         a relay request failed; ``status`` is the HTTP status or None
+            └── RelayNotFound  no such payload or manifest at the relay (also ObjectNotFound)
 
 Messages are sentences that carry the offending values.
 """
@@ -70,3 +72,15 @@ class StoreError(DcrError):
 
 class ObjectNotFound(StoreError):
     """The requested object does not exist in the store."""
+
+
+class RelayError(StoreError):
+    """A relay request failed; ``status`` is the HTTP status, or None without a response."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class RelayNotFound(RelayError, ObjectNotFound):
+    """The relay holds no such payload or manifest."""

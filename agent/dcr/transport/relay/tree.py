@@ -1,0 +1,48 @@
+"""The relay tree's shape: who is whose parent among ``members`` in order, and addresses.
+
+Members in order, fan-out K: ``parent(i) = (i-1)//K``, ``children(i) = K*i+1 .. K*i+K``
+within range; index 0 is the root. Every node derives the same tree from the same list.
+"""
+
+from __future__ import annotations
+
+from dcr.errors import ConfigError
+
+
+def parent_of(index: int, fanout: int) -> int | None:
+    """The parent of member ``index`` in the balanced ``fanout``-ary tree; None for root."""
+    return None if index == 0 else (index - 1) // fanout
+
+
+def children_of(index: int, fanout: int, size: int) -> range:
+    """Members ``fanout*index+1 .. fanout*index+fanout`` that exist among ``size``."""
+    first = fanout * index + 1
+    return range(min(first, size), min(first + fanout, size))
+
+
+def ancestors_of(index: int, fanout: int) -> list[int]:
+    """Parent, grandparent, ... up to the root, nearest first."""
+    out: list[int] = []
+    p = parent_of(index, fanout)
+    while p is not None:
+        out.append(p)
+        p = parent_of(p, fanout)
+    return out
+
+
+def depth_of(index: int, fanout: int) -> int:
+    """Hops from the root to member ``index``."""
+    return len(ancestors_of(index, fanout))
+
+
+def tree_depth(size: int, fanout: int) -> int:
+    """Hops from the root to the deepest of ``size`` members."""
+    return depth_of(size - 1, fanout) if size else 0
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``"host:port"`` -> ``(host, port)``; ConfigError names the value otherwise."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"Relay address {text!r} is not host:port.")
+    return host, int(port)

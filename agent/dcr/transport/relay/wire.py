@@ -1,0 +1,95 @@
+"""What members say to each other: ids and their URLs, request refusals, body streams.
+
+A node stages payloads ``(attempt, owner, seq)`` and one manifest per attempt, each
+under a :class:`Key` whose ``path`` is its URL. A handler refuses a request by raising
+:class:`Refused` with the HTTP status. Bodies travel as async iterables of chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from aiohttp import web
+
+ATTEMPT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # FORMAT.md's attempt id
+MAX_ID = 2**31 - 1  # largest owner or seq (FORMAT.md)
+Chunk = bytes | memoryview
+
+
+class Refused(Exception):
+    """Raised inside a handler; the middleware answers ``status`` with the message."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True, order=True)
+class Key:
+    """What a node stages: payload ``(attempt, owner, seq)`` or the manifest of ``attempt``."""
+
+    attempt: str
+    kind: Literal["payload", "manifest"]
+    owner: int = 0
+    seq: int = 0
+
+    @property
+    def path(self) -> str:
+        if self.kind == "manifest":
+            return f"/v1/manifests/{self.attempt}"
+        return f"/v1/payloads/{self.attempt}/{self.owner}/{self.seq}"
+
+    @property
+    def label(self) -> str:
+        if self.kind == "manifest":
+            return f"manifest of attempt {self.attempt}"
+        return f"payload {self.attempt}/o{self.owner}/s{self.seq}"
+
+
+def key_from(request: web.Request, kind: Literal["payload", "manifest"]) -> Key:
+    info = request.match_info
+    attempt = info["attempt"]
+    if not ATTEMPT_RE.fullmatch(attempt):
+        raise Refused(400, f"Attempt id {attempt!r} does not match {ATTEMPT_RE.pattern}.")
+    if kind == "manifest":
+        return Key(attempt, "manifest")
+    owner, seq = int(info["owner"]), int(info["seq"])
+    if owner > MAX_ID or seq > MAX_ID:
+        raise Refused(400, f"Owner {owner} or seq {seq} is over {MAX_ID}.")
+    return Key(attempt, "payload", owner, seq)
+
+
+class Pieces:
+    """Bytes in memory as an async iterable of slices (no copies, no event-loop stall)."""
+
+    def __init__(self, data: bytes | bytearray, chunk_bytes: int) -> None:
+        self._view, self._chunk, self._offset = memoryview(data), chunk_bytes, 0
+
+    def __aiter__(self) -> Pieces:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        if self._offset >= len(self._view):
+            raise StopAsyncIteration
+        piece = self._view[self._offset : self._offset + self._chunk]
+        self._offset += len(piece)
+        return piece
+
+
+class QueueChunks:
+    """The body of one live forward: chunks taken from a bounded queue until ``None``."""
+
+    def __init__(self, queue: asyncio.Queue[Chunk | None]) -> None:
+        self._queue = queue
+
+    def __aiter__(self) -> QueueChunks:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        chunk = await self._queue.get()
+        if chunk is None:
+            raise StopAsyncIteration
+        return chunk
