@@ -187,7 +187,8 @@ class ApplyEngine:
     def _classify(self, t: CanonicalTensor, sigs: list[CopySig], converting_ok: bool
                   ) -> TensorClass:
         copies = [s for s in sigs if not s.is_fill]
-        if _overlap([s.dst for s in copies], [s.dst for s in sigs if s.is_fill], by=sigs):
+        fills = [s.dst for s in sigs if s.is_fill]
+        if fills and _overlap([s.dst for s in copies], fills, by=sigs, within=False):
             return "dense"  # a constant fill under a copy: only a whole load reproduces it
         mapped = all(s.mapped for s in copies)
         if mapped and not _overlap([s.dst for s in copies], [], by=copies):
@@ -424,10 +425,10 @@ def _put(bits: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, *, xor: bo
         bits[idx] = values
 
 
-def _overlap(views: list[View], others: list[View], *, by: Sequence[CopySig]) -> bool:
-    """Whether two of ``views`` share an element, or one of them shares one with ``others``.
-
-    Views are compared per storage (``by`` gives each view's storage, in order).
+def _overlap(views: list[View], others: list[View], *, by: Sequence[CopySig],
+             within: bool = True) -> bool:
+    """Whether one of ``views`` shares an element with ``others`` or (``within``) with
+    another of ``views``. Views are compared per storage (``by`` gives their storages).
     """
     storage_of = {id(s.dst): s.storage for s in by}
     groups: dict[str, tuple[list[View], list[View]]] = defaultdict(lambda: ([], []))
@@ -441,7 +442,7 @@ def _overlap(views: list[View], others: list[View], *, by: Sequence[CopySig]) ->
         seen = torch.zeros(max(1, *(_extent(v) for v in mine + theirs)), dtype=torch.bool)
         for v in mine:
             region = seen.as_strided(v.sizes, v.strides, v.offset)
-            if bool(region.any()):
+            if within and bool(region.any()):
                 return True
             region.fill_(True)
         for v in theirs:
