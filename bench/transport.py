@@ -20,7 +20,8 @@ every node, each measured end to end (publish, then all nodes done), side by sid
   every node applies them.
 
 Bytes crossing the boundary are counted by the link emulators. Nodes are separate
-processes; they import and load version 0 before the clock starts. Results go to
+processes; they import and load version 0 before the clock starts, and for DCR they
+receive (``dcr.transport.receive``) while the trainer is still encoding and sending. Results go to
 bench/results/transport.json.
 
     .venv/bin/python bench/transport.py [--nodes 4] [--gib 1] [--mbit 250] [--rtt-ms 20]
@@ -42,7 +43,6 @@ import tempfile
 import threading
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +51,9 @@ import numpy as np
 from dcr.checkpoint import Checkpoint, fingerprint
 from dcr.codec.decode import Target, apply_items, decode
 from dcr.files.diff import DiffSettings, diff_checkpoints
-from dcr.files.layout import manifest_key
 from dcr.format.manifest import Manifest
-from dcr.format.payload import read_payload
+from dcr.format.payload import Payload
+from dcr.transport.receive import Source, StoreSource, receive
 from dcr.transport.relay import RelayClient, RelayNotFound
 from dcr.transport.store import open_store
 
@@ -203,40 +203,57 @@ def node_main(args: argparse.Namespace) -> None:
         data = open_store(f"s3://{BUCKET}/full").get("v1.safetensors")
         result: dict[str, Any] = {"bytes": len(data), "exact": True}
     else:
-        if args.mode == "dcr-s3":
-            store = open_store(f"s3://{BUCKET}/dcr")
-            manifest = Manifest.parse(store.get(manifest_key(1)), "bench")
-            with ThreadPoolExecutor(4) as pool:
-                blobs = list(pool.map(store.get, [e.key for e in manifest.payloads]))
-        else:
-            manifest, blobs = asyncio.run(relay_fetch(args.endpoint))
-        items = [i for b in blobs for i in decode(read_payload(b))]
-        apply_items(items, targets, threads=2)
+        source: Source = (
+            StoreSource(store=open_store(f"s3://{BUCKET}/dcr"), version=1, attempt=ATTEMPT)
+            if args.mode == "dcr-s3"
+            else RelaySource(f"http://{args.endpoint}")
+        )
+        received = 0
+
+        def apply(payload: Payload) -> None:  # runs while later payloads still arrive
+            nonlocal received
+            received += len(payload.data)
+            apply_items(decode(payload), targets, threads=2)
+
+        manifest = receive(source, ATTEMPT, apply)
+        if isinstance(source, RelaySource):
+            source.close()
         want = {t.name: t.target for t in manifest.tensors}
         exact = all(fingerprint(t.bits) == want[n] for n, t in targets.items())
-        result = {"bytes": sum(len(b) for b in blobs), "exact": exact}
+        result = {"bytes": received, "exact": exact}
     result["seconds"] = time.perf_counter() - t0
     print(json.dumps(result), flush=True)
 
 
-async def relay_fetch(endpoint: str) -> tuple[Manifest, list[bytes]]:
-    """Wait for the attempt's manifest and payloads at this node's relay, then fetch."""
-    async with RelayClient(f"http://{endpoint}", TOKEN) as c:
-        while True:
-            try:
-                manifest = Manifest.parse(await c.get_manifest(ATTEMPT), "relay")
-                break
-            except RelayNotFound:  # not there yet
-                await asyncio.sleep(0.01)
-        blobs = []
-        for e in manifest.payloads:
-            while True:
-                try:
-                    blobs.append(await c.get_payload(ATTEMPT, e.owner, e.seq))
-                    break
-                except RelayNotFound:  # not forwarded yet
-                    await asyncio.sleep(0.01)
-        return manifest, blobs
+class RelaySource:
+    """This node's relay as a receive source (a sync facade over the async client)."""
+
+    def __init__(self, url: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.client = RelayClient(url, TOKEN)
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def available(self) -> list[tuple[int, int]]:
+        try:
+            return [(p.owner, p.seq) for p in self._run(self.client.list_payloads(ATTEMPT))]
+        except RelayNotFound:
+            return []
+
+    def fetch(self, pid: tuple[int, int]) -> bytes:
+        return bytes(self._run(self.client.get_payload(ATTEMPT, *pid)))
+
+    def manifest(self) -> Manifest | None:
+        try:
+            return Manifest.parse(self._run(self.client.get_manifest(ATTEMPT)), "relay")
+        except RelayNotFound:
+            return None
+
+    def close(self) -> None:
+        self._run(self.client.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 # --- the relay as a Store for the encoder -------------------------------------------
@@ -306,13 +323,17 @@ def run_dcr_s3(procs: Procs, s3_port: int, v0: Path, v1: Path, n: int, mbit: flo
     links, endpoints = node_links(procs, s3_port, n, mbit, rtt, shared)
     nodes = start_nodes(procs, n, "dcr-s3", v0, endpoints)
     os.environ.update(s3_env(s3_port))
+    results_box: list[list[dict[str, Any]]] = []
     t0 = time.perf_counter()
+    waiter = threading.Thread(target=lambda: results_box.append(go(nodes)))
+    waiter.start()  # nodes poll the store while the trainer uploads: pipelined
     with Checkpoint(v0) as b, Checkpoint(v1) as t:
         m = diff_checkpoints(b, t, open_store(f"s3://{BUCKET}/dcr"),
                              DiffSettings(version=1, base_version=0, attempt=ATTEMPT))
     publish = time.perf_counter() - t0
-    results = go(nodes)
-    total = publish + max(r["seconds"] for r in results)
+    waiter.join()
+    total = time.perf_counter() - t0
+    results = results_box[0]
     crossed = sum(link_bytes(p)[1] for p in links)
     return {"publish_s": publish, "payload_bytes": m.stats.payload_bytes, "nodes": results,
             "total_s": total, "boundary_bytes": crossed}

@@ -1,0 +1,136 @@
+"""Receiving an attempt while it is still being sent: fetch, verify, apply, in order.
+
+A receiver knows the attempt it is in (the protocol's ``prepare`` tells it). It polls
+its source (an object store prefix, or its relay node) for payloads of that attempt,
+fetches a bounded window of them concurrently, verifies each (digest and header ids)
+as it lands, and hands the verified payloads to ``apply`` one at a time, each owner's
+payloads in ``seq`` order, while later payloads are still arriving. The manifest,
+written last, closes the attempt: once it is present and every payload it lists has
+been applied (and none it does not list), the call returns it. Payload items are
+disjoint, so the interleaving of owners does not change the result.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+from dcr.errors import ManifestError, ObjectNotFound
+from dcr.format.manifest import Manifest
+from dcr.format.payload import Payload, read_payload
+from dcr.transport.store import Store
+
+PayloadId = tuple[int, int]  # (owner, seq)
+_KEY = re.compile(r"/o(\d{4})-s(\d{6})\.dcrp$")
+
+
+class Source(Protocol):
+    def available(self) -> list[PayloadId]:
+        """Ids of the attempt's payloads that can be fetched now."""
+        ...
+
+    def fetch(self, pid: PayloadId) -> bytes: ...
+
+    def manifest(self) -> Manifest | None:
+        """The attempt's manifest, or None while it has not been written."""
+        ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreSource:
+    """An attempt's objects in a store: ``v<version>/<attempt>/o<owner>-s<seq>.dcrp``."""
+
+    store: Store
+    version: int
+    attempt: str
+
+    @property
+    def _prefix(self) -> str:
+        return f"v{self.version:010d}/{self.attempt}/"
+
+    def available(self) -> list[PayloadId]:
+        out = []
+        for key in self.store.list(self._prefix):
+            m = _KEY.search(key)
+            if m:
+                out.append((int(m.group(1)), int(m.group(2))))
+        return out
+
+    def fetch(self, pid: PayloadId) -> bytes:
+        return self.store.get(f"{self._prefix}o{pid[0]:04d}-s{pid[1]:06d}.dcrp")
+
+    def manifest(self) -> Manifest | None:
+        key = f"v{self.version:010d}/manifest.json"
+        try:
+            m = Manifest.parse(self.store.get(key), f"{self.store.uri}/{key}")
+        except ObjectNotFound:
+            return None
+        return m if m.attempt == self.attempt else None
+
+
+def receive(
+    source: Source,
+    attempt: str,
+    apply: Callable[[Payload], None],
+    *,
+    window: int = 4,
+    poll_s: float = 0.01,
+    timeout_s: float = 600.0,
+) -> Manifest:
+    """Apply every payload of ``attempt`` as it arrives; return the closing manifest.
+
+    ``window`` bounds the payloads fetched but not yet applied (back-pressure toward the
+    source). Raises :class:`ManifestError` if the manifest disagrees with what arrived,
+    or if ``timeout_s`` passes first.
+    """
+    deadline = time.monotonic() + timeout_s
+    pending: dict[PayloadId, Future[Payload]] = {}
+    applied: set[PayloadId] = set()
+    next_seq: dict[int, int] = {}
+    with ThreadPoolExecutor(window) as pool:
+        while True:
+            seen = sorted(set(source.available()) - applied - set(pending))
+            for pid in seen[: max(0, window - len(pending))]:
+                pending[pid] = pool.submit(_fetch_verified, source, pid, attempt)
+            progressed = False
+            for pid in sorted(pending):
+                owner, seq = pid
+                if seq != next_seq.get(owner, 0) or not pending[pid].done():
+                    continue
+                apply(pending.pop(pid).result())
+                applied.add(pid)
+                next_seq[owner] = seq + 1
+                progressed = True
+            manifest = source.manifest() if not pending else None
+            if manifest is not None:
+                listed = {(e.owner, e.seq) for e in manifest.payloads}
+                if listed <= applied:
+                    if applied != listed:
+                        raise ManifestError(
+                            f"Attempt {attempt}: applied payloads {sorted(applied - listed)} "
+                            "that its manifest does not list."
+                        )
+                    return manifest
+            if time.monotonic() > deadline:
+                raise ManifestError(
+                    f"Attempt {attempt}: not complete after {timeout_s} s "
+                    f"({len(applied)} payloads applied, manifest "
+                    f"{'present' if manifest else 'missing'})."
+                )
+            if not progressed:
+                time.sleep(poll_s)
+
+
+def _fetch_verified(source: Source, pid: PayloadId, attempt: str) -> Payload:
+    payload = read_payload(source.fetch(pid))
+    h = payload.header
+    if (h.attempt, h.owner, h.seq) != (attempt, *pid):
+        raise ManifestError(
+            f"Payload {pid} of {attempt} says attempt {h.attempt}, owner {h.owner}, "
+            f"seq {h.seq}."
+        )
+    return payload
