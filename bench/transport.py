@@ -51,10 +51,9 @@ import numpy as np
 from dcr.checkpoint import Checkpoint, fingerprint
 from dcr.codec.decode import Target, apply_items, decode
 from dcr.files.diff import DiffSettings, diff_checkpoints
-from dcr.format.manifest import Manifest
 from dcr.format.payload import Payload
 from dcr.transport.receive import Source, StoreSource, receive
-from dcr.transport.relay import RelayClient, RelayNotFound
+from dcr.transport.relay import RelayClient, RelaySource
 from dcr.transport.store import open_store
 
 HERE = Path(__file__).resolve().parent
@@ -206,7 +205,7 @@ def node_main(args: argparse.Namespace) -> None:
         source: Source = (
             StoreSource(store=open_store(f"s3://{BUCKET}/dcr"), version=1, attempt=ATTEMPT)
             if args.mode == "dcr-s3"
-            else RelaySource(f"http://{args.endpoint}")
+            else RelaySource(f"http://{args.endpoint}", TOKEN, ATTEMPT)
         )
         received = 0
 
@@ -223,37 +222,6 @@ def node_main(args: argparse.Namespace) -> None:
         result = {"bytes": received, "exact": exact}
     result["seconds"] = time.perf_counter() - t0
     print(json.dumps(result), flush=True)
-
-
-class RelaySource:
-    """This node's relay as a receive source (a sync facade over the async client)."""
-
-    def __init__(self, url: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        self.client = RelayClient(url, TOKEN)
-
-    def _run(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-    def available(self) -> list[tuple[int, int]]:
-        try:
-            return [(p.owner, p.seq) for p in self._run(self.client.list_payloads(ATTEMPT))]
-        except RelayNotFound:
-            return []
-
-    def fetch(self, pid: tuple[int, int]) -> bytes:
-        return bytes(self._run(self.client.get_payload(ATTEMPT, *pid)))
-
-    def manifest(self) -> Manifest | None:
-        try:
-            return Manifest.parse(self._run(self.client.get_manifest(ATTEMPT)), "relay")
-        except RelayNotFound:
-            return None
-
-    def close(self) -> None:
-        self._run(self.client.close())
-        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 # --- the relay as a Store for the encoder -------------------------------------------

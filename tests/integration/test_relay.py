@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -25,13 +26,16 @@ import aiohttp
 import numpy as np
 import pytest
 
+from dcr.codec.decode import Target, apply_items, decode
 from dcr.codec.encode import PayloadBuilder, diff_range, encode_item
 from dcr.format.dtypes import dtype
 from dcr.format.manifest import Manifest, PayloadEntry, Stats
+from dcr.transport.receive import receive
 from dcr.transport.relay import (
     RelayClient,
     RelayError,
     RelayNotFound,
+    RelaySource,
     ancestors_of,
     children_of,
     depth_of,
@@ -632,3 +636,58 @@ def test_beyond_the_memory_budget_payloads_spill_to_the_spool_and_read_back(
 
     asyncio.run(scenario())
     assert os.path.isdir(spool)
+
+
+def test_receivers_at_every_live_member_reach_the_target_bits_when_a_node_dies(
+    trees: Callable[..., Tree],
+) -> None:
+    """Fault run end to end: receivers apply while payloads stream and a node dies."""
+    tree = trees(7, 2, "--parent-timeout-s", "1", "--health-interval-s", "0.2")
+    attempt, victim, elements = "a-recv", 1, 300_000
+    payloads = {(0, s): make_payload(attempt, 0, s, elements=elements) for s in range(5)}
+    manifest = make_manifest(attempt, payloads)
+
+    def arrays(seq: int) -> tuple[np.ndarray, np.ndarray]:  # as make_payload draws them
+        rng = np.random.default_rng([0, seq, 0, len(attempt)])
+        base = rng.integers(0, 1 << 16, elements, dtype=np.uint16)
+        return base, base ^ rng.integers(1, 1 << 16, elements, dtype=np.uint16)
+
+    alive = [i for i in range(7) if i != victim]
+    held = {i: {f"model.layers.0.w{s}": arrays(s)[0].copy() for s in range(5)} for i in alive}
+    outcome: dict[int, object] = {}
+
+    # Sources are made (and first used) here: imports stay on the main thread.
+    sources = {i: RelaySource(tree.urls[i], TOKEN, attempt) for i in alive}
+    assert all(s.available() == [] for s in sources.values())
+
+    def receiver(i: int) -> None:
+        source = sources[i]
+        targets = {n: Target(dtype="BF16", shape=(elements,), bits=b)
+                   for n, b in held[i].items()}
+        try:
+            outcome[i] = receive(source, attempt,
+                                 lambda p: apply_items(decode(p), targets), timeout_s=40)
+        except Exception as e:
+            outcome[i] = e
+        finally:
+            source.close()
+
+    threads = [threading.Thread(target=receiver, args=(i,)) for i in alive]
+    for t in threads:
+        t.start()
+
+    async def send() -> None:
+        async with Clients(tree) as cs:
+            for s in range(5):
+                if s == 2:
+                    tree.kill(victim)  # its children must re-attach to the root
+                assert await cs[0].put_payload(attempt, 0, s, payloads[0, s]) == "queued"
+            assert await cs[0].put_manifest(attempt, manifest) == "queued"
+
+    asyncio.run(send())
+    for t in threads:
+        t.join(60)
+    for i in alive:
+        assert isinstance(outcome[i], Manifest), (i, outcome[i], tree.log(i))
+        for s in range(5):
+            assert np.array_equal(held[i][f"model.layers.0.w{s}"], arrays(s)[1]), (i, s)

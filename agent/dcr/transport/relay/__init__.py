@@ -87,6 +87,7 @@ from dcr.errors import RelayError, RelayNotFound
 from dcr.transport.relay.client import RelayClient, StagedPayload
 from dcr.transport.relay.node import RelayNode, run_relay, serve
 from dcr.transport.relay.settings import RelaySettings
+from dcr.transport.relay.source import RelaySource
 from dcr.transport.relay.staging import Staging
 from dcr.transport.relay.tree import (
     ancestors_of,
@@ -105,6 +106,7 @@ __all__ = [
     "RelayNode",
     "RelayNotFound",
     "RelaySettings",
+    "RelaySource",
     "StagedPayload",
     "Staging",
     "ancestors_of",
