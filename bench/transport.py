@@ -60,6 +60,7 @@ HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
 KEY, SECRET = "dcrbenchaccesskey", "dcrbenchsecretkey0123456789"
 BUCKET, ATTEMPT, TOKEN = "bench", "a-bench", "bench-token"
+BUCKET_BYTES = 256 << 20  # set from --bucket-mib
 
 
 def free_port() -> int:
@@ -297,7 +298,8 @@ def run_dcr_s3(procs: Procs, s3_port: int, v0: Path, v1: Path, n: int, mbit: flo
     waiter.start()  # nodes poll the store while the trainer uploads: pipelined
     with Checkpoint(v0) as b, Checkpoint(v1) as t:
         m = diff_checkpoints(b, t, open_store(f"s3://{BUCKET}/dcr"),
-                             DiffSettings(version=1, base_version=0, attempt=ATTEMPT))
+                             DiffSettings(version=1, base_version=0, attempt=ATTEMPT,
+                                          bucket_bytes=BUCKET_BYTES))
     publish = time.perf_counter() - t0
     waiter.join()
     total = time.perf_counter() - t0
@@ -328,7 +330,8 @@ def run_dcr_relay(procs: Procs, v0: Path, v1: Path, n: int, mbit: float, rtt: fl
     waiter = threading.Thread(target=lambda: results_box.append(go(nodes)))
     waiter.start()  # nodes poll their relay while the trainer streams: pipelined
     with Checkpoint(v0) as b, Checkpoint(v1) as t:
-        settings = DiffSettings(version=1, base_version=0, attempt=ATTEMPT)
+        settings = DiffSettings(version=1, base_version=0, attempt=ATTEMPT,
+                                bucket_bytes=BUCKET_BYTES)
         m = diff_checkpoints(b, t, push, settings)
     publish = time.perf_counter() - t0
     waiter.join()
@@ -353,6 +356,7 @@ def main() -> None:
     ap.add_argument("--mbit", type=float, default=250.0)
     ap.add_argument("--rtt-ms", type=float, default=20.0)
     ap.add_argument("--fanout", type=int, default=2)
+    ap.add_argument("--bucket-mib", type=int, default=256, help="dense MiB per payload")
     ap.add_argument("--topology", choices=["per-node", "shared"], default="per-node",
                     help="per-node: a link per rollout node; shared: one boundary link")
     ap.add_argument("--out", default="bench/results/transport.json")
@@ -360,6 +364,8 @@ def main() -> None:
     if args.cmd == "node":
         node_main(args)
         return
+    global BUCKET_BYTES
+    BUCKET_BYTES = args.bucket_mib << 20
     procs = Procs()
     work = Path(tempfile.mkdtemp(prefix="dcr-transport-"))
     try:
@@ -388,7 +394,7 @@ def main() -> None:
         "command": " ".join(["python", "bench/transport.py", *sys.argv[1:]]),
         "setup": {"nodes": n, "checkpoint_bytes": dense, "changed_pct": args.pct,
                   "link_mbit": mbit, "rtt_ms": rtt, "relay_fanout": args.fanout,
-                  "topology": args.topology,
+                  "topology": args.topology, "bucket_mib": args.bucket_mib,
                   "s3_server": "rclone serve s3", "cpus": os.cpu_count(),
                   "python": platform.python_version()},
         "results": rows,
