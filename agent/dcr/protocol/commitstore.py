@@ -1,0 +1,104 @@
+"""Where the commit record lives, changed only by compare-and-set.
+
+``CommitStore`` is the seam: the operator keeps the record in the RolloutFleet's status
+(resourceVersion precondition); locally, ``SqliteCommitStore`` keeps it in one SQLite
+file, where ``BEGIN IMMEDIATE`` takes the write lock before the comparison, so
+concurrent coordinators in separate processes cannot both win, and a crash leaves the
+old record or the new one (SQLite's journal), never a mix.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Protocol
+
+from dcr.errors import DcrError
+from dcr.protocol.records import CommitOutcome, CommitRecord
+
+
+class CommitStoreError(DcrError):
+    """The commit record could not be read or written."""
+
+
+class CommitStore(Protocol):
+    def read(self) -> CommitRecord: ...
+
+    def compare_and_set(self, expected: CommitRecord, new: CommitRecord) -> CommitOutcome: ...
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS commit_record (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    committed_version INTEGER NOT NULL,
+    baseline_id TEXT NOT NULL,
+    attempt TEXT NOT NULL
+)
+"""
+
+
+class SqliteCommitStore:
+    """The commit record in a SQLite file, created with ``initial`` if absent."""
+
+    def __init__(self, path: Path, initial: CommitRecord, *, timeout_s: float = 10.0) -> None:
+        self.path = path
+        self.timeout_s = timeout_s
+        with self._connect() as db:
+            db.execute("BEGIN IMMEDIATE")
+            db.execute(_SCHEMA)
+            db.execute(
+                "INSERT OR IGNORE INTO commit_record VALUES (1, ?, ?, ?)",
+                (initial.committed_version, initial.baseline_id, initial.attempt),
+            )
+            db.execute("COMMIT")
+
+    def _connect(self) -> sqlite3.Connection:
+        try:
+            db = sqlite3.connect(self.path, timeout=self.timeout_s, isolation_level=None)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=FULL")
+        except sqlite3.Error as e:
+            raise CommitStoreError(f"Cannot open the commit record at {self.path}: {e}.") from e
+        return db
+
+    def read(self) -> CommitRecord:
+        db = self._connect()
+        try:
+            row = db.execute(
+                "SELECT committed_version, baseline_id, attempt FROM commit_record"
+            ).fetchone()
+        except sqlite3.Error as e:
+            raise CommitStoreError(f"Cannot read the commit record at {self.path}: {e}.") from e
+        finally:
+            db.close()
+        if row is None:
+            raise CommitStoreError(f"The commit record at {self.path} is missing.")
+        return CommitRecord(committed_version=row[0], baseline_id=row[1], attempt=row[2])
+
+    def compare_and_set(self, expected: CommitRecord, new: CommitRecord) -> CommitOutcome:
+        """Write ``new`` if the record is ``expected``; CONFLICT if it is not.
+
+        UNKNOWN when the database could not be reached or the commit's fate is not known
+        (the caller must ``read`` before deciding anything).
+        """
+        try:
+            db = self._connect()
+        except CommitStoreError:
+            return CommitOutcome.UNKNOWN
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            cur = db.execute(
+                "UPDATE commit_record SET committed_version = ?, baseline_id = ?, attempt = ? "
+                "WHERE id = 1 AND committed_version = ? AND baseline_id = ? AND attempt = ?",
+                (new.committed_version, new.baseline_id, new.attempt,
+                 expected.committed_version, expected.baseline_id, expected.attempt),
+            )
+            if cur.rowcount != 1:
+                db.execute("ROLLBACK")
+                return CommitOutcome.CONFLICT
+            db.execute("COMMIT")
+            return CommitOutcome.SUCCESS
+        except sqlite3.OperationalError:
+            return CommitOutcome.UNKNOWN  # locked past the timeout, or I/O: read to learn
+        finally:
+            db.close()

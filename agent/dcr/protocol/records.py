@@ -1,0 +1,69 @@
+"""Transitions, attempts, and the commit record that binds a version to its baseline.
+
+The commit record ``(committed_version, baseline_id, attempt)`` is the one durable fact
+of a refit: a policy version counts as delivered exactly when the record names it, and
+owners advance their baselines only after reading it. It changes only by
+compare-and-set (:mod:`dcr.protocol.commitstore`).
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from dcr.errors import ConfigError
+from dcr.format.payload import Mode
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommitRecord:
+    committed_version: int
+    baseline_id: str  # identifies the owners' baseline bits (e.g. a checkpoint digest)
+    attempt: str  # the attempt that committed it ("" for the initial record)
+
+
+class CommitOutcome(enum.Enum):
+    SUCCESS = "success"  # the record now names the new version
+    FAILED = "failed"  # the store refused for a reason other than a race; nothing changed
+    UNKNOWN = "unknown"  # no answer: read the record to learn what happened
+    CONFLICT = "conflict"  # the record was not what the caller expected
+
+
+@dataclass(frozen=True, kw_only=True)
+class Transition:
+    base_version: int
+    target_version: int
+
+    def __post_init__(self) -> None:
+        if self.target_version <= self.base_version or self.base_version < 0:
+            raise ConfigError(
+                f"A transition goes forward: {self.base_version} -> {self.target_version}."
+            )
+
+
+def new_attempt_id() -> str:
+    """A fresh attempt id, valid in payload headers and store keys."""
+    return f"a-{secrets.token_hex(6)}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Attempt:
+    """One try at a transition: fresh id, mode, the receivers that must acknowledge."""
+
+    transition: Transition
+    mode: Mode
+    receivers: tuple[str, ...]
+    deadline: float  # time.time() seconds by which flush must have succeeded
+    id: str = field(default_factory=new_attempt_id)
+
+    def __post_init__(self) -> None:
+        if not self.receivers:
+            raise ConfigError(f"Attempt {self.id} names no required receivers.")
+        if len(set(self.receivers)) != len(self.receivers):
+            raise ConfigError(f"Attempt {self.id} names a receiver twice: {self.receivers}.")
+
+    @property
+    def expired(self) -> bool:
+        return time.time() > self.deadline
