@@ -1,0 +1,124 @@
+"""The coordinator over in-process parties: retry by overwrite, joint commit, conflicts.
+
+Two vLLM-layout TP ranks receive; the first attempt's second rank dies mid-apply. The
+coordinator abandons it, retries in overwrite mode, commits by compare-and-set, and
+only then advances the owner's baseline: both ranks end bit-exact with a dense load.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dcr.apply.engine import ApplyEngine, CanonicalTensor
+from dcr.apply.vllm import VllmRuntime
+from dcr.checkpoint import ArrayCheckpoint
+from dcr.embedded import InProcessOwner, InProcessReceiver
+from dcr.format.profile import merge
+from dcr.protocol.commitstore import SqliteCommitStore
+from dcr.protocol.coordinator import CommitConflict, Coordinator
+from dcr.protocol.records import CommitOutcome, CommitRecord
+from dcr.runtimes.vllm_reference import (
+    ReferenceConfig,
+    ReferenceModel,
+    dense_state,
+    random_checkpoint,
+)
+from dcr.transport.store import MemoryStore
+
+CFG = ReferenceConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=4, tie_word_embeddings=False, num_experts=4,
+                      moe_intermediate_size=16)
+V0 = CommitRecord(committed_version=0, baseline_id="ckpt-0", attempt="")
+
+
+def source(sd: dict[str, torch.Tensor]) -> ArrayCheckpoint:
+    return ArrayCheckpoint({n: ("BF16", tuple(t.shape), t.view(torch.int16).numpy()
+                                .view(np.uint16)) for n, t in sd.items()})
+
+
+def setup(tmp_path: Path):  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    old = random_checkpoint(CFG, 0)
+    new = {n: (t.float() + 1e-2 * torch.randn(t.shape)).to(torch.bfloat16)
+           for n, t in old.items()}
+    store = MemoryStore()
+    ranks, receivers = [], []
+    for r in range(2):
+        model = ReferenceModel(CFG, tp_size=2, tp_rank=r)
+        model.load_weights(old.items())
+        engine = ApplyEngine(VllmRuntime(model))
+        ranks.append(model)
+        receivers.append(InProcessReceiver(name=f"rank-{r}", engine=engine, store=store))
+    profile = merge(rx.engine.prewarm(
+        CanonicalTensor(name=n, dtype="BF16", shape=tuple(t.shape)) for n, t in old.items())
+        for rx in receivers)
+    owner = InProcessOwner(store=store, baseline=source(old), candidate=source(new),
+                           profile=profile)
+    commits = SqliteCommitStore(tmp_path / "commit.db", V0)
+    return old, new, ranks, receivers, owner, commits
+
+
+def exact(model: ReferenceModel, rank: int, sd: dict[str, torch.Tensor]) -> bool:
+    dense = ReferenceModel(CFG, tp_size=2, tp_rank=rank)
+    dense.load_weights(sd.items())
+    a, b = dense_state(model), dense_state(dense)
+    return all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a)
+
+
+def test_a_receiver_killed_mid_apply_is_repaired_by_an_overwrite_retry(tmp_path: Path) -> None:
+    _, new, ranks, receivers, owner, commits = setup(tmp_path)
+    victim = receivers[1].engine
+    real, calls = victim._write_mapped, 0
+
+    def dying(*args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        real(*args, **kwargs)
+        calls += 1
+        if calls == 5:
+            victim._write_mapped = real  # type: ignore[method-assign]
+            raise RuntimeError("rank-1 killed mid-apply")
+
+    victim._write_mapped = dying  # type: ignore[method-assign]
+    baseline_before = owner.baseline
+    coordinator = Coordinator(commits, [owner], receivers)
+    record = coordinator.refit(1, "ckpt-1")
+    modes = [(h.mode, h.outcome.split(":")[0]) for h in coordinator.history]
+    assert modes == [("mixed", "failed"), ("overwrite", "committed")]
+    assert "rank-1 killed mid-apply" in coordinator.history[0].outcome
+    assert record == commits.read()
+    assert (record.committed_version, record.baseline_id) == (1, "ckpt-1")
+    assert record.attempt == coordinator.history[1].attempt
+    assert owner.baseline is owner.candidate is not baseline_before
+    assert all(exact(m, r, new) for r, m in enumerate(ranks))
+
+
+def test_a_conflicting_commit_leaves_the_baseline_where_it_was(tmp_path: Path) -> None:
+    _, _, _, receivers, owner, commits = setup(tmp_path)
+    baseline_before = owner.baseline
+
+    class Racing:
+        """Another coordinator commits between our read and our compare-and-set."""
+
+        def read(self) -> CommitRecord:
+            return commits.read()
+
+        def compare_and_set(self, expected: CommitRecord, new: CommitRecord) -> CommitOutcome:
+            other = CommitRecord(committed_version=1, baseline_id="other", attempt="a-other")
+            assert commits.compare_and_set(expected, other) is CommitOutcome.SUCCESS
+            return commits.compare_and_set(expected, new)
+
+    with pytest.raises(CommitConflict, match="another refit committed"):
+        Coordinator(Racing(), [owner], receivers).refit(1, "ckpt-1")
+    assert owner.baseline is baseline_before
+    assert commits.read().attempt == "a-other"
+
+
+def test_a_refit_to_a_version_already_committed_is_refused(tmp_path: Path) -> None:
+    _, _, _, receivers, owner, commits = setup(tmp_path)
+    assert Coordinator(commits, [owner], receivers).refit(1, "ckpt-1").committed_version == 1
+    with pytest.raises(CommitConflict, match="already names version 1"):
+        Coordinator(commits, [owner], receivers).refit(1, "ckpt-1")
