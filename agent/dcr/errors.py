@@ -13,10 +13,21 @@ Hierarchy::
     ├── ManifestError          a manifest is missing, malformed, or disagrees with payloads
     ├── TargetMismatch         a payload does not fit the tensors it would be applied to
     │   └── WrongBaseVersion   the target is not at the payload's base version
-    └── StoreError             an object store read or write failed
-        ├── ObjectNotFound     the key does not exist
-        └── RelayError         a relay request failed; ``status`` is the HTTP status or None
-            └── RelayNotFound  no such payload or manifest at the relay (also ObjectNotFound)
+    ├── StoreError             an object store read or write failed
+    │   ├── ObjectNotFound     the key does not exist
+    │   └── RelayError         a relay request failed; ``status`` is the HTTP status or None
+    │       └── RelayNotFound  no such payload or manifest at the relay (also ObjectNotFound)
+    │
+    │   Defined beside the code that raises them (all subclass DcrError directly):
+    ├── LoaderPathError        (apply.intercept) the runtime's loader wrote storage in a
+    │                          way DCR cannot honour exactly, or bypassed the hook
+    ├── UnsupportedView        (apply.geometry) a copy's view cannot be inverted exactly
+    ├── DuplicatePayload       (apply.engine) a payload id was applied before
+    ├── PayloadConflict        (apply.engine) a payload id was seen with other bytes
+    ├── IllegalTransition      (protocol.state) an attempt cannot move to that state
+    ├── CommitStoreError       (protocol.commitstore) the commit record is unreadable
+    ├── CommitConflict         (protocol.coordinator) the record moved under the coordinator
+    └── RefitFailed            (protocol.coordinator) every allowed attempt failed
 
 Messages are sentences that carry the offending values.
 """
