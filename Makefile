@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: install
-	$(VENV)/bin/dcr demo
+	$(VENV)/bin/dcr refit --kill-receiver-every 2
 
 test: install
 	$(PY) -m pytest

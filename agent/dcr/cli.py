@@ -1,4 +1,4 @@
-"""The ``dcr`` command line: diff, patch, inspect, demo, relay.
+"""The ``dcr`` command line: diff, patch, inspect, demo, relay, encode, agent, refit.
 
 Exit status: 0 on success, 1 when DCR refuses or fails (the message names the value),
 2 for usage errors. With ``--json`` a command prints exactly one JSON object on stdout
@@ -55,6 +55,9 @@ def cmd_diff(args: argparse.Namespace) -> None:
         version=args.version,
         base_version=args.version - 1 if args.base_version is None else args.base_version,
         mode=args.mode,
+        owner=getattr(args, "owner", 0),
+        owners=getattr(args, "owners", 1),
+        attempt=getattr(args, "attempt", None),
         bucket_bytes=args.bucket_mib * MiB,
         level=args.level,
         threads=args.threads,
@@ -130,6 +133,22 @@ def cmd_demo(args: argparse.Namespace) -> None:
     run_demo(Path(args.out), steps=args.steps, seed=args.seed)
 
 
+def cmd_agent(args: argparse.Namespace) -> None:
+    from dcr.agent.main import run
+
+    run(args)
+
+
+def cmd_refit(args: argparse.Namespace) -> None:
+    from dcr.refit import RefitSettings, run_refit
+
+    run_refit(RefitSettings(
+        out=Path(args.out), steps=args.steps, seed=args.seed, agents=args.agents,
+        owners=args.owners,
+        kill_receiver_every=args.kill_receiver_every,
+    ))
+
+
 def cmd_relay(args: argparse.Namespace) -> None:
     import logging
 
@@ -188,6 +207,37 @@ def build_parser() -> argparse.ArgumentParser:
                    help="merged receiver profile (JSON): per tensor xor, overwrite or dense")
     d.add_argument("--json", action="store_true", help="print one JSON summary object")
     d.set_defaults(func=cmd_diff)
+
+    e = sub.add_parser("encode", help="publish one owner's part of a refit attempt (an owner "
+                       "process; like diff, with the attempt and owner split given)")
+    for action in d._actions:
+        if action.dest not in ("help", "mode"):
+            e._add_action(action)
+    e.add_argument("--mode", choices=["mixed", "overwrite"], required=True)
+    e.add_argument("--attempt", required=True, help="attempt id from the coordinator")
+    e.add_argument("--owner", type=int, default=0, metavar="K", help="this owner's index")
+    e.add_argument("--owners", type=int, default=1, metavar="N",
+                   help="owners splitting the tensors by name hash (default 1)")
+    e.set_defaults(func=cmd_diff)
+
+    from dcr.agent.main import add_arguments
+
+    ag = sub.add_parser("agent", help="run a rollout rank's agent (HTTP control API) with "
+                        "an embedded runtime")
+    add_arguments(ag)
+    ag.set_defaults(func=cmd_agent)
+
+    rf = sub.add_parser("refit", help="the main job: train, refit agent processes after "
+                        "every step, recover from kills, verify bits, plot")
+    rf.add_argument("--out", default="refit-out", help="working directory (default refit-out)")
+    rf.add_argument("--steps", type=int, default=4, help="optimizer steps (default 4)")
+    rf.add_argument("--seed", type=int, default=0)
+    rf.add_argument("--agents", type=int, default=4,
+                    help="agent processes: half transformers, half vLLM-layout TP2 (default 4)")
+    rf.add_argument("--owners", type=int, default=2, help="encoder processes (default 2)")
+    rf.add_argument("--kill-receiver-every", type=int, default=0, metavar="N",
+                    help="kill one agent mid-refit every N steps (default 0: never)")
+    rf.set_defaults(func=cmd_refit)
 
     pa = sub.add_parser("patch", help="apply version N in place to a checkpoint at its base")
     pa.add_argument("checkpoint", metavar="CKPT", help="HF checkpoint dir or .safetensors file")

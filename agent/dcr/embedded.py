@@ -1,77 +1,57 @@
-"""In-process owner and receivers: the coordinator's parties on one machine.
+"""In-process receivers: the agent's service behind the coordinator's ``ReceiverHandle``.
 
-The embedded default for the demo and tests: an owner holds its baseline and a
-candidate as canonical tensors in memory and publishes attempts to a store; each
-receiver applies through an :class:`~dcr.apply.engine.ApplyEngine`, receiving the
-attempt's payloads as they land. The agent's HTTP API and the encoder Job will stand
-behind the same ``ReceiverHandle`` and ``OwnerHandle`` calls.
+The HTTP agent (``dcr agent``) and :class:`LocalReceiver` run the same
+:class:`~dcr.agent.service.AgentService`; the local form skips the network, for the
+embedded demo, trainers that host rollout ranks in process, and tests. The owner side
+needs no adapter: :class:`dcr.encoder.Encoder` is already an ``OwnerHandle``.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
-from dcr.apply.engine import ApplyEngine
-from dcr.checkpoint import TensorSource
-from dcr.files.diff import DiffSettings, diff_checkpoints
-from dcr.format.payload import Payload
-from dcr.format.profile import ReceiverProfile
-from dcr.protocol.records import Attempt, CommitRecord
-from dcr.transport.receive import StoreSource, receive
-from dcr.transport.store import Store
+from dcr.agent.service import AgentService
+from dcr.protocol.agent_api import AgentStatus, AttemptRef, AttemptSpec, DenseRequest, FlushAck
+from dcr.protocol.records import Attempt
 
 
-@dataclass(kw_only=True)
-class InProcessOwner:
-    """Compares the candidate with the committed baseline; advances only on commit."""
+class LocalReceiver:
+    """A ``ReceiverHandle`` calling an ``AgentService`` directly."""
 
-    store: Store
-    baseline: TensorSource
-    candidate: TensorSource
-    profile: ReceiverProfile | None = None
+    def __init__(self, service: AgentService) -> None:
+        self.service = service
+        self.name = service.name
 
-    def publish(self, attempt: Attempt) -> None:
-        t = attempt.transition
-        diff_checkpoints(self.baseline, self.candidate, self.store, DiffSettings(
-            version=t.target_version, base_version=t.base_version, mode=attempt.mode,
-            attempt=attempt.id, profile=self.profile))
+    @staticmethod
+    def _ref(attempt: Attempt) -> AttemptRef:
+        return AttemptRef(attempt=attempt.id, timeout_s=max(0.1, attempt.deadline - time.time()))
 
-    def advance_baseline(self, record: CommitRecord) -> None:
-        self.baseline = self.candidate
-
-
-@dataclass(kw_only=True)
-class InProcessReceiver:
-    """A rank applying through its runtime's loader; ``obsolete`` drops late attempts."""
-
-    name: str
-    engine: ApplyEngine
-    store: Store
-    current: str | None = None
-    obsolete: set[str] = field(default_factory=set)
+    def status(self) -> AgentStatus:
+        return self.service.status()
 
     def prepare(self, attempt: Attempt) -> None:
-        self.current = attempt.id
+        self.service.prepare(AttemptSpec.of(attempt))
 
     def close_gate(self) -> None:
-        self.engine.runtime.close_gate()
-
-    def apply(self, attempt: Attempt) -> None:
-        if attempt.id != self.current or attempt.id in self.obsolete:
-            raise RuntimeError(f"{self.name}: attempt {attempt.id} is not the prepared one.")
-        source = StoreSource(store=self.store, version=attempt.transition.target_version,
-                             attempt=attempt.id)
-
-        def apply_one(payload: Payload) -> None:
-            self.engine.apply_payloads([bytes(payload.data)])
-
-        receive(source, attempt.id, apply_one, timeout_s=max(1.0, attempt.deadline - time.time()))
-
-    def stop_and_wait(self, attempt: Attempt) -> None:
-        # In process, apply returns only after its last write: nothing is still running.
-        self.obsolete.add(attempt.id)
-        self.current = None
+        self.service.close_gate()
 
     def open_gate(self) -> None:
-        self.engine.runtime.open_gate()
+        self.service.open_gate()
+
+    def open_apply(self, attempt: Attempt) -> None:
+        self.service.open_apply(self._ref(attempt))
+
+    def wait_staged(self, attempt: Attempt) -> None:
+        self.service.wait_staged(self._ref(attempt))
+
+    def flush(self, attempt: Attempt) -> FlushAck:
+        return self.service.flush(self._ref(attempt))
+
+    def committed(self, attempt: str) -> None:
+        self.service.committed(AttemptRef(attempt=attempt))
+
+    def stop_and_wait(self, attempt: str) -> None:
+        self.service.stop_and_wait(AttemptRef(attempt=attempt))
+
+    def rejoin(self, version: int, checkpoint: str) -> None:
+        self.service.dense(DenseRequest(version=version, checkpoint=checkpoint))

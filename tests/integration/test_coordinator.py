@@ -13,10 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from dcr.apply.engine import ApplyEngine, CanonicalTensor
+from dcr.agent.host import RuntimeHost
+from dcr.agent.service import AgentService
+from dcr.apply.engine import CanonicalTensor
 from dcr.apply.vllm import VllmRuntime
 from dcr.checkpoint import ArrayCheckpoint
-from dcr.embedded import InProcessOwner, InProcessReceiver
+from dcr.embedded import LocalReceiver
+from dcr.encoder import Encoder
 from dcr.format.profile import merge
 from dcr.protocol.commitstore import SqliteCommitStore
 from dcr.protocol.coordinator import CommitConflict, Coordinator
@@ -27,6 +30,7 @@ from dcr.runtimes.vllm_reference import (
     dense_state,
     random_checkpoint,
 )
+from dcr.transport.receive import StoreSource
 from dcr.transport.store import MemoryStore
 
 CFG = ReferenceConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -46,18 +50,21 @@ def setup(tmp_path: Path):  # type: ignore[no-untyped-def]
     new = {n: (t.float() + 1e-2 * torch.randn(t.shape)).to(torch.bfloat16)
            for n, t in old.items()}
     store = MemoryStore()
+    canonical = [CanonicalTensor(name=n, dtype="BF16", shape=tuple(t.shape))
+                 for n, t in old.items()]
     ranks, receivers = [], []
     for r in range(2):
         model = ReferenceModel(CFG, tp_size=2, tp_rank=r)
         model.load_weights(old.items())
-        engine = ApplyEngine(VllmRuntime(model))
+        host = RuntimeHost(VllmRuntime(model), canonical)
         ranks.append(model)
-        receivers.append(InProcessReceiver(name=f"rank-{r}", engine=engine, store=store))
-    profile = merge(rx.engine.prewarm(
-        CanonicalTensor(name=n, dtype="BF16", shape=tuple(t.shape)) for n, t in old.items())
-        for rx in receivers)
-    owner = InProcessOwner(store=store, baseline=source(old), candidate=source(new),
-                           profile=profile)
+        receivers.append(LocalReceiver(AgentService(
+            f"rank-{r}", host, lambda spec: StoreSource(
+                store=store, version=spec.target_version, attempt=spec.attempt,
+                owners=spec.owners), version=0)))
+    profile = merge(rx.service.host.profile for rx in receivers)
+    owner = Encoder(store=store, baseline=source(old), version=0, profile=profile)
+    owner.set_candidate(source(new), 1)
     commits = SqliteCommitStore(tmp_path / "commit.db", V0)
     return old, new, ranks, receivers, owner, commits
 
@@ -71,7 +78,7 @@ def exact(model: ReferenceModel, rank: int, sd: dict[str, torch.Tensor]) -> bool
 
 def test_a_receiver_killed_mid_apply_is_repaired_by_an_overwrite_retry(tmp_path: Path) -> None:
     _, new, ranks, receivers, owner, commits = setup(tmp_path)
-    victim = receivers[1].engine
+    victim = receivers[1].service.host.engine
     real, calls = victim._write_mapped, 0
 
     def dying(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -92,7 +99,8 @@ def test_a_receiver_killed_mid_apply_is_repaired_by_an_overwrite_retry(tmp_path:
     assert record == commits.read()
     assert (record.committed_version, record.baseline_id) == (1, "ckpt-1")
     assert record.attempt == coordinator.history[1].attempt
-    assert owner.baseline is owner.candidate is not baseline_before
+    assert owner.version == 1
+    assert owner.baseline is not baseline_before
     assert all(exact(m, r, new) for r, m in enumerate(ranks))
 
 
@@ -121,4 +129,7 @@ def test_a_refit_to_a_version_already_committed_is_refused(tmp_path: Path) -> No
     _, _, _, receivers, owner, commits = setup(tmp_path)
     assert Coordinator(commits, [owner], receivers).refit(1, "ckpt-1").committed_version == 1
     with pytest.raises(CommitConflict, match="already names version 1"):
-        Coordinator(commits, [owner], receivers).refit(1, "ckpt-1")
+        Coordinator(commits, [owner], receivers).refit(1, "ckpt-other")
+    again = Coordinator(commits, [owner], receivers)  # the same transition: already done
+    assert again.refit(1, "ckpt-1") == commits.read()
+    assert again.history == []

@@ -20,7 +20,7 @@ from typing import Literal
 from dcr.checkpoint import TensorInfo, TensorSource
 from dcr.codec.encode import EncodedItem, PayloadBuilder, diff_range, encode_item, whole_range
 from dcr.errors import CheckpointError, ConfigError
-from dcr.files.layout import manifest_key, payload_key
+from dcr.format.layout import manifest_key, owner_manifest_key, owner_of, payload_key
 from dcr.format.manifest import Manifest, PayloadEntry, Stats, TensorEntry
 from dcr.format.payload import NAME_RE, EntryKind, Mode
 from dcr.format.profile import ReceiverProfile
@@ -42,7 +42,8 @@ class DiffSettings:
     level: int = 1  # zstd level; 1 is fast and within a few % of the best here
     threads: int = 2  # diff workers; the machine's cores is a good choice
     overwrite: tuple[str, ...] = ()  # regexes (full match) of tensors whose path casts
-    owner: int = 0
+    owner: int = 0  # this owner's index, 0 <= owner < owners
+    owners: int = 1  # owners split tensors by a stable hash of the name (``owner_of``)
     attempt: str | None = None  # fresh random id when None
     profile: ReceiverProfile | None = None  # receivers' classes (merged); None: all XOR
 
@@ -55,6 +56,8 @@ class DiffSettings:
             raise ConfigError(f"Bucket of {self.bucket_bytes} bytes is under 1 MiB.")
         if not 1 <= self.level <= 22:
             raise ConfigError(f"zstd level {self.level} is outside 1..22.")
+        if not 0 <= self.owner < self.owners:
+            raise ConfigError(f"Owner {self.owner} is outside 0..{self.owners - 1}.")
         if self.threads < 1 or self.item_elements < 1:
             raise ConfigError(f"threads ({self.threads}) and item_elements must be >= 1.")
         for pattern in self.overwrite:
@@ -110,10 +113,10 @@ def check_same_tensors(base: TensorSource, target: TensorSource) -> None:
             )
 
 
-def _buckets(ckpt: TensorSource, s: DiffSettings) -> Iterator[list[_Range]]:
+def _buckets(infos: list[TensorInfo], s: DiffSettings) -> Iterator[list[_Range]]:
     bucket: list[_Range] = []
     size = 0
-    for info in ckpt:
+    for info in infos:
         for lo in range(0, info.numel, s.item_elements):
             r = _Range(info=info, start=lo, stop=min(info.numel, lo + s.item_elements))
             if bucket and size + r.nbytes > s.bucket_bytes:
@@ -132,16 +135,21 @@ def diff_checkpoints(
     settings: DiffSettings,
     progress: Progress | None = None,
 ) -> Manifest:
-    """Write the payloads and then the manifest of ``settings.version``; return it."""
+    """Write the payloads and then the manifest of ``settings.version``; return it.
+
+    With several owners, this owner diffs only the tensors ``owner_of`` gives it and
+    writes its part of the manifest under the attempt (``owner_manifest_key``).
+    """
     check_same_tensors(base, target)
     s = settings
+    mine = [i for i in base if owner_of(i.name, s.owners) == s.owner]
     attempt = s.attempt or f"a-{secrets.token_hex(4)}"
     entries: list[PayloadEntry] = []
     changed = 0
 
     # A dense tensor travels whole, every range of it, once any element changed.
     dense_changed = {
-        n for n in base.names()
+        n for n in (i.name for i in mine)
         if s.entry_for(n) == "dense" and base.fingerprint(n) != target.fingerprint(n)
     }
 
@@ -173,13 +181,13 @@ def diff_checkpoints(
 
     fingerprints: dict[str, Future[tuple[str, str]]] = {}
     with ThreadPoolExecutor(s.threads) as pool, ThreadPoolExecutor(1) as uploader:
-        for name in base.names():
+        for name in (i.name for i in mine):
             fingerprints[name] = pool.submit(
                 lambda n: (base.fingerprint(n), target.fingerprint(n)), name
             )
         pending: Future[PayloadEntry] | None = None
         seq = 0
-        for bucket in _buckets(base, s):
+        for bucket in _buckets(mine, s):
             builder = PayloadBuilder(
                 base_version=s.base_version, target_version=s.version, attempt=attempt,
                 owner=s.owner, seq=seq, mode=s.mode, level=s.level,
@@ -204,18 +212,20 @@ def diff_checkpoints(
                 base=fingerprints[info.name].result()[0],
                 target=fingerprints[info.name].result()[1],
             )
-            for info in base
+            for info in mine
         )
     manifest = Manifest(
         base_version=s.base_version, target_version=s.version, attempt=attempt, mode=s.mode,
         payloads=tuple(entries), tensors=tensors,
         stats=Stats(
             tensors=len(tensors), changed_elements=changed,
-            total_elements=sum(i.numel for i in base),
-            dense_bytes=sum(i.nbytes for i in base),
+            total_elements=sum(i.numel for i in mine),
+            dense_bytes=sum(i.nbytes for i in mine),
             payload_bytes=sum(e.size for e in entries),
         ),
     )
-    store.put(manifest_key(s.version), manifest.to_json())
+    key = (manifest_key(s.version) if s.owners == 1
+           else owner_manifest_key(s.version, attempt, s.owner))
+    store.put(key, manifest.to_json())
     return manifest
 

@@ -28,7 +28,7 @@ import numpy as np
 from dcr.checkpoint import Checkpoint, TensorInfo, UInt, fingerprint, read_header
 from dcr.codec.decode import DecodedItem, Target, apply_items, decode
 from dcr.errors import MalformedPayload, ManifestError, TargetMismatch, WrongBaseVersion
-from dcr.files.layout import manifest_key
+from dcr.format.layout import manifest_key
 from dcr.format.manifest import Manifest, TensorEntry
 from dcr.format.payload import DEFAULT_LIMITS, DecodeLimits, check_disjoint, read_payload
 from dcr.transport.store import Store

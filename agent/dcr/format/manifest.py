@@ -93,3 +93,34 @@ class Manifest(_Model):
 
 def json_schema() -> str:
     return json.dumps(Manifest.model_json_schema(), indent=2, sort_keys=True) + "\n"
+
+
+def merge_manifests(parts: list[Manifest], where: str) -> Manifest:
+    """One manifest from the parts several owners wrote for the same attempt.
+
+    Owners split tensors by name, so the parts must agree on the transition, attempt
+    and mode, and must not share a tensor or a payload id.
+    """
+    if not parts:
+        raise ManifestError(f"No manifest parts to merge for {where}.")
+    first = parts[0]
+    for p in parts[1:]:
+        got = (p.base_version, p.target_version, p.attempt, p.mode)
+        want = (first.base_version, first.target_version, first.attempt, first.mode)
+        if got != want:
+            raise ManifestError(
+                f"Manifest parts of {where} disagree: (base, target, attempt, mode) {got} "
+                f"vs {want}."
+            )
+    try:
+        return Manifest(
+            base_version=first.base_version, target_version=first.target_version,
+            attempt=first.attempt, mode=first.mode,
+            payloads=tuple(e for p in parts for e in p.payloads),
+            tensors=tuple(t for p in parts for t in p.tensors),
+            stats=Stats(**{
+                f: sum(getattr(p.stats, f) for p in parts) for f in Stats.model_fields
+            }),
+        )
+    except ValidationError as e:
+        raise ManifestError(f"Manifest parts of {where} overlap: {e.errors()[0]['msg']}.") from e

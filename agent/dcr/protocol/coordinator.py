@@ -1,32 +1,52 @@
 """The coordinator: attempts until commit (DESIGN section 6), over abstract parties.
 
-One transition ``v -> v+1``: a mixed first attempt; on any failure after admission the
-attempt is marked obsolete, every receiver stops and waits until none of its writes can
-still happen, and the next attempt runs in overwrite mode (absolute values repair any
-mix of old and new bits). A success is a compare-and-set of the commit record from the
-record the coordinator started from; only then do owners advance their baselines and
-gates reopen. An unknown outcome is resolved by reading the record; a conflict (someone
-else moved it) ends the refit without touching baselines.
+One transition ``v -> v+1``. Every attempt starts with **admission**: each receiver
+reports its status; one still inside an earlier attempt is stopped first (a coordinator
+that took over finds them so); a receiver at ``v`` takes part; one holding a mix of
+``v`` and ``v+1`` takes part only in overwrite mode; any other (restarted, new, behind)
+first restores ``v`` by a dense refit, between attempts; an unreachable one is left
+out and rejoins the same way later. The first attempt runs mixed (XOR where the
+loader allows), unless admission found mixed bits.
 
-Receivers and owners are seams (``ReceiverHandle``, ``OwnerHandle``): in process for
-the embedded demo and tests; the agent's HTTP API and the encoder Job implement the
-same calls.
+An attempt: prepare -> (sync RL) close gates, open_apply -> owners publish while
+receivers stage and apply -> (async RL: wait staged, then close gates and open_apply)
+-> flush -> commit, a compare-and-set of the commit record from the record the
+refit started from. Only after a success do owners advance their baselines, receivers
+learn the commit, and gates reopen. On any failure after admission the attempt is
+marked obsolete, every receiver stops and waits until none of its writes can still
+happen, and the next attempt runs in overwrite mode (absolute values repair any mix of
+old and new bits). An unknown commit outcome is settled by reading the record; a
+conflict (someone else moved it) ends the refit without touching baselines.
+
+Failover: a new coordinator calling ``refit`` for a transition the record already
+names finishes it (owners advance, receivers that flushed that attempt learn the
+commit, gates open); otherwise admission stops whatever the old one left running
+and the refit continues in overwrite mode.
+
+Receivers and owners are seams: in process for the embedded demo and tests, and the
+agent's HTTP API (``AgentClient``) and encoder processes behind the same calls.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, TypeVar
 
-from dcr.errors import DcrError
+from dcr.errors import ConfigError, DcrError
 from dcr.format.payload import Mode
+from dcr.protocol.agent_api import AgentStatus, FlushAck
 from dcr.protocol.commitstore import CommitStore
 from dcr.protocol.records import Attempt, CommitOutcome, CommitRecord, Transition
+from dcr.protocol.state import FINAL, AttemptState
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+_FINAL = frozenset(s.value for s in FINAL)
 
 
 class CommitConflict(DcrError):
@@ -34,25 +54,39 @@ class CommitConflict(DcrError):
 
 
 class RefitFailed(DcrError):
-    """Every allowed attempt failed; the last failure is the cause."""
+    """Every allowed attempt failed (or too few receivers could take part)."""
+
+
+class RefitAborted(DcrError):
+    """An operator aborted the refit between attempts."""
 
 
 class ReceiverHandle(Protocol):
     name: str
 
+    def status(self) -> AgentStatus: ...
+
     def prepare(self, attempt: Attempt) -> None: ...
 
     def close_gate(self) -> None: ...
 
-    def apply(self, attempt: Attempt) -> None:
-        """open_apply and flush: apply every payload of the attempt, then acknowledge."""
-        ...
+    def open_apply(self, attempt: Attempt) -> None: ...
 
-    def stop_and_wait(self, attempt: Attempt) -> None:
+    def wait_staged(self, attempt: Attempt) -> None: ...
+
+    def flush(self, attempt: Attempt) -> FlushAck: ...
+
+    def committed(self, attempt: str) -> None: ...
+
+    def stop_and_wait(self, attempt: str) -> None:
         """Mark obsolete; return only when none of its writes can still happen."""
         ...
 
     def open_gate(self) -> None: ...
+
+    def rejoin(self, version: int, checkpoint: str) -> None:
+        """Restore ``version`` by a dense load of ``checkpoint`` (between attempts)."""
+        ...
 
 
 class OwnerHandle(Protocol):
@@ -64,82 +98,171 @@ class OwnerHandle(Protocol):
 
 
 @dataclass(frozen=True, kw_only=True)
+class CoordinatorSettings:
+    max_attempts: int = 4  # the retry limit: attempts per transition before RefitFailed
+    attempt_timeout_s: float = 600.0  # deadline of each attempt, prepare to commit
+    gate: Literal["sync", "async"] = "sync"  # sync: close at start; async: after staging
+    min_receivers: int = 1  # fewer admitted receivers fail the refit before any attempt
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1 or self.min_receivers < 1 or self.attempt_timeout_s <= 0:
+            raise ConfigError(f"Coordinator settings out of range: {self}.")
+
+
+@dataclass(kw_only=True)
 class AttemptResult:
     attempt: str
     mode: Mode
-    outcome: str  # "committed", or the failure that made it obsolete
-    seconds: float
+    receivers: tuple[str, ...]
+    outcome: str = "running"  # "committed", or the failure that made it obsolete
+    stages: dict[str, float] = field(default_factory=dict)  # seconds per stage
+    payload_bytes: int = 0  # bytes each receiver applied, summed over receivers
+    rejoined: tuple[str, ...] = ()  # receivers restored by a dense refit at admission
 
 
 class Coordinator:
     def __init__(self, commits: CommitStore, owners: Sequence[OwnerHandle],
-                 receivers: Sequence[ReceiverHandle], *, max_attempts: int = 4,
-                 attempt_timeout_s: float = 600.0) -> None:
+                 receivers: Sequence[ReceiverHandle], *,
+                 settings: CoordinatorSettings | None = None,
+                 dense_checkpoint: Callable[[int], str] | None = None) -> None:
+        """``dense_checkpoint(v)`` names a full checkpoint of version ``v`` for rejoins."""
         self.commits = commits
         self.owners = owners
         self.receivers = receivers
-        self.max_attempts = max_attempts
-        self.attempt_timeout_s = attempt_timeout_s
+        self.settings = settings or CoordinatorSettings()
+        self.dense_checkpoint = dense_checkpoint
+        self.abort = threading.Event()  # set by an operator: no further attempt starts
         self.history: list[AttemptResult] = []
+        self._pool = ThreadPoolExecutor(max(4, len(receivers) + len(owners)),
+                                        thread_name_prefix="coord")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
 
     def refit(self, target_version: int, baseline_id: str) -> CommitRecord:
         start = self.commits.read()
-        new_base = start.committed_version
-        if new_base >= target_version:
+        if start.committed_version == target_version and start.baseline_id == baseline_id:
+            log.info("version %s is already committed (%s): finishing", target_version,
+                     start.attempt)
+            self._finish(start)
+            return start
+        if start.committed_version >= target_version:
             raise CommitConflict(
-                f"The commit record already names version {new_base}; cannot refit to "
-                f"{target_version}."
+                f"The commit record already names version {start.committed_version} "
+                f"({start.baseline_id}); cannot refit to {target_version}."
             )
-        transition = Transition(base_version=new_base, target_version=target_version)
+        transition = Transition(base_version=start.committed_version,
+                                target_version=target_version)
         mode: Mode = "mixed"
         last: Exception | None = None
-        for _ in range(self.max_attempts):
-            attempt = Attempt(transition=transition, mode=mode,
-                              receivers=tuple(r.name for r in self.receivers),
-                              deadline=time.time() + self.attempt_timeout_s)
-            t0 = time.perf_counter()
+        for _ in range(self.settings.max_attempts):
+            if self.abort.is_set():
+                raise RefitAborted(f"Refit to {target_version} aborted after "
+                                   f"{len(self.history)} attempts; last: {last}.")
+            live, rejoined, mixed = self._admit(transition)
+            if mixed:
+                mode = "overwrite"
+            attempt = Attempt(transition=transition, mode=mode, owners=len(self.owners),
+                              receivers=tuple(r.name for r in live),
+                              deadline=time.time() + self.settings.attempt_timeout_s)
+            result = AttemptResult(attempt=attempt.id, mode=mode, receivers=attempt.receivers,
+                                   rejoined=rejoined)
+            self.history.append(result)
             try:
-                record = self._run(attempt, start, baseline_id)
-            except CommitConflict:
+                record = self._run(attempt, live, start, baseline_id, result)
+            except CommitConflict as e:
+                result.outcome = f"conflict: {e}"
                 raise
             except Exception as e:  # any failure after admission: retry by overwrite
                 last = e
+                result.outcome = f"failed: {e}"
                 log.warning("attempt %s (%s) failed: %s", attempt.id, mode, e)
-                self._abandon(attempt)
-                self.history.append(AttemptResult(attempt=attempt.id, mode=mode,
-                                                  outcome=f"failed: {e}",
-                                                  seconds=time.perf_counter() - t0))
+                self._abandon(attempt, live)
                 mode = "overwrite"
                 continue
-            self.history.append(AttemptResult(attempt=attempt.id, mode=mode,
-                                              outcome="committed",
-                                              seconds=time.perf_counter() - t0))
+            result.outcome = "committed"
             return record
         raise RefitFailed(
-            f"Refit to version {target_version} failed {self.max_attempts} attempts; "
-            f"last: {last}"
+            f"Refit to version {target_version} failed {self.settings.max_attempts} "
+            f"attempts; last: {last}"
         ) from last
 
-    def _run(self, attempt: Attempt, start: CommitRecord, baseline_id: str) -> CommitRecord:
-        log.info("attempt %s: %s -> %s (%s)", attempt.id, attempt.transition.base_version,
-                 attempt.transition.target_version, attempt.mode)
-        for r in self.receivers:
-            r.prepare(attempt)
-        for o in self.owners:
-            o.publish(attempt)
-        for r in self.receivers:
-            r.close_gate()
-        for r in self.receivers:
-            r.apply(attempt)
+    # --- admission -----------------------------------------------------------------
+
+    def _admit(self, t: Transition
+               ) -> tuple[list[ReceiverHandle], tuple[str, ...], bool]:
+        """The receivers that take part, those rejoined, and whether any holds a mix."""
+        def check(r: ReceiverHandle) -> tuple[ReceiverHandle, str]:
+            st = r.status()
+            if st.attempt is not None and st.state not in _FINAL:
+                log.info("%s is still in attempt %s (%s): stopping it", r.name, st.attempt,
+                         st.state)
+                r.stop_and_wait(st.attempt)
+                st = r.status()
+            if st.dirty is None and st.version == t.base_version:
+                return r, "ready"
+            if st.dirty == (t.base_version, t.target_version):
+                return r, "mixed"
+            if self.dense_checkpoint is None:
+                raise DcrError(f"{r.name} holds {st.version} (dirty {st.dirty}, "
+                               f"{st.unknown}) and no dense checkpoint is configured.")
+            log.info("%s holds %s (dirty %s, %s): dense refit to %s", r.name, st.version,
+                     st.dirty, st.unknown, t.base_version)
+            r.rejoin(t.base_version, self.dense_checkpoint(t.base_version))
+            return r, "rejoined"
+
+        live: list[ReceiverHandle] = []
+        rejoined: list[str] = []
+        mixed = False
+        for r, outcome in zip(self.receivers, self._each(check, self.receivers, strict=False),
+                              strict=True):
+            if isinstance(outcome, Exception):
+                log.warning("%s left out of this attempt: %s", r.name, outcome)
+                continue
+            live.append(r)
+            mixed |= outcome[1] == "mixed"
+            if outcome[1] == "rejoined":
+                rejoined.append(r.name)
+        if len(live) < self.settings.min_receivers:
+            raise RefitFailed(f"Only {len(live)} receivers can take part in "
+                              f"{t.base_version} -> {t.target_version}; at least "
+                              f"{self.settings.min_receivers} are required.")
+        return live, tuple(rejoined), mixed
+
+    # --- one attempt ---------------------------------------------------------------
+
+    def _run(self, attempt: Attempt, live: list[ReceiverHandle], start: CommitRecord,
+             baseline_id: str, result: AttemptResult) -> CommitRecord:
+        log.info("attempt %s: %s -> %s (%s) on %s", attempt.id,
+                 attempt.transition.base_version, attempt.transition.target_version,
+                 attempt.mode, ", ".join(attempt.receivers))
+        clock = _Stages(result.stages)
+        with clock("prepare"):
+            self._each(lambda r: r.prepare(attempt), live)
+            if self.settings.gate == "sync":
+                self._each(lambda r: r.close_gate(), live)
+                self._each(lambda r: r.open_apply(attempt), live)
+        with clock("publish"):
+            self._each(lambda o: o.publish(attempt), self.owners)
+        if self.settings.gate == "async":
+            with clock("stage"):
+                self._each(lambda r: r.wait_staged(attempt), live)
+            with clock("gate"):
+                self._each(lambda r: r.close_gate(), live)
+                self._each(lambda r: r.open_apply(attempt), live)
+        with clock("flush"):
+            acks = self._each(lambda r: r.flush(attempt), live)
+        result.payload_bytes = sum(a.bytes for a in acks)
         if attempt.expired:
             raise DcrError(f"Attempt {attempt.id} passed its deadline before commit.")
         new = CommitRecord(committed_version=attempt.transition.target_version,
                            baseline_id=baseline_id, attempt=attempt.id)
-        outcome = self.commits.compare_and_set(start, new)
-        if outcome is CommitOutcome.UNKNOWN:
-            seen = self.commits.read()
-            outcome = CommitOutcome.SUCCESS if seen == new else (
-                CommitOutcome.CONFLICT if seen != start else CommitOutcome.FAILED)
+        with clock("commit"):
+            outcome = self.commits.compare_and_set(start, new)
+            if outcome is CommitOutcome.UNKNOWN:
+                seen = self.commits.read()
+                outcome = CommitOutcome.SUCCESS if seen == new else (
+                    CommitOutcome.CONFLICT if seen != start else CommitOutcome.FAILED)
         if outcome is CommitOutcome.CONFLICT:
             raise CommitConflict(
                 f"Attempt {attempt.id}: the commit record is no longer {start}; another "
@@ -147,15 +270,73 @@ class Coordinator:
             )
         if outcome is not CommitOutcome.SUCCESS:
             raise DcrError(f"Attempt {attempt.id}: the commit was refused ({outcome.value}).")
-        for o in self.owners:  # only now, with the record naming the new version
-            o.advance_baseline(new)
-        for r in self.receivers:
-            r.open_gate()
+        with clock("finish"):
+            self._finish(new, live)
         return new
 
-    def _abandon(self, attempt: Attempt) -> None:
-        for r in self.receivers:
-            try:
-                r.stop_and_wait(attempt)
-            except Exception as e:  # a dead receiver rejoins later, by a dense refit
+    def _finish(self, record: CommitRecord,
+                receivers: Sequence[ReceiverHandle] | None = None) -> None:
+        """After a commit: owners advance, receivers learn it, gates reopen."""
+        for o in self.owners:  # only now, with the record naming the new version
+            o.advance_baseline(record)
+
+        def settle(r: ReceiverHandle) -> None:
+            if receivers is None:  # failover: only those that flushed the attempt
+                st = r.status()
+                if st.attempt == record.attempt and st.state == AttemptState.FLUSHED.value:
+                    r.committed(record.attempt)
+                elif st.version != record.committed_version:
+                    return  # rejoins by a dense refit at the next admission
+            else:
+                r.committed(record.attempt)
+            r.open_gate()
+
+        errors = [e for e in self._each(settle, receivers or self.receivers, strict=False)
+                  if isinstance(e, Exception)]
+        for e in errors:  # the record stands; such a receiver rejoins later
+            log.warning("after commit %s: %s", record.attempt, e)
+
+    def _abandon(self, attempt: Attempt, live: list[ReceiverHandle]) -> None:
+        def stop(r: ReceiverHandle) -> None:
+            r.stop_and_wait(attempt.id)
+
+        for r, e in zip(live, self._each(stop, live, strict=False), strict=True):
+            if isinstance(e, Exception):  # a dead receiver rejoins later, by a dense refit
                 log.warning("receiver %s did not stop cleanly: %s", r.name, e)
+
+    def _each(self, fn: Callable[[T], object], parties: Sequence[T], *, strict: bool = True
+              ) -> list:  # type: ignore[type-arg]
+        """Call ``fn`` on every party concurrently; the first error wins when strict."""
+        futures = [self._pool.submit(fn, p) for p in parties]
+        out: list[object] = []
+        first: Exception | None = None
+        for f in futures:
+            try:
+                out.append(f.result())
+            except Exception as e:
+                out.append(e)
+                first = first or e
+        if strict and first is not None:
+            raise first
+        return out
+
+
+class _Stages:
+    """Context managers that add wall seconds per stage into a dict."""
+
+    def __init__(self, into: dict[str, float]) -> None:
+        self.into = into
+
+    def __call__(self, name: str) -> _Stage:
+        return _Stage(self.into, name)
+
+
+class _Stage:
+    def __init__(self, into: dict[str, float], name: str) -> None:
+        self.into, self.name = into, name
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.into[self.name] = self.into.get(self.name, 0.0) + time.perf_counter() - self.t0

@@ -56,11 +56,14 @@ class Attempt:
     mode: Mode
     receivers: tuple[str, ...]
     deadline: float  # time.time() seconds by which flush must have succeeded
+    owners: int = 1  # owner processes; receivers wait for every owner's manifest part
     id: str = field(default_factory=new_attempt_id)
 
     def __post_init__(self) -> None:
         if not self.receivers:
             raise ConfigError(f"Attempt {self.id} names no required receivers.")
+        if self.owners < 1:
+            raise ConfigError(f"Attempt {self.id} has {self.owners} owners; at least 1.")
         if len(set(self.receivers)) != len(self.receivers):
             raise ConfigError(f"Attempt {self.id} names a receiver twice: {self.receivers}.")
 

@@ -6,6 +6,10 @@
         \\            \\          \\           \\             \\          \\
          `------------`----------`-----------`-------------`----------`--> obsolete
 
+Synchronous RL closes the gate while payloads still stream (``streaming ->
+gate_closed``) and applies them as they arrive; asynchronous RL stages everything
+first (``staged -> gate_closed``) and keeps serving the old version meanwhile.
+
 Any state before ``committed`` may become ``obsolete`` (a failure after admission, a
 timeout, an operator abort); an obsolete attempt never comes back, and the next attempt
 of the transition runs in overwrite mode. ``committed`` and ``obsolete`` are final.
@@ -36,7 +40,7 @@ class IllegalTransition(DcrError):
 _S = AttemptState
 _NEXT: dict[AttemptState, frozenset[AttemptState]] = {
     _S.PREPARED: frozenset({_S.STREAMING, _S.GATE_CLOSED}),  # sync RL closes the gate first
-    _S.STREAMING: frozenset({_S.STAGED}),
+    _S.STREAMING: frozenset({_S.STAGED, _S.GATE_CLOSED}),  # sync RL applies while streaming
     _S.STAGED: frozenset({_S.GATE_CLOSED, _S.APPLYING}),  # the gate may already be closed
     _S.GATE_CLOSED: frozenset({_S.STREAMING, _S.APPLYING}),
     _S.APPLYING: frozenset({_S.FLUSHED}),

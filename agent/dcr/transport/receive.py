@@ -13,18 +13,25 @@ disjoint, so the interleaving of owners does not change the result.
 from __future__ import annotations
 
 import re
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
-from dcr.errors import ManifestError, ObjectNotFound
-from dcr.format.manifest import Manifest
+from dcr.errors import DcrError, ManifestError, ObjectNotFound
+from dcr.format.layout import manifest_key, owner_manifest_key
+from dcr.format.manifest import Manifest, merge_manifests
 from dcr.format.payload import Payload, read_payload
 from dcr.transport.store import Store
 
 PayloadId = tuple[int, int]  # (owner, seq)
+
+
+class ReceiveStopped(DcrError):
+    """The receiver was told to stop (its attempt became obsolete)."""
+
 _KEY = re.compile(r"/o(\d{4})-s(\d{6})\.dcrp$")
 
 
@@ -42,11 +49,15 @@ class Source(Protocol):
 
 @dataclass(frozen=True, kw_only=True)
 class StoreSource:
-    """An attempt's objects in a store: ``v<version>/<attempt>/o<owner>-s<seq>.dcrp``."""
+    """An attempt's objects in a store: ``v<version>/<attempt>/o<owner>-s<seq>.dcrp``.
+
+    With several owners the manifest is present once every owner wrote its part.
+    """
 
     store: Store
     version: int
     attempt: str
+    owners: int = 1
 
     @property
     def _prefix(self) -> str:
@@ -64,12 +75,22 @@ class StoreSource:
         return self.store.get(f"{self._prefix}o{pid[0]:04d}-s{pid[1]:06d}.dcrp")
 
     def manifest(self) -> Manifest | None:
-        key = f"v{self.version:010d}/manifest.json"
+        if self.owners == 1:
+            m = self._part(manifest_key(self.version))
+            return m if m is not None and m.attempt == self.attempt else None
+        parts = []
+        for owner in range(self.owners):
+            part = self._part(owner_manifest_key(self.version, self.attempt, owner))
+            if part is None:
+                return None
+            parts.append(part)
+        return merge_manifests(parts, f"{self.store.uri}/{self._prefix}")
+
+    def _part(self, key: str) -> Manifest | None:
         try:
-            m = Manifest.parse(self.store.get(key), f"{self.store.uri}/{key}")
+            return Manifest.parse(self.store.get(key), f"{self.store.uri}/{key}")
         except ObjectNotFound:
             return None
-        return m if m.attempt == self.attempt else None
 
 
 def receive(
@@ -80,12 +101,14 @@ def receive(
     window: int = 4,
     poll_s: float = 0.01,
     timeout_s: float = 600.0,
+    stop: threading.Event | None = None,
 ) -> Manifest:
     """Apply every payload of ``attempt`` as it arrives; return the closing manifest.
 
     ``window`` bounds the payloads fetched but not yet applied (back-pressure toward the
     source). Raises :class:`ManifestError` if the manifest disagrees with what arrived,
-    or if ``timeout_s`` passes first.
+    or if ``timeout_s`` passes first, and :class:`ReceiveStopped` once ``stop`` is set
+    (between payloads: an ``apply`` call in progress always finishes).
     """
     deadline = time.monotonic() + timeout_s
     pending: dict[PayloadId, Future[Payload]] = {}
@@ -93,6 +116,10 @@ def receive(
     next_seq: dict[int, int] = {}
     with ThreadPoolExecutor(window) as pool:
         while True:
+            if stop is not None and stop.is_set():
+                for f in pending.values():
+                    f.cancel()
+                raise ReceiveStopped(f"Attempt {attempt}: stopped after {len(applied)} payloads.")
             seen = sorted(set(source.available()) - applied - set(pending))
             for pid in seen[: max(0, window - len(pending))]:
                 pending[pid] = pool.submit(_fetch_verified, source, pid, attempt)

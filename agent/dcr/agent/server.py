@@ -1,0 +1,143 @@
+"""The agent's HTTP control API (:mod:`dcr.protocol.agent_api`) on aiohttp.
+
+Handlers validate the JSON body strictly, run the blocking service call on a thread
+(applies and waits must not stall the event loop: a ``stop`` has to get through while
+a ``flush`` waits), and map errors to statuses: 400 bad body, 401 token, 409 state or
+version conflict, 422 the attempt failed here, 500 anything else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from dcr.agent.service import AgentConflict, AgentService, AttemptFailed
+from dcr.protocol.agent_api import AttemptRef, AttemptSpec, DenseRequest, parse_body
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+
+
+def _error(status: int, message: str, kind: str) -> web.Response:
+    return web.json_response({"error": message, "kind": kind}, status=status)
+
+
+def make_app(service: AgentService, token: str) -> web.Application:
+    expected = f"Bearer {token}".encode()
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path not in OPEN_PATHS:
+            got = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(got, expected):
+                return _error(401, "Missing or wrong bearer token.", "Unauthorized")
+        try:
+            return await handler(request)
+        except ValueError as e:
+            return _error(400, str(e), "BadRequest")
+        except AgentConflict as e:
+            return _error(409, str(e), type(e).__name__)
+        except AttemptFailed as e:
+            return _error(422, str(e), type(e).__name__)
+        except web.HTTPException:
+            raise
+        except Exception as e:  # the message names the value; the stack goes to the log
+            log.exception("agent call %s failed", request.path)
+            return _error(500, f"{type(e).__name__}: {e}", type(e).__name__)
+
+    async def call(fn: Callable[..., Any], *args: Any) -> web.Response:
+        result = await asyncio.to_thread(fn, *args)
+        return web.json_response(json.loads(result.model_dump_json()))
+
+    def route(fn: Callable[..., Any], model: Any = None) -> Handler:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            if model is None:
+                return await call(fn)
+            return await call(fn, parse_body(model, await request.read()))
+        return handler
+
+    async def healthz(_: web.Request) -> web.StreamResponse:
+        return web.Response(text="ok\n")
+
+    async def readyz(_: web.Request) -> web.StreamResponse:
+        st = service.status()
+        if st.version is None:
+            return web.Response(status=503, text=f"no version: {st.unknown or st.dirty}\n")
+        return web.Response(text=f"version {st.version}\n")
+
+    async def metrics(_: web.Request) -> web.StreamResponse:
+        return web.Response(text=render_metrics(service), content_type="text/plain")
+
+    async def profile(_: web.Request) -> web.StreamResponse:
+        return web.json_response({"tensors": service.host.profile.tensors})
+
+    async def fingerprint(_: web.Request) -> web.StreamResponse:
+        return web.json_response(await asyncio.to_thread(service.host.fingerprint))
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        body = json.loads(await request.read() or b"{}")
+        ids, n = body.get("input_ids"), body.get("max_new_tokens", 1)
+        if not (isinstance(ids, list) and ids and all(type(i) is int and i >= 0 for i in ids)
+                and type(n) is int and 1 <= n <= 64):
+            raise ValueError("generate wants input_ids: [non-negative int] and "
+                             f"max_new_tokens in 1..64, got {str(body)[:80]}")
+        out = await asyncio.to_thread(service.host.generate, ids, n, 60.0)
+        return web.json_response({"output_ids": out, "version": service.status().version})
+
+    app = web.Application(middlewares=[guard], client_max_size=1 << 20)
+    app.add_routes([
+        web.post("/v1/prepare", route(service.prepare, AttemptSpec)),
+        web.post("/v1/gate/close", route(service.close_gate)),
+        web.post("/v1/gate/open", route(service.open_gate)),
+        web.post("/v1/apply", route(service.open_apply, AttemptRef)),
+        web.post("/v1/staged", route(service.wait_staged, AttemptRef)),
+        web.post("/v1/flush", route(service.flush, AttemptRef)),
+        web.post("/v1/commit", route(service.committed, AttemptRef)),
+        web.post("/v1/stop", route(service.stop_and_wait, AttemptRef)),
+        web.post("/v1/dense", route(service.dense, DenseRequest)),
+        web.get("/v1/status", route(service.status)),
+        web.get("/v1/profile", profile),
+        web.get("/v1/fingerprint", fingerprint),
+        web.post("/v1/generate", generate),
+        web.get("/healthz", healthz),
+        web.get("/readyz", readyz),
+        web.get("/metrics", metrics),
+    ])
+    return app
+
+
+def render_metrics(service: AgentService) -> str:
+    """Prometheus text exposition of the agent's counters and gauges."""
+    st, c = service.status(), service.counters
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+        lines.append(f"# HELP {name} {help_}")
+        lines.append(f"# TYPE {name} {kind}")
+        lines.extend(f"{name}{labels} {value}" for labels, value in samples)
+
+    metric("dcr_agent_version", "gauge", "Version the weights hold (-1: none).",
+           [("", -1 if st.version is None else st.version)])
+    metric("dcr_agent_gate_open", "gauge", "1 while generation requests may pass.",
+           [("", int(st.gate_open))])
+    metric("dcr_agent_staged_bytes", "gauge", "Payload bytes staged and not yet applied.",
+           [("", st.bytes_staged)])
+    metric("dcr_agent_payloads_applied_total", "counter", "Payloads applied in place.",
+           [("", c.payloads_applied)])
+    metric("dcr_agent_payload_bytes_applied_total", "counter", "Payload bytes applied.",
+           [("", c.payload_bytes_applied)])
+    metric("dcr_agent_apply_seconds_total", "counter", "Seconds inside the apply engine.",
+           [("", round(c.apply_seconds, 6))])
+    metric("dcr_agent_attempts_total", "counter", "Attempts ended, by outcome.",
+           [(f'{{outcome="{k}"}}', v) for k, v in sorted(c.attempts.items())])
+    metric("dcr_agent_dense_loads_total", "counter", "Dense refits (rejoins).",
+           [("", c.dense_loads)])
+    return "\n".join(lines) + "\n"

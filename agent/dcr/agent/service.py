@@ -1,0 +1,368 @@
+"""The agent's protocol logic (DESIGN section 6), one attempt at a time.
+
+``prepare`` admits an attempt and starts a receive thread that pulls the attempt's
+payloads from the source (object store or relay node), verifies them and stages them
+compressed in host memory, so a server in asynchronous RL keeps serving the old
+version meanwhile. ``open_apply`` (only with the request gate closed) starts the apply
+thread, which applies staged payloads through the runtime's loader in the attempt's
+declared order while later payloads still arrive. ``flush`` waits until every payload
+the manifest lists has been applied and the device is synchronized; ``committed`` then
+moves the held version forward. ``stop_and_wait`` makes the attempt obsolete and
+returns only after both threads have ended, so no write of it can still happen.
+
+What the weights hold is tracked exactly: ``version`` while they hold one, ``dirty =
+(base, target)`` from just before the first write of an attempt until a commit or a
+dense load settles it. Dirty weights only accept an overwrite attempt of the same
+transition (absolute values repair any mix of old and new bits) or a dense load, and
+the gate will not reopen on them. The journal records all of it before it happens.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dcr.agent.host import RuntimeHost
+from dcr.agent.journal import Journal, JournalEntry
+from dcr.errors import DcrError
+from dcr.format.manifest import Manifest
+from dcr.format.payload import Payload
+from dcr.protocol.agent_api import AgentStatus, AttemptRef, AttemptSpec, DenseRequest, FlushAck
+from dcr.protocol.state import FINAL, AttemptState, advance
+from dcr.transport.receive import ReceiveStopped, Source, receive
+
+log = logging.getLogger(__name__)
+S = AttemptState
+
+
+class AgentConflict(DcrError):
+    """The call does not fit the agent's state (wrong attempt, version or gate)."""
+
+
+class AttemptFailed(DcrError):
+    """The current attempt failed on this agent; the cause is in the message."""
+
+
+@dataclass(kw_only=True)
+class Counters:
+    """What ``/metrics`` exports (monotonic counts and seconds)."""
+
+    payloads_applied: int = 0
+    payload_bytes_applied: int = 0
+    apply_seconds: float = 0.0
+    attempts: dict[str, int] = field(default_factory=dict)  # by final outcome
+    dense_loads: int = 0
+
+
+@dataclass(eq=False, kw_only=True)
+class _Run:
+    spec: AttemptSpec
+    state: AttemptState = S.PREPARED
+    stop: threading.Event = field(default_factory=threading.Event)
+    apply_open: threading.Event = field(default_factory=threading.Event)
+    staged: list[bytes | None] = field(default_factory=list)
+    staged_bytes: int = 0  # staged, not yet applied
+    received: bool = False  # the manifest closed the attempt: nothing more will be staged
+    manifest: Manifest | None = None
+    applied: int = 0
+    applied_bytes: int = 0
+    apply_s: float = 0.0
+    error: str | None = None
+    threads: list[threading.Thread] = field(default_factory=list)
+
+
+SourceFor = Callable[[AttemptSpec], Source]
+
+
+class AgentService:
+    """Implements ``ReceiverHandle`` in process; the HTTP server exposes the same calls."""
+
+    def __init__(self, name: str, host: RuntimeHost, source_for: SourceFor, *, version: int,
+                 journal: Journal | None = None, staging_bytes: int = 1 << 30) -> None:
+        self.name = name
+        self.host = host
+        self.source_for = source_for
+        self.journal = journal
+        self.staging_bytes = staging_bytes
+        self.counters = Counters()
+        self._cond = threading.Condition()
+        self._run: _Run | None = None
+        self._obsolete: set[str] = set()
+        self.version: int | None = version
+        self.dirty: tuple[int, int] | None = None
+        self.unknown: str | None = None
+        last = journal.load() if journal else None
+        if last is not None and (last.dirty is not None or last.state in ("applying", "flushed")):
+            self.version = None
+            self.unknown = (f"restarted while attempt {last.attempt} was {last.state} with "
+                            f"writes of {last.dirty} unsettled")
+            log.warning("%s: %s; a dense refit must restore a version", name, self.unknown)
+        self._journal()
+
+    # --- state ---------------------------------------------------------------------
+
+    def _journal(self) -> None:
+        if self.journal is None:
+            return
+        run = self._run
+        self.journal.save(JournalEntry(
+            version=self.version, dirty=self.dirty,
+            attempt=run.spec.attempt if run else None,
+            state=run.state.value if run else None,
+        ))
+
+    def _move(self, run: _Run, to: AttemptState) -> None:
+        run.state = advance(run.spec.attempt, run.state, to)
+        if to in FINAL:
+            outcome = to.value
+            self.counters.attempts[outcome] = self.counters.attempts.get(outcome, 0) + 1
+        self._journal()
+        log.info("%s: attempt %s -> %s", self.name, run.spec.attempt, to.value)
+
+    def _current(self, attempt: str) -> _Run:
+        run = self._run
+        if run is None or run.spec.attempt != attempt:
+            have = f"{run.spec.attempt} ({run.state.value})" if run else "none"
+            raise AgentConflict(f"{self.name}: attempt {attempt} is not current; current: {have}.")
+        return run
+
+    def status(self) -> AgentStatus:
+        with self._cond:
+            run = self._run
+            return AgentStatus(
+                name=self.name, version=None if self.dirty else self.version, dirty=self.dirty,
+                unknown=self.unknown, attempt=run.spec.attempt if run else None,
+                state=run.state.value if run else None, error=run.error if run else None,
+                gate_open=self.gate_open,
+                payloads_staged=len(run.staged) if run else 0,
+                payloads_applied=run.applied if run else 0,
+                bytes_staged=run.staged_bytes if run else 0,
+            )
+
+    @property
+    def gate_open(self) -> bool:
+        gate = getattr(self.host.runtime, "gate", None)
+        return bool(gate.is_open) if gate is not None else False
+
+    # --- protocol calls ------------------------------------------------------------
+
+    def prepare(self, spec: AttemptSpec) -> AgentStatus:
+        with self._cond:
+            run = self._run
+            if run is not None and run.state not in FINAL:
+                raise AgentConflict(f"{self.name}: busy with attempt {run.spec.attempt} "
+                                    f"({run.state.value}); stop it first.")
+            if spec.attempt in self._obsolete:
+                raise AgentConflict(f"{self.name}: attempt {spec.attempt} is obsolete.")
+            transition = (spec.base_version, spec.target_version)
+            if self.unknown is not None:
+                raise AgentConflict(f"{self.name}: version unknown ({self.unknown}); a dense "
+                                    "refit must restore the committed version first.")
+            if self.dirty is not None and (self.dirty != transition or spec.mode != "overwrite"):
+                raise AgentConflict(
+                    f"{self.name}: weights hold a mix of {self.dirty[0]} and {self.dirty[1]}; "
+                    f"only an overwrite attempt of {self.dirty[0]} -> {self.dirty[1]} or a "
+                    f"dense refit can repair them, not {spec.mode} {transition}."
+                )
+            if self.dirty is None and self.version != spec.base_version:
+                raise AgentConflict(f"{self.name}: holds version {self.version}; attempt "
+                                    f"{spec.attempt} is for base {spec.base_version}.")
+            run = _Run(spec=spec)
+            self._run = run
+            self._journal()
+            self._move(run, S.STREAMING)
+            self._start(run, self._receive, "receive")
+            return self.status()
+
+    def close_gate(self, timeout_s: float = 60.0) -> AgentStatus:
+        self.host.runtime.close_gate()
+        if not self.host.drain(timeout_s):
+            raise AgentConflict(f"{self.name}: generation requests still in flight after "
+                                f"{timeout_s} s with the gate closed.")
+        with self._cond:
+            run = self._run
+            if run is not None and run.state in (S.PREPARED, S.STREAMING, S.STAGED):
+                self._move(run, S.GATE_CLOSED)
+            return self.status()
+
+    def open_gate(self) -> AgentStatus:
+        with self._cond:
+            if self.dirty is not None or self.unknown is not None:
+                raise AgentConflict(f"{self.name}: will not serve weights that hold no version "
+                                    f"(dirty {self.dirty}, unknown {self.unknown}).")
+        self.host.runtime.open_gate()  # clean weights hold ``version``: safe to serve
+        return self.status()
+
+    def open_apply(self, ref: AttemptRef) -> AgentStatus:
+        with self._cond:
+            run = self._current(ref.attempt)
+            if self.gate_open:
+                raise AgentConflict(f"{self.name}: close the request gate before applying "
+                                    f"attempt {ref.attempt}.")
+            if run.error:
+                raise AttemptFailed(run.error)
+            if not run.apply_open.is_set():
+                run.apply_open.set()
+                self._start(run, self._apply, "apply")
+            return self.status()
+
+    def wait_staged(self, ref: AttemptRef) -> AgentStatus:
+        with self._cond:
+            run = self._current(ref.attempt)
+            if not self._cond.wait_for(lambda: run.received or run.error is not None,
+                                       ref.timeout_s):
+                raise AttemptFailed(f"{self.name}: attempt {ref.attempt} not staged after "
+                                    f"{ref.timeout_s} s ({len(run.staged)} payloads).")
+            if run.error:
+                raise AttemptFailed(run.error)
+            return self.status()
+
+    def flush(self, ref: AttemptRef) -> FlushAck:
+        t0 = time.perf_counter()
+        with self._cond:
+            run = self._current(ref.attempt)
+            if not run.apply_open.is_set():
+                raise AgentConflict(f"{self.name}: flush before open_apply of {ref.attempt}.")
+            done = self._cond.wait_for(
+                lambda: run.error is not None or run.state is S.FLUSHED
+                or (run.received and run.applied == len(run.staged)), ref.timeout_s)
+            if run.error:
+                raise AttemptFailed(run.error)
+            if not done:
+                raise AttemptFailed(
+                    f"{self.name}: attempt {ref.attempt} not flushed after {ref.timeout_s} s "
+                    f"({run.applied}/{len(run.staged)} staged payloads applied, manifest "
+                    f"{'in' if run.received else 'not in'}).")
+            if run.state is not S.FLUSHED:
+                self.host.sync()
+                self._move(run, S.FLUSHED)
+            return FlushAck(attempt=ref.attempt, payloads=run.applied, bytes=run.applied_bytes,
+                            apply_s=run.apply_s, wait_s=time.perf_counter() - t0)
+
+    def committed(self, ref: AttemptRef) -> AgentStatus:
+        with self._cond:
+            run = self._current(ref.attempt)
+            if run.state is S.COMMITTED:
+                return self.status()
+            if run.state is not S.FLUSHED:
+                raise AgentConflict(f"{self.name}: attempt {ref.attempt} is "
+                                    f"{run.state.value}, not flushed; it cannot be committed.")
+            self.version, self.dirty = run.spec.target_version, None
+            self._move(run, S.COMMITTED)
+            return self.status()
+
+    def stop_and_wait(self, ref: AttemptRef) -> AgentStatus:
+        with self._cond:
+            self._obsolete.add(ref.attempt)
+            run = self._run
+            if run is None or run.spec.attempt != ref.attempt or run.state in FINAL:
+                return self.status()
+            run.stop.set()
+            self._cond.notify_all()
+            threads = list(run.threads)
+        for t in threads:  # an apply in progress finishes its payload, then nothing more
+            t.join()
+        with self._cond:
+            run.staged.clear()
+            run.staged_bytes = 0
+            self._move(run, S.OBSOLETE)
+            return self.status()
+
+    def dense(self, req: DenseRequest) -> AgentStatus:
+        """Restore ``req.version`` from a full checkpoint through the runtime's loader."""
+        with self._cond:
+            run = self._run
+            if run is not None and run.state not in FINAL:
+                raise AgentConflict(f"{self.name}: attempt {run.spec.attempt} is "
+                                    f"{run.state.value}; a dense refit happens between attempts.")
+            self.host.runtime.close_gate()
+        if not self.host.drain(60.0):
+            raise AgentConflict(f"{self.name}: requests still in flight; dense load refused.")
+        with self._cond:
+            self.version, self.dirty, self.unknown = None, None, f"dense load of {req.version}"
+            self._journal()
+        self.host.load_dense(Path(req.checkpoint))
+        with self._cond:
+            self.version, self.unknown = req.version, None
+            self.counters.dense_loads += 1
+            self._journal()
+        log.info("%s: restored version %s by a dense load of %s", self.name, req.version,
+                 req.checkpoint)
+        return self.open_gate()
+
+    # --- threads -------------------------------------------------------------------
+
+    def _start(self, run: _Run, target: Callable[[_Run], None], what: str) -> None:
+        t = threading.Thread(target=self._guard, args=(run, target),
+                             name=f"{what}-{run.spec.attempt}", daemon=True)
+        run.threads.append(t)
+        t.start()
+
+    def _guard(self, run: _Run, target: Callable[[_Run], None]) -> None:
+        try:
+            target(run)
+        except ReceiveStopped:
+            pass
+        except Exception as e:  # the attempt fails; the coordinator retries by overwrite
+            with self._cond:
+                if run.error is None and not run.stop.is_set():
+                    run.error = f"{self.name}: attempt {run.spec.attempt}: {e}"
+                    log.warning("%s", run.error)
+                self._cond.notify_all()
+
+    def _receive(self, run: _Run) -> None:
+        spec = run.spec
+        manifest = receive(self.source_for(spec), spec.attempt, lambda p: self._stage(run, p),
+                           timeout_s=max(0.1, spec.deadline - time.time()), stop=run.stop)
+        with self._cond:
+            run.manifest, run.received = manifest, True
+            if run.state is S.STREAMING:
+                self._move(run, S.STAGED)
+            self._cond.notify_all()
+
+    def _stage(self, run: _Run, payload: Payload) -> None:
+        data = bytes(payload.data)
+        with self._cond:  # back-pressure: staged but unapplied bytes stay bounded
+            self._cond.wait_for(lambda: run.stop.is_set() or not run.staged
+                                or run.staged_bytes + len(data) <= self.staging_bytes)
+            if run.stop.is_set():
+                raise ReceiveStopped(f"attempt {run.spec.attempt} stopped")
+            run.staged.append(data)
+            run.staged_bytes += len(data)
+            self._cond.notify_all()
+
+    def _apply(self, run: _Run) -> None:
+        spec = run.spec
+        with self._cond:
+            if run.state in (S.STREAMING, S.STAGED):  # the gate closed before prepare
+                self._move(run, S.GATE_CLOSED)
+            self.dirty = (spec.base_version, spec.target_version)
+            self._move(run, S.APPLYING)  # journaled before the first write
+        while True:
+            i = run.applied
+            with self._cond:
+                self._cond.wait_for(lambda: run.stop.is_set() or run.applied < len(run.staged)
+                                    or run.received)
+                if run.stop.is_set():
+                    return
+                if i >= len(run.staged):
+                    return  # received and all applied: flush finishes the attempt
+                data = run.staged[i]
+            assert data is not None
+            t0 = time.perf_counter()
+            self.host.engine.apply_payloads([data])
+            seconds = time.perf_counter() - t0
+            with self._cond:
+                run.staged[i] = None
+                run.staged_bytes -= len(data)
+                run.applied += 1
+                run.applied_bytes += len(data)
+                run.apply_s += seconds
+                self.counters.payloads_applied += 1
+                self.counters.payload_bytes_applied += len(data)
+                self.counters.apply_seconds += seconds
+                self._cond.notify_all()
