@@ -27,7 +27,16 @@ Hierarchy::
     ├── IllegalTransition      (protocol.state) an attempt cannot move to that state
     ├── CommitStoreError       (protocol.commitstore) the commit record is unreadable
     ├── CommitConflict         (protocol.coordinator) the record moved under the coordinator
-    └── RefitFailed            (protocol.coordinator) every allowed attempt failed
+    ├── RefitFailed            (protocol.coordinator) every allowed attempt failed, or too
+    │                          few receivers could take part
+    ├── RefitAborted           (protocol.coordinator) an operator aborted between attempts
+    ├── AgentError             (protocol.agent_api) an agent refused a call or is
+    │                          unreachable; ``status`` is the HTTP status or None
+    ├── ReceiveStopped         (transport.receive) the receiver was told to stop
+    ├── AgentConflict          (agent.service) a call does not fit the agent's state
+    ├── AttemptFailed          (agent.service) the current attempt failed on this agent
+    ├── JournalError           (agent.journal) the agent's journal is unreadable
+    └── BaselineError          (encoder) an owner cannot vouch for that baseline version
 
 Messages are sentences that carry the offending values.
 """
