@@ -27,6 +27,7 @@ lint: install
 bench: install
 	$(PY) bench/codec.py
 	$(PY) bench/apply.py
+	$(PY) bench/protocol.py
 
 # Regenerate the manifest JSON schema from its pydantic model (a test keeps them in sync).
 schema: install

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dcr.checkpoint import TensorSource
-from dcr.errors import ConfigError, DcrError
+from dcr.errors import BaselineError, ConfigError, DcrError
 from dcr.files.diff import DiffSettings, diff_checkpoints
 from dcr.format.manifest import Manifest
 from dcr.format.profile import ReceiverProfile
@@ -34,10 +34,6 @@ from dcr.protocol.records import Attempt, CommitRecord
 from dcr.transport.store import Store
 
 log = logging.getLogger(__name__)
-
-
-class BaselineError(DcrError):
-    """An owner was asked to publish from, or advance to, a version it cannot vouch for."""
 
 
 def _check_advance(record: CommitRecord, candidate: int | None, published: set[str],

@@ -36,7 +36,9 @@ Hierarchy::
     ├── AgentConflict          (agent.service) a call does not fit the agent's state
     ├── AttemptFailed          (agent.service) the current attempt failed on this agent
     ├── JournalError           (agent.journal) the agent's journal is unreadable
-    └── BaselineError          (encoder) an owner cannot vouch for that baseline version
+    │
+    └── BaselineError          an owner cannot vouch for that baseline version (encoder,
+                               shards)
 
 Messages are sentences that carry the offending values.
 """
@@ -104,3 +106,7 @@ class RelayError(StoreError):
 
 class RelayNotFound(RelayError, ObjectNotFound):
     """The relay holds no such payload or manifest."""
+
+
+class BaselineError(DcrError):
+    """An owner was asked to publish from, or advance to, a version it cannot vouch for."""

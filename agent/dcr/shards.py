@@ -1,0 +1,265 @@
+"""Direct projection: a trainer rank's shards, encoded in canonical coordinates.
+
+A trainer under tensor or expert parallelism holds shards, not Hugging Face tensors.
+Gathering them to canonical tensors before diffing would move every byte again; an
+affine shard map instead says where each element of a local shard lives in the
+canonical tensors, so each rank diffs its own shard against its own baseline shard
+and emits items addressed in canonical coordinates directly. Ranks are owners: their
+items never overlap, and every receiver applies them through its own loader as usual.
+
+Shard kinds (canonical shape ``[R, C, ...]``, ``ranks`` equal parts, this rank ``k``):
+
+* ``replicated``: every rank holds the whole tensor; rank 0 alone sends it.
+* ``rows``: rows ``[k R/ranks, (k+1) R/ranks)`` (column-parallel linears, vocab
+  splits): one contiguous element range.
+* ``columns``: columns ``[k C/ranks, (k+1) C/ranks)`` of a 2-D tensor (row-parallel
+  linears): one item per row that changed, since a payload item is a contiguous range
+  of the canonical tensor. Costs an item header per changed row.
+* ``gate_up``: a fused ``[2 I/ranks, H]`` shard whose first half is rank ``k``'s rows of
+  the canonical gate projection and whose second half is its rows of the up projection
+  (``canonical = (gate, up)``).
+* ``expert``: one expert ``expert`` of a local stack ``[E_local, ...]`` is the whole
+  canonical tensor (expert-parallel MoE layers).
+
+Tensors whose receivers need them whole (the ``dense`` class: converting paths where
+one change moves every stored bit) cannot travel by parts; send them from one owner
+that holds them whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from dcr.codec.changes import find_changes
+from dcr.codec.encode import ItemDelta, PayloadBuilder, encode_item
+from dcr.codec.planes import UInt
+from dcr.errors import BaselineError, ConfigError
+from dcr.format.dtypes import dtype as dtype_of
+from dcr.format.layout import manifest_key, owner_manifest_key, payload_key
+from dcr.format.manifest import Manifest, PayloadEntry, Stats
+from dcr.format.payload import EntryKind
+from dcr.format.profile import ReceiverProfile
+from dcr.protocol.records import Attempt, CommitRecord
+from dcr.transport.store import Store
+
+ShardKind = Literal["replicated", "rows", "columns", "gate_up", "expert"]
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardMap:
+    """Where one local tensor's elements live in the canonical tensors."""
+
+    kind: ShardKind
+    canonical: tuple[str, ...]  # one name; ``gate_up``: (gate, up)
+    shape: tuple[int, ...]  # canonical shape (of each, for ``gate_up``)
+    dtype: str  # safetensors dtype name, the same locally and canonically
+    rank: int = 0
+    ranks: int = 1
+    expert: int = 0  # ``expert``: index into the local stack
+
+    def __post_init__(self) -> None:
+        want = 2 if self.kind == "gate_up" else 1
+        if len(self.canonical) != want:
+            raise ConfigError(f"A {self.kind} shard map names {want} canonical tensors, not "
+                              f"{self.canonical}.")
+        if not 0 <= self.rank < self.ranks:
+            raise ConfigError(f"Shard rank {self.rank} is outside 0..{self.ranks - 1}.")
+        if self.kind in ("rows", "gate_up", "columns") and not self.shape:
+            raise ConfigError(f"A {self.kind} split of a scalar {self.canonical} is undefined.")
+        if self.kind == "columns" and len(self.shape) != 2:
+            raise ConfigError(f"A columns split needs a 2-D tensor; {self.canonical[0]} is "
+                              f"{list(self.shape)}.")
+        axis = 1 if self.kind == "columns" else 0
+        if self.kind in ("rows", "columns", "gate_up") and self.shape[axis] % self.ranks:
+            raise ConfigError(f"{self.canonical[0]}: dimension {axis} of {list(self.shape)} "
+                              f"does not split into {self.ranks} equal parts.")
+        dtype_of(self.dtype)  # names the dtype if unknown
+
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape this rank's shard must have."""
+        s = self.shape
+        if self.kind == "rows":
+            return (s[0] // self.ranks, *s[1:])
+        if self.kind == "columns":
+            return (s[0], s[1] // self.ranks)
+        if self.kind == "gate_up":
+            return (2 * s[0] // self.ranks, *s[1:])
+        return s  # replicated; expert: checked against the stack's trailing dims
+
+    def project(self, base: UInt, target: UInt, entry: EntryKind) -> Iterator[ItemDelta]:
+        """Items of this shard's changes, addressed in canonical coordinates."""
+        if base.shape != target.shape:
+            raise ConfigError(f"Shard of {self.canonical}: base {list(base.shape)} and "
+                              f"candidate {list(target.shape)} differ.")
+        if self.kind == "expert":
+            if base.ndim < 1 or base.shape[1:] != self.shape or not (
+                    0 <= self.expert < base.shape[0]):
+                raise ConfigError(f"Expert {self.expert} of a {list(base.shape)} stack is not "
+                                  f"{self.canonical[0]} {list(self.shape)}.")
+            yield from self._range(0, 0, base[self.expert], target[self.expert], entry)
+            return
+        if base.shape != self.local_shape():
+            raise ConfigError(f"Shard of {self.canonical} is {list(base.shape)}; rank "
+                              f"{self.rank}/{self.ranks} of a {self.kind} split of "
+                              f"{list(self.shape)} is {list(self.local_shape())}.")
+        row = math.prod(self.shape[1:])
+        if self.kind == "replicated":
+            if self.rank == 0:
+                yield from self._range(0, 0, base, target, entry)
+        elif self.kind == "rows":
+            start = self.rank * base.shape[0] * row
+            yield from self._range(0, start, base, target, entry)
+        elif self.kind == "gate_up":
+            half = base.shape[0] // 2
+            start = self.rank * half * row
+            for k in range(2):
+                part = slice(k * half, (k + 1) * half)
+                yield from self._range(k, start, base[part], target[part], entry)
+        else:
+            yield from self._columns(base, target, entry)
+
+    def _range(self, which: int, start: int, base: UInt, target: UInt, entry: EntryKind
+               ) -> Iterator[ItemDelta]:
+        ch = find_changes(base.reshape(-1), target.reshape(-1))
+        if ch.positions.size:
+            yield self._delta(which, start, start + base.size, ch.positions, ch.old, ch.new,
+                              entry)
+
+    def _columns(self, base: UInt, target: UInt, entry: EntryKind) -> Iterator[ItemDelta]:
+        cols = self.shape[1]
+        width = cols // self.ranks
+        ch = find_changes(base.reshape(-1), target.reshape(-1))
+        if not ch.positions.size:
+            return
+        row_of = ch.positions // width
+        cuts = np.flatnonzero(np.diff(row_of)) + 1
+        for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, row_of.size], strict=True):
+            r = int(row_of[lo])
+            start = r * cols + self.rank * width
+            yield self._delta(0, start, start + width, ch.positions[lo:hi] - r * width,
+                              ch.old[lo:hi], ch.new[lo:hi], entry)
+
+    def _delta(self, which: int, start: int, stop: int, positions: np.ndarray, old: UInt,
+               new: UInt, entry: EntryKind) -> ItemDelta:
+        values = np.bitwise_xor(old, new) if entry == "xor" else np.array(new, copy=True)
+        return ItemDelta(name=self.canonical[which], dtype=dtype_of(self.dtype),
+                         shape=self.shape, start=start, stop=stop, entry=entry,
+                         positions=np.ascontiguousarray(positions, dtype=np.int64),
+                         values=values)
+
+
+@dataclass(kw_only=True)
+class ShardEncoder:
+    """An ``OwnerHandle`` for one trainer rank: its shards, their maps, its baseline.
+
+    ``baseline`` and candidates map local tensor names to raw bits (e.g.
+    ``t.view(torch.int16).numpy().view(np.uint16)`` for BF16). The baseline advances
+    only for a commit record naming the candidate and an attempt this rank published.
+    """
+
+    store: Store
+    maps: Mapping[str, ShardMap]
+    baseline: Mapping[str, UInt]
+    version: int
+    owner: int = 0
+    owners: int = 1
+    profile: ReceiverProfile | None = None
+    bucket_bytes: int = 256 * MiB  # local dense bytes per payload
+    level: int = 1
+    candidate: Mapping[str, UInt] | None = None
+    candidate_version: int | None = None
+    manifests: list[Manifest] = field(default_factory=list)
+    _published: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if set(self.maps) != set(self.baseline):
+            raise ConfigError(f"Shard maps and baseline name different tensors: "
+                              f"{sorted(set(self.maps) ^ set(self.baseline))[:5]}.")
+
+    def set_candidate(self, candidate: Mapping[str, UInt], version: int) -> None:
+        if set(candidate) != set(self.maps):
+            raise ConfigError(f"Candidate names different tensors than the shard maps: "
+                              f"{sorted(set(candidate) ^ set(self.maps))[:5]}.")
+        if version <= self.version:
+            raise ConfigError(f"Candidate version {version} is not after {self.version}.")
+        self.candidate, self.candidate_version = candidate, version
+        self._published = set()
+
+    def _entry(self, m: ShardMap, mode: str) -> EntryKind:
+        classes = {self.profile.tensors.get(n, "xor") if self.profile else "xor"
+                   for n in m.canonical}
+        if "dense" in classes:
+            raise ConfigError(f"{m.canonical} must travel whole to its receivers (dense "
+                              "class); a shard cannot send it by parts.")
+        return "overwrite" if mode == "overwrite" or "overwrite" in classes else "xor"
+
+    def publish(self, attempt: Attempt) -> None:
+        t = attempt.transition
+        if self.candidate is None or (t.base_version, t.target_version) != (
+                self.version, self.candidate_version):
+            raise BaselineError(f"Rank {self.owner}: attempt {attempt.id} is {t.base_version} -> "
+                              f"{t.target_version}; baseline {self.version}, candidate "
+                              f"{self.candidate_version}.")
+        self._published.add(attempt.id)
+        entries: list[PayloadEntry] = []
+        changed = total = dense = 0
+
+        def builder(seq: int) -> PayloadBuilder:
+            return PayloadBuilder(base_version=t.base_version, target_version=t.target_version,
+                                  attempt=attempt.id, owner=self.owner, seq=seq,
+                                  mode=attempt.mode, level=self.level)
+
+        def seal(b: PayloadBuilder) -> None:
+            data = b.seal()
+            key = payload_key(t.target_version, attempt.id, self.owner, b.seq)
+            self.store.put(key, data)
+            entries.append(PayloadEntry(
+                key=key, owner=self.owner, seq=b.seq, size=len(data),
+                digest=hashlib.blake2b(data, digest_size=16).hexdigest(),
+                items=len(b.items), records=b.records))
+
+        b = builder(0)
+        for name in sorted(self.maps):
+            m, base, cand = self.maps[name], self.baseline[name], self.candidate[name]
+            entry = self._entry(m, attempt.mode)
+            total += base.size
+            dense += base.nbytes
+            for delta in m.project(base, cand, entry):
+                changed += delta.positions.size
+                b.add(encode_item(delta), dense_bytes=0)
+            b.dense_bytes += base.nbytes
+            if b.dense_bytes >= self.bucket_bytes and b.items:
+                seal(b)
+                b = builder(b.seq + 1)
+        if b.items:
+            seal(b)
+        manifest = Manifest(
+            base_version=t.base_version, target_version=t.target_version, attempt=attempt.id,
+            mode=attempt.mode, payloads=tuple(entries), tensors=(),
+            stats=Stats(tensors=len(self.maps), changed_elements=changed, total_elements=total,
+                        dense_bytes=dense, payload_bytes=sum(e.size for e in entries)))
+        key = (manifest_key(t.target_version) if self.owners == 1
+               else owner_manifest_key(t.target_version, attempt.id, self.owner))
+        self.store.put(key, manifest.to_json())
+        self.manifests.append(manifest)
+
+    def advance_baseline(self, record: CommitRecord) -> None:
+        if record.committed_version == self.version and self.candidate is None:
+            return
+        if record.committed_version != self.candidate_version or (
+                record.attempt not in self._published):
+            raise BaselineError(f"Rank {self.owner}: the commit record names version "
+                              f"{record.committed_version} by {record.attempt!r}; this rank "
+                              f"published {sorted(self._published)} for "
+                              f"{self.candidate_version}. The baseline stays.")
+        assert self.candidate is not None
+        assert self.candidate_version is not None
+        self.baseline, self.version = self.candidate, self.candidate_version
+        self.candidate = self.candidate_version = None
