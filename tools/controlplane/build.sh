@@ -1,0 +1,154 @@
+#!/usr/bin/env bash
+# Build (or reuse) the control-plane binaries the Kubernetes tests run on loopback:
+# etcd, kube-apiserver, kube-controller-manager and helm, all from the Go module proxy.
+#
+# Binaries land outside the repository, one directory per component and version:
+#   ${DCR_INFRA_CACHE:-$HOME/.cache/dcr-infra}/<component>-<version>/<component>
+# A binary that exists and answers --version is reused; the whole run then takes well under 2 s.
+#
+# Usage: tools/controlplane/build.sh [component ...]   (default: all four)
+# Prints one line per component: "built|reused <component> <version> <path> ...".
+set -euo pipefail
+
+readonly KUBE_VERSION=v1.37.2   # k8s.io/kubernetes; staging modules pinned to v0.37.2 in kube/go.mod
+readonly ETCD_VERSION=v3.5.35   # go.etcd.io/etcd/server/v3; pinned in etcd/go.mod
+readonly HELM_VERSION=v3.22.0   # helm.sh/helm/v3
+
+readonly HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+readonly CACHE="${DCR_INFRA_CACHE:-$HOME/.cache/dcr-infra}"
+readonly ALL_COMPONENTS=(etcd kube-apiserver kube-controller-manager helm)
+
+GO="${GO:-$(command -v go || echo /usr/local/go/bin/go)}"
+# Never fetch a different Go toolchain behind our back; static binaries, no cgo.
+export GOTOOLCHAIN=local CGO_ENABLED=0 GOWORK=off
+
+die() { echo "build.sh: $*" >&2; exit 1; }
+
+# The wrapper go.mod must pin what this script says it builds (go mod tidy may mark it indirect).
+check_pin() {
+    local gomod="$1" module="$2" version="$3"
+    grep -Eq "^[[:space:]]*(require )?${module//./\\.} ${version//./\\.}( //.*)?\$" "$gomod" ||
+        die "$gomod does not require $module $version; update the pin in one place and the other"
+}
+
+version_of() {
+    case "$1" in
+        etcd) echo "$ETCD_VERSION" ;;
+        kube-apiserver | kube-controller-manager) echo "$KUBE_VERSION" ;;
+        helm) echo "$HELM_VERSION" ;;
+        *) die "unknown component '$1' (known: ${ALL_COMPONENTS[*]})" ;;
+    esac
+}
+
+bin_path() { echo "$CACHE/$1-$(version_of "$1")/$1"; }
+
+# A cached binary counts only if it runs; a half-written or foreign one is rebuilt.
+usable() {
+    local bin="$1" component="$2"
+    [[ -x "$bin" ]] || return 1
+    case "$component" in
+        helm) "$bin" version --short >/dev/null 2>&1 ;;
+        *) "$bin" --version >/dev/null 2>&1 ;;
+    esac
+}
+
+kube_ldflags() {
+    local minor="${KUBE_VERSION#v1.}"
+    minor="${minor%%.*}"
+    local flags="-s -w" key val pkg
+    for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+        for key in gitVersion=$KUBE_VERSION gitMajor=1 gitMinor=$minor gitTreeState=clean \
+            buildDate=1970-01-01T00:00:00Z; do
+            val="${key#*=}"
+            flags+=" -X $pkg.${key%%=*}=$val"
+        done
+    done
+    echo "$flags"
+}
+
+helm_ldflags() {
+    # Helm's Makefile stamps its version and the Kubernetes version its client-go speaks
+    # (`helm template` reports it as .Capabilities.KubeVersion); go install alone would not.
+    local dir client_go major minor
+    dir="$(cd "$CACHE" && "$GO" mod download -json "helm.sh/helm/v3@$HELM_VERSION" |
+        sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')"
+    [[ -n "$dir" ]] || die "could not download helm.sh/helm/v3@$HELM_VERSION"
+    client_go="$(awk '$1 == "k8s.io/client-go" {print $2; exit}' "$dir/go.mod")"
+    [[ "$client_go" =~ ^v0\.([0-9]+)\. ]] || die "helm $HELM_VERSION: no k8s.io/client-go v0.Y.Z in go.mod"
+    major=1
+    minor="${BASH_REMATCH[1]}"
+    echo "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" \
+        "-X helm.sh/helm/v3/internal/version.gitTreeState=clean" \
+        "-X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor=$major" \
+        "-X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor=$minor" \
+        "-X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=$major" \
+        "-X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=$minor"
+}
+
+# go build writes to a temporary name in the target directory, then renames: a reader never
+# sees a partial binary, and an interrupted build leaves nothing that passes `usable`.
+# (Called as `build_one ... || die`, where bash ignores set -e: every step checks itself.)
+build_one() {
+    local component="$1" out="$2" tmp="$2.tmp.$$"
+    case "$component" in
+        etcd)
+            check_pin "$HERE/etcd/go.mod" go.etcd.io/etcd/server/v3 "$ETCD_VERSION" || return
+            (cd "$HERE/etcd" && nice -n 10 "$GO" build -mod=readonly -trimpath -ldflags="-s -w" \
+                -o "$tmp" go.etcd.io/etcd/server/v3) || return
+            ;;
+        kube-apiserver | kube-controller-manager)
+            check_pin "$HERE/kube/go.mod" k8s.io/kubernetes "$KUBE_VERSION" || return
+            (cd "$HERE/kube" && nice -n 10 "$GO" build -mod=readonly -trimpath \
+                -ldflags="$(kube_ldflags)" -o "$tmp" "k8s.io/kubernetes/cmd/$component") || return
+            ;;
+        helm)
+            # `go install pkg@version` builds outside any module, with helm's own go.mod.
+            local ldflags gobin="$(dirname "$out")/gobin.$$"
+            ldflags="$(helm_ldflags)" || return
+            (cd "$CACHE" && GOBIN="$gobin" nice -n 10 "$GO" install -trimpath \
+                -ldflags="$ldflags" "helm.sh/helm/v3/cmd/helm@$HELM_VERSION") || return
+            mv -f "$gobin/helm" "$tmp" && rmdir "$gobin" || return
+            ;;
+    esac
+    mv -f "$tmp" "$out"
+}
+
+main() {
+    local components=("$@")
+    [[ ${#components[@]} -gt 0 ]] || components=("${ALL_COMPONENTS[@]}")
+    local component bin missing=()
+    for component in "${components[@]}"; do
+        version_of "$component" >/dev/null # dies here, in this shell, on an unknown name
+    done
+    for component in "${components[@]}"; do
+        bin="$(bin_path "$component")"
+        if usable "$bin" "$component"; then
+            echo "reused $component $(version_of "$component") $bin"
+        else
+            missing+=("$component")
+        fi
+    done
+    [[ ${#missing[@]} -gt 0 ]] || return 0
+
+    [[ -x "$GO" ]] || die "no Go toolchain (looked for 'go' on PATH and /usr/local/go/bin/go)"
+    mkdir -p "$CACHE"
+    # One builder at a time (two pytest sessions may start together); the loser reuses.
+    exec 9>"$CACHE/.build.lock"
+    flock 9
+    local start
+    for component in "${missing[@]}"; do
+        bin="$(bin_path "$component")"
+        if usable "$bin" "$component"; then
+            echo "reused $component $(version_of "$component") $bin"
+            continue
+        fi
+        mkdir -p "$(dirname "$bin")"
+        start=$SECONDS
+        build_one "$component" "$bin" || die "building $component $(version_of "$component") failed"
+        usable "$bin" "$component" || die "built $bin but it does not run with --version"
+        echo "built $component $(version_of "$component") $bin in $((SECONDS - start)) s" \
+            "($(du -h "$bin" | cut -f1))"
+    done
+}
+
+main "$@"
