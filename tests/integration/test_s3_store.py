@@ -650,3 +650,109 @@ def test_dcr_diff_and_patch_through_s3_reach_the_target_bits(
     assert sorted(got) == sorted(want)
     for name in want:
         assert (got[name] == want[name]).all(), name
+
+
+# --- a refit through S3 under faults ---------------------------------------------------
+
+def test_refit_through_s3_survives_5xx_slow_truncated_and_corrupted_objects_bit_exactly(
+    tmp_path, proxy, make_store, s3_env
+):
+    """The transport's fault run, end to end: receivers pull an attempt through the
+    proxy while it answers 503s, holds responses and cuts a body short (all retried),
+    and one payload of the first attempt is corrupted on the server's disk. That
+    attempt fails naming the digest mismatch; the overwrite retry commits; every
+    receiver ends with the bits of a dense load, and the owner advanced once."""
+    from dcr.agent.host import RuntimeHost
+    from dcr.agent.service import AgentService
+    from dcr.apply.engine import CanonicalTensor
+    from dcr.apply.vllm import VllmRuntime
+    from dcr.checkpoint import ArrayCheckpoint
+    from dcr.embedded import LocalReceiver
+    from dcr.encoder import Encoder
+    from dcr.protocol.commitstore import SqliteCommitStore
+    from dcr.protocol.coordinator import Coordinator
+    from dcr.protocol.records import CommitRecord
+    from dcr.runtimes.vllm_reference import (
+        ReferenceConfig,
+        ReferenceModel,
+        dense_state,
+        random_checkpoint,
+    )
+    from dcr.transport.receive import StoreSource
+
+    cfg = ReferenceConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                          num_heads=4, num_kv_heads=2, tie_word_embeddings=False)
+    old = random_checkpoint(cfg, 0)
+    gen = torch.Generator().manual_seed(1)
+    new = {n: torch.where(torch.rand(t.shape, generator=gen) < 0.03,
+                          (t.float() * 1.1 + 1e-3).to(torch.bfloat16), t)
+           for n, t in old.items()}
+
+    def bits(sd):  # type: ignore[no-untyped-def]
+        return ArrayCheckpoint({n: ("BF16", tuple(t.shape), t.view(torch.int16).numpy()
+                                    .view("<u2")) for n, t in sd.items()})
+
+    class CorruptFirstAttempt:
+        """Flips a byte of the first payload of ``attempt`` on the server's disk."""
+
+        def __init__(self, inner: S3Store) -> None:
+            self.inner, self.uri, self.attempt = inner, inner.uri, ""
+
+        def put(self, key: str, data: bytes) -> None:
+            self.inner.put(key, data)
+            if self.attempt and key.endswith(f"{self.attempt}/o0000-s000000.dcrp"):
+                flip_byte(s3_env.object_path(key), len(data) - 1)
+
+        def get(self, key: str) -> bytes:
+            return self.inner.get(key)
+
+        def exists(self, key: str) -> bool:
+            return self.inner.exists(key)
+
+        def list(self, prefix: str) -> list[str]:
+            return self.inner.list(prefix)
+
+    canonical = [CanonicalTensor(name=n, dtype="BF16", shape=tuple(t.shape))
+                 for n, t in old.items()]
+    models, receivers = [], []
+    for r in range(2):
+        model = ReferenceModel(cfg, tp_size=2, tp_rank=r)
+        model.load_weights(old.items())
+        store = make_store(FAST)
+        receivers.append(LocalReceiver(AgentService(
+            f"rank-{r}", RuntimeHost(VllmRuntime(model), canonical),
+            lambda spec, store=store: StoreSource(store=store, version=spec.target_version,
+                                                  attempt=spec.attempt), version=0)))
+        models.append(model)
+    owner_store = CorruptFirstAttempt(make_store(FAST))
+    owner = Encoder(store=owner_store, baseline=bits(old), version=0)
+    owner.set_candidate(bits(new), 1)
+    coord = Coordinator(SqliteCommitStore(tmp_path / "c.db", CommitRecord(
+        committed_version=0, baseline_id="v0", attempt="")), [owner], receivers)
+    real_run = coord._run
+
+    def first_attempt_under_faults(attempt, *rest):  # type: ignore[no-untyped-def]
+        if attempt.mode == "mixed":
+            owner_store.attempt = attempt.id
+            proxy.fail_next(2, 503, "SlowDown", method="GET")
+            proxy.truncate_next(1)
+            proxy.delay_next(40, 0.05, method="GET")  # lists see a key 50 ms late
+        else:
+            owner_store.attempt = ""
+        return real_run(attempt, *rest)
+
+    coord._run = first_attempt_under_faults  # type: ignore[method-assign]
+    record = coord.refit(1, "v1")
+    coord.close()
+    outcomes = [(h.mode, h.outcome.split(":")[0]) for h in coord.history]
+    assert outcomes == [("mixed", "failed"), ("overwrite", "committed")]
+    assert "digest" in coord.history[0].outcome.lower()
+    assert record.attempt == coord.history[1].attempt
+    assert owner.version == 1
+    answers = {s.answer for s in proxy.seen}
+    assert {"status", "truncate", "delay"} <= answers
+    for r, model in enumerate(models):
+        dense = ReferenceModel(cfg, tp_size=2, tp_rank=r)
+        dense.load_weights(new.items())
+        a, b = dense_state(model), dense_state(dense)
+        assert all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a)
