@@ -57,6 +57,7 @@ class Encoder:
     owners: int = 1
     profile: ReceiverProfile | None = None
     threads: int = 2
+    bucket_bytes: int = 256 << 20  # dense source bytes per payload (DESIGN: 64-512 MiB)
     candidate: TensorSource | None = None
     candidate_version: int | None = None
     manifests: list[Manifest] = field(default_factory=list)
@@ -83,7 +84,7 @@ class Encoder:
                                                DiffSettings(
             version=t.target_version, base_version=t.base_version, mode=attempt.mode,
             attempt=attempt.id, owner=self.owner, owners=self.owners, profile=self.profile,
-            threads=self.threads)))
+            threads=self.threads, bucket_bytes=self.bucket_bytes)))
 
     def advance_baseline(self, record: CommitRecord) -> None:
         if record.committed_version == self.version and self.candidate is None:
@@ -105,6 +106,7 @@ class ProcessOwner:
     owner: int = 0
     owners: int = 1
     profile_path: Path | None = None
+    bucket_mib: int = 256  # dense source MiB per payload
     timeout_s: float = 600.0
     candidate_version: int | None = None
     summaries: dict[str, dict[str, object]] = field(default_factory=dict)  # by attempt
@@ -120,7 +122,7 @@ class ProcessOwner:
                "--store", self.store_uri, "--base-version", str(t.base_version),
                "--version", str(t.target_version), "--attempt", attempt.id,
                "--mode", attempt.mode, "--owner", str(self.owner),
-               "--owners", str(self.owners), "--json"]
+               "--owners", str(self.owners), "--bucket-mib", str(self.bucket_mib), "--json"]
         if self.profile_path is not None:
             cmd += ["--profile", str(self.profile_path)]
         return cmd

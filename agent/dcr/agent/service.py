@@ -96,10 +96,15 @@ class AgentService:
         self.dirty: tuple[int, int] | None = None
         self.unknown: str | None = None
         last = journal.load() if journal else None
-        if last is not None and (last.dirty is not None or last.state in ("applying", "flushed")):
+        if last is not None and (last.dirty is not None or last.state in ("applying", "flushed")
+                                 or last.version is None):
+            # Unknown stays unknown across restarts (the journal says version None) until
+            # a dense load settles it.
             self.version = None
             self.unknown = (f"restarted while attempt {last.attempt} was {last.state} with "
-                            f"writes of {last.dirty} unsettled")
+                            f"writes of {last.dirty} unsettled" if last.version is not None
+                            or last.dirty is not None else
+                            "restarted while the version was unknown")
             log.warning("%s: %s; a dense refit must restore a version", name, self.unknown)
         self._journal()
 
@@ -200,6 +205,8 @@ class AgentService:
     def open_apply(self, ref: AttemptRef) -> AgentStatus:
         with self._cond:
             run = self._current(ref.attempt)
+            if run.state in FINAL:
+                raise AgentConflict(f"{self.name}: attempt {ref.attempt} is {run.state.value}.")
             if self.gate_open:
                 raise AgentConflict(f"{self.name}: close the request gate before applying "
                                     f"attempt {ref.attempt}.")

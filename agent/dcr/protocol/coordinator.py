@@ -181,6 +181,11 @@ class Coordinator:
                 mode = "overwrite"
                 continue
             result.outcome = "committed"
+            # Outside the retry: the record stands, so a failure from here on (an owner
+            # that cannot advance) must not abandon the committed attempt or retry a
+            # committed transition. It reaches the caller; ``refit`` again finishes.
+            with _Stages(result.stages)("finish"):
+                self._finish(record, live)
             return record
         raise RefitFailed(
             f"Refit to version {target_version} failed {self.settings.max_attempts} "
@@ -270,8 +275,6 @@ class Coordinator:
             )
         if outcome is not CommitOutcome.SUCCESS:
             raise DcrError(f"Attempt {attempt.id}: the commit was refused ({outcome.value}).")
-        with clock("finish"):
-            self._finish(new, live)
         return new
 
     def _finish(self, record: CommitRecord,

@@ -1,0 +1,415 @@
+"""Real ``dcr agent`` processes over loopback HTTP: the API's edges and process deaths.
+
+Agents serve a tiny Llama checkpoint written with ``save_pretrained`` (the ``hf``
+runtime and the vLLM-layout reference runtime on one TP rank), read payloads from a
+``FileStore`` under the test's directory, and keep their journal in ``--state-dir``.
+Owners are ``ProcessOwner``s: every attempt runs ``python -m dcr encode`` as a process.
+Bits are compared through ``AgentClient.fingerprint()`` (xxh3 of the integer view of
+every parameter and buffer) against a runtime of the same kind built in this process
+and loaded densely with the target through the same loader.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dcr.agent.host import RuntimeHost
+from dcr.agent.main import build_runtime
+from dcr.apply.engine import CanonicalTensor
+from dcr.checkpoint import Checkpoint
+from dcr.encoder import ProcessOwner
+from dcr.errors import DcrError
+from dcr.format.layout import manifest_key, payload_key, version_prefix
+from dcr.format.profile import ReceiverProfile, dumps, merge
+from dcr.protocol.agent_api import AgentClient, AgentError, AgentStatus, FlushAck
+from dcr.protocol.commitstore import SqliteCommitStore
+from dcr.protocol.coordinator import Coordinator, CoordinatorSettings, ReceiverHandle
+from dcr.protocol.records import Attempt, CommitRecord, Transition
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow, pytest.mark.e2e]
+
+TOKEN = "agent-test-token-0123456789abcdef"
+# About 6.5 MiB in BF16: with 1 MiB buckets an encoder streams several payloads.
+LLAMA = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=512,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    tie_word_embeddings=False)
+V0 = CommitRecord(committed_version=0, baseline_id="ckpt-0", attempt="")
+SETTINGS = CoordinatorSettings(attempt_timeout_s=60.0)
+START_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Checkpoints:
+    root: Path
+
+    def dir(self, v: int) -> Path:
+        return self.root / f"v{v}"
+
+    def dense(self, v: int) -> str:
+        """The coordinator's ``dense_checkpoint`` callback."""
+        return str(self.dir(v))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
+    """Versions 0..2 of a tiny Llama, each a ``save_pretrained`` directory."""
+    ckpts = Checkpoints(root=tmp_path_factory.mktemp("llama"))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LLAMA).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(1)
+    for v in range(3):
+        if v:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1e-2 * torch.randn(p.shape, generator=gen).to(p.dtype))
+        model.save_pretrained(ckpts.dir(v))
+    return ckpts
+
+
+_FINGERPRINTS: dict[tuple[Path, str, int], dict[str, str]] = {}
+
+
+def dense_fingerprint(ckpts: Checkpoints, runtime: str, v: int) -> dict[str, str]:
+    """What an agent of ``runtime`` holds after a dense load of version ``v`` (the oracle)."""
+    key = (ckpts.root, runtime, v)
+    if key not in _FINGERPRINTS:
+        kind, _, rank = runtime.partition(":")
+        rt = build_runtime(kind, ckpts.dir(v), tp_size=2 if rank else 1,
+                           tp_rank=int(rank or 0))
+        with Checkpoint(ckpts.dir(v)) as ckpt:
+            canonical = [CanonicalTensor(name=i.name, dtype=i.dtype.name, shape=i.shape)
+                         for i in ckpt]
+        host = RuntimeHost(rt, canonical)
+        host.load_dense(ckpts.dir(v))
+        _FINGERPRINTS[key] = host.fingerprint()
+    return _FINGERPRINTS[key]
+
+
+# --- agent processes -------------------------------------------------------------------
+
+
+@dataclass(eq=False, kw_only=True)
+class Agent:
+    name: str
+    runtime: str  # "hf", or "vllm-ref:RANK" (tensor-parallel size 2)
+    proc: subprocess.Popen[bytes]
+    hello: dict[str, Any]  # the JSON line it printed once listening
+    client: AgentClient
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return self.client.url
+
+
+class Fleet:
+    """Agent processes of one test, all on one store; every one is killed at teardown."""
+
+    def __init__(self, tmp: Path, ckpts: Checkpoints) -> None:
+        self.tmp = tmp
+        self.ckpts = ckpts
+        self.store = tmp / "store"
+        self.token_file = tmp / "token"
+        self.token_file.write_text(TOKEN + "\n")
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, *specs: tuple[str, str]) -> list[Agent]:
+        """Start agents ``(name, runtime)`` side by side; return once each is listening."""
+        launched = []
+        for name, runtime in specs:
+            kind, _, rank = runtime.partition(":")
+            cmd = [sys.executable, "-m", "dcr", "agent", "--name", name,
+                   "--token-file", str(self.token_file), "--state-dir", str(self.tmp / name),
+                   "--store", self.store.as_uri(), "--model", str(self.ckpts.dir(0)),
+                   "--model-version", "0", "--runtime", kind]
+            if rank:
+                cmd += ["--tp-size", "2", "--tp-rank", rank]
+            log = self.tmp / f"{name}-{len(self.procs)}.log"
+            with log.open("wb") as err:
+                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        stderr=err, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+            self.procs.append(proc)
+            launched.append((name, runtime, proc, log))
+        return [self._hello(*x) for x in launched]
+
+    def _hello(self, name: str, runtime: str, proc: subprocess.Popen[bytes],
+               log: Path) -> Agent:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], START_TIMEOUT_S)
+        line = proc.stdout.readline() if ready else b""
+        if not line:
+            proc.kill()
+            pytest.fail(f"agent {name} did not start:\n{log.read_text()[-3000:]}")
+        hello = json.loads(line)
+        return Agent(name=name, runtime=runtime, proc=proc, hello=hello, log=log,
+                     client=AgentClient(name, hello["url"], TOKEN))
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+    def owner(self, **kw: Any) -> ProcessOwner:
+        return ProcessOwner(store_uri=self.store.as_uri(), checkpoints=self.ckpts.dir,
+                            version=0, timeout_s=120.0, **kw)
+
+    def assert_holds(self, agent: Agent, version: int) -> None:
+        want = dense_fingerprint(self.ckpts, agent.runtime, version)
+        if version:  # not vacuous: the previous version differs almost everywhere
+            before = dense_fingerprint(self.ckpts, agent.runtime, version - 1)
+            assert sum(before[n] != want[n] for n in want) >= len(want) - 1
+        got = agent.client.fingerprint()
+        assert got.keys() == want.keys()
+        differ = [n for n in want if got[n] != want[n]]
+        assert differ == [], f"{agent.name} differs from a dense load of v{version}: {differ[:4]}"
+        st = agent.client.status()
+        assert (st.version, st.dirty, st.unknown, st.gate_open) == (version, None, None, True)
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, checkpoints: Checkpoints) -> Iterator[Fleet]:
+    f = Fleet(tmp_path, checkpoints)
+    yield f
+    f.close()
+
+
+def http(url: str, *, method: str = "GET", body: bytes | None = None,
+         token: str | None = None) -> tuple[int, str]:
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, data=body, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def outcomes(c: Coordinator) -> list[tuple[str, str]]:
+    return [(h.mode, h.outcome.split(":")[0]) for h in c.history]
+
+
+def profile_file(tmp: Path, agents: list[Agent]) -> Path:
+    """The receivers' merged profile, for the encoder processes' ``--profile``."""
+    path = tmp / "profile.json"
+    merged = merge(ReceiverProfile.model_validate(a.client.profile()) for a in agents)
+    path.write_text(dumps(merged))
+    return path
+
+
+# --- tests -----------------------------------------------------------------------------
+
+
+def test_the_agent_api_needs_a_token_names_a_bad_field_and_refuses_a_wrong_base_version(
+        fleet: Fleet) -> None:
+    (agent,) = fleet.start(("api", "hf"))
+    assert agent.hello == {"url": agent.url, "name": "api", "version": 0}
+    spec = {"attempt": "a-api1", "base_version": 0, "target_version": 1, "mode": "mixed",
+            "deadline": time.time() + 60}
+
+    for token in (None, "not-the-token-0123456789"):
+        code, text = http(agent.url + "/v1/status", token=token)
+        assert (code, json.loads(text)["kind"]) == (401, "Unauthorized")
+        code, _ = http(agent.url + "/v1/prepare", method="POST", token=token,
+                       body=json.dumps(spec).encode())
+        assert code == 401
+    assert http(agent.url + "/healthz") == (200, "ok\n")
+    assert http(agent.url + "/readyz") == (200, "version 0\n")
+    code, text = http(agent.url + "/metrics")
+    assert code == 200
+    assert "dcr_agent_version 0\n" in text
+
+    bad = [
+        ("/v1/prepare", {**spec, "base_version": "zero"}, "AttemptSpec: base_version:"),
+        ("/v1/prepare", {**spec, "attempt": "../escape"}, "AttemptSpec: attempt:"),
+        ("/v1/prepare", {**spec, "surprise": 1}, "AttemptSpec: surprise:"),
+        ("/v1/flush", {"attempt": "a-api1", "timeout_s": -1}, "AttemptRef: timeout_s:"),
+        ("/v1/dense", {"version": 0}, "DenseRequest: checkpoint:"),
+    ]
+    for path, body, named in bad:
+        code, text = http(agent.url + path, method="POST", token=TOKEN,
+                          body=json.dumps(body).encode())
+        err = json.loads(text)
+        assert (code, err["kind"]) == (400, "BadRequest"), text
+        assert err["error"].startswith(named), err
+    code, text = http(agent.url + "/v1/flush", method="POST", token=TOKEN, body=b"{not json")
+    assert code == 400
+    assert json.loads(text)["error"].startswith("AttemptRef: body: Invalid JSON")
+
+    wrong = Attempt(transition=Transition(base_version=5, target_version=6), mode="mixed",
+                    receivers=("api",), deadline=time.time() + 60)
+    with pytest.raises(AgentError, match="holds version 0") as refused:
+        agent.client.prepare(wrong)
+    assert refused.value.status == 409
+    assert f"attempt {wrong.id} is for base 5" in str(refused.value)
+
+    st = agent.client.status()  # nothing above changed it
+    assert (st.attempt, st.version, st.gate_open) == (None, 0, True)
+    fleet.assert_holds(agent, 0)
+
+
+class KilledBeforeFlush:
+    """An agent's handle whose process is SIGKILLed mid-apply, just before its first flush.
+
+    The kill waits until the agent has applied a payload: the journal then says it was
+    applying, with unsettled writes.
+    """
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.name = agent.name
+        self.seen: AgentStatus | None = None
+
+    def __getattr__(self, call: str) -> Any:
+        return getattr(self.agent.client, call)
+
+    def flush(self, attempt: Attempt) -> FlushAck:
+        if self.seen is None:
+            deadline = time.monotonic() + 30
+            while (st := self.agent.client.status()).payloads_applied < 1:
+                assert time.monotonic() < deadline, f"{self.name} never applied a payload"
+                time.sleep(0.01)
+            self.seen = st
+            self.agent.proc.send_signal(signal.SIGKILL)
+            self.agent.proc.wait(timeout=30)
+        return self.agent.client.flush(attempt)
+
+
+def test_an_agent_killed_mid_apply_is_left_out_then_restarted_unknown_and_rejoined_dense(
+        fleet: Fleet) -> None:
+    a, b = fleet.start(("a", "hf"), ("b", "vllm-ref:1"))
+    profile = profile_file(fleet.tmp, [a, b])
+    owners = [fleet.owner(owner=k, owners=2, profile_path=profile) for k in range(2)]
+    commits = SqliteCommitStore(fleet.tmp / "commit.db", V0)
+    victim = KilledBeforeFlush(b)
+    c = Coordinator(commits, owners, [a.client, victim], settings=SETTINGS,
+                    dense_checkpoint=fleet.ckpts.dense)
+    try:
+        record = c.refit(1, "ckpt-1")
+    finally:
+        c.close()
+    assert victim.seen is not None
+    assert (victim.seen.state, victim.seen.dirty) == ("applying", (0, 1))
+    assert b.proc.returncode == -signal.SIGKILL
+    assert outcomes(c) == [("mixed", "failed"), ("overwrite", "committed")]
+    assert "unreachable" in c.history[0].outcome
+    assert c.history[1].receivers == ("a",)  # committed by the survivor alone
+    assert record == commits.read() == CommitRecord(
+        committed_version=1, baseline_id="ckpt-1", attempt=c.history[1].attempt)
+    assert [o.version for o in owners] == [1, 1]
+    fleet.assert_holds(a, 1)
+
+    (b2,) = fleet.start(("b", "vllm-ref:1"))  # the same --state-dir: its journal
+    assert b2.hello["version"] is None
+    st = b2.client.status()
+    assert st.version is None
+    assert st.unknown is not None
+    assert f"attempt {c.history[0].attempt} was applying" in st.unknown
+    assert http(b2.url + "/readyz")[0] == 503
+
+    c2 = Coordinator(commits, owners, [a.client, b2.client], settings=SETTINGS,
+                     dense_checkpoint=fleet.ckpts.dense)
+    try:
+        record = c2.refit(2, "ckpt-2")
+    finally:
+        c2.close()
+    assert outcomes(c2) == [("mixed", "committed")]
+    assert c2.history[0].rejoined == ("b",)  # a dense load of v1 before the attempt
+    assert c2.history[0].receivers == ("a", "b")
+    assert record == commits.read() == CommitRecord(
+        committed_version=2, baseline_id="ckpt-2", attempt=c2.history[0].attempt)
+    assert [o.version for o in owners] == [2, 2]
+    assert "dcr_agent_dense_loads_total 1\n" in http(b2.url + "/metrics")[1]
+    fleet.assert_holds(a, 2)
+    fleet.assert_holds(b2, 2)
+
+
+class KilledMidStream:
+    """An owner whose first encoder process is SIGKILLed once its first payload landed.
+
+    Its owner runs with 1 MiB buckets, so that more payloads and the manifest would
+    follow, and kills it when payload 0 appears in the store; before
+    failing the attempt it waits until the receiver applied that payload. Later
+    attempts run the owner as usual.
+    """
+
+    def __init__(self, owner: ProcessOwner, store: Path, receiver: ReceiverHandle) -> None:
+        self.owner = owner
+        self.store = store
+        self.receiver = receiver
+        self.landed: list[str] = []
+        self.manifest_written: bool | None = None
+        self.applied = 0  # payloads the receiver had applied when the attempt failed
+
+    def publish(self, attempt: Attempt) -> None:
+        if self.manifest_written is not None:
+            self.owner.publish(attempt)
+            return
+        v = attempt.transition.target_version
+        cmd = self.owner.command(attempt)
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        first = self.store / payload_key(v, attempt.id, 0, 0)
+        deadline = time.monotonic() + 60
+        while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        proc.kill()
+        proc.wait()
+        folder = self.store / version_prefix(v) / attempt.id
+        self.landed = sorted(p.name for p in folder.glob("o*.dcrp"))
+        self.manifest_written = (self.store / manifest_key(v)).exists()
+        deadline = time.monotonic() + 30
+        while (st := self.receiver.status()).payloads_applied < 1:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        self.applied = st.payloads_applied
+        raise DcrError(f"Encoder for {attempt.id} was killed after {len(self.landed)} "
+                       "payloads.")
+
+    def advance_baseline(self, record: CommitRecord) -> None:
+        self.owner.advance_baseline(record)
+
+
+def test_an_encoder_process_killed_mid_stream_is_repaired_by_an_overwrite_retry(
+        fleet: Fleet) -> None:
+    (a,) = fleet.start(("a", "hf"))
+    owner = fleet.owner(bucket_mib=1)
+    killed = KilledMidStream(owner, fleet.store, a.client)
+    commits = SqliteCommitStore(fleet.tmp / "commit.db", V0)
+    c = Coordinator(commits, [killed], [a.client], settings=SETTINGS)
+    try:
+        record = c.refit(1, "ckpt-1")
+    finally:
+        c.close()
+    assert killed.manifest_written is False  # it died mid-stream
+    assert killed.landed[0] == "o0000-s000000.dcrp"
+    assert killed.applied >= 1  # the receiver holds a mix of v0 and v1 to repair
+    assert outcomes(c) == [("mixed", "failed"), ("overwrite", "committed")]
+    assert "was killed after" in c.history[0].outcome
+    applied = http(a.url + "/metrics")[1]
+    assert "dcr_agent_attempts_total{outcome=\"obsolete\"} 1\n" in applied
+    assert record == commits.read() == CommitRecord(
+        committed_version=1, baseline_id="ckpt-1", attempt=c.history[1].attempt)
+    assert owner.version == 1
+    fleet.assert_holds(a, 1)

@@ -1,0 +1,930 @@
+"""The refit protocol's fault-injection matrix over in-process parties (DESIGN section 6).
+
+Every scenario runs a real fleet: three receivers (two vLLM-layout TP ranks of the
+reference runtime and a transformers ``LlamaForCausalLM``), each an ``AgentService``
+over a ``RuntimeHost`` with its own journal, behind ``LocalReceiver``-style handles;
+two in-process ``Encoder`` owners splitting the tensors (multi-owner manifests); a
+SQLite commit record. Faults are injected only at our own seams: a ``Store`` wrapper
+around ``MemoryStore`` (payload and store faults), ``Source`` wrappers (delivery
+faults), receiver handles that die and restart, and commit-store or owner wrappers
+that raise a ``BaseException`` where a coordinator process would die.
+
+Every scenario ends with the same three checks (``Fleet.assert_committed``):
+
+1. every live receiver's parameters and buffers equal, on integer views, a fresh
+   runtime of the same kind loaded densely with the target through the same loader;
+2. the commit record names the target version, its baseline id and the attempt that
+   committed, and every receiver that attempt required holds that version;
+3. every owner's baseline is the target's, and every baseline advance happened with
+   the stored commit record in hand (``AuditedOwner``); every compare-and-set found
+   each required receiver flushed on the attempt it names (``AuditedCommits``).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dcr.agent.host import RuntimeHost
+from dcr.agent.journal import Journal
+from dcr.agent.service import AgentService
+from dcr.apply.engine import BITS, ApplyReport, CanonicalTensor, DuplicatePayload
+from dcr.apply.runtime import HFRuntime, Runtime
+from dcr.apply.vllm import VllmRuntime
+from dcr.checkpoint import ArrayCheckpoint
+from dcr.embedded import LocalReceiver
+from dcr.encoder import Encoder, ProcessOwner
+from dcr.errors import BaselineError, StoreError
+from dcr.format.layout import payload_key
+from dcr.format.manifest import Manifest
+from dcr.format.profile import merge
+from dcr.protocol.agent_api import AgentError, AgentStatus, AttemptRef, AttemptSpec, FlushAck
+from dcr.protocol.commitstore import CommitStore, SqliteCommitStore
+from dcr.protocol.coordinator import (
+    Coordinator,
+    CoordinatorSettings,
+    OwnerHandle,
+    RefitFailed,
+)
+from dcr.protocol.records import Attempt, CommitOutcome, CommitRecord, Transition
+from dcr.runtimes.vllm_reference import ReferenceConfig, ReferenceModel, random_checkpoint
+from dcr.transport.receive import PayloadId, Source, StoreSource
+from dcr.transport.store import MemoryStore
+
+pytestmark = pytest.mark.timeout(120)
+
+# About 2 MiB in BF16: with 1 MiB buckets (``small_buckets``) owner 0 of 2 streams two
+# payloads, which reordering and mid-stream kills need.
+CFG = ReferenceConfig(vocab_size=2048, hidden_size=128, intermediate_size=512, num_layers=2,
+                      num_heads=4, num_kv_heads=2, tie_word_embeddings=False)
+KINDS = ("vllm-0", "vllm-1", "hf")  # receiver names are their kinds
+OWNERS = 2
+V0 = CommitRecord(committed_version=0, baseline_id="ckpt-0", attempt="")
+SETTINGS = CoordinatorSettings(attempt_timeout_s=30.0)
+Gate = Literal["sync", "async"]
+
+
+class CoordinatorKilled(BaseException):
+    """Stands for the coordinator's process dying here: no ``except Exception`` stops it."""
+
+
+class EncoderKilled(Exception):
+    """An owner died mid-stream; the coordinator sees its publish fail."""
+
+
+# --- versions, runtimes, oracles ---------------------------------------------------
+
+
+def _int_views(runtime: Runtime) -> dict[str, torch.Tensor]:
+    """Integer views (copies) of every parameter and buffer the runtime names."""
+    out = {}
+    for name, t in runtime.named_tensors():
+        flat = t.detach().contiguous().reshape(-1)
+        out[name] = flat.view(BITS[flat.element_size()]).clone()
+    return out
+
+
+def build_runtime(kind: str) -> Runtime:
+    if kind == "hf":
+        torch.manual_seed(1234)  # the receiver's init never matters: a dense load follows
+        config = LlamaConfig(vocab_size=CFG.vocab_size, hidden_size=CFG.hidden_size,
+                             intermediate_size=CFG.intermediate_size,
+                             num_hidden_layers=CFG.num_layers, num_attention_heads=CFG.num_heads,
+                             num_key_value_heads=CFG.num_kv_heads, tie_word_embeddings=False)
+        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+        return HFRuntime(model)
+    return VllmRuntime(ReferenceModel(CFG, tp_size=2, tp_rank=int(kind[-1])))
+
+
+@dataclass(eq=False)
+class Versions:
+    """Versions 0..2 of one model: canonical tensors, checkpoints on disk, dense oracles."""
+
+    root: Path
+    states: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    _sources: dict[int, ArrayCheckpoint] = field(default_factory=dict)
+    _dense: dict[tuple[str, int], dict[str, torch.Tensor]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        state = random_checkpoint(CFG, 0)
+        for v in range(3):
+            if v:
+                gen = torch.Generator().manual_seed(v)
+                state = {n: (t.float() + 1e-2 * torch.randn(t.shape, generator=gen))
+                         .to(torch.bfloat16) for n, t in state.items()}
+            self.states[v] = state
+            self.dir(v).mkdir(parents=True)
+            save_file(state, str(self.dir(v) / "model.safetensors"))
+
+    def dir(self, v: int) -> Path:
+        return self.root / f"v{v}"
+
+    def checkpoint(self, v: int) -> str:
+        """The coordinator's ``dense_checkpoint`` callback."""
+        return str(self.dir(v))
+
+    def source(self, v: int) -> ArrayCheckpoint:
+        """The trainer's export of version ``v`` (the same object every time)."""
+        if v not in self._sources:
+            self._sources[v] = ArrayCheckpoint({
+                n: ("BF16", tuple(t.shape), t.view(torch.int16).numpy().view(np.uint16))
+                for n, t in self.states[v].items()})
+        return self._sources[v]
+
+    def dense(self, kind: str, v: int) -> dict[str, torch.Tensor]:
+        """A fresh runtime of ``kind`` after a dense load of ``v`` (the oracle)."""
+        if (kind, v) not in self._dense:
+            host = RuntimeHost(build_runtime(kind), canonical())
+            host.load_dense(self.dir(v))
+            self._dense[kind, v] = _int_views(host.runtime)
+        return self._dense[kind, v]
+
+
+def canonical() -> list[CanonicalTensor]:
+    return [CanonicalTensor(name=n, dtype="BF16", shape=tuple(t.shape))
+            for n, t in random_checkpoint(CFG, 0).items()]
+
+
+@pytest.fixture(scope="module")
+def versions(tmp_path_factory: pytest.TempPathFactory) -> Versions:
+    return Versions(tmp_path_factory.mktemp("versions"))
+
+
+# --- the object store with scripted faults -----------------------------------------
+
+Fault = Callable[[str, bytes], bytes]  # (key, bytes) -> bytes to store or return; may raise
+_PAYLOAD = re.compile(r"^v(\d{10})/([^/]+)/o(\d{4})-s(\d{6})\.dcrp$")
+
+
+def is_payload(key: str, owner: int | None = None, seq: int | None = None) -> bool:
+    m = _PAYLOAD.match(key)
+    return m is not None and owner in (None, int(m[3])) and seq in (None, int(m[4]))
+
+
+def attempt_of(key: str) -> str:
+    m = _PAYLOAD.match(key)
+    assert m is not None, key
+    return m[2]
+
+
+class FaultyStore:
+    """A ``MemoryStore`` whose puts and gets pass through scripted faults, logged in order."""
+
+    def __init__(self) -> None:
+        self.inner = MemoryStore()
+        self.uri = "memory://faulty"
+        self.on_put: list[Fault] = []
+        self.on_get: list[Fault] = []
+        self.puts: list[str] = []
+        self.gets: list[str] = []
+        self.cond = threading.Condition()
+
+    def put(self, key: str, data: bytes) -> None:
+        for fault in self.on_put:
+            data = fault(key, data)
+        with self.cond:  # logged before it is visible: a reader never finds it unlogged
+            self.puts.append(key)
+            self.inner.put(key, data)
+            self.cond.notify_all()
+
+    def get(self, key: str) -> bytes:
+        data = self.inner.get(key)
+        with self.cond:
+            self.gets.append(key)
+            self.cond.notify_all()
+        for fault in self.on_get:
+            data = fault(key, data)
+        return data
+
+    def exists(self, key: str) -> bool:
+        return self.inner.exists(key)
+
+    def list(self, prefix: str) -> list[str]:
+        return self.inner.list(prefix)
+
+    def wait_gets(self, key: str, times: int, timeout_s: float = 10.0) -> int:
+        """Wait until ``key`` was fetched ``times`` times; return how often it was."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.gets.count(key) >= times, timeout_s)
+            return self.gets.count(key)
+
+
+def once(match: Callable[[str], bool], act: Fault) -> Fault:
+    """A fault that acts on the first key ``match`` accepts, then never again."""
+    fired = threading.Lock()
+
+    def fault(key: str, data: bytes) -> bytes:
+        if match(key) and fired.acquire(blocking=False):
+            return act(key, data)
+        return data
+    return fault
+
+
+def corrupt(_: str, data: bytes) -> bytes:
+    damaged = bytearray(data)
+    damaged[len(damaged) // 2] ^= 0x5A  # one byte of the body: the digest must catch it
+    return bytes(damaged)
+
+
+def truncate(_: str, data: bytes) -> bytes:
+    return data[: len(data) * 2 // 3]
+
+
+def fail(key: str, _: bytes) -> bytes:
+    raise StoreError(f"Injected store error on {key!r}.")
+
+
+# --- receivers that can die and restart ----------------------------------------------
+
+
+class Rank:
+    """One receiver: an ``AgentService`` over a ``RuntimeHost``, as a ``ReceiverHandle``.
+
+    ``kill_after_applies(n)`` kills it right after its ``n``-th payload apply: from then
+    on every call fails as an unreachable agent's would, and its journal stays as it was
+    at that instant. ``restart()`` is what a restarted ``dcr agent`` does: a fresh
+    runtime loaded from its v0 ``--model``, the same journal. With ``restart_on_status``
+    a dead rank restarts when the coordinator next asks for its status.
+    """
+
+    def __init__(self, kind: str, versions: Versions, store: FaultyStore, tmp: Path) -> None:
+        self.kind = self.name = kind
+        self.versions = versions
+        self.store = store
+        self.journal = Journal(tmp / kind / "journal.json")
+        self.wrap: Callable[[Source], Source] = lambda s: s  # a delivery-fault seam
+        self.restart_on_status = False
+        self.dead = False
+        self._journal_at_death: bytes | None = None
+        self.start()
+
+    def start(self) -> None:
+        host = RuntimeHost(build_runtime(self.kind), canonical())
+        host.load_dense(self.versions.dir(0))
+        self.service = AgentService(self.name, host, self._source, version=0,
+                                    journal=self.journal)
+        self.local = LocalReceiver(self.service)
+        self.dead = False
+
+    def _source(self, spec: AttemptSpec) -> Source:
+        return self.wrap(StoreSource(store=self.store, version=spec.target_version,
+                                     attempt=spec.attempt, owners=spec.owners))
+
+    def kill_after_applies(self, n: int) -> None:
+        engine = self.service.host.engine
+        real = engine.apply_payloads
+        count = 0
+
+        def dying(payloads: Sequence[bytes]) -> ApplyReport:
+            nonlocal count
+            report = real(payloads)
+            count += 1
+            if count == n:
+                self._journal_at_death = self.journal.path.read_bytes()
+                self.dead = True
+                raise RuntimeError(f"{self.name} killed after {n} payload applies")
+            return report
+
+        engine.apply_payloads = dying  # type: ignore[method-assign]
+
+    def restart(self) -> None:
+        """Bury the dead service (end its threads), restore its journal, start afresh."""
+        old = self.service
+        attempt = old.status().attempt
+        if attempt is not None:
+            old.stop_and_wait(AttemptRef(attempt=attempt))
+        assert self._journal_at_death is not None, f"{self.name} was never killed"
+        self.journal.path.write_bytes(self._journal_at_death)
+        self.start()
+
+    def _live(self) -> LocalReceiver:
+        if self.dead:
+            raise AgentError(f"Agent {self.name} is unreachable (killed).")
+        return self.local
+
+    def bits(self) -> dict[str, torch.Tensor]:
+        assert not self.dead, f"{self.name} is dead"
+        return _int_views(self.service.host.runtime)
+
+    # ReceiverHandle
+    def status(self) -> AgentStatus:
+        if self.dead and self.restart_on_status:
+            self.restart()
+        return self._live().status()
+
+    def prepare(self, attempt: Attempt) -> None:
+        self._live().prepare(attempt)
+
+    def close_gate(self) -> None:
+        self._live().close_gate()
+
+    def open_apply(self, attempt: Attempt) -> None:
+        self._live().open_apply(attempt)
+
+    def wait_staged(self, attempt: Attempt) -> None:
+        self._live().wait_staged(attempt)
+
+    def flush(self, attempt: Attempt) -> FlushAck:
+        return self._live().flush(attempt)
+
+    def committed(self, attempt: str) -> None:
+        self._live().committed(attempt)
+
+    def stop_and_wait(self, attempt: str) -> None:
+        self._live().stop_and_wait(attempt)
+
+    def open_gate(self) -> None:
+        self._live().open_gate()
+
+    def rejoin(self, version: int, checkpoint: str) -> None:
+        self._live().rejoin(version, checkpoint)
+
+
+# --- audits of the two protocol invariants -------------------------------------------
+
+
+class AuditedCommits:
+    """The commit record; at each compare-and-set, checks that every receiver the named
+    attempt requires has flushed it (a record never names bits a required receiver lacks)."""
+
+    def __init__(self, inner: CommitStore, ranks: Callable[[], Sequence[Rank]]) -> None:
+        self.inner = inner
+        self.ranks = ranks
+        self.coordinators: list[Coordinator] = []
+        self.violations: list[str] = []
+        self.written: list[CommitRecord] = []
+
+    def required(self, attempt: str) -> tuple[str, ...]:
+        for c in self.coordinators:
+            for h in c.history:
+                if h.attempt == attempt:
+                    return h.receivers
+        raise AssertionError(f"no coordinator ran attempt {attempt}")
+
+    def read(self) -> CommitRecord:
+        return self.inner.read()
+
+    def compare_and_set(self, expected: CommitRecord, new: CommitRecord) -> CommitOutcome:
+        required = self.required(new.attempt)
+        by_name = {r.name: r for r in self.ranks()}
+        for name in required:
+            try:
+                st = by_name[name].status()
+            except AgentError as e:
+                self.violations.append(f"{name} unreachable at the commit of {new}: {e}")
+                continue
+            if (st.attempt, st.state) != (new.attempt, "flushed"):
+                self.violations.append(f"{name} is {st.attempt} {st.state} at the commit of {new}")
+        outcome = self.inner.compare_and_set(expected, new)
+        if outcome is CommitOutcome.SUCCESS:
+            self.written.append(new)
+        return outcome
+
+
+class AuditedOwner:
+    """An owner that records any baseline advance the stored commit record does not name."""
+
+    def __init__(self, inner: OwnerHandle, commits: CommitStore) -> None:
+        self.inner = inner
+        self.commits = commits
+        self.violations: list[str] = []
+        self.advanced: list[CommitRecord] = []
+
+    def publish(self, attempt: Attempt) -> None:
+        self.inner.publish(attempt)
+
+    def advance_baseline(self, record: CommitRecord) -> None:
+        stored = self.commits.read()
+        if stored != record:
+            self.violations.append(f"advance to {record} while the record is {stored}")
+        self.inner.advance_baseline(record)
+        self.advanced.append(record)
+
+
+# --- the fleet -------------------------------------------------------------------------
+
+
+@dataclass(eq=False, kw_only=True)
+class Fleet:
+    versions: Versions
+    store: FaultyStore
+    ranks: list[Rank]
+    encoders: list[Encoder]
+    owners: list[AuditedOwner]
+    commits: AuditedCommits
+
+    def coordinator(self, *, commits: CommitStore | None = None,
+                    owners: Sequence[OwnerHandle] | None = None,
+                    settings: CoordinatorSettings = SETTINGS) -> Coordinator:
+        c = Coordinator(commits or self.commits, owners or self.owners, self.ranks,
+                        settings=settings, dense_checkpoint=self.versions.checkpoint)
+        self.commits.coordinators.append(c)
+        return c
+
+    def candidate(self, v: int) -> None:
+        for e in self.encoders:
+            e.set_candidate(self.versions.source(v), v)
+
+    def rank(self, name: str) -> Rank:
+        return next(r for r in self.ranks if r.name == name)
+
+    def assert_committed(self, record: CommitRecord, version: int,
+                         coordinator: Coordinator | None = None) -> None:
+        stored = self.commits.read()
+        assert record == stored
+        assert (stored.committed_version, stored.baseline_id) == (version, f"ckpt-{version}")
+        if coordinator is not None and coordinator.history:
+            last = coordinator.history[-1]
+            assert (last.attempt, last.outcome) == (stored.attempt, "committed")
+        required = self.commits.required(stored.attempt)
+        live = [r for r in self.ranks if not r.dead]
+        assert set(required) <= {r.name for r in live}
+        for r in live:
+            want, got = self.versions.dense(r.kind, version), r.bits()
+            assert got.keys() == want.keys()
+            differ = [n for n in want if not torch.equal(got[n], want[n])]
+            assert differ == [], f"{r.name} differs from a dense load of v{version}: {differ[:4]}"
+            st = r.status()
+            assert (st.version, st.dirty, st.unknown, st.gate_open) == (version, None, None, True)
+        for e in self.encoders:
+            assert e.version == version
+            assert e.baseline is self.versions.source(version)
+            assert e.candidate is None
+        assert self.commits.violations == []
+        for o in self.owners:
+            assert o.violations == []
+            assert o.advanced[-1:] == [stored]
+
+
+def make_fleet(tmp_path: Path, versions: Versions) -> Fleet:
+    store = FaultyStore()
+    ranks = [Rank(kind, versions, store, tmp_path) for kind in KINDS]
+    profile = merge(r.service.host.profile for r in ranks)
+    encoders = [Encoder(store=store, baseline=versions.source(0), version=0, owner=k,
+                        owners=OWNERS, profile=profile, bucket_bytes=1 << 20)  # several each
+                for k in range(OWNERS)]
+    commits = AuditedCommits(SqliteCommitStore(tmp_path / "commit.db", V0), lambda: ranks)
+    fleet = Fleet(versions=versions, store=store, ranks=ranks, encoders=encoders,
+                  owners=[AuditedOwner(e, commits) for e in encoders], commits=commits)
+    fleet.candidate(1)
+    for r in ranks:  # the oracle is not vacuous: v0 held exactly, v1 differs almost everywhere
+        got = r.bits()
+        assert all(torch.equal(got[n], t) for n, t in versions.dense(r.kind, 0).items())
+        differ = [n for n, t in versions.dense(r.kind, 1).items() if not torch.equal(got[n], t)]
+        assert len(differ) >= len(got) - 1, f"{r.name}: v0 and v1 differ only in {differ}"
+    return fleet
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, versions: Versions) -> Iterator[Fleet]:
+    f = make_fleet(tmp_path, versions)
+    yield f
+    for c in f.commits.coordinators:
+        c.close()
+    for r in f.ranks:  # end receive threads of attempts a fault left running
+        if not r.dead and (st := r.local.status()).attempt is not None:
+            r.local.stop_and_wait(st.attempt)
+
+
+def outcomes(c: Coordinator) -> list[tuple[str, str]]:
+    return [(h.mode, h.outcome.split(":")[0]) for h in c.history]
+
+
+# --- receivers killed and restarted --------------------------------------------------
+
+
+def test_a_receiver_killed_mid_apply_is_left_out_and_rejoins_the_next_refit_by_dense_load(
+        fleet: Fleet) -> None:
+    victim = fleet.rank("hf")
+    victim.kill_after_applies(1)
+    c = fleet.coordinator()
+    record = c.refit(1, "ckpt-1")
+    assert outcomes(c) == [("mixed", "failed"), ("overwrite", "committed")]
+    assert c.history[1].receivers == ("vllm-0", "vllm-1")  # the dead one is not required
+    fleet.assert_committed(record, 1, c)
+
+    victim.restart()  # the journal says it was applying: its version is unknown
+    st = victim.status()
+    assert st.version is None
+    assert st.unknown is not None
+    assert f"attempt {c.history[0].attempt} was applying" in st.unknown
+    victim.start()  # restarted again before any rejoin: still unknown, not --model-version
+    st = victim.status()
+    assert (st.version, st.unknown) == (None, "restarted while the version was unknown")
+
+    fleet.candidate(2)
+    c2 = fleet.coordinator()
+    record = c2.refit(2, "ckpt-2")
+    assert outcomes(c2) == [("mixed", "committed")]
+    assert c2.history[0].rejoined == ("hf",)
+    assert victim.service.counters.dense_loads == 1
+    fleet.assert_committed(record, 2, c2)
+
+
+def test_an_agent_restarted_between_attempts_reports_unknown_and_rejoins_the_same_refit(
+        fleet: Fleet) -> None:
+    victim = fleet.rank("vllm-1")
+    victim.kill_after_applies(1)
+    victim.restart_on_status = True  # back before the retry's admission
+    c = fleet.coordinator()
+    record = c.refit(1, "ckpt-1")
+    assert outcomes(c) == [("mixed", "failed"), ("overwrite", "committed")]
+    assert c.history[1].rejoined == ("vllm-1",)  # a dense load of v0 first, then overwrite
+    assert c.history[1].receivers == KINDS
+    assert victim.service.counters.dense_loads == 1
+    fleet.assert_committed(record, 1, c)
+
+
+# --- owners killed; payload and store faults -------------------------------------------
+
+
+@pytest.mark.parametrize("gate", ["sync", "async"])
+def test_an_encoder_killed_mid_stream_fails_the_attempt_and_the_overwrite_retry_commits(
+        fleet: Fleet, gate: Gate) -> None:
+    s0_keys: list[str] = []
+
+    def killed(key: str, _: bytes) -> bytes:
+        # Owner 0 dies writing its second payload, once every receiver has its first.
+        s0 = payload_key(1, attempt_of(key), 0, 0)
+        s0_keys.append(s0)
+        fleet.store.wait_gets(s0, len(KINDS))
+        raise EncoderKilled(f"owner 0 killed before {key}")
+
+    fleet.store.on_put.append(once(lambda k: is_payload(k, owner=0, seq=1), killed))
+    c = fleet.coordinator(settings=CoordinatorSettings(gate=gate, attempt_timeout_s=30.0))
+    record = c.refit(1, "ckpt-1")
+    assert outcomes(c) == [("mixed", "failed"), ("overwrite", "committed")]
+    assert "owner 0 killed" in c.history[0].outcome
+    assert fleet.store.gets.count(s0_keys[0]) == len(KINDS)  # mid-stream: s0 had arrived
+    fleet.assert_committed(record, 1, c)
+
+
+@pytest.mark.parametrize(("where", "fault", "reason"), [
+    ("put", corrupt, "digest mismatch"),
+    ("put", truncate, "preamble declares"),
+    ("put", fail, "Injected store error"),
+    ("get", fail, "Injected store error"),
+], ids=["corrupted-payload", "truncated-payload", "store-put-fails", "store-get-fails"])
+@pytest.mark.parametrize("gate", ["sync", "async"])
+def test_a_one_time_fault_fails_the_first_attempt_and_the_overwrite_retry_commits(
+        fleet: Fleet, where: str, fault: Fault, reason: str, gate: Gate) -> None:
+    faults = fleet.store.on_put if where == "put" else fleet.store.on_get
+    faults.append(once(is_payload, fault))
+    c = fleet.coordinator(settings=CoordinatorSettings(gate=gate, attempt_timeout_s=30.0))
+    record = c.refit(1, "ckpt-1")
+    assert outcomes(c) == [("mixed", "failed"), ("overwrite", "committed")]
+    assert reason in c.history[0].outcome
+    fleet.assert_committed(record, 1, c)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Duplicating:
+    """Announces every payload twice, and keeps announcing those already delivered."""
+
+    inner: Source
+
+    def available(self) -> list[PayloadId]:
+        ids = self.inner.available()
+        return ids + ids[::-1]
+
+    def fetch(self, pid: PayloadId) -> bytes:
+        return self.inner.fetch(pid)
+
+    def manifest(self) -> Manifest | None:
+        return self.inner.manifest()
+
+
+def test_duplicated_payloads_are_applied_once_and_the_first_attempt_commits(
+        fleet: Fleet) -> None:
+    def twice(key: str, data: bytes) -> bytes:
+        if is_payload(key):
+            fleet.store.inner.put(key, data)  # an owner retrying a put that had landed
+        return data
+
+    fleet.store.on_put.append(twice)
+    for r in fleet.ranks:
+        r.wrap = lambda s: Duplicating(inner=s)
+    c = fleet.coordinator()
+    record = c.refit(1, "ckpt-1")
+    assert outcomes(c) == [("mixed", "committed")]  # XOR masks, each applied exactly once
+    payloads = [e.key for enc in fleet.encoders for e in enc.manifests[-1].payloads]
+    assert len(payloads) >= 3
+    for r in fleet.ranks:
+        assert r.service.counters.payloads_applied == len(payloads)
+    fleet.assert_committed(record, 1, c)
+
+    again = fleet.store.inner.get(payloads[0])  # a duplicate past the transport
+    with pytest.raises(DuplicatePayload, match="already applied"):
+        fleet.rank("vllm-0").service.host.engine.apply_payloads([again])
+    fleet.assert_committed(record, 1, c)
+
+
+def test_a_payload_replayed_from_an_old_attempt_is_rejected_and_a_later_attempt_commits(
+        fleet: Fleet) -> None:
+    store = fleet.store
+    store.on_put.append(once(lambda k: k.endswith("manifest-o0000.json"), fail))
+
+    def first_s0() -> str:  # owner 0's payload 0 of the first attempt
+        return next(k for k in store.puts if is_payload(k, owner=0, seq=0))
+
+    def replay(key: str, data: bytes) -> bytes:
+        return store.inner.get(first_s0())  # attempt 1's XOR payload, served for a later one
+
+    store.on_get.append(once(lambda k: is_payload(k, owner=0, seq=0)
+                             and attempt_of(k) != attempt_of(first_s0()), replay))
+    c = fleet.coordinator()
+    record = c.refit(1, "ckpt-1")
+    assert outcomes(c) == [("mixed", "failed"), ("overwrite", "failed"),
+                           ("overwrite", "committed")]
+    assert attempt_of(first_s0()) == c.history[0].attempt
+    assert f"says attempt {c.history[0].attempt}" in c.history[1].outcome
+    fleet.assert_committed(record, 1, c)
+
+
+class Reordering(FaultyStore):
+    """Keeps owner 0's payload 0 out of sight until every receiver has fetched payload 1."""
+
+    def __init__(self, receivers: int) -> None:
+        super().__init__()
+        self.receivers = receivers
+        self.held: dict[str, bytes] = {}
+        self.fetched_first: list[int] = []  # how often payload 1 was fetched at release
+        self.releaser: threading.Thread | None = None
+
+    def put(self, key: str, data: bytes) -> None:
+        if is_payload(key, owner=0, seq=0) and not self.fetched_first:
+            self.held[key] = data
+            return
+        super().put(key, data)
+        if is_payload(key, owner=0, seq=1) and self.held:
+            self.releaser = threading.Thread(target=self._release, args=(key,))
+            self.releaser.start()
+
+    def _release(self, s1: str) -> None:
+        self.fetched_first.append(self.wait_gets(s1, self.receivers))
+        for key, data in self.held.items():
+            super().put(key, data)
+        self.held.clear()
+
+
+def test_reordered_payloads_are_applied_in_sequence_and_the_first_attempt_commits(
+        fleet: Fleet) -> None:
+    store = Reordering(len(KINDS))
+    for r in fleet.ranks:
+        r.store = store
+    for e in fleet.encoders:
+        e.store = store
+    fleet.store = store
+    c = fleet.coordinator()
+    record = c.refit(1, "ckpt-1")
+    assert store.releaser is not None
+    store.releaser.join()
+    assert outcomes(c) == [("mixed", "committed")]
+    assert store.fetched_first == [len(KINDS)]  # seq 1 reached every receiver before seq 0
+    s0 = next(k for k in store.gets if is_payload(k, owner=0, seq=0))
+    s1 = next(k for k in store.gets if is_payload(k, owner=0, seq=1))
+    assert store.gets.index(s1) < store.gets.index(s0)
+    fleet.assert_committed(record, 1, c)
+
+
+def test_a_receiver_that_can_never_read_fails_the_refit_without_moving_record_or_baselines(
+        fleet: Fleet) -> None:
+    @dataclass(frozen=True, kw_only=True)
+    class Unreadable:
+        inner: Source
+
+        def available(self) -> list[PayloadId]:
+            return self.inner.available()
+
+        def fetch(self, pid: PayloadId) -> bytes:
+            raise StoreError(f"Injected: payload {pid} cannot be read here.")
+
+        def manifest(self) -> Manifest | None:
+            return self.inner.manifest()
+
+    victim = fleet.rank("hf")
+    victim.wrap = lambda s: Unreadable(inner=s)
+    c = fleet.coordinator(settings=CoordinatorSettings(max_attempts=2,
+                                                       attempt_timeout_s=30.0))
+    with pytest.raises(RefitFailed, match="failed 2 attempts"):
+        c.refit(1, "ckpt-1")
+    assert outcomes(c) == [("mixed", "failed"), ("overwrite", "failed")]
+    assert fleet.commits.read() == V0
+    assert fleet.commits.written == []
+    for e, o in zip(fleet.encoders, fleet.owners, strict=True):
+        assert (e.version, e.baseline, o.advanced) == (0, fleet.versions.source(0), [])
+    for r in fleet.ranks:  # nothing serves a mix of versions meanwhile
+        st = r.status()
+        assert (st.version, st.dirty, st.gate_open) == (None, (0, 1), False)
+
+    victim.wrap = lambda s: s  # healed: the next refit repairs by overwrite and commits
+    c2 = fleet.coordinator()
+    record = c2.refit(1, "ckpt-1")
+    assert outcomes(c2) == [("overwrite", "committed")]
+    fleet.assert_committed(record, 1, c2)
+
+
+# --- the coordinator killed, and commit outcomes -------------------------------------
+
+
+class KillAtCommit:
+    """A commit store whose coordinator dies just before, or just after, the write."""
+
+    def __init__(self, inner: CommitStore, *, after_write: bool) -> None:
+        self.inner = inner
+        self.after_write = after_write
+
+    def read(self) -> CommitRecord:
+        return self.inner.read()
+
+    def compare_and_set(self, expected: CommitRecord, new: CommitRecord) -> CommitOutcome:
+        if not self.after_write:
+            raise CoordinatorKilled("between flush and commit")
+        self.inner.compare_and_set(expected, new)
+        raise CoordinatorKilled("between commit and baseline update")
+
+
+class DiesOnAdvance:
+    """An owner whose coordinator dies while telling it to advance."""
+
+    def __init__(self, inner: OwnerHandle) -> None:
+        self.inner = inner
+
+    def publish(self, attempt: Attempt) -> None:
+        self.inner.publish(attempt)
+
+    def advance_baseline(self, record: CommitRecord) -> None:
+        raise CoordinatorKilled("between the owners' baseline updates")
+
+
+def test_a_coordinator_killed_between_flush_and_commit_is_resumed_in_overwrite_mode(
+        fleet: Fleet) -> None:
+    old = fleet.coordinator(commits=KillAtCommit(fleet.commits, after_write=False))
+    with pytest.raises(CoordinatorKilled):
+        old.refit(1, "ckpt-1")
+    old.close()
+    flushed = old.history[0].attempt
+    assert fleet.commits.read() == V0
+    for r in fleet.ranks:
+        st = r.status()
+        assert (st.attempt, st.state, st.gate_open) == (flushed, "flushed", False)
+    assert [e.version for e in fleet.encoders] == [0, 0]
+
+    new = fleet.coordinator()
+    record = new.refit(1, "ckpt-1")
+    assert outcomes(new) == [("overwrite", "committed")]
+    assert record.attempt != flushed
+    for r in fleet.ranks:  # the flushed attempt was stopped, never committed
+        assert r.service.counters.attempts == {"obsolete": 1, "committed": 1}
+    fleet.assert_committed(record, 1, new)
+
+
+@pytest.mark.parametrize("kill", ["after-the-record-moved", "between-two-owners"])
+def test_a_coordinator_killed_after_the_commit_is_finished_by_the_next_one(
+        fleet: Fleet, kill: str) -> None:
+    if kill == "after-the-record-moved":
+        old = fleet.coordinator(commits=KillAtCommit(fleet.commits, after_write=True))
+        advanced = [0, 0]
+    else:
+        old = fleet.coordinator(owners=[fleet.owners[0], DiesOnAdvance(fleet.owners[1])])
+        advanced = [1, 0]
+    with pytest.raises(CoordinatorKilled):
+        old.refit(1, "ckpt-1")
+    old.close()
+    attempt = old.history[0].attempt
+    assert fleet.commits.read() == CommitRecord(committed_version=1, baseline_id="ckpt-1",
+                                                attempt=attempt)
+    assert [e.version for e in fleet.encoders] == advanced
+    for r in fleet.ranks:
+        st = r.status()
+        assert (st.attempt, st.state, st.gate_open) == (attempt, "flushed", False)
+
+    new = fleet.coordinator()
+    record = new.refit(1, "ckpt-1")
+    assert new.history == []  # nothing to retry: it finishes what the record names
+    assert record.attempt == attempt
+    fleet.assert_committed(record, 1, new)
+
+
+class Answers:
+    """A commit store that answers UNKNOWN or FAILED once, having written or not."""
+
+    def __init__(self, inner: CommitStore, answer: CommitOutcome, *, write: bool) -> None:
+        self.inner, self.answer, self.write = inner, answer, write
+        self.answered = False
+
+    def read(self) -> CommitRecord:
+        return self.inner.read()
+
+    def compare_and_set(self, expected: CommitRecord, new: CommitRecord) -> CommitOutcome:
+        if self.answered:
+            return self.inner.compare_and_set(expected, new)
+        self.answered = True
+        if self.write:
+            assert self.inner.compare_and_set(expected, new) is CommitOutcome.SUCCESS
+        return self.answer
+
+
+@pytest.mark.parametrize(("answer", "write", "expect"), [
+    (CommitOutcome.UNKNOWN, True, [("mixed", "committed")]),
+    (CommitOutcome.UNKNOWN, False, [("mixed", "failed"), ("overwrite", "committed")]),
+    (CommitOutcome.FAILED, False, [("mixed", "failed"), ("overwrite", "committed")]),
+], ids=["lost-acknowledgement", "no-answer", "refused"])
+def test_an_unknown_or_refused_commit_is_settled_by_reading_the_record(
+        fleet: Fleet, answer: CommitOutcome, write: bool, expect: list[tuple[str, str]]
+) -> None:
+    c = fleet.coordinator(commits=Answers(fleet.commits, answer, write=write))
+    record = c.refit(1, "ckpt-1")
+    assert outcomes(c) == expect
+    for o in fleet.owners:  # advanced once, with the record that stands
+        assert o.advanced == [record]
+    fleet.assert_committed(record, 1, c)
+
+
+
+class FailsToAdvanceOnce:
+    """An owner that cannot be told to advance the first time (e.g. unreachable)."""
+
+    def __init__(self, inner: OwnerHandle) -> None:
+        self.inner = inner
+        self.failed = False
+
+    def publish(self, attempt: Attempt) -> None:
+        self.inner.publish(attempt)
+
+    def advance_baseline(self, record: CommitRecord) -> None:
+        if not self.failed:
+            self.failed = True
+            raise ConnectionError(f"owner unreachable while advancing to {record}")
+        self.inner.advance_baseline(record)
+
+
+def test_an_owner_failing_to_advance_after_the_commit_does_not_undo_the_commit(
+        fleet: Fleet) -> None:
+    flaky = FailsToAdvanceOnce(fleet.owners[1])
+    c = fleet.coordinator(owners=[fleet.owners[0], flaky])
+    with pytest.raises(ConnectionError, match="owner unreachable"):
+        c.refit(1, "ckpt-1")
+    committed = c.history[0].attempt
+    assert outcomes(c) == [("mixed", "committed")]  # not abandoned, not retried
+    assert fleet.commits.read().attempt == committed
+    assert [e.version for e in fleet.encoders] == [1, 0]
+    for r in fleet.ranks:  # still flushed on the committed attempt: nothing to repair
+        st = r.status()
+        assert (st.attempt, st.state, st.dirty) == (committed, "flushed", (0, 1))
+
+    c2 = fleet.coordinator(owners=[fleet.owners[0], flaky])
+    record = c2.refit(1, "ckpt-1")  # the same call again finishes the commit
+    assert c2.history == []
+    assert record.attempt == committed
+    fleet.assert_committed(record, 1, c2)
+
+
+# --- the owners' guard -----------------------------------------------------------------
+
+
+def test_an_owner_advances_only_for_a_record_naming_its_candidate_and_an_attempt_it_published(
+        versions: Versions) -> None:
+    def attempt(base: int = 0) -> Attempt:
+        return Attempt(transition=Transition(base_version=base, target_version=base + 1),
+                       mode="mixed", receivers=("r",), deadline=time.time() + 60)
+
+    owner = Encoder(store=MemoryStore(), baseline=versions.source(0), version=0)
+    with pytest.raises(BaselineError, match="candidate None"):
+        owner.publish(attempt())  # no candidate yet
+    owner.set_candidate(versions.source(1), 1)
+    published = attempt()
+    owner.publish(published)
+    refused = [
+        V0,  # the record has not moved
+        CommitRecord(committed_version=1, baseline_id="ckpt-1", attempt="a-someone-else"),
+        CommitRecord(committed_version=2, baseline_id="ckpt-2", attempt=published.id),
+    ]
+    for record in refused:
+        with pytest.raises(BaselineError, match="The baseline stays"):
+            owner.advance_baseline(record)
+        assert (owner.version, owner.baseline) == (0, versions.source(0))
+    good = CommitRecord(committed_version=1, baseline_id="ckpt-1", attempt=published.id)
+    owner.advance_baseline(good)
+    assert (owner.version, owner.baseline, owner.candidate) == (1, versions.source(1), None)
+    owner.advance_baseline(good)  # again, as a coordinator finishing after failover does
+    assert owner.version == 1
+
+    process = ProcessOwner(store_uri="memory://", checkpoints=versions.dir, version=0)
+    for record in refused[1:]:
+        with pytest.raises(BaselineError, match="The baseline stays"):
+            process.advance_baseline(record)
+        assert process.version == 0
+    with pytest.raises(BaselineError, match="the committed baseline is 0"):
+        process.command(attempt(base=1))
