@@ -178,18 +178,16 @@ def run(root: Path, layers: int, repeats: int) -> dict[str, Any]:
         clean = [refit("clean") for _ in range(repeats)]
         empty = [refit("no-change", same=True) for _ in range(repeats)]
         store.seq = clean[0]["payloads"] - 1  # the last payload of owner 0
-        recovery = []
-        for _ in range(repeats):
-            original = coord._run
+        original = coord._run
 
-            def flag_first(attempt: Any, *rest: Any) -> Any:
-                if attempt.mode == "mixed":  # the first attempt; the retry runs clean
-                    store.attempts.add(attempt.id)
-                return original(attempt, *rest)
+        def flag_first(attempt: Any, *rest: Any) -> Any:
+            if attempt.mode == "mixed":  # the first attempt; the retry runs clean
+                store.attempts.add(attempt.id)
+            return original(attempt, *rest)
 
-            coord._run = flag_first  # type: ignore[method-assign]
-            recovery.append(refit("recovery"))
-            coord._run = original  # type: ignore[method-assign]
+        coord._run = flag_first  # type: ignore[method-assign]
+        recovery = [refit("recovery") for _ in range(repeats)]
+        coord._run = original  # type: ignore[method-assign]
         for c in ckpt.values():
             c.close()
         coord.close()
