@@ -34,4 +34,4 @@ schema: install
 	$(PY) -c "from dcr.format.manifest import SCHEMA_PATH, json_schema; SCHEMA_PATH.write_text(json_schema())"
 
 clean:
-	rm -rf $(VENV) demo-out .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) demo-out refit-out .mypy_cache .ruff_cache .pytest_cache .hypothesis
