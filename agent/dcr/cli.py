@@ -58,6 +58,7 @@ def cmd_diff(args: argparse.Namespace) -> None:
         owner=getattr(args, "owner", 0),
         owners=getattr(args, "owners", 1),
         attempt=getattr(args, "attempt", None),
+        attempt_manifest=getattr(args, "attempt_manifest", False),
         bucket_bytes=args.bucket_mib * MiB,
         level=args.level,
         threads=args.threads,
@@ -218,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--owner", type=int, default=0, metavar="K", help="this owner's index")
     e.add_argument("--owners", type=int, default=1, metavar="N",
                    help="owners splitting the tensors by name hash (default 1)")
-    e.set_defaults(func=cmd_diff)
+    e.set_defaults(func=cmd_diff, attempt_manifest=True)
 
     from dcr.agent.main import add_arguments
 

@@ -84,7 +84,7 @@ class Encoder:
                                                DiffSettings(
             version=t.target_version, base_version=t.base_version, mode=attempt.mode,
             attempt=attempt.id, owner=self.owner, owners=self.owners, profile=self.profile,
-            threads=self.threads, bucket_bytes=self.bucket_bytes)))
+            threads=self.threads, bucket_bytes=self.bucket_bytes, attempt_manifest=True)))
 
     def advance_baseline(self, record: CommitRecord) -> None:
         if record.committed_version == self.version and self.candidate is None:

@@ -41,7 +41,7 @@ from dcr.codec.encode import ItemDelta, PayloadBuilder, encode_item
 from dcr.codec.planes import UInt
 from dcr.errors import BaselineError, ConfigError
 from dcr.format.dtypes import dtype as dtype_of
-from dcr.format.layout import manifest_key, owner_manifest_key, payload_key
+from dcr.format.layout import owner_manifest_key, payload_key
 from dcr.format.manifest import Manifest, PayloadEntry, Stats
 from dcr.format.payload import EntryKind
 from dcr.format.profile import ReceiverProfile
@@ -245,9 +245,8 @@ class ShardEncoder:
             mode=attempt.mode, payloads=tuple(entries), tensors=(),
             stats=Stats(tensors=len(self.maps), changed_elements=changed, total_elements=total,
                         dense_bytes=dense, payload_bytes=sum(e.size for e in entries)))
-        key = (manifest_key(t.target_version) if self.owners == 1
-               else owner_manifest_key(t.target_version, attempt.id, self.owner))
-        self.store.put(key, manifest.to_json())
+        self.store.put(owner_manifest_key(t.target_version, attempt.id, self.owner),
+                       manifest.to_json())
         self.manifests.append(manifest)
 
     def advance_baseline(self, record: CommitRecord) -> None:

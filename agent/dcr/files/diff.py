@@ -44,6 +44,10 @@ class DiffSettings:
     overwrite: tuple[str, ...] = ()  # regexes (full match) of tensors whose path casts
     owner: int = 0  # this owner's index, 0 <= owner < owners
     owners: int = 1  # owners split tensors by a stable hash of the name (``owner_of``)
+    # Write the manifest under the attempt (what protocol owners do, so a late owner of
+    # an abandoned attempt cannot replace the current one) instead of at the version
+    # (the file-level layout ``dcr patch`` reads). Several owners always do.
+    attempt_manifest: bool = False
     attempt: str | None = None  # fresh random id when None
     profile: ReceiverProfile | None = None  # receivers' classes (merged); None: all XOR
 
@@ -137,8 +141,9 @@ def diff_checkpoints(
 ) -> Manifest:
     """Write the payloads and then the manifest of ``settings.version``; return it.
 
-    With several owners, this owner diffs only the tensors ``owner_of`` gives it and
-    writes its part of the manifest under the attempt (``owner_manifest_key``).
+    With several owners, this owner diffs only the tensors ``owner_of`` gives it; it, and
+    any owner with ``attempt_manifest``, writes its part of the manifest under the
+    attempt (``owner_manifest_key``).
     """
     check_same_tensors(base, target)
     s = settings
@@ -224,8 +229,8 @@ def diff_checkpoints(
             payload_bytes=sum(e.size for e in entries),
         ),
     )
-    key = (manifest_key(s.version) if s.owners == 1
-           else owner_manifest_key(s.version, attempt, s.owner))
+    key = (owner_manifest_key(s.version, attempt, s.owner)
+           if s.owners > 1 or s.attempt_manifest else manifest_key(s.version))
     store.put(key, manifest.to_json())
     return manifest
 

@@ -51,7 +51,9 @@ class Source(Protocol):
 class StoreSource:
     """An attempt's objects in a store: ``v<version>/<attempt>/o<owner>-s<seq>.dcrp``.
 
-    With several owners the manifest is present once every owner wrote its part.
+    Protocol owners write their manifest parts under the attempt; the manifest is
+    present once every owner wrote its part. A single owner's manifest may also be the
+    file-level one at the version (``dcr diff``), if it names this attempt.
     """
 
     store: Store
@@ -75,8 +77,10 @@ class StoreSource:
         return self.store.get(f"{self._prefix}o{pid[0]:04d}-s{pid[1]:06d}.dcrp")
 
     def manifest(self) -> Manifest | None:
-        if self.owners == 1:
-            m = self._part(manifest_key(self.version))
+        if self.owners == 1:  # the attempt's own part, else the file-level version manifest
+            m = self._part(owner_manifest_key(self.version, self.attempt, 0))
+            if m is None:
+                m = self._part(manifest_key(self.version))
             return m if m is not None and m.attempt == self.attempt else None
         parts = []
         for owner in range(self.owners):
