@@ -80,6 +80,11 @@ class AgentProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait()
+        self._close_pipe()
+
+    def _close_pipe(self) -> None:
+        if self.proc is not None and self.proc.stdout is not None:
+            self.proc.stdout.close()
 
     def restart(self) -> None:
         self.kill()
@@ -94,5 +99,4 @@ class AgentProcess:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.kill()
-        if self.proc is not None and self.proc.stdout is not None:
-            self.proc.stdout.close()
+        self._close_pipe()
