@@ -90,6 +90,11 @@ class ApiResult:
 _BUILD_LINE = re.compile(r"^(?:built|reused) (?P<component>\S+) (?P<version>\S+) (?P<path>\S+)")
 
 
+def go_available() -> bool:
+    """Whether a Go toolchain is here to build the binaries that are not cached yet."""
+    return shutil.which("go") is not None or os.access("/usr/local/go/bin/go", os.X_OK)
+
+
 def build_binaries(script: Path = BUILD_SCRIPT, *, timeout_s: float | None = None) -> Binaries:
     """Run ``build.sh`` (a no-op of well under 2 s once the cache is warm) and return the paths.
 
