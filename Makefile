@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint bench schema clean
+.PHONY: install demo test lint bench schema crds clean
 
 install: $(STAMP)
 
@@ -32,6 +32,11 @@ bench: install
 # Regenerate the manifest JSON schema from its pydantic model (a test keeps them in sync).
 schema: install
 	$(PY) -c "from dcr.format.manifest import SCHEMA_PATH, json_schema; SCHEMA_PATH.write_text(json_schema())"
+
+# Regenerate crds/ and charts/dcr/crds/ from the operator's pydantic models (a test keeps
+# them in sync).
+crds: install
+	$(PY) -m dcr_operator.crds
 
 clean:
 	rm -rf $(VENV) demo-out refit-out .mypy_cache .ruff_cache .pytest_cache .hypothesis

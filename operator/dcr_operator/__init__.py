@@ -1,5 +1,22 @@
-"""The DCR control plane (kopf operator for WeightRefit and RolloutFleet).
+"""The DCR control plane: a kopf operator for RolloutFleet and WeightRefit.
 
-Not built yet: the operator arrives with its own issue. This package exists so the
-distribution's layout and the import contracts (no torch here) are in place from the start.
+The operator is the refit coordinator of DESIGN section 8. It validates a WeightRefit,
+launches the encoder Job that publishes each attempt, drives the fleet's agents through
+their HTTP API with :class:`dcr.protocol.coordinator.Coordinator`, and performs the
+joint commit as a compare-and-set on the RolloutFleet's status. It never imports torch:
+only the torch-free ``dcr.protocol`` and ``dcr.format`` modules (an import-linter
+contract in pyproject.toml keeps it so).
+
+Modules, one concern each:
+
+* :mod:`.crds`: the CRDs' pydantic models (the one source of truth) and their generator;
+  :mod:`.schema` turns pydantic's JSON schema into a structural OpenAPI schema.
+* :mod:`.kube`: a small synchronous Kubernetes API client for the coordinator thread.
+* :mod:`.commitstore`: the commit record in the fleet's status, as a ``CommitStore``.
+* :mod:`.reconcile`: pure functions: validation, conditions, phase, receivers, status.
+* :mod:`.jobs`: encoder Job manifests and the owner handle that waits for them.
+* :mod:`.refit`: one refit: the coordinator in a thread, recording progress.
+* :mod:`.cleanup`: what the WeightRefit finalizer deletes from the object store.
+* :mod:`.settings`: the operator's settings, parsed once from its environment.
+* :mod:`.handlers`: the kopf handlers; ``python -m dcr_operator`` runs them.
 """

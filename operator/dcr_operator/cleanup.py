@@ -1,0 +1,118 @@
+"""What the WeightRefit finalizer removes from the object store.
+
+A refit's attempts leave objects under ``v<target>/<attempt>/`` (payloads and, with
+several owners, their manifest parts; :mod:`dcr.format.layout`) and, with one owner,
+the version manifest ``v<target>/manifest.json``. Once a WeightRefit is deleted none of
+them is needed any more: receivers applied the committed attempt, and a receiver that
+missed it rejoins by a dense load of the committed checkpoint. The finalizer deletes
+the objects of every attempt the refit recorded, and the version manifest if it names
+one of them (a manifest written by another refit of the same version stays).
+
+``file://`` stores are cleaned when the operator sees the same path (single-node
+setups, the tests); ``s3://`` stores through boto3 with the fleet's endpoint, region
+and credentials Secret.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+from dcr.format.layout import manifest_key, version_prefix
+from dcr_operator.errors import InvalidResource
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cleaned:
+    removed: tuple[str, ...]  # keys or key prefixes deleted
+    skipped: str | None = None  # why nothing was done, if nothing could be
+
+
+def attempt_prefixes(version: int, attempts: Iterable[str]) -> list[str]:
+    return [f"{version_prefix(version)}/{a}/" for a in sorted(set(attempts)) if a]
+
+
+def _manifest_is_ours(data: bytes, attempts: set[str]) -> bool:
+    try:
+        return str(json.loads(data).get("attempt")) in attempts
+    except (ValueError, AttributeError):
+        return False
+
+
+def clean_file_store(uri: str, version: int, attempts: Iterable[str]) -> Cleaned:
+    root = Path(unquote(urlparse(uri).path))
+    if not root.is_dir():
+        return Cleaned(removed=(), skipped=f"{root} is not visible to the operator")
+    ours = set(attempts)
+    removed = []
+    for prefix in attempt_prefixes(version, ours):
+        path = root / prefix
+        if path.is_dir():
+            shutil.rmtree(path)
+            removed.append(prefix)
+    manifest = root / manifest_key(version)
+    if manifest.is_file() and _manifest_is_ours(manifest.read_bytes(), ours):
+        manifest.unlink()
+        removed.append(manifest_key(version))
+    return Cleaned(removed=tuple(removed))
+
+
+def clean_s3_store(uri: str, version: int, attempts: Iterable[str], *,
+                   endpoint: str | None, region: str | None,
+                   credentials: Mapping[str, str]) -> Cleaned:
+    import boto3  # only when an S3 store is cleaned
+    from botocore.config import Config
+
+    parsed = urlparse(uri)
+    bucket, base = parsed.netloc, parsed.path.strip("/")
+    client: Any = boto3.client(
+        "s3", endpoint_url=endpoint, region_name=region,
+        aws_access_key_id=credentials.get("AWS_ACCESS_KEY_ID"),
+        aws_secret_access_key=credentials.get("AWS_SECRET_ACCESS_KEY"),
+        aws_session_token=credentials.get("AWS_SESSION_TOKEN"),
+        config=Config(s3={"addressing_style": "path"}))
+    ours = set(attempts)
+
+    def key(k: str) -> str:
+        return f"{base}/{k}" if base else k
+
+    removed = []
+    for prefix in attempt_prefixes(version, ours):
+        keys = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(
+            Bucket=bucket, Prefix=key(prefix)) for o in page.get("Contents", [])]
+        for i in range(0, len(keys), 1000):
+            client.delete_objects(Bucket=bucket, Delete={
+                "Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
+        if keys:
+            removed.append(prefix)
+    try:
+        data = client.get_object(Bucket=bucket, Key=key(manifest_key(version)))["Body"].read()
+    except client.exceptions.NoSuchKey:
+        data = None
+    if data is not None and _manifest_is_ours(data, ours):
+        client.delete_object(Bucket=bucket, Key=key(manifest_key(version)))
+        removed.append(manifest_key(version))
+    return Cleaned(removed=tuple(removed))
+
+
+def clean_store(uri: str, version: int, attempts: Iterable[str], *,
+                endpoint: str | None = None, region: str | None = None,
+                credentials: Mapping[str, str] | None = None) -> Cleaned:
+    scheme = urlparse(uri).scheme
+    attempts = list(attempts)
+    if not attempts:
+        return Cleaned(removed=())
+    if scheme == "file":
+        return clean_file_store(uri, version, attempts)
+    if scheme == "s3":
+        return clean_s3_store(uri, version, attempts, endpoint=endpoint, region=region,
+                              credentials=credentials or {})
+    raise InvalidResource(f"Store URI {uri!r}: cannot clean scheme {scheme!r}.")

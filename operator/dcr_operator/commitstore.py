@@ -1,0 +1,133 @@
+"""The commit record in a RolloutFleet's status, changed only by compare-and-set.
+
+``FleetCommitStore`` is the operator's :class:`dcr.protocol.commitstore.CommitStore`.
+``status.commit`` holds ``(committedVersion, baselineId, attempt)`` (plus, for people,
+the WeightRefit that committed it and when); before the first refit the record is the
+fleet's ``spec.initial`` version and checkpoint with an empty attempt.
+
+``compare_and_set(expected, new)`` reads the fleet, compares its record with
+``expected`` (CONFLICT if it differs), then merge-patches the status subresource with
+``metadata.resourceVersion`` set to the version it read: the API server applies the
+patch only if the object is still that version, so nothing written in between can be
+overwritten. A 409 means *something* changed the fleet since the read; other writers
+(the receivers' status, conditions) touch the fleet too, so a 409 is settled by reading
+again: if the record itself moved the answer is CONFLICT, otherwise the CAS is tried
+again with the new resourceVersion. No answer from the API server (or a 5xx, after
+which the write may or may not have landed) is UNKNOWN, and the coordinator then reads
+the record to learn what happened.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from dcr.protocol.commitstore import CommitStoreError
+from dcr.protocol.records import CommitOutcome, CommitRecord
+from dcr_operator.crds import FLEET_PLURAL, GROUP, VERSION
+from dcr_operator.errors import ApiError, ApiUnreachable, Conflict, NotFound
+from dcr_operator.kube import KubeClient, api_path
+from dcr_operator.reconcile import now
+
+log = logging.getLogger(__name__)
+
+
+def initial_record(fleet: Mapping[str, Any]) -> CommitRecord:
+    """The record before any refit: the fleet's ``spec.initial``."""
+    initial = fleet["spec"]["initial"]
+    return CommitRecord(committed_version=int(initial.get("version", 0)),
+                        baseline_id=str(initial["checkpoint"]), attempt="")
+
+
+def record_of(fleet: Mapping[str, Any]) -> CommitRecord:
+    """The commit record a fleet object holds (the initial one if none was written yet)."""
+    commit = (fleet.get("status") or {}).get("commit")
+    if not commit:
+        return initial_record(fleet)
+    return CommitRecord(committed_version=int(commit["committedVersion"]),
+                        baseline_id=str(commit["baselineId"]), attempt=str(commit["attempt"]))
+
+
+def commit_status(record: CommitRecord, *, refit: str | None = None,
+                  at: str | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"committedVersion": record.committed_version,
+                           "baselineId": record.baseline_id, "attempt": record.attempt}
+    if refit is not None:
+        out["refit"] = refit
+    if at is not None:
+        out["committedAt"] = at
+    return out
+
+
+class FleetCommitStore:
+    """The commit record of RolloutFleet ``namespace/name``."""
+
+    def __init__(self, kube: KubeClient, namespace: str, name: str, *,
+                 refit: str | None = None, retries: int = 8,
+                 clock: Callable[[], str] = now) -> None:
+        self.kube = kube
+        self.namespace, self.name = namespace, name
+        self.refit = refit  # recorded beside the record: which WeightRefit committed it
+        self.retries = retries
+        self.clock = clock
+        self.path = api_path(GROUP, VERSION, FLEET_PLURAL, namespace, name)
+
+    def __repr__(self) -> str:
+        return f"FleetCommitStore({self.namespace}/{self.name})"
+
+    def read(self) -> CommitRecord:
+        try:
+            return record_of(self.kube.get(self.path))
+        except (ApiError, ApiUnreachable) as e:
+            raise CommitStoreError(f"Cannot read the commit record of RolloutFleet "
+                                   f"{self.namespace}/{self.name}: {e}") from e
+
+    def compare_and_set(self, expected: CommitRecord, new: CommitRecord) -> CommitOutcome:
+        for _ in range(self.retries):
+            try:
+                fleet = self.kube.get(self.path)
+            except NotFound:
+                log.warning("%r: the fleet is gone; the commit is refused", self)
+                return CommitOutcome.FAILED
+            except (ApiError, ApiUnreachable) as e:
+                log.warning("%r: cannot read before the compare-and-set: %s", self, e)
+                return CommitOutcome.UNKNOWN
+            if record_of(fleet) != expected:
+                return CommitOutcome.CONFLICT
+            patch = {"metadata": {"resourceVersion": fleet["metadata"]["resourceVersion"]},
+                     "status": {"commit": commit_status(new, refit=self.refit,
+                                                        at=self.clock())}}
+            try:
+                self.kube.merge_patch(self.path + "/status", patch)
+            except Conflict:
+                log.info("%r: resourceVersion moved before the compare-and-set; reading again",
+                         self)
+                continue
+            except ApiUnreachable as e:
+                log.warning("%r: the compare-and-set got no answer: %s", self, e)
+                return CommitOutcome.UNKNOWN
+            except ApiError as e:
+                log.warning("%r: the compare-and-set was refused: %s", self, e)
+                return CommitOutcome.UNKNOWN if e.status >= 500 else CommitOutcome.FAILED
+            log.info("%r: committed version %s (%s) by %s", self, new.committed_version,
+                     new.baseline_id, new.attempt)
+            return CommitOutcome.SUCCESS
+        return CommitOutcome.UNKNOWN
+
+    def initialize(self) -> CommitRecord:
+        """Write the initial record into a fleet that has none yet; return the record."""
+        for _ in range(self.retries):
+            fleet = self.kube.get(self.path)
+            if (fleet.get("status") or {}).get("commit"):
+                return record_of(fleet)
+            record = initial_record(fleet)
+            patch = {"metadata": {"resourceVersion": fleet["metadata"]["resourceVersion"]},
+                     "status": {"commit": commit_status(record)}}
+            try:
+                self.kube.merge_patch(self.path + "/status", patch)
+            except Conflict:
+                continue
+            return record
+        raise CommitStoreError(f"Could not initialize the commit record of RolloutFleet "
+                               f"{self.namespace}/{self.name}: it kept changing.")

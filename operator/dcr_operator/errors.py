@@ -1,0 +1,60 @@
+"""Every error the operator raises, under one root.
+
+Hierarchy::
+
+    OperatorError                 root (a DcrError, so callers may catch DCR as a whole)
+    ├── ApiError                  the Kubernetes API answered with an error status;
+    │   │                         ``status`` is the HTTP status, ``reason`` its Reason
+    │   ├── NotFound              404
+    │   └── Conflict              409: resourceVersion precondition or AlreadyExists
+    ├── ApiUnreachable            no answer from the API server (connection, timeout)
+    ├── InvalidResource           a RolloutFleet or WeightRefit cannot be acted on as
+    │                             written (names the field and the value)
+    ├── EncoderJobFailed          an encoder Job failed or vanished during an attempt
+    └── NotYet                    a refit cannot proceed now (base version not committed,
+                                  fleet busy, too few receivers): look again later
+
+In kopf handlers, ``NotYet``, ``ApiUnreachable`` and other ``ApiError`` map to
+``kopf.TemporaryError`` and ``InvalidResource`` to ``kopf.PermanentError``.
+"""
+
+from __future__ import annotations
+
+from dcr.errors import DcrError
+
+
+class OperatorError(DcrError):
+    """Root of every operator error."""
+
+
+class ApiError(OperatorError):
+    """The API server refused a request; ``status`` is its HTTP status."""
+
+    def __init__(self, message: str, status: int, reason: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+
+
+class NotFound(ApiError):
+    """The object does not exist (HTTP 404)."""
+
+
+class Conflict(ApiError):
+    """A precondition failed or the object already exists (HTTP 409)."""
+
+
+class ApiUnreachable(OperatorError):
+    """The API server did not answer: its fate (for writes) is unknown."""
+
+
+class InvalidResource(OperatorError):
+    """A custom resource cannot be acted on as written."""
+
+
+class EncoderJobFailed(OperatorError):
+    """An encoder Job failed, was deleted, or did not finish by the attempt's deadline."""
+
+
+class NotYet(OperatorError):
+    """The refit cannot proceed now; the handler looks again later."""

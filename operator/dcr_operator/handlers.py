@@ -1,0 +1,288 @@
+"""The kopf handlers: what the operator does when RolloutFleets and WeightRefits change.
+
+RolloutFleet
+    ``create`` / ``resume`` / ``update``: write the initial commit record (if none) and
+    the receivers' status. A timer refreshes ``status.receivers`` and the Ready,
+    Progressing and Degraded conditions every ``fleet_status_seconds``.
+
+WeightRefit
+    A **daemon** per WeightRefit that is not Committed or Failed runs
+    :class:`~dcr_operator.refit.RefitRun` in a thread. A daemon, not a create handler,
+    because a refit takes minutes: kopf starts daemons for every matching object when
+    the operator starts (so a restarted operator, or a peer taking over, resumes every
+    unfinished refit), stops them when the object is deleted (so the finalizer never
+    waits behind a running refit), and retries them after ``kopf.TemporaryError``.
+    ``NotYet`` (waiting for a base version, receivers, a busy fleet, the API server)
+    becomes ``TemporaryError(delay=retry_seconds)``; every step is idempotent.
+    ``delete``: the finalizer stops the run, deletes unfinished encoder Jobs (owner
+    references collect the rest) and removes the refit's objects from the store.
+
+Credentials: a ServiceAccount token in a pod, else the kubeconfig (``$KUBECONFIG``);
+kopf and the coordinator's synchronous client (:mod:`.kube`) use the same login.
+kopf keeps its own bookkeeping in ``dcr.dev/*`` annotations, never in status (the
+structural schemas would prune it), and posts only warnings as Events by itself; the
+operator's own Events name the refit's transitions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import datetime as dt
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, cast
+
+import kopf
+
+from dcr_operator.cleanup import clean_store
+from dcr_operator.commitstore import FleetCommitStore
+from dcr_operator.crds import FLEET_PLURAL, GROUP, REFIT_PLURAL, VERSION, RolloutFleetSpec
+from dcr_operator.errors import ApiError, ApiUnreachable, InvalidResource, NotFound, NotYet
+from dcr_operator.fleet import fleet_path, refresh, secret_data
+from dcr_operator.jobs import REFIT_LABEL, short_name
+from dcr_operator.kube import Credentials, KubeClient, api_path
+from dcr_operator.progress import Emit
+from dcr_operator.reconcile import is_final, now
+from dcr_operator.refit import RefitRun, holder
+from dcr_operator.settings import OperatorSettings
+
+log = logging.getLogger(__name__)
+
+SETTINGS = OperatorSettings.from_env(os.environ)
+FINALIZER = f"{GROUP}/cleanup"
+_RUNS: dict[str, RefitRun] = {}  # WeightRefit uid -> its run in this process
+
+
+def connection(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:
+    info = (kopf.login_with_service_account(settings=settings)
+            or kopf.login_with_kubeconfig(settings=settings))
+    if info is None:
+        raise kopf.LoginError("No ServiceAccount token and no kubeconfig ($KUBECONFIG) found.")
+    return info
+
+
+def emit(obj: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+    """A Kubernetes Event on ``obj`` (kopf posts it from its event loop); best effort."""
+    try:
+        kopf.event(cast(kopf.Body, dict(obj)), type=type_, reason=reason,
+                   message=message[:1024])
+    except Exception as e:  # an Event is never worth failing a refit for
+        log.warning("could not emit %s event %s on %s: %s", type_, reason,
+                    obj.get("metadata", {}).get("name"), e)
+
+
+def emitter(context: contextvars.Context) -> Emit:
+    """``emit`` for any thread (the coordinator's pool too): kopf's context travels along.
+
+    Each call runs in a fresh copy of ``context``: one Context cannot be entered by two
+    threads at once.
+    """
+    def emit_anywhere(obj: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+        context.copy().run(emit, obj, type_, reason, message)
+
+    return emit_anywhere
+
+
+async def _blocking(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+def _kube(memo: Any) -> KubeClient:
+    kube: KubeClient = memo.kube
+    return kube
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration")
+    settings.posting.level = logging.WARNING
+    settings.peering.lifetime = SETTINGS.peering_lifetime_seconds
+    memo.kube = KubeClient(lambda: Credentials.of(connection(settings)))
+    log.info("DCR operator settings: %s", SETTINGS)
+
+
+@kopf.on.login()
+def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
+    return connection(settings)
+
+
+# --- RolloutFleet ---------------------------------------------------------------------
+
+
+@kopf.on.create(GROUP, VERSION, FLEET_PLURAL, id="fleet")
+@kopf.on.resume(GROUP, VERSION, FLEET_PLURAL, id="fleet")
+@kopf.on.update(GROUP, VERSION, FLEET_PLURAL, id="fleet", field="spec")
+async def fleet_changed(body: kopf.Body, memo: Any, namespace: str | None, name: str,
+                        **_: Any) -> None:
+    assert namespace is not None  # the CRDs are namespaced
+    kube = _kube(memo)
+    try:
+        RolloutFleetSpec.model_validate(dict(body["spec"]))
+    except ValueError as e:
+        emit(body, "Warning", "InvalidSpec", f"RolloutFleet {name}: {e}")
+        raise kopf.PermanentError(f"RolloutFleet {namespace}/{name}: {e}") from e
+    try:
+        store = FleetCommitStore(kube, namespace, name)
+        had = (body.get("status") or {}).get("commit")
+        record = await _blocking(store.initialize)
+        if not had:
+            emit(body, "Normal", "Initialized", f"Commit record at version "
+                 f"{record.committed_version} ({record.baseline_id}).")
+        await _blocking(_refresh_fleet, kube, body)
+    except (ApiError, ApiUnreachable) as e:
+        raise kopf.TemporaryError(str(e), delay=SETTINGS.retry_seconds) from e
+
+
+def _refresh_fleet(kube: KubeClient, fleet: Mapping[str, Any]) -> None:
+    meta = fleet["metadata"]
+    refresh(kube, fleet, clock=now, active=holder(meta["namespace"], meta["name"]))
+
+
+@kopf.timer(GROUP, VERSION, FLEET_PLURAL, id="receivers",
+            interval=SETTINGS.fleet_status_seconds, initial_delay=SETTINGS.fleet_status_seconds)
+async def fleet_receivers(body: kopf.Body, memo: Any, **_: Any) -> None:
+    try:
+        await _blocking(_refresh_fleet, _kube(memo), dict(body))
+    except (ApiError, ApiUnreachable, InvalidResource) as e:
+        raise kopf.TemporaryError(str(e), delay=SETTINGS.retry_seconds) from e
+
+
+# --- WeightRefit ----------------------------------------------------------------------
+
+
+def _unfinished(status: Mapping[str, Any], **_: Any) -> bool:
+    return not is_final(status.get("phase"))
+
+
+@kopf.daemon(GROUP, VERSION, REFIT_PLURAL, id="refit", when=_unfinished,
+             cancellation_timeout=10.0)
+async def refit_daemon(memo: Any, namespace: str | None, name: str, uid: str,
+                       stopped: kopf.DaemonStopped, **_: Any) -> str:
+    assert namespace is not None
+    kube = _kube(memo)
+    path = api_path(GROUP, VERSION, REFIT_PLURAL, namespace, name)
+    try:
+        fresh = await _blocking(kube.get, path)
+    except NotFound:
+        return "Deleted"
+    except (ApiError, ApiUnreachable) as e:
+        raise kopf.TemporaryError(str(e), delay=SETTINGS.retry_seconds) from e
+    context = contextvars.copy_context()  # kopf.event needs kopf's context vars
+    run = RefitRun(kube, fresh, settings=SETTINGS, emit=emitter(context))
+    _RUNS[uid] = run
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[str] = loop.create_future()
+
+    def target() -> None:
+        try:
+            result = context.copy().run(run.run)
+        except BaseException as e:
+            loop.call_soon_threadsafe(_settle, done, None, e)
+        else:
+            loop.call_soon_threadsafe(_settle, done, result, None)
+
+    # A daemon thread: an operator that exits mid-attempt leaves it, as a crash would;
+    # the next operator resumes from the commit record.
+    threading.Thread(target=target, name=f"refit-{namespace}-{name}", daemon=True).start()
+    stop: asyncio.Future[Any] = asyncio.ensure_future(stopped.wait())
+    waiting: set[asyncio.Future[Any]] = {done, stop}
+    try:
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        if not done.done():
+            run.stop(str(stopped.reason))
+            # A run that just reached Committed or Failed (which stops the daemon through
+            # its filter) is only writing its last status: let it finish.
+            await asyncio.wait({done}, timeout=5.0)
+        if not done.done():
+            log.info("%s/%s: stopping (%s); the attempt in flight ends on its own",
+                     namespace, name, stopped.reason)
+            return "Stopped"
+        return _result(done, name)
+    finally:
+        stop.cancel()
+        if _RUNS.get(uid) is run and done.done():
+            del _RUNS[uid]
+
+
+def _settle(fut: asyncio.Future[str], result: str | None, error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result or "")
+
+
+def _result(done: asyncio.Future[str], name: str) -> str:
+    try:
+        return done.result()
+    except NotYet as e:
+        raise kopf.TemporaryError(str(e), delay=SETTINGS.retry_seconds) from e
+    except (InvalidResource, ApiError, ApiUnreachable) as e:
+        raise kopf.TemporaryError(str(e), delay=3 * SETTINGS.retry_seconds) from e
+    except Exception as e:
+        log.exception("WeightRefit %s: unexpected failure", name)
+        raise kopf.TemporaryError(f"{type(e).__name__}: {e}",
+                                  delay=3 * SETTINGS.retry_seconds) from e
+
+
+@kopf.on.delete(GROUP, VERSION, REFIT_PLURAL, id="cleanup")
+async def refit_deleted(body: kopf.Body, memo: Any, namespace: str | None, name: str,
+                        uid: str, runtime: dt.timedelta, **_: Any) -> None:
+    assert namespace is not None
+    run = _RUNS.pop(uid, None)
+    if run is not None:
+        run.stop("deleted")
+    kube = _kube(memo)
+    try:
+        await _blocking(_delete_unfinished_jobs, kube, namespace, name)
+        if SETTINGS.cleanup_store:
+            await _blocking(_clean, kube, dict(body))
+    except Exception as e:
+        if runtime.total_seconds() > SETTINGS.cleanup_give_up_seconds:
+            emit(body, "Warning", "CleanupAbandoned", f"Gave up cleaning up after "
+                 f"{runtime.total_seconds():.0f} s: {e}")
+            return
+        raise kopf.TemporaryError(f"Cleanup of WeightRefit {name}: {e}",
+                                  delay=SETTINGS.retry_seconds) from e
+
+
+def _delete_unfinished_jobs(kube: KubeClient, namespace: str, name: str) -> None:
+    path = api_path("batch", "v1", "jobs", namespace)
+    jobs = kube.get(path, labelSelector=f"{REFIT_LABEL}={short_name(name, 63)}")
+    for job in jobs.get("items", []):
+        if not (job.get("status") or {}).get("completionTime"):
+            with contextlib.suppress(NotFound):
+                kube.delete(f"{path}/{job['metadata']['name']}")
+
+
+def _clean(kube: KubeClient, refit: Mapping[str, Any]) -> None:
+    meta, spec = refit["metadata"], refit["spec"]
+    attempts = [a["id"] for a in (refit.get("status") or {}).get("attempts") or []]
+    if not attempts:
+        return
+    try:
+        fleet = kube.get(fleet_path(meta["namespace"], spec["fleet"]))
+    except NotFound:
+        emit(refit, "Warning", "CleanupSkipped", f"RolloutFleet {spec['fleet']} is gone: "
+             f"the store of attempts {', '.join(attempts)} is unknown.")
+        return
+    store = RolloutFleetSpec.model_validate(fleet["spec"]).store
+    creds = (secret_data(kube, meta["namespace"], store.credentials_secret_ref.name)
+             if store.credentials_secret_ref else None)
+    t0 = time.monotonic()
+    done = clean_store(store.uri, int(spec["targetVersion"]), attempts,
+                       endpoint=store.endpoint, region=store.region, credentials=creds)
+    if done.skipped:
+        emit(refit, "Warning", "CleanupSkipped", f"Store {store.uri}: {done.skipped}.")
+    else:
+        emit(refit, "Normal", "StoreCleaned", f"Removed {len(done.removed)} prefixes of "
+             f"{len(attempts)} attempts from {store.uri} in {time.monotonic() - t0:.2f} s.")

@@ -1,0 +1,306 @@
+"""Encoder Jobs: one indexed Job per attempt, and the owner handles that wait for it.
+
+An attempt's owners are the indexes of one indexed Job (``completions = parallelism =
+owners``); index ``k`` runs ``dcr encode ... --owner k --owners N`` and publishes its
+share of the tensors (split by a stable hash of their names). The Job's name is a
+function of the WeightRefit and the attempt id (:func:`job_name`), so creating it again
+(after an operator restart, or by two owner handles) finds the same Job instead of a
+duplicate; a new attempt (fresh id) always gets a new Job, and Jobs of obsolete
+attempts are deleted. Jobs carry an owner reference to their WeightRefit, so deleting
+the refit garbage-collects them.
+
+The merged receiver profile (which tensors each loader can take as XOR, overwrite or
+dense) reaches the encoder through a ConfigMap mounted at :data:`PROFILE_DIR`.
+
+:class:`JobOwner` is the coordinator's ``OwnerHandle`` for index ``k``: ``publish``
+makes sure the attempt's Job exists and waits until index ``k`` completed (the Job's
+``status.completedIndexes``), failing the attempt if the Job fails, disappears, or
+outlives the attempt's deadline. ``advance_baseline`` has nothing to do: the next
+refit's encoder reads its baseline from the commit record itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from dcr.format.payload import Mode
+from dcr.protocol.records import Attempt, CommitRecord
+from dcr_operator.crds import API_VERSION, GROUP, RolloutFleetSpec, WeightRefitSpec
+from dcr_operator.errors import ApiError, ApiUnreachable, Conflict, EncoderJobFailed, NotFound
+from dcr_operator.kube import KubeClient, api_path
+from dcr_operator.settings import OperatorSettings
+
+log = logging.getLogger(__name__)
+
+PROFILE_DIR = "/etc/dcr/profile"
+PROFILE_KEY = "profile.json"
+COMPONENT_LABEL = f"{GROUP}/component"
+REFIT_LABEL = f"{GROUP}/refit"
+ATTEMPT_LABEL = f"{GROUP}/attempt"
+_MAX_JOB_NAME = 52  # pods of indexed Jobs are named <job>-<index>-<5 chars>; hostnames <= 63
+
+
+def short_name(name: str, limit: int) -> str:
+    """``name`` if it fits, else a prefix and a digest of the whole (stable, unique)."""
+    if len(name) <= limit:
+        return name
+    digest = hashlib.blake2b(name.encode(), digest_size=4).hexdigest()
+    return f"{name[: limit - 9].rstrip('-')}-{digest}"
+
+
+def job_name(refit: str, attempt: str) -> str:
+    """The encoder Job of ``attempt`` of WeightRefit ``refit``: the same on every call."""
+    return f"{short_name(refit, _MAX_JOB_NAME - len(attempt) - 1)}-{attempt}"
+
+
+def profile_name(refit: str) -> str:
+    return short_name(f"{refit}-profile", 253)
+
+
+def owner_reference(obj: Mapping[str, Any]) -> dict[str, Any]:
+    meta = obj["metadata"]
+    return {"apiVersion": obj.get("apiVersion", API_VERSION),
+            "kind": obj.get("kind", "WeightRefit"), "name": meta["name"], "uid": meta["uid"],
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def encode_args(*, base: str, target: str, store: str, attempt: Attempt, owners: int,
+                profile: bool, bucket_mib: int | None) -> list[str]:
+    """``dcr encode`` arguments of one attempt; ``$(DCR_OWNER)`` is the Job index."""
+    t = attempt.transition
+    args = ["encode", base, target, "--store", store,
+            "--base-version", str(t.base_version), "--version", str(t.target_version),
+            "--attempt", attempt.id, "--mode", attempt.mode,
+            "--owner", "$(DCR_OWNER)", "--owners", str(owners), "--json"]
+    if profile:
+        args += ["--profile", f"{PROFILE_DIR}/{PROFILE_KEY}"]
+    if bucket_mib is not None:
+        args += ["--bucket-mib", str(bucket_mib)]
+    return args
+
+
+def job_manifest(*, refit: Mapping[str, Any], spec: WeightRefitSpec, fleet: RolloutFleetSpec,
+                 fleet_name: str, base_checkpoint: str, attempt: Attempt,
+                 settings: OperatorSettings, profile: str | None) -> dict[str, Any]:
+    """The indexed Job that publishes ``attempt`` (every owner one index)."""
+    enc, store = spec.encoder, fleet.store
+    name, refit_name = job_name(refit["metadata"]["name"], attempt.id), refit["metadata"]["name"]
+    labels = {"app.kubernetes.io/name": "dcr-encoder", "app.kubernetes.io/managed-by":
+              "dcr-operator", COMPONENT_LABEL: "encoder", REFIT_LABEL: short_name(refit_name, 63),
+              ATTEMPT_LABEL: attempt.id}
+    env: list[dict[str, Any]] = [{"name": "DCR_OWNER", "valueFrom": {"fieldRef": {
+        "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}}]
+    if store.endpoint:
+        env.append({"name": "AWS_ENDPOINT_URL", "value": store.endpoint})
+    if store.region:
+        env.append({"name": "AWS_DEFAULT_REGION", "value": store.region})
+    container: dict[str, Any] = {
+        "name": "encoder",
+        "image": enc.image or settings.encoder_image,
+        "imagePullPolicy": enc.image_pull_policy or settings.encoder_image_pull_policy,
+        "command": ["dcr"],
+        "args": encode_args(base=base_checkpoint, target=spec.source.checkpoint,
+                            store=store.uri, attempt=attempt, owners=enc.owners,
+                            profile=profile is not None, bucket_mib=enc.bucket_mib),
+        "env": env,
+    }
+    if store.credentials_secret_ref is not None:
+        container["envFrom"] = [{"secretRef": {"name": store.credentials_secret_ref.name}}]
+    if enc.resources is not None:
+        container["resources"] = enc.resources.model_dump(exclude_none=True)
+    pod: dict[str, Any] = {"restartPolicy": "Never", "containers": [container]}
+    if profile is not None:
+        container["volumeMounts"] = [{"name": "profile", "mountPath": PROFILE_DIR,
+                                      "readOnly": True}]
+        pod["volumes"] = [{"name": "profile", "configMap": {"name": profile}}]
+    account = enc.service_account_name or settings.encoder_service_account
+    if account:
+        pod["serviceAccountName"] = account
+    if enc.node_selector:
+        pod["nodeSelector"] = dict(enc.node_selector)
+    if enc.tolerations:
+        pod["tolerations"] = [dict(t) for t in enc.tolerations]
+    job_spec: dict[str, Any] = {
+        "completionMode": "Indexed", "completions": enc.owners, "parallelism": enc.owners,
+        "backoffLimit": 0,  # a failed encoder fails the attempt; the protocol retries it
+        "activeDeadlineSeconds": max(1, math.ceil(attempt.deadline - time.time())),
+        "template": {"metadata": {"labels": labels}, "spec": pod},
+    }
+    if settings.encoder_ttl_seconds:
+        job_spec["ttlSecondsAfterFinished"] = settings.encoder_ttl_seconds
+    t = attempt.transition
+    return {
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": {
+            "name": name, "namespace": refit["metadata"]["namespace"], "labels": labels,
+            "annotations": {f"{GROUP}/attempt": attempt.id, f"{GROUP}/mode": attempt.mode,
+                            f"{GROUP}/transition": f"{t.base_version}->{t.target_version}",
+                            f"{GROUP}/fleet": fleet_name},
+            "ownerReferences": [owner_reference(refit)],
+        },
+        "spec": job_spec,
+    }
+
+
+def parse_indexes(text: str | None) -> set[int]:
+    """``status.completedIndexes`` ("0,2-4") as a set of indexes."""
+    out: set[int] = set()
+    for part in (text or "").split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def job_state(job: Mapping[str, Any], index: int) -> str:
+    """``done`` (index completed), ``failed`` (the Job failed) or ``running``."""
+    status = job.get("status") or {}
+    for c in status.get("conditions") or []:
+        if c.get("status") == "True" and c.get("type") in ("Failed", "FailureTarget"):
+            return "failed"
+    if index in parse_indexes(status.get("completedIndexes")):
+        return "done"
+    for c in status.get("conditions") or []:
+        if c.get("status") == "True" and c.get("type") in ("Complete", "SuccessCriteriaMet"):
+            return "done"
+    return "running"
+
+
+def job_failure(job: Mapping[str, Any]) -> str:
+    for c in (job.get("status") or {}).get("conditions") or []:
+        if c.get("status") == "True" and c.get("type") in ("Failed", "FailureTarget"):
+            return f"{c.get('reason', 'Failed')}: {c.get('message', '')}".rstrip(": ")
+    return "failed"
+
+
+@dataclass(kw_only=True)
+class EncoderJobs:
+    """The encoder Jobs of one WeightRefit run (shared by its owner handles)."""
+
+    kube: KubeClient
+    refit: Mapping[str, Any]  # the WeightRefit object (metadata.name, namespace, uid)
+    spec: WeightRefitSpec
+    fleet: RolloutFleetSpec
+    fleet_name: str
+    base_checkpoint: str  # the committed version's checkpoint: the encoders' baseline
+    settings: OperatorSettings
+    profile: str | None = None  # ConfigMap holding the merged receiver profile
+    forced_mode: Mode | None = None  # "overwrite" for modePolicy Overwrite
+    on_created: Callable[[Attempt, str], None] | None = None
+    on_finished: Callable[[Attempt, str, str | None], None] | None = None
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done: dict[str, int] = {}
+        self.namespace = self.refit["metadata"]["namespace"]
+
+    def path(self, name: str = "") -> str:
+        return api_path("batch", "v1", "jobs", self.namespace, name)
+
+    def attempt_for(self, attempt: Attempt) -> Attempt:
+        return replace(attempt, mode=self.forced_mode) if self.forced_mode else attempt
+
+    def ensure(self, attempt: Attempt) -> str:
+        """Create the attempt's Job unless it exists; its name."""
+        attempt = self.attempt_for(attempt)
+        name = job_name(self.refit["metadata"]["name"], attempt.id)
+        with self._lock:
+            body = job_manifest(refit=self.refit, spec=self.spec, fleet=self.fleet,
+                                fleet_name=self.fleet_name,
+                                base_checkpoint=self.base_checkpoint, attempt=attempt,
+                                settings=self.settings, profile=self.profile)
+            try:
+                self.kube.create(self.path(), body)
+            except Conflict:
+                existing = self.kube.get(self.path(name))
+                found = existing["metadata"].get("annotations", {}).get(f"{GROUP}/attempt")
+                if found != attempt.id:
+                    raise EncoderJobFailed(f"Job {name} exists for attempt {found}, not "
+                                           f"{attempt.id}.") from None
+                return name
+            log.info("created encoder Job %s/%s for attempt %s (%s, %d owners)",
+                     self.namespace, name, attempt.id, attempt.mode, self.spec.encoder.owners)
+            if self.on_created is not None:
+                self.on_created(attempt, name)
+            return name
+
+    def wait(self, attempt: Attempt, index: int) -> None:
+        """Return once index ``index`` completed; raise if the Job fails or runs late."""
+        name = job_name(self.refit["metadata"]["name"], attempt.id)
+        while True:
+            try:
+                job = self.kube.get(self.path(name))
+            except NotFound:
+                raise EncoderJobFailed(f"Encoder Job {name} of attempt {attempt.id} was "
+                                       "deleted.") from None
+            except ApiUnreachable as e:
+                log.warning("encoder Job %s: %s", name, e)
+                job = None
+            if job is not None:
+                state = job_state(job, index)
+                if state == "done":
+                    self._finished(attempt, name, index, None)
+                    return
+                if state == "failed":
+                    reason = job_failure(job)
+                    self._finished(attempt, name, index, reason)
+                    raise EncoderJobFailed(f"Encoder Job {name} (owner {index} of attempt "
+                                           f"{attempt.id}) failed: {reason}.")
+            if attempt.expired:
+                self._finished(attempt, name, index, "deadline")
+                raise EncoderJobFailed(f"Encoder Job {name} (owner {index}) did not finish "
+                                       f"by attempt {attempt.id}'s deadline.")
+            time.sleep(self.settings.job_poll_seconds)
+
+    def _finished(self, attempt: Attempt, name: str, index: int, failure: str | None) -> None:
+        with self._lock:
+            self._done[attempt.id] = self._done.get(attempt.id, 0) + 1
+            last = self._done[attempt.id] == self.spec.encoder.owners or failure is not None
+        if last and self.on_finished is not None:
+            self.on_finished(attempt, name, failure)
+
+    def delete(self, name: str) -> None:
+        try:
+            self.kube.delete(self.path(name))
+            log.info("deleted encoder Job %s/%s", self.namespace, name)
+        except NotFound:
+            pass
+
+    def delete_unfinished(self) -> list[str]:
+        """Delete this refit's Jobs still running: their attempts are obsolete."""
+        jobs = self.kube.get(self.path(), labelSelector=f"{REFIT_LABEL}="
+                             f"{short_name(self.refit['metadata']['name'], 63)}")
+        gone = []
+        for job in jobs.get("items", []):
+            if job_state(job, -1) == "running":
+                self.delete(job["metadata"]["name"])
+                gone.append(job["metadata"]["name"])
+        return gone
+
+
+@dataclass(kw_only=True)
+class JobOwner:
+    """``OwnerHandle`` for owner ``index``: publishes through the attempt's encoder Job."""
+
+    jobs: EncoderJobs
+    index: int
+
+    def publish(self, attempt: Attempt) -> None:
+        name = self.jobs.ensure(attempt)
+        try:
+            self.jobs.wait(self.jobs.attempt_for(attempt), self.index)
+        except (EncoderJobFailed, ApiError):
+            self.jobs.delete(name)  # its pods must not keep writing for an obsolete attempt
+            raise
+
+    def advance_baseline(self, record: CommitRecord) -> None:
+        log.debug("owner %d: baseline is now %s (v%s)", self.index, record.baseline_id,
+                  record.committed_version)

@@ -1,0 +1,250 @@
+"""A refit's progress as WeightRefit status and Kubernetes Events, as it happens.
+
+The coordinator runs in a thread and knows nothing of Kubernetes. :class:`Recorder`
+is told what happens (by :class:`TrackedReceiver`, which wraps each agent client, by
+the encoder Jobs' callbacks, and by the refit's own steps), keeps the status it
+implies (conditions, attempts, per-receiver progress, totals) and merge-patches it
+into the WeightRefit's status subresource. Writing status is best effort: a failed
+write is logged and the next one carries everything (the commit record in the fleet,
+not this status, is the truth). Events are emitted for transitions only.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from dcr.format.payload import Mode
+from dcr.protocol.agent_api import AgentStatus, FlushAck
+from dcr.protocol.coordinator import AttemptResult, ReceiverHandle
+from dcr.protocol.records import Attempt
+from dcr_operator.crds import GROUP, REFIT_PLURAL, VERSION
+from dcr_operator.errors import ApiError, ApiUnreachable
+from dcr_operator.kube import KubeClient, api_path
+from dcr_operator.reconcile import abandoned, attempt_status, phase_of, set_condition
+
+log = logging.getLogger(__name__)
+
+# (object, event type "Normal" | "Warning", reason, message)
+Emit = Callable[[Mapping[str, Any], str, str, str], None]
+
+
+class Recorder:
+    """The status of one WeightRefit while the operator works on it; thread-safe."""
+
+    def __init__(self, kube: KubeClient, refit: Mapping[str, Any], *, emit: Emit,
+                 clock: Callable[[], str], forced_mode: Mode | None = None) -> None:
+        self.kube, self.refit, self.emit, self.clock = kube, refit, emit, clock
+        self.forced_mode = forced_mode
+        meta = refit["metadata"]
+        self.path = api_path(GROUP, VERSION, REFIT_PLURAL, meta["namespace"], meta["name"],
+                             "status")
+        self.generation = meta.get("generation")
+        st = refit.get("status") or {}
+        at = clock()
+        self.conditions: list[dict[str, Any]] = [dict(c) for c in st.get("conditions") or []]
+        self.attempts: dict[str, dict[str, Any]] = {
+            a["id"]: a for a in abandoned(st.get("attempts") or [], at=at)}
+        self.receivers: dict[str, dict[str, Any]] = {
+            r["name"]: dict(r) for r in st.get("receivers") or []}
+        self.extra: dict[str, Any] = {"startTime": st.get("startTime") or at}
+        for key in ("committed", "completionTime"):
+            if st.get(key):
+                self.extra[key] = st[key]
+        self.jobs: dict[str, str] = {}
+        self.payloads: dict[str, int] = {}
+        self._started: set[str] = set()
+        self._lock = threading.RLock()
+
+    # --- what happened ---------------------------------------------------------------
+
+    def set(self, type_: str, status: bool, reason: str, message: str = "", *,
+            event: str | None = None, warning: bool = False) -> None:
+        """Set a condition; emit ``event`` as a reason when its status changes."""
+        with self._lock:
+            before = next((c.get("status") for c in self.conditions if c["type"] == type_),
+                          None)
+            self.conditions = set_condition(self.conditions, type_, status, reason, message,
+                                            at=self.clock(), generation=self.generation)
+            changed = before != ("True" if status else "False")
+        if event and changed:
+            self.emit(self.refit, "Warning" if warning else "Normal", event, message)
+
+    def previous_attempts(self) -> int:
+        with self._lock:
+            return len(self.attempts)
+
+    def attempt_started(self, attempt: Attempt, history: Sequence[AttemptResult]) -> None:
+        """Called by every receiver's prepare: the first call records the attempt."""
+        mode = self.forced_mode or attempt.mode
+        with self._lock:
+            if attempt.id in self._started:
+                return
+            self._started.add(attempt.id)
+            self.attempts[attempt.id] = {
+                "id": attempt.id, "mode": mode, "outcome": "Running",
+                "startTime": self.clock(), "receivers": list(attempt.receivers)}
+        self.sync(history)
+        self.set("Applying", True, "AttemptRunning",
+                 f"Attempt {attempt.id} ({mode}) of {attempt.transition.base_version} -> "
+                 f"{attempt.transition.target_version} on {len(attempt.receivers)} receivers: "
+                 f"{', '.join(attempt.receivers)}.", event="AttemptStarted")
+        self.flush()
+
+    def job_created(self, attempt: Attempt, job: str) -> None:
+        with self._lock:
+            self.jobs[attempt.id] = job
+            if attempt.id in self.attempts:
+                self.attempts[attempt.id]["job"] = job
+        self.set("Encoding", True, "EncoderJobRunning",
+                 f"Encoder Job {job} publishes attempt {attempt.id} ({attempt.mode}).",
+                 event="EncoderJobCreated")
+        self.flush()
+
+    def job_finished(self, attempt: Attempt, job: str, failure: str | None) -> None:
+        if failure is None:
+            self.set("Encoding", False, "EncoderJobSucceeded",
+                     f"Encoder Job {job} published attempt {attempt.id}.")
+        else:
+            self.set("Encoding", False, "EncoderJobFailed",
+                     f"Encoder Job {job} of attempt {attempt.id} failed: {failure}.",
+                     event="EncoderJobFailed", warning=True)
+        self.flush()
+
+    def receiver(self, name: str, **fields: Any) -> None:
+        with self._lock:
+            entry = self.receivers.setdefault(name, {"name": name})
+            for key, value in fields.items():
+                if value is None:
+                    entry.pop(key, None)
+                else:
+                    entry[key] = value
+
+    def flushed(self, name: str, ack: FlushAck) -> None:
+        with self._lock:
+            self.payloads[ack.attempt] = max(self.payloads.get(ack.attempt, 0), ack.payloads)
+        self.receiver(name, attempt=ack.attempt, state="flushed", payloads=ack.payloads,
+                      bytes=ack.bytes, applySeconds=round(ack.apply_s, 4),
+                      lastAck=self.clock(), error=None)
+        self.flush()
+
+    def sync(self, history: Sequence[AttemptResult]) -> None:
+        """Fold the coordinator's attempts (outcomes, stages, bytes) into the status."""
+        failed = []
+        with self._lock:
+            for result in history:
+                old = self.attempts.get(result.attempt, {})
+                end = old.get("completionTime")
+                if result.outcome != "running" and end is None:
+                    end = self.clock()
+                new = self.attempts[result.attempt] = attempt_status(
+                    result, start=old.get("startTime") or self.clock(), end=end,
+                    payloads=self.payloads.get(result.attempt, 0),
+                    job=self.jobs.get(result.attempt, old.get("job")),
+                    mode=self.forced_mode)
+                if new["outcome"] in ("Failed", "Conflict") and old.get("outcome") in (
+                        None, "Running"):
+                    failed.append(new)
+        for a in failed:
+            self.emit(self.refit, "Warning", "AttemptFailed",
+                      f"Attempt {a['id']} ({a['mode']}) {a['outcome'].lower()}: "
+                      f"{a.get('reason', '')}")
+
+    def finish(self, **fields: Any) -> None:
+        with self._lock:
+            self.extra.update(fields)
+
+    # --- the status ------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            attempts = list(self.attempts.values())
+            return {
+                "observedGeneration": self.generation,
+                "phase": phase_of(self.conditions),
+                "conditions": [dict(c) for c in self.conditions],
+                "attempts": [dict(a) for a in attempts],
+                "attemptCount": len(attempts),
+                "bytes": sum(int(a.get("bytes", 0)) for a in attempts),
+                "receivers": [dict(r) for _, r in sorted(self.receivers.items())],
+                **self.extra,
+            }
+
+    def flush(self) -> None:
+        body = {"status": {k: v for k, v in self.status().items() if v is not None}}
+        try:
+            self.kube.merge_patch(self.path, body)
+        except (ApiError, ApiUnreachable) as e:
+            log.warning("could not write the status of %s: %s", self.path, e)
+
+
+class TrackedReceiver:
+    """A ``ReceiverHandle`` that reports every step and error of one agent to a Recorder."""
+
+    def __init__(self, inner: ReceiverHandle, recorder: Recorder,
+                 on_attempt: Callable[[Attempt], None], *,
+                 forced_mode: Mode | None = None) -> None:
+        self.inner, self.recorder, self.on_attempt = inner, recorder, on_attempt
+        self.forced_mode = forced_mode
+        self.name = inner.name
+
+    def __repr__(self) -> str:
+        return f"TrackedReceiver({self.inner!r})"
+
+    def _mode(self, attempt: Attempt) -> Attempt:
+        return replace(attempt, mode=self.forced_mode) if self.forced_mode else attempt
+
+    def _call(self, step: str, fn: Callable[[], Any], **fields: Any) -> Any:
+        try:
+            out = fn()
+        except Exception as e:
+            self.recorder.receiver(self.name, state=f"{step} failed", error=str(e)[:1024])
+            raise
+        if fields:
+            self.recorder.receiver(self.name, **fields)
+        return out
+
+    def status(self) -> AgentStatus:
+        st: AgentStatus = self._call("status", self.inner.status)
+        return st
+
+    def prepare(self, attempt: Attempt) -> None:
+        self.on_attempt(attempt)
+        self._call("prepare", lambda: self.inner.prepare(self._mode(attempt)),
+                   attempt=attempt.id, state="prepared", error=None, payloads=0, bytes=0)
+
+    def close_gate(self) -> None:
+        self._call("close_gate", self.inner.close_gate)
+
+    def open_apply(self, attempt: Attempt) -> None:
+        self._call("open_apply", lambda: self.inner.open_apply(self._mode(attempt)),
+                   state="applying")
+
+    def wait_staged(self, attempt: Attempt) -> None:
+        self._call("wait_staged", lambda: self.inner.wait_staged(self._mode(attempt)),
+                   state="staged")
+
+    def flush(self, attempt: Attempt) -> FlushAck:
+        ack: FlushAck = self._call("flush", lambda: self.inner.flush(self._mode(attempt)))
+        self.recorder.flushed(self.name, ack)
+        return ack
+
+    def committed(self, attempt: str) -> None:
+        self._call("commit", lambda: self.inner.committed(attempt), state="committed")
+
+    def stop_and_wait(self, attempt: str) -> None:
+        self._call("stop", lambda: self.inner.stop_and_wait(attempt), state="stopped")
+
+    def open_gate(self) -> None:
+        self._call("open_gate", self.inner.open_gate)
+
+    def rejoin(self, version: int, checkpoint: str) -> None:
+        self.recorder.receiver(self.name, state="rejoining")
+        self._call("rejoin", lambda: self.inner.rejoin(version, checkpoint),
+                   state="rejoined", error=None)
+        self.recorder.emit(self.recorder.refit, "Normal", "ReceiverRejoined",
+                           f"Receiver {self.name} restored version {version} by a dense load "
+                           f"of {checkpoint}.")

@@ -1,0 +1,231 @@
+"""The operator's decisions as pure functions: testable without a cluster.
+
+* :func:`validate`: may this WeightRefit run against the fleet's commit record now, and
+  if not, why (a condition reason and a sentence with the values)?
+* :func:`set_condition`: Kubernetes condition bookkeeping (``lastTransitionTime``
+  changes only when ``status`` does); :func:`phase_of` derives the printer-column phase
+  from the conditions.
+* :func:`receivers_of`: the fleet's receivers from its pods: every selected pod that is
+  Running and not being deleted, addressed by the ``dcr.dev/agent-url`` annotation when
+  present and by ``<scheme>://<podIP>:<agent.port>`` otherwise.
+* :func:`attempt_status`: a coordinator ``AttemptResult`` as WeightRefit status.
+* :func:`fleet_conditions`: Ready / Progressing / Degraded from the receivers' reports.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from dcr.protocol.coordinator import AttemptResult
+from dcr.protocol.records import CommitRecord
+from dcr_operator.crds import AGENT_URL_ANNOTATION, AgentSpec, LabelSelector, Phase, WeightRefitSpec
+
+
+def now() -> str:
+    """The current time as the API server writes it (RFC 3339, UTC, seconds)."""
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(value: str) -> dt.datetime:
+    return dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+# --- conditions -----------------------------------------------------------------------
+
+
+def condition(conditions: Iterable[Mapping[str, Any]], type_: str) -> Mapping[str, Any] | None:
+    return next((c for c in conditions if c.get("type") == type_), None)
+
+
+def is_true(conditions: Iterable[Mapping[str, Any]], type_: str) -> bool:
+    c = condition(conditions, type_)
+    return c is not None and c.get("status") == "True"
+
+
+def set_condition(conditions: Sequence[Mapping[str, Any]], type_: str, status: bool | str,
+                  reason: str, message: str = "", *, at: str,
+                  generation: int | None = None) -> list[dict[str, Any]]:
+    """A copy of ``conditions`` with ``type_`` set; its transition time moves only on change."""
+    value = status if isinstance(status, str) else ("True" if status else "False")
+    out = [dict(c) for c in conditions if c.get("type") != type_]
+    old = condition(conditions, type_)
+    new: dict[str, Any] = {"type": type_, "status": value, "reason": reason, "message": message,
+                           "lastTransitionTime": at}
+    if old is not None and old.get("status") == value and old.get("lastTransitionTime"):
+        new["lastTransitionTime"] = old["lastTransitionTime"]
+    if generation is not None:
+        new["observedGeneration"] = generation
+    index = next((i for i, c in enumerate(conditions) if c.get("type") == type_), len(out))
+    out.insert(index, new)
+    return out
+
+
+# The order decides: the first true condition names the phase. Receivers apply while the
+# encoders still publish, so the phase reads Encoding until the encoder Job is done.
+_PHASES: tuple[tuple[str, Phase], ...] = (
+    ("Committed", "Committed"), ("Failed", "Failed"), ("Encoding", "Encoding"),
+    ("Applying", "Applying"),
+)
+
+
+def phase_of(conditions: Iterable[Mapping[str, Any]]) -> Phase:
+    """The WeightRefit phase its conditions imply (Pending until one of them is true)."""
+    conditions = list(conditions)
+    return next((phase for type_, phase in _PHASES if is_true(conditions, type_)), "Pending")
+
+
+def is_final(phase: str | None) -> bool:
+    return phase in ("Committed", "Failed")
+
+
+# --- validation -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Verdict:
+    """What to do with a WeightRefit now: run it, finish a commit, wait, or reject it."""
+
+    action: Literal["run", "finish", "wait", "reject"]
+    reason: str
+    message: str
+
+
+def validate(name: str, spec: WeightRefitSpec, fleet: str, record: CommitRecord, *,
+             created: str | None = None, at: str | None = None) -> Verdict:
+    """Check a WeightRefit against the fleet's commit record (and its deadline)."""
+    target, base = spec.target_version, spec.base_version
+    held = (f"RolloutFleet {fleet} has committed version {record.committed_version} "
+            f"(checkpoint {record.baseline_id}"
+            + (f", attempt {record.attempt})" if record.attempt else ")"))
+    if record.committed_version == target and record.baseline_id == spec.source.checkpoint:
+        return Verdict(action="finish", reason="AlreadyCommitted",
+                       message=f"{held}: this refit's target is committed.")
+    if created is not None and spec.deadline_seconds is not None and at is not None:
+        age = (parse_time(at) - parse_time(created)).total_seconds()
+        if age > spec.deadline_seconds:
+            return Verdict(action="reject", reason="DeadlineExceeded",
+                           message=f"WeightRefit {name} is {age:.0f} s old, past its deadline "
+                                   f"of {spec.deadline_seconds} s; no attempt starts.")
+    if record.committed_version == base:
+        return Verdict(action="run", reason="BaseVersionCommitted",
+                       message=f"{held}: refitting {base} -> {target} from "
+                               f"{spec.source.checkpoint}.")
+    if record.committed_version < base:
+        return Verdict(action="wait", reason="WaitingForBaseVersion",
+                       message=f"WeightRefit {name} refits {base} -> {target}, but {held}; "
+                               f"waiting until version {base} is committed.")
+    if record.committed_version == target:
+        return Verdict(action="reject", reason="TargetCommittedElsewhere",
+                       message=f"WeightRefit {name} refits {base} -> {target} from "
+                               f"{spec.source.checkpoint}, but {held}: version {target} was "
+                               "committed from another checkpoint.")
+    return Verdict(action="reject", reason="BaseVersionMismatch",
+                   message=f"WeightRefit {name} refits {base} -> {target}, but {held}; a "
+                           f"refit must start from the committed version "
+                           f"(baseVersion {record.committed_version}).")
+
+
+# --- receivers ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Receiver:
+    name: str  # the pod's name
+    url: str
+
+
+def selector_query(selector: LabelSelector) -> str:
+    """A label selector in the ``labelSelector`` query syntax."""
+    parts = [f"{k}={v}" for k, v in sorted((selector.match_labels or {}).items())]
+    for e in selector.match_expressions or []:
+        values = ",".join(e.values or [])
+        parts.append({"In": f"{e.key} in ({values})", "NotIn": f"{e.key} notin ({values})",
+                      "Exists": e.key, "DoesNotExist": f"!{e.key}"}[e.operator])
+    return ",".join(parts)
+
+
+def receivers_of(pods: Iterable[Mapping[str, Any]], agent: AgentSpec) -> list[Receiver]:
+    """Every Running, not terminating pod as a receiver, sorted by name."""
+    out = []
+    for pod in pods:
+        meta, status = pod.get("metadata", {}), pod.get("status") or {}
+        if meta.get("deletionTimestamp") or status.get("phase") != "Running":
+            continue
+        url = (meta.get("annotations") or {}).get(AGENT_URL_ANNOTATION)
+        if not url and status.get("podIP"):
+            url = f"{agent.scheme}://{status['podIP']}:{agent.port}"
+        if url:
+            out.append(Receiver(name=meta["name"], url=url))
+    return sorted(out, key=lambda r: r.name)
+
+
+# --- status ---------------------------------------------------------------------------
+
+_OUTCOMES = {"running": "Running", "committed": "Committed", "failed": "Failed",
+             "conflict": "Conflict"}
+
+
+def attempt_status(result: AttemptResult, *, start: str, end: str | None, payloads: int,
+                   job: str | None, mode: str | None = None) -> dict[str, Any]:
+    """One coordinator attempt as a WeightRefit ``status.attempts`` entry."""
+    word, _, reason = result.outcome.partition(": ")
+    out: dict[str, Any] = {
+        "id": result.attempt, "mode": mode or result.mode,
+        "outcome": _OUTCOMES.get(word, "Failed"), "startTime": start,
+        "stages": {k: round(v, 4) for k, v in result.stages.items()},
+        "payloads": payloads, "bytes": result.payload_bytes,
+        "receivers": list(result.receivers), "rejoined": list(result.rejoined),
+    }
+    if reason:
+        out["reason"] = reason[:2048]
+    if end is not None:
+        out["completionTime"] = end
+    if job is not None:
+        out["job"] = job
+    return out
+
+
+def abandoned(attempts: Iterable[Mapping[str, Any]], *, at: str) -> list[dict[str, Any]]:
+    """Attempts a previous operator left Running: obsolete now (the protocol retries)."""
+    out = []
+    for a in attempts:
+        a = dict(a)
+        if a.get("outcome") == "Running":
+            a.update(outcome="Abandoned", completionTime=at,
+                     reason="the operator restarted during this attempt")
+        out.append(a)
+    return out
+
+
+def fleet_conditions(conditions: Sequence[Mapping[str, Any]], *, record: CommitRecord,
+                     receivers: Sequence[Mapping[str, Any]], active: str | None, at: str,
+                     generation: int | None) -> list[dict[str, Any]]:
+    """Ready (every receiver reports the committed version), Progressing, Degraded."""
+    v = record.committed_version
+    behind = sorted(r["name"] for r in receivers if r.get("version") != v or r.get("error"))
+    count = len(receivers)
+    out: list[dict[str, Any]] = [dict(c) for c in conditions]
+    if not count:
+        out = set_condition(out, "Ready", False, "NoReceivers",
+                            "The selector matches no Running pod.", at=at, generation=generation)
+    elif behind:
+        out = set_condition(out, "Ready", False, "ReceiversBehind",
+                            f"{len(behind)} of {count} receivers do not report version {v}: "
+                            f"{', '.join(behind)}.", at=at, generation=generation)
+    else:
+        out = set_condition(out, "Ready", True, "AllReceiversCommitted",
+                            f"All {count} receivers report version {v}.", at=at,
+                            generation=generation)
+    out = set_condition(out, "Progressing", active is not None,
+                        "RefitRunning" if active else "Idle",
+                        f"WeightRefit {active} is running." if active else "No refit is running.",
+                        at=at, generation=generation)
+    unreachable = sorted(r["name"] for r in receivers if r.get("error"))
+    out = set_condition(out, "Degraded", bool(unreachable),
+                        "ReceiversUnreachable" if unreachable else "AllReceiversReachable",
+                        (f"Agents not answering: {', '.join(unreachable)}." if unreachable
+                         else "Every receiver's agent answers."), at=at, generation=generation)
+    return out

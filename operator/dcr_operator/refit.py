@@ -1,0 +1,319 @@
+"""One WeightRefit, driven to its end: the coordinator over Kubernetes parties.
+
+:class:`RefitRun` is what the WeightRefit daemon runs in a thread:
+
+1. Read the fleet's commit record and :func:`~dcr_operator.reconcile.validate` the
+   refit against it: run it, finish an already committed transition, wait (its base
+   version is not committed yet), or reject it (a wrong base version, a passed
+   deadline) with a ``Failed`` condition that says why.
+2. Take the fleet (one refit per fleet at a time in this operator), discover the
+   receivers from its pods, fetch their profiles into a ConfigMap for the encoders.
+3. Run :class:`dcr.protocol.coordinator.Coordinator` with the agents (as
+   :class:`~dcr_operator.progress.TrackedReceiver`), one :class:`~dcr_operator.jobs.JobOwner`
+   per encoder index, and :class:`~dcr_operator.commitstore.FleetCommitStore`: mixed
+   first (unless ``modePolicy: Overwrite``), overwrite retries, the joint commit by
+   compare-and-set on the fleet's status.
+4. Record the outcome: ``Committed`` or ``Failed`` with attempts, timings and bytes.
+
+Resuming after an operator restart needs nothing special: attempts the previous
+operator left Running are marked Abandoned, its unfinished encoder Jobs are deleted, and
+``Coordinator.refit`` either finishes a transition the record already names or stops
+whatever receivers are still doing and retries. Every attempt after the first one of a
+refit runs in overwrite mode, also across retries and restarts (the coordinator alone
+would start a new run mixed unless a receiver reports mixed bits). Attempts count
+against ``retryLimit`` across restarts.
+
+Failures that may pass (API server unreachable, too few receivers, fleet busy) raise
+:class:`~dcr_operator.errors.NotYet`; the daemon turns them into ``kopf.TemporaryError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from pydantic import ValidationError
+
+from dcr.errors import ConfigError
+from dcr.format.payload import Mode
+from dcr.format.profile import ReceiverProfile, dumps, merge
+from dcr.protocol.agent_api import AgentClient
+from dcr.protocol.commitstore import CommitStoreError
+from dcr.protocol.coordinator import (
+    CommitConflict,
+    Coordinator,
+    CoordinatorSettings,
+    RefitAborted,
+    RefitFailed,
+)
+from dcr.protocol.records import Attempt, CommitRecord
+from dcr_operator.commitstore import FleetCommitStore, commit_status, record_of
+from dcr_operator.crds import RolloutFleetSpec, WeightRefitSpec
+from dcr_operator.errors import (
+    ApiError,
+    ApiUnreachable,
+    Conflict,
+    InvalidResource,
+    NotFound,
+    NotYet,
+)
+from dcr_operator.fleet import clients, discover, fleet_path, refresh, set_active
+from dcr_operator.jobs import PROFILE_KEY, EncoderJobs, JobOwner, owner_reference, profile_name
+from dcr_operator.kube import KubeClient, api_path
+from dcr_operator.progress import Emit, Recorder, TrackedReceiver
+from dcr_operator.reconcile import Verdict, is_final, now, parse_time, validate
+from dcr_operator.settings import OperatorSettings
+
+log = logging.getLogger(__name__)
+
+_ACTIVE: dict[tuple[str, str], str] = {}
+_ACTIVE_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def claim(namespace: str, fleet: str, refit: str) -> Iterator[None]:
+    """Hold the fleet for ``refit``; NotYet if another refit of this operator holds it."""
+    key = (namespace, fleet)
+    with _ACTIVE_LOCK:
+        holder = _ACTIVE.get(key)
+        if holder is not None and holder != refit:
+            raise NotYet(f"RolloutFleet {fleet} is busy with WeightRefit {holder}.")
+        _ACTIVE[key] = refit
+    try:
+        yield
+    finally:
+        with _ACTIVE_LOCK:
+            if _ACTIVE.get(key) == refit:
+                del _ACTIVE[key]
+
+
+def holder(namespace: str, fleet: str) -> str | None:
+    """The WeightRefit this operator is running on the fleet, if any."""
+    with _ACTIVE_LOCK:
+        return _ACTIVE.get((namespace, fleet))
+
+
+def _parse(model: type[Any], data: Any, what: str) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        raise InvalidResource(f"{what}: spec.{loc}: {err['msg']}.") from e
+
+
+class RefitRun:
+    """Drive WeightRefit ``refit`` (the object as last read) to Committed or Failed."""
+
+    def __init__(self, kube: KubeClient, refit: Mapping[str, Any], *,
+                 settings: OperatorSettings, emit: Emit,
+                 clock: Callable[[], str] = now) -> None:
+        self.kube, self.refit, self.settings, self.emit, self.clock = (
+            kube, refit, settings, emit, clock)
+        meta = refit["metadata"]
+        self.namespace, self.name = meta["namespace"], meta["name"]
+        self.stop_reason: str | None = None
+        self._stop = threading.Event()
+        self._coordinator: Coordinator | None = None
+
+    def stop(self, reason: str) -> None:
+        """No further attempt starts (the one running finishes or fails on its own)."""
+        self.stop_reason = reason
+        self._stop.set()
+        if self._coordinator is not None:
+            self._coordinator.abort.set()
+
+    def run(self) -> str:
+        """The refit's phase when done; raises NotYet to be called again later."""
+        status = self.refit.get("status") or {}
+        if is_final(status.get("phase")):
+            return str(status["phase"])
+        what = f"WeightRefit {self.namespace}/{self.name}"
+        spec: WeightRefitSpec = _parse(WeightRefitSpec, self.refit.get("spec"), what)
+        # Overwrite when the policy says so, and for every attempt after a failed one
+        # (DESIGN section 6), including those a restarted operator or a retry makes.
+        prior = len(status.get("attempts") or [])
+        forced: Mode | None = ("overwrite" if spec.mode_policy == "Overwrite" or prior
+                               else None)
+        rec = Recorder(self.kube, self.refit, emit=self.emit, clock=self.clock,
+                       forced_mode=forced)
+        try:
+            fleet = self.kube.get(fleet_path(self.namespace, spec.fleet))
+        except NotFound:
+            msg = f"RolloutFleet {self.namespace}/{spec.fleet} does not exist (yet)."
+            rec.set("Validated", False, "FleetNotFound", msg, event="Waiting")
+            rec.flush()
+            raise NotYet(msg) from None
+        fleet_spec: RolloutFleetSpec = _parse(RolloutFleetSpec, fleet.get("spec"),
+                                              f"RolloutFleet {self.namespace}/{spec.fleet}")
+        record = record_of(fleet)
+        verdict = validate(self.name, spec, spec.fleet, record,
+                           created=self.refit["metadata"].get("creationTimestamp"),
+                           at=self.clock())
+        if verdict.action == "reject":
+            return self._fail(rec, verdict.reason, verdict.message, validated=False)
+        if verdict.action == "wait":
+            rec.set("Validated", False, verdict.reason, verdict.message, event="Waiting")
+            rec.flush()
+            raise NotYet(verdict.message)
+        rec.set("Validated", True, verdict.reason, verdict.message, event="Validated")
+        rec.flush()
+        with claim(self.namespace, spec.fleet, self.name):
+            set_active(self.kube, self.namespace, spec.fleet, self.name)
+            try:
+                return self._drive(spec, fleet, fleet_spec, record, verdict, rec, forced)
+            finally:
+                self._refresh_fleet(fleet, rec)
+
+    # --- the refit -----------------------------------------------------------------
+
+    def _drive(self, spec: WeightRefitSpec, fleet: Mapping[str, Any],
+               fleet_spec: RolloutFleetSpec, record: CommitRecord, verdict: Verdict,
+               rec: Recorder, forced: Mode | None) -> str:
+        found = discover(self.kube, self.namespace, fleet_spec)
+        need = fleet_spec.commit_policy.min_receivers or len(found)
+        if not found or len(found) < need:
+            msg = (f"RolloutFleet {spec.fleet} has {len(found)} Running receivers; "
+                   f"{max(need, 1)} are required.")
+            rec.set("Applying", False, "WaitingForReceivers", msg, event="Waiting")
+            rec.flush()
+            raise NotYet(msg)
+        agents = clients(self.kube, self.namespace, fleet_spec, found)
+        remaining = fleet_spec.retry_limit - rec.previous_attempts()
+        if verdict.action == "run" and remaining < 1:
+            return self._fail(rec, "RetryLimitReached",
+                              f"{rec.previous_attempts()} attempts made; the fleet's "
+                              f"retryLimit is {fleet_spec.retry_limit}.")
+        jobs = EncoderJobs(
+            kube=self.kube, refit=self.refit, spec=spec, fleet=fleet_spec,
+            fleet_name=spec.fleet, base_checkpoint=record.baseline_id,
+            settings=self.settings, forced_mode=forced,
+            profile=self._profile(agents, need) if verdict.action == "run" else None,
+            on_created=rec.job_created, on_finished=rec.job_finished)
+        if verdict.action == "run":
+            for job in jobs.delete_unfinished():
+                log.info("%s: deleted encoder Job %s of an obsolete attempt", self.name, job)
+        store = FleetCommitStore(self.kube, self.namespace, spec.fleet, refit=self.name,
+                                 clock=self.clock)
+
+        def dense(version: int) -> str:
+            if version != record.committed_version:
+                raise ConfigError(f"No dense checkpoint of version {version} is known; the "
+                                  f"committed one is {record.committed_version}.")
+            return record.baseline_id
+
+        def started(attempt: Attempt) -> None:
+            assert self._coordinator is not None
+            rec.attempt_started(attempt, self._coordinator.history)
+
+        tracked = [TrackedReceiver(a, rec, started, forced_mode=forced) for a in agents]
+        policy = fleet_spec.commit_policy
+        coordinator = Coordinator(
+            store, [JobOwner(jobs=jobs, index=k) for k in range(spec.encoder.owners)],
+            tracked, dense_checkpoint=dense, settings=CoordinatorSettings(
+                max_attempts=max(1, remaining), gate="sync" if policy.gate == "Sync" else "async",
+                attempt_timeout_s=float(policy.attempt_timeout_seconds), min_receivers=need))
+        self._coordinator = coordinator
+        if self._stop.is_set():
+            coordinator.abort.set()
+        timer = self._deadline_timer(spec)
+        try:
+            committed = coordinator.refit(spec.target_version, spec.source.checkpoint)
+        except CommitConflict as e:
+            return self._fail(rec, "CommitConflict", str(e))
+        except RefitAborted as e:
+            if self.stop_reason == "deadline":
+                return self._fail(rec, "DeadlineExceeded", str(e))
+            raise NotYet(f"Refit stopped ({self.stop_reason}): {e}") from e
+        except RefitFailed as e:
+            if len(coordinator.history) < coordinator.settings.max_attempts:
+                rec.set("Applying", False, "WaitingForReceivers", str(e), event="Waiting")
+                raise NotYet(str(e)) from e  # admission: too few receivers took part
+            return self._fail(rec, "RetryLimitReached", str(e))
+        except (CommitStoreError, ApiError, ApiUnreachable) as e:
+            raise NotYet(f"Kubernetes API: {e}") from e
+        finally:
+            if timer is not None:
+                timer.cancel()
+            coordinator.close()
+            rec.sync(coordinator.history)
+            rec.flush()
+        return self._committed(rec, spec, committed, fleet)
+
+    def _committed(self, rec: Recorder, spec: WeightRefitSpec, record: CommitRecord,
+                   fleet: Mapping[str, Any]) -> str:
+        st = rec.status()
+        msg = (f"RolloutFleet {spec.fleet} committed version {record.committed_version} "
+               f"(attempt {record.attempt}) after {st['attemptCount']} attempts; "
+               f"{st['bytes']} payload bytes applied.")
+        rec.set("Applying", False, "Committed", msg)
+        rec.set("Encoding", False, "Committed", msg)
+        rec.set("Failed", False, "Committed", msg)
+        rec.set("Committed", True, "Committed", msg, event="Committed")
+        rec.finish(committed=commit_status(record, refit=self.name),
+                   completionTime=self.clock())
+        rec.flush()
+        self.emit(fleet, "Normal", "Committed", f"Version {record.committed_version} "
+                  f"committed by WeightRefit {self.name} (attempt {record.attempt}).")
+        return "Committed"
+
+    def _fail(self, rec: Recorder, reason: str, message: str, *,
+              validated: bool = True) -> str:
+        if not validated:
+            rec.set("Validated", False, reason, message)
+        rec.set("Applying", False, reason, message)
+        rec.set("Encoding", False, reason, message)
+        rec.set("Failed", True, reason, message, event="RefitFailed", warning=True)
+        rec.finish(completionTime=self.clock())
+        rec.flush()
+        return "Failed"
+
+    def _profile(self, agents: list[AgentClient], need: int) -> str:
+        """The ConfigMap with the receivers' merged profile (made once per refit)."""
+        name = profile_name(self.name)
+        path = api_path("", "v1", "configmaps", self.namespace)
+        with contextlib.suppress(NotFound):
+            self.kube.get(f"{path}/{name}")
+            return name
+        profiles, sources, errors = [], [], []
+        for a in agents:
+            try:
+                profiles.append(ReceiverProfile(tensors=a.profile()["tensors"]))
+                sources.append(a.name)
+            except Exception as e:  # an agent that cannot answer does not vote
+                errors.append(f"{a.name}: {e}")
+        if len(profiles) < max(1, need):
+            raise NotYet(f"Receiver profiles from {len(profiles)} of {len(agents)} agents; "
+                         f"{need} needed: {'; '.join(errors)}")
+        body = {"apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": name, "namespace": self.namespace,
+                             "labels": {"app.kubernetes.io/managed-by": "dcr-operator"},
+                             "annotations": {"dcr.dev/receivers": ",".join(sources)},
+                             "ownerReferences": [owner_reference(self.refit)]},
+                "data": {PROFILE_KEY: dumps(merge(profiles))}}
+        with contextlib.suppress(Conflict):
+            self.kube.create(path, body)
+        return name
+
+    def _deadline_timer(self, spec: WeightRefitSpec) -> threading.Timer | None:
+        created = self.refit["metadata"].get("creationTimestamp")
+        if spec.deadline_seconds is None or not created:
+            return None
+        left = (parse_time(created).timestamp() + spec.deadline_seconds) - time.time()
+        timer = threading.Timer(max(0.0, left), self.stop, args=("deadline",))
+        timer.daemon = True
+        timer.start()
+        return timer
+
+    def _refresh_fleet(self, fleet: Mapping[str, Any], rec: Recorder) -> None:
+        acks = {n: r["lastAck"] for n, r in rec.receivers.items() if r.get("lastAck")}
+        try:
+            refresh(self.kube, fleet, clock=self.clock, active=None, acks=acks)
+        except Exception as e:  # the fleet timer writes it again later
+            log.warning("could not refresh RolloutFleet %s status: %s",
+                        fleet["metadata"]["name"], e)
+            set_active(self.kube, self.namespace, fleet["metadata"]["name"], None)

@@ -1,0 +1,91 @@
+"""The operator's settings: one tree, parsed once from the environment at startup.
+
+Every field is an environment variable ``DCR_OPERATOR_<FIELD>`` (upper case), which the
+Helm chart sets from ``values.yaml``. An unknown ``DCR_OPERATOR_*`` variable or a value
+that does not parse is an error naming it, so a typo never silently falls back to a
+default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from dcr.errors import ConfigError
+
+PREFIX = "DCR_OPERATOR_"
+
+
+@dataclass(frozen=True, kw_only=True)
+class OperatorSettings:
+    # The image encoder Jobs run (it must provide the `dcr` command). A WeightRefit's
+    # spec.encoder.image overrides it.
+    encoder_image: str = "ghcr.io/dcr-dev/dcr:0.1.0"
+    encoder_image_pull_policy: str = "IfNotPresent"
+    # ServiceAccount of encoder pods ("" = the namespace's default).
+    encoder_service_account: str = ""
+    # ttlSecondsAfterFinished of encoder Jobs; 0 keeps them until their WeightRefit is
+    # deleted (owner references then remove them), which keeps them inspectable.
+    encoder_ttl_seconds: int = 0
+    # Seconds between polls of an encoder Job's status while an attempt waits for it.
+    job_poll_seconds: float = 1.0
+    # Seconds before a refit that waits (base version not committed yet, fleet busy, too
+    # few receivers, API server unreachable) is looked at again.
+    retry_seconds: float = 10.0
+    # Seconds between polls of every fleet's agents for status.receivers and Ready.
+    fleet_status_seconds: float = 30.0
+    # Delete a WeightRefit's payloads from the store when it is deleted (the finalizer).
+    cleanup_store: bool = True
+    # Seconds the finalizer keeps retrying a store it cannot clean before giving up
+    # (with a Warning event) so the WeightRefit can still be deleted.
+    cleanup_give_up_seconds: float = 300.0
+
+    # Seconds a peering record lives without a keepalive. A crashed operator's record
+    # pauses its successor of the same priority this long; a lower-priority standby takes
+    # over once it expires.
+    peering_lifetime_seconds: int = 60
+
+    def __post_init__(self) -> None:
+        if self.job_poll_seconds <= 0 or self.retry_seconds <= 0:
+            raise ConfigError(f"Poll and retry intervals must be positive: {self}.")
+        if self.peering_lifetime_seconds < 2:
+            raise ConfigError(f"peering_lifetime_seconds must be >= 2: {self}.")
+        if self.fleet_status_seconds <= 0 or self.encoder_ttl_seconds < 0:
+            raise ConfigError(f"fleet_status_seconds must be positive and "
+                              f"encoder_ttl_seconds >= 0: {self}.")
+        if self.encoder_image_pull_policy not in ("Always", "IfNotPresent", "Never"):
+            raise ConfigError(f"{PREFIX}ENCODER_IMAGE_PULL_POLICY="
+                              f"{self.encoder_image_pull_policy!r}: Always, IfNotPresent or "
+                              "Never.")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> OperatorSettings:
+        known = {f.name.upper(): f for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for key, raw in env.items():
+            if not key.startswith(PREFIX):
+                continue
+            field = known.get(key[len(PREFIX):])
+            if field is None:
+                raise ConfigError(f"Unknown setting {key}; known: "
+                                  f"{', '.join(PREFIX + k for k in sorted(known))}.")
+            values[field.name] = _parse(key, raw, field)
+        return cls(**values)
+
+
+def _parse(key: str, raw: str, field: dataclasses.Field[Any]) -> Any:
+    kind = field.type if isinstance(field.type, str) else field.type.__name__
+    try:
+        if kind == "bool":
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(raw)
+            return raw.lower() in ("true", "1")
+        if kind == "int":
+            return int(raw)
+        if kind == "float":
+            return float(raw)
+    except ValueError:
+        raise ConfigError(f"{key}={raw!r} is not a valid {kind}.") from None
+    return raw

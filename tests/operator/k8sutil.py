@@ -1,0 +1,105 @@
+"""Helpers for tests against the real apiserver: apply manifests, poll, render the chart."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, TypeVar, cast
+
+import yaml
+
+from dcr_operator.crds import crd_manifests
+from dcr_operator.errors import Conflict, NotFound
+from dcr_operator.kube import Credentials, KubeClient
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "dcr"
+T = TypeVar("T")
+
+# kind -> (api prefix, plural, namespaced)
+KINDS: dict[str, tuple[str, str, bool]] = {
+    "CustomResourceDefinition": ("/apis/apiextensions.k8s.io/v1", "customresourcedefinitions",
+                                 False),
+    "Namespace": ("/api/v1", "namespaces", False),
+    "ServiceAccount": ("/api/v1", "serviceaccounts", True),
+    "Secret": ("/api/v1", "secrets", True),
+    "ConfigMap": ("/api/v1", "configmaps", True),
+    "Pod": ("/api/v1", "pods", True),
+    "ClusterRole": ("/apis/rbac.authorization.k8s.io/v1", "clusterroles", False),
+    "ClusterRoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "clusterrolebindings", False),
+    "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles", True),
+    "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings", True),
+    "Deployment": ("/apis/apps/v1", "deployments", True),
+    "Job": ("/apis/batch/v1", "jobs", True),
+    "ClusterKopfPeering": ("/apis/kopf.dev/v1", "clusterkopfpeerings", False),
+    "KopfPeering": ("/apis/kopf.dev/v1", "kopfpeerings", True),
+    "RolloutFleet": ("/apis/dcr.dev/v1alpha1", "rolloutfleets", True),
+    "WeightRefit": ("/apis/dcr.dev/v1alpha1", "weightrefits", True),
+}
+
+
+def admin_client(cp: Any) -> KubeClient:
+    """A client of the control plane's admin (system:masters) client certificate."""
+    creds = Credentials(server=cp.server, ca_path=str(cp.ca_path),
+                        certificate_path=str(cp.admin_cert_path),
+                        private_key_path=str(cp.admin_key_path))
+    return KubeClient(lambda: creds)
+
+
+def path_of(obj: dict[str, Any], namespace: str | None = None, *, named: bool = False) -> str:
+    prefix, plural, namespaced = KINDS[obj["kind"]]
+    ns = obj.get("metadata", {}).get("namespace") or namespace
+    base = f"{prefix}/namespaces/{ns}/{plural}" if namespaced else f"{prefix}/{plural}"
+    return f"{base}/{obj['metadata']['name']}" if named else base
+
+
+def apply(kube: KubeClient, objs: Iterable[dict[str, Any]], namespace: str | None = None
+          ) -> list[dict[str, Any]]:
+    """Create each object (replace it if it exists); the created objects."""
+    out = []
+    for obj in objs:
+        try:
+            out.append(kube.create(path_of(obj, namespace), obj))
+        except Conflict:
+            current = kube.get(path_of(obj, namespace, named=True))
+            obj = {**obj, "metadata": {**obj["metadata"],
+                                       "resourceVersion": current["metadata"]["resourceVersion"]}}
+            out.append(kube.request("PUT", path_of(obj, namespace, named=True), obj))
+    return out
+
+
+def install_crds(kube: KubeClient) -> None:
+    apply(kube, crd_manifests().values())
+    for crd in crd_manifests().values():
+        name = crd["metadata"]["name"]
+        eventually(lambda name=name: any(  # type: ignore[misc]
+            c["type"] == "Established" and c["status"] == "True"
+            for c in (kube.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/"
+                               f"{name}").get("status") or {}).get("conditions", [])),
+            what=f"CRD {name} established")
+
+
+def eventually(check: Callable[[], T | None], *, timeout_s: float = 60.0, what: str,
+               every_s: float = 0.2) -> T:
+    """Poll ``check`` until it returns something truthy (NotFound counts as not yet)."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while True:
+        try:
+            last = check()
+        except NotFound as e:
+            last = e
+        else:
+            if last:
+                return cast(T, last)
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s:.0f} s (last: {last!r})")
+        time.sleep(every_s)
+
+
+def helm_template(helm: Path, *args: str, release: str = "dcr") -> list[dict[str, Any]]:
+    out = subprocess.run([str(helm), "template", release, str(CHART), *args],
+                         capture_output=True, text=True, check=True, timeout=60)
+    return [d for d in yaml.safe_load_all(out.stdout) if d]

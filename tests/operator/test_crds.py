@@ -1,0 +1,139 @@
+"""The CRDs: generated from the pydantic models, checked in, structural, and usable."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from dcr_operator.crds import (
+    OUTPUT_DIRS,
+    REPO_ROOT,
+    RolloutFleetSpec,
+    WeightRefitSpec,
+    crd_manifests,
+    main,
+    render,
+)
+from dcr_operator.schema import check_structural, structural
+
+EXAMPLES = REPO_ROOT / "charts" / "dcr" / "examples"
+
+
+def _schema(crd: dict[str, Any]) -> dict[str, Any]:
+    schema: dict[str, Any] = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    return schema
+
+
+@pytest.mark.parametrize("out", OUTPUT_DIRS, ids=lambda p: str(p.relative_to(REPO_ROOT)))
+def test_checked_in_crds_equal_the_generated_ones(out: Path) -> None:
+    for name, crd in crd_manifests().items():
+        path = out / name
+        assert path.exists(), f"{path} is missing: run `python -m dcr_operator.crds`"
+        assert path.read_text() == render(crd), (
+            f"{path} is stale: run `python -m dcr_operator.crds`")
+    extra = {p.name for p in out.glob("*.yaml")} - set(crd_manifests())
+    assert not extra, f"{out} holds CRDs no model generates: {sorted(extra)}"
+
+
+def test_check_mode_reports_a_stale_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                         ) -> None:
+    assert main(["--out", str(tmp_path)]) == 0
+    assert main(["--check", "--out", str(tmp_path)]) == 0
+    (tmp_path / "dcr.dev_weightrefits.yaml").write_text("stale\n")
+    assert main(["--check", "--out", str(tmp_path)]) == 1
+    assert "stale" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", sorted(crd_manifests()))
+def test_every_schema_is_structural(name: str) -> None:
+    schema = _schema(crd_manifests()[name])
+    assert check_structural(schema) == []
+    text = yaml.safe_dump(schema)
+    for forbidden in ("$ref", "$defs", "nullable", "title:", "additionalProperties: false"):
+        assert forbidden not in text
+
+
+def test_dcr_crds_have_status_subresource_printer_columns_and_list_maps() -> None:
+    crds = crd_manifests()
+    refit = crds["dcr.dev_weightrefits.yaml"]["spec"]
+    version = refit["versions"][0]
+    assert version["subresources"] == {"status": {}}
+    columns = [c["name"] for c in version["additionalPrinterColumns"] if "priority" not in c]
+    assert columns == ["Fleet", "Version", "Phase", "Attempts", "Bytes", "Age"]
+    status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+    assert status["conditions"]["x-kubernetes-list-type"] == "map"
+    assert status["conditions"]["x-kubernetes-list-map-keys"] == ["type"]
+    assert status["conditions"]["items"]["required"] == ["type", "status", "reason",
+                                                         "lastTransitionTime"]
+    assert status["attempts"]["x-kubernetes-list-map-keys"] == ["id"]
+    fleet = crds["dcr.dev_rolloutfleets.yaml"]["spec"]["versions"][0]
+    fleet_status = fleet["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+    assert set(fleet_status["commit"]["required"]) == {"committedVersion", "baselineId",
+                                                       "attempt"}
+    assert "Version" in [c["name"] for c in fleet["additionalPrinterColumns"]]
+
+
+def test_immutable_fields_carry_cel_transition_rules() -> None:
+    crds = crd_manifests()
+    refit_spec = _schema(crds["dcr.dev_weightrefits.yaml"])["properties"]["spec"]
+    rules = [r["rule"] for r in refit_spec["x-kubernetes-validations"]]
+    assert "self == oldSelf" in rules
+    assert "self.targetVersion > self.baseVersion" in rules
+    fleet_spec = _schema(crds["dcr.dev_rolloutfleets.yaml"])["properties"]["spec"]
+    for field in ("initial", "runtime"):
+        assert {"rule": "self == oldSelf"}.items() <= (
+            fleet_spec["properties"][field]["x-kubernetes-validations"][0].items())
+
+
+def test_status_schemas_carry_no_defaults_and_specs_do() -> None:
+    schema = _schema(crd_manifests()["dcr.dev_rolloutfleets.yaml"])
+    assert "default: " not in yaml.safe_dump(schema["properties"]["status"])
+    assert schema["properties"]["spec"]["properties"]["retryLimit"]["default"] == 4
+
+
+def test_structural_inlines_refs_and_rewrites_json_schema_keywords() -> None:
+    schema = structural({
+        "$defs": {"Inner": {"title": "Inner", "type": "object",
+                            "properties": {"n": {"type": "integer", "exclusiveMinimum": 0}},
+                            "additionalProperties": False}},
+        "type": "object",
+        "properties": {
+            "inner": {"$ref": "#/$defs/Inner", "description": "d"},
+            "maybe": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None},
+            "kind": {"const": "X"},
+            "free": {"type": "object", "additionalProperties": True},
+        },
+    })
+    props = schema["properties"]
+    assert props["inner"] == {"type": "object", "description": "d",
+                              "properties": {"n": {"type": "integer", "minimum": 0,
+                                                   "exclusiveMinimum": True}}}
+    assert props["maybe"] == {"type": "string"}
+    assert props["kind"] == {"enum": ["X"], "type": "string"}
+    assert props["free"] == {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+
+
+def _examples(kind: str) -> list[dict[str, Any]]:
+    return [d for f in sorted(EXAMPLES.glob("*.yaml")) for d in yaml.safe_load_all(f.read_text())
+            if d and d.get("kind") == kind]
+
+
+def test_chart_examples_parse_with_the_models() -> None:
+    fleets, refits = _examples("RolloutFleet"), _examples("WeightRefit")
+    assert fleets
+    assert refits
+    for f in fleets:
+        RolloutFleetSpec.model_validate(f["spec"])
+    for r in refits:
+        spec = WeightRefitSpec.model_validate(r["spec"])
+        assert spec.target_version > spec.base_version
+
+
+def test_a_spec_with_an_unknown_key_names_it() -> None:
+    refit = _examples("WeightRefit")[0]["spec"]
+    with pytest.raises(ValidationError, match="targetVersoin"):
+        WeightRefitSpec.model_validate({**refit, "targetVersoin": 3})

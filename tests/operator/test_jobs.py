@@ -1,0 +1,104 @@
+"""Encoder Jobs: deterministic names, indexed manifests, and reading their status."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from dcr.protocol.records import Attempt, Transition
+from dcr_operator.crds import RolloutFleetSpec, WeightRefitSpec
+from dcr_operator.jobs import job_manifest, job_name, job_state, parse_indexes
+from dcr_operator.settings import OperatorSettings
+
+FLEET = RolloutFleetSpec.model_validate({
+    "selector": {"matchLabels": {"app": "r"}}, "runtime": "hf",
+    "agent": {"tokenSecretRef": {"name": "tok"}},
+    "store": {"uri": "s3://bucket/p", "endpoint": "http://s3:9000", "region": "eu-1",
+              "credentialsSecretRef": {"name": "creds"}},
+    "initial": {"checkpoint": "/ckpt/v0"}})
+REFIT = {"apiVersion": "dcr.dev/v1alpha1", "kind": "WeightRefit",
+         "metadata": {"name": "policy-v3", "namespace": "ns", "uid": "u-1"}}
+
+
+def attempt(mode: str = "mixed") -> Attempt:
+    return Attempt(transition=Transition(base_version=2, target_version=3), mode=mode,  # type: ignore[arg-type]
+                   receivers=("p0",), deadline=time.time() + 600, owners=2, id="a-0123456789ab")
+
+
+def manifest(**encoder: Any) -> dict[str, Any]:
+    spec = WeightRefitSpec.model_validate({
+        "fleet": "f", "baseVersion": 2, "targetVersion": 3,
+        "source": {"checkpoint": "/ckpt/v3"}, "encoder": {"owners": 2, **encoder}})
+    return job_manifest(refit=REFIT, spec=spec, fleet=FLEET, fleet_name="f",
+                        base_checkpoint="/ckpt/v2", attempt=attempt(),
+                        settings=OperatorSettings(encoder_image="img:1"), profile="prof")
+
+
+def test_job_names_are_deterministic_and_fit_a_pod_hostname() -> None:
+    assert job_name("policy-v3", "a-0123456789ab") == "policy-v3-a-0123456789ab"
+    long = "x" * 200
+    a, b = job_name(long, "a-0123456789ab"), job_name(long, "a-0123456789ab")
+    assert a == b
+    assert len(a) <= 52
+    assert job_name(long, "a-0123456789ab") != job_name(long + "y", "a-0123456789ab")
+
+
+def test_the_encoder_job_is_indexed_owned_and_runs_one_owner_per_index() -> None:
+    job = manifest()
+    assert job["metadata"]["name"] == "policy-v3-a-0123456789ab"
+    assert job["metadata"]["ownerReferences"] == [{
+        "apiVersion": "dcr.dev/v1alpha1", "kind": "WeightRefit", "name": "policy-v3",
+        "uid": "u-1", "controller": True, "blockOwnerDeletion": True}]
+    spec = job["spec"]
+    assert (spec["completionMode"], spec["completions"], spec["parallelism"]) == (
+        "Indexed", 2, 2)
+    assert spec["backoffLimit"] == 0
+    assert 590 <= spec["activeDeadlineSeconds"] <= 600
+    pod = spec["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["image"] == "img:1"
+    assert c["command"] == ["dcr"]
+    assert c["args"] == ["encode", "/ckpt/v2", "/ckpt/v3", "--store", "s3://bucket/p",
+                         "--base-version", "2", "--version", "3", "--attempt",
+                         "a-0123456789ab", "--mode", "mixed", "--owner", "$(DCR_OWNER)",
+                         "--owners", "2", "--json", "--profile",
+                         "/etc/dcr/profile/profile.json"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["DCR_OWNER"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']")
+    assert env["AWS_ENDPOINT_URL"]["value"] == "http://s3:9000"
+    assert c["envFrom"] == [{"secretRef": {"name": "creds"}}]
+    assert pod["volumes"] == [{"name": "profile", "configMap": {"name": "prof"}}]
+    assert pod["restartPolicy"] == "Never"
+
+
+def test_encoder_overrides_reach_the_pod() -> None:
+    job = manifest(image="mine:2", nodeSelector={"pool": "train"}, bucketMiB=64,
+                   resources={"requests": {"cpu": 4, "memory": "8Gi"}},
+                   tolerations=[{"key": "gpu", "operator": "Exists"}])
+    pod = job["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["image"] == "mine:2"
+    assert c["args"][-2:] == ["--bucket-mib", "64"]
+    assert c["resources"] == {"requests": {"cpu": 4, "memory": "8Gi"}}
+    assert pod["nodeSelector"] == {"pool": "train"}
+    assert pod["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
+
+
+@pytest.mark.parametrize(("text", "want"), [
+    (None, set()), ("", set()), ("0", {0}), ("0,2-4,7", {0, 2, 3, 4, 7})])
+def test_completed_indexes_parse(text: str | None, want: set[int]) -> None:
+    assert parse_indexes(text) == want
+
+
+def test_job_state_reads_indexes_and_failure() -> None:
+    running = {"status": {"completedIndexes": "1"}}
+    assert job_state(running, 0) == "running"
+    assert job_state(running, 1) == "done"
+    failed = {"status": {"completedIndexes": "1", "conditions": [
+        {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}]}}
+    assert job_state(failed, 1) == "failed"
+    complete = {"status": {"conditions": [{"type": "Complete", "status": "True"}]}}
+    assert job_state(complete, 5) == "done"

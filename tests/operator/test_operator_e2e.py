@@ -1,0 +1,448 @@
+"""The operator end to end on a real control plane, with real agents and encoders.
+
+Setup (once for the module): etcd, kube-apiserver and kube-controller-manager (the Job
+controller and garbage collector) on loopback; the CRDs and the chart's ServiceAccount,
+Role, RoleBinding and KopfPeering from ``helm template``; the operator as a subprocess
+(``python -m dcr_operator``) authenticated with that ServiceAccount's bound token, so
+every call it makes goes through the chart's RBAC. A standby operator of lower priority
+waits behind it (kopf peering). Three ``dcr agent`` processes serve a small Llama model
+through transformers; three Pod objects select them (``dcr.dev/agent-url``). Encoder
+Jobs are created by the operator, their pods by the real Job controller, and run here by
+a stand-in kubelet (:mod:`kubelet`). A trainer takes real AdamW steps and exports a
+checkpoint per version.
+
+The tests then run in order, each on the state the previous one left:
+v1 commits through a two-owner indexed Job; v2 survives an agent killed mid-refit; v3
+survives the working operator being killed mid-attempt (the standby takes over and
+retries in overwrite mode while the dead attempt's encoder still writes); a refit from a
+stale base version is rejected; ``kubectl get`` shows the printer columns; deleting a
+refit cleans its payloads from the store.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+from controlplane import ControlPlane
+from k8sutil import REPO, admin_client, apply, eventually, helm_template, install_crds
+from kubelet import FakeKubelet
+from trainer import Trainer, reference_fingerprint
+
+from dcr.agent.launch import AgentProcess
+from dcr.errors import DcrError
+from dcr_operator.jobs import job_name
+from dcr_operator.kube import KubeClient
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
+
+FLEET = "rollout"
+TOKEN = "e2e-agent-token-0123456789abcdef"
+AGENTS = 3
+
+
+@dataclass
+class Operator:
+    """``python -m dcr_operator`` as a subprocess (it is what the chart's Deployment runs)."""
+
+    name: str
+    namespace: str
+    kubeconfig: Path
+    log: Path
+    priority: int
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1",
+               "DCR_OPERATOR_JOB_POLL_SECONDS": "0.2", "DCR_OPERATOR_RETRY_SECONDS": "1",
+               "DCR_OPERATOR_FLEET_STATUS_SECONDS": "2",
+               "DCR_OPERATOR_PEERING_LIFETIME_SECONDS": "6"}
+        out: IO[bytes] = open(self.log, "ab")  # noqa: SIM115 (owned by the process)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dcr_operator", f"--namespace={self.namespace}",
+             "--peering=dcr-operator", f"--priority={self.priority}", "--log-level=INFO"],
+            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        out.close()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+
+@dataclass
+class Scenario:
+    cp: ControlPlane
+    kube: KubeClient
+    ns: str
+    tmp: Path
+    store: Path
+    trainer: Trainer
+    agents: list[AgentProcess]
+    kubelet: FakeKubelet
+    primary: Operator
+    standby: Operator
+    ckpts: dict[int, Path] = field(default_factory=dict)
+
+    def path(self, plural: str, name: str = "", group: str = "dcr.dev/v1alpha1") -> str:
+        root = "/api/v1" if group == "v1" else f"/apis/{group}"
+        return f"{root}/namespaces/{self.ns}/{plural}" + (f"/{name}" if name else "")
+
+    def refit(self, name: str) -> dict[str, Any]:
+        obj: dict[str, Any] = self.kube.get(self.path("weightrefits", name))
+        return obj
+
+    def fleet(self) -> dict[str, Any]:
+        obj: dict[str, Any] = self.kube.get(self.path("rolloutfleets", FLEET))
+        return obj
+
+    def new_version(self, v: int) -> Path:
+        self.trainer.step()
+        self.ckpts[v] = self.trainer.export(self.tmp / "ckpts" / f"v{v}")
+        return self.ckpts[v]
+
+    def create_refit(self, name: str, base: int, target: int, **encoder: Any) -> None:
+        apply(self.kube, [{"apiVersion": "dcr.dev/v1alpha1", "kind": "WeightRefit",
+                           "metadata": {"name": name},
+                           "spec": {"fleet": FLEET, "baseVersion": base,
+                                    "targetVersion": target,
+                                    "source": {"checkpoint": str(self.ckpts[target])},
+                                    "encoder": encoder}}], self.ns)
+
+    def wait_phase(self, name: str, phase: str, timeout_s: float = 240) -> dict[str, Any]:
+        try:
+            got = eventually(lambda: (self.refit(name).get("status") or {}).get("phase")
+                             in (phase, "Committed", "Failed"),
+                             timeout_s=timeout_s, what=f"WeightRefit {name} {phase}")
+            assert self.refit(name)["status"]["phase"] == phase, got
+        except AssertionError as e:
+            pods = "\n".join(f"{k}: {v[-2000:]}" for k, v in self.kubelet.logs.items())
+            raise AssertionError(f"{e}\nstatus: {self.refit(name).get('status')}\n"
+                                 f"kubelet errors: {self.kubelet.errors}\npods:\n{pods}\n"
+                                 f"operator log:\n{self.primary.tail()}\n"
+                                 f"standby log:\n{self.standby.tail()}") from None
+        return self.refit(name)
+
+    def events(self, name: str) -> list[tuple[str, str, str]]:
+        items = self.kube.get(self.path("events", group="v1"))["items"]
+        return [(e["type"], e["reason"], e.get("message", "")) for e in items
+                if e["involvedObject"]["name"] == name]
+
+    def exact(self, v: int) -> bool:
+        want = reference_fingerprint(self.ckpts[v])
+        return all(a.client().fingerprint() == want for a in self.agents)
+
+
+def _conditions(obj: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in obj["status"]["conditions"]}
+
+
+def _pod(i: int, agent: AgentProcess) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": f"rollout-{i}", "labels": {"app": "rollout"},
+                         "annotations": {"dcr.dev/agent-url": agent.url}},
+            "spec": {"containers": [{"name": "agent", "image": "dcr:test"}]}}
+
+
+@pytest.fixture(scope="module")
+def scenario(control_plane: ControlPlane, helm: Path, tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[Scenario]:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    if not control_plane.has_controller_manager:
+        pytest.skip("no kube-controller-manager: encoder Jobs would never get pods")
+    cp, kube, tmp = control_plane, admin_client(control_plane), tmp_path_factory.mktemp("e2e")
+    ns = f"e2e-{int(time.time())}"
+    kube.create("/api/v1/namespaces", {"metadata": {"name": ns}})
+    eventually(lambda: kube.get(f"/api/v1/namespaces/{ns}/serviceaccounts/default"),
+               what="the namespace's default ServiceAccount")
+    # The chart, rendered for this namespace: CRDs, then RBAC, ServiceAccount, peering.
+    rendered = helm_template(helm, "--include-crds", f"--namespace={ns}",
+                             f"--set=watchNamespaces={{{ns}}}", release="dcr-e2e")
+    install_crds(kube)
+    apply(kube, [o for o in rendered if o["kind"] in (
+        "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
+        "KopfPeering")], ns)
+    sa = next(o for o in rendered if o["kind"] == "ServiceAccount")["metadata"]["name"]
+    kubeconfig = cp.write_kubeconfig_for_token(cp.service_account_token(ns, sa),
+                                               tmp / "operator.kubeconfig", namespace=ns)
+
+    trainer = Trainer()
+    sc_ckpts = {0: trainer.export(tmp / "ckpts" / "v0")}
+    store = tmp / "store"
+    agents = [AgentProcess(name=f"rollout-{i}", state_dir=tmp / "agents" / str(i), token=TOKEN,
+                           args=["--store", store.as_uri(), "--model", str(sc_ckpts[0]),
+                                 "--runtime", "hf"]) for i in range(AGENTS)]
+    for a in agents:
+        a.start()
+    for a in agents:
+        a.wait_ready()
+    apply(kube, [{"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "agent-token"},
+                  "data": {"token": base64.b64encode(TOKEN.encode()).decode()}}], ns)
+    for i, a in enumerate(agents):
+        apply(kube, [_pod(i, a)], ns)
+        kube.merge_patch(f"/api/v1/namespaces/{ns}/pods/rollout-{i}/status", {"status": {
+            "phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}})
+    primary = Operator("primary", ns, kubeconfig, tmp / "operator-primary.log", priority=100)
+    standby = Operator("standby", ns, kubeconfig, tmp / "operator-standby.log", priority=50)
+    with FakeKubelet(kube, ns, "dcr.dev/component=encoder", tmp) as kubelet:
+        primary.start()
+        time.sleep(1.0)  # the primary registers first; the standby then pauses behind it
+        standby.start()
+        apply(kube, [{"apiVersion": "dcr.dev/v1alpha1", "kind": "RolloutFleet",
+                      "metadata": {"name": FLEET},
+                      "spec": {"selector": {"matchLabels": {"app": "rollout"}},
+                               "runtime": "hf",
+                               "agent": {"tokenSecretRef": {"name": "agent-token"}},
+                               "store": {"uri": store.as_uri()},
+                               "initial": {"version": 0, "checkpoint": str(sc_ckpts[0])},
+                               "commitPolicy": {"attemptTimeoutSeconds": 120},
+                               "retryLimit": 4}}], ns)
+        sc = Scenario(cp=cp, kube=kube, ns=ns, tmp=tmp, store=store, trainer=trainer,
+                      agents=agents, kubelet=kubelet, primary=primary, standby=standby,
+                      ckpts=sc_ckpts)
+        try:
+            yield sc
+        finally:
+            primary.stop()
+            standby.stop()
+            for a in agents:
+                a.stop()
+            cp.request("DELETE", f"/api/v1/namespaces/{ns}")
+
+
+def test_a_new_fleet_gets_its_initial_commit_record_and_ready_receivers(scenario: Scenario
+                                                                        ) -> None:
+    sc = scenario
+
+    def ready() -> dict[str, Any] | None:
+        status: dict[str, Any] = sc.fleet().get("status") or {}
+        return status if status.get("readyReceivers") == 3 else None
+
+    status = eventually(ready, timeout_s=60, what="fleet Ready with 3 receivers")
+    assert status["commit"] == {"committedVersion": 0, "baselineId": str(sc.ckpts[0]),
+                                "attempt": ""}
+    assert [r["name"] for r in status["receivers"]] == ["rollout-0", "rollout-1", "rollout-2"]
+    assert all(r["version"] == 0 for r in status["receivers"])
+    assert _conditions(sc.fleet())["Ready"] == ("True", "AllReceiversCommitted")
+    assert ("Normal", "Initialized") in {e[:2] for e in sc.events(FLEET)}
+
+
+def test_a_refit_commits_through_a_two_owner_indexed_encoder_job_bit_exact(
+        scenario: Scenario) -> None:
+    sc = scenario
+    sc.new_version(1)
+    sc.create_refit("policy-v1", 0, 1, owners=2)
+    refit = sc.wait_phase("policy-v1", "Committed")
+    st = refit["status"]
+    (attempt,) = st["attempts"]
+    assert (attempt["mode"], attempt["outcome"]) == ("mixed", "Committed")
+    assert attempt["receivers"] == ["rollout-0", "rollout-1", "rollout-2"]
+    assert attempt["payloads"] >= 2  # one or more from each owner
+    assert attempt["bytes"] > 0
+    assert {"prepare", "publish", "flush", "commit"} <= set(attempt["stages"])
+    assert (st["attemptCount"], st["bytes"]) == (1, attempt["bytes"])
+    assert _conditions(refit) == {
+        "Validated": ("True", "BaseVersionCommitted"), "Applying": ("False", "Committed"),
+        "Encoding": ("False", "Committed"), "Failed": ("False", "Committed"),
+        "Committed": ("True", "Committed")}
+    commit = sc.fleet()["status"]["commit"]
+    assert (commit["committedVersion"], commit["baselineId"], commit["attempt"],
+            commit["refit"]) == (1, str(sc.ckpts[1]), attempt["id"], "policy-v1")
+    assert st["committed"]["attempt"] == attempt["id"]
+    assert {r["name"]: r["state"] for r in st["receivers"]} == dict.fromkeys(
+        ["rollout-0", "rollout-1", "rollout-2"], "committed")
+    # The encoder Job: deterministic name, indexed, owned by the refit, both indexes done.
+    job = sc.kube.get(sc.path("jobs", attempt["job"], group="batch/v1"))
+    assert attempt["job"] == job_name("policy-v1", attempt["id"])
+    assert (job["spec"]["completionMode"], job["spec"]["completions"]) == ("Indexed", 2)
+    assert job["status"]["completedIndexes"] == "0,1"
+    assert job["metadata"]["ownerReferences"][0]["uid"] == refit["metadata"]["uid"]
+    profile = sc.kube.get(sc.path("configmaps", "policy-v1-profile", group="v1"))
+    assert "profile.json" in profile["data"]
+    reasons = [e[1] for e in sc.events("policy-v1")]
+    for r in ("Validated", "AttemptStarted", "EncoderJobCreated", "Committed"):
+        assert r in reasons, reasons
+    assert ("Normal", "Committed") in {e[:2] for e in sc.events(FLEET)}
+    assert sc.exact(1)
+    eventually(lambda: sc.fleet()["status"].get("readyReceivers") == 3
+               and "activeRefit" not in sc.fleet()["status"], what="fleet Ready at v1")
+
+
+class _Killer(threading.Thread):
+    """SIGKILLs an agent as soon as it takes part in an attempt, then restarts it."""
+
+    def __init__(self, victim: AgentProcess) -> None:
+        super().__init__(name=f"kill-{victim.name}", daemon=True)
+        self.victim, self.state = victim, ""
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        client = self.victim.client(timeout_s=5.0)
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                try:
+                    st = client.status()
+                except DcrError:
+                    time.sleep(0.01)
+                    continue
+                if st.attempt is not None and st.version != 2 and st.state not in (
+                        "committed", "obsolete"):
+                    self.state = str(st.state)
+                    break
+                time.sleep(0.005)
+            self.victim.restart()  # same port and state dir, as a pod restart
+        finally:
+            self.done.set()
+
+
+def test_an_agent_killed_mid_refit_rejoins_and_the_overwrite_retry_commits(
+        scenario: Scenario) -> None:
+    sc = scenario
+    sc.new_version(2)
+    victim = sc.agents[1]
+    killer = _Killer(victim)
+    killer.start()
+    sc.create_refit("policy-v2", 1, 2)
+    refit = sc.wait_phase("policy-v2", "Committed")
+    killer.done.wait(60)
+    assert killer.state, "the victim was never seen in an attempt"
+    assert victim.restarts == 1
+    attempts = refit["status"]["attempts"]
+    assert [(a["mode"], a["outcome"]) for a in attempts] == [
+        ("mixed", "Failed"), ("overwrite", "Committed")]
+    assert "rollout-1" in attempts[0]["reason"]
+    assert attempts[1]["rejoined"] == ["rollout-1"]
+    assert sc.fleet()["status"]["commit"]["attempt"] == attempts[1]["id"]
+    reasons = [e[1] for e in sc.events("policy-v2")]
+    assert "ReceiverRejoined" in reasons
+    assert ("Warning", "AttemptFailed") in {e[:2] for e in sc.events("policy-v2")}
+    assert sc.exact(2)
+
+
+def test_the_standby_takes_over_a_refit_whose_operator_died_and_nothing_applies_twice(
+        scenario: Scenario) -> None:
+    sc = scenario
+    sc.new_version(3)
+    sc.kubelet.hold(lambda pod: pod["metadata"]["labels"].get("dcr.dev/refit") == "policy-v3")
+    sc.create_refit("policy-v3", 2, 3, owners=2)
+
+    def running() -> dict[str, Any] | None:
+        st = sc.refit("policy-v3").get("status") or {}
+        held = [a for a in st.get("attempts", []) if a["outcome"] == "Running" and a.get("job")]
+        return held[0] if held and any(p.startswith(held[0]["job"])
+                                       for p in sc.kubelet.started) else None
+
+    first = eventually(running, timeout_s=120, what="policy-v3's first attempt encoding")
+    sc.primary.kill()  # mid-attempt: receivers prepared, gates closed, encoders held
+    # The dead operator's peering record expires; the standby resumes the refit: the old
+    # attempt is abandoned, its Job deleted, a new attempt runs in overwrite mode.
+    def another() -> dict[str, Any] | None:
+        st = sc.refit("policy-v3").get("status") or {}
+        return next((a for a in st.get("attempts", []) if a["id"] != first["id"]), None)
+
+    second = eventually(another, timeout_s=120, what="the standby's attempt")
+    # The dead attempt's encoders now write after all (a zombie): nobody may apply them.
+    sc.kubelet.release(zombies=True)
+    refit = sc.wait_phase("policy-v3", "Committed")
+    attempts = {a["id"]: a for a in refit["status"]["attempts"]}
+    assert attempts[first["id"]]["outcome"] == "Abandoned"
+    assert (attempts[second["id"]]["mode"], attempts[second["id"]]["outcome"]) == (
+        "overwrite", "Committed")
+    assert sc.fleet()["status"]["commit"]["attempt"] == second["id"]
+    assert sc.kube.get(sc.path("jobs", group="batch/v1"), labelSelector=(
+        f"dcr.dev/attempt={first['id']}"))["items"] == []  # deleted as obsolete
+    for a in sc.agents:
+        st = a.client().status()
+        assert (st.version, st.attempt, st.state) == (3, second["id"], "committed")
+    assert sc.exact(3)
+    # The standby was paused by the primary's peering record until it expired.
+    assert "Resuming operations after the pause" in sc.standby.tail(400)
+
+
+def test_a_refit_from_a_stale_base_version_is_rejected_with_a_clear_condition(
+        scenario: Scenario) -> None:
+    sc = scenario
+    sc.create_refit("policy-stale", 1, 2)
+    refit = sc.wait_phase("policy-stale", "Failed", timeout_s=60)
+    failed = next(c for c in refit["status"]["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "BaseVersionMismatch"
+    assert failed["message"] == (
+        f"WeightRefit policy-stale refits 1 -> 2, but RolloutFleet {FLEET} has committed "
+        f"version 3 (checkpoint {sc.ckpts[3]}, attempt "
+        f"{sc.fleet()['status']['commit']['attempt']}); a refit must start from the "
+        "committed version (baseVersion 3).")
+    assert _conditions(refit)["Validated"] == ("False", "BaseVersionMismatch")
+    assert refit["status"].get("attempts", []) == []
+    assert ("Warning", "RefitFailed") in {e[:2] for e in sc.events("policy-stale")}
+    assert sc.kube.get(sc.path("jobs", group="batch/v1"),
+                       labelSelector="dcr.dev/refit=policy-stale")["items"] == []
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="no kubectl")
+def test_kubectl_get_shows_the_printer_columns(scenario: Scenario) -> None:
+    sc = scenario
+    def kubectl(*args: str) -> str:
+        return subprocess.run(["kubectl", f"--kubeconfig={sc.cp.kubeconfig}", "-n", sc.ns,
+                               *args], capture_output=True, text=True, check=True,
+                              timeout=60).stdout
+
+    out = kubectl("get", "rolloutfleets,weightrefits")
+    wide = kubectl("get", "rolloutfleets,weightrefits", "-o", "wide")
+    events = kubectl("get", "events", "--sort-by=.metadata.creationTimestamp",
+                     "--field-selector=involvedObject.name=policy-v2")
+    # docs/operations.md quotes these, captured from this apiserver.
+    (sc.tmp / "kubectl-get.txt").write_text("\n".join([out, wide, events]))
+    print(out, wide, events, sep="\n")
+    lines = out.splitlines()
+    assert lines[0].split() == ["NAME", "VERSION", "READY", "RECEIVERS", "REFIT", "STATUS",
+                                "AGE"]
+    assert lines[1].split()[:4] == [f"rolloutfleet.dcr.dev/{FLEET}", "3", "3", "3"]
+    header = next(line for line in lines if line.startswith("NAME") and "FLEET" in line)
+    assert header.split() == ["NAME", "FLEET", "VERSION", "PHASE", "ATTEMPTS", "BYTES", "AGE"]
+    rows = {line.split()[0]: line.split() for line in lines if "weightrefit" in line}
+    assert rows["weightrefit.dcr.dev/policy-v2"][1:5] == [FLEET, "2", "Committed", "2"]
+    assert rows["weightrefit.dcr.dev/policy-stale"][3:5] == ["Failed", "0"]
+
+
+def test_deleting_a_refit_removes_its_payloads_and_its_jobs(scenario: Scenario) -> None:
+    sc = scenario
+    refit = sc.refit("policy-v2")
+    ids = [a["id"] for a in refit["status"]["attempts"]]
+    prefix = sc.store / "v0000000002"
+    # The committed attempt's payloads are there (the killed one may never have encoded).
+    assert (prefix / ids[-1]).is_dir()
+    assert (prefix / ids[-1] / "manifest-o0000.json").is_file()  # owners write per attempt
+    sc.cp.request("DELETE", sc.path("weightrefits", "policy-v2"))
+    eventually(lambda: sc.cp.request("GET", sc.path("weightrefits", "policy-v2")).status == 404,
+               timeout_s=60, what="policy-v2 deleted (its finalizer done)")
+    assert not any((prefix / i).exists() for i in ids)
+    assert ("Normal", "StoreCleaned") in {e[:2] for e in sc.events("policy-v2")}
+    eventually(lambda: sc.kube.get(sc.path("jobs", group="batch/v1"),
+                                   labelSelector="dcr.dev/refit=policy-v2")["items"] == [],
+               timeout_s=60, what="policy-v2's Jobs garbage-collected")
+    assert (sc.store / "v0000000003").is_dir()  # other refits' objects stay

@@ -1,0 +1,115 @@
+"""WeightRefit status and Events as a refit runs, recorded without a cluster.
+
+The Kubernetes client is faked at our own seam (it records the merge patches); the
+receivers are faked as ``ReceiverHandle``s.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from dcr.protocol.agent_api import FlushAck
+from dcr.protocol.coordinator import AttemptResult
+from dcr.protocol.records import Attempt, Transition
+from dcr_operator.errors import ApiUnreachable
+from dcr_operator.progress import Recorder, TrackedReceiver
+
+REFIT = {"metadata": {"name": "r", "namespace": "ns", "generation": 1},
+         "status": {"attempts": [{"id": "a-old", "outcome": "Running", "mode": "mixed"}]}}
+
+
+class FakeKube:
+    def __init__(self, fail: bool = False) -> None:
+        self.patches: list[tuple[str, dict[str, Any]]] = []
+        self.fail = fail
+
+    def merge_patch(self, path: str, body: dict[str, Any]) -> Any:
+        if self.fail:
+            raise ApiUnreachable("no answer")
+        self.patches.append((path, body))
+        return body
+
+
+class FakeReceiver:
+    name = "p0"
+
+    def __init__(self) -> None:
+        self.modes: list[str] = []
+
+    def prepare(self, attempt: Attempt) -> None:
+        self.modes.append(attempt.mode)
+
+    def flush(self, attempt: Attempt) -> FlushAck:
+        self.modes.append(attempt.mode)
+        return FlushAck(attempt=attempt.id, payloads=3, bytes=100, apply_s=0.5, wait_s=0.1)
+
+    def open_apply(self, attempt: Attempt) -> None:
+        raise RuntimeError("agent p0 went away")
+
+
+def recorder(kube: FakeKube, events: list[tuple[str, str, str]], **kw: Any) -> Recorder:
+    return Recorder(kube, REFIT, emit=lambda _obj, t, r, m: events.append((t, r, m)),  # type: ignore[arg-type]
+                    clock=lambda: "2025-01-01T00:00:00Z", **kw)
+
+
+def attempt() -> Attempt:
+    return Attempt(transition=Transition(base_version=1, target_version=2), mode="mixed",
+                   receivers=("p0",), deadline=time.time() + 60, id="a-new")
+
+
+def test_a_resumed_refit_abandons_the_old_attempt_and_records_the_new_one_once() -> None:
+    kube, events = FakeKube(), []  # type: ignore[var-annotated]
+    rec = recorder(kube, events)
+    a = attempt()
+    history = [AttemptResult(attempt=a.id, mode="mixed", receivers=("p0",))]
+    rx = TrackedReceiver(FakeReceiver(), rec, lambda x: rec.attempt_started(x, history))  # type: ignore[arg-type]
+    rx.prepare(a)
+    rx.prepare(a)  # a second receiver's prepare: no second start
+    assert [e[1] for e in events] == ["AttemptStarted"]
+    ack = rx.flush(a)
+    history[0].outcome, history[0].payload_bytes = "committed", ack.bytes
+    rec.sync(history)
+    status = rec.status()
+    assert [(x["id"], x["outcome"]) for x in status["attempts"]] == [
+        ("a-old", "Abandoned"), ("a-new", "Committed")]
+    assert status["attempts"][1]["payloads"] == 3
+    assert status["receivers"] == [{"name": "p0", "attempt": "a-new", "state": "flushed",
+                                    "payloads": 3, "bytes": 100, "applySeconds": 0.5,
+                                    "lastAck": "2025-01-01T00:00:00Z"}]
+    assert (status["attemptCount"], status["bytes"], status["phase"]) == (2, 100, "Applying")
+    assert kube.patches[-1][0] == "/apis/dcr.dev/v1alpha1/namespaces/ns/weightrefits/r/status"
+
+
+def test_forced_overwrite_reaches_every_call_and_the_status() -> None:
+    kube, events = FakeKube(), []  # type: ignore[var-annotated]
+    rec = recorder(kube, events, forced_mode="overwrite")
+    inner = FakeReceiver()
+    rx = TrackedReceiver(inner, rec, lambda x: rec.attempt_started(x, []),  # type: ignore[arg-type]
+                         forced_mode="overwrite")
+    rx.prepare(attempt())
+    rx.flush(attempt())
+    assert inner.modes == ["overwrite", "overwrite"]
+    assert rec.status()["attempts"][1]["mode"] == "overwrite"
+
+
+def test_a_receiver_error_is_recorded_and_raised() -> None:
+    rec = recorder(FakeKube(), [])
+    rx = TrackedReceiver(FakeReceiver(), rec, lambda x: None)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="went away"):
+        rx.open_apply(attempt())
+    (entry,) = rec.status()["receivers"]
+    assert (entry["state"], entry["error"]) == ("open_apply failed", "agent p0 went away")
+
+
+def test_events_only_on_transitions_and_a_failed_status_write_is_not_fatal() -> None:
+    events: list[tuple[str, str, str]] = []
+    rec = recorder(FakeKube(fail=True), events)
+    rec.set("Committed", False, "NotYet", event="X")
+    rec.set("Committed", False, "StillNot", event="X")
+    rec.set("Committed", True, "Committed", "done", event="Committed")
+    rec.flush()  # logged, not raised
+    assert [e[1] for e in events] == ["X", "Committed"]
+    assert rec.status()["phase"] == "Committed"

@@ -1,0 +1,169 @@
+"""The operator's decisions as pure functions: validation, conditions, phase, receivers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from dcr.protocol.coordinator import AttemptResult
+from dcr.protocol.records import CommitRecord
+from dcr_operator.crds import AgentSpec, LabelSelector, SecretKeyRef, WeightRefitSpec
+from dcr_operator.reconcile import (
+    abandoned,
+    attempt_status,
+    fleet_conditions,
+    phase_of,
+    receivers_of,
+    selector_query,
+    set_condition,
+    validate,
+)
+
+T0, T1, T2 = "2025-01-01T00:00:00Z", "2025-01-01T00:01:00Z", "2025-01-01T00:02:00Z"
+
+
+def spec(base: int = 2, target: int = 3, ckpt: str = "/ckpt/v3", **kw: Any) -> WeightRefitSpec:
+    return WeightRefitSpec.model_validate({"fleet": "f", "baseVersion": base,
+                                           "targetVersion": target,
+                                           "source": {"checkpoint": ckpt}, **kw})
+
+
+def record(v: int, ckpt: str, attempt: str = "a-1") -> CommitRecord:
+    return CommitRecord(committed_version=v, baseline_id=ckpt, attempt=attempt)
+
+
+def test_a_refit_from_the_committed_version_runs() -> None:
+    v = validate("r", spec(), "f", record(2, "/ckpt/v2"))
+    assert (v.action, v.reason) == ("run", "BaseVersionCommitted")
+
+
+def test_a_refit_whose_target_is_committed_from_its_checkpoint_finishes() -> None:
+    v = validate("r", spec(), "f", record(3, "/ckpt/v3"))
+    assert (v.action, v.reason) == ("finish", "AlreadyCommitted")
+
+
+def test_a_refit_from_a_stale_base_version_is_rejected_with_the_values() -> None:
+    v = validate("r", spec(base=1, target=2, ckpt="/ckpt/v2b"), "f", record(3, "/ckpt/v3"))
+    assert (v.action, v.reason) == ("reject", "BaseVersionMismatch")
+    assert v.message == ("WeightRefit r refits 1 -> 2, but RolloutFleet f has committed "
+                         "version 3 (checkpoint /ckpt/v3, attempt a-1); a refit must start "
+                         "from the committed version (baseVersion 3).")
+
+
+def test_a_target_committed_from_another_checkpoint_is_rejected() -> None:
+    v = validate("r", spec(), "f", record(3, "/elsewhere/v3"))
+    assert (v.action, v.reason) == ("reject", "TargetCommittedElsewhere")
+    assert "/elsewhere/v3" in v.message
+
+
+def test_a_refit_ahead_of_the_record_waits_for_its_base() -> None:
+    v = validate("r", spec(base=4, target=5), "f", record(2, "/ckpt/v2"))
+    assert (v.action, v.reason) == ("wait", "WaitingForBaseVersion")
+    assert "waiting until version 4 is committed" in v.message
+
+
+def test_a_refit_past_its_deadline_is_rejected_but_a_committed_one_still_finishes() -> None:
+    late = spec(deadlineSeconds=30)
+    v = validate("r", late, "f", record(2, "/ckpt/v2"), created=T0, at=T1)
+    assert (v.action, v.reason) == ("reject", "DeadlineExceeded")
+    assert "60 s old" in v.message
+    done = validate("r", late, "f", record(3, "/ckpt/v3"), created=T0, at=T1)
+    assert done.action == "finish"
+
+
+def test_last_transition_time_moves_only_when_the_status_changes() -> None:
+    c = set_condition([], "Ready", False, "Waiting", "w", at=T0)
+    c = set_condition(c, "Ready", False, "StillWaiting", "w2", at=T1)
+    assert c == [{"type": "Ready", "status": "False", "reason": "StillWaiting",
+                  "message": "w2", "lastTransitionTime": T0}]
+    c = set_condition(c, "Ready", True, "Done", at=T2, generation=4)
+    assert c[0]["lastTransitionTime"] == T2
+    assert c[0]["observedGeneration"] == 4
+
+
+def test_set_condition_keeps_the_order_and_the_other_conditions() -> None:
+    c = set_condition([], "A", True, "X", at=T0)
+    c = set_condition(c, "B", True, "X", at=T0)
+    c = set_condition(c, "A", False, "Y", at=T1)
+    assert [x["type"] for x in c] == ["A", "B"]
+    assert c[1]["status"] == "True"
+
+
+@pytest.mark.parametrize(("true", "phase"), [
+    ((), "Pending"), (("Validated",), "Pending"), (("Validated", "Applying"), "Applying"),
+    (("Encoding", "Applying"), "Encoding"), (("Applying", "Failed"), "Failed"),
+    (("Failed", "Committed"), "Committed"),
+])
+def test_phase_is_derived_from_the_conditions(true: tuple[str, ...], phase: str) -> None:
+    conditions: list[dict[str, Any]] = []
+    for t in ("Validated", "Encoding", "Applying", "Committed", "Failed"):
+        conditions = set_condition(conditions, t, t in true, "R", at=T0)
+    assert phase_of(conditions) == phase
+
+
+def _pod(name: str, *, phase: str = "Running", ip: str | None = "10.0.0.7",
+         annotations: dict[str, str] | None = None, deleting: bool = False) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "annotations": annotations or {}}
+    if deleting:
+        meta["deletionTimestamp"] = T0
+    status: dict[str, Any] = {"phase": phase}
+    if ip:
+        status["podIP"] = ip
+    return {"metadata": meta, "status": status}
+
+
+def test_receivers_are_running_pods_addressed_by_annotation_or_pod_ip() -> None:
+    agent = AgentSpec(port=9000, token_secret_ref=SecretKeyRef(name="s"))
+    pods = [_pod("c"), _pod("a", annotations={"dcr.dev/agent-url": "http://127.0.0.1:5"}),
+            _pod("pending", phase="Pending"), _pod("gone", deleting=True),
+            _pod("no-ip", ip=None)]
+    got = [(r.name, r.url) for r in receivers_of(pods, agent)]
+    assert got == [("a", "http://127.0.0.1:5"), ("c", "http://10.0.0.7:9000")]
+
+
+def test_selector_query_spells_labels_and_expressions() -> None:
+    sel = LabelSelector.model_validate({
+        "matchLabels": {"b": "2", "a": "1"},
+        "matchExpressions": [{"key": "tier", "operator": "In", "values": ["x", "y"]},
+                             {"key": "gpu", "operator": "Exists"},
+                             {"key": "old", "operator": "DoesNotExist"}]})
+    assert selector_query(sel) == "a=1,b=2,tier in (x,y),gpu,!old"
+
+
+def test_attempt_status_splits_outcome_and_reason() -> None:
+    r = AttemptResult(attempt="a-1", mode="mixed", receivers=("p0", "p1"),
+                      outcome="failed: Agent p1 unreachable", stages={"prepare": 0.12345},
+                      payload_bytes=99, rejoined=("p1",))
+    out = attempt_status(r, start=T0, end=T1, payloads=3, job="j")
+    assert out == {"id": "a-1", "mode": "mixed", "outcome": "Failed", "startTime": T0,
+                   "stages": {"prepare": 0.1235}, "payloads": 3, "bytes": 99,
+                   "receivers": ["p0", "p1"], "rejoined": ["p1"],
+                   "reason": "Agent p1 unreachable", "completionTime": T1, "job": "j"}
+    forced = attempt_status(r, start=T0, end=None, payloads=0, job=None, mode="overwrite")
+    assert forced["mode"] == "overwrite"
+    assert "completionTime" not in forced
+
+
+def test_attempts_left_running_by_a_previous_operator_become_abandoned() -> None:
+    out = abandoned([{"id": "a", "outcome": "Running"}, {"id": "b", "outcome": "Failed"}],
+                    at=T1)
+    assert out[0]["outcome"] == "Abandoned"
+    assert out[0]["completionTime"] == T1
+    assert out[1] == {"id": "b", "outcome": "Failed"}
+
+
+def test_fleet_conditions_follow_the_receivers() -> None:
+    rec = record(2, "/c")
+    ok = [{"name": "p0", "version": 2}, {"name": "p1", "version": 2}]
+    c = fleet_conditions([], record=rec, receivers=ok, active=None, at=T0, generation=1)
+    status = {x["type"]: x["status"] for x in c}
+    assert status == {"Ready": "True", "Progressing": "False", "Degraded": "False"}
+    bad: list[dict[str, Any]] = [{"name": "p0", "version": 2},
+                                 {"name": "p1", "error": "refused"}]
+    c = fleet_conditions(c, record=rec, receivers=bad, active="r-3", at=T1, generation=1)
+    by = {x["type"]: x for x in c}
+    assert by["Ready"]["message"] == "1 of 2 receivers do not report version 2: p1."
+    assert by["Progressing"]["message"] == "WeightRefit r-3 is running."
+    assert by["Degraded"]["status"] == "True"
+    assert by["Ready"]["lastTransitionTime"] == T1
