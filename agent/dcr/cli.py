@@ -145,7 +145,9 @@ def cmd_refit(args: argparse.Namespace) -> None:
 
     run_refit(RefitSettings(
         out=Path(args.out), steps=args.steps, seed=args.seed, agents=args.agents,
-        owners=args.owners,
+        owners=args.owners if args.owners is not None else (
+            1 if args.transport == "relay" else 2),
+        transport=args.transport,
         kill_receiver_every=args.kill_receiver_every,
     ))
 
@@ -235,7 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     rf.add_argument("--seed", type=int, default=0)
     rf.add_argument("--agents", type=int, default=4,
                     help="agent processes: half transformers, half vLLM-layout TP2 (default 4)")
-    rf.add_argument("--owners", type=int, default=2, help="encoder processes (default 2)")
+    rf.add_argument("--owners", type=int, help="encoder processes (default 2; 1 with relay)")
+    rf.add_argument("--transport", choices=["store", "relay"], default="store",
+                    help="store: a file store; relay: a relay tree, one node per agent")
     rf.add_argument("--kill-receiver-every", type=int, default=0, metavar="N",
                     help="kill one agent mid-refit every N steps (default 0: never)")
     rf.set_defaults(func=cmd_refit)

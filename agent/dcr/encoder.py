@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -107,6 +108,7 @@ class ProcessOwner:
     owners: int = 1
     profile_path: Path | None = None
     bucket_mib: int = 256  # dense source MiB per payload
+    env: dict[str, str] = field(default_factory=dict)  # added to the process environment
     timeout_s: float = 600.0
     candidate_version: int | None = None
     summaries: dict[str, dict[str, object]] = field(default_factory=dict)  # by attempt
@@ -133,7 +135,7 @@ class ProcessOwner:
         self._published.add(attempt.id)
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout_s,
-                                  check=False)
+                                  check=False, env={**os.environ, **self.env})
         except subprocess.TimeoutExpired as e:
             raise DcrError(f"Encoder {self.owner} for {attempt.id} ran past "
                            f"{self.timeout_s} s.") from e

@@ -26,14 +26,16 @@ import json
 import logging
 import secrets
 import shutil
+import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from dcr.agent.launch import AgentProcess
+from dcr.agent.launch import AgentProcess, free_port
 from dcr.checkpoint import Checkpoint
 from dcr.encoder import ProcessOwner
 from dcr.errors import ConfigError, DcrError
@@ -41,6 +43,7 @@ from dcr.format.profile import ReceiverProfile, merge
 from dcr.protocol.commitstore import SqliteCommitStore
 from dcr.protocol.coordinator import Coordinator, CoordinatorSettings
 from dcr.protocol.records import CommitRecord
+from dcr.transport.relay.publish import TOKEN_ENV
 
 log = logging.getLogger(__name__)
 LR = 1e-6  # RL fine-tuning learning rate: most BF16 elements round back to the same bits
@@ -54,9 +57,13 @@ class RefitSettings:
     seed: int = 0
     agents: int = 4  # first half transformers ranks, the rest vLLM-layout TP2 pairs
     owners: int = 2  # encoder processes
+    transport: Literal["store", "relay"] = "store"  # relay: a tree of one node per agent
     kill_receiver_every: int = 0  # 0: never
 
     def __post_init__(self) -> None:
+        if self.transport == "relay" and self.owners != 1:
+            raise ConfigError(f"--transport relay carries one owner per attempt; got --owners "
+                              f"{self.owners} (use --owners 1, or the store).")
         if self.steps < 1 or self.owners < 1 or self.kill_receiver_every < 0:
             raise ConfigError(f"steps ({self.steps}) and owners ({self.owners}) must be >= 1, "
                               f"kill_receiver_every ({self.kill_receiver_every}) >= 0.")
@@ -125,14 +132,43 @@ def baseline_id(path: Path) -> str:
     return "ckpt-" + h.hexdigest()
 
 
-def _agent_args(i: int, n: int, store: str, model: Path) -> list[str]:
-    common = ["--store", store, "--model", str(model)]
+def _agent_args(i: int, n: int, source: list[str], model: Path) -> list[str]:
+    common = [*source, "--model", str(model)]
     half = n // 2
     if i < half:
         return [*common, "--runtime", "hf"]
     rank = (i - half) % 2
     return [*common, "--runtime", "vllm-ref", "--tp-size", "2", "--tp-rank", str(rank),
             "--fp8", "self_attn.o_proj"]
+
+
+def _start_relays(work: Path, n: int) -> tuple[list[subprocess.Popen[bytes]], list[str], Path]:
+    """``dcr relay`` nodes, one per agent, in one tree; their URLs (the first is the root)."""
+    work.mkdir(parents=True, exist_ok=True)
+    token_file = work / "token"
+    token_file.write_text(secrets.token_hex(16))
+    token_file.chmod(0o600)
+    ports = [free_port() for _ in range(n)]
+    members = ",".join(f"127.0.0.1:{p}" for p in ports)
+    procs = []
+    for i, p in enumerate(ports):
+        with open(work / f"relay-{i}.log", "ab") as log_file:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "dcr", "relay", "--listen", f"127.0.0.1:{p}",
+                 "--members", members, "--index", str(i), "--fanout", "2", "--token-file",
+                 str(token_file)], stdout=subprocess.DEVNULL, stderr=log_file))
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    deadline = time.monotonic() + 60
+    for url, proc in zip(urls, procs, strict=True):
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/healthz", timeout=2):
+                    break
+            except OSError as e:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise DcrError(f"Relay node {url} did not start: {e}.") from e
+                time.sleep(0.05)
+    return procs, urls, token_file
 
 
 def _reference_fingerprints(args: list[str], ckpt: Path) -> dict[str, str]:
@@ -191,7 +227,15 @@ def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
     trainer = _Trainer(s.seed)
     ids = {0: trainer.export(ckpts / "v0")}
     n_params = sum(p.numel() for p in trainer.model.parameters())
-    agents = [AgentProcess(name=f"agent-{i}", args=_agent_args(i, s.agents, store, ckpts / "v0"),
+    relays: list[subprocess.Popen[bytes]] = []
+    sources = [["--store", store]] * s.agents
+    publish_to, owner_env = store, {}
+    if s.transport == "relay":
+        relays, urls, token_file = _start_relays(out / "relay", s.agents)
+        sources = [["--relay", u, "--relay-token-file", str(token_file)] for u in urls]
+        publish_to, owner_env = f"relay+{urls[0]}", {TOKEN_ENV: token_file.read_text()}
+    agents = [AgentProcess(name=f"agent-{i}",
+                           args=_agent_args(i, s.agents, sources[i], ckpts / "v0"),
                            state_dir=out / "agents" / f"agent-{i}", token=token)
               for i in range(s.agents)]
     t0 = time.perf_counter()
@@ -204,8 +248,9 @@ def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
     profile = merge(ReceiverProfile(tensors=c.profile()["tensors"]) for c in clients)
     profile_path = out / "profile.json"
     profile_path.write_text(json.dumps({"tensors": profile.tensors}))
-    owners = [ProcessOwner(store_uri=store, checkpoints=lambda v: ckpts / f"v{v}", version=0,
-                           owner=k, owners=s.owners, profile_path=profile_path)
+    owners = [ProcessOwner(store_uri=publish_to, checkpoints=lambda v: ckpts / f"v{v}",
+                           version=0, owner=k, owners=s.owners, profile_path=profile_path,
+                           env=owner_env)
               for k in range(s.owners)]
     commits = SqliteCommitStore(out / "commit.db", CommitRecord(
         committed_version=0, baseline_id=ids[0], attempt=""))
@@ -213,7 +258,9 @@ def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
                               settings=CoordinatorSettings(attempt_timeout_s=300.0),
                               dense_checkpoint=lambda v: str(ckpts / f"v{v}"))
     kinds = sorted({" ".join(a.args[a.args.index("--runtime"):]) for a in agents})
-    print(f"model: Llama, {n_params:,} parameters, BF16; AdamW lr={LR}; store {store}")
+    where = (f"relay tree of {s.agents} nodes (fan-out 2), root {publish_to}"
+             if relays else f"store {store}")
+    print(f"model: Llama, {n_params:,} parameters, BF16; AdamW lr={LR}; {where}")
     print(f"{s.agents} agent processes up in {startup_s:.1f} s ({'; '.join(kinds)}); "
           f"{s.owners} encoder processes; commit record {commits.path}")
     print(f"{'step':>4} {'loss':>7} {'changed':>8} {'payload B':>10} {'% dense':>8} "
@@ -227,6 +274,9 @@ def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
         coordinator.close()
         for a in agents:
             a.stop()
+        for r in relays:
+            r.terminate()
+            r.wait(10)
     (out / "summary.json").write_text(json.dumps(rows, indent=1))
     plot = _plot(rows, out / "refit.png")
     exact = all(r["bit_exact"] for r in rows)

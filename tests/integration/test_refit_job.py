@@ -40,3 +40,19 @@ def test_refit_job_recovers_from_a_killed_agent_and_ends_bit_exact(tmp_path: Pat
     assert all(0 < r["payload_bytes"] < r["dense_bytes"] / 4 for r in rows)
     assert (out / "refit.png").stat().st_size > 10_000
     assert "all 2 refits bit-exact on every live agent" in proc.stdout
+
+
+@pytest.mark.slow
+def test_refit_job_over_a_relay_tree_recovers_and_ends_bit_exact(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "dcr", "refit", "--out", "out", "--steps", "2", "--agents", "2",
+         "--transport", "relay", "--kill-receiver-every", "2"],
+        capture_output=True, text=True, timeout=600, check=False, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert all(r["bit_exact"] for r in rows)
+    assert [a["mode"] for a in rows[1]["attempts"]] == ["mixed", "overwrite"]
+    assert rows[1]["attempts"][-1]["outcome"] == "committed"
+    assert "relay tree of 2 nodes" in proc.stdout
+    assert "all 2 refits bit-exact on every live agent" in proc.stdout

@@ -113,12 +113,17 @@ class MemoryStore:
 
 
 def open_store(uri: str) -> Store:
-    """Open a store from a URI: ``file:///abs/path``, a plain path or ``s3://bucket/prefix``."""
+    """Open a store from a URI: ``file:///abs/path``, a plain path, ``s3://bucket/prefix``,
+    or ``relay+http://host:port`` (publish only: the root of a relay tree)."""
     parsed = urlparse(uri)
     if parsed.scheme == "s3":
         from dcr.transport.s3 import S3Store  # here: boto3 loads only when S3 is used
 
         return S3Store(uri)
+    if parsed.scheme in ("relay+http", "relay+https"):
+        from dcr.transport.relay.publish import RelayPublisher  # aiohttp loads only here
+
+        return RelayPublisher(uri)
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):
             raise ConfigError(f"Store URI {uri!r}: file URIs take no host.")
@@ -126,5 +131,6 @@ def open_store(uri: str) -> Store:
     if parsed.scheme == "":
         return FileStore(Path(uri).absolute())
     raise ConfigError(
-        f"Store URI {uri!r}: scheme {parsed.scheme!r} is not supported (use file:// or s3://)."
+        f"Store URI {uri!r}: scheme {parsed.scheme!r} is not supported (use file://, s3:// "
+        "or relay+http://)."
     )

@@ -1,0 +1,85 @@
+"""The relay root as a write-only ``Store``: what an owner publishes goes to the tree.
+
+``open_store("relay+http://host:port")`` gives this store; the bearer token comes from
+``$DCR_RELAY_TOKEN`` (never from the URI, so it stays out of logs and process lists).
+Payload keys ``v<N>/<attempt>/o<K>-s<S>.dcrp`` become ``PUT /v1/payloads/...`` of that
+attempt and a manifest key becomes ``PUT /v1/manifests/<attempt>``; each ``put``
+returns once the root acknowledged it as queued (the relay's hop acknowledgement).
+
+A relay carries one manifest per attempt, so an attempt published through it has one
+owner; a second owner's manifest part is refused with a :class:`ConfigError`. The
+file-level version manifest (``v<N>/manifest.json``) names no attempt in its key; its
+attempt is read from its body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from dcr.errors import ConfigError
+from dcr.transport.relay.client import RelayClient
+
+T = TypeVar("T")
+_PAYLOAD = re.compile(r"^v\d{10}/([A-Za-z0-9][A-Za-z0-9._-]{0,63})/o(\d{4})-s(\d{6})\.dcrp$")
+_PART = re.compile(r"^v\d{10}/([A-Za-z0-9][A-Za-z0-9._-]{0,63})/manifest-o(\d{4})\.json$")
+_VERSION_MANIFEST = re.compile(r"^v\d{10}/manifest\.json$")
+TOKEN_ENV = "DCR_RELAY_TOKEN"
+
+
+class RelayPublisher:
+    """A ``Store`` whose ``put`` streams to the relay root; reads are not offered."""
+
+    def __init__(self, url: str, token: str | None = None) -> None:
+        token = token if token is not None else os.environ.get(TOKEN_ENV, "")
+        if not token:
+            raise ConfigError(f"Publishing to the relay at {url} needs its bearer token in "
+                              f"${TOKEN_ENV}.")
+        self.uri = url
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name="relay-publish")
+        self._thread.start()
+        self._client = RelayClient(url.replace("relay+", "", 1), token)
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def put(self, key: str, data: bytes) -> None:
+        if m := _PAYLOAD.match(key):
+            self._run(self._client.put_payload(m[1], int(m[2]), int(m[3]), data))
+        elif m := _PART.match(key):
+            if int(m[2]) != 0:
+                raise ConfigError(f"{key}: a relay carries one manifest per attempt; publish "
+                                  "attempts with several owners to an object store.")
+            self._run(self._client.put_manifest(m[1], data))
+        elif _VERSION_MANIFEST.match(key):
+            try:
+                attempt = str(json.loads(data)["attempt"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise ConfigError(f"{key} is not a manifest naming its attempt: {e}.") from e
+            self._run(self._client.put_manifest(attempt, data))
+        else:
+            raise ConfigError(f"{key!r} is neither a payload nor a manifest key; the relay "
+                              "carries only those.")
+
+    def get(self, key: str) -> bytes:
+        raise ConfigError(f"The relay publisher {self.uri} is write-only; read {key!r} from a "
+                          "relay node (RelaySource).")
+
+    def exists(self, key: str) -> bool:
+        return False  # nothing is ever known to exist: every put goes to the root
+
+    def list(self, prefix: str) -> list[str]:
+        return []
+
+    def close(self) -> None:
+        self._run(self._client.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop.close()
