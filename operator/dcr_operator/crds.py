@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from dcr_operator.schema import structural
@@ -145,6 +145,20 @@ class StoreSpec(_Spec):
         "passed to encoder Jobs as environment and used by the finalizer's cleanup.")
 
 
+class RelaySpec(_Spec):
+    """The root of a relay tree encoder Jobs publish to (agents read from their own node).
+
+    The relay nodes run beside the agents (``dcr relay``, see docs/operations.md); each
+    payload crosses from the training side once. A relay carries one manifest per
+    attempt, so refits of a relay fleet run one encoder owner.
+    """
+
+    url: Annotated[str, Field(pattern=r"^https?://.+")] = Field(
+        description="The root node's URL, as encoder pods reach it.")
+    token_secret_ref: SecretKeyRef = Field(
+        description="Secret key holding the relay tree's bearer token.")
+
+
 class InitialVersion(_Spec):
     """The version the fleet's pods start with: the commit record before any refit."""
 
@@ -168,16 +182,27 @@ class CommitPolicy(_Spec):
 
 
 class RolloutFleetSpec(_Spec):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{
+        "rule": "has(self.store) != has(self.relay)",
+        "message": "set exactly one of store and relay: where encoder Jobs publish"}]})
+
     selector: LabelSelector
     runtime: Literal["vllm", "sglang", "hf", "vllm-ref"] = Field(
         json_schema_extra={"x-kubernetes-validations": [{
             "rule": _IMMUTABLE, "message": "runtime is immutable"}]})
     agent: AgentSpec
-    store: StoreSpec
+    store: StoreSpec | None = None
+    relay: RelaySpec | None = None
     initial: InitialVersion
     commit_policy: CommitPolicy = Field(default_factory=CommitPolicy)
     retry_limit: Annotated[int, Field(ge=1, le=32)] = Field(
         default=4, description="Attempts per transition before the refit fails.")
+
+    @model_validator(mode="after")
+    def _one_destination(self) -> RolloutFleetSpec:
+        if (self.store is None) == (self.relay is None):
+            raise ValueError("set exactly one of store and relay: where encoder Jobs publish")
+        return self
 
 
 class ReceiverState(_Status):

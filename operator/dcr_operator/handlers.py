@@ -276,6 +276,8 @@ def _clean(kube: KubeClient, refit: Mapping[str, Any]) -> None:
              f"the store of attempts {', '.join(attempts)} is unknown.")
         return
     store = RolloutFleetSpec.model_validate(fleet["spec"]).store
+    if store is None:  # a relay fleet: relays keep nothing past their memory budget
+        return
     creds = (secret_data(kube, meta["namespace"], store.credentials_secret_ref.name)
              if store.credentials_secret_ref else None)
     t0 = time.monotonic()

@@ -90,28 +90,33 @@ def job_manifest(*, refit: Mapping[str, Any], spec: WeightRefitSpec, fleet: Roll
                  fleet_name: str, base_checkpoint: str, attempt: Attempt,
                  settings: OperatorSettings, profile: str | None) -> dict[str, Any]:
     """The indexed Job that publishes ``attempt`` (every owner one index)."""
-    enc, store = spec.encoder, fleet.store
+    enc, store, relay = spec.encoder, fleet.store, fleet.relay
     name, refit_name = job_name(refit["metadata"]["name"], attempt.id), refit["metadata"]["name"]
     labels = {"app.kubernetes.io/name": "dcr-encoder", "app.kubernetes.io/managed-by":
               "dcr-operator", COMPONENT_LABEL: "encoder", REFIT_LABEL: short_name(refit_name, 63),
               ATTEMPT_LABEL: attempt.id}
     env: list[dict[str, Any]] = [{"name": "DCR_OWNER", "valueFrom": {"fieldRef": {
         "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}}]
-    if store.endpoint:
+    if store is not None and store.endpoint:
         env.append({"name": "AWS_ENDPOINT_URL", "value": store.endpoint})
-    if store.region:
+    if store is not None and store.region:
         env.append({"name": "AWS_DEFAULT_REGION", "value": store.region})
+    if relay is not None:  # the token from its Secret, never in the arguments
+        env.append({"name": "DCR_RELAY_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": relay.token_secret_ref.name, "key": relay.token_secret_ref.key}}})
+    destination = f"relay+{relay.url}" if relay is not None else (
+        store.uri if store is not None else "")
     container: dict[str, Any] = {
         "name": "encoder",
         "image": enc.image or settings.encoder_image,
         "imagePullPolicy": enc.image_pull_policy or settings.encoder_image_pull_policy,
         "command": ["dcr"],
         "args": encode_args(base=base_checkpoint, target=spec.source.checkpoint,
-                            store=store.uri, attempt=attempt, owners=enc.owners,
+                            store=destination, attempt=attempt, owners=enc.owners,
                             profile=profile is not None, bucket_mib=enc.bucket_mib),
         "env": env,
     }
-    if store.credentials_secret_ref is not None:
+    if store is not None and store.credentials_secret_ref is not None:
         container["envFrom"] = [{"secretRef": {"name": store.credentials_secret_ref.name}}]
     if enc.resources is not None:
         container["resources"] = enc.resources.model_dump(exclude_none=True)

@@ -153,7 +153,7 @@ class RefitRun:
         record = record_of(fleet)
         verdict = validate(self.name, spec, spec.fleet, record,
                            created=self.refit["metadata"].get("creationTimestamp"),
-                           at=self.clock())
+                           at=self.clock(), relay=fleet_spec.relay is not None)
         if verdict.action == "reject":
             return self._fail(rec, verdict.reason, verdict.message, validated=False)
         if verdict.action == "wait":

@@ -102,3 +102,39 @@ def test_job_state_reads_indexes_and_failure() -> None:
     assert job_state(failed, 1) == "failed"
     complete = {"status": {"conditions": [{"type": "Complete", "status": "True"}]}}
     assert job_state(complete, 5) == "done"
+
+
+def test_a_relay_fleet_publishes_to_the_root_with_the_token_from_its_secret() -> None:
+    fleet = RolloutFleetSpec.model_validate({
+        "selector": {"matchLabels": {"app": "r"}}, "runtime": "hf",
+        "agent": {"tokenSecretRef": {"name": "tok"}},
+        "relay": {"url": "http://relay-0.rollout:8470", "tokenSecretRef": {"name": "relay-tok"}},
+        "initial": {"checkpoint": "/ckpt/v0"}})
+    spec = WeightRefitSpec.model_validate({
+        "fleet": "f", "baseVersion": 2, "targetVersion": 3,
+        "source": {"checkpoint": "/ckpt/v3"}})
+    job = job_manifest(refit=REFIT, spec=spec, fleet=fleet, fleet_name="f",
+                       base_checkpoint="/ckpt/v2", attempt=attempt(),
+                       settings=OperatorSettings(encoder_image="img:1"), profile=None)
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    args = container["args"]
+    assert args[args.index("--store") + 1] == "relay+http://relay-0.rollout:8470"
+    env = {e["name"]: e for e in container["env"]}
+    assert env["DCR_RELAY_TOKEN"]["valueFrom"] == {
+        "secretKeyRef": {"name": "relay-tok", "key": "token"}}
+    assert "AWS_ENDPOINT_URL" not in env
+    assert "envFrom" not in container
+    assert not any("relay-tok" in a or a == "token" for a in args)
+
+
+@pytest.mark.parametrize("where", [{}, {
+    "store": {"uri": "s3://b/p"},
+    "relay": {"url": "http://r:8470", "tokenSecretRef": {"name": "t"}}}])
+def test_a_fleet_names_exactly_one_of_store_and_relay(where: dict[str, Any]) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="exactly one of store and relay"):
+        RolloutFleetSpec.model_validate({
+            "selector": {"matchLabels": {"app": "r"}}, "runtime": "hf",
+            "agent": {"tokenSecretRef": {"name": "tok"}}, "initial": {"checkpoint": "/c"},
+            **where})

@@ -167,3 +167,10 @@ def test_fleet_conditions_follow_the_receivers() -> None:
     assert by["Progressing"]["message"] == "WeightRefit r-3 is running."
     assert by["Degraded"]["status"] == "True"
     assert by["Ready"]["lastTransitionTime"] == T1
+
+
+def test_a_refit_with_several_owners_is_rejected_on_a_relay_fleet() -> None:
+    v = validate("r", spec(encoder={"owners": 2}), "f", record(2, "/ckpt/v2"), relay=True)
+    assert (v.action, v.reason) == ("reject", "RelayCarriesOneOwner")
+    assert "asks for 2 encoder owners" in v.message
+    assert validate("r", spec(), "f", record(2, "/ckpt/v2"), relay=True).action == "run"
