@@ -39,6 +39,7 @@ from typing import Any, cast
 
 import kopf
 
+from dcr_operator import metrics
 from dcr_operator.cleanup import clean_store
 from dcr_operator.commitstore import FleetCommitStore
 from dcr_operator.crds import FLEET_PLURAL, GROUP, REFIT_PLURAL, VERSION, RolloutFleetSpec
@@ -107,6 +108,18 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.peering.lifetime = SETTINGS.peering_lifetime_seconds
     memo.kube = KubeClient(lambda: Credentials.of(connection(settings)))
     log.info("DCR operator settings: %s", SETTINGS)
+
+
+@kopf.on.startup()
+async def start_metrics(memo: kopf.Memo, **_: Any) -> None:
+    memo.metrics = (await metrics.serve("0.0.0.0", SETTINGS.metrics_port)
+                    if SETTINGS.metrics_port else None)
+
+
+@kopf.on.cleanup()
+async def stop_metrics(memo: kopf.Memo, **_: Any) -> None:
+    if getattr(memo, "metrics", None) is not None:
+        await memo.metrics.cleanup()
 
 
 @kopf.on.login()

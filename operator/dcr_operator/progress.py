@@ -24,6 +24,7 @@ from dcr.protocol.records import Attempt
 from dcr_operator.crds import GROUP, REFIT_PLURAL, VERSION
 from dcr_operator.errors import ApiError, ApiUnreachable
 from dcr_operator.kube import KubeClient, api_path
+from dcr_operator.metrics import METRICS
 from dcr_operator.reconcile import abandoned, attempt_status, phase_of, set_condition
 
 log = logging.getLogger(__name__)
@@ -145,9 +146,10 @@ class Recorder:
                     payloads=self.payloads.get(result.attempt, 0),
                     job=self.jobs.get(result.attempt, old.get("job")),
                     mode=self.forced_mode)
-                if new["outcome"] in ("Failed", "Conflict") and old.get("outcome") in (
-                        None, "Running"):
-                    failed.append(new)
+                if new["outcome"] != "Running" and old.get("outcome") in (None, "Running"):
+                    METRICS.attempt_ended(str(new["mode"]), str(new["outcome"]))
+                    if new["outcome"] in ("Failed", "Conflict"):
+                        failed.append(new)
         for a in failed:
             self.emit(self.refit, "Warning", "AttemptFailed",
                       f"Attempt {a['id']} ({a['mode']}) {a['outcome'].lower()}: "

@@ -64,6 +64,7 @@ from dcr_operator.errors import (
 from dcr_operator.fleet import clients, discover, fleet_path, refresh, set_active
 from dcr_operator.jobs import PROFILE_KEY, EncoderJobs, JobOwner, owner_reference, profile_name
 from dcr_operator.kube import KubeClient, api_path
+from dcr_operator.metrics import METRICS
 from dcr_operator.progress import Emit, Recorder, TrackedReceiver
 from dcr_operator.reconcile import Verdict, is_final, now, parse_time, validate
 from dcr_operator.settings import OperatorSettings
@@ -117,6 +118,7 @@ class RefitRun:
         meta = refit["metadata"]
         self.namespace, self.name = meta["namespace"], meta["name"]
         self.stop_reason: str | None = None
+        self._started = time.monotonic()
         self._stop = threading.Event()
         self._coordinator: Coordinator | None = None
 
@@ -221,6 +223,7 @@ class RefitRun:
         if self._stop.is_set():
             coordinator.abort.set()
         timer = self._deadline_timer(spec)
+        METRICS.refit_started()
         try:
             committed = coordinator.refit(spec.target_version, spec.source.checkpoint)
         except CommitConflict as e:
@@ -237,6 +240,7 @@ class RefitRun:
         except (CommitStoreError, ApiError, ApiUnreachable) as e:
             raise NotYet(f"Kubernetes API: {e}") from e
         finally:
+            METRICS.refit_stopped()
             if timer is not None:
                 timer.cancel()
             coordinator.close()
@@ -257,6 +261,9 @@ class RefitRun:
         rec.finish(committed=commit_status(record, refit=self.name),
                    completionTime=self.clock())
         rec.flush()
+        METRICS.refit_ended("Committed", seconds=time.monotonic() - self._started,
+                            payload_bytes=int(st["bytes"]), namespace=self.namespace,
+                            fleet=spec.fleet, version=record.committed_version)
         self.emit(fleet, "Normal", "Committed", f"Version {record.committed_version} "
                   f"committed by WeightRefit {self.name} (attempt {record.attempt}).")
         return "Committed"
@@ -270,6 +277,7 @@ class RefitRun:
         rec.set("Failed", True, reason, message, event="RefitFailed", warning=True)
         rec.finish(completionTime=self.clock())
         rec.flush()
+        METRICS.refit_ended("Failed")
         return "Failed"
 
     def _profile(self, agents: list[AgentClient], need: int) -> str:

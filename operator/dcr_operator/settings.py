@@ -46,12 +46,16 @@ class OperatorSettings:
     # pauses its successor of the same priority this long; a lower-priority standby takes
     # over once it expires.
     peering_lifetime_seconds: int = 60
+    # Port of the Prometheus endpoint (GET /metrics on all addresses); 0 turns it off.
+    metrics_port: int = 8081
 
     def __post_init__(self) -> None:
         if self.job_poll_seconds <= 0 or self.retry_seconds <= 0:
             raise ConfigError(f"Poll and retry intervals must be positive: {self}.")
         if self.peering_lifetime_seconds < 2:
             raise ConfigError(f"peering_lifetime_seconds must be >= 2: {self}.")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"{PREFIX}METRICS_PORT={self.metrics_port} is not a port.")
         if self.fleet_status_seconds <= 0 or self.encoder_ttl_seconds < 0:
             raise ConfigError(f"fleet_status_seconds must be positive and "
                               f"encoder_ttl_seconds >= 0: {self}.")

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +41,7 @@ from k8sutil import REPO, admin_client, apply, eventually, helm_template, instal
 from kubelet import FakeKubelet
 from trainer import Trainer, reference_fingerprint
 
-from dcr.agent.launch import AgentProcess
+from dcr.agent.launch import AgentProcess, free_port
 from dcr.errors import DcrError
 from dcr_operator.jobs import job_name
 from dcr_operator.kube import KubeClient
@@ -62,12 +63,14 @@ class Operator:
     log: Path
     priority: int
     proc: subprocess.Popen[bytes] | None = None
+    metrics_port: int = field(default_factory=free_port)
 
     def start(self) -> None:
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1",
                "DCR_OPERATOR_JOB_POLL_SECONDS": "0.2", "DCR_OPERATOR_RETRY_SECONDS": "1",
                "DCR_OPERATOR_FLEET_STATUS_SECONDS": "2",
-               "DCR_OPERATOR_PEERING_LIFETIME_SECONDS": "6"}
+               "DCR_OPERATOR_PEERING_LIFETIME_SECONDS": "6",
+               "DCR_OPERATOR_METRICS_PORT": str(self.metrics_port)}
         out: IO[bytes] = open(self.log, "ab")  # noqa: SIM115 (owned by the process)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dcr_operator", f"--namespace={self.namespace}",
@@ -87,6 +90,14 @@ class Operator:
                 self.proc.wait(15)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+    def metrics(self) -> dict[str, float]:
+        """``GET /metrics``, parsed: sample (name with labels) -> value."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            text = r.read().decode()
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines() if line and not line.startswith("#")}
 
     def tail(self, n: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
@@ -342,6 +353,21 @@ def test_an_agent_killed_mid_refit_rejoins_and_the_overwrite_retry_commits(
     assert "ReceiverRejoined" in reasons
     assert ("Warning", "AttemptFailed") in {e[:2] for e in sc.events("policy-v2")}
     assert sc.exact(2)
+
+
+def test_the_operator_exports_refits_attempts_bytes_and_versions_to_prometheus(
+        scenario: Scenario) -> None:
+    m = scenario.primary.metrics()  # it ran policy-v1 (clean) and policy-v2 (a kill)
+    assert m['dcr_operator_refits_total{outcome="Committed"}'] == 2
+    assert m['dcr_operator_attempts_total{mode="mixed",outcome="Committed"}'] == 1
+    assert m['dcr_operator_attempts_total{mode="overwrite",outcome="Committed"}'] == 1
+    assert m['dcr_operator_attempts_total{mode="mixed",outcome="Failed"}'] >= 1
+    assert m[f'dcr_operator_committed_version{{namespace="{scenario.ns}",fleet="{FLEET}"}}'] == 2
+    assert m["dcr_operator_payload_bytes_total"] == sum(
+        scenario.refit(n)["status"]["bytes"] for n in ("policy-v1", "policy-v2"))
+    assert m["dcr_operator_refit_seconds_total"] > 0
+    assert m["dcr_operator_refits_running"] == 0
+    assert scenario.standby.metrics()["dcr_operator_refits_running"] == 0  # paused
 
 
 def test_the_standby_takes_over_a_refit_whose_operator_died_and_nothing_applies_twice(
