@@ -195,12 +195,16 @@ class AgentService:
             return self.status()
 
     def open_gate(self) -> AgentStatus:
-        with self._cond:
+        with self._cond:  # under the lock: open_apply cannot start writes meanwhile
             if self.dirty is not None or self.unknown is not None:
                 raise AgentConflict(f"{self.name}: will not serve weights that hold no version "
                                     f"(dirty {self.dirty}, unknown {self.unknown}).")
-        self.host.runtime.open_gate()  # clean weights hold ``version``: safe to serve
-        return self.status()
+            run = self._run
+            if run is not None and run.state not in FINAL and run.apply_open.is_set():
+                raise AgentConflict(f"{self.name}: attempt {run.spec.attempt} is applying; "
+                                    "the gate opens after its commit or stop.")
+            self.host.runtime.open_gate()  # clean weights hold ``version``: safe to serve
+            return self.status()
 
     def open_apply(self, ref: AttemptRef) -> AgentStatus:
         with self._cond:
@@ -212,7 +216,13 @@ class AgentService:
                                     f"attempt {ref.attempt}.")
             if run.error:
                 raise AttemptFailed(run.error)
+            if run.stop.is_set():
+                raise AgentConflict(f"{self.name}: attempt {ref.attempt} is being stopped.")
             if not run.apply_open.is_set():
+                if run.state in (S.STREAMING, S.STAGED):  # the gate closed before prepare
+                    self._move(run, S.GATE_CLOSED)
+                self.dirty = (run.spec.base_version, run.spec.target_version)
+                self._move(run, S.APPLYING)  # journaled dirty before the first write
                 run.apply_open.set()
                 self._start(run, self._apply, "apply")
             return self.status()
@@ -220,12 +230,14 @@ class AgentService:
     def wait_staged(self, ref: AttemptRef) -> AgentStatus:
         with self._cond:
             run = self._current(ref.attempt)
-            if not self._cond.wait_for(lambda: run.received or run.error is not None,
-                                       ref.timeout_s):
+            if not self._cond.wait_for(lambda: run.received or run.error is not None
+                                       or run.stop.is_set(), ref.timeout_s):
                 raise AttemptFailed(f"{self.name}: attempt {ref.attempt} not staged after "
                                     f"{ref.timeout_s} s ({len(run.staged)} payloads).")
             if run.error:
                 raise AttemptFailed(run.error)
+            if run.stop.is_set():
+                raise AgentConflict(f"{self.name}: attempt {ref.attempt} was stopped.")
             return self.status()
 
     def flush(self, ref: AttemptRef) -> FlushAck:
@@ -235,16 +247,18 @@ class AgentService:
             if not run.apply_open.is_set():
                 raise AgentConflict(f"{self.name}: flush before open_apply of {ref.attempt}.")
             done = self._cond.wait_for(
-                lambda: run.error is not None or run.state is S.FLUSHED
+                lambda: run.error is not None or run.stop.is_set() or run.state is S.FLUSHED
                 or (run.received and run.applied == len(run.staged)), ref.timeout_s)
             if run.error:
                 raise AttemptFailed(run.error)
+            if run.stop.is_set() or run.state is S.OBSOLETE:
+                raise AgentConflict(f"{self.name}: attempt {ref.attempt} was stopped.")
             if not done:
                 raise AttemptFailed(
                     f"{self.name}: attempt {ref.attempt} not flushed after {ref.timeout_s} s "
                     f"({run.applied}/{len(run.staged)} staged payloads applied, manifest "
                     f"{'in' if run.received else 'not in'}).")
-            if run.state is not S.FLUSHED:
+            if run.state is S.APPLYING:  # else already flushed (or committed): idempotent
                 self.host.sync()
                 self._move(run, S.FLUSHED)
             return FlushAck(attempt=ref.attempt, payloads=run.applied, bytes=run.applied_bytes,
@@ -323,8 +337,14 @@ class AgentService:
 
     def _receive(self, run: _Run) -> None:
         spec = run.spec
-        manifest = receive(self.source_for(spec), spec.attempt, lambda p: self._stage(run, p),
-                           timeout_s=max(0.1, spec.deadline - time.time()), stop=run.stop)
+        source = self.source_for(spec)
+        try:
+            manifest = receive(source, spec.attempt, lambda p: self._stage(run, p),
+                               timeout_s=max(0.1, spec.deadline - time.time()), stop=run.stop)
+        finally:
+            close = getattr(source, "close", None)
+            if close is not None:  # a relay source holds a loop thread and a session
+                close()
         with self._cond:
             run.manifest, run.received = manifest, True
             if run.state is S.STREAMING:
@@ -334,8 +354,18 @@ class AgentService:
     def _stage(self, run: _Run, payload: Payload) -> None:
         data = bytes(payload.data)
         with self._cond:  # back-pressure: staged but unapplied bytes stay bounded
-            self._cond.wait_for(lambda: run.stop.is_set() or not run.staged
-                                or run.staged_bytes + len(data) <= self.staging_bytes)
+            def fits() -> bool:
+                return run.staged_bytes == 0 or (
+                    run.staged_bytes + len(data) <= self.staging_bytes)
+
+            if not fits() and not run.apply_open.is_set():
+                # Staging before the gate closes (asynchronous RL) must hold the whole
+                # attempt: waiting for space nobody frees would only run into the deadline.
+                raise AttemptFailed(
+                    f"staging it needs more than the budget of {self.staging_bytes} bytes "
+                    "before apply opens; raise --staging-mib or close the gate at the start "
+                    "(sync RL).")
+            self._cond.wait_for(lambda: run.stop.is_set() or fits())
             if run.stop.is_set():
                 raise ReceiveStopped(f"attempt {run.spec.attempt} stopped")
             run.staged.append(data)
@@ -343,12 +373,6 @@ class AgentService:
             self._cond.notify_all()
 
     def _apply(self, run: _Run) -> None:
-        spec = run.spec
-        with self._cond:
-            if run.state in (S.STREAMING, S.STAGED):  # the gate closed before prepare
-                self._move(run, S.GATE_CLOSED)
-            self.dirty = (spec.base_version, spec.target_version)
-            self._move(run, S.APPLYING)  # journaled before the first write
         while True:
             i = run.applied
             with self._cond:
