@@ -45,6 +45,7 @@ from dcr.protocol.agent_api import AgentClient
 from dcr.protocol.commitstore import CommitStoreError
 from dcr.protocol.coordinator import (
     CommitConflict,
+    CommitUnknown,
     Coordinator,
     CoordinatorSettings,
     RefitAborted,
@@ -237,7 +238,7 @@ class RefitRun:
                 rec.set("Applying", False, "WaitingForReceivers", str(e), event="Waiting")
                 raise NotYet(str(e)) from e  # admission: too few receivers took part
             return self._fail(rec, "RetryLimitReached", str(e))
-        except (CommitStoreError, ApiError, ApiUnreachable) as e:
+        except (CommitStoreError, CommitUnknown, ApiError, ApiUnreachable) as e:
             raise NotYet(f"Kubernetes API: {e}") from e
         finally:
             METRICS.refit_stopped()

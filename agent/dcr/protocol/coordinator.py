@@ -61,6 +61,11 @@ class RefitAborted(DcrError):
     """An operator aborted the refit between attempts."""
 
 
+class CommitUnknown(DcrError):
+    """The commit's outcome could not be learned: nothing is abandoned; ``refit`` again
+    reads the record and finishes or continues."""
+
+
 class ReceiverHandle(Protocol):
     name: str
 
@@ -170,7 +175,20 @@ class Coordinator:
             self.history.append(result)
             try:
                 record = self._run(attempt, live, start, baseline_id, result)
+            except CommitUnknown as e:
+                result.outcome = f"unknown: {e}"
+                raise  # receivers stay flushed; the record decides on the next call
             except CommitConflict as e:
+                seen = self.commits.read()
+                ours = {h.attempt for h in self.history}
+                if (seen.committed_version, seen.baseline_id) == (target_version, baseline_id) \
+                        and seen.attempt in ours:
+                    # An earlier attempt of ours committed after all (its answer was lost):
+                    # the transition is done, not conflicted.
+                    result.outcome = f"superseded: {seen.attempt} had committed"
+                    with _Stages(result.stages)("finish"):
+                        self._finish(seen, ours=ours)
+                    return seen
                 result.outcome = f"conflict: {e}"
                 raise
             except Exception as e:  # any failure after admission: retry by overwrite
@@ -265,7 +283,7 @@ class Coordinator:
         with clock("commit"):
             outcome = self.commits.compare_and_set(start, new)
             if outcome is CommitOutcome.UNKNOWN:
-                seen = self.commits.read()
+                seen = self._read_settled(attempt)
                 outcome = CommitOutcome.SUCCESS if seen == new else (
                     CommitOutcome.CONFLICT if seen != start else CommitOutcome.FAILED)
         if outcome is CommitOutcome.CONFLICT:
@@ -277,17 +295,38 @@ class Coordinator:
             raise DcrError(f"Attempt {attempt.id}: the commit was refused ({outcome.value}).")
         return new
 
+    def _read_settled(self, attempt: Attempt) -> CommitRecord:
+        """Read the record after an unknown outcome, retrying a store that does not answer."""
+        last: Exception | None = None
+        for delay in (0.0, 0.1, 0.3, 1.0, 3.0):
+            time.sleep(delay)
+            try:
+                return self.commits.read()
+            except Exception as e:
+                last = e
+        raise CommitUnknown(f"Attempt {attempt.id}: the commit's outcome is unknown and the "
+                            f"record cannot be read ({last}); nothing is abandoned.") from last
+
     def _finish(self, record: CommitRecord,
-                receivers: Sequence[ReceiverHandle] | None = None) -> None:
-        """After a commit: owners advance, receivers learn it, gates reopen."""
+                receivers: Sequence[ReceiverHandle] | None = None,
+                ours: set[str] | None = None) -> None:
+        """After a commit: owners advance, receivers learn it, gates reopen.
+
+        Without ``receivers`` (failover, or a commit learned late), each receiver is asked:
+        one that flushed the committed attempt, or another attempt of this coordinator
+        (``ours``) of the same transition, holds the target's bits and learns the commit.
+        """
         for o in self.owners:  # only now, with the record naming the new version
             o.advance_baseline(record)
+        settled = {record.attempt} | (ours or set())
 
         def settle(r: ReceiverHandle) -> None:
-            if receivers is None:  # failover: only those that flushed the attempt
+            if receivers is None:
                 st = r.status()
-                if st.attempt == record.attempt and st.state == AttemptState.FLUSHED.value:
-                    r.committed(record.attempt)
+                flushed = st.state == AttemptState.FLUSHED.value and st.attempt in settled \
+                    and st.dirty is not None and st.dirty[1] == record.committed_version
+                if flushed and st.attempt is not None:
+                    r.committed(st.attempt)
                 elif st.version != record.committed_version:
                     return  # rejoins by a dense refit at the next admission
             else:
