@@ -2,8 +2,8 @@
 
 Handlers validate the JSON body strictly, run the blocking service call on a thread
 (applies and waits must not stall the event loop: a ``stop`` has to get through while
-a ``flush`` waits), and map errors to statuses: 400 bad body, 401 token, 409 state or
-version conflict, 422 the attempt failed here, 500 anything else.
+a ``flush`` waits), and map errors to statuses: 400 bad body, 401 token, 409 attempt,
+state or version conflict, 422 the attempt failed here, 500 anything else.
 """
 
 from __future__ import annotations
@@ -18,7 +18,14 @@ from typing import Any
 from aiohttp import web
 
 from dcr.agent.service import AgentConflict, AgentService, AttemptFailed
-from dcr.protocol.agent_api import AttemptRef, AttemptSpec, DenseRequest, parse_body
+from dcr.protocol.agent_api import (
+    AttemptRef,
+    AttemptSpec,
+    BadRequest,
+    DenseRequest,
+    parse_body,
+)
+from dcr.protocol.state import IllegalTransition
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +48,9 @@ def make_app(service: AgentService, token: str) -> web.Application:
                 return _error(401, "Missing or wrong bearer token.", "Unauthorized")
         try:
             return await handler(request)
-        except ValueError as e:
+        except BadRequest as e:
             return _error(400, str(e), "BadRequest")
-        except AgentConflict as e:
+        except (AgentConflict, IllegalTransition) as e:
             return _error(409, str(e), type(e).__name__)
         except AttemptFailed as e:
             return _error(422, str(e), type(e).__name__)
@@ -83,11 +90,14 @@ def make_app(service: AgentService, token: str) -> web.Application:
         return web.json_response(await asyncio.to_thread(service.host.fingerprint))
 
     async def generate(request: web.Request) -> web.StreamResponse:
-        body = json.loads(await request.read() or b"{}")
+        try:
+            body = json.loads(await request.read() or b"{}")
+        except ValueError as e:
+            raise BadRequest(f"generate: the body is not JSON: {e}") from e
         ids, n = body.get("input_ids"), body.get("max_new_tokens", 1)
         if not (isinstance(ids, list) and ids and all(type(i) is int and i >= 0 for i in ids)
                 and type(n) is int and 1 <= n <= 64):
-            raise ValueError("generate wants input_ids: [non-negative int] and "
+            raise BadRequest("generate wants input_ids: [non-negative int] and "
                              f"max_new_tokens in 1..64, got {str(body)[:80]}")
         out = await asyncio.to_thread(service.host.generate, ids, n, 60.0)
         return web.json_response({"output_ids": out, "version": service.status().version})

@@ -5,8 +5,9 @@ and the Kubernetes operator call them through :class:`AgentClient`, which is a
 ``ReceiverHandle``. Torch-free, so the operator can import it.
 
 Every control call carries ``Authorization: Bearer <token>``. Errors come back as
-``{"error": sentence, "kind": class name}`` with 400 (bad body), 401 (token), 404
-(unknown attempt), 409 (wrong state or version) or 500, and the client raises
+``{"error": sentence, "kind": class name}`` with 400 (bad body), 401 (token), 409
+(wrong attempt, state or version), 422 (the attempt failed on this agent) or 500, and
+the client raises
 :class:`AgentError` with the sentence. ``/healthz``, ``/readyz`` and ``/metrics`` need
 no token.
 
@@ -103,14 +104,18 @@ class FlushAck(_Body):
     wait_s: float  # seconds the flush call waited
 
 
+class BadRequest(ValueError):
+    """A request body failed validation (the message names the field)."""
+
+
 def parse_body(model: type[_Body], data: bytes) -> Any:
-    """Validate a JSON request body strictly; a ``ValueError`` names the bad field."""
+    """Validate a JSON request body strictly; :class:`BadRequest` names the bad field."""
     try:
         return model.model_validate_json(data or b"{}")
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(p) for p in err["loc"]) or "body"
-        raise ValueError(f"{model.__name__}: {loc}: {err['msg']}") from e
+        raise BadRequest(f"{model.__name__}: {loc}: {err['msg']}") from e
 
 
 class AgentClient:
@@ -166,7 +171,8 @@ class AgentClient:
         self._status("POST", "/v1/prepare", AttemptSpec.of(attempt))
 
     def close_gate(self) -> None:
-        self._status("POST", "/v1/gate/close")
+        # The agent waits up to 60 s for generation requests in flight to end.
+        self._status("POST", "/v1/gate/close", timeout_s=60.0)
 
     def open_gate(self) -> None:
         self._status("POST", "/v1/gate/open")
