@@ -12,6 +12,7 @@ disjoint, so the interleaving of owners does not change the result.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import threading
 import time
@@ -117,6 +118,7 @@ def receive(
     deadline = time.monotonic() + timeout_s
     pending: dict[PayloadId, Future[Payload]] = {}
     applied: set[PayloadId] = set()
+    objects: dict[PayloadId, tuple[int, str]] = {}  # size and BLAKE2b-128 of what was applied
     next_seq: dict[int, int] = {}
     with ThreadPoolExecutor(window) as pool:
         while True:
@@ -132,8 +134,11 @@ def receive(
                 owner, seq = pid
                 if seq != next_seq.get(owner, 0) or not pending[pid].done():
                     continue
-                apply(pending.pop(pid).result())
+                payload = pending.pop(pid).result()
+                apply(payload)
                 applied.add(pid)
+                objects[pid] = (len(payload.data),
+                                hashlib.blake2b(payload.data, digest_size=16).hexdigest())
                 next_seq[owner] = seq + 1
                 progressed = True
             manifest = source.manifest() if not pending else None
@@ -145,6 +150,7 @@ def receive(
                             f"Attempt {attempt}: applied payloads {sorted(applied - listed)} "
                             "that its manifest does not list."
                         )
+                    _check_objects(attempt, manifest, objects)
                     return manifest
             if time.monotonic() > deadline:
                 raise ManifestError(
@@ -154,6 +160,19 @@ def receive(
                 )
             if not progressed:
                 time.sleep(poll_s)
+
+
+def _check_objects(attempt: str, manifest: Manifest,
+                   objects: dict[PayloadId, tuple[int, str]]) -> None:
+    """Every applied object is the one the manifest lists (size and digest), not merely one
+    with the same id (an owner that published the same attempt twice, differently)."""
+    for e in manifest.payloads:
+        got = objects[(e.owner, e.seq)]
+        if got != (e.size, e.digest):
+            raise ManifestError(
+                f"Attempt {attempt}: payload o{e.owner}/s{e.seq} applied as {got[0]} bytes, "
+                f"digest {got[1]}; the manifest lists {e.size} bytes, digest {e.digest}."
+            )
 
 
 def _fetch_verified(source: Source, pid: PayloadId, attempt: str) -> Payload:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from pathlib import Path, PurePosixPath
 from typing import Protocol
 from urllib.parse import unquote, urlparse
@@ -90,14 +91,21 @@ class FileStore:
 
 
 class MemoryStore:
-    """Objects in a dict: for in-process senders and receivers, and tests."""
+    """Objects in a dict: for in-process senders and receivers, and tests.
+
+    Owners put while receivers list from other threads: ``list`` copies the keys under
+    a lock, so it never iterates a dict another thread is growing.
+    """
 
     def __init__(self) -> None:
         self.uri = "memory://"
         self.objects: dict[str, bytes] = {}
+        self._lock = threading.Lock()
 
     def put(self, key: str, data: bytes) -> None:
-        self.objects[_check_key(key)] = bytes(data)
+        data = bytes(data)
+        with self._lock:
+            self.objects[_check_key(key)] = data
 
     def get(self, key: str) -> bytes:
         try:
@@ -109,7 +117,9 @@ class MemoryStore:
         return key in self.objects
 
     def list(self, prefix: str) -> list[str]:
-        return sorted(k for k in self.objects if k.startswith(prefix))
+        with self._lock:
+            keys = list(self.objects)
+        return sorted(k for k in keys if k.startswith(prefix))
 
 
 def open_store(uri: str) -> Store:
