@@ -52,6 +52,7 @@ from dcr.format.profile import merge
 from dcr.protocol.agent_api import AgentError, AgentStatus, AttemptRef, AttemptSpec, FlushAck
 from dcr.protocol.commitstore import CommitStore, SqliteCommitStore
 from dcr.protocol.coordinator import (
+    CommitUnknown,
     Coordinator,
     CoordinatorSettings,
     OwnerHandle,
@@ -853,6 +854,123 @@ def test_an_unknown_or_refused_commit_is_settled_by_reading_the_record(
 
 
 
+class Unreadable:
+    """A commit store whose compare-and-set lands but answers UNKNOWN, after which the
+    record cannot be read ``fails`` times (the store is down for a while)."""
+
+    def __init__(self, inner: CommitStore, fails: int) -> None:
+        self.inner, self.fails = inner, fails
+        self.answered = False
+
+    def read(self) -> CommitRecord:
+        if self.answered and self.fails > 0:
+            self.fails -= 1
+            raise StoreError("the commit record store does not answer")
+        return self.inner.read()
+
+    def compare_and_set(self, expected: CommitRecord, new: CommitRecord) -> CommitOutcome:
+        if self.answered:
+            return self.inner.compare_and_set(expected, new)
+        self.answered = True
+        assert self.inner.compare_and_set(expected, new) is CommitOutcome.SUCCESS
+        return CommitOutcome.UNKNOWN
+
+
+def test_a_lost_commit_answer_is_settled_by_reading_again_not_by_abandoning(
+        fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(time, "sleep", lambda _: None)  # the read retries' backoff
+    c = fleet.coordinator(commits=Unreadable(fleet.commits, fails=2))
+    record = c.refit(1, "ckpt-1")
+    assert outcomes(c) == [("mixed", "committed")]  # nothing abandoned, nothing retried
+    fleet.assert_committed(record, 1, c)
+
+
+def test_a_commit_whose_outcome_stays_unknown_abandons_nothing_and_the_next_call_finishes(
+        fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(time, "sleep", lambda _: None)
+    c = fleet.coordinator(commits=Unreadable(fleet.commits, fails=100))
+    with pytest.raises(CommitUnknown, match="nothing is abandoned"):
+        c.refit(1, "ckpt-1")
+    attempt = c.history[0].attempt
+    for r in fleet.ranks:  # flushed and waiting: the record decides
+        st = r.status()
+        assert (st.attempt, st.state, st.gate_open) == (attempt, "flushed", False)
+    c2 = fleet.coordinator()  # the store answers again
+    record = c2.refit(1, "ckpt-1")
+    assert c2.history == []
+    assert record.attempt == attempt
+    fleet.assert_committed(record, 1, c2)
+
+
+class LateSuccess:
+    """The first compare-and-set lands but answers FAILED (a lying or confused store):
+    the coordinator retries, and the retry's compare-and-set finds its own first attempt
+    in the record."""
+
+    def __init__(self, inner: CommitStore) -> None:
+        self.inner = inner
+        self.answered = False
+
+    def read(self) -> CommitRecord:
+        return self.inner.read()
+
+    def compare_and_set(self, expected: CommitRecord, new: CommitRecord) -> CommitOutcome:
+        if self.answered:
+            return self.inner.compare_and_set(expected, new)
+        self.answered = True
+        assert self.inner.compare_and_set(expected, new) is CommitOutcome.SUCCESS
+        return CommitOutcome.FAILED
+
+
+def test_a_retry_that_finds_its_own_earlier_attempt_committed_finishes_instead_of_conflicting(
+        fleet: Fleet) -> None:
+    c = fleet.coordinator(commits=LateSuccess(fleet.commits))
+    record = c.refit(1, "ckpt-1")
+    first, second = c.history
+    assert record.attempt == first.attempt
+    assert second.outcome.startswith("superseded")
+    for r in fleet.ranks:  # flushed on the retry, told about the commit, serving
+        st = r.status()
+        assert (st.version, st.dirty, st.gate_open) == (1, None, True)
+        assert r.bits().keys() == fleet.versions.dense(r.kind, 1).keys()
+        assert all(torch.equal(r.bits()[n], fleet.versions.dense(r.kind, 1)[n])
+                   for n in r.bits())
+
+
+def test_an_attempt_with_nothing_to_send_flushes_and_commits(fleet: Fleet) -> None:
+    for e in fleet.encoders:  # the candidate holds the baseline's bits: no payloads
+        e.set_candidate(fleet.versions.source(0), 1)
+    c = fleet.coordinator()
+    record = c.refit(1, "ckpt-1")
+    assert outcomes(c) == [("mixed", "committed")]
+    assert all(e.manifests[-1].payloads == () for e in fleet.encoders)
+    for r in fleet.ranks:
+        st = r.status()
+        assert (st.version, st.dirty, st.gate_open) == (1, None, True)
+    assert record == fleet.commits.read()
+
+
+@pytest.mark.parametrize(("gate", "expect"), [
+    ("sync", [("mixed", "committed")]),  # back-pressure: apply frees what staging holds
+    ("async", [("mixed", "failed"), ("overwrite", "failed")]),  # refused at once: all staged first
+])
+def test_a_staging_budget_smaller_than_the_attempt(
+        fleet: Fleet, gate: Gate, expect: list[tuple[str, str]]) -> None:
+    for r in fleet.ranks:
+        r.service.staging_bytes = 1  # smaller than any payload
+    fleet.candidate(1)
+    c = fleet.coordinator(settings=CoordinatorSettings(
+        attempt_timeout_s=30.0, gate=gate, max_attempts=2))
+    if gate == "sync":
+        fleet.assert_committed(c.refit(1, "ckpt-1"), 1, c)
+    else:
+        t0 = time.monotonic()
+        with pytest.raises(RefitFailed, match="needs more than the budget of 1 bytes"):
+            c.refit(1, "ckpt-1")
+        assert time.monotonic() - t0 < 20  # named at once, not at the deadline
+    assert outcomes(c) == expect
+
+
 class FailsToAdvanceOnce:
     """An owner that cannot be told to advance the first time (e.g. unreachable)."""
 
@@ -928,3 +1046,26 @@ def test_an_owner_advances_only_for_a_record_naming_its_candidate_and_an_attempt
         assert process.version == 0
     with pytest.raises(BaselineError, match="the committed baseline is 0"):
         process.command(attempt(base=1))
+
+
+def test_the_gate_stays_shut_while_an_attempt_applies_and_apply_refuses_an_open_gate(
+        fleet: Fleet) -> None:
+    from dcr.agent.service import AgentConflict
+
+    fleet.candidate(1)
+    svc = fleet.rank("vllm-0").service
+    attempt = Attempt(transition=Transition(base_version=0, target_version=1), mode="mixed",
+                      receivers=("vllm-0",), deadline=time.time() + 30)
+    svc.prepare(AttemptSpec.of(attempt))
+    ref = AttemptRef(attempt=attempt.id)
+    with pytest.raises(AgentConflict, match="close the request gate before applying"):
+        svc.open_apply(ref)
+    svc.close_gate()
+    svc.open_apply(ref)  # dirty from here on, before any payload exists
+    assert svc.status().dirty == (0, 1)
+    with pytest.raises(AgentConflict, match="will not serve weights that hold no version"):
+        svc.open_gate()
+    svc.stop_and_wait(ref)
+    with pytest.raises(AgentConflict, match="is obsolete"):
+        svc.open_apply(ref)
+    assert svc.status().gate_open is False

@@ -17,13 +17,13 @@ from dcr.transport.receive import StoreSource, receive
 from dcr.transport.store import MemoryStore
 
 
-def published(attempt: str = "a-1") -> tuple[MemoryStore, dict[str, bytes]]:
+def published(attempt: str = "a-1", stride: int = 37) -> tuple[MemoryStore, dict[str, bytes]]:
     """A version with several payloads (small buckets), as a sender would write it."""
     rng = np.random.default_rng(0)
     base = {f"t{i}": rng.integers(0, 2**16, 600_000, dtype=np.uint16) for i in range(6)}
     target = {n: b.copy() for n, b in base.items()}
     for t in target.values():
-        t[::37] ^= 1
+        t[::stride] ^= 1
     src = {k: ArrayCheckpoint({n: ("BF16", (a.size,), a) for n, a in d.items()})
            for k, d in (("b", base), ("t", target))}
     full = MemoryStore()
@@ -100,3 +100,19 @@ def test_a_missing_payload_times_out_naming_the_attempt() -> None:
     with pytest.raises(ManifestError, match=r"a-1: not complete after 0\.3 s"):
         receive(StoreSource(store=live, version=1, attempt="a-1"), "a-1", lambda p: None,
                 timeout_s=0.3)
+
+
+def test_payloads_that_are_not_the_ones_the_manifest_lists_fail_the_receive() -> None:
+    """An owner that published the same attempt twice, differently: the ids match, the
+    objects do not; the manifest's sizes and digests tell them apart."""
+    _, first = published()
+    _, second = published(stride=41)
+    mixed = {k: v for k, v in first.items() if k.endswith(".dcrp")}
+    mixed[manifest_key(1)] = second[manifest_key(1)]
+    assert sorted(k for k in first if k.endswith(".dcrp")) == sorted(
+        k for k in second if k.endswith(".dcrp"))
+    live = MemoryStore()
+    trickle(live, mixed, delay=0.0).join()
+    with pytest.raises(ManifestError, match=r"applied as \d+ bytes, digest [0-9a-f]{32}; "
+                                            r"the manifest lists \d+ bytes, digest"):
+        receive(StoreSource(store=live, version=1, attempt="a-1"), "a-1", lambda p: None)
