@@ -30,6 +30,8 @@ Hierarchy::
     ├── RefitFailed            (protocol.coordinator) every allowed attempt failed, or too
     │                          few receivers could take part
     ├── RefitAborted           (protocol.coordinator) an operator aborted between attempts
+    ├── CommitUnknown          (protocol.coordinator) a commit's outcome could not be
+    │                          learned; nothing was abandoned, the record decides later
     ├── AgentError             (protocol.agent_api) an agent refused a call or is
     │                          unreachable; ``status`` is the HTTP status or None
     ├── ReceiveStopped         (transport.receive) the receiver was told to stop
