@@ -155,12 +155,17 @@ class AgentService:
 
     # --- protocol calls ------------------------------------------------------------
 
+    def _between_attempts(self, what: str) -> None:
+        """Raise unless the last attempt has ended (committed or stopped); hold the lock."""
+        run = self._run
+        if run is not None and run.state not in FINAL:
+            raise AgentConflict(f"{self.name}: attempt {run.spec.attempt} is "
+                                f"{run.state.value}; {what} happens between attempts "
+                                "(stop it first).")
+
     def prepare(self, spec: AttemptSpec) -> AgentStatus:
         with self._cond:
-            run = self._run
-            if run is not None and run.state not in FINAL:
-                raise AgentConflict(f"{self.name}: busy with attempt {run.spec.attempt} "
-                                    f"({run.state.value}); stop it first.")
+            self._between_attempts("a new attempt")
             if spec.attempt in self._obsolete:
                 raise AgentConflict(f"{self.name}: attempt {spec.attempt} is obsolete.")
             transition = (spec.base_version, spec.target_version)
@@ -296,10 +301,7 @@ class AgentService:
     def dense(self, req: DenseRequest) -> AgentStatus:
         """Restore ``req.version`` from a full checkpoint through the runtime's loader."""
         with self._cond:
-            run = self._run
-            if run is not None and run.state not in FINAL:
-                raise AgentConflict(f"{self.name}: attempt {run.spec.attempt} is "
-                                    f"{run.state.value}; a dense refit happens between attempts.")
+            self._between_attempts("a dense refit")
             self.host.runtime.close_gate()
         if not self.host.drain(60.0):
             raise AgentConflict(f"{self.name}: requests still in flight; dense load refused.")
