@@ -819,13 +819,19 @@ def test_a_coordinator_killed_after_the_commit_is_finished_by_the_next_one(
 
 
 class Answers:
-    """A commit store that answers UNKNOWN or FAILED once, having written or not."""
+    """A commit store that answers UNKNOWN or FAILED once, having written or not; after
+    that answer, ``unreadable`` reads fail (the store is down for a while)."""
 
-    def __init__(self, inner: CommitStore, answer: CommitOutcome, *, write: bool) -> None:
+    def __init__(self, inner: CommitStore, answer: CommitOutcome, *, write: bool,
+                 unreadable: int = 0) -> None:
         self.inner, self.answer, self.write = inner, answer, write
+        self.unreadable = unreadable
         self.answered = False
 
     def read(self) -> CommitRecord:
+        if self.answered and self.unreadable > 0:
+            self.unreadable -= 1
+            raise StoreError("the commit record store does not answer")
         return self.inner.read()
 
     def compare_and_set(self, expected: CommitRecord, new: CommitRecord) -> CommitOutcome:
@@ -854,32 +860,11 @@ def test_an_unknown_or_refused_commit_is_settled_by_reading_the_record(
 
 
 
-class Unreadable:
-    """A commit store whose compare-and-set lands but answers UNKNOWN, after which the
-    record cannot be read ``fails`` times (the store is down for a while)."""
-
-    def __init__(self, inner: CommitStore, fails: int) -> None:
-        self.inner, self.fails = inner, fails
-        self.answered = False
-
-    def read(self) -> CommitRecord:
-        if self.answered and self.fails > 0:
-            self.fails -= 1
-            raise StoreError("the commit record store does not answer")
-        return self.inner.read()
-
-    def compare_and_set(self, expected: CommitRecord, new: CommitRecord) -> CommitOutcome:
-        if self.answered:
-            return self.inner.compare_and_set(expected, new)
-        self.answered = True
-        assert self.inner.compare_and_set(expected, new) is CommitOutcome.SUCCESS
-        return CommitOutcome.UNKNOWN
-
-
 def test_a_lost_commit_answer_is_settled_by_reading_again_not_by_abandoning(
         fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(time, "sleep", lambda _: None)  # the read retries' backoff
-    c = fleet.coordinator(commits=Unreadable(fleet.commits, fails=2))
+    c = fleet.coordinator(commits=Answers(fleet.commits, CommitOutcome.UNKNOWN, write=True,
+                                          unreadable=2))
     record = c.refit(1, "ckpt-1")
     assert outcomes(c) == [("mixed", "committed")]  # nothing abandoned, nothing retried
     fleet.assert_committed(record, 1, c)
@@ -888,7 +873,8 @@ def test_a_lost_commit_answer_is_settled_by_reading_again_not_by_abandoning(
 def test_a_commit_whose_outcome_stays_unknown_abandons_nothing_and_the_next_call_finishes(
         fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(time, "sleep", lambda _: None)
-    c = fleet.coordinator(commits=Unreadable(fleet.commits, fails=100))
+    c = fleet.coordinator(commits=Answers(fleet.commits, CommitOutcome.UNKNOWN, write=True,
+                                          unreadable=100))
     with pytest.raises(CommitUnknown, match="nothing is abandoned"):
         c.refit(1, "ckpt-1")
     attempt = c.history[0].attempt
@@ -902,29 +888,11 @@ def test_a_commit_whose_outcome_stays_unknown_abandons_nothing_and_the_next_call
     fleet.assert_committed(record, 1, c2)
 
 
-class LateSuccess:
-    """The first compare-and-set lands but answers FAILED (a lying or confused store):
-    the coordinator retries, and the retry's compare-and-set finds its own first attempt
-    in the record."""
-
-    def __init__(self, inner: CommitStore) -> None:
-        self.inner = inner
-        self.answered = False
-
-    def read(self) -> CommitRecord:
-        return self.inner.read()
-
-    def compare_and_set(self, expected: CommitRecord, new: CommitRecord) -> CommitOutcome:
-        if self.answered:
-            return self.inner.compare_and_set(expected, new)
-        self.answered = True
-        assert self.inner.compare_and_set(expected, new) is CommitOutcome.SUCCESS
-        return CommitOutcome.FAILED
-
-
 def test_a_retry_that_finds_its_own_earlier_attempt_committed_finishes_instead_of_conflicting(
         fleet: Fleet) -> None:
-    c = fleet.coordinator(commits=LateSuccess(fleet.commits))
+    # The first compare-and-set lands but answers FAILED (a confused store): the retry's
+    # compare-and-set finds the coordinator's own first attempt in the record.
+    c = fleet.coordinator(commits=Answers(fleet.commits, CommitOutcome.FAILED, write=True))
     record = c.refit(1, "ckpt-1")
     first, second = c.history
     assert record.attempt == first.attempt
