@@ -30,7 +30,6 @@ bench/results/transport.json.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
@@ -53,7 +52,8 @@ from dcr.codec.decode import Target, apply_items, decode
 from dcr.files.diff import DiffSettings, diff_checkpoints
 from dcr.format.payload import Payload
 from dcr.transport.receive import Source, StoreSource, receive
-from dcr.transport.relay import RelayClient, RelaySource
+from dcr.transport.relay import RelaySource
+from dcr.transport.relay.publish import RelayPublisher
 from dcr.transport.store import open_store
 
 HERE = Path(__file__).resolve().parent
@@ -225,42 +225,6 @@ def node_main(args: argparse.Namespace) -> None:
     print(json.dumps(result), flush=True)
 
 
-# --- the relay as a Store for the encoder -------------------------------------------
-
-
-class RelayPush:
-    """A Store that streams what ``dcr diff`` writes to the relay root (sync facade)."""
-
-    def __init__(self, url: str) -> None:
-        self.uri = url
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.client = RelayClient(url, TOKEN)
-
-    def put(self, key: str, data: bytes) -> None:
-        if key.endswith("manifest.json"):
-            coro = self.client.put_manifest(ATTEMPT, data)
-        else:
-            m = re.search(r"/o(\d+)-s(\d+)\.dcrp$", key)
-            assert m, key
-            coro = self.client.put_payload(ATTEMPT, int(m.group(1)), int(m.group(2)), data)
-        asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-    def get(self, key: str) -> bytes:
-        raise NotImplementedError
-
-    def exists(self, key: str) -> bool:
-        return False
-
-    def list(self, prefix: str) -> list[str]:
-        return []
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.client.close(), self.loop).result()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-
-
 # --- the three ways ------------------------------------------------------------------
 
 
@@ -324,7 +288,7 @@ def run_dcr_relay(procs: Procs, v0: Path, v1: Path, n: int, mbit: float, rtt: fl
         wait_http(f"http://127.0.0.1:{port}/healthz")
     link, link_port = start_link(procs, ports[0], mbit, rtt)  # trainer -> root: the boundary
     nodes = start_nodes(procs, n, "dcr-relay", v0, [f"127.0.0.1:{p}" for p in ports])
-    push = RelayPush(f"http://127.0.0.1:{link_port}")
+    push = RelayPublisher(f"relay+http://127.0.0.1:{link_port}", token=TOKEN)
     results_box: list[list[dict[str, Any]]] = []
     t0 = time.perf_counter()
     waiter = threading.Thread(target=lambda: results_box.append(go(nodes)))

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterable
+import threading
+from collections.abc import AsyncIterable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
 from dcr.errors import ConfigError, RelayError, RelayNotFound
 from dcr.transport.relay.settings import MiB
 from dcr.transport.relay.wire import Chunk, Key, Pieces
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,3 +163,23 @@ class RelayClient:
         """Ask this node to forward to member ``index`` and replay what it lacks."""
         body = {"index": index, "held": held, "manifests": manifests}
         return await self._json("POST", "/v1/subscribe", json_body=body)
+
+
+class BlockingRelay:
+    """A :class:`RelayClient` for synchronous callers: it runs on its own loop thread."""
+
+    def __init__(self, url: str, token: str, *, name: str = "relay-client") -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name=name)
+        self._thread.start()
+        self.client = RelayClient(url, token)
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run one client call to completion on the loop thread; its result or error."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def close(self) -> None:
+        self.run(self.client.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop.close()

@@ -14,18 +14,13 @@ attempt is read from its body.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
-import threading
-from collections.abc import Coroutine
-from typing import Any, TypeVar
 
 from dcr.errors import ConfigError
-from dcr.transport.relay.client import RelayClient
+from dcr.transport.relay.client import BlockingRelay
 
-T = TypeVar("T")
 _PAYLOAD = re.compile(r"^v\d{10}/([A-Za-z0-9][A-Za-z0-9._-]{0,63})/o(\d{4})-s(\d{6})\.dcrp$")
 _PART = re.compile(r"^v\d{10}/([A-Za-z0-9][A-Za-z0-9._-]{0,63})/manifest-o(\d{4})\.json$")
 _VERSION_MANIFEST = re.compile(r"^v\d{10}/manifest\.json$")
@@ -41,14 +36,8 @@ class RelayPublisher:
             raise ConfigError(f"Publishing to the relay at {url} needs its bearer token in "
                               f"${TOKEN_ENV}.")
         self.uri = url
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
-                                        name="relay-publish")
-        self._thread.start()
-        self._client = RelayClient(url.replace("relay+", "", 1), token)
-
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        self._relay = BlockingRelay(url.replace("relay+", "", 1), token, name="relay-publish")
+        self._run, self._client = self._relay.run, self._relay.client
 
     def put(self, key: str, data: bytes) -> None:
         if m := _PAYLOAD.match(key):
@@ -79,7 +68,4 @@ class RelayPublisher:
         return []
 
     def close(self) -> None:
-        self._run(self._client.close())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
-        self._loop.close()
+        self._relay.close()

@@ -6,16 +6,9 @@ is asyncio. This facade runs the client on its own event loop thread.
 
 from __future__ import annotations
 
-import asyncio
-import threading
-from collections.abc import Coroutine
-from typing import Any, TypeVar
-
 from dcr.errors import RelayNotFound
 from dcr.format.manifest import Manifest
-from dcr.transport.relay.client import RelayClient
-
-T = TypeVar("T")
+from dcr.transport.relay.client import BlockingRelay
 
 
 class RelaySource:
@@ -23,32 +16,24 @@ class RelaySource:
 
     def __init__(self, url: str, token: str, attempt: str) -> None:
         self.url, self.attempt = url, attempt
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._thread.start()
-        self._client = RelayClient(url, token)
-
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        self._relay = BlockingRelay(url, token, name="relay-source")
 
     def available(self) -> list[tuple[int, int]]:
+        relay = self._relay
         try:
-            return [(p.owner, p.seq) for p in self._run(self._client.list_payloads(self.attempt))]
+            return [(p.owner, p.seq) for p in relay.run(relay.client.list_payloads(self.attempt))]
         except RelayNotFound:
             return []
 
     def fetch(self, pid: tuple[int, int]) -> bytes:
-        return bytes(self._run(self._client.get_payload(self.attempt, *pid)))
+        return bytes(self._relay.run(self._relay.client.get_payload(self.attempt, *pid)))
 
     def manifest(self) -> Manifest | None:
         try:
-            data = self._run(self._client.get_manifest(self.attempt))
+            data = self._relay.run(self._relay.client.get_manifest(self.attempt))
         except RelayNotFound:
             return None
         return Manifest.parse(data, f"{self.url} attempt {self.attempt}")
 
     def close(self) -> None:
-        self._run(self._client.close())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
-        self._loop.close()
+        self._relay.close()
