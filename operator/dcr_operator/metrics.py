@@ -14,6 +14,8 @@ from collections import Counter
 
 from aiohttp import web
 
+from dcr.protocol.prometheus import Family, render
+
 
 class Metrics:
     def __init__(self) -> None:
@@ -49,30 +51,26 @@ class Metrics:
 
     def render(self) -> str:
         with self._lock:
-            out: list[str] = []
-
-            def metric(name: str, kind: str, help_: str,
-                       samples: list[tuple[str, float]]) -> None:
-                out.extend((f"# HELP {name} {help_}", f"# TYPE {name} {kind}"))
-                out.extend(f"{name}{labels} {value}" for labels, value in samples)
-
-            metric("dcr_operator_refits_total", "counter", "WeightRefits ended, by outcome.",
-                   [(f'{{outcome="{k}"}}', v) for k, v in sorted(self.refits.items())])
-            metric("dcr_operator_attempts_total", "counter", "Attempts ended, by mode and "
-                   "outcome.", [(f'{{mode="{m}",outcome="{o}"}}', v)
-                                for (m, o), v in sorted(self.attempts.items())])
-            metric("dcr_operator_refit_seconds_total", "counter", "Seconds from a refit's "
-                   "start to its commit, summed over committed refits.",
-                   [("", round(self.refit_seconds, 6))])
-            metric("dcr_operator_payload_bytes_total", "counter", "Payload bytes receivers "
-                   "applied, summed over committed refits.", [("", self.payload_bytes)])
-            metric("dcr_operator_refits_running", "gauge", "Refits this operator is driving.",
-                   [("", self.running)])
-            metric("dcr_operator_committed_version", "gauge", "The version each fleet's "
-                   "commit record names, as this operator last committed it.",
-                   [(f'{{namespace="{ns}",fleet="{f}"}}', v)
-                    for (ns, f), v in sorted(self.committed.items())])
-            return "\n".join(out) + "\n"
+            return render([
+                Family("dcr_operator_refits_total", "counter", "WeightRefits ended, by outcome.",
+                       [(f'{{outcome="{k}"}}', v) for k, v in sorted(self.refits.items())]),
+                Family("dcr_operator_attempts_total", "counter",
+                       "Attempts ended, by mode and outcome.",
+                       [(f'{{mode="{m}",outcome="{o}"}}', v)
+                        for (m, o), v in sorted(self.attempts.items())]),
+                Family("dcr_operator_refit_seconds_total", "counter", "Seconds from a refit's "
+                       "start to its commit, summed over committed refits.",
+                       [("", round(self.refit_seconds, 6))]),
+                Family("dcr_operator_payload_bytes_total", "counter", "Payload bytes "
+                       "receivers applied, summed over committed refits.",
+                       [("", self.payload_bytes)]),
+                Family("dcr_operator_refits_running", "gauge",
+                       "Refits this operator is driving.", [("", self.running)]),
+                Family("dcr_operator_committed_version", "gauge", "The version each fleet's "
+                       "commit record names, as this operator last committed it.",
+                       [(f'{{namespace="{ns}",fleet="{f}"}}', v)
+                        for (ns, f), v in sorted(self.committed.items())]),
+            ])
 
 
 METRICS = Metrics()

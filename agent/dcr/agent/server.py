@@ -25,6 +25,7 @@ from dcr.protocol.agent_api import (
     DenseRequest,
     parse_body,
 )
+from dcr.protocol.prometheus import Family, render
 from dcr.protocol.state import IllegalTransition
 
 log = logging.getLogger(__name__)
@@ -127,27 +128,21 @@ def make_app(service: AgentService, token: str) -> web.Application:
 def render_metrics(service: AgentService) -> str:
     """Prometheus text exposition of the agent's counters and gauges."""
     st, c = service.status(), service.counters
-    lines: list[str] = []
-
-    def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-        lines.append(f"# HELP {name} {help_}")
-        lines.append(f"# TYPE {name} {kind}")
-        lines.extend(f"{name}{labels} {value}" for labels, value in samples)
-
-    metric("dcr_agent_version", "gauge", "Version the weights hold (-1: none).",
-           [("", -1 if st.version is None else st.version)])
-    metric("dcr_agent_gate_open", "gauge", "1 while generation requests may pass.",
-           [("", int(st.gate_open))])
-    metric("dcr_agent_staged_bytes", "gauge", "Payload bytes staged and not yet applied.",
-           [("", st.bytes_staged)])
-    metric("dcr_agent_payloads_applied_total", "counter", "Payloads applied in place.",
-           [("", c.payloads_applied)])
-    metric("dcr_agent_payload_bytes_applied_total", "counter", "Payload bytes applied.",
-           [("", c.payload_bytes_applied)])
-    metric("dcr_agent_apply_seconds_total", "counter", "Seconds inside the apply engine.",
-           [("", round(c.apply_seconds, 6))])
-    metric("dcr_agent_attempts_total", "counter", "Attempts ended, by outcome.",
-           [(f'{{outcome="{k}"}}', v) for k, v in sorted(c.attempts.items())])
-    metric("dcr_agent_dense_loads_total", "counter", "Dense refits (rejoins).",
-           [("", c.dense_loads)])
-    return "\n".join(lines) + "\n"
+    return render([
+        Family("dcr_agent_version", "gauge", "Version the weights hold (-1: none).",
+               [("", -1 if st.version is None else st.version)]),
+        Family("dcr_agent_gate_open", "gauge", "1 while generation requests may pass.",
+               [("", int(st.gate_open))]),
+        Family("dcr_agent_staged_bytes", "gauge", "Payload bytes staged and not yet applied.",
+               [("", st.bytes_staged)]),
+        Family("dcr_agent_payloads_applied_total", "counter", "Payloads applied in place.",
+               [("", c.payloads_applied)]),
+        Family("dcr_agent_payload_bytes_applied_total", "counter", "Payload bytes applied.",
+               [("", c.payload_bytes_applied)]),
+        Family("dcr_agent_apply_seconds_total", "counter", "Seconds inside the apply engine.",
+               [("", round(c.apply_seconds, 6))]),
+        Family("dcr_agent_attempts_total", "counter", "Attempts ended, by outcome.",
+               [(f'{{outcome="{k}"}}', v) for k, v in sorted(c.attempts.items())]),
+        Family("dcr_agent_dense_loads_total", "counter", "Dense refits (rejoins).",
+               [("", c.dense_loads)]),
+    ])
