@@ -20,7 +20,7 @@ test: install
 	$(PY) -m pytest
 
 lint: install
-	$(VENV)/bin/ruff check agent operator tests bench
+	$(VENV)/bin/ruff check src tests bench
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 

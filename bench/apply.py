@@ -29,11 +29,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 from dcr.apply.engine import ApplyEngine, CanonicalTensor
-from dcr.apply.runtime import HFRuntime
-from dcr.apply.vllm import VllmRuntime
 from dcr.checkpoint import ArrayCheckpoint
-from dcr.files.diff import DiffSettings, diff_checkpoints
 from dcr.format.profile import coverage, merge
+from dcr.owner.diff import DiffSettings, diff_checkpoints
+from dcr.runtimes.hf import HFRuntime
+from dcr.runtimes.vllm import VllmRuntime
 from dcr.runtimes.vllm_reference import (
     ReferenceConfig,
     ReferenceModel,

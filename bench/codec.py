@@ -42,9 +42,9 @@ from safetensors.torch import save_file
 from dcr.checkpoint import Checkpoint
 from dcr.codec.decode import Target, apply_items, decode
 from dcr.codec.encode import PayloadBuilder, diff_range, encode_item
-from dcr.files.diff import DiffSettings, diff_checkpoints
 from dcr.format.dtypes import dtype
 from dcr.format.payload import read_payload
+from dcr.owner.diff import DiffSettings, diff_checkpoints
 from dcr.transport.store import FileStore
 
 Arrays = dict[str, np.ndarray]

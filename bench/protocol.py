@@ -38,13 +38,13 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig
 
-from dcr.agent.launch import AgentProcess
 from dcr.checkpoint import Checkpoint
-from dcr.encoder import Encoder
 from dcr.format.profile import ReceiverProfile, merge
+from dcr.owner.encoder import Encoder
 from dcr.protocol.commitstore import SqliteCommitStore
 from dcr.protocol.coordinator import Coordinator
 from dcr.protocol.records import CommitRecord
+from dcr.receiver.launch import AgentProcess
 from dcr.transport.store import FileStore
 
 OVERHEAD_STAGES = ("prepare", "flush", "commit", "finish")

@@ -49,8 +49,8 @@ import numpy as np
 
 from dcr.checkpoint import Checkpoint, fingerprint
 from dcr.codec.decode import Target, apply_items, decode
-from dcr.files.diff import DiffSettings, diff_checkpoints
 from dcr.format.payload import Payload
+from dcr.owner.diff import DiffSettings, diff_checkpoints
 from dcr.transport.receive import Source, StoreSource, receive
 from dcr.transport.relay import RelaySource
 from dcr.transport.relay.publish import RelayPublisher

@@ -29,18 +29,18 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dcr.agent.host import RuntimeHost
-from dcr.agent.main import build_runtime
 from dcr.apply.engine import CanonicalTensor
 from dcr.checkpoint import Checkpoint
-from dcr.encoder import ProcessOwner
 from dcr.errors import DcrError
 from dcr.format.layout import manifest_key, payload_key, version_prefix
 from dcr.format.profile import ReceiverProfile, dumps, merge
+from dcr.owner.encoder import ProcessOwner
 from dcr.protocol.agent_api import AgentClient, AgentError, AgentStatus, FlushAck
 from dcr.protocol.commitstore import SqliteCommitStore
 from dcr.protocol.coordinator import Coordinator, CoordinatorSettings, ReceiverHandle
 from dcr.protocol.records import Attempt, CommitRecord, Transition
+from dcr.receiver.host import RuntimeHost
+from dcr.runtimes import build_runtime
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow, pytest.mark.e2e]
 

@@ -16,10 +16,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralFo
 
 from dcr.apply.engine import ApplyEngine, CanonicalTensor, DuplicatePayload
 from dcr.apply.intercept import LoaderPathError
-from dcr.apply.runtime import HFRuntime
 from dcr.checkpoint import ArrayCheckpoint
-from dcr.files.diff import DiffSettings, diff_checkpoints
 from dcr.format.payload import Mode
+from dcr.owner.diff import DiffSettings, diff_checkpoints
+from dcr.runtimes.hf import HFRuntime
 from dcr.transport.store import MemoryStore
 
 SMALL = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,

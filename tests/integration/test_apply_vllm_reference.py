@@ -19,12 +19,12 @@ import torch
 
 from dcr.apply.engine import ApplyEngine, CanonicalTensor, DuplicatePayload
 from dcr.apply.intercept import LoaderPathError
-from dcr.apply.vllm import VllmRuntime
 from dcr.checkpoint import ArrayCheckpoint
 from dcr.errors import TargetMismatch
-from dcr.files.diff import DiffSettings, diff_checkpoints
 from dcr.format.payload import Mode
 from dcr.format.profile import ReceiverProfile, merge
+from dcr.owner.diff import DiffSettings, diff_checkpoints
+from dcr.runtimes.vllm import VllmRuntime
 from dcr.runtimes.vllm_reference import (
     ReferenceConfig,
     ReferenceModel,

@@ -13,17 +13,17 @@ import numpy as np
 import pytest
 import torch
 
-from dcr.agent.host import RuntimeHost
-from dcr.agent.service import AgentService
 from dcr.apply.engine import CanonicalTensor
-from dcr.apply.vllm import VllmRuntime
 from dcr.checkpoint import ArrayCheckpoint
-from dcr.embedded import LocalReceiver
-from dcr.encoder import Encoder
 from dcr.format.profile import merge
+from dcr.owner.encoder import Encoder
 from dcr.protocol.commitstore import SqliteCommitStore
 from dcr.protocol.coordinator import CommitConflict, Coordinator
 from dcr.protocol.records import CommitOutcome, CommitRecord
+from dcr.receiver.host import RuntimeHost
+from dcr.receiver.local import LocalReceiver
+from dcr.receiver.service import AgentService
+from dcr.runtimes.vllm import VllmRuntime
 from dcr.runtimes.vllm_reference import (
     ReferenceConfig,
     ReferenceModel,

@@ -36,19 +36,13 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dcr.agent.host import RuntimeHost
-from dcr.agent.journal import Journal
-from dcr.agent.service import AgentService
 from dcr.apply.engine import BITS, ApplyReport, CanonicalTensor, DuplicatePayload
-from dcr.apply.runtime import HFRuntime, Runtime
-from dcr.apply.vllm import VllmRuntime
 from dcr.checkpoint import ArrayCheckpoint
-from dcr.embedded import LocalReceiver
-from dcr.encoder import Encoder, ProcessOwner
 from dcr.errors import BaselineError, StoreError
 from dcr.format.layout import payload_key
 from dcr.format.manifest import Manifest
 from dcr.format.profile import merge
+from dcr.owner.encoder import Encoder, ProcessOwner
 from dcr.protocol.agent_api import AgentError, AgentStatus, AttemptRef, AttemptSpec, FlushAck
 from dcr.protocol.commitstore import CommitStore, SqliteCommitStore
 from dcr.protocol.coordinator import (
@@ -59,6 +53,13 @@ from dcr.protocol.coordinator import (
     RefitFailed,
 )
 from dcr.protocol.records import Attempt, CommitOutcome, CommitRecord, Transition
+from dcr.receiver.host import RuntimeHost
+from dcr.receiver.journal import Journal
+from dcr.receiver.local import LocalReceiver
+from dcr.receiver.service import AgentService
+from dcr.runtimes.base import Runtime
+from dcr.runtimes.hf import HFRuntime
+from dcr.runtimes.vllm import VllmRuntime
 from dcr.runtimes.vllm_reference import ReferenceConfig, ReferenceModel, random_checkpoint
 from dcr.transport.receive import PayloadId, Source, StoreSource
 from dcr.transport.store import MemoryStore
@@ -1018,7 +1019,7 @@ def test_an_owner_advances_only_for_a_record_naming_its_candidate_and_an_attempt
 
 def test_the_gate_stays_shut_while_an_attempt_applies_and_apply_refuses_an_open_gate(
         fleet: Fleet) -> None:
-    from dcr.agent.service import AgentConflict
+    from dcr.receiver.service import AgentConflict
 
     fleet.candidate(1)
     svc = fleet.rank("vllm-0").service

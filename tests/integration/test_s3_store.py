@@ -662,16 +662,16 @@ def test_refit_through_s3_survives_5xx_slow_truncated_and_corrupted_objects_bit_
     and one payload of the first attempt is corrupted on the server's disk. That
     attempt fails naming the digest mismatch; the overwrite retry commits; every
     receiver ends with the bits of a dense load, and the owner advanced once."""
-    from dcr.agent.host import RuntimeHost
-    from dcr.agent.service import AgentService
     from dcr.apply.engine import CanonicalTensor
-    from dcr.apply.vllm import VllmRuntime
     from dcr.checkpoint import ArrayCheckpoint
-    from dcr.embedded import LocalReceiver
-    from dcr.encoder import Encoder
+    from dcr.owner.encoder import Encoder
     from dcr.protocol.commitstore import SqliteCommitStore
     from dcr.protocol.coordinator import Coordinator
     from dcr.protocol.records import CommitRecord
+    from dcr.receiver.host import RuntimeHost
+    from dcr.receiver.local import LocalReceiver
+    from dcr.receiver.service import AgentService
+    from dcr.runtimes.vllm import VllmRuntime
     from dcr.runtimes.vllm_reference import (
         ReferenceConfig,
         ReferenceModel,

@@ -15,23 +15,23 @@ import numpy as np
 import pytest
 import torch
 
-from dcr.agent.host import RuntimeHost
-from dcr.agent.service import AgentService
 from dcr.apply.engine import CanonicalTensor
-from dcr.apply.vllm import VllmRuntime
-from dcr.embedded import LocalReceiver
 from dcr.errors import BaselineError, ConfigError
 from dcr.format.profile import ReceiverProfile, merge
+from dcr.owner.shards import ShardEncoder, ShardMap
 from dcr.protocol.commitstore import SqliteCommitStore
 from dcr.protocol.coordinator import Coordinator
 from dcr.protocol.records import Attempt, CommitRecord, Transition
+from dcr.receiver.host import RuntimeHost
+from dcr.receiver.local import LocalReceiver
+from dcr.receiver.service import AgentService
+from dcr.runtimes.vllm import VllmRuntime
 from dcr.runtimes.vllm_reference import (
     ReferenceConfig,
     ReferenceModel,
     dense_state,
     random_checkpoint,
 )
-from dcr.shards import ShardEncoder, ShardMap
 from dcr.transport.receive import StoreSource
 from dcr.transport.store import MemoryStore
 

@@ -41,8 +41,8 @@ from k8sutil import REPO, admin_client, apply, eventually, helm_template, instal
 from kubelet import FakeKubelet
 from trainer import Trainer, reference_fingerprint
 
-from dcr.agent.launch import AgentProcess, free_port
 from dcr.errors import DcrError
+from dcr.receiver.launch import AgentProcess, free_port
 from dcr_operator.jobs import job_name
 from dcr_operator.kube import KubeClient
 

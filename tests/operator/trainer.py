@@ -51,9 +51,9 @@ class Trainer:
 
 def reference_fingerprint(ckpt: Path) -> dict[str, str]:
     """What a dense load of ``ckpt`` through the hf runtime's own loader holds."""
-    from dcr.agent.host import checkpoint_tensors, runtime_fingerprint
-    from dcr.agent.main import build_runtime
     from dcr.checkpoint import Checkpoint
+    from dcr.receiver.host import checkpoint_tensors, runtime_fingerprint
+    from dcr.runtimes import build_runtime
 
     runtime = build_runtime("hf", ckpt)
     with Checkpoint(ckpt) as c:

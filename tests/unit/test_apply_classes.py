@@ -11,8 +11,8 @@ import torch
 from dcr.apply.engine import ApplyEngine, CanonicalTensor
 from dcr.apply.intercept import LoaderPathError
 from dcr.checkpoint import ArrayCheckpoint
-from dcr.files.diff import DiffSettings, diff_checkpoints
 from dcr.format.profile import ReceiverProfile
+from dcr.owner.diff import DiffSettings, diff_checkpoints
 from dcr.transport.store import MemoryStore
 
 Loader = Callable[[torch.Tensor, torch.Tensor], None]

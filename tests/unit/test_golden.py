@@ -1,4 +1,4 @@
-"""Golden payloads: byte-exact fixtures that pin format v1 as ``agent/FORMAT.md`` describes it.
+"""Golden payloads: byte-exact fixtures that pin format v1 as ``FORMAT.md`` describes it.
 
 Three payloads are built deterministically (arithmetic arrays, fixed attempt id, owner,
 seq and versions, zstd level 1) and compared with files committed under

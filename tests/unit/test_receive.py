@@ -10,9 +10,9 @@ import pytest
 
 from dcr.checkpoint import ArrayCheckpoint
 from dcr.errors import DigestMismatch, ManifestError
-from dcr.files.diff import DiffSettings, diff_checkpoints
 from dcr.format.layout import manifest_key
 from dcr.format.payload import Payload
+from dcr.owner.diff import DiffSettings, diff_checkpoints
 from dcr.transport.receive import StoreSource, receive
 from dcr.transport.store import MemoryStore
 

@@ -21,15 +21,15 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from dcr.apply.geometry import UnsupportedView, View, check_invertible, locate, storage_index
 from dcr.apply.intercept import LoaderPathError, WriteInterceptor, storage_key
-from dcr.apply.runtime import Runtime
 from dcr.codec import _native  # type: ignore[attr-defined]
 from dcr.codec.decode import DecodedItem, decode
 from dcr.errors import DcrError, MalformedPayload, TargetMismatch
@@ -46,6 +46,18 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 BITS: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 FLOATS = {"F64", "F32", "F16", "BF16"}  # dtypes whose NaN can mark "no value here"
+
+
+class Loader(Protocol):
+    """What the engine needs of a serving runtime: its native loader and its tensors."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """The runtime's own loader. Returns the names of the tensors it wrote."""
+        ...
+
+    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter and persistent buffer, tied ones under each of their names."""
+        ...
 
 
 class DuplicatePayload(DcrError):
@@ -117,7 +129,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 class ApplyEngine:
     """Applies payloads to one runtime (one rank) in place."""
 
-    def __init__(self, runtime: Runtime, *, device: str | torch.device = "cpu",
+    def __init__(self, runtime: Loader, *, device: str | torch.device = "cpu",
                  verify: bool = False) -> None:
         self.runtime = runtime
         self.device = torch.device(device)

@@ -28,9 +28,9 @@ from pathlib import Path
 
 from dcr.checkpoint import TensorSource
 from dcr.errors import BaselineError, ConfigError, DcrError
-from dcr.files.diff import DiffSettings, diff_checkpoints
 from dcr.format.manifest import Manifest
 from dcr.format.profile import ReceiverProfile
+from dcr.owner.diff import DiffSettings, diff_checkpoints
 from dcr.protocol.records import Attempt, CommitRecord
 from dcr.transport.store import Store
 

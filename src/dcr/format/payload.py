@@ -1,6 +1,6 @@
 """The payload container, version 1: preamble, compressed JSON header, compressed streams.
 
-A payload is one owner's bucket of items for one attempt. ``agent/FORMAT.md`` documents
+A payload is one owner's bucket of items for one attempt. ``src/dcr/format/FORMAT.md`` documents
 every byte; this module is the only code that reads or writes that layout. Reading is
 defensive: lengths and the digest are checked before anything is decompressed, every
 declared size is checked against limits and against what the items imply, and each

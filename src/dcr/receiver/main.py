@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING
 from dcr.errors import ConfigError
 
 if TYPE_CHECKING:  # torch loads only when an agent runs, not for ``dcr --help``
-    from dcr.agent.service import AgentService
-    from dcr.apply.runtime import Runtime
+    from dcr.receiver.service import AgentService
 
 log = logging.getLogger(__name__)
 
@@ -59,36 +58,14 @@ def _token(path: Path | None, env: str) -> str:
     return token
 
 
-def build_runtime(kind: str, model_dir: Path, *, tp_size: int = 1, tp_rank: int = 0,
-                  fp8: tuple[str, ...] = ()) -> Runtime:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from dcr.apply.runtime import HFRuntime
-
-    cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    if kind == "hf":
-        model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).eval()  # type: ignore[no-untyped-call]
-        return HFRuntime(model)
-    from dcr.apply.vllm import VllmRuntime
-    from dcr.runtimes.vllm_reference import ReferenceConfig, ReferenceModel
-
-    ref = ReferenceConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size, num_layers=cfg.num_hidden_layers,
-        num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
-        tie_word_embeddings=bool(cfg.tie_word_embeddings), fp8_modules=fp8,
-    )
-    return VllmRuntime(ReferenceModel(ref, tp_size=tp_size, tp_rank=tp_rank))
-
-
 def build_service(args: argparse.Namespace) -> AgentService:
-    from dcr.agent.host import RuntimeHost
-    from dcr.agent.journal import Journal
-    from dcr.agent.service import AgentService, SourceFor
     from dcr.apply.engine import CanonicalTensor
     from dcr.checkpoint import Checkpoint
     from dcr.protocol.agent_api import AttemptSpec
+    from dcr.receiver.host import RuntimeHost
+    from dcr.receiver.journal import Journal
+    from dcr.receiver.service import AgentService, SourceFor
+    from dcr.runtimes import build_runtime
     from dcr.transport.receive import Source, StoreSource
     from dcr.transport.store import open_store
 
@@ -125,7 +102,7 @@ def build_service(args: argparse.Namespace) -> AgentService:
 async def _serve(service: AgentService, token: str, listen: str) -> None:
     from aiohttp import web
 
-    from dcr.agent.server import make_app
+    from dcr.receiver.server import make_app
 
     host, _, port = listen.rpartition(":")
     runner = web.AppRunner(make_app(service, token), access_log=None)

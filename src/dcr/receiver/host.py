@@ -16,10 +16,10 @@ import numpy as np
 import torch
 
 from dcr.apply.engine import BITS, TORCH_DTYPES, ApplyEngine, CanonicalTensor
-from dcr.apply.runtime import Runtime
 from dcr.checkpoint import Checkpoint, fingerprint
 from dcr.errors import CheckpointError
 from dcr.format.profile import ReceiverProfile
+from dcr.runtimes.base import Runtime
 
 
 def checkpoint_tensors(ckpt: Checkpoint) -> dict[str, torch.Tensor]:

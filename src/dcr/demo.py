@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 
 from dcr.checkpoint import Checkpoint
-from dcr.files.diff import DiffSettings, diff_checkpoints
 from dcr.files.patch import patch_checkpoint
 from dcr.format.profile import ReceiverProfile, coverage, merge
+from dcr.owner.diff import DiffSettings, diff_checkpoints
 from dcr.transport.store import FileStore, MemoryStore
 
 LR = 1e-6  # RL fine-tuning learning rate: most BF16 elements round back to the same bits
@@ -179,8 +179,8 @@ class _Fleet:
         from transformers import LlamaForCausalLM
 
         from dcr.apply.engine import CanonicalTensor
-        from dcr.apply.runtime import HFRuntime
-        from dcr.apply.vllm import VllmRuntime
+        from dcr.runtimes.hf import HFRuntime
+        from dcr.runtimes.vllm import VllmRuntime
         from dcr.runtimes.vllm_reference import ReferenceConfig, ReferenceModel
 
         ref = ReferenceConfig(

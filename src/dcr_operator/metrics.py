@@ -14,7 +14,7 @@ from collections import Counter
 
 from aiohttp import web
 
-from dcr.protocol.prometheus import Family, render
+from dcr.prometheus import Family, render
 
 
 class Metrics:

@@ -35,14 +35,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from dcr.agent.launch import AgentProcess, free_port
 from dcr.checkpoint import Checkpoint
-from dcr.encoder import ProcessOwner
 from dcr.errors import ConfigError, DcrError
 from dcr.format.profile import ReceiverProfile, merge
+from dcr.owner.encoder import ProcessOwner
 from dcr.protocol.commitstore import SqliteCommitStore
 from dcr.protocol.coordinator import Coordinator, CoordinatorSettings
 from dcr.protocol.records import CommitRecord
+from dcr.receiver.launch import AgentProcess, free_port
 from dcr.transport.relay.publish import TOKEN_ENV
 
 log = logging.getLogger(__name__)
@@ -173,8 +173,8 @@ def _start_relays(work: Path, n: int) -> tuple[list[subprocess.Popen[bytes]], li
 
 def _reference_fingerprints(args: list[str], ckpt: Path) -> dict[str, str]:
     """What a dense load of ``ckpt`` through this agent kind's own loader holds."""
-    from dcr.agent.host import checkpoint_tensors, runtime_fingerprint
-    from dcr.agent.main import build_runtime
+    from dcr.receiver.host import checkpoint_tensors, runtime_fingerprint
+    from dcr.runtimes import build_runtime
 
     kind = args[args.index("--runtime") + 1]
     tp = int(args[args.index("--tp-size") + 1]) if "--tp-size" in args else 1

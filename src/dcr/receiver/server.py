@@ -17,7 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
-from dcr.agent.service import AgentConflict, AgentService, AttemptFailed
+from dcr.prometheus import Family, render
 from dcr.protocol.agent_api import (
     AttemptRef,
     AttemptSpec,
@@ -25,8 +25,8 @@ from dcr.protocol.agent_api import (
     DenseRequest,
     parse_body,
 )
-from dcr.protocol.prometheus import Family, render
 from dcr.protocol.state import IllegalTransition
+from dcr.receiver.service import AgentConflict, AgentService, AttemptFailed
 
 log = logging.getLogger(__name__)
 

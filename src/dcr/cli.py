@@ -18,10 +18,10 @@ from typing import Any
 
 from dcr.checkpoint import Checkpoint
 from dcr.errors import DcrError
-from dcr.files.diff import DiffSettings, MiB, diff_checkpoints
 from dcr.files.inspect import describe, render
 from dcr.files.patch import load_manifest, patch_checkpoint
 from dcr.format.profile import load_profile
+from dcr.owner.diff import DiffSettings, MiB, diff_checkpoints
 from dcr.transport.store import open_store
 
 EPILOG = """\
@@ -135,7 +135,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def cmd_agent(args: argparse.Namespace) -> None:
-    from dcr.agent.main import run
+    from dcr.receiver.main import run
 
     run(args)
 
@@ -223,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="owners splitting the tensors by name hash (default 1)")
     e.set_defaults(func=cmd_diff, attempt_manifest=True)
 
-    from dcr.agent.main import add_arguments
+    from dcr.receiver.main import add_arguments
 
     ag = sub.add_parser("agent", help="run a rollout rank's agent (HTTP control API) with "
                         "an embedded runtime")

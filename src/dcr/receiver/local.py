@@ -1,18 +1,18 @@
 """In-process receivers: the agent's service behind the coordinator's ``ReceiverHandle``.
 
 The HTTP agent (``dcr agent``) and :class:`LocalReceiver` run the same
-:class:`~dcr.agent.service.AgentService`; the local form skips the network, for the
+:class:`~dcr.receiver.service.AgentService`; the local form skips the network, for the
 embedded demo, trainers that host rollout ranks in process, and tests. The owner side
-needs no adapter: :class:`dcr.encoder.Encoder` is already an ``OwnerHandle``.
+needs no adapter: :class:`dcr.owner.encoder.Encoder` is already an ``OwnerHandle``.
 """
 
 from __future__ import annotations
 
 import time
 
-from dcr.agent.service import AgentService
 from dcr.protocol.agent_api import AgentStatus, AttemptRef, AttemptSpec, DenseRequest, FlushAck
 from dcr.protocol.records import Attempt
+from dcr.receiver.service import AgentService
 
 
 class LocalReceiver:

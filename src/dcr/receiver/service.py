@@ -26,13 +26,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dcr.agent.host import RuntimeHost
-from dcr.agent.journal import Journal, JournalEntry
 from dcr.errors import DcrError
 from dcr.format.manifest import Manifest
 from dcr.format.payload import Payload
 from dcr.protocol.agent_api import AgentStatus, AttemptRef, AttemptSpec, DenseRequest, FlushAck
 from dcr.protocol.state import FINAL, AttemptState, advance
+from dcr.receiver.host import RuntimeHost
+from dcr.receiver.journal import Journal, JournalEntry
 from dcr.transport.receive import ReceiveStopped, Source, receive
 
 log = logging.getLogger(__name__)

@@ -6,9 +6,9 @@ calls exactly that method, so the adapter is small:
 
 * :class:`VllmRuntime` adapts any module with a vLLM-style ``load_weights`` (vLLM's
   models, and :mod:`dcr.runtimes.vllm_reference`, whose tests exercise this class) to
-  the :class:`~dcr.apply.runtime.Runtime` protocol.
+  the :class:`~dcr.runtimes.base.Runtime` protocol.
 * :class:`DcrWorkerExtension` is a worker extension: pass
-  ``worker_extension_cls="dcr.apply.vllm.DcrWorkerExtension"`` to ``vllm.LLM`` and call
+  ``worker_extension_cls="dcr.runtimes.vllm.DcrWorkerExtension"`` to ``vllm.LLM`` and call
   ``llm.collective_rpc("dcr_prewarm", args=(tensors,))`` once, then
   ``llm.collective_rpc("dcr_apply", args=(payloads,))`` per refit. Each worker applies
   in place to its own shard; the returned profiles are merged by the sender.
@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from dcr.apply.engine import ApplyEngine, CanonicalTensor
-from dcr.apply.runtime import RequestGate
+from dcr.runtimes.base import RequestGate
 
 
 class VllmStyleModel(Protocol):

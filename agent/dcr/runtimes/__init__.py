@@ -1,1 +1,0 @@
-"""Serving runtimes DCR applies refits through, and stand-ins for the ones it cannot install."""

@@ -1,0 +1,72 @@
+"""Serving runtimes DCR applies refits through, and the factory that builds them.
+
+``base`` is the seam (:class:`~dcr.runtimes.base.Runtime`: a native loader, its tensors
+and a request gate); ``hf`` is a transformers model; ``vllm`` adapts a model with vLLM's
+loaders and carries the worker extension a vLLM server runs; ``vllm_reference`` is a
+model with vLLM's layout and loaders for tests and the demo. :func:`build_runtime` makes
+one from a Hugging Face checkpoint directory, one builder per kind (the table
+:data:`RUNTIMES`), so a new runtime is one function and one row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dcr.errors import ConfigError
+
+if TYPE_CHECKING:  # torch loads only when a runtime is built, not for ``dcr --help``
+    from dcr.runtimes.base import Runtime
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeOptions:
+    """How to build a runtime; fields a kind does not use are ignored."""
+
+    tp_size: int = 1  # vllm-ref: tensor-parallel ranks
+    tp_rank: int = 0  # vllm-ref: this rank
+    fp8: tuple[str, ...] = ()  # vllm-ref: module suffixes stored as FP8
+
+
+def _hf(config: Any, _: RuntimeOptions) -> Runtime:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dcr.runtimes.hf import HFRuntime
+
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()  # type: ignore[no-untyped-call]
+    return HFRuntime(model)
+
+
+def _vllm_reference(config: Any, o: RuntimeOptions) -> Runtime:
+    from dcr.runtimes.vllm import VllmRuntime
+    from dcr.runtimes.vllm_reference import ReferenceConfig, ReferenceModel
+
+    ref = ReferenceConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
+        tie_word_embeddings=bool(config.tie_word_embeddings), fp8_modules=o.fp8,
+    )
+    return VllmRuntime(ReferenceModel(ref, tp_size=o.tp_size, tp_rank=o.tp_rank))
+
+
+RUNTIMES: dict[str, Callable[[Any, RuntimeOptions], Runtime]] = {
+    "hf": _hf,
+    "vllm-ref": _vllm_reference,
+}
+
+
+def build_runtime(kind: str, model_dir: Path, *, tp_size: int = 1, tp_rank: int = 0,
+                  fp8: tuple[str, ...] = ()) -> Runtime:
+    """A runtime of ``kind`` shaped by ``model_dir``'s ``config.json`` (weights not loaded)."""
+    try:
+        builder = RUNTIMES[kind]
+    except KeyError:
+        raise ConfigError(f"Runtime {kind!r} is not one of {sorted(RUNTIMES)}.") from None
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    return builder(config, RuntimeOptions(tp_size=tp_size, tp_rank=tp_rank, fp8=fp8))
