@@ -91,7 +91,7 @@ class SecretRef(_Spec):
 
 
 class CommitRecordStatus(_Status):
-    """The fleet's commit record: the one durable fact of a refit (DESIGN section 6)."""
+    """The fleet's commit record: the one durable fact of a refit (docs/protocol.md)."""
 
     committed_version: Annotated[int, Field(ge=0)]
     baseline_id: str = Field(description="The committed version's checkpoint (its source).")

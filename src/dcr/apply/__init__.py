@@ -1,1 +1,1 @@
-"""In-place apply through the serving runtime's own loader (DESIGN section 5)."""
+"""In-place apply through the serving runtime's own loader (docs/apply.md)."""

@@ -1,4 +1,4 @@
-"""The life of an attempt, as a table of allowed transitions (DESIGN section 6).
+"""The life of an attempt, as a table of allowed transitions (docs/protocol.md).
 
 ::
 
