@@ -14,8 +14,17 @@ Hierarchy::
     └── NotYet                    a refit cannot proceed now (base version not committed,
                                   fleet busy, too few receivers): look again later
 
-In kopf handlers, ``NotYet``, ``ApiUnreachable`` and other ``ApiError`` map to
-``kopf.TemporaryError`` and ``InvalidResource`` to ``kopf.PermanentError``.
+In kopf handlers (``handlers.py``):
+
+* a RolloutFleet whose own spec fails validation is a ``kopf.PermanentError`` (and a
+  Warning Event): nothing but an edit of that spec can cure it, and an edit re-runs the
+  handler;
+* ``NotYet``, ``ApiUnreachable`` and other ``ApiError`` are ``kopf.TemporaryError`` after
+  the operator's retry delay;
+* ``InvalidResource`` is a ``kopf.TemporaryError`` after three retry delays, not a
+  permanent one: what it names is usually another object (the fleet a refit points at,
+  the agent token's Secret, the store URI in the fleet) that its owner can fix without
+  touching the WeightRefit, and the refit should then proceed by itself.
 """
 
 from __future__ import annotations
