@@ -13,9 +13,12 @@ Hierarchy::
     ├── ManifestError          a manifest is missing, malformed, or disagrees with payloads
     ├── TargetMismatch         a payload does not fit the tensors it would be applied to
     │   └── WrongBaseVersion   the target is not at the payload's base version
+    ├── HttpError              a peer answered with an error status or not at all;
+    │                          ``status`` is the HTTP status, or None without a response
+    │                          (the base of RelayError, AgentError and the operator's ApiError)
     ├── StoreError             an object store read or write failed
     │   ├── ObjectNotFound     the key does not exist
-    │   └── RelayError         a relay request failed; ``status`` is the HTTP status or None
+    │   └── RelayError         a relay request failed (also an HttpError)
     │       └── RelayNotFound  no such payload or manifest at the relay (also ObjectNotFound)
     │
     │   Defined beside the code that raises them (all subclass DcrError directly):
@@ -33,14 +36,13 @@ Hierarchy::
     ├── CommitUnknown          (protocol.coordinator) a commit's outcome could not be
     │                          learned; nothing was abandoned, the record decides later
     ├── AgentError             (protocol.agent_api) an agent refused a call or is
-    │                          unreachable; ``status`` is the HTTP status or None
+    │                          unreachable (an HttpError)
     ├── ReceiveStopped         (transport.receive) the receiver was told to stop
-    ├── AgentConflict          (agent.service) a call does not fit the agent's state
-    ├── AttemptFailed          (agent.service) the current attempt failed on this agent
-    ├── JournalError           (agent.journal) the agent's journal is unreadable
+    ├── AgentConflict          (receiver.service) a call does not fit the agent's state
+    ├── AttemptFailed          (receiver.service) the current attempt failed on this agent
+    ├── JournalError           (receiver.journal) the agent's journal is unreadable
     │
-    └── BaselineError          an owner cannot vouch for that baseline version (encoder,
-                               shards)
+    └── BaselineError          an owner cannot vouch for that baseline version (owner/)
 
 Messages are sentences that carry the offending values.
 """
@@ -90,6 +92,18 @@ class WrongBaseVersion(TargetMismatch):
     """The target holds bits that are neither the base nor the target version."""
 
 
+class HttpError(DcrError):
+    """A peer answered an HTTP call with an error status, or could not be reached.
+
+    ``status`` is the HTTP status, or None when no response came. Callers that only care
+    whether a peer refused (4xx) or failed (5xx, unreachable) catch this one class.
+    """
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class StoreError(DcrError):
     """An object store operation failed."""
 
@@ -98,12 +112,8 @@ class ObjectNotFound(StoreError):
     """The requested object does not exist in the store."""
 
 
-class RelayError(StoreError):
+class RelayError(StoreError, HttpError):
     """A relay request failed; ``status`` is the HTTP status, or None without a response."""
-
-    def __init__(self, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 class RelayNotFound(RelayError, ObjectNotFound):

@@ -3,7 +3,8 @@
 Hierarchy::
 
     OperatorError                 root (a DcrError, so callers may catch DCR as a whole)
-    ├── ApiError                  the Kubernetes API answered with an error status;
+    ├── ApiError                  the Kubernetes API answered with an error status (also
+    │   │                         a dcr.errors.HttpError, like AgentError and RelayError);
     │   │                         ``status`` is the HTTP status, ``reason`` its Reason
     │   ├── NotFound              404
     │   └── Conflict              409: resourceVersion precondition or AlreadyExists
@@ -29,19 +30,20 @@ In kopf handlers (``handlers.py``):
 
 from __future__ import annotations
 
-from dcr.errors import DcrError
+from dcr.errors import DcrError, HttpError
 
 
 class OperatorError(DcrError):
     """Root of every operator error."""
 
 
-class ApiError(OperatorError):
+class ApiError(OperatorError, HttpError):
     """The API server refused a request; ``status`` is its HTTP status."""
 
+    status: int
+
     def __init__(self, message: str, status: int, reason: str = "") -> None:
-        super().__init__(message)
-        self.status = status
+        super().__init__(message, status)
         self.reason = reason
 
 
