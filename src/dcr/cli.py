@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,9 @@ from dcr.errors import DcrError
 from dcr.files.inspect import describe, render
 from dcr.files.patch import load_manifest, patch_checkpoint
 from dcr.format.profile import load_profile
-from dcr.owner.diff import DiffSettings, MiB, diff_checkpoints
+from dcr.owner.diff import diff_checkpoints
+from dcr.owner.settings import EncodeSettings
+from dcr.settings import MiB, add_options, doc, from_args
 from dcr.transport.store import open_store
 
 EPILOG = """\
@@ -50,21 +53,41 @@ def _emit(args: argparse.Namespace, summary: dict[str, Any], text: str) -> None:
     print(json.dumps(summary, sort_keys=True) if args.json else text)
 
 
+# ``dcr diff`` and ``dcr encode`` share their options, generated from EncodeSettings:
+# (command, help, settings fields left off, fields required, manifest under the attempt).
+# encode adds the attempt and the owner split and requires the mode and the attempt.
+_ENCODE_COMMANDS: tuple[tuple[str, str, tuple[str, ...], tuple[str, ...], bool], ...] = (
+    ("diff", "write the delta BASE -> TARGET as version N to a store",
+     ("owner", "owners", "attempt"), (), False),
+    ("encode", "publish one owner's part of a refit attempt (an owner process; like diff, "
+     "with the attempt and owner split given)", (), ("mode", "attempt"), True),
+)
+
+
+def _add_encode_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    for name, help_, skip, required, per_attempt in _ENCODE_COMMANDS:
+        d = sub.add_parser(name, help=help_)
+        d.add_argument("base", metavar="BASE", help="HF checkpoint dir or .safetensors file")
+        d.add_argument("target", metavar="TARGET", help="HF checkpoint dir or .safetensors file")
+        d.add_argument("--store", required=True, help="file:///abs/path or a plain path")
+        d.add_argument("--base-version", type=int, metavar="M",
+                       help=f"{doc(EncodeSettings, 'base_version')} (default N-1)")
+        add_options(d, EncodeSettings, skip=("base_version", *skip), required=required)
+        d.add_argument("--json", action="store_true", help="print one JSON summary object")
+        d.set_defaults(func=cmd_diff, attempt_manifest=per_attempt)
+
+
+def encode_settings(args: argparse.Namespace) -> EncodeSettings:
+    """What ``dcr diff`` or ``dcr encode`` was told (the profile file not read yet)."""
+    return from_args(
+        EncodeSettings, args, attempt_manifest=args.attempt_manifest,
+        base_version=args.version - 1 if args.base_version is None else args.base_version)
+
+
 def cmd_diff(args: argparse.Namespace) -> None:
-    settings = DiffSettings(
-        version=args.version,
-        base_version=args.version - 1 if args.base_version is None else args.base_version,
-        mode=args.mode,
-        owner=getattr(args, "owner", 0),
-        owners=getattr(args, "owners", 1),
-        attempt=getattr(args, "attempt", None),
-        attempt_manifest=getattr(args, "attempt_manifest", False),
-        bucket_bytes=args.bucket_mib * MiB,
-        level=args.level,
-        threads=args.threads,
-        overwrite=tuple(args.overwrite),
-        profile=load_profile(Path(args.profile)) if args.profile else None,
-    )
+    settings = encode_settings(args)
+    if settings.profile_path is not None:
+        settings = replace(settings, profile=load_profile(settings.profile_path))
     store = open_store(args.store)
     t0 = time.perf_counter()
     with Checkpoint(Path(args.base)) as base, Checkpoint(Path(args.target)) as target:
@@ -192,36 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    d = sub.add_parser("diff", help="write the delta BASE -> TARGET as version N to a store")
-    d.add_argument("base", metavar="BASE", help="HF checkpoint dir or .safetensors file")
-    d.add_argument("target", metavar="TARGET", help="HF checkpoint dir or .safetensors file")
-    d.add_argument("--store", required=True, help="file:///abs/path or a plain path")
-    d.add_argument("--version", type=int, required=True, metavar="N", help="target version")
-    d.add_argument("--base-version", type=int, metavar="M", help="base version (default N-1)")
-    d.add_argument("--mode", choices=["mixed", "overwrite"], default="mixed",
-                   help="mixed: XOR where allowed; overwrite: every entry absolute (default mixed)")
-    d.add_argument("--bucket-mib", type=int, default=256, metavar="K",
-                   help="dense MiB of source tensors per payload (default 256)")
-    d.add_argument("--level", type=int, default=1, help="zstd level (default 1)")
-    d.add_argument("--threads", type=int, default=2, help="diff threads (default 2)")
-    d.add_argument("--overwrite", action="append", default=[], metavar="REGEX",
-                   help="tensors (full-match regex) that always travel as overwrites")
-    d.add_argument("--profile", metavar="FILE",
-                   help="merged receiver profile (JSON): per tensor xor, overwrite or dense")
-    d.add_argument("--json", action="store_true", help="print one JSON summary object")
-    d.set_defaults(func=cmd_diff)
-
-    e = sub.add_parser("encode", help="publish one owner's part of a refit attempt (an owner "
-                       "process; like diff, with the attempt and owner split given)")
-    for action in d._actions:
-        if action.dest not in ("help", "mode"):
-            e._add_action(action)
-    e.add_argument("--mode", choices=["mixed", "overwrite"], required=True)
-    e.add_argument("--attempt", required=True, help="attempt id from the coordinator")
-    e.add_argument("--owner", type=int, default=0, metavar="K", help="this owner's index")
-    e.add_argument("--owners", type=int, default=1, metavar="N",
-                   help="owners splitting the tensors by name hash (default 1)")
-    e.set_defaults(func=cmd_diff, attempt_manifest=True)
+    _add_encode_commands(sub)
 
     from dcr.receiver.main import add_arguments
 

@@ -38,7 +38,7 @@ from typing import Any, Literal
 from dcr.checkpoint import Checkpoint
 from dcr.errors import ConfigError, DcrError
 from dcr.format.profile import ReceiverProfile, merge
-from dcr.owner.encoder import ProcessOwner
+from dcr.owner.process import ProcessOwner
 from dcr.protocol.commitstore import SqliteCommitStore
 from dcr.protocol.coordinator import Coordinator, CoordinatorSettings
 from dcr.protocol.records import CommitRecord

@@ -28,10 +28,13 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from dcr.format.payload import Mode
+from dcr.owner.settings import EncodeSettings
 from dcr.protocol.records import Attempt, CommitRecord
+from dcr.settings import MiB
 from dcr_operator.crds import API_VERSION, GROUP, RolloutFleetSpec, WeightRefitSpec
 from dcr_operator.errors import ApiError, ApiUnreachable, Conflict, EncoderJobFailed, NotFound
 from dcr_operator.kube import KubeClient, api_path
@@ -73,17 +76,18 @@ def owner_reference(obj: Mapping[str, Any]) -> dict[str, Any]:
 
 def encode_args(*, base: str, target: str, store: str, attempt: Attempt, owners: int,
                 profile: bool, bucket_mib: int | None) -> list[str]:
-    """``dcr encode`` arguments of one attempt; ``$(DCR_OWNER)`` is the Job index."""
+    """``dcr encode`` arguments of one attempt; ``$(DCR_OWNER)`` is the Job index.
+
+    Built by :meth:`EncodeSettings.argv <dcr.owner.settings.EncodeSettings.argv>`, as
+    ``ProcessOwner``'s are; a ``bucket_mib`` of None keeps the encoder's default.
+    """
     t = attempt.transition
-    args = ["encode", base, target, "--store", store,
-            "--base-version", str(t.base_version), "--version", str(t.target_version),
-            "--attempt", attempt.id, "--mode", attempt.mode,
-            "--owner", "$(DCR_OWNER)", "--owners", str(owners), "--json"]
-    if profile:
-        args += ["--profile", f"{PROFILE_DIR}/{PROFILE_KEY}"]
-    if bucket_mib is not None:
-        args += ["--bucket-mib", str(bucket_mib)]
-    return args
+    settings = EncodeSettings(
+        version=t.target_version, base_version=t.base_version, mode=attempt.mode,
+        attempt=attempt.id, owners=owners,
+        bucket_bytes=EncodeSettings.bucket_bytes if bucket_mib is None else bucket_mib * MiB,
+        profile_path=Path(PROFILE_DIR, PROFILE_KEY) if profile else None)
+    return settings.argv(base, target, store=store, owner="$(DCR_OWNER)")
 
 
 def job_manifest(*, refit: Mapping[str, Any], spec: WeightRefitSpec, fleet: RolloutFleetSpec,

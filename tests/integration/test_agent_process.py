@@ -34,7 +34,7 @@ from dcr.checkpoint import Checkpoint
 from dcr.errors import DcrError
 from dcr.format.layout import manifest_key, payload_key, version_prefix
 from dcr.format.profile import ReceiverProfile, dumps, merge
-from dcr.owner.encoder import ProcessOwner
+from dcr.owner.process import ProcessOwner
 from dcr.protocol.agent_api import AgentClient, AgentError, AgentStatus, FlushAck
 from dcr.protocol.commitstore import SqliteCommitStore
 from dcr.protocol.coordinator import Coordinator, CoordinatorSettings, ReceiverHandle

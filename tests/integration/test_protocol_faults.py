@@ -42,7 +42,8 @@ from dcr.errors import BaselineError, StoreError
 from dcr.format.layout import payload_key
 from dcr.format.manifest import Manifest
 from dcr.format.profile import merge
-from dcr.owner.encoder import Encoder, ProcessOwner
+from dcr.owner.encoder import Encoder
+from dcr.owner.process import ProcessOwner
 from dcr.protocol.agent_api import AgentError, AgentStatus, AttemptRef, AttemptSpec, FlushAck
 from dcr.protocol.commitstore import CommitStore, SqliteCommitStore
 from dcr.protocol.coordinator import (

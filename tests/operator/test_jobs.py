@@ -61,10 +61,11 @@ def test_the_encoder_job_is_indexed_owned_and_runs_one_owner_per_index() -> None
     assert c["image"] == "img:1"
     assert c["command"] == ["dcr"]
     assert c["args"] == ["encode", "/ckpt/v2", "/ckpt/v3", "--store", "s3://bucket/p",
-                         "--base-version", "2", "--version", "3", "--attempt",
-                         "a-0123456789ab", "--mode", "mixed", "--owner", "$(DCR_OWNER)",
-                         "--owners", "2", "--json", "--profile",
-                         "/etc/dcr/profile/profile.json"]
+                         "--version", "3", "--base-version", "2", "--mode", "mixed",
+                         "--bucket-mib", "256", "--level", "1", "--threads", "2",
+                         "--owners", "2", "--attempt", "a-0123456789ab",
+                         "--profile", "/etc/dcr/profile/profile.json",
+                         "--owner", "$(DCR_OWNER)", "--json"]
     env = {e["name"]: e for e in c["env"]}
     assert env["DCR_OWNER"]["valueFrom"]["fieldRef"]["fieldPath"] == (
         "metadata.annotations['batch.kubernetes.io/job-completion-index']")
@@ -81,7 +82,7 @@ def test_encoder_overrides_reach_the_pod() -> None:
     pod = job["spec"]["template"]["spec"]
     c = pod["containers"][0]
     assert c["image"] == "mine:2"
-    assert c["args"][-2:] == ["--bucket-mib", "64"]
+    assert c["args"][c["args"].index("--bucket-mib") + 1] == "64"
     assert c["resources"] == {"requests": {"cpu": 4, "memory": "8Gi"}}
     assert pod["nodeSelector"] == {"pool": "train"}
     assert pod["tolerations"] == [{"key": "gpu", "operator": "Exists"}]

@@ -28,28 +28,28 @@ that holds them whole.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 
 from dcr.codec.changes import find_changes
-from dcr.codec.encode import ItemDelta, PayloadBuilder, encode_item
+from dcr.codec.encode import ItemDelta, encode_item
 from dcr.codec.planes import UInt
-from dcr.errors import BaselineError, ConfigError
+from dcr.errors import ConfigError
 from dcr.format.dtypes import dtype as dtype_of
-from dcr.format.layout import owner_manifest_key, payload_key
-from dcr.format.manifest import Manifest, PayloadEntry, Stats
-from dcr.format.payload import EntryKind
+from dcr.format.manifest import Manifest
+from dcr.format.names import EntryKind
 from dcr.format.profile import ReceiverProfile
-from dcr.protocol.records import Attempt, CommitRecord
+from dcr.owner.settings import EncodeSettings
+from dcr.owner.state import OwnerState
+from dcr.owner.writer import AttemptWriter
+from dcr.protocol.records import Attempt
 from dcr.transport.store import Store
 
 ShardKind = Literal["replicated", "rows", "columns", "gate_up", "expert"]
-MiB = 1 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,27 +156,24 @@ class ShardMap:
 
 
 @dataclass(kw_only=True)
-class ShardEncoder:
+class ShardEncoder(OwnerState[Mapping[str, UInt]]):
     """An ``OwnerHandle`` for one trainer rank: its shards, their maps, its baseline.
 
     ``baseline`` and candidates map local tensor names to raw bits (e.g.
     ``t.view(torch.int16).numpy().view(np.uint16)`` for BF16). The baseline advances
-    only for a commit record naming the candidate and an attempt this rank published.
+    only for a commit record naming the candidate and an attempt this rank published
+    (:class:`~dcr.owner.state.OwnerState`).
     """
+
+    role: ClassVar[str] = "rank"
 
     store: Store
     maps: Mapping[str, ShardMap]
-    baseline: Mapping[str, UInt]
-    version: int
-    owner: int = 0
     owners: int = 1
     profile: ReceiverProfile | None = None
-    bucket_bytes: int = 256 * MiB  # local dense bytes per payload
-    level: int = 1
-    candidate: Mapping[str, UInt] | None = None
-    candidate_version: int | None = None
+    bucket_bytes: int = EncodeSettings.bucket_bytes  # local dense bytes per payload
+    level: int = EncodeSettings.level
     manifests: list[Manifest] = field(default_factory=list)
-    _published: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if set(self.maps) != set(self.baseline):
@@ -187,10 +184,7 @@ class ShardEncoder:
         if set(candidate) != set(self.maps):
             raise ConfigError(f"Candidate names different tensors than the shard maps: "
                               f"{sorted(set(candidate) ^ set(self.maps))[:5]}.")
-        if version <= self.version:
-            raise ConfigError(f"Candidate version {version} is not after {self.version}.")
-        self.candidate, self.candidate_version = candidate, version
-        self._published = set()
+        super().set_candidate(candidate, version)
 
     def _entry(self, m: ShardMap, mode: str) -> EntryKind:
         classes = {self.profile.tensors.get(n, "xor") if self.profile else "xor"
@@ -201,33 +195,16 @@ class ShardEncoder:
         return "overwrite" if mode == "overwrite" or "overwrite" in classes else "xor"
 
     def publish(self, attempt: Attempt) -> None:
+        candidate = self.check_publish(attempt)
         t = attempt.transition
-        if self.candidate is None or (t.base_version, t.target_version) != (
-                self.version, self.candidate_version):
-            raise BaselineError(f"Rank {self.owner}: attempt {attempt.id} is {t.base_version} -> "
-                              f"{t.target_version}; baseline {self.version}, candidate "
-                              f"{self.candidate_version}.")
-        self._published.add(attempt.id)
-        entries: list[PayloadEntry] = []
+        writer = AttemptWriter(store=self.store, base_version=t.base_version,
+                               version=t.target_version, attempt=attempt.id,
+                               mode=attempt.mode, owner=self.owner, level=self.level,
+                               per_attempt=True)
         changed = total = dense = 0
-
-        def builder(seq: int) -> PayloadBuilder:
-            return PayloadBuilder(base_version=t.base_version, target_version=t.target_version,
-                                  attempt=attempt.id, owner=self.owner, seq=seq,
-                                  mode=attempt.mode, level=self.level)
-
-        def seal(b: PayloadBuilder) -> None:
-            data = b.seal()
-            key = payload_key(t.target_version, attempt.id, self.owner, b.seq)
-            self.store.put(key, data)
-            entries.append(PayloadEntry(
-                key=key, owner=self.owner, seq=b.seq, size=len(data),
-                digest=hashlib.blake2b(data, digest_size=16).hexdigest(),
-                items=len(b.items), records=b.records))
-
-        b = builder(0)
+        b = writer.builder(0)
         for name in sorted(self.maps):
-            m, base, cand = self.maps[name], self.baseline[name], self.candidate[name]
+            m, base, cand = self.maps[name], self.baseline[name], candidate[name]
             entry = self._entry(m, attempt.mode)
             total += base.size
             dense += base.nbytes
@@ -236,29 +213,10 @@ class ShardEncoder:
                 b.add(encode_item(delta), dense_bytes=0)
             b.dense_bytes += base.nbytes
             if b.dense_bytes >= self.bucket_bytes and b.items:
-                seal(b)
-                b = builder(b.seq + 1)
+                writer.seal(b)
+                b = writer.builder(b.seq + 1)
         if b.items:
-            seal(b)
-        manifest = Manifest(
-            base_version=t.base_version, target_version=t.target_version, attempt=attempt.id,
-            mode=attempt.mode, payloads=tuple(entries), tensors=(),
-            stats=Stats(tensors=len(self.maps), changed_elements=changed, total_elements=total,
-                        dense_bytes=dense, payload_bytes=sum(e.size for e in entries)))
-        self.store.put(owner_manifest_key(t.target_version, attempt.id, self.owner),
-                       manifest.to_json())
-        self.manifests.append(manifest)
-
-    def advance_baseline(self, record: CommitRecord) -> None:
-        if record.committed_version == self.version and self.candidate is None:
-            return
-        if record.committed_version != self.candidate_version or (
-                record.attempt not in self._published):
-            raise BaselineError(f"Rank {self.owner}: the commit record names version "
-                              f"{record.committed_version} by {record.attempt!r}; this rank "
-                              f"published {sorted(self._published)} for "
-                              f"{self.candidate_version}. The baseline stays.")
-        assert self.candidate is not None
-        assert self.candidate_version is not None
-        self.baseline, self.version = self.candidate, self.candidate_version
-        self.candidate = self.candidate_version = None
+            writer.seal(b)
+        self.manifests.append(writer.finish(tensors=(), tensor_count=len(self.maps),
+                                            changed_elements=changed, total_elements=total,
+                                            dense_bytes=dense))

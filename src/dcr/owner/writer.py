@@ -1,0 +1,76 @@
+"""One owner's part of one attempt in a store: sealed payloads, then its manifest part.
+
+Both ways of finding changes (whole canonical tensors in :mod:`dcr.owner.diff`, a trainer
+rank's shards in :mod:`dcr.owner.shards`) fill :class:`~dcr.codec.encode.PayloadBuilder`
+buckets and hand them here. :class:`AttemptWriter` seals each bucket, puts it under its
+payload key, lists it with its size and object digest, and, once every payload is in the
+store, writes the manifest: under the attempt (``owner_manifest_key``, what protocol
+owners and several owners write) or at the version (``manifest_key``, the file-level
+layout ``dcr patch`` reads). The manifest goes last, so a reader that finds it finds every
+payload it lists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dcr.codec.encode import PayloadBuilder
+from dcr.format.layout import manifest_key, owner_manifest_key, payload_key
+from dcr.format.manifest import Manifest, PayloadEntry, Stats, TensorEntry
+from dcr.format.names import Mode, object_digest
+from dcr.transport.store import Store
+
+
+@dataclass(kw_only=True)
+class AttemptWriter:
+    """Writes owner ``owner``'s payloads and manifest of attempt ``attempt``."""
+
+    store: Store
+    base_version: int
+    version: int  # the target version
+    attempt: str
+    mode: Mode
+    owner: int
+    level: int  # zstd level of every payload
+    per_attempt: bool  # the manifest under the attempt, not at the version
+    entries: list[PayloadEntry] = field(default_factory=list, init=False)
+
+    def builder(self, seq: int) -> PayloadBuilder:
+        """An empty bucket: this owner's payload number ``seq`` of the attempt."""
+        return PayloadBuilder(base_version=self.base_version, target_version=self.version,
+                              attempt=self.attempt, owner=self.owner, seq=seq, mode=self.mode,
+                              level=self.level)
+
+    def seal(self, builder: PayloadBuilder) -> PayloadEntry:
+        """Seal ``builder``, put it in the store and list it. Call in ``seq`` order."""
+        data = builder.seal()
+        key = payload_key(self.version, self.attempt, self.owner, builder.seq)
+        self.store.put(key, data)
+        entry = PayloadEntry(key=key, owner=self.owner, seq=builder.seq, size=len(data),
+                             digest=object_digest(data), items=len(builder.items),
+                             records=builder.records)
+        self.entries.append(entry)
+        return entry
+
+    def finish(self, *, tensors: tuple[TensorEntry, ...], tensor_count: int,
+               changed_elements: int, total_elements: int, dense_bytes: int) -> Manifest:
+        """Write the manifest of every payload sealed so far; return it.
+
+        ``tensors`` lists fingerprints where the owner has them (the shard path has none);
+        ``tensor_count`` counts the tensors this owner compared either way.
+        """
+        manifest = Manifest(
+            base_version=self.base_version, target_version=self.version,
+            attempt=self.attempt, mode=self.mode, payloads=tuple(self.entries),
+            tensors=tensors,
+            stats=Stats(tensors=tensor_count, changed_elements=changed_elements,
+                        total_elements=total_elements, dense_bytes=dense_bytes,
+                        payload_bytes=sum(e.size for e in self.entries)),
+        )
+        key = (owner_manifest_key(self.version, self.attempt, self.owner)
+               if self.per_attempt else manifest_key(self.version))
+        self.store.put(key, manifest.to_json())
+        return manifest
+
+
+__all__ = ["AttemptWriter"]
