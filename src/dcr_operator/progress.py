@@ -14,11 +14,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, ParamSpec, TypeVar, cast
 
 from dcr.format.payload import Mode
-from dcr.protocol.agent_api import AgentStatus, FlushAck
+from dcr.protocol.agent_api import AgentApi, Call, FlushAck
 from dcr.protocol.coordinator import AttemptResult, ReceiverHandle
 from dcr.protocol.records import Attempt
 from dcr_operator.crds import GROUP, REFIT_PLURAL, VERSION
@@ -28,6 +28,8 @@ from dcr_operator.metrics import METRICS
 from dcr_operator.reconcile import abandoned, attempt_status, phase_of, set_condition
 
 log = logging.getLogger(__name__)
+P = ParamSpec("P")
+R = TypeVar("R")
 
 # (object, event type "Normal" | "Warning", reason, message)
 Emit = Callable[[Mapping[str, Any], str, str, str], None]
@@ -183,8 +185,41 @@ class Recorder:
             log.warning("could not write the status of %s: %s", self.path, e)
 
 
-class TrackedReceiver:
-    """A ``ReceiverHandle`` that reports every step and error of one agent to a Recorder."""
+@dataclass(frozen=True, kw_only=True)
+class Step:
+    """How one agent call shows in its receiver's entry of the WeightRefit status."""
+
+    label: str  # a failure shows as state "<label> failed" with the error
+    before: Mapping[str, Any] = field(default_factory=dict)  # fields set before the call
+    after: Mapping[str, Any] = field(default_factory=dict)  # fields set once it returned
+    starts_attempt: bool = False  # tell the Recorder first; record the attempt's id after
+    ack: bool = False  # the answer is a FlushAck: record its payloads, bytes and time
+    event: tuple[str, str] | None = None  # (reason, message over name and the arguments)
+
+
+# Keyed by the rows of dcr.protocol.agent_api.AgentApi; a call not listed here (status,
+# the gates, inspection) shows only when it fails, under its own name.
+STEPS: dict[str, Step] = {
+    "prepare": Step(label="prepare", starts_attempt=True, after={
+        "state": "prepared", "error": None, "payloads": 0, "bytes": 0}),
+    "open_apply": Step(label="open_apply", after={"state": "applying"}),
+    "wait_staged": Step(label="wait_staged", after={"state": "staged"}),
+    "flush": Step(label="flush", ack=True),
+    "committed": Step(label="commit", after={"state": "committed"}),
+    "stop_and_wait": Step(label="stop", after={"state": "stopped"}),
+    "rejoin": Step(label="rejoin", before={"state": "rejoining"},
+                   after={"state": "rejoined", "error": None},
+                   event=("ReceiverRejoined", "Receiver {name} restored version {0} by a "
+                          "dense load of {1}.")),
+}
+
+
+class TrackedReceiver(AgentApi):
+    """A ``ReceiverHandle`` that reports every step and error of one agent to a Recorder.
+
+    Every row of the agent API is a method (from :class:`AgentApi`); :data:`STEPS` says
+    what each one writes. A forced mode replaces the mode of every attempt passed on.
+    """
 
     def __init__(self, inner: ReceiverHandle, recorder: Recorder,
                  on_attempt: Callable[[Attempt], None], *,
@@ -196,57 +231,30 @@ class TrackedReceiver:
     def __repr__(self) -> str:
         return f"TrackedReceiver({self.inner!r})"
 
-    def _mode(self, attempt: Attempt) -> Attempt:
-        return replace(attempt, mode=self.forced_mode) if self.forced_mode else attempt
+    def _mode(self, arg: object) -> object:
+        if self.forced_mode and isinstance(arg, Attempt):
+            return replace(arg, mode=self.forced_mode)
+        return arg
 
-    def _call(self, step: str, fn: Callable[[], Any], **fields: Any) -> Any:
+    def _invoke(self, call: Call[P, Any, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        step = STEPS.get(call.name) or Step(label=call.name)
+        if step.starts_attempt:
+            self.on_attempt(cast(Attempt, args[0]))
+        if step.before:
+            self.recorder.receiver(self.name, **step.before)
+        fn = getattr(self.inner, call.name)
         try:
-            out = fn()
+            out: R = fn(*map(self._mode, args), **{k: self._mode(v) for k, v in kwargs.items()})
         except Exception as e:
-            self.recorder.receiver(self.name, state=f"{step} failed", error=str(e)[:1024])
+            self.recorder.receiver(self.name, state=f"{step.label} failed", error=str(e)[:1024])
             raise
-        if fields:
-            self.recorder.receiver(self.name, **fields)
+        if step.after:
+            extra = {"attempt": cast(Attempt, args[0]).id} if step.starts_attempt else {}
+            self.recorder.receiver(self.name, **extra, **step.after)
+        if step.ack:
+            self.recorder.flushed(self.name, cast(FlushAck, out))
+        if step.event is not None:
+            reason, message = step.event
+            self.recorder.emit(self.recorder.refit, "Normal", reason,
+                               message.format(*args, name=self.name))
         return out
-
-    def status(self) -> AgentStatus:
-        st: AgentStatus = self._call("status", self.inner.status)
-        return st
-
-    def prepare(self, attempt: Attempt) -> None:
-        self.on_attempt(attempt)
-        self._call("prepare", lambda: self.inner.prepare(self._mode(attempt)),
-                   attempt=attempt.id, state="prepared", error=None, payloads=0, bytes=0)
-
-    def close_gate(self) -> None:
-        self._call("close_gate", self.inner.close_gate)
-
-    def open_apply(self, attempt: Attempt) -> None:
-        self._call("open_apply", lambda: self.inner.open_apply(self._mode(attempt)),
-                   state="applying")
-
-    def wait_staged(self, attempt: Attempt) -> None:
-        self._call("wait_staged", lambda: self.inner.wait_staged(self._mode(attempt)),
-                   state="staged")
-
-    def flush(self, attempt: Attempt) -> FlushAck:
-        ack: FlushAck = self._call("flush", lambda: self.inner.flush(self._mode(attempt)))
-        self.recorder.flushed(self.name, ack)
-        return ack
-
-    def committed(self, attempt: str) -> None:
-        self._call("commit", lambda: self.inner.committed(attempt), state="committed")
-
-    def stop_and_wait(self, attempt: str) -> None:
-        self._call("stop", lambda: self.inner.stop_and_wait(attempt), state="stopped")
-
-    def open_gate(self) -> None:
-        self._call("open_gate", self.inner.open_gate)
-
-    def rejoin(self, version: int, checkpoint: str) -> None:
-        self.recorder.receiver(self.name, state="rejoining")
-        self._call("rejoin", lambda: self.inner.rejoin(version, checkpoint),
-                   state="rejoined", error=None)
-        self.recorder.emit(self.recorder.refit, "Normal", "ReceiverRejoined",
-                           f"Receiver {self.name} restored version {version} by a dense load "
-                           f"of {checkpoint}.")

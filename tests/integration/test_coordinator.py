@@ -21,7 +21,6 @@ from dcr.protocol.commitstore import SqliteCommitStore
 from dcr.protocol.coordinator import CommitConflict, Coordinator
 from dcr.protocol.records import CommitOutcome, CommitRecord
 from dcr.receiver.host import RuntimeHost
-from dcr.receiver.local import LocalReceiver
 from dcr.receiver.service import AgentService
 from dcr.runtimes.vllm import VllmRuntime
 from dcr.runtimes.vllm_reference import (
@@ -58,11 +57,11 @@ def setup(tmp_path: Path):  # type: ignore[no-untyped-def]
         model.load_weights(old.items())
         host = RuntimeHost(VllmRuntime(model), canonical)
         ranks.append(model)
-        receivers.append(LocalReceiver(AgentService(
+        receivers.append(AgentService(
             f"rank-{r}", host, lambda spec: StoreSource(
                 store=store, version=spec.target_version, attempt=spec.attempt,
-                owners=spec.owners), version=0)))
-    profile = merge(rx.service.host.profile for rx in receivers)
+                owners=spec.owners), version=0))
+    profile = merge(rx.host.profile for rx in receivers)
     owner = Encoder(store=store, baseline=source(old), version=0, profile=profile)
     owner.set_candidate(source(new), 1)
     commits = SqliteCommitStore(tmp_path / "commit.db", V0)
@@ -78,7 +77,7 @@ def exact(model: ReferenceModel, rank: int, sd: dict[str, torch.Tensor]) -> bool
 
 def test_a_receiver_killed_mid_apply_is_repaired_by_an_overwrite_retry(tmp_path: Path) -> None:
     _, new, ranks, receivers, owner, commits = setup(tmp_path)
-    victim = receivers[1].service.host.engine
+    victim = receivers[1].host.engine
     real, calls = victim._write_mapped, 0
 
     def dying(*args, **kwargs):  # type: ignore[no-untyped-def]

@@ -2,7 +2,8 @@
 
 Every scenario runs a real fleet: three receivers (two vLLM-layout TP ranks of the
 reference runtime and a transformers ``LlamaForCausalLM``), each an ``AgentService``
-over a ``RuntimeHost`` with its own journal, behind ``LocalReceiver``-style handles;
+over a ``RuntimeHost`` with its own journal (a ``ReceiverHandle`` itself), behind
+handles that can die and restart;
 two in-process ``Encoder`` owners splitting the tensors (multi-owner manifests); a
 SQLite commit record. Faults are injected only at our own seams: a ``Store`` wrapper
 around ``MemoryStore`` (payload and store faults), ``Source`` wrappers (delivery
@@ -44,7 +45,7 @@ from dcr.format.manifest import Manifest
 from dcr.format.profile import merge
 from dcr.owner.encoder import Encoder
 from dcr.owner.process import ProcessOwner
-from dcr.protocol.agent_api import AgentError, AgentStatus, AttemptRef, AttemptSpec, FlushAck
+from dcr.protocol.agent_api import AgentError, AgentStatus, AttemptSpec, FlushAck
 from dcr.protocol.commitstore import CommitStore, SqliteCommitStore
 from dcr.protocol.coordinator import (
     CommitUnknown,
@@ -56,7 +57,6 @@ from dcr.protocol.coordinator import (
 from dcr.protocol.records import Attempt, CommitOutcome, CommitRecord, Transition
 from dcr.receiver.host import RuntimeHost
 from dcr.receiver.journal import Journal
-from dcr.receiver.local import LocalReceiver
 from dcr.receiver.service import AgentService
 from dcr.runtimes.base import Runtime
 from dcr.runtimes.hf import HFRuntime
@@ -277,7 +277,6 @@ class Rank:
         host.load_dense(self.versions.dir(0))
         self.service = AgentService(self.name, host, self._source, version=0,
                                     journal=self.journal)
-        self.local = LocalReceiver(self.service)
         self.dead = False
 
     def _source(self, spec: AttemptSpec) -> Source:
@@ -306,15 +305,15 @@ class Rank:
         old = self.service
         attempt = old.status().attempt
         if attempt is not None:
-            old.stop_and_wait(AttemptRef(attempt=attempt))
+            old.stop_and_wait(attempt)
         assert self._journal_at_death is not None, f"{self.name} was never killed"
         self.journal.path.write_bytes(self._journal_at_death)
         self.start()
 
-    def _live(self) -> LocalReceiver:
+    def _live(self) -> AgentService:
         if self.dead:
             raise AgentError(f"Agent {self.name} is unreachable (killed).")
-        return self.local
+        return self.service
 
     def bits(self) -> dict[str, torch.Tensor]:
         assert not self.dead, f"{self.name} is dead"
@@ -326,32 +325,32 @@ class Rank:
             self.restart()
         return self._live().status()
 
-    def prepare(self, attempt: Attempt) -> None:
-        self._live().prepare(attempt)
+    def prepare(self, attempt: Attempt) -> AgentStatus:
+        return self._live().prepare(attempt)
 
-    def close_gate(self) -> None:
-        self._live().close_gate()
+    def close_gate(self) -> AgentStatus:
+        return self._live().close_gate()
 
-    def open_apply(self, attempt: Attempt) -> None:
-        self._live().open_apply(attempt)
+    def open_apply(self, attempt: Attempt) -> AgentStatus:
+        return self._live().open_apply(attempt)
 
-    def wait_staged(self, attempt: Attempt) -> None:
-        self._live().wait_staged(attempt)
+    def wait_staged(self, attempt: Attempt) -> AgentStatus:
+        return self._live().wait_staged(attempt)
 
     def flush(self, attempt: Attempt) -> FlushAck:
         return self._live().flush(attempt)
 
-    def committed(self, attempt: str) -> None:
-        self._live().committed(attempt)
+    def committed(self, attempt: str) -> AgentStatus:
+        return self._live().committed(attempt)
 
-    def stop_and_wait(self, attempt: str) -> None:
-        self._live().stop_and_wait(attempt)
+    def stop_and_wait(self, attempt: str) -> AgentStatus:
+        return self._live().stop_and_wait(attempt)
 
-    def open_gate(self) -> None:
-        self._live().open_gate()
+    def open_gate(self) -> AgentStatus:
+        return self._live().open_gate()
 
-    def rejoin(self, version: int, checkpoint: str) -> None:
-        self._live().rejoin(version, checkpoint)
+    def rejoin(self, version: int, checkpoint: str) -> AgentStatus:
+        return self._live().rejoin(version, checkpoint)
 
 
 # --- audits of the two protocol invariants -------------------------------------------
@@ -496,8 +495,8 @@ def fleet(tmp_path: Path, versions: Versions) -> Iterator[Fleet]:
     for c in f.commits.coordinators:
         c.close()
     for r in f.ranks:  # end receive threads of attempts a fault left running
-        if not r.dead and (st := r.local.status()).attempt is not None:
-            r.local.stop_and_wait(st.attempt)
+        if not r.dead and (st := r.service.status()).attempt is not None:
+            r.service.stop_and_wait(st.attempt)
 
 
 def outcomes(c: Coordinator) -> list[tuple[str, str]]:
@@ -1026,16 +1025,15 @@ def test_the_gate_stays_shut_while_an_attempt_applies_and_apply_refuses_an_open_
     svc = fleet.rank("vllm-0").service
     attempt = Attempt(transition=Transition(base_version=0, target_version=1), mode="mixed",
                       receivers=("vllm-0",), deadline=time.time() + 30)
-    svc.prepare(AttemptSpec.of(attempt))
-    ref = AttemptRef(attempt=attempt.id)
+    svc.prepare(attempt)
     with pytest.raises(AgentConflict, match="close the request gate before applying"):
-        svc.open_apply(ref)
+        svc.open_apply(attempt)
     svc.close_gate()
-    svc.open_apply(ref)  # dirty from here on, before any payload exists
+    svc.open_apply(attempt)  # dirty from here on, before any payload exists
     assert svc.status().dirty == (0, 1)
     with pytest.raises(AgentConflict, match="will not serve weights that hold no version"):
         svc.open_gate()
-    svc.stop_and_wait(ref)
+    svc.stop_and_wait(attempt.id)
     with pytest.raises(AgentConflict, match="is obsolete"):
-        svc.open_apply(ref)
+        svc.open_apply(attempt)
     assert svc.status().gate_open is False

@@ -669,7 +669,6 @@ def test_refit_through_s3_survives_5xx_slow_truncated_and_corrupted_objects_bit_
     from dcr.protocol.coordinator import Coordinator
     from dcr.protocol.records import CommitRecord
     from dcr.receiver.host import RuntimeHost
-    from dcr.receiver.local import LocalReceiver
     from dcr.receiver.service import AgentService
     from dcr.runtimes.vllm import VllmRuntime
     from dcr.runtimes.vllm_reference import (
@@ -719,10 +718,10 @@ def test_refit_through_s3_survives_5xx_slow_truncated_and_corrupted_objects_bit_
         model = ReferenceModel(cfg, tp_size=2, tp_rank=r)
         model.load_weights(old.items())
         store = make_store(FAST)
-        receivers.append(LocalReceiver(AgentService(
+        receivers.append(AgentService(
             f"rank-{r}", RuntimeHost(VllmRuntime(model), canonical),
             lambda spec, store=store: StoreSource(store=store, version=spec.target_version,
-                                                  attempt=spec.attempt), version=0)))
+                                                  attempt=spec.attempt), version=0))
         models.append(model)
     owner_store = CorruptFirstAttempt(make_store(FAST))
     owner = Encoder(store=owner_store, baseline=bits(old), version=0)

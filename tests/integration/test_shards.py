@@ -23,7 +23,6 @@ from dcr.protocol.commitstore import SqliteCommitStore
 from dcr.protocol.coordinator import Coordinator
 from dcr.protocol.records import Attempt, CommitRecord, Transition
 from dcr.receiver.host import RuntimeHost
-from dcr.receiver.local import LocalReceiver
 from dcr.receiver.service import AgentService
 from dcr.runtimes.vllm import VllmRuntime
 from dcr.runtimes.vllm_reference import (
@@ -117,7 +116,7 @@ def ep_shards(sd: State, cfg: ReferenceConfig, rank: int, ranks: int) -> Shards:
 
 
 def receivers(cfg: ReferenceConfig, sd: State, store: MemoryStore, tps: tuple[int, ...]
-              ) -> tuple[list[LocalReceiver], list[tuple[ReferenceModel, int, int]]]:
+              ) -> tuple[list[AgentService], list[tuple[ReferenceModel, int, int]]]:
     canonical = [CanonicalTensor(name=n, dtype="BF16", shape=tuple(t.shape)) for n, t in sd.items()]
     out, models = [], []
     for tp in tps:
@@ -125,10 +124,10 @@ def receivers(cfg: ReferenceConfig, sd: State, store: MemoryStore, tps: tuple[in
             model = ReferenceModel(cfg, tp_size=tp, tp_rank=r)
             model.load_weights(sd.items())
             host = RuntimeHost(VllmRuntime(model), canonical)
-            out.append(LocalReceiver(AgentService(
+            out.append(AgentService(
                 f"tp{tp}-rank{r}", host, lambda spec: StoreSource(
                     store=store, version=spec.target_version, attempt=spec.attempt,
-                    owners=spec.owners), version=0)))
+                    owners=spec.owners), version=0))
             models.append((model, tp, r))
     return out, models
 
@@ -148,7 +147,7 @@ def test_tensor_parallel_trainer_ranks_refit_vllm_ranks_bit_exactly(tmp_path: Pa
     new = perturbed(old, 0.02, 1)
     store = MemoryStore()
     rx, models = receivers(DENSE, old, store, (2, 1))
-    profile = merge(r.service.host.profile for r in rx)
+    profile = merge(r.host.profile for r in rx)
     owners = []
     for rank in range(2):
         maps, base = tp_shards(old, rank, 2)
@@ -175,7 +174,7 @@ def test_a_failed_first_attempt_of_shard_owners_is_repaired_by_overwrite(tmp_pat
     new = perturbed(old, 0.02, 2)
     store = MemoryStore()
     rx, models = receivers(DENSE, old, store, (2,))
-    engine = rx[1].service.host.engine
+    engine = rx[1].host.engine
     real, calls = engine._write_mapped, 0
 
     def dying(*args, **kwargs):  # type: ignore[no-untyped-def]

@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from dcr.protocol.agent_api import FlushAck
+from dcr.protocol.agent_api import AgentApi, FlushAck
 from dcr.protocol.coordinator import AttemptResult
 from dcr.protocol.records import Attempt, Transition
 from dcr_operator.errors import ApiUnreachable
-from dcr_operator.progress import Recorder, TrackedReceiver
+from dcr_operator.progress import STEPS, Recorder, TrackedReceiver
 
 REFIT = {"metadata": {"name": "r", "namespace": "ns", "generation": 1},
          "status": {"attempts": [{"id": "a-old", "outcome": "Running", "mode": "mixed"}]}}
@@ -48,6 +48,9 @@ class FakeReceiver:
 
     def open_apply(self, attempt: Attempt) -> None:
         raise RuntimeError("agent p0 went away")
+
+    def rejoin(self, version: int, checkpoint: str) -> None:
+        self.modes.append(f"dense {version}")
 
 
 def recorder(kube: FakeKube, events: list[tuple[str, str, str]], **kw: Any) -> Recorder:
@@ -102,6 +105,21 @@ def test_a_receiver_error_is_recorded_and_raised() -> None:
         rx.open_apply(attempt())
     (entry,) = rec.status()["receivers"]
     assert (entry["state"], entry["error"]) == ("open_apply failed", "agent p0 went away")
+
+
+def test_every_progress_step_names_a_call_of_the_agent_api() -> None:
+    assert set(STEPS) <= {c.name for c in AgentApi.calls()}
+
+
+def test_a_rejoin_is_recorded_before_and_after_and_announced() -> None:
+    events: list[tuple[str, str, str]] = []
+    rec = recorder(FakeKube(), events)
+    rx = TrackedReceiver(FakeReceiver(), rec, lambda x: None)  # type: ignore[arg-type]
+    rx.rejoin(1, "/ckpt/v1")
+    (entry,) = rec.status()["receivers"]
+    assert entry == {"name": "p0", "state": "rejoined"}
+    assert events == [("Normal", "ReceiverRejoined",
+                       "Receiver p0 restored version 1 by a dense load of /ckpt/v1.")]
 
 
 def test_events_only_on_transitions_and_a_failed_status_write_is_not_fatal() -> None:

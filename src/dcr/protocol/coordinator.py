@@ -23,8 +23,9 @@ names finishes it (owners advance, receivers that flushed that attempt learn the
 commit, gates open); otherwise admission stops whatever the old one left running
 and the refit continues in overwrite mode.
 
-Receivers and owners are seams: in process for the embedded demo and tests, and the
-agent's HTTP API (``AgentClient``) and encoder processes behind the same calls.
+Receivers and owners are seams: in process for the embedded demo and tests (an
+``AgentService`` is itself a ``ReceiverHandle``), and the agent's HTTP API
+(``AgentClient``) and encoder processes behind the same calls.
 """
 
 from __future__ import annotations
@@ -68,28 +69,34 @@ class CommitUnknown(DcrError):
 
 class ReceiverHandle(Protocol):
     name: str
+    """One receiver as the coordinator drives it; each call answers with its status.
+
+    ``AgentService`` is one in process, ``AgentClient`` over HTTP (both from the table
+    in :mod:`dcr.protocol.agent_api`); the operator wraps clients to record progress.
+    """
+
 
     def status(self) -> AgentStatus: ...
 
-    def prepare(self, attempt: Attempt) -> None: ...
+    def prepare(self, attempt: Attempt) -> AgentStatus: ...
 
-    def close_gate(self) -> None: ...
+    def close_gate(self) -> AgentStatus: ...
 
-    def open_apply(self, attempt: Attempt) -> None: ...
+    def open_apply(self, attempt: Attempt) -> AgentStatus: ...
 
-    def wait_staged(self, attempt: Attempt) -> None: ...
+    def wait_staged(self, attempt: Attempt) -> AgentStatus: ...
 
     def flush(self, attempt: Attempt) -> FlushAck: ...
 
-    def committed(self, attempt: str) -> None: ...
+    def committed(self, attempt: str) -> AgentStatus: ...
 
-    def stop_and_wait(self, attempt: str) -> None:
+    def stop_and_wait(self, attempt: str) -> AgentStatus:
         """Mark obsolete; return only when none of its writes can still happen."""
         ...
 
-    def open_gate(self) -> None: ...
+    def open_gate(self) -> AgentStatus: ...
 
-    def rejoin(self, version: int, checkpoint: str) -> None:
+    def rejoin(self, version: int, checkpoint: str) -> AgentStatus:
         """Restore ``version`` by a dense load of ``checkpoint`` (between attempts)."""
         ...
 

@@ -1,9 +1,12 @@
 """The agent's HTTP control API (:mod:`dcr.protocol.agent_api`) on aiohttp.
 
-Handlers validate the JSON body strictly, run the blocking service call on a thread
-(applies and waits must not stall the event loop: a ``stop`` has to get through while
-a ``flush`` waits), and map errors to statuses: 400 bad body, 401 token, 409 attempt,
-state or version conflict, 422 the attempt failed here, 500 anything else.
+One route per row of :class:`~dcr.protocol.agent_api.AgentApi`: the handler validates
+the JSON body strictly with the row's model, decodes it into the arguments of the
+service method of the row's name, runs that blocking call on a thread (applies and
+waits must not stall the event loop: a ``stop`` has to get through while a ``flush``
+waits) and serialises the row's response model. Errors map to statuses: 400 bad body,
+401 token, 409 attempt, state or version conflict, 422 the attempt failed here, 500
+anything else. Health, readiness, metrics and ``generate`` are served beside the table.
 """
 
 from __future__ import annotations
@@ -13,18 +16,12 @@ import hmac
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from dcr.prometheus import Family, render
-from dcr.protocol.agent_api import (
-    AttemptRef,
-    AttemptSpec,
-    BadRequest,
-    DenseRequest,
-    parse_body,
-)
+from dcr.protocol.agent_api import AgentApi, BadRequest, Call, parse_body
 from dcr.protocol.state import IllegalTransition
 from dcr.receiver.service import AgentConflict, AgentService, AttemptFailed
 
@@ -32,6 +29,14 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+
+
+if TYPE_CHECKING:
+    from dcr.protocol.coordinator import ReceiverHandle
+
+    def _in_process(service: AgentService) -> ReceiverHandle:
+        """mypy holds the service to the seam that these routes serve over HTTP."""
+        return service
 
 
 def _error(status: int, message: str, kind: str) -> web.Response:
@@ -61,16 +66,18 @@ def make_app(service: AgentService, token: str) -> web.Application:
             log.exception("agent call %s failed", request.path)
             return _error(500, f"{type(e).__name__}: {e}", type(e).__name__)
 
-    async def call(fn: Callable[..., Any], *args: Any) -> web.Response:
-        result = await asyncio.to_thread(fn, *args)
-        return web.json_response(json.loads(result.model_dump_json()))
+    def route(call: Call[..., Any, Any]) -> web.RouteDef:
+        fn: Callable[..., Any] = getattr(service, call.name)
 
-    def route(fn: Callable[..., Any], model: Any = None) -> Handler:
         async def handler(request: web.Request) -> web.StreamResponse:
-            if model is None:
-                return await call(fn)
-            return await call(fn, parse_body(model, await request.read()))
-        return handler
+            args: tuple[Any, ...] = ()
+            if call.request is not None:
+                args = call.decode(parse_body(call.request, await request.read()))
+            result = await asyncio.to_thread(fn, *args)
+            return web.Response(body=call.adapter.dump_json(result),
+                                content_type="application/json")
+
+        return web.route(call.method, call.path, handler)
 
     async def healthz(_: web.Request) -> web.StreamResponse:
         return web.Response(text="ok\n")
@@ -83,12 +90,6 @@ def make_app(service: AgentService, token: str) -> web.Application:
 
     async def metrics(_: web.Request) -> web.StreamResponse:
         return web.Response(text=render_metrics(service), content_type="text/plain")
-
-    async def profile(_: web.Request) -> web.StreamResponse:
-        return web.json_response({"tensors": service.host.profile.tensors})
-
-    async def fingerprint(_: web.Request) -> web.StreamResponse:
-        return web.json_response(await asyncio.to_thread(service.host.fingerprint))
 
     async def generate(request: web.Request) -> web.StreamResponse:
         try:
@@ -105,18 +106,7 @@ def make_app(service: AgentService, token: str) -> web.Application:
 
     app = web.Application(middlewares=[guard], client_max_size=1 << 20)
     app.add_routes([
-        web.post("/v1/prepare", route(service.prepare, AttemptSpec)),
-        web.post("/v1/gate/close", route(service.close_gate)),
-        web.post("/v1/gate/open", route(service.open_gate)),
-        web.post("/v1/apply", route(service.open_apply, AttemptRef)),
-        web.post("/v1/staged", route(service.wait_staged, AttemptRef)),
-        web.post("/v1/flush", route(service.flush, AttemptRef)),
-        web.post("/v1/commit", route(service.committed, AttemptRef)),
-        web.post("/v1/stop", route(service.stop_and_wait, AttemptRef)),
-        web.post("/v1/dense", route(service.dense, DenseRequest)),
-        web.get("/v1/status", route(service.status)),
-        web.get("/v1/profile", profile),
-        web.get("/v1/fingerprint", fingerprint),
+        *(route(call) for call in AgentApi.calls()),
         web.post("/v1/generate", generate),
         web.get("/healthz", healthz),
         web.get("/readyz", readyz),

@@ -25,11 +25,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dcr.errors import DcrError
 from dcr.format.manifest import Manifest
 from dcr.format.payload import Payload
-from dcr.protocol.agent_api import AgentStatus, AttemptRef, AttemptSpec, DenseRequest, FlushAck
+from dcr.protocol.agent_api import (
+    DRAIN_S,
+    AgentStatus,
+    AttemptKey,
+    AttemptSpec,
+    FlushAck,
+    seconds_left,
+)
+from dcr.protocol.records import Attempt
 from dcr.protocol.state import FINAL, AttemptState, advance
 from dcr.receiver.host import RuntimeHost
 from dcr.receiver.journal import Journal, JournalEntry
@@ -79,7 +88,8 @@ SourceFor = Callable[[AttemptSpec], Source]
 
 
 class AgentService:
-    """Implements ``ReceiverHandle`` in process; the HTTP server exposes the same calls."""
+    """A ``ReceiverHandle`` in process; the HTTP server serves its methods, one per row
+    of :class:`~dcr.protocol.agent_api.AgentApi`, under the same names."""
 
     def __init__(self, name: str, host: RuntimeHost, source_for: SourceFor, *, version: int,
                  journal: Journal | None = None, staging_bytes: int = 1 << 30) -> None:
@@ -163,7 +173,8 @@ class AgentService:
                                 f"{run.state.value}; {what} happens between attempts "
                                 "(stop it first).")
 
-    def prepare(self, spec: AttemptSpec) -> AgentStatus:
+    def prepare(self, attempt: Attempt | AttemptSpec) -> AgentStatus:
+        spec = AttemptSpec.of(attempt)
         with self._cond:
             self._between_attempts("a new attempt")
             if spec.attempt in self._obsolete:
@@ -188,7 +199,7 @@ class AgentService:
             self._start(run, self._receive, "receive")
             return self.status()
 
-    def close_gate(self, timeout_s: float = 60.0) -> AgentStatus:
+    def close_gate(self, timeout_s: float = DRAIN_S) -> AgentStatus:
         self.host.runtime.close_gate()
         if not self.host.drain(timeout_s):
             raise AgentConflict(f"{self.name}: generation requests still in flight after "
@@ -211,18 +222,18 @@ class AgentService:
             self.host.runtime.open_gate()  # clean weights hold ``version``: safe to serve
             return self.status()
 
-    def open_apply(self, ref: AttemptRef) -> AgentStatus:
+    def open_apply(self, attempt: AttemptKey) -> AgentStatus:
         with self._cond:
-            run = self._current(ref.attempt)
+            run = self._current(attempt.id)
             if run.state in FINAL:
-                raise AgentConflict(f"{self.name}: attempt {ref.attempt} is {run.state.value}.")
+                raise AgentConflict(f"{self.name}: attempt {attempt.id} is {run.state.value}.")
             if self.gate_open:
                 raise AgentConflict(f"{self.name}: close the request gate before applying "
-                                    f"attempt {ref.attempt}.")
+                                    f"attempt {attempt.id}.")
             if run.error:
                 raise AttemptFailed(run.error)
             if run.stop.is_set():
-                raise AgentConflict(f"{self.name}: attempt {ref.attempt} is being stopped.")
+                raise AgentConflict(f"{self.name}: attempt {attempt.id} is being stopped.")
             if not run.apply_open.is_set():
                 if run.state in (S.STREAMING, S.STAGED):  # the gate closed before prepare
                     self._move(run, S.GATE_CLOSED)
@@ -232,60 +243,61 @@ class AgentService:
                 self._start(run, self._apply, "apply")
             return self.status()
 
-    def wait_staged(self, ref: AttemptRef) -> AgentStatus:
+    def wait_staged(self, attempt: AttemptKey) -> AgentStatus:
+        wait_s = seconds_left(attempt)
         with self._cond:
-            run = self._current(ref.attempt)
+            run = self._current(attempt.id)
             if not self._cond.wait_for(lambda: run.received or run.error is not None
-                                       or run.stop.is_set(), ref.timeout_s):
-                raise AttemptFailed(f"{self.name}: attempt {ref.attempt} not staged after "
-                                    f"{ref.timeout_s} s ({len(run.staged)} payloads).")
+                                       or run.stop.is_set(), wait_s):
+                raise AttemptFailed(f"{self.name}: attempt {attempt.id} not staged after "
+                                    f"{wait_s:.1f} s ({len(run.staged)} payloads).")
             if run.error:
                 raise AttemptFailed(run.error)
             if run.stop.is_set():
-                raise AgentConflict(f"{self.name}: attempt {ref.attempt} was stopped.")
+                raise AgentConflict(f"{self.name}: attempt {attempt.id} was stopped.")
             return self.status()
 
-    def flush(self, ref: AttemptRef) -> FlushAck:
-        t0 = time.perf_counter()
+    def flush(self, attempt: AttemptKey) -> FlushAck:
+        t0, wait_s = time.perf_counter(), seconds_left(attempt)
         with self._cond:
-            run = self._current(ref.attempt)
+            run = self._current(attempt.id)
             if not run.apply_open.is_set():
-                raise AgentConflict(f"{self.name}: flush before open_apply of {ref.attempt}.")
+                raise AgentConflict(f"{self.name}: flush before open_apply of {attempt.id}.")
             done = self._cond.wait_for(
                 lambda: run.error is not None or run.stop.is_set() or run.state is S.FLUSHED
-                or (run.received and run.applied == len(run.staged)), ref.timeout_s)
+                or (run.received and run.applied == len(run.staged)), wait_s)
             if run.error:
                 raise AttemptFailed(run.error)
             if run.stop.is_set() or run.state is S.OBSOLETE:
-                raise AgentConflict(f"{self.name}: attempt {ref.attempt} was stopped.")
+                raise AgentConflict(f"{self.name}: attempt {attempt.id} was stopped.")
             if not done:
                 raise AttemptFailed(
-                    f"{self.name}: attempt {ref.attempt} not flushed after {ref.timeout_s} s "
+                    f"{self.name}: attempt {attempt.id} not flushed after {wait_s:.1f} s "
                     f"({run.applied}/{len(run.staged)} staged payloads applied, manifest "
                     f"{'in' if run.received else 'not in'}).")
             if run.state is S.APPLYING:  # else already flushed (or committed): idempotent
                 self.host.sync()
                 self._move(run, S.FLUSHED)
-            return FlushAck(attempt=ref.attempt, payloads=run.applied, bytes=run.applied_bytes,
+            return FlushAck(attempt=attempt.id, payloads=run.applied, bytes=run.applied_bytes,
                             apply_s=run.apply_s, wait_s=time.perf_counter() - t0)
 
-    def committed(self, ref: AttemptRef) -> AgentStatus:
+    def committed(self, attempt: str) -> AgentStatus:
         with self._cond:
-            run = self._current(ref.attempt)
+            run = self._current(attempt)
             if run.state is S.COMMITTED:
                 return self.status()
             if run.state is not S.FLUSHED:
-                raise AgentConflict(f"{self.name}: attempt {ref.attempt} is "
+                raise AgentConflict(f"{self.name}: attempt {attempt} is "
                                     f"{run.state.value}, not flushed; it cannot be committed.")
             self.version, self.dirty = run.spec.target_version, None
             self._move(run, S.COMMITTED)
             return self.status()
 
-    def stop_and_wait(self, ref: AttemptRef) -> AgentStatus:
+    def stop_and_wait(self, attempt: str) -> AgentStatus:
         with self._cond:
-            self._obsolete.add(ref.attempt)
+            self._obsolete.add(attempt)
             run = self._run
-            if run is None or run.spec.attempt != ref.attempt or run.state in FINAL:
+            if run is None or run.spec.attempt != attempt or run.state in FINAL:
                 return self.status()
             run.stop.set()
             self._cond.notify_all()
@@ -298,24 +310,34 @@ class AgentService:
             self._move(run, S.OBSOLETE)
             return self.status()
 
-    def dense(self, req: DenseRequest) -> AgentStatus:
-        """Restore ``req.version`` from a full checkpoint through the runtime's loader."""
+    def rejoin(self, version: int, checkpoint: str) -> AgentStatus:
+        """Restore ``version`` from a full checkpoint through the runtime's loader."""
         with self._cond:
             self._between_attempts("a dense refit")
             self.host.runtime.close_gate()
-        if not self.host.drain(60.0):
+        if not self.host.drain(DRAIN_S):
             raise AgentConflict(f"{self.name}: requests still in flight; dense load refused.")
         with self._cond:
-            self.version, self.dirty, self.unknown = None, None, f"dense load of {req.version}"
+            self.version, self.dirty, self.unknown = None, None, f"dense load of {version}"
             self._journal()
-        self.host.load_dense(Path(req.checkpoint))
+        self.host.load_dense(Path(checkpoint))
         with self._cond:
-            self.version, self.unknown = req.version, None
+            self.version, self.unknown = version, None
             self.counters.dense_loads += 1
             self._journal()
-        log.info("%s: restored version %s by a dense load of %s", self.name, req.version,
-                 req.checkpoint)
+        log.info("%s: restored version %s by a dense load of %s", self.name, version,
+                 checkpoint)
         return self.open_gate()
+
+    # --- inspection ----------------------------------------------------------------
+
+    def profile(self) -> dict[str, Any]:
+        """The loader's class of every canonical tensor (what the sender encodes for)."""
+        return {"tensors": self.host.profile.tensors}
+
+    def fingerprint(self) -> dict[str, str]:
+        """xxh3-128 of every parameter and buffer's integer view (bit-exact checks)."""
+        return self.host.fingerprint()
 
     # --- threads -------------------------------------------------------------------
 

@@ -1,0 +1,165 @@
+"""The agent API's one table: the docstring, routes, client and service all follow it.
+
+A recording service (torch-free, at our own seam) is served by the real aiohttp app on
+loopback and called through the real ``AgentClient``, so every row is checked in both
+directions: handle arguments -> body -> the service method's arguments, and the
+response model back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+import dcr.protocol.agent_api as api
+from dcr.protocol.agent_api import (
+    DENSE_S,
+    DRAIN_S,
+    AgentApi,
+    AgentClient,
+    AgentError,
+    AgentStatus,
+    AttemptDeadline,
+    AttemptSpec,
+    FlushAck,
+)
+from dcr.protocol.records import Attempt, Transition
+from dcr.receiver.server import make_app
+from dcr.receiver.service import AgentConflict, AgentService
+
+TOKEN = "t0ken-for-the-api-table-tests"
+STATUS = AgentStatus(name="r0", version=1, dirty=None, unknown=None, attempt=None, state=None,
+                     error=None, gate_open=True, payloads_staged=0, payloads_applied=0,
+                     bytes_staged=0)
+
+
+class Recording:
+    """Every call of the table as the service sees it: (name, arguments)."""
+
+    name = "r0"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in {c.name for c in AgentApi.calls()}:
+            raise AttributeError(name)
+
+        def call(*args: Any) -> Any:
+            self.calls.append((name, args))
+            if name == "committed" and args == ("a-late",):
+                raise AgentConflict("r0: attempt a-late is not current; current: none.")
+            if name == "flush":
+                return FlushAck(attempt=args[0].id, payloads=2, bytes=10, apply_s=0.5,
+                                wait_s=0.0)
+            return {"profile": {"tensors": {"w": "xor"}},
+                    "fingerprint": {"w": "00ff"}}.get(name, STATUS)
+        return call
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[Recording, str]]:
+    service = Recording()
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(make_app(service, TOKEN), access_log=None)  # type: ignore[arg-type]
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = runner.addresses[0][1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield service, f"http://127.0.0.1:{port}"
+    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=10)
+    loop.close()
+
+
+def attempt() -> Attempt:
+    return Attempt(transition=Transition(base_version=1, target_version=2), mode="mixed",
+                   receivers=("r0",), deadline=time.time() + 60, id="a-table")
+
+
+def test_the_module_docstring_lists_the_table() -> None:
+    assert api.__doc__ is not None
+    assert textwrap.indent(AgentApi.describe(), "    ") in api.__doc__
+
+
+def test_every_row_is_a_service_method_with_the_handle_signature() -> None:
+    for call in AgentApi.calls():
+        served = getattr(AgentService, call.name)
+        taken = [p for p in inspect.signature(served).parameters.values()
+                 if p.name != "self" and p.default is inspect.Parameter.empty]
+        assert [p.name for p in taken] == list(inspect.signature(call.encode).parameters), call
+
+
+def test_every_row_travels_from_client_to_service_and_back(
+        served: tuple[Recording, str]) -> None:
+    service, url = served
+    client = AgentClient("r0", url, TOKEN)
+    a = attempt()
+    assert client.status() == STATUS
+    assert client.prepare(a) == STATUS
+    client.close_gate()
+    client.open_gate()
+    client.open_apply(a)
+    client.wait_staged(a)
+    assert client.flush(a) == FlushAck(attempt=a.id, payloads=2, bytes=10, apply_s=0.5,
+                                       wait_s=0.0)
+    client.committed(a.id)
+    client.stop_and_wait(a.id)
+    client.rejoin(1, "/ckpt/v1")
+    assert client.profile() == {"tensors": {"w": "xor"}}
+    assert client.fingerprint() == {"w": "00ff"}
+
+    names = [name for name, _ in service.calls]
+    assert names == [c.name for c in AgentApi.calls()]
+    args = dict(service.calls)
+    assert args["prepare"] == (AttemptSpec.of(a),)
+    for name in ("open_apply", "wait_staged", "flush"):
+        (key,) = args[name]
+        assert isinstance(key, AttemptDeadline)
+        assert key.id == a.id
+        assert key.deadline == pytest.approx(a.deadline, abs=5)
+    assert args["committed"] == args["stop_and_wait"] == (a.id,)
+    assert args["rejoin"] == (1, "/ckpt/v1")
+    assert args["status"] == args["close_gate"] == args["profile"] == ()
+
+
+def test_a_refusal_comes_back_as_an_agent_error_with_its_status_and_sentence(
+        served: tuple[Recording, str]) -> None:
+    _, url = served
+    with pytest.raises(AgentError, match="attempt a-late is not current") as refused:
+        AgentClient("r0", url, TOKEN).committed("a-late")
+    assert (refused.value.status, refused.value.kind) == (409, "AgentConflict")
+    with pytest.raises(AgentError) as unauthorized:
+        AgentClient("r0", url, "not-the-token-0123456789").status()
+    assert unauthorized.value.status == 401
+
+
+def test_client_timeouts_follow_each_rows_rule() -> None:
+    a, own = attempt(), 30.0
+
+    def wait(name: str, *args: Any) -> float:
+        call = getattr(AgentApi, name)
+        return float(call.wait(own, call.encode(*args)))
+
+    assert wait("status") == wait("open_gate") == wait("prepare", a) == own
+    assert wait("close_gate") == own + DRAIN_S
+    assert wait("flush", a) == pytest.approx(own + 60, abs=5)
+    assert wait("wait_staged", a) == pytest.approx(own + 60, abs=5)
+    assert wait("stop_and_wait", a.id) == 2 * own
+    assert wait("rejoin", 1, "/ckpt") == own + DENSE_S
+
+
+def test_the_token_never_shows_in_a_clients_repr() -> None:
+    client = AgentClient("r0", "http://127.0.0.1:1", TOKEN)
+    assert TOKEN not in repr(client)
