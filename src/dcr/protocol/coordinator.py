@@ -68,13 +68,13 @@ class CommitUnknown(DcrError):
 
 
 class ReceiverHandle(Protocol):
-    name: str
     """One receiver as the coordinator drives it; each call answers with its status.
 
     ``AgentService`` is one in process, ``AgentClient`` over HTTP (both from the table
     in :mod:`dcr.protocol.agent_api`); the operator wraps clients to record progress.
     """
 
+    name: str
 
     def status(self) -> AgentStatus: ...
 
