@@ -1,11 +1,12 @@
 """The DCR control plane: a kopf operator for RolloutFleet and WeightRefit.
 
-The operator is the refit coordinator (docs/operations.md, docs/architecture.md). It validates a WeightRefit,
-launches the encoder Job that publishes each attempt, drives the fleet's agents through
-their HTTP API with :class:`dcr.protocol.coordinator.Coordinator`, and performs the
-joint commit as a compare-and-set on the RolloutFleet's status. It never imports torch:
-only the torch-free ``dcr.protocol`` and ``dcr.format`` modules (an import-linter
-contract in pyproject.toml keeps it so).
+The operator is the refit coordinator (docs/operations.md, docs/architecture.md). It
+validates a WeightRefit, launches the encoder Job that publishes each attempt, drives
+the fleet's agents through their HTTP API with
+:class:`dcr.protocol.coordinator.Coordinator`, and performs the joint commit as a
+compare-and-set on the RolloutFleet's status. It never imports torch: only the
+torch-free ``dcr.protocol``, ``dcr.format`` and ``dcr.owner.settings`` modules (an
+import-linter contract in pyproject.toml keeps it so).
 
 Modules, one concern each:
 
