@@ -39,4 +39,4 @@ crds: install
 	$(PY) -m dcr_operator.crds
 
 clean:
-	rm -rf $(VENV) demo-out refit-out .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) refit-out .mypy_cache .ruff_cache .pytest_cache .hypothesis

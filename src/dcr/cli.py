@@ -1,8 +1,14 @@
-"""The ``dcr`` command line: diff, patch, inspect, demo, relay, encode, agent, refit.
+"""The ``dcr`` command line: diff, patch, inspect, relay, encode, agent, refit.
 
 Exit status: 0 on success, 1 when DCR refuses or fails (the message names the value),
 2 for usage errors. With ``--json`` a command prints exactly one JSON object on stdout
 and no progress bars.
+
+The options of ``agent``, ``refit`` and ``relay`` are generated from their settings
+classes (``AgentSettings``, ``RefitSettings`` with ``TrainerSettings``,
+``RelaySettings``); a command's options are built only when that command runs (or for
+``dcr --help``), so ``dcr encode``, started once per attempt, does not import the relay
+node or the main job.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dcr.checkpoint import Checkpoint
 from dcr.errors import DcrError
@@ -24,17 +30,20 @@ from dcr.files.patch import load_manifest, patch_checkpoint
 from dcr.format.profile import load_profile
 from dcr.owner.diff import diff_checkpoints
 from dcr.owner.settings import EncodeSettings
-from dcr.settings import MiB, add_options, doc, from_args
+from dcr.settings import add_options, doc, from_args
 from dcr.transport.store import open_store
+
+if TYPE_CHECKING:  # the relay node loads only when ``dcr relay`` runs
+    from dcr.transport.relay import RelaySettings
 
 EPILOG = """\
 examples:
   dcr diff ckpt/v1 ckpt/v2 --store file:///tmp/deltas --version 2 --json
   dcr patch rollout/ckpt --store file:///tmp/deltas --version 2
   dcr inspect --store file:///tmp/deltas --version 2
-  dcr demo
+  dcr refit --kill-receiver-every 2
   dcr relay --listen 0.0.0.0:8470 --members r0:8470,r1:8470,r2:8470 --index 1 \
-            --fanout 2 --token-file /etc/dcr/token
+            --token-file /etc/dcr/token
 """
 
 
@@ -151,54 +160,43 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     _emit(args, report, render(report))
 
 
-def cmd_demo(args: argparse.Namespace) -> None:
-    from dcr.demo import run_demo
-
-    run_demo(Path(args.out), steps=args.steps, seed=args.seed)
-
-
 def cmd_agent(args: argparse.Namespace) -> None:
     from dcr.receiver.main import run
+    from dcr.receiver.settings import AgentSettings
 
-    run(args)
+    run(from_args(AgentSettings, args))
 
 
 def cmd_refit(args: argparse.Namespace) -> None:
     from dcr.refit import RefitSettings, run_refit
+    from dcr.trainer import TrainerSettings
 
-    run_refit(RefitSettings(
-        out=Path(args.out), steps=args.steps, seed=args.seed, agents=args.agents,
-        owners=args.owners if args.owners is not None else (
-            1 if args.transport == "relay" else 2),
-        transport=args.transport,
-        kill_receiver_every=args.kill_receiver_every,
-    ))
+    run_refit(from_args(RefitSettings, args, trainer=from_args(TrainerSettings, args)))
+
+
+def _read_token(path: Path) -> str:
+    from dcr.errors import ConfigError
+
+    try:
+        return path.read_text().strip()
+    except OSError as e:
+        raise ConfigError(f"Cannot read the relay token file {str(path)!r}: {e}.") from e
+
+
+def relay_settings(args: argparse.Namespace) -> RelaySettings:
+    """``dcr relay``'s settings: the generated options, the member list and the token."""
+    from dcr.transport.relay import RelaySettings
+
+    members = tuple(m.strip() for m in args.members.split(",") if m.strip())
+    return from_args(RelaySettings, args, members=members, token=_read_token(args.token_file))
 
 
 def cmd_relay(args: argparse.Namespace) -> None:
     import logging
 
-    from dcr.errors import ConfigError
-    from dcr.transport.relay import RelaySettings, run_relay
+    from dcr.transport.relay import run_relay
 
-    try:
-        token = Path(args.token_file).read_text().strip()
-    except OSError as e:
-        raise ConfigError(f"Cannot read the relay token file {args.token_file!r}: {e}.") from e
-    settings = RelaySettings(
-        members=tuple(m.strip() for m in args.members.split(",") if m.strip()),
-        index=args.index,
-        fanout=args.fanout,
-        token=token,
-        listen=args.listen,
-        budget_bytes=args.budget_mib * MiB,
-        spool_dir=Path(args.spool) if args.spool else None,
-        spool_budget_bytes=args.spool_budget_mib * MiB,
-        admit_timeout_s=args.admit_timeout_s,
-        parent_timeout_s=args.parent_timeout_s,
-        health_interval_s=args.health_interval_s,
-        resync_interval_s=args.resync_interval_s,
-    )
+    settings = relay_settings(args)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -206,7 +204,48 @@ def cmd_relay(args: argparse.Namespace) -> None:
     run_relay(settings)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _agent_options(p: argparse.ArgumentParser) -> None:
+    from dcr.receiver.main import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=cmd_agent)
+
+
+def _refit_options(p: argparse.ArgumentParser) -> None:
+    from dcr.refit import RefitSettings
+    from dcr.trainer import TrainerSettings
+
+    add_options(p, RefitSettings)
+    add_options(p.add_argument_group("trainer"), TrainerSettings)
+    p.set_defaults(func=cmd_refit)
+
+
+def _relay_options(p: argparse.ArgumentParser) -> None:
+    from dcr.transport.relay import RelaySettings
+    from dcr.transport.relay.settings import EDGE_PARSED
+
+    p.add_argument("--members", required=True, metavar="H:P,H:P,...",
+                   help="comma-separated: " + doc(RelaySettings, "members"))
+    p.add_argument("--token-file", required=True, type=Path, metavar="PATH",
+                   help="file holding the bearer token every node and client shares")
+    add_options(p, RelaySettings, skip=EDGE_PARSED, required=("listen",))
+    p.add_argument("--verbose", action="store_true", help="log every payload (DEBUG)")
+    p.set_defaults(func=cmd_relay)
+
+
+# Commands whose options come from settings in heavier modules: (name, help, options).
+_BUILT_WHEN_RUN: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
+    "agent": ("run a rollout rank's agent (HTTP control API) with an embedded runtime",
+              _agent_options),
+    "refit": ("the main job and the demo: train, refit agent processes after every step, "
+              "recover from kills, verify bits, plot", _refit_options),
+    "relay": ("run one relay tree node until SIGTERM", _relay_options),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; a command of :data:`_BUILT_WHEN_RUN` gets its options only when it is
+    ``command`` (or ``command`` is None)."""
     p = argparse.ArgumentParser(
         prog="dcr",
         description="Delta-Compressed Refit: ship only the changed bits of a checkpoint.",
@@ -216,27 +255,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     _add_encode_commands(sub)
-
-    from dcr.receiver.main import add_arguments
-
-    ag = sub.add_parser("agent", help="run a rollout rank's agent (HTTP control API) with "
-                        "an embedded runtime")
-    add_arguments(ag)
-    ag.set_defaults(func=cmd_agent)
-
-    rf = sub.add_parser("refit", help="the main job: train, refit agent processes after "
-                        "every step, recover from kills, verify bits, plot")
-    rf.add_argument("--out", default="refit-out", help="working directory (default refit-out)")
-    rf.add_argument("--steps", type=int, default=4, help="optimizer steps (default 4)")
-    rf.add_argument("--seed", type=int, default=0)
-    rf.add_argument("--agents", type=int, default=4,
-                    help="agent processes: half transformers, half vLLM-layout TP2 (default 4)")
-    rf.add_argument("--owners", type=int, help="encoder processes (default 2; 1 with relay)")
-    rf.add_argument("--transport", choices=["store", "relay"], default="store",
-                    help="store: a file store; relay: a relay tree, one node per agent")
-    rf.add_argument("--kill-receiver-every", type=int, default=0, metavar="N",
-                    help="kill one agent mid-refit every N steps (default 0: never)")
-    rf.set_defaults(func=cmd_refit)
 
     pa = sub.add_parser("patch", help="apply version N in place to a checkpoint at its base")
     pa.add_argument("checkpoint", metavar="CKPT", help="HF checkpoint dir or .safetensors file")
@@ -251,44 +269,17 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=cmd_inspect)
 
-    dm = sub.add_parser("demo", help="train a small model, refit it step by step, verify bits")
-    dm.add_argument("--out", default="demo-out", help="working directory (default demo-out)")
-    dm.add_argument("--steps", type=int, default=3, help="optimizer steps to refit (default 3)")
-    dm.add_argument("--seed", type=int, default=0)
-    dm.set_defaults(func=cmd_demo)
-
-    r = sub.add_parser("relay", help="run one relay tree node until SIGTERM")
-    r.add_argument("--listen", required=True, metavar="HOST:PORT", help="address to bind")
-    r.add_argument("--members", required=True, metavar="H:P,H:P,...",
-                   help="every node's address in tree order; the first is the root")
-    r.add_argument("--index", type=int, required=True, metavar="I",
-                   help="this node's position in --members")
-    r.add_argument("--fanout", type=int, default=2, metavar="K",
-                   help="children per node (default 2)")
-    r.add_argument("--token-file", required=True, metavar="PATH",
-                   help="file holding the bearer token every node and client shares")
-    r.add_argument("--spool", metavar="DIR",
-                   help="directory for staged bytes beyond the memory budget (default: none)")
-    r.add_argument("--budget-mib", type=int, default=1024, metavar="N",
-                   help="staged MiB held in memory (default 1024)")
-    r.add_argument("--spool-budget-mib", type=int, default=64 * 1024, metavar="N",
-                   help="staged MiB held in --spool (default 65536)")
-    r.add_argument("--admit-timeout-s", type=float, default=30.0, metavar="S",
-                   help="how long an upload waits for staging space before 503 (default 30)")
-    r.add_argument("--parent-timeout-s", type=float, default=1.0, metavar="S",
-                   help="parent unreachable this long -> re-attach to an ancestor (default 1)")
-    r.add_argument("--health-interval-s", type=float, default=0.25, metavar="S",
-                   help="how often the parent is probed (default 0.25)")
-    r.add_argument("--resync-interval-s", type=float, default=10.0, metavar="S",
-                   help="how often a node sends its parent the ids it holds, so the parent "
-                        "re-sends what it missed (default 10)")
-    r.add_argument("--verbose", action="store_true", help="log every payload (DEBUG)")
-    r.set_defaults(func=cmd_relay)
+    for name, (help_, options) in _BUILT_WHEN_RUN.items():
+        sp = sub.add_parser(name, help=help_)
+        if command in (None, name):
+            options(sp)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command).parse_args(argv)
     try:
         args.func(args)
     except DcrError as e:

@@ -1,10 +1,9 @@
 """``dcr refit`` / ``make demo``: the main job, every part a real process on one machine.
 
-A trainer trains a small Llama-architecture model (transformers, random init, byte
-tokens of real text: the Python standard library's own source) with AdamW at an RL
-learning rate and exports a BF16 Hugging Face checkpoint after every optimizer step.
+The trainer (:mod:`dcr.trainer`) trains a small Llama-architecture model with AdamW at an
+RL learning rate and exports a BF16 Hugging Face checkpoint after every optimizer step.
 Rollout ranks are ``dcr agent`` processes, each serving the model through its own
-loader: transformers ranks, and two tensor-parallel ranks of the vLLM-layout reference
+loader: transformers ranks, and tensor-parallel pairs of the vLLM-layout reference
 runtime with an FP8 ``o_proj``. Encoders are ``dcr encode`` processes that split the
 tensors by name. A coordinator in this process drives every refit through the agents'
 HTTP API and commits it by compare-and-set in a SQLite commit record.
@@ -16,12 +15,14 @@ journal, is restored by a dense refit, and the retry in overwrite mode commits.
 
 After every step each live agent's fingerprint of every parameter and buffer (xxh3 of
 integer views) is compared with a dense load of the trainer's export through the same
-loader. A table per step, ``summary.json`` and a plot (``refit.png``) are written.
+loader. The coverage line says which share of the weight bytes travels as XOR,
+overwrite or dense under the agents' merged profile. A table per step,
+``summary.json`` and a plot (``refit.png``) are written. This is the one demo; the
+file-level path (``dcr diff``/``dcr patch`` on checkpoint files) is the command line's.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import secrets
@@ -37,88 +38,61 @@ from typing import Any, Literal
 
 from dcr.checkpoint import Checkpoint
 from dcr.errors import ConfigError, DcrError
-from dcr.format.profile import ReceiverProfile, merge
+from dcr.format.profile import ReceiverProfile, coverage, merge
 from dcr.owner.process import ProcessOwner
 from dcr.protocol.commitstore import SqliteCommitStore
 from dcr.protocol.coordinator import Coordinator, CoordinatorSettings
 from dcr.protocol.records import CommitRecord
 from dcr.receiver.launch import AgentProcess, free_port
+from dcr.receiver.settings import AgentSettings
+from dcr.settings import option, to_argv
+from dcr.trainer import Trainer, TrainerSettings, reference_fingerprint
 from dcr.transport.relay.publish import TOKEN_ENV
+from dcr.transport.relay.settings import RelaySettings
 
 log = logging.getLogger(__name__)
-LR = 1e-6  # RL fine-tuning learning rate: most BF16 elements round back to the same bits
-SEQ, BATCH = 128, 8
+LAUNCHED = ("name", "listen", "state_dir", "token_file")  # AgentProcess passes these itself
 
 
 @dataclass(frozen=True, kw_only=True)
 class RefitSettings:
-    out: Path
-    steps: int = 4
-    seed: int = 0
-    agents: int = 4  # first half transformers ranks, the rest vLLM-layout TP2 pairs
-    owners: int = 2  # encoder processes
-    transport: Literal["store", "relay"] = "store"  # relay: a tree of one node per agent
-    kill_receiver_every: int = 0  # 0: never
+    """The main job: how long it runs, how many processes, which transport, what breaks."""
+
+    out: Path = option(Path("refit-out"), metavar="DIR", doc="working directory, emptied "
+                       "first: checkpoints, store, agents' state, summary.json, refit.png")
+    steps: int = option(4, metavar="K", doc="optimizer steps, each refit to every agent")
+    agents: int = option(4, metavar="N", doc="agent processes: half transformers, half "
+                         "vLLM-layout TP2 pairs (so an even number)")
+    owners: int | None = option(None, metavar="M", doc="encoder processes (default 2; 1 "
+                                "with the relay, which carries one owner per attempt)")
+    transport: Literal["store", "relay"] = option("store", doc="store: a file store; relay: "
+                                                  "a relay tree, one node per agent")
+    kill_receiver_every: int = option(0, metavar="N", doc="kill one agent mid-refit every N "
+                                      "steps (0: never)")
+    trainer: TrainerSettings = option(TrainerSettings(), cli=False,
+                                      doc="the trainer (its own options)")
+    coordinator: CoordinatorSettings = option(
+        CoordinatorSettings(attempt_timeout_s=300.0), cli=False,
+        doc="the coordinator; on one machine an attempt takes seconds, so a stuck one "
+        "fails after 5 minutes rather than a cluster's 10")
 
     def __post_init__(self) -> None:
+        if self.owners is None:  # the default depends on the transport
+            object.__setattr__(self, "owners", 1 if self.transport == "relay" else 2)
         if self.transport == "relay" and self.owners != 1:
             raise ConfigError(f"--transport relay carries one owner per attempt; got --owners "
                               f"{self.owners} (use --owners 1, or the store).")
-        if self.steps < 1 or self.owners < 1 or self.kill_receiver_every < 0:
+        if self.steps < 1 or self.owner_count < 1 or self.kill_receiver_every < 0:
             raise ConfigError(f"steps ({self.steps}) and owners ({self.owners}) must be >= 1, "
                               f"kill_receiver_every ({self.kill_receiver_every}) >= 0.")
         if self.agents < 2 or self.agents % 2:
             raise ConfigError(f"--agents {self.agents}: an even number >= 2 (half of them "
                               "form vLLM-layout TP2 pairs).")
 
-
-def _corpus() -> bytes:
-    import argparse
-    import collections
-    import json as json_mod
-
-    return "".join(inspect.getsource(m) for m in (json_mod, argparse, collections)).encode()
-
-
-class _Trainer:
-    def __init__(self, seed: int) -> None:
-        import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        torch.manual_seed(seed)
-        self.cfg = LlamaConfig(
-            vocab_size=256, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=SEQ,
-            tie_word_embeddings=False,
-        )
-        self.model = LlamaForCausalLM(self.cfg)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=0.0)
-        self.data = torch.tensor(list(_corpus()), dtype=torch.long)
-        self.gen = torch.Generator().manual_seed(seed)
-        for _ in range(3):  # leave Adam's first, sign-like steps behind
-            self.step()
-
-    def step(self) -> float:
-        import torch
-
-        starts = torch.randint(0, len(self.data) - SEQ - 1, (BATCH,), generator=self.gen)
-        batch = torch.stack([self.data[s : s + SEQ] for s in starts.tolist()])
-        loss = self.model(input_ids=batch, labels=batch).loss
-        self.opt.zero_grad()
-        loss.backward()
-        self.opt.step()
-        return float(loss.detach())
-
-    def export(self, path: Path) -> str:
-        """Save BF16 weights as a sharded HF checkpoint; return its baseline id."""
-        import copy
-
-        import torch
-
-        shutil.rmtree(path, ignore_errors=True)
-        copy.deepcopy(self.model).to(torch.bfloat16).save_pretrained(  # type: ignore[arg-type]
-            path, max_shard_size="2MB", safe_serialization=True)
-        return baseline_id(path)
+    @property
+    def owner_count(self) -> int:
+        assert self.owners is not None  # set in __post_init__
+        return self.owners
 
 
 def baseline_id(path: Path) -> str:
@@ -132,14 +106,20 @@ def baseline_id(path: Path) -> str:
     return "ckpt-" + h.hexdigest()
 
 
-def _agent_args(i: int, n: int, source: list[str], model: Path) -> list[str]:
-    common = [*source, "--model", str(model)]
+def _agent(i: int, n: int, out: Path, source: dict[str, Any], model: Path) -> AgentSettings:
+    """Agent ``i`` of ``n``: the first half transformers ranks, the rest TP2 pairs."""
     half = n // 2
-    if i < half:
-        return [*common, "--runtime", "hf"]
-    rank = (i - half) % 2
-    return [*common, "--runtime", "vllm-ref", "--tp-size", "2", "--tp-rank", str(rank),
-            "--fp8", "self_attn.o_proj"]
+    rank: dict[str, Any] = {} if i < half else {
+        "runtime": "vllm-ref", "tp_size": 2, "tp_rank": (i - half) % 2,
+        "fp8": ("self_attn.o_proj",)}
+    return AgentSettings(name=f"agent-{i}", state_dir=out / "agents" / f"agent-{i}",
+                         model=model, **source, **rank)
+
+
+def _kind(a: AgentSettings) -> str:
+    if a.runtime == "hf":
+        return a.runtime
+    return f"{a.runtime} TP{a.tp_size} rank {a.tp_rank}, FP8 {', '.join(a.fp8) or 'none'}"
 
 
 def _start_relays(work: Path, n: int) -> tuple[list[subprocess.Popen[bytes]], list[str], Path]:
@@ -155,8 +135,8 @@ def _start_relays(work: Path, n: int) -> tuple[list[subprocess.Popen[bytes]], li
         with open(work / f"relay-{i}.log", "ab") as log_file:
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "dcr", "relay", "--listen", f"127.0.0.1:{p}",
-                 "--members", members, "--index", str(i), "--fanout", "2", "--token-file",
-                 str(token_file)], stdout=subprocess.DEVNULL, stderr=log_file))
+                 "--members", members, "--index", str(i), "--token-file", str(token_file)],
+                stdout=subprocess.DEVNULL, stderr=log_file))
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     deadline = time.monotonic() + 60
     for url, proc in zip(urls, procs, strict=True):
@@ -171,19 +151,10 @@ def _start_relays(work: Path, n: int) -> tuple[list[subprocess.Popen[bytes]], li
     return procs, urls, token_file
 
 
-def _reference_fingerprints(args: list[str], ckpt: Path) -> dict[str, str]:
-    """What a dense load of ``ckpt`` through this agent kind's own loader holds."""
-    from dcr.receiver.host import checkpoint_tensors, runtime_fingerprint
-    from dcr.runtimes import build_runtime
-
-    kind = args[args.index("--runtime") + 1]
-    tp = int(args[args.index("--tp-size") + 1]) if "--tp-size" in args else 1
-    rank = int(args[args.index("--tp-rank") + 1]) if "--tp-rank" in args else 0
-    fp8 = tuple(args[i + 1] for i, a in enumerate(args) if a == "--fp8")
-    runtime = build_runtime(kind, ckpt, tp_size=tp, tp_rank=rank, fp8=fp8)
-    with Checkpoint(ckpt) as c:
-        runtime.load_weights(checkpoint_tensors(c).items())
-    return runtime_fingerprint(runtime)
+def _reference(a: AgentSettings, ckpt: Path) -> dict[str, str]:
+    """What a dense load of ``ckpt`` through agent ``a``'s own loader holds."""
+    return reference_fingerprint(ckpt, a.runtime, tp_size=a.tp_size, tp_rank=a.tp_rank,
+                                 fp8=a.fp8)
 
 
 class _Killer(threading.Thread):
@@ -224,20 +195,18 @@ def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
     ckpts, store = out / "checkpoints", f"file://{out / 'store'}"
     token = secrets.token_hex(16)
 
-    trainer = _Trainer(s.seed)
-    ids = {0: trainer.export(ckpts / "v0")}
-    n_params = sum(p.numel() for p in trainer.model.parameters())
+    trainer = Trainer(s.trainer)
+    ids = {0: baseline_id(trainer.export(ckpts / "v0"))}
     relays: list[subprocess.Popen[bytes]] = []
-    sources = [["--store", store]] * s.agents
+    sources: list[dict[str, Any]] = [{"store": store}] * s.agents
     publish_to, owner_env = store, {}
     if s.transport == "relay":
         relays, urls, token_file = _start_relays(out / "relay", s.agents)
-        sources = [["--relay", u, "--relay-token-file", str(token_file)] for u in urls]
+        sources = [{"relay": u, "relay_token_file": token_file} for u in urls]
         publish_to, owner_env = f"relay+{urls[0]}", {TOKEN_ENV: token_file.read_text()}
-    agents = [AgentProcess(name=f"agent-{i}",
-                           args=_agent_args(i, s.agents, sources[i], ckpts / "v0"),
-                           state_dir=out / "agents" / f"agent-{i}", token=token)
-              for i in range(s.agents)]
+    specs = [_agent(i, s.agents, out, sources[i], ckpts / "v0") for i in range(s.agents)]
+    agents = [AgentProcess(name=a.name, args=to_argv(a, skip=LAUNCHED), state_dir=a.state_dir,
+                           token=token) for a in specs]
     t0 = time.perf_counter()
     for a in agents:
         a.start()
@@ -248,28 +217,34 @@ def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
     profile = merge(ReceiverProfile(tensors=c.profile()["tensors"]) for c in clients)
     profile_path = out / "profile.json"
     profile_path.write_text(json.dumps({"tensors": profile.tensors}))
+    with Checkpoint(ckpts / "v0") as v0:
+        shares = coverage(profile, {i.name: i.nbytes for i in v0})
     owners = [ProcessOwner(store_uri=publish_to, checkpoints=lambda v: ckpts / f"v{v}",
-                           version=0, owner=k, owners=s.owners, profile_path=profile_path,
+                           version=0, owner=k, owners=s.owner_count, profile_path=profile_path,
                            env=owner_env)
-              for k in range(s.owners)]
+              for k in range(s.owner_count)]
     commits = SqliteCommitStore(out / "commit.db", CommitRecord(
         committed_version=0, baseline_id=ids[0], attempt=""))
-    coordinator = Coordinator(commits, owners, clients,
-                              settings=CoordinatorSettings(attempt_timeout_s=300.0),
+    coordinator = Coordinator(commits, owners, clients, settings=s.coordinator,
                               dense_checkpoint=lambda v: str(ckpts / f"v{v}"))
-    kinds = sorted({" ".join(a.args[a.args.index("--runtime"):]) for a in agents})
-    where = (f"relay tree of {s.agents} nodes (fan-out 2), root {publish_to}"
-             if relays else f"store {store}")
-    print(f"model: Llama, {n_params:,} parameters, BF16; AdamW lr={LR}; {where}")
-    print(f"{s.agents} agent processes up in {startup_s:.1f} s ({'; '.join(kinds)}); "
-          f"{s.owners} encoder processes; commit record {commits.path}")
+    job = _Job(trainer=trainer, ckpts=ckpts, ids=ids, agents=agents, specs=specs,
+               coordinator=coordinator, owners=owners)
+    where = (f"relay tree of {s.agents} nodes (fan-out {RelaySettings.fanout}), root "
+             f"{publish_to}" if relays else f"store {store}")
+    print(f"model: Llama, {trainer.parameters:,} parameters, BF16; AdamW lr={s.trainer.lr}; "
+          f"{where}")
+    print(f"{s.agents} agent processes up in {startup_s:.1f} s "
+          f"({'; '.join(sorted({_kind(a) for a in specs}))}); "
+          f"{s.owner_count} encoder processes; commit record {commits.path}")
+    print("coverage (share of weight bytes by path): "
+          + ", ".join(f"{k} {100 * v:.1f}%" for k, v in shares.items() if v))
     print(f"{'step':>4} {'loss':>7} {'changed':>8} {'payload B':>10} {'% dense':>8} "
           f"{'prepare':>7} {'publish':>7} {'flush':>6} {'commit':>6} {'total s':>7}  "
           f"attempts                          bit-exact")
     rows: list[dict[str, Any]] = []
     try:
         for v in range(1, s.steps + 1):
-            rows.append(_step(v, s, trainer, ckpts, ids, agents, coordinator, owners))
+            rows.append(_step(v, s, job))
     finally:
         coordinator.close()
         for a in agents:
@@ -288,18 +263,31 @@ def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
     return rows
 
 
-def _step(v: int, s: RefitSettings, trainer: _Trainer, ckpts: Path, ids: dict[int, str],
-          agents: list[AgentProcess], coordinator: Coordinator,
-          owners: list[ProcessOwner]) -> dict[str, Any]:
-    loss = trainer.step()
-    ids[v] = trainer.export(ckpts / f"v{v}")
+@dataclass(frozen=True, kw_only=True)
+class _Job:
+    """What every step works on: the trainer, its exports and the running processes."""
+
+    trainer: Trainer
+    ckpts: Path
+    ids: dict[int, str]  # version -> baseline id of its export
+    agents: list[AgentProcess]
+    specs: list[AgentSettings]  # the agents' settings, in the same order
+    coordinator: Coordinator
+    owners: list[ProcessOwner]
+
+
+def _step(v: int, s: RefitSettings, job: _Job) -> dict[str, Any]:
+    loss = job.trainer.step()
+    ckpt = job.ckpts / f"v{v}"
+    job.ids[v] = baseline_id(job.trainer.export(ckpt))
+    agents, coordinator = job.agents, job.coordinator
     killer = None
     if s.kill_receiver_every and v % s.kill_receiver_every == 0:
         killer = _Killer(agents[v % len(agents)])
         killer.start()
     first = len(coordinator.history)
     t0 = time.perf_counter()
-    record = coordinator.refit(v, ids[v])
+    record = coordinator.refit(v, job.ids[v])
     total_s = time.perf_counter() - t0
     if killer is not None:
         killer.done.wait()
@@ -308,17 +296,17 @@ def _step(v: int, s: RefitSettings, trainer: _Trainer, ckpts: Path, ids: dict[in
     rejoined_after = []
     for a in agents:
         if a.client().status().version != record.committed_version:
-            a.client().rejoin(record.committed_version, str(ckpts / f"v{v}"))
+            a.client().rejoin(record.committed_version, str(ckpt))
             rejoined_after.append(a.name)
     refs: dict[str, dict[str, str]] = {}
     exact = True
-    for a in agents:
-        key = " ".join(a.args)
-        if key not in refs:
-            refs[key] = _reference_fingerprints(a.args, ckpts / f"v{v}")
-        exact &= a.client().fingerprint() == refs[key]
+    for a, spec in zip(agents, job.specs, strict=True):
+        kind = _kind(spec)
+        if kind not in refs:
+            refs[kind] = _reference(spec, ckpt)
+        exact &= a.client().fingerprint() == refs[kind]
     last = attempts[-1]
-    summaries = [o.summaries[last.attempt] for o in owners]
+    summaries = [o.summaries[last.attempt] for o in job.owners]
     changed = sum(int(str(x["changed_elements"])) for x in summaries)
     total = sum(int(str(x["total_elements"])) for x in summaries)
     payload = sum(int(str(x["payload_bytes"])) for x in summaries)
@@ -342,7 +330,7 @@ def _step(v: int, s: RefitSettings, trainer: _Trainer, ckpts: Path, ids: dict[in
           f"{label:<33} {'yes' if exact else 'NO'}"
           + (f"  ({'; '.join(extra)})" if extra else ""), flush=True)
     if v > 1:  # v0 is what agents (re)start from; a rejoin needs only the committed one
-        shutil.rmtree(ckpts / f"v{v - 1}")
+        shutil.rmtree(job.ckpts / f"v{v - 1}")
     return row
 
 

@@ -39,10 +39,10 @@ import pytest
 from controlplane import ControlPlane
 from k8sutil import REPO, admin_client, apply, eventually, helm_template, install_crds
 from kubelet import FakeKubelet
-from trainer import Trainer, reference_fingerprint
 
 from dcr.errors import DcrError
 from dcr.receiver.launch import AgentProcess, free_port
+from dcr.trainer import Trainer, TrainerSettings, reference_fingerprint
 from dcr_operator.jobs import job_name
 from dcr_operator.kube import KubeClient
 
@@ -51,6 +51,11 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 FLEET = "rollout"
 TOKEN = "e2e-agent-token-0123456789abcdef"
 AGENTS = 3
+# Smaller than the main job's model and a faster learning rate, no warm-up: a cluster
+# test wants quick steps with enough changes per version.
+TRAINER = TrainerSettings(hidden_size=128, intermediate_size=344, layers=2, heads=4,
+                          kv_heads=2, seq=64, batch=4, lr=1e-5, warmup_steps=0,
+                          corpus=("json", "shutil"), max_shard_size="200KB")
 
 
 @dataclass
@@ -201,7 +206,7 @@ def scenario(control_plane: ControlPlane, helm: Path, tmp_path_factory: pytest.T
     kubeconfig = cp.write_kubeconfig_for_token(cp.service_account_token(ns, sa),
                                                tmp / "operator.kubeconfig", namespace=ns)
 
-    trainer = Trainer()
+    trainer = Trainer(TRAINER)
     sc_ckpts = {0: trainer.export(tmp / "ckpts" / "v0")}
     store = tmp / "store"
     agents = [AgentProcess(name=f"rollout-{i}", state_dir=tmp / "agents" / str(i), token=TOKEN,

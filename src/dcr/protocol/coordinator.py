@@ -44,6 +44,7 @@ from dcr.protocol.agent_api import AgentStatus, FlushAck
 from dcr.protocol.commitstore import CommitStore
 from dcr.protocol.records import Attempt, CommitOutcome, CommitRecord, Transition
 from dcr.protocol.state import FINAL, AttemptState
+from dcr.settings import option
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -111,10 +112,20 @@ class OwnerHandle(Protocol):
 
 @dataclass(frozen=True, kw_only=True)
 class CoordinatorSettings:
-    max_attempts: int = 4  # the retry limit: attempts per transition before RefitFailed
-    attempt_timeout_s: float = 600.0  # deadline of each attempt, prepare to commit
-    gate: Literal["sync", "async"] = "sync"  # sync: close at start; async: after staging
-    min_receivers: int = 1  # fewer admitted receivers fail the refit before any attempt
+    """How one refit is driven. Torch-free: the operator builds these from a fleet's spec."""
+
+    max_attempts: int = option(4, metavar="N", doc="attempts per transition before "
+                               "RefitFailed: the first mixed, the rest overwrite retries, "
+                               "which repair any mix of bits; more rarely helps")
+    attempt_timeout_s: float = option(600.0, metavar="S", doc="seconds from prepare to "
+                                      "commit of one attempt: room for a large model's "
+                                      "encode, transfer and apply; a stuck attempt fails then")
+    gate: Literal["sync", "async"] = option("sync", doc="sync: close the request gates at "
+                                            "the start (synchronous RL); async: after every "
+                                            "receiver has staged, so serving pauses only "
+                                            "for the apply")
+    min_receivers: int = option(1, metavar="N", doc="fewer admitted receivers fail the refit "
+                                "before any attempt; one suffices to make progress")
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1 or self.min_receivers < 1 or self.attempt_timeout_s <= 0:

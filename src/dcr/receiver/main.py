@@ -5,7 +5,8 @@ safetensors) through their own loaders: ``hf`` (a transformers causal LM, which 
 serves greedy generation behind the request gate) or ``vllm-ref`` (the vLLM-layout
 reference runtime on one tensor-parallel rank). Payloads come from an object store
 (``--store``) or a relay node (``--relay``). Once listening, the process prints one
-JSON line ``{"url": ..., "name": ..., "version": ...}`` on stdout.
+JSON line ``{"url": ..., "name": ..., "version": ...}`` on stdout. The options are
+:class:`~dcr.receiver.settings.AgentSettings`, declared there once.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -21,6 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dcr.errors import ConfigError
+from dcr.receiver.settings import AGENT_TOKEN_ENV, RELAY_TOKEN_ENV, SOURCES, AgentSettings
+from dcr.settings import add_options, from_args
 
 if TYPE_CHECKING:  # torch loads only when an agent runs, not for ``dcr --help``
     from dcr.receiver.service import AgentService
@@ -29,25 +33,11 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--name", required=True, help="receiver name the coordinator uses")
-    p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0: any free one)")
-    p.add_argument("--token-file", type=Path,
-                   help="file holding the bearer token (default: $DCR_AGENT_TOKEN)")
-    p.add_argument("--state-dir", type=Path, required=True, help="where the journal lives")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--store", help="object store URI the owners publish to")
-    src.add_argument("--relay", help="URL of this node's relay (dcr relay)")
-    p.add_argument("--relay-token-file", type=Path, help="bearer token of the relay")
-    p.add_argument("--model", type=Path, required=True,
-                   help="Hugging Face checkpoint directory (config.json + safetensors)")
-    p.add_argument("--model-version", type=int, default=0, help="version --model holds")
-    p.add_argument("--runtime", choices=("hf", "vllm-ref"), default="hf")
-    p.add_argument("--tp-size", type=int, default=1, help="vllm-ref: tensor-parallel ranks")
-    p.add_argument("--tp-rank", type=int, default=0, help="vllm-ref: this rank")
-    p.add_argument("--fp8", action="append", default=[],
-                   help="vllm-ref: module suffix stored as FP8 (repeatable)")
-    p.add_argument("--staging-mib", type=int, default=1024,
-                   help="staged, unapplied payload bytes before back-pressure")
+    """``dcr agent``'s options, from :class:`AgentSettings`; one payload source required."""
+    add_options(p, AgentSettings, skip=SOURCES)
+    sources = p.add_mutually_exclusive_group(required=True)
+    others = tuple(f.name for f in dataclasses.fields(AgentSettings) if f.name not in SOURCES)
+    add_options(sources, AgentSettings, skip=others)
 
 
 def _token(path: Path | None, env: str) -> str:
@@ -58,7 +48,7 @@ def _token(path: Path | None, env: str) -> str:
     return token
 
 
-def build_service(args: argparse.Namespace) -> AgentService:
+def build_service(s: AgentSettings) -> AgentService:
     from dcr.apply.engine import CanonicalTensor
     from dcr.checkpoint import Checkpoint
     from dcr.protocol.agent_api import AttemptSpec
@@ -69,16 +59,16 @@ def build_service(args: argparse.Namespace) -> AgentService:
     from dcr.transport.receive import Source, StoreSource
     from dcr.transport.store import open_store
 
-    runtime = build_runtime(args.runtime, args.model, tp_size=args.tp_size,
-                            tp_rank=args.tp_rank, fp8=tuple(args.fp8))
-    with Checkpoint(args.model) as ckpt:
+    runtime = build_runtime(s.runtime, s.model, tp_size=s.tp_size, tp_rank=s.tp_rank,
+                            fp8=s.fp8)
+    with Checkpoint(s.model) as ckpt:
         canonical = [CanonicalTensor(name=i.name, dtype=i.dtype.name, shape=i.shape)
                      for i in ckpt]
     host = RuntimeHost(runtime, canonical)
-    host.load_dense(args.model)
+    host.load_dense(s.model)
     source_for: SourceFor
-    if args.store:
-        store = open_store(args.store)
+    if s.store:
+        store = open_store(s.store)
 
         def source_for(spec: AttemptSpec) -> Source:
             return StoreSource(store=store, version=spec.target_version, attempt=spec.attempt,
@@ -86,17 +76,18 @@ def build_service(args: argparse.Namespace) -> AgentService:
     else:
         from dcr.transport.relay.source import RelaySource
 
-        relay_token = _token(args.relay_token_file, "DCR_RELAY_TOKEN")
+        relay, relay_token = s.relay, _token(s.relay_token_file, RELAY_TOKEN_ENV)
+        assert relay is not None  # AgentSettings holds exactly one source
 
         def source_for(spec: AttemptSpec) -> Source:
             if spec.owners != 1:
                 raise ConfigError(f"The relay carries one owner's manifest; attempt "
                                   f"{spec.attempt} has {spec.owners} owners.")
-            return RelaySource(args.relay, relay_token, spec.attempt)
+            return RelaySource(relay, relay_token, spec.attempt)
 
-    return AgentService(args.name, host, source_for, version=args.model_version,
-                        journal=Journal(args.state_dir / "journal.json"),
-                        staging_bytes=args.staging_mib << 20)
+    return AgentService(s.name, host, source_for, version=s.model_version,
+                        journal=Journal(s.state_dir / "journal.json"),
+                        staging_bytes=s.staging_bytes)
 
 
 async def _serve(service: AgentService, token: str, listen: str) -> None:
@@ -118,11 +109,11 @@ async def _serve(service: AgentService, token: str, listen: str) -> None:
         await runner.cleanup()
 
 
-def run(args: argparse.Namespace) -> int:
-    token = _token(args.token_file, "DCR_AGENT_TOKEN")
-    service = build_service(args)
+def run(s: AgentSettings) -> int:
+    token = _token(s.token_file, AGENT_TOKEN_ENV)
+    service = build_service(s)
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_serve(service, token, args.listen))
+        asyncio.run(_serve(service, token, s.listen))
     return 0
 
 
@@ -131,4 +122,4 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(p)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return run(p.parse_args(argv))
+    return run(from_args(AgentSettings, p.parse_args(argv)))

@@ -1,43 +1,77 @@
-"""One relay node's settings: the member list, its place in it, budgets and timings."""
+"""One relay node's settings: the member list, its place in it, budgets and timings.
+
+Declared once with :func:`dcr.settings.option`: ``dcr relay``'s options are generated
+from :class:`RelaySettings`, except the two the command line spells differently
+(:data:`EDGE_PARSED`): ``--members`` is a comma list and the token comes from
+``--token-file``, never from the command line.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dcr.errors import ConfigError
+from dcr.settings import GiB, MiB, option
 from dcr.transport.relay.tree import parse_address
 
-KiB = 1 << 10
-MiB = 1 << 20
-GiB = 1 << 30
+EDGE_PARSED = ("members", "token")  # on the command line as a comma list and a token file
+
+
+def _secret(doc: str) -> Any:
+    """A required field kept out of ``repr`` (and so out of logs) and off the command line."""
+    f = option(doc=doc, cli=False)
+    f.repr = False
+    return f
 
 
 @dataclass(frozen=True, kw_only=True)
 class RelaySettings:
-    """One relay node's settings. Units are in the names; why each default is what it is."""
+    """One relay node's settings. Units are in the names; each doc says why its default."""
 
-    members: tuple[str, ...]  # every node's "host:port", tree order; member 0 is the root
-    index: int  # this node's position in ``members``
-    token: str = field(repr=False)  # bearer token on every endpoint but /healthz; never logged
-    fanout: int = 2  # children per node: 2 keeps per-node upload fan-out at twice the input
-    listen: str = "127.0.0.1:8470"  # host:port to bind; often 0.0.0.0 with a Service in front
-    budget_bytes: int = GiB  # staged bytes held in memory: a few buckets of a large model
-    spool_dir: Path | None = None  # staged bytes beyond the memory budget go here; None: never
-    spool_budget_bytes: int = 64 * GiB  # staged bytes on disk: a whole attempt of a 70B model
-    admit_timeout_s: float = 30.0  # an upload waits this long for staging space, then 503
-    chunk_bytes: int = MiB  # piece size when sending staged bytes (live forwards keep theirs)
-    queue_chunks: int = 16  # chunks queued per child: bounds a slow child's memory to a few MiB
-    stall_timeout_s: float = 30.0  # a child taking (a sender giving) no bytes this long is cut
-    connect_timeout_s: float = 2.0  # TCP connect to another member; loopback/LAN is fast
-    health_interval_s: float = 0.25  # how often the parent is probed
-    health_timeout_s: float = 0.5  # one probe's limit; a slower parent counts as down
-    parent_timeout_s: float = 1.0  # parent down this long -> re-attach to an ancestor
-    join_grace_s: float = 10.0  # at start, the time the parent may take to come up
-    resync_interval_s: float = 10.0  # a child re-sends its held ids this often; gaps get filled
-    retries: int = 4  # re-sends of a payload a child did not take (connection error or 5xx)
-    retry_delay_s: float = 0.25  # first re-send delay; doubles each time (0.25 .. 2 s)
-    max_manifest_bytes: int = 64 * MiB  # manifests are JSON; a bigger one is refused
+    members: tuple[str, ...] = option(cli=False, doc="every node's host:port, in tree "
+                                      "order; member 0 is the root")
+    index: int = option(metavar="I", doc="this node's position in the members list")
+    token: str = _secret("bearer token on every endpoint but /healthz; never logged")
+    fanout: int = option(2, metavar="K", doc="children per node: 2 keeps a node's upload "
+                         "fan-out at twice its input")
+    listen: str = option("127.0.0.1:8470", metavar="HOST:PORT", doc="address to bind; often "
+                         "0.0.0.0 with a Service in front")
+    budget_bytes: int = option(GiB, unit=MiB, doc="staged bytes held in memory: a few "
+                               "buckets of a large model")
+    spool_dir: Path | None = option(None, flag="--spool", metavar="DIR",
+                                    doc="directory for staged bytes beyond the memory "
+                                    "budget (default: none, such uploads wait)")
+    spool_budget_bytes: int = option(64 * GiB, unit=MiB, doc="staged bytes held in the "
+                                     "spool: a whole attempt of a 70B model")
+    admit_timeout_s: float = option(30.0, metavar="S", doc="seconds an upload waits for "
+                                    "staging space before 503 (the owner retries)")
+    chunk_bytes: int = option(MiB, metavar="BYTES", doc="piece size in bytes when sending "
+                              "staged bytes (live forwards keep the sender's pieces)")
+    queue_chunks: int = option(16, metavar="N", doc="chunks queued per child: bounds a slow "
+                               "child's memory to a few MiB")
+    stall_timeout_s: float = option(30.0, metavar="S", doc="seconds a child may take (a "
+                                    "sender may give) no bytes before it is cut")
+    connect_timeout_s: float = option(2.0, metavar="S", doc="seconds for a TCP connect to "
+                                      "another member; loopback and LAN are fast")
+    health_interval_s: float = option(0.25, metavar="S", doc="seconds between probes of "
+                                      "the parent")
+    health_timeout_s: float = option(0.5, metavar="S", doc="seconds one probe may take; a "
+                                     "slower parent counts as down (raise it on busy hosts)")
+    parent_timeout_s: float = option(1.0, metavar="S", doc="seconds the parent may stay "
+                                     "down before this node re-attaches to an ancestor")
+    join_grace_s: float = option(10.0, metavar="S", doc="seconds the parent may take to come "
+                                 "up when the node starts")
+    resync_interval_s: float = option(10.0, metavar="S", doc="seconds between a node's "
+                                      "reports of the ids it holds to its parent, which "
+                                      "re-sends what it missed")
+    retries: int = option(4, metavar="N", doc="re-sends of a payload a child did not take "
+                          "(connection error or 5xx)")
+    retry_delay_s: float = option(0.25, metavar="S", doc="seconds before the first re-send; "
+                                  "doubles each time (0.25 .. 2 s)")
+    max_manifest_bytes: int = option(64 * MiB, unit=MiB, doc="largest manifest accepted; "
+                                     "manifests are JSON, far smaller")
 
     def __post_init__(self) -> None:
         n = len(self.members)
@@ -77,3 +111,6 @@ class RelaySettings:
                 f"Relay retries={self.retries} and retry_delay_s={self.retry_delay_s} "
                 "must not be negative."
             )
+
+
+__all__ = ["EDGE_PARSED", "GiB", "MiB", "RelaySettings"]

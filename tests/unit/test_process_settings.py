@@ -1,0 +1,125 @@
+"""The settings of ``dcr agent``, ``dcr relay`` and ``dcr refit``: the command line is
+generated from them, the flags users type keep their meaning, and contradictions are
+refused with an error that names the values."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from dcr.cli import build_parser, relay_settings
+from dcr.errors import ConfigError
+from dcr.protocol.coordinator import CoordinatorSettings
+from dcr.receiver.settings import AgentSettings
+from dcr.refit import LAUNCHED, RefitSettings
+from dcr.settings import MiB, from_args, to_argv
+from dcr.trainer import TrainerSettings
+from dcr.transport.relay.settings import RelaySettings
+from dcr.transport.s3 import S3Settings
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return build_parser(argv[0]).parse_args(list(argv))
+
+
+def test_agent_settings_survive_their_own_argv() -> None:
+    s = AgentSettings(name="a", state_dir=Path("/s"), model=Path("/m"), relay="http://r:1",
+                      relay_token_file=Path("/t"), runtime="vllm-ref", tp_size=2, tp_rank=1,
+                      fp8=("self_attn.o_proj", "mlp.down_proj"), staging_bytes=64 * MiB)
+    assert from_args(AgentSettings, parse("agent", *to_argv(s))) == s
+
+
+def test_agent_flags_users_type_keep_their_meaning() -> None:
+    ns = parse("agent", "--name", "r0", "--state-dir", "/s", "--store", "file:///x", "--model",
+               "/m", "--model-version=3", "--staging-mib", "16", "--listen", "0.0.0.0:8471")
+    s = from_args(AgentSettings, ns)
+    assert (s.store, s.relay, s.model_version, s.staging_bytes, s.listen, s.runtime) == (
+        "file:///x", None, 3, 16 * MiB, "0.0.0.0:8471", "hf")
+
+
+def test_agent_without_a_source_or_with_both_is_a_usage_error() -> None:
+    base = ("agent", "--name", "r0", "--state-dir", "/s", "--model", "/m")
+    with pytest.raises(SystemExit):
+        parse(*base)
+    with pytest.raises(SystemExit):
+        parse(*base, "--store", "s", "--relay", "http://r:1")
+
+
+@pytest.mark.parametrize(("given", "named"), [
+    ({"store": "s", "relay": "http://r:1"}, "store='s', relay='http://r:1'"),
+    ({}, "store=None, relay=None"),
+    ({"store": "s", "tp_size": 2, "tp_rank": 2}, "--tp-rank 2"),
+    ({"store": "s", "listen": "nowhere"}, "'nowhere'"),
+    ({"store": "s", "staging_bytes": 0}, "staging_bytes=0"),
+])
+def test_agent_settings_refuse_contradictions_naming_the_values(
+        given: dict[str, object], named: str) -> None:
+    with pytest.raises(ConfigError, match=named.replace("(", r"\(")):
+        AgentSettings(name="a", state_dir=Path("/s"), model=Path("/m"), **given)
+
+
+def test_relay_flags_users_type_keep_their_meaning(tmp_path: Path) -> None:
+    (tmp_path / "token").write_text("0123456789abcdef\n")
+    ns = parse("relay", "--listen", "0.0.0.0:8470", "--members", "a:1, b:2,c:3", "--index",
+               "1", "--fanout", "3", "--token-file", str(tmp_path / "token"), "--spool",
+               str(tmp_path), "--budget-mib", "4", "--spool-budget-mib", "8",
+               "--admit-timeout-s", "1.5", "--health-timeout-s", "2")
+    s = relay_settings(ns)
+    assert s == RelaySettings(
+        members=("a:1", "b:2", "c:3"), index=1, fanout=3, token="0123456789abcdef",
+        listen="0.0.0.0:8470", spool_dir=tmp_path, budget_bytes=4 * MiB,
+        spool_budget_bytes=8 * MiB, admit_timeout_s=1.5, health_timeout_s=2.0)
+    assert "0123456789abcdef" not in repr(s)
+
+
+def test_relay_refuses_an_unreadable_token_file_naming_it(tmp_path: Path) -> None:
+    ns = parse("relay", "--listen", "h:1", "--members", "h:1", "--index", "0",
+               "--token-file", str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match="missing"):
+        relay_settings(ns)
+
+
+def test_refit_owners_default_by_transport_and_the_relay_refuses_two() -> None:
+    assert RefitSettings().owners == 2
+    assert RefitSettings(transport="relay").owners == 1
+    with pytest.raises(ConfigError, match="--owners 2"):
+        RefitSettings(transport="relay", owners=2)
+    with pytest.raises(ConfigError, match="--agents 3"):
+        RefitSettings(agents=3)
+
+
+def test_refit_flags_set_the_job_and_its_trainer() -> None:
+    ns = parse("refit", "--out", "o", "--steps", "2", "--agents", "2", "--transport", "relay",
+               "--kill-receiver-every", "2", "--seed", "5", "--lr", "1e-5")
+    s = from_args(RefitSettings, ns, trainer=from_args(TrainerSettings, ns))
+    assert (s.out, s.steps, s.agents, s.owners, s.transport, s.kill_receiver_every) == (
+        Path("o"), 2, 2, 1, "relay", 2)
+    assert s.trainer == TrainerSettings(seed=5, lr=1e-5)
+
+
+def test_the_main_job_starts_agents_with_argv_built_from_their_settings() -> None:
+    s = AgentSettings(name="agent-1", state_dir=Path("/s"), model=Path("/m"), store="file:///x")
+    argv = to_argv(s, skip=LAUNCHED)
+    assert not {"--name", "--listen", "--state-dir", "--token-file"} & set(argv)
+    assert argv[argv.index("--staging-mib") + 1] == str(s.staging_bytes // MiB)
+
+
+@pytest.mark.parametrize(("cls", "given", "named"), [
+    (TrainerSettings, {"heads": 3}, "heads=3"),
+    (CoordinatorSettings, {"max_attempts": 0}, "max_attempts=0"),
+    (S3Settings, {"max_attempts": 0}, "max_attempts = 0"),
+    (RelaySettings, {"members": ("a:1",), "index": 0, "token": "t", "retries": -1},
+     "retries=-1"),
+])
+def test_settings_refuse_bad_values_naming_them(cls: type, given: dict[str, object],
+                                                named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        cls(**given)
+
+
+def test_settings_refuse_unknown_keys() -> None:
+    with pytest.raises(TypeError, match="bucket"):
+        AgentSettings(name="a", state_dir=Path("/s"), model=Path("/m"), store="s",
+                      bucket=1)
