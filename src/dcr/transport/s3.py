@@ -57,11 +57,11 @@ from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError, Inc
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from dcr.errors import ConfigError, ObjectNotFound, StoreError
+from dcr.settings import MiB, option
 from dcr.transport.store import _check_key
 
 log = logging.getLogger(__name__)
 
-MiB = 1 << 20
 DIGEST_META = "dcr-blake2b"  # user-metadata key holding the BLAKE2b-128 hex digest
 MIN_PART = 5 * MiB  # S3's smallest part, except the last
 MAX_PART = 5 * 1024 * MiB  # S3's largest part
@@ -72,32 +72,31 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, kw_only=True)
 class S3Settings:
-    """How ``S3Store`` splits, parallelises, retries and times out requests."""
+    """How ``S3Store`` splits, parallelises, retries and times out requests.
 
-    # bytes; objects at least this large go multipart (one PUT is one connection's speed).
-    multipart_threshold: int = 64 * MiB
-    # bytes per uploaded part; S3 requires 5 MiB..5 GiB (last part smaller); grown
-    # automatically when an object would need more than 10,000 parts.
-    part_size: int = 16 * MiB
-    # parts in flight per object.
-    upload_concurrency: int = 8
-    # bytes per ranged GET; objects up to this size are fetched with one GET.
-    range_size: int = 16 * MiB
-    # ranged GETs in flight per object.
-    download_concurrency: int = 8
-    # tries per request, the first included; 1 disables retries.
-    max_attempts: int = 5
-    # seconds; try n waits uniform(0, min(max_backoff, base_backoff * 2**(n-1))) after
-    # failing (full jitter, so many receivers do not retry in lockstep).
-    base_backoff: float = 0.1
-    # seconds; ceiling of one wait.
-    max_backoff: float = 10.0
-    # seconds to open a connection.
-    connect_timeout: float = 10.0
-    # seconds a socket read may wait for data (not the whole transfer).
-    read_timeout: float = 60.0
-    # refuse objects without dcr-blake2b metadata, whose bytes cannot be checked.
-    require_digest: bool = True
+    Units are in the docs: sizes in bytes, waits in seconds.
+    """
+
+    multipart_threshold: int = option(64 * MiB, doc="bytes; objects at least this large go "
+                                      "multipart (one PUT runs at one connection's speed)")
+    part_size: int = option(16 * MiB, doc="bytes per uploaded part; S3 requires 5 MiB..5 GiB "
+                            "(last part smaller); grown automatically when an object would "
+                            "need more than 10,000 parts")
+    upload_concurrency: int = option(8, doc="parts in flight per object")
+    range_size: int = option(16 * MiB, doc="bytes per ranged GET; objects up to this size are "
+                             "fetched with one GET")
+    download_concurrency: int = option(8, doc="ranged GETs in flight per object")
+    max_attempts: int = option(5, doc="tries per request, the first included; 1 disables "
+                               "retries")
+    base_backoff: float = option(0.1, doc="seconds; try n waits uniform(0, min(max_backoff, "
+                                 "base_backoff * 2**(n-1))) after failing (full jitter, so "
+                                 "many receivers do not retry in lockstep)")
+    max_backoff: float = option(10.0, doc="seconds; ceiling of one wait")
+    connect_timeout: float = option(10.0, doc="seconds to open a connection")
+    read_timeout: float = option(60.0, doc="seconds a socket read may wait for data (not the "
+                                 "whole transfer)")
+    require_digest: bool = option(True, doc="refuse objects without dcr-blake2b metadata, "
+                                  "whose bytes cannot be checked")
 
     def __post_init__(self) -> None:
         rules: list[tuple[str, bool, str]] = [
