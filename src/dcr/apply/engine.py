@@ -14,7 +14,9 @@ storage (:mod:`dcr.apply.intercept`):
 Prewarm runs every tensor once in record mode, classifies it (see
 :mod:`dcr.apply.profile`) and keeps the exact list of writes it made; an apply whose
 writes differ from that list fails. Payloads are deduplicated by id, because XOR is
-not idempotent.
+not idempotent. The engine takes payloads as bytes or as the verified
+:class:`~dcr.format.payload.Payload` a receiver already holds, which it does not parse
+again.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from dcr.codec import _native  # type: ignore[attr-defined]
 from dcr.codec.decode import DecodedItem, decode
 from dcr.errors import DcrError, MalformedPayload, TargetMismatch
 from dcr.format.dtypes import DTYPES
-from dcr.format.payload import check_disjoint, read_payload
+from dcr.format.payload import Payload, check_disjoint, read_payload
 from dcr.format.profile import ReceiverProfile, TensorClass
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -258,15 +260,19 @@ class ApplyEngine:
 
     # --- apply ---------------------------------------------------------------------
 
-    def apply_payloads(self, payloads: Sequence[bytes]) -> ApplyReport:
-        """Validate and deduplicate every payload, then apply them as one set, in order."""
+    def apply_payloads(self, payloads: Sequence[bytes | Payload]) -> ApplyReport:
+        """Validate and deduplicate every payload, then apply them as one set, in order.
+
+        Bytes are verified here (:func:`read_payload`); a :class:`Payload` was verified
+        when it was read and is used as it is.
+        """
         items: list[DecodedItem] = []
         ids: dict[tuple[str, int, int], bytes] = {}
-        for data in payloads:
-            p = read_payload(data)
+        for given in payloads:
+            p = given if isinstance(given, Payload) else read_payload(given)
             h = p.header
             pid = (h.attempt, h.owner, h.seq)
-            digest = bytes(p.data[32:48])
+            digest = p.digest
             seen = self._applied.get(pid, ids.get(pid))
             if seen == digest:
                 raise DuplicatePayload(

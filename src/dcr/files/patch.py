@@ -14,7 +14,6 @@ with a correct manifest finishes the rest.
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import os
 import shutil
@@ -30,6 +29,7 @@ from dcr.codec.decode import DecodedItem, Target, apply_items, decode
 from dcr.errors import MalformedPayload, ManifestError, TargetMismatch, WrongBaseVersion
 from dcr.format.layout import manifest_key
 from dcr.format.manifest import Manifest, TensorEntry
+from dcr.format.names import object_digest
 from dcr.format.payload import DEFAULT_LIMITS, DecodeLimits, check_disjoint, read_payload
 from dcr.transport.store import Store
 
@@ -59,7 +59,7 @@ def fetch_items(store: Store, manifest: Manifest, limits: DecodeLimits) -> list[
         data = store.get(e.key)
         if len(data) != e.size:
             raise ManifestError(f"Payload {e.key} is {len(data)} bytes; manifest says {e.size}.")
-        digest = hashlib.blake2b(data, digest_size=16).hexdigest()
+        digest = object_digest(data)
         if digest != e.digest:
             raise ManifestError(
                 f"Payload {e.key} digest mismatch (expected {e.digest}, got {digest})."

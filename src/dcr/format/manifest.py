@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dcr.errors import ManifestError
-from dcr.format.payload import Mode
+from dcr.format.names import ATTEMPT_PATTERN, Mode
 
 MANIFEST_VERSION = 1
 SCHEMA_PATH = Path(__file__).with_name("manifest.schema.json")
@@ -60,7 +60,7 @@ class Manifest(_Model):
     format_version: Literal[1] = 1
     base_version: Annotated[int, Field(ge=0)]
     target_version: Annotated[int, Field(ge=0)]
-    attempt: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+    attempt: Annotated[str, Field(pattern=ATTEMPT_PATTERN)]
     mode: Mode
     payloads: tuple[PayloadEntry, ...]
     tensors: tuple[TensorEntry, ...]

@@ -17,8 +17,8 @@ EntryKind = Literal["xor", "overwrite"]  # how one item's records travel
 
 # An attempt id: in payload headers, manifests, store keys, relay ids and URLs.
 ATTEMPT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
-ATTEMPT_RE = re.compile(ATTEMPT_PATTERN)  # use fullmatch or match (anchored)
-_ATTEMPT_BODY = ATTEMPT_PATTERN[1:-1]  # for embedding in larger patterns (keys)
+ATTEMPT_RE = re.compile(ATTEMPT_PATTERN)  # anchored: use fullmatch (``$`` allows a final newline)
+ATTEMPT_BODY = ATTEMPT_PATTERN[1:-1]  # unanchored, for embedding in larger patterns (keys)
 
 OBJECT_DIGEST_BYTES = 16  # BLAKE2b-128 of a stored object's bytes, as in manifests
 

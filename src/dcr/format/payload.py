@@ -29,6 +29,7 @@ from dcr.errors import (
     TruncatedPayload,
 )
 from dcr.format.dtypes import DTYPES
+from dcr.format.names import ATTEMPT_PATTERN, EntryKind, Mode
 
 MAGIC = b"\x89DCR\r\n\x1a\n"
 FORMAT_VERSION = 1
@@ -37,12 +38,9 @@ DIGEST_SIZE = 16
 DIGEST_PERSON = b"dcr-payload-v1"
 PREAMBLE_SIZE = _PREAMBLE.size + DIGEST_SIZE  # 48
 
-EntryKind = Literal["xor", "overwrite"]
 LocCoding = Literal["gaps", "runs"]
-Mode = Literal["mixed", "overwrite"]
 WIDTHS = (1, 2, 4, 8)
 
-_ATTEMPT_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 NAME_RE = re.compile(r"[^\x00-\x1f\x7f]{1,1024}")  # use fullmatch
 
 
@@ -151,7 +149,7 @@ class PayloadHeader(_Frozen):
 
     base_version: Annotated[int, Field(ge=0)]
     target_version: Annotated[int, Field(ge=0)]
-    attempt: Annotated[str, Field(pattern=_ATTEMPT_RE)]
+    attempt: Annotated[str, Field(pattern=ATTEMPT_PATTERN)]
     owner: Annotated[int, Field(ge=0, le=2**31 - 1)]
     seq: Annotated[int, Field(ge=0, le=2**31 - 1)]
     mode: Mode
@@ -274,11 +272,30 @@ def pack_payload(
 
 @dataclass(frozen=True, kw_only=True)
 class Payload:
-    """A payload whose digest and header have been verified; streams not yet decoded."""
+    """A payload whose digest and header have been verified; streams not yet decoded.
+
+    Made only by :func:`read_payload`. Receivers keep this object from the moment it
+    is verified until it is applied, so a payload is parsed once on its way in.
+    """
 
     header: PayloadHeader
     data: memoryview
     body_offset: int
+
+    @property
+    def size(self) -> int:
+        """Bytes of the whole object, as a manifest lists them."""
+        return len(self.data)
+
+    @property
+    def digest(self) -> bytes:
+        """The payload's own personalised digest (bytes 32-47), already checked.
+
+        It identifies the payload's bytes: two payloads with one id and different
+        digests are a conflict. Not the object digest a manifest lists (that one is
+        :func:`dcr.format.names.object_digest` of :attr:`data`).
+        """
+        return bytes(self.data[_PREAMBLE.size : PREAMBLE_SIZE])
 
 
 def read_payload(data: bytes | memoryview, limits: DecodeLimits = DEFAULT_LIMITS) -> Payload:

@@ -9,12 +9,11 @@ compare-and-set (:mod:`dcr.protocol.commitstore`).
 from __future__ import annotations
 
 import enum
-import secrets
 import time
 from dataclasses import dataclass, field
 
 from dcr.errors import ConfigError
-from dcr.format.payload import Mode
+from dcr.format.names import Mode, new_attempt_id
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,11 +40,6 @@ class Transition:
             raise ConfigError(
                 f"A transition goes forward: {self.base_version} -> {self.target_version}."
             )
-
-
-def new_attempt_id() -> str:
-    """A fresh attempt id, valid in payload headers and store keys."""
-    return f"a-{secrets.token_hex(6)}"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -73,7 +73,7 @@ class _Run:
     state: AttemptState = S.PREPARED
     stop: threading.Event = field(default_factory=threading.Event)
     apply_open: threading.Event = field(default_factory=threading.Event)
-    staged: list[bytes | None] = field(default_factory=list)
+    staged: list[Payload | None] = field(default_factory=list)  # verified once, on receipt
     staged_bytes: int = 0  # staged, not yet applied
     received: bool = False  # the manifest closed the attempt: nothing more will be staged
     manifest: Manifest | None = None
@@ -376,11 +376,11 @@ class AgentService:
             self._cond.notify_all()
 
     def _stage(self, run: _Run, payload: Payload) -> None:
-        data = bytes(payload.data)
+        size = payload.size
         with self._cond:  # back-pressure: staged but unapplied bytes stay bounded
             def fits() -> bool:
                 return run.staged_bytes == 0 or (
-                    run.staged_bytes + len(data) <= self.staging_bytes)
+                    run.staged_bytes + size <= self.staging_bytes)
 
             if not fits() and not run.apply_open.is_set():
                 # Staging before the gate closes (asynchronous RL) must hold the whole
@@ -392,8 +392,8 @@ class AgentService:
             self._cond.wait_for(lambda: run.stop.is_set() or fits())
             if run.stop.is_set():
                 raise ReceiveStopped(f"attempt {run.spec.attempt} stopped")
-            run.staged.append(data)
-            run.staged_bytes += len(data)
+            run.staged.append(payload)  # kept verified: the apply thread does not parse again
+            run.staged_bytes += size
             self._cond.notify_all()
 
     def _apply(self, run: _Run) -> None:
@@ -406,18 +406,18 @@ class AgentService:
                     return
                 if i >= len(run.staged):
                     return  # received and all applied: flush finishes the attempt
-                data = run.staged[i]
-            assert data is not None
+                payload = run.staged[i]
+            assert payload is not None
             t0 = time.perf_counter()
-            self.host.engine.apply_payloads([data])
+            self.host.engine.apply_payloads([payload])
             seconds = time.perf_counter() - t0
             with self._cond:
                 run.staged[i] = None
-                run.staged_bytes -= len(data)
+                run.staged_bytes -= payload.size
                 run.applied += 1
-                run.applied_bytes += len(data)
+                run.applied_bytes += payload.size
                 run.apply_s += seconds
                 self.counters.payloads_applied += 1
-                self.counters.payload_bytes_applied += len(data)
+                self.counters.payload_bytes_applied += payload.size
                 self.counters.apply_seconds += seconds
                 self._cond.notify_all()

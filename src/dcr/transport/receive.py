@@ -1,19 +1,20 @@
-"""Receiving an attempt while it is still being sent: fetch, verify, apply, in order.
+"""Receiving an attempt while it is still being sent: fetch, verify, stage, in order.
 
 A receiver knows the attempt it is in (the protocol's ``prepare`` tells it). It polls
 its source (an object store prefix, or its relay node) for payloads of that attempt,
 fetches a bounded window of them concurrently, verifies each (digest and header ids)
-as it lands, and hands the verified payloads to ``apply`` one at a time, each owner's
-payloads in ``seq`` order, while later payloads are still arriving. The manifest,
-written last, closes the attempt: once it is present and every payload it lists has
-been applied (and none it does not list), the call returns it. Payload items are
-disjoint, so the interleaving of owners does not change the result.
+as it lands, and hands the verified payloads to ``stage`` one at a time, each owner's
+payloads in ``seq`` order, while later payloads are still arriving. ``stage`` gets the
+verified :class:`~dcr.format.payload.Payload` itself, so whoever applies it later
+(the receiver's apply thread, through :meth:`dcr.apply.engine.ApplyEngine.apply_payloads`)
+does not parse it again; a simple caller may apply it at once. The manifest, written
+last, closes the attempt: once it is present and every payload it lists has been
+staged (and none it does not list), the call returns it. Payload items are disjoint,
+so the interleaving of owners does not change the result.
 """
 
 from __future__ import annotations
 
-import hashlib
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -22,8 +23,15 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from dcr.errors import DcrError, ManifestError, ObjectNotFound
-from dcr.format.layout import manifest_key, owner_manifest_key
+from dcr.format.layout import (
+    attempt_prefix,
+    manifest_key,
+    owner_manifest_key,
+    parse_payload_key,
+    payload_key,
+)
 from dcr.format.manifest import Manifest, merge_manifests
+from dcr.format.names import object_digest
 from dcr.format.payload import Payload, read_payload
 from dcr.transport.store import Store
 
@@ -33,7 +41,6 @@ PayloadId = tuple[int, int]  # (owner, seq)
 class ReceiveStopped(DcrError):
     """The receiver was told to stop (its attempt became obsolete)."""
 
-_KEY = re.compile(r"/o(\d{4})-s(\d{6})\.dcrp$")
 
 
 class Source(Protocol):
@@ -50,7 +57,7 @@ class Source(Protocol):
 
 @dataclass(frozen=True, kw_only=True)
 class StoreSource:
-    """An attempt's objects in a store: ``v<version>/<attempt>/o<owner>-s<seq>.dcrp``.
+    """An attempt's objects in a store, at the keys :mod:`dcr.format.layout` gives.
 
     Protocol owners write their manifest parts under the attempt; the manifest is
     present once every owner wrote its part. A single owner's manifest may also be the
@@ -64,18 +71,18 @@ class StoreSource:
 
     @property
     def _prefix(self) -> str:
-        return f"v{self.version:010d}/{self.attempt}/"
+        return attempt_prefix(self.version, self.attempt)
 
     def available(self) -> list[PayloadId]:
         out = []
         for key in self.store.list(self._prefix):
-            m = _KEY.search(key)
-            if m:
-                out.append((int(m.group(1)), int(m.group(2))))
+            k = parse_payload_key(key)
+            if k is not None and (k.version, k.attempt) == (self.version, self.attempt):
+                out.append((k.owner, k.seq))
         return out
 
     def fetch(self, pid: PayloadId) -> bytes:
-        return self.store.get(f"{self._prefix}o{pid[0]:04d}-s{pid[1]:06d}.dcrp")
+        return self.store.get(payload_key(self.version, self.attempt, *pid))
 
     def manifest(self) -> Manifest | None:
         if self.owners == 1:  # the attempt's own part, else the file-level version manifest
@@ -101,24 +108,26 @@ class StoreSource:
 def receive(
     source: Source,
     attempt: str,
-    apply: Callable[[Payload], None],
+    stage: Callable[[Payload], None],
     *,
     window: int = 4,
     poll_s: float = 0.01,
     timeout_s: float = 600.0,
     stop: threading.Event | None = None,
 ) -> Manifest:
-    """Apply every payload of ``attempt`` as it arrives; return the closing manifest.
+    """Stage every payload of ``attempt`` as it arrives; return the closing manifest.
 
-    ``window`` bounds the payloads fetched but not yet applied (back-pressure toward the
-    source). Raises :class:`ManifestError` if the manifest disagrees with what arrived,
-    or if ``timeout_s`` passes first, and :class:`ReceiveStopped` once ``stop`` is set
-    (between payloads: an ``apply`` call in progress always finishes).
+    ``stage`` is called with each verified payload, in order (see the module docstring).
+    ``window`` bounds the payloads fetched but not yet staged (back-pressure toward the
+    source; ``stage`` may block to push back further). Raises :class:`ManifestError` if
+    the manifest disagrees with what arrived, or if ``timeout_s`` passes first, and
+    :class:`ReceiveStopped` once ``stop`` is set (between payloads: a ``stage`` call in
+    progress always finishes).
     """
     deadline = time.monotonic() + timeout_s
     pending: dict[PayloadId, Future[Payload]] = {}
     applied: set[PayloadId] = set()
-    objects: dict[PayloadId, tuple[int, str]] = {}  # size and BLAKE2b-128 of what was applied
+    objects: dict[PayloadId, tuple[int, str]] = {}  # size and object digest of what was staged
     next_seq: dict[int, int] = {}
     with ThreadPoolExecutor(window) as pool:
         while True:
@@ -135,10 +144,9 @@ def receive(
                 if seq != next_seq.get(owner, 0) or not pending[pid].done():
                     continue
                 payload = pending.pop(pid).result()
-                apply(payload)
+                stage(payload)
                 applied.add(pid)
-                objects[pid] = (len(payload.data),
-                                hashlib.blake2b(payload.data, digest_size=16).hexdigest())
+                objects[pid] = (payload.size, object_digest(payload.data))
                 next_seq[owner] = seq + 1
                 progressed = True
             manifest = source.manifest() if not pending else None

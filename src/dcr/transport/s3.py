@@ -57,8 +57,9 @@ from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError, Inc
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from dcr.errors import ConfigError, ObjectNotFound, StoreError
+from dcr.format.layout import check_key
+from dcr.format.names import object_digest
 from dcr.settings import MiB, option
-from dcr.transport.store import _check_key
 
 log = logging.getLogger(__name__)
 
@@ -159,10 +160,6 @@ _REDACT = _RedactSecrets()
 for _name in ("botocore.endpoint", "botocore.auth", "botocore.httpsession",
               "urllib3.connectionpool"):
     logging.getLogger(_name).addFilter(_REDACT)
-
-
-def _digest(data: bytes | bytearray | memoryview) -> str:
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 def _md5(data: bytes) -> str:
@@ -276,7 +273,7 @@ class S3Store:
     # --- Store ---------------------------------------------------------------------
 
     def _key(self, key: str) -> str:
-        return self._root + _check_key(key)
+        return self._root + check_key(key)
 
     def put(self, key: str, data: bytes) -> None:
         """Store ``data`` at ``key``, replacing any object there."""
@@ -293,7 +290,7 @@ class S3Store:
 
     def _put(self, key: str, data: bytes, *, if_absent: bool) -> bool:
         okey = self._key(key)
-        meta = {DIGEST_META: _digest(data)}
+        meta = {DIGEST_META: object_digest(data)}
         if len(data) < self.settings.multipart_threshold:
             kw: dict[str, Any] = {"Bucket": self.bucket, "Key": okey, "Body": data,
                                   "Metadata": meta, "ContentMD5": _md5(data)}
@@ -391,7 +388,7 @@ class S3Store:
                     f.result()
             finally:
                 pool.shutdown(wait=True, cancel_futures=True)
-        got = _digest(buf)
+        got = object_digest(buf)
         if expected is not None and got != expected.lower():
             raise StoreError(f"Object {key!r} in {self.uri}: digest mismatch (expected "
                              f"{expected}, got {got}); the stored bytes are corrupt.")

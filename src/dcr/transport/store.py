@@ -2,7 +2,8 @@
 
 ``Store`` is the seam. ``FileStore`` (a local directory, the embedded default) makes
 every write atomic: bytes go to a temporary file in the same directory, are flushed
-and fsynced, then renamed over the key, so a reader sees a whole object or none.
+and fsynced, then renamed over the key, so a reader sees a whole object or none. Every
+store checks keys with :func:`dcr.format.layout.check_key`.
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Protocol
 from urllib.parse import unquote, urlparse
 
 from dcr.errors import ConfigError, ObjectNotFound, StoreError
+from dcr.format.layout import check_key
 
 
 class Store(Protocol):
@@ -29,13 +31,6 @@ class Store(Protocol):
     def list(self, prefix: str) -> list[str]: ...
 
 
-def _check_key(key: str) -> str:
-    p = PurePosixPath(key)
-    if not key or p.is_absolute() or any(part in ("", ".", "..") for part in key.split("/")):
-        raise ConfigError(f"Store key {key!r} must be a relative path without '.' or '..'.")
-    return key
-
-
 class FileStore:
     """A directory as an object store with atomic puts."""
 
@@ -44,7 +39,7 @@ class FileStore:
         self.uri = self.root.as_uri()
 
     def _path(self, key: str) -> Path:
-        return self.root / _check_key(key)
+        return self.root / check_key(key)
 
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)
@@ -105,7 +100,7 @@ class MemoryStore:
     def put(self, key: str, data: bytes) -> None:
         data = bytes(data)
         with self._lock:
-            self.objects[_check_key(key)] = data
+            self.objects[check_key(key)] = data
 
     def get(self, key: str) -> bytes:
         try:

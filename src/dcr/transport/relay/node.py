@@ -8,7 +8,6 @@ re-attaching under an ancestor) and the endpoints are described in
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import hmac
 import logging
 import shutil
@@ -24,6 +23,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from dcr.errors import ConfigError, RelayError
+from dcr.format.names import object_hasher
 from dcr.format.payload import PREAMBLE_SIZE
 from dcr.transport.relay.client import RelayClient
 from dcr.transport.relay.settings import MiB, RelaySettings
@@ -347,7 +347,7 @@ class RelayNode:
         """A PUT of an id already held: 200 if the bytes are the same, else 409."""
         same_size = request.content_length == blob.size
         if same_size:
-            h = hashlib.blake2b(digest_size=16)
+            h = object_hasher()
             async for chunk in request.content.iter_any():
                 h.update(chunk)
             same_size = h.hexdigest() == blob.digest

@@ -9,21 +9,18 @@ returns once the root acknowledged it as queued (the relay's hop acknowledgement
 A relay carries one manifest per attempt, so an attempt published through it has one
 owner; a second owner's manifest part is refused with a :class:`ConfigError`. The
 file-level version manifest (``v<N>/manifest.json``) names no attempt in its key; its
-attempt is read from its body.
+attempt is read from its body. Keys are parsed by :mod:`dcr.format.layout`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 
 from dcr.errors import ConfigError
+from dcr.format.layout import parse_manifest_key, parse_manifest_part_key, parse_payload_key
 from dcr.transport.relay.client import BlockingRelay
 
-_PAYLOAD = re.compile(r"^v\d{10}/([A-Za-z0-9][A-Za-z0-9._-]{0,63})/o(\d{4})-s(\d{6})\.dcrp$")
-_PART = re.compile(r"^v\d{10}/([A-Za-z0-9][A-Za-z0-9._-]{0,63})/manifest-o(\d{4})\.json$")
-_VERSION_MANIFEST = re.compile(r"^v\d{10}/manifest\.json$")
 TOKEN_ENV = "DCR_RELAY_TOKEN"
 
 
@@ -40,14 +37,14 @@ class RelayPublisher:
         self._run, self._client = self._relay.run, self._relay.client
 
     def put(self, key: str, data: bytes) -> None:
-        if m := _PAYLOAD.match(key):
-            self._run(self._client.put_payload(m[1], int(m[2]), int(m[3]), data))
-        elif m := _PART.match(key):
-            if int(m[2]) != 0:
+        if (p := parse_payload_key(key)) is not None:
+            self._run(self._client.put_payload(p.attempt, p.owner, p.seq, data))
+        elif (part := parse_manifest_part_key(key)) is not None:
+            if part.owner != 0:
                 raise ConfigError(f"{key}: a relay carries one manifest per attempt; publish "
                                   "attempts with several owners to an object store.")
-            self._run(self._client.put_manifest(m[1], data))
-        elif _VERSION_MANIFEST.match(key):
+            self._run(self._client.put_manifest(part.attempt, data))
+        elif parse_manifest_key(key) is not None:
             try:
                 attempt = str(json.loads(data)["attempt"])
             except (ValueError, KeyError, TypeError) as e:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import mmap
 import os
 import tempfile
@@ -21,6 +20,7 @@ from typing import IO, Literal
 
 from dcr.errors import DcrError
 from dcr.format.manifest import Manifest
+from dcr.format.names import object_digest
 from dcr.format.payload import read_payload
 from dcr.transport.relay.wire import Chunk, Key, Pieces, Refused
 
@@ -223,7 +223,7 @@ def verify(blob: Blob) -> str:
                 raise Refused(
                     400, f"{key.label}: the manifest is for attempt {manifest.attempt}."
                 )
-        return hashlib.blake2b(view, digest_size=16).hexdigest()
+        return object_digest(view)
 
 
 class _SpoolPieces:

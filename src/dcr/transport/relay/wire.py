@@ -8,13 +8,13 @@ under a :class:`Key` whose ``path`` is its URL. A handler refuses a request by r
 from __future__ import annotations
 
 import asyncio
-import re
 from dataclasses import dataclass
 from typing import Literal
 
 from aiohttp import web
 
-ATTEMPT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # FORMAT.md's attempt id
+from dcr.format.names import ATTEMPT_RE
+
 MAX_ID = 2**31 - 1  # largest owner or seq (FORMAT.md)
 Chunk = bytes | memoryview
 
