@@ -31,7 +31,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralFo
 from dcr.apply.engine import ApplyEngine, CanonicalTensor
 from dcr.checkpoint import ArrayCheckpoint
 from dcr.format.profile import coverage, merge
-from dcr.owner.diff import DiffSettings, diff_checkpoints
+from dcr.owner.diff import diff_checkpoints
+from dcr.owner.settings import EncodeSettings
 from dcr.runtimes.hf import HFRuntime
 from dcr.runtimes.vllm import VllmRuntime
 from dcr.runtimes.vllm_reference import (
@@ -77,7 +78,7 @@ def throughput(cfg: ReferenceConfig, tp: int, reps: int) -> dict[str, Any]:
     for rep in range(reps):
         new = one_ulp(base, 0.01, seed=rep)
         store = MemoryStore()
-        m = diff_checkpoints(source(base), source(new), store, DiffSettings(
+        m = diff_checkpoints(source(base), source(new), store, EncodeSettings(
             version=rep + 1, base_version=rep, profile=profile, attempt=f"a-{rep}"))
         payloads = [store.get(e.key) for e in m.payloads]
         t0 = time.perf_counter()
@@ -121,7 +122,7 @@ def bit_exact_run(cfg: ReferenceConfig, tp: int, ep: bool, mode: str, steps: int
             p.grad = torch.randn(p.shape, generator=gen)
         opt.step()
         new = export()
-        m = diff_checkpoints(source(old), source(new), store, DiffSettings(
+        m = diff_checkpoints(source(old), source(new), store, EncodeSettings(
             version=v, base_version=v - 1, mode=mode, profile=profile))  # type: ignore[arg-type]
         for e in engines:
             e.apply_payloads([store.get(x.key) for x in m.payloads])
@@ -165,7 +166,7 @@ def hf_bit_exact_run(kind: str, mode: str, steps: int) -> bool:
         loss.backward()
         opt.step()
         new = export()
-        m = diff_checkpoints(source(old), source(new), store, DiffSettings(
+        m = diff_checkpoints(source(old), source(new), store, EncodeSettings(
             version=v, base_version=v - 1, mode=mode, profile=profile))  # type: ignore[arg-type]
         engine.apply_payloads([store.get(x.key) for x in m.payloads])
         old = new

@@ -44,7 +44,8 @@ from dcr.codec.decode import Target, apply_items, decode
 from dcr.codec.encode import PayloadBuilder, diff_range, encode_item
 from dcr.format.dtypes import dtype
 from dcr.format.payload import read_payload
-from dcr.owner.diff import DiffSettings, diff_checkpoints
+from dcr.owner.diff import diff_checkpoints
+from dcr.owner.settings import EncodeSettings
 from dcr.transport.store import FileStore
 
 Arrays = dict[str, np.ndarray]
@@ -206,7 +207,7 @@ def run_dataset(name: str, base: Arrays, target: Arrays, shapes: dict[str, tuple
     def encode(threads: int, mode: str = "mixed", store_dir: str = "store") -> Any:
         shutil.rmtree(d / store_dir, ignore_errors=True)
         with Checkpoint(d / "base.safetensors") as b, Checkpoint(d / "target.safetensors") as t:
-            return diff_checkpoints(b, t, FileStore(d / store_dir), DiffSettings(
+            return diff_checkpoints(b, t, FileStore(d / store_dir), EncodeSettings(
                 version=1, base_version=0, mode=mode,  # type: ignore[arg-type]
                 threads=threads, bucket_bytes=bucket_mib << 20))
 

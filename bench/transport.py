@@ -50,7 +50,8 @@ import numpy as np
 from dcr.checkpoint import Checkpoint, fingerprint
 from dcr.codec.decode import Target, apply_items, decode
 from dcr.format.payload import Payload
-from dcr.owner.diff import DiffSettings, diff_checkpoints
+from dcr.owner.diff import diff_checkpoints
+from dcr.owner.settings import EncodeSettings
 from dcr.transport.receive import Source, StoreSource, receive
 from dcr.transport.relay import RelaySource
 from dcr.transport.relay.publish import RelayPublisher
@@ -262,7 +263,7 @@ def run_dcr_s3(procs: Procs, s3_port: int, v0: Path, v1: Path, n: int, mbit: flo
     waiter.start()  # nodes poll the store while the trainer uploads: pipelined
     with Checkpoint(v0) as b, Checkpoint(v1) as t:
         m = diff_checkpoints(b, t, open_store(f"s3://{BUCKET}/dcr"),
-                             DiffSettings(version=1, base_version=0, attempt=ATTEMPT,
+                             EncodeSettings(version=1, base_version=0, attempt=ATTEMPT,
                                           bucket_bytes=BUCKET_BYTES))
     publish = time.perf_counter() - t0
     waiter.join()
@@ -294,7 +295,7 @@ def run_dcr_relay(procs: Procs, v0: Path, v1: Path, n: int, mbit: float, rtt: fl
     waiter = threading.Thread(target=lambda: results_box.append(go(nodes)))
     waiter.start()  # nodes poll their relay while the trainer streams: pipelined
     with Checkpoint(v0) as b, Checkpoint(v1) as t:
-        settings = DiffSettings(version=1, base_version=0, attempt=ATTEMPT,
+        settings = EncodeSettings(version=1, base_version=0, attempt=ATTEMPT,
                                 bucket_bytes=BUCKET_BYTES)
         m = diff_checkpoints(b, t, push, settings)
     publish = time.perf_counter() - t0

@@ -23,7 +23,8 @@ from dcr.checkpoint import ArrayCheckpoint
 from dcr.errors import TargetMismatch
 from dcr.format.payload import Mode
 from dcr.format.profile import ReceiverProfile, merge
-from dcr.owner.diff import DiffSettings, diff_checkpoints
+from dcr.owner.diff import diff_checkpoints
+from dcr.owner.settings import EncodeSettings
 from dcr.runtimes.vllm import VllmRuntime
 from dcr.runtimes.vllm_reference import (
     ReferenceConfig,
@@ -87,7 +88,7 @@ def refit_matrix(cfg: ReferenceConfig, tp: int, ep: bool, mode: Mode, steps: int
     for version in range(1, steps + 1):
         trainer.step()
         new = trainer.export()
-        m = diff_checkpoints(source(old), source(new), store, DiffSettings(
+        m = diff_checkpoints(source(old), source(new), store, EncodeSettings(
             version=version, base_version=version - 1, mode=mode, profile=profile))
         payloads = [store.get(e.key) for e in m.payloads]
         for rank, (model, engine) in enumerate(zip(ranks, engines, strict=True)):
@@ -134,7 +135,7 @@ def test_fp8_tensor_sent_as_xor_is_refused_before_any_write() -> None:
     trainer.step()
     store = MemoryStore()
     m = diff_checkpoints(source(old), source(trainer.export()), store,
-                         DiffSettings(version=1, base_version=0))  # no profile: all XOR
+                         EncodeSettings(version=1, base_version=0))  # no profile: all XOR
     before = {n: t.clone() for n, t in dense_state(model).items()}
     with pytest.raises(TargetMismatch, match="through a dense path on this rank"):
         engine.apply_payloads([store.get(e.key) for e in m.payloads])
@@ -178,7 +179,7 @@ def test_crash_mid_apply_then_overwrite_retry_reaches_dense_bits(crash_after: in
     trainer.step()
     new = trainer.export()
     store = MemoryStore()
-    first = diff_checkpoints(source(old), source(new), store, DiffSettings(
+    first = diff_checkpoints(source(old), source(new), store, EncodeSettings(
         version=1, base_version=0, profile=profile, attempt="a-first"))
     victim = engines[1]
     real = victim._write_mapped
@@ -202,7 +203,7 @@ def test_crash_mid_apply_then_overwrite_retry_reaches_dense_bits(crash_after: in
     assert mismatches(ranks[1], dense), "the crash should leave old and new bits mixed"
     with pytest.raises(DuplicatePayload, match="already applied"):
         victim.apply_payloads(payloads)  # the crashed attempt's payloads never apply twice
-    retry = diff_checkpoints(source(old), source(new), store, DiffSettings(
+    retry = diff_checkpoints(source(old), source(new), store, EncodeSettings(
         version=1, base_version=0, profile=profile, mode="overwrite", attempt="a-retry"))
     for model, engine, rank in zip(ranks, engines, range(tp), strict=True):
         engine.apply_payloads([store.get(e.key) for e in retry.payloads])

@@ -12,7 +12,8 @@ from dcr.apply.engine import ApplyEngine, CanonicalTensor
 from dcr.apply.intercept import LoaderPathError
 from dcr.checkpoint import ArrayCheckpoint
 from dcr.format.profile import ReceiverProfile
-from dcr.owner.diff import DiffSettings, diff_checkpoints
+from dcr.owner.diff import diff_checkpoints
+from dcr.owner.settings import EncodeSettings
 from dcr.transport.store import MemoryStore
 
 Loader = Callable[[torch.Tensor, torch.Tensor], None]
@@ -66,7 +67,7 @@ def refit(load: Loader) -> tuple[str, bool]:
     store = MemoryStore()
     profile = ReceiverProfile(tensors={"w": cls})
     m = diff_checkpoints(src["old"], src["new"], store,
-                         DiffSettings(version=1, base_version=0, profile=profile))
+                         EncodeSettings(version=1, base_version=0, profile=profile))
     engine.apply_payloads([store.get(e.key) for e in m.payloads])
     dense = Toy(load)
     dense.load_weights([("w", new)])

@@ -12,7 +12,8 @@ from dcr.checkpoint import ArrayCheckpoint
 from dcr.errors import DigestMismatch, ManifestError
 from dcr.format.layout import manifest_key
 from dcr.format.payload import Payload
-from dcr.owner.diff import DiffSettings, diff_checkpoints
+from dcr.owner.diff import diff_checkpoints
+from dcr.owner.settings import EncodeSettings
 from dcr.transport.receive import StoreSource, receive
 from dcr.transport.store import MemoryStore
 
@@ -27,7 +28,7 @@ def published(attempt: str = "a-1", stride: int = 37) -> tuple[MemoryStore, dict
     src = {k: ArrayCheckpoint({n: ("BF16", (a.size,), a) for n, a in d.items()})
            for k, d in (("b", base), ("t", target))}
     full = MemoryStore()
-    diff_checkpoints(src["b"], src["t"], full, DiffSettings(
+    diff_checkpoints(src["b"], src["t"], full, EncodeSettings(
         version=1, base_version=0, attempt=attempt, bucket_bytes=1 << 20))
     return full, dict(full.objects)
 

@@ -7,8 +7,8 @@ previous bucket is sealed and uploaded on another thread, so memory stays near t
 buckets plus the largest item however large the checkpoint is. The
 :class:`~dcr.owner.writer.AttemptWriter` puts the payloads and, last, the manifest.
 
-This is the engine behind ``dcr diff``, ``dcr encode`` and the in-process ``Encoder``;
-``DiffSettings`` is the name its callers knew :class:`~dcr.owner.settings.EncodeSettings` by.
+This is the engine behind ``dcr diff``, ``dcr encode`` and the in-process ``Encoder``,
+configured by :class:`~dcr.owner.settings.EncodeSettings`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from dcr.owner.settings import EncodeSettings
 from dcr.owner.writer import AttemptWriter
 from dcr.transport.store import Store
 
-DiffSettings = EncodeSettings
 Progress = Callable[[int], None]  # called with dense bytes just processed
 
 
@@ -160,5 +159,4 @@ def diff_checkpoints(
                          dense_bytes=sum(i.nbytes for i in mine))
 
 
-__all__ = ["DiffSettings", "EncodeSettings", "Progress", "check_same_tensors",
-           "diff_checkpoints"]
+__all__ = ["Progress", "check_same_tensors", "diff_checkpoints"]
