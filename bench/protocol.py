@@ -39,6 +39,7 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig
 
 from dcr.checkpoint import Checkpoint
+from dcr.format.layout import parse_payload_key
 from dcr.format.profile import ReceiverProfile, merge
 from dcr.owner.encoder import Encoder
 from dcr.protocol.commitstore import SqliteCommitStore
@@ -99,7 +100,8 @@ class CorruptLast:
         self.seq = 0
 
     def put(self, key: str, data: bytes) -> None:
-        if any(f"/{a}/o0000-s{self.seq:06d}.dcrp" in key for a in self.attempts):
+        k = parse_payload_key(key)
+        if k is not None and k.attempt in self.attempts and (k.owner, k.seq) == (0, self.seq):
             data = data[:-1] + bytes([data[-1] ^ 0x40])
         self.inner.put(key, data)
 

@@ -23,7 +23,6 @@ Every scenario ends with the same three checks (``Fleet.assert_committed``):
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -40,7 +39,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from dcr.apply.engine import BITS, ApplyReport, CanonicalTensor, DuplicatePayload
 from dcr.checkpoint import ArrayCheckpoint
 from dcr.errors import BaselineError, StoreError
-from dcr.format.layout import payload_key
+from dcr.format.layout import parse_payload_key, payload_key
 from dcr.format.manifest import Manifest
 from dcr.format.profile import merge
 from dcr.owner.encoder import Encoder
@@ -167,18 +166,15 @@ def versions(tmp_path_factory: pytest.TempPathFactory) -> Versions:
 # --- the object store with scripted faults -----------------------------------------
 
 Fault = Callable[[str, bytes], bytes]  # (key, bytes) -> bytes to store or return; may raise
-_PAYLOAD = re.compile(r"^v(\d{10})/([^/]+)/o(\d{4})-s(\d{6})\.dcrp$")
-
-
 def is_payload(key: str, owner: int | None = None, seq: int | None = None) -> bool:
-    m = _PAYLOAD.match(key)
-    return m is not None and owner in (None, int(m[3])) and seq in (None, int(m[4]))
+    k = parse_payload_key(key)
+    return k is not None and owner in (None, k.owner) and seq in (None, k.seq)
 
 
 def attempt_of(key: str) -> str:
-    m = _PAYLOAD.match(key)
-    assert m is not None, key
-    return m[2]
+    k = parse_payload_key(key)
+    assert k is not None, key
+    return k.attempt
 
 
 class FaultyStore:
