@@ -47,6 +47,21 @@ Hierarchy::
 Messages are sentences that carry the offending values.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+
+
+def first_validation_error(e: ValidationError, root: str = "") -> str:
+    """``field.path: message`` of a pydantic error's first problem, for sentences that
+    name the field; ``root`` stands for the path when the whole value is wrong."""
+    err = e.errors()[0]
+    where = ".".join(str(p) for p in err["loc"]) or root
+    return f"{where}: {err['msg']}" if where else str(err["msg"])
+
 
 class DcrError(Exception):
     """Root of every DCR error."""

@@ -38,7 +38,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from dcr.errors import ConfigError
+from dcr.errors import ConfigError, first_validation_error
 from dcr.format.payload import Mode
 from dcr.format.profile import ReceiverProfile, dumps, merge
 from dcr.protocol.agent_api import AgentClient
@@ -103,9 +103,7 @@ def _parse(model: type[Any], data: Any, what: str) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"])
-        raise InvalidResource(f"{what}: spec.{loc}: {err['msg']}.") from e
+        raise InvalidResource(f"{what}: spec.{first_validation_error(e)}.") from e
 
 
 class RefitRun:
@@ -138,7 +136,7 @@ class RefitRun:
         what = f"WeightRefit {self.namespace}/{self.name}"
         spec: WeightRefitSpec = _parse(WeightRefitSpec, self.refit.get("spec"), what)
         # Overwrite when the policy says so, and for every attempt after a failed one
-        # (DESIGN section 6), including those a restarted operator or a retry makes.
+        # (docs/protocol.md), including those a restarted operator or a retry makes.
         prior = len(status.get("attempts") or [])
         forced: Mode | None = ("overwrite" if spec.mode_policy == "Overwrite" or prior
                                else None)

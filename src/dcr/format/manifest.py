@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from dcr.errors import ManifestError
+from dcr.errors import ManifestError, first_validation_error
 from dcr.format.names import ATTEMPT_PATTERN, Mode
 
 MANIFEST_VERSION = 1
@@ -86,9 +86,8 @@ class Manifest(_Model):
         try:
             return cls.model_validate_json(data)
         except ValidationError as e:
-            err = e.errors()[0]
-            loc = ".".join(str(p) for p in err["loc"])
-            raise ManifestError(f"Manifest {where} is invalid: {loc}: {err['msg']}.") from e
+            raise ManifestError(f"Manifest {where} is invalid: "
+                                f"{first_validation_error(e)}.") from e
 
 
 def json_schema() -> str:

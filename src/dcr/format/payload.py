@@ -27,6 +27,7 @@ from dcr.errors import (
     MalformedPayload,
     PayloadError,
     TruncatedPayload,
+    first_validation_error,
 )
 from dcr.format.dtypes import DTYPES
 from dcr.format.names import ATTEMPT_PATTERN, EntryKind, Mode
@@ -340,9 +341,8 @@ def read_payload(data: bytes | memoryview, limits: DecodeLimits = DEFAULT_LIMITS
         # Strict JSON mode: UTF-8 only, integers must be JSON integers, no coercion.
         header = PayloadHeader.model_validate_json(raw, strict=True)
     except ValidationError as e:
-        if e.errors()[0]["type"] == "json_invalid":
-            raise MalformedPayload(f"Payload header is not valid JSON: {_first_error(e)}") from e
-        raise MalformedPayload(f"Payload header is invalid: {_first_error(e)}") from e
+        what = "not valid JSON" if e.errors()[0]["type"] == "json_invalid" else "invalid"
+        raise MalformedPayload(f"Payload header is {what}: {first_validation_error(e)}") from e
     if len(header.items) > limits.max_items:
         raise LimitExceeded(
             f"{header.label}: header lists {len(header.items)} items, over the limit of "
@@ -410,12 +410,6 @@ def _decompress_exact(frame: memoryview, size: int, what: str) -> bytes:
     if len(out) != size:
         raise MalformedPayload(f"The {what} decompressed to {len(out)} bytes, not {size}.")
     return out
-
-
-def _first_error(e: ValidationError) -> str:
-    err = e.errors()[0]
-    where = ".".join(str(p) for p in err["loc"])
-    return f"{where}: {err['msg']}" if where else err["msg"]
 
 
 __all__ = [

@@ -59,7 +59,7 @@ from typing import Annotated, Any, Generic, Literal, ParamSpec, Protocol, TypeVa
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from dcr.errors import HttpError
+from dcr.errors import HttpError, first_validation_error
 from dcr.format.names import ATTEMPT_PATTERN, Mode
 from dcr.protocol.records import Attempt
 
@@ -169,9 +169,7 @@ def parse_body(model: type[_Body], data: bytes) -> Any:
     try:
         return model.model_validate_json(data or b"{}")
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"]) or "body"
-        raise BadRequest(f"{model.__name__}: {loc}: {err['msg']}") from e
+        raise BadRequest(f"{model.__name__}: {first_validation_error(e, 'body')}") from e
 
 
 # --- the columns: handle arguments <-> bodies, and client timeouts ---------------------
