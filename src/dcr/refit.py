@@ -95,17 +95,6 @@ class RefitSettings:
         return self.owners
 
 
-def baseline_id(path: Path) -> str:
-    """A digest of every tensor's fingerprint: names the bits an owner's baseline holds."""
-    import hashlib
-
-    h = hashlib.blake2b(digest_size=8)
-    with Checkpoint(path) as c:
-        for name in c.names():
-            h.update(f"{name}={c.fingerprint(name)};".encode())
-    return "ckpt-" + h.hexdigest()
-
-
 def _agent(i: int, n: int, out: Path, source: dict[str, Any], model: Path) -> AgentSettings:
     """Agent ``i`` of ``n``: the first half transformers ranks, the rest TP2 pairs."""
     half = n // 2
@@ -196,7 +185,7 @@ def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
     token = secrets.token_hex(16)
 
     trainer = Trainer(s.trainer)
-    ids = {0: baseline_id(trainer.export(ckpts / "v0"))}
+    trainer.export(ckpts / "v0")
     relays: list[subprocess.Popen[bytes]] = []
     sources: list[dict[str, Any]] = [{"store": store}] * s.agents
     publish_to, owner_env = store, {}
@@ -224,10 +213,10 @@ def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
                            env=owner_env)
               for k in range(s.owner_count)]
     commits = SqliteCommitStore(out / "commit.db", CommitRecord(
-        committed_version=0, baseline_id=ids[0], attempt=""))
+        committed_version=0, baseline_id=str(ckpts / "v0"), attempt=""))
     coordinator = Coordinator(commits, owners, clients, settings=s.coordinator,
                               dense_checkpoint=lambda v: str(ckpts / f"v{v}"))
-    job = _Job(trainer=trainer, ckpts=ckpts, ids=ids, agents=agents, specs=specs,
+    job = _Job(trainer=trainer, ckpts=ckpts, agents=agents, specs=specs,
                coordinator=coordinator, owners=owners)
     where = (f"relay tree of {s.agents} nodes (fan-out {RelaySettings.fanout}), root "
              f"{publish_to}" if relays else f"store {store}")
@@ -269,7 +258,6 @@ class _Job:
 
     trainer: Trainer
     ckpts: Path
-    ids: dict[int, str]  # version -> baseline id of its export
     agents: list[AgentProcess]
     specs: list[AgentSettings]  # the agents' settings, in the same order
     coordinator: Coordinator
@@ -279,7 +267,7 @@ class _Job:
 def _step(v: int, s: RefitSettings, job: _Job) -> dict[str, Any]:
     loss = job.trainer.step()
     ckpt = job.ckpts / f"v{v}"
-    job.ids[v] = baseline_id(job.trainer.export(ckpt))
+    job.trainer.export(ckpt)
     agents, coordinator = job.agents, job.coordinator
     killer = None
     if s.kill_receiver_every and v % s.kill_receiver_every == 0:
@@ -287,7 +275,7 @@ def _step(v: int, s: RefitSettings, job: _Job) -> dict[str, Any]:
         killer.start()
     first = len(coordinator.history)
     t0 = time.perf_counter()
-    record = coordinator.refit(v, job.ids[v])
+    record = coordinator.refit(v, str(ckpt))
     total_s = time.perf_counter() - t0
     if killer is not None:
         killer.done.wait()

@@ -19,7 +19,10 @@ from dcr.format.names import Mode, new_attempt_id
 @dataclass(frozen=True, kw_only=True)
 class CommitRecord:
     committed_version: int
-    baseline_id: str  # identifies the owners' baseline bits (e.g. a checkpoint digest)
+    # The committed version's source checkpoint (a directory or URI): owners rebuild their
+    # baseline from it and receivers rejoin by a dense load of it. One meaning everywhere:
+    # the main job, the operator (RolloutFleet status.commit.baselineId) and the tests.
+    baseline_id: str
     attempt: str  # the attempt that committed it ("" for the initial record)
 
 
