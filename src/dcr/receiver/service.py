@@ -1,4 +1,4 @@
-"""The agent's protocol logic (DESIGN section 6), one attempt at a time.
+"""The agent's protocol logic (docs/protocol.md), one attempt at a time.
 
 ``prepare`` admits an attempt and starts a receive thread that pulls the attempt's
 payloads from the source (object store or relay node), verifies them and stages them
@@ -42,6 +42,7 @@ from dcr.protocol.records import Attempt
 from dcr.protocol.state import FINAL, AttemptState, advance
 from dcr.receiver.host import RuntimeHost
 from dcr.receiver.journal import Journal, JournalEntry
+from dcr.receiver.settings import AgentSettings
 from dcr.transport.receive import ReceiveStopped, Source, receive
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,8 @@ class AgentService:
     of :class:`~dcr.protocol.agent_api.AgentApi`, under the same names."""
 
     def __init__(self, name: str, host: RuntimeHost, source_for: SourceFor, *, version: int,
-                 journal: Journal | None = None, staging_bytes: int = 1 << 30) -> None:
+                 journal: Journal | None = None,
+                 staging_bytes: int = AgentSettings.staging_bytes) -> None:
         self.name = name
         self.host = host
         self.source_for = source_for
