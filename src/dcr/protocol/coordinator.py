@@ -1,4 +1,4 @@
-"""The coordinator: attempts until commit (DESIGN section 6), over abstract parties.
+"""The coordinator: attempts until commit (docs/protocol.md), over abstract parties.
 
 One transition ``v -> v+1``. Every attempt starts with **admission**: each receiver
 reports its status; one still inside an earlier attempt is stopped first (a coordinator
@@ -23,8 +23,8 @@ names finishes it (owners advance, receivers that flushed that attempt learn the
 commit, gates open); otherwise admission stops whatever the old one left running
 and the refit continues in overwrite mode.
 
-Receivers and owners are seams: in process for the embedded demo and tests (an
-``AgentService`` is itself a ``ReceiverHandle``), and the agent's HTTP API
+Receivers and owners are seams: in process for trainers that host rollout ranks and
+for tests (an ``AgentService`` is itself a ``ReceiverHandle``), and the agent's HTTP API
 (``AgentClient``) and encoder processes behind the same calls.
 """
 

@@ -1,6 +1,6 @@
 """S3 and S3-compatible object storage behind the ``Store`` seam.
 
-Owners upload each payload once and receivers download it (DESIGN section 7), so this
+Owners upload each payload once and receivers download it (docs/architecture.md), so this
 module is about moving tens of MiB per object reliably:
 
 * ``put`` sends one PUT below ``multipart_threshold`` and a multipart upload at or

@@ -1,7 +1,7 @@
 """The relay tree: owners stream payloads to one root, which forwards them down a tree.
 
 Each payload crosses the cluster boundary once (owner -> root); every further copy
-travels over local links inside the rollout cluster (DESIGN.md section 7). The package
+travels over local links inside the rollout cluster (docs/architecture.md). The package
 holds, one concern per module: the tree math (:mod:`.tree`), a node's settings
 (:mod:`.settings`), what members say to each other (:mod:`.wire`), the bounded staging
 area (:mod:`.staging`), the client that owners, receivers and the nodes themselves use
