@@ -1,0 +1,77 @@
+"""The agent client against hostile endpoints: the bearer token reaches the agent only.
+
+The operator sends the fleet's agent token with every call, so whatever answers at an
+agent's address must not be able to send it on (a redirect), to a proxy, or to read
+local files (a ``file:`` URL); and nothing it answers may leak into the operator's
+sentences by way of an exception that quotes it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from stubs import stubs
+
+from dcr.errors import ConfigError
+from dcr.protocol.agent_api import AgentClient, AgentError
+
+TOKEN = "hostile-endpoint-test-token-0123456789"
+SECRET = "S3CR3T-FROM-THE-ENDPOINT"
+STATUS = {"name": "r0", "version": 1, "dirty": None, "unknown": None, "attempt": None,
+          "state": None, "error": None, "gate_open": True, "payloads_staged": 0,
+          "payloads_applied": 0, "bytes_staged": 0}
+
+
+def test_a_redirect_is_an_error_naming_it_and_the_token_goes_nowhere_else() -> None:
+    """Fails on 5b0b0ae: urllib followed the 302 and sent the token to the second host."""
+    with stubs("127.0.0.2", "127.0.0.3") as (agent, elsewhere):
+        elsewhere.answer = (200, {"Content-Type": "application/json"},
+                            json.dumps(STATUS).encode())
+        for code in (301, 302, 303, 307, 308):
+            agent.answer = (code, {"Location": f"{elsewhere.url}/v1/status"}, b"")
+            with pytest.raises(AgentError, match=f"answered HTTP {code}, a redirect") as e:
+                AgentClient("r0", agent.url, TOKEN).status()
+            assert e.value.status == code
+        assert agent.tokens() == [f"Bearer {TOKEN}"] * 5
+        assert elsewhere.seen == []
+
+
+def test_only_http_urls_are_opened(tmp_path: Path) -> None:
+    """Fails on 5b0b0ae: a ``file:`` URL was opened and its bytes parsed as an answer."""
+    secret = tmp_path / "secret.json"
+    secret.write_text(json.dumps({**STATUS, "name": SECRET}))
+    for url in (secret.as_uri(), "ftp://127.0.0.1/x", "data:,{}", "127.0.0.1:8471"):
+        with pytest.raises(ConfigError, match="not an http:// or https:// URL"):
+            AgentClient("r0", url, TOKEN)
+    client = AgentClient("r0", "http://127.0.0.1:1", TOKEN)
+    client.url = secret.as_uri()  # however a URL came to be, the client opens no file
+    with pytest.raises(AgentError, match="unknown url type") as e:
+        client.status()
+    assert SECRET not in str(e.value)
+
+
+def test_proxies_from_the_environment_are_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fails on 5b0b0ae: ``http_proxy`` routed the call, token and all, through a proxy."""
+    with stubs("127.0.0.2", "127.0.0.4") as (agent, proxy):
+        agent.answer = (200, {}, json.dumps(STATUS).encode())
+        proxy.answer = (200, {}, json.dumps(STATUS).encode())
+        for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY"):
+            monkeypatch.setenv(var, proxy.url)
+        monkeypatch.delenv("no_proxy", raising=False)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        assert AgentClient("r0", agent.url, TOKEN).status().name == "r0"
+        assert proxy.seen == []
+        assert len(agent.seen) == 1
+
+
+def test_an_answer_that_is_not_http_is_unreachable_in_our_words() -> None:
+    """Fails on 5b0b0ae: http.client's BadStatusLine escaped the client, quoting the line."""
+    with stubs("127.0.0.2") as (agent,):
+        agent.answer = f"{SECRET} not an HTTP status line\r\n\r\n".encode()
+        with pytest.raises(AgentError, match=r"is unreachable \(GET /v1/status\): "
+                           r"BadStatusLine") as e:
+            AgentClient("r0", agent.url, TOKEN).status()
+    assert SECRET not in str(e.value)
+    assert e.value.status is None
