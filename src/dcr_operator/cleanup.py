@@ -11,6 +11,12 @@ one of them (a manifest written by another refit of the same version stays).
 ``file://`` stores are cleaned when the operator sees the same path (single-node
 setups, the tests); ``s3://`` stores through boto3 with the fleet's endpoint, region
 and credentials Secret.
+
+The attempt ids come from the WeightRefit's status, which more than the operator may
+be able to write: an id that is not an attempt id (:data:`dcr.format.names.ATTEMPT_RE`:
+no ``/``, no leading ``.``) is never made into a key or a path, only reported back
+(``Cleaned.rejected``), and a file store's directory is removed only if it resolves to
+a place under the store's root.
 """
 
 from __future__ import annotations
@@ -19,12 +25,13 @@ import json
 import logging
 import shutil
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
 from dcr.format.layout import manifest_key, version_prefix
+from dcr.format.names import ATTEMPT_RE
 from dcr_operator.errors import InvalidResource
 
 log = logging.getLogger(__name__)
@@ -34,10 +41,12 @@ log = logging.getLogger(__name__)
 class Cleaned:
     removed: tuple[str, ...]  # keys or key prefixes deleted
     skipped: str | None = None  # why nothing was done, if nothing could be
+    rejected: tuple[str, ...] = ()  # "attempt ids" that are not: nothing done for them
 
 
 def attempt_prefixes(version: int, attempts: Iterable[str]) -> list[str]:
-    return [f"{version_prefix(version)}/{a}/" for a in sorted(set(attempts)) if a]
+    return [f"{version_prefix(version)}/{a}/" for a in sorted(set(attempts))
+            if ATTEMPT_RE.fullmatch(a)]
 
 
 def _manifest_is_ours(data: bytes, attempts: set[str]) -> bool:
@@ -53,8 +62,12 @@ def clean_file_store(uri: str, version: int, attempts: Iterable[str]) -> Cleaned
         return Cleaned(removed=(), skipped=f"{root} is not visible to the operator")
     ours = set(attempts)
     removed = []
+    inside = root.resolve()
     for prefix in attempt_prefixes(version, ours):
         path = root / prefix
+        if not path.resolve().is_relative_to(inside):  # a link out of the store
+            log.warning("not removing %s: it resolves outside the store %s", path, root)
+            continue
         if path.is_dir():
             shutil.rmtree(path)
             removed.append(prefix)
@@ -107,12 +120,18 @@ def clean_store(uri: str, version: int, attempts: Iterable[str], *,
                 endpoint: str | None = None, region: str | None = None,
                 credentials: Mapping[str, str] | None = None) -> Cleaned:
     scheme = urlparse(uri).scheme
-    attempts = list(attempts)
+    given = list(attempts)
+    attempts = [a for a in given if ATTEMPT_RE.fullmatch(a)]
+    rejected = tuple(a for a in given if not ATTEMPT_RE.fullmatch(a))
+    for a in rejected:
+        log.warning("cleanup of %s v%s: %r is not an attempt id; skipped", uri, version, a)
     if not attempts:
-        return Cleaned(removed=())
+        return Cleaned(removed=(), rejected=rejected)
     if scheme == "file":
-        return clean_file_store(uri, version, attempts)
-    if scheme == "s3":
-        return clean_s3_store(uri, version, attempts, endpoint=endpoint, region=region,
+        done = clean_file_store(uri, version, attempts)
+    elif scheme == "s3":
+        done = clean_s3_store(uri, version, attempts, endpoint=endpoint, region=region,
                               credentials=credentials or {})
-    raise InvalidResource(f"Store URI {uri!r}: cannot clean scheme {scheme!r}.")
+    else:
+        raise InvalidResource(f"Store URI {uri!r}: cannot clean scheme {scheme!r}.")
+    return replace(done, rejected=rejected)

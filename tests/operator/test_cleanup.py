@@ -48,6 +48,34 @@ def test_a_file_store_loses_exactly_the_refits_attempts(tmp_path: Path,
     assert left == _left(objs, removed_manifest=ours)
 
 
+def test_ids_that_are_not_attempt_ids_never_become_paths(tmp_path: Path) -> None:
+    """Fails on 5b0b0ae: the finalizer removed ``<store>/v.../../../victim`` for a
+    ``status.attempts[].id`` of ``../../victim``: a directory outside the store."""
+    store, victim = tmp_path / "store", tmp_path / "victim"
+    (victim / "keep").mkdir(parents=True)
+    (store / "v0000000003" / OURS[0]).mkdir(parents=True)
+    hostile = ["../../victim", "..", "/etc", ".hidden", "a/../../..", "a-1\n"]
+    done = clean_store(store.as_uri(), 3, [OURS[0], *hostile])
+    assert victim.joinpath("keep").is_dir()
+    assert done.removed == (f"v0000000003/{OURS[0]}/",)
+    assert done.rejected == tuple(hostile)
+    only_bad = clean_store("s3://bucket/p", 3, hostile)  # no store is even contacted
+    assert (only_bad.removed, only_bad.rejected) == ((), tuple(hostile))
+
+
+def test_an_attempt_directory_that_links_out_of_the_store_is_not_followed(
+        tmp_path: Path) -> None:
+    """Fails on 5b0b0ae: an attempt's version directory that was a link out of the store
+    had its target's subdirectory removed."""
+    store, outside = tmp_path / "store", tmp_path / "outside"
+    (outside / OURS[0] / "keep").mkdir(parents=True)
+    store.mkdir()
+    (store / "v0000000003").symlink_to(outside, target_is_directory=True)
+    done = clean_store(store.as_uri(), 3, [OURS[0]])
+    assert (outside / OURS[0] / "keep").is_dir()
+    assert done.removed == ()
+
+
 def test_a_store_the_operator_cannot_see_is_skipped_with_a_reason() -> None:
     done = clean_store("file:///no/such/store", 3, OURS)
     assert done.removed == ()
