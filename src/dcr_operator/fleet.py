@@ -1,15 +1,20 @@
 """A RolloutFleet's receivers: found from its pods, reached through their agents.
 
 Receivers are the pods the fleet's selector matches that are Running and not being
-deleted (:func:`dcr_operator.reconcile.receivers_of`). The agent URL is the pod's
-``dcr.dev/agent-url`` annotation when set, else ``<agent.scheme>://<podIP>:<agent.port>``:
-the port is the normal case (the agent is a sidecar listening on the pod IP); the
-annotation is for agents reachable elsewhere (a node-local proxy, a different network,
-and the tests, whose pods are API objects standing for local agent processes). The
-bearer token comes from the Secret key ``agent.tokenSecretRef``.
+deleted (:func:`dcr_operator.reconcile.receivers_of`), each reached at
+``<agent.scheme>://<podIP>:<agent.port>`` and nowhere else: the agent is a sidecar
+listening on the pod IP. The bearer token comes from the Secret key
+``agent.tokenSecretRef``.
+
+Secrets opt in. The operator may read Secrets, but a fleet's author should not thereby
+be able to have any Secret of the namespace sent to pods of their choosing, or to an
+S3 endpoint of their choosing: a Secret a fleet names is used only if it carries the
+label of that use (:data:`SECRET_USES`), which only someone who may write that Secret
+can set. A fleet naming one without it is refused (InvalidResource, naming the label).
 
 :func:`refresh` asks every receiver's agent for its status and writes
-``status.receivers``, the counts and the Ready / Progressing / Degraded conditions.
+``status.receivers``, the counts and the Ready / Progressing / Degraded conditions, in
+the operator's own words (:func:`~dcr_operator.reconcile.agent_failure`).
 """
 
 from __future__ import annotations
@@ -18,14 +23,22 @@ import base64
 import logging
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
-from dcr.protocol.agent_api import AgentClient
+from dcr.protocol.agent_api import AgentApi, AgentClient
 from dcr_operator.commitstore import record_of
-from dcr_operator.crds import FLEET_PLURAL, GROUP, VERSION, RolloutFleetSpec, SecretKeyRef
+from dcr_operator.crds import FLEET_PLURAL, GROUP, VERSION, RolloutFleetSpec
 from dcr_operator.errors import ApiError, InvalidResource, NotFound
 from dcr_operator.kube import KubeClient, api_path
-from dcr_operator.reconcile import Receiver, fleet_conditions, receivers_of, selector_query
+from dcr_operator.reconcile import (
+    Receiver,
+    agent_failure,
+    agent_report,
+    fleet_conditions,
+    receivers_of,
+    selector_query,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,27 +53,69 @@ def discover(kube: KubeClient, namespace: str, spec: RolloutFleetSpec) -> list[R
     return receivers_of(pods.get("items", []), spec.agent)
 
 
-def secret_value(kube: KubeClient, namespace: str, ref: SecretKeyRef) -> str:
+@dataclass(frozen=True, kw_only=True)
+class SecretUse:
+    """One use of a Secret a fleet names: the field that names it, the label it needs."""
+
+    field: str  # where the fleet names it, for messages
+    label: str  # "<label>: true" on the Secret opts it in to this use
+
+
+AGENT_TOKEN = SecretUse(field="spec.agent.tokenSecretRef", label=f"{GROUP}/agent-token")
+RELAY_TOKEN = SecretUse(field="spec.relay.tokenSecretRef", label=f"{GROUP}/relay-token")
+STORE_CREDENTIALS = SecretUse(field="spec.store.credentialsSecretRef",
+                              label=f"{GROUP}/store-credentials")
+SECRET_USES = (AGENT_TOKEN, RELAY_TOKEN, STORE_CREDENTIALS)
+
+
+def read_secret(kube: KubeClient, namespace: str, name: str, use: SecretUse
+                ) -> dict[str, str]:
+    """The data of Secret ``name``, if it opted in to ``use``; else InvalidResource."""
+    where = f"Secret {namespace}/{name} ({use.field})"
     try:
-        secret = kube.get(api_path("", "v1", "secrets", namespace, ref.name))
+        secret = kube.get(api_path("", "v1", "secrets", namespace, name))
     except NotFound:
-        raise InvalidResource(f"Secret {namespace}/{ref.name} (agent.tokenSecretRef) does "
-                              "not exist.") from None
-    raw = (secret.get("data") or {}).get(ref.key)
-    if raw is None:
-        raise InvalidResource(f"Secret {namespace}/{ref.name} has no key {ref.key!r} "
-                              "(agent.tokenSecretRef.key).")
-    return base64.b64decode(raw).decode().strip()
-
-
-def secret_data(kube: KubeClient, namespace: str, name: str) -> dict[str, str]:
-    secret = kube.get(api_path("", "v1", "secrets", namespace, name))
+        raise InvalidResource(f"{where} does not exist.") from None
+    except ApiError as e:
+        if e.status != 403:
+            raise
+        raise InvalidResource(f"{where}: the operator may not read Secrets in namespace "
+                              f"{namespace} (bind the chart's workloads ClusterRole there: "
+                              "Helm rbac.workloadNamespaces).") from None
+    labels = (secret.get("metadata") or {}).get("labels") or {}
+    if labels.get(use.label) != "true":
+        raise InvalidResource(f"{where} is not labelled {use.label}=true: the operator uses "
+                              "a Secret only for what its label opts it in to "
+                              "(docs/operations.md).")
     return {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
+
+
+def agent_token(kube: KubeClient, namespace: str, spec: RolloutFleetSpec) -> str:
+    ref = spec.agent.token_secret_ref
+    data = read_secret(kube, namespace, ref.name, AGENT_TOKEN)
+    if ref.key not in data:
+        raise InvalidResource(f"Secret {namespace}/{ref.name} has no key {ref.key!r} "
+                              f"({AGENT_TOKEN.field}.key).")
+    return data[ref.key].strip()
+
+
+def store_credentials(kube: KubeClient, namespace: str, spec: RolloutFleetSpec
+                      ) -> dict[str, str] | None:
+    """The store's credentials Secret, if the fleet names one (for the finalizer)."""
+    ref = spec.store.credentials_secret_ref if spec.store is not None else None
+    return read_secret(kube, namespace, ref.name, STORE_CREDENTIALS) if ref else None
+
+
+def check_job_secrets(kube: KubeClient, namespace: str, spec: RolloutFleetSpec) -> None:
+    """InvalidResource unless the Secrets encoder Jobs get (by reference) opted in."""
+    store_credentials(kube, namespace, spec)
+    if spec.relay is not None:
+        read_secret(kube, namespace, spec.relay.token_secret_ref.name, RELAY_TOKEN)
 
 
 def clients(kube: KubeClient, namespace: str, spec: RolloutFleetSpec,
             receivers: list[Receiver]) -> list[AgentClient]:
-    token = secret_value(kube, namespace, spec.agent.token_secret_ref)
+    token = agent_token(kube, namespace, spec)
     return [AgentClient(r.name, r.url, token, timeout_s=spec.agent.timeout_seconds)
             for r in receivers]
 
@@ -70,11 +125,9 @@ def _report(client: AgentClient, url: str, at: str) -> dict[str, Any]:
     try:
         st = client.status()
     except Exception as e:  # any failure: the receiver is reported unreachable
-        entry["error"] = str(e)[:1024]
+        entry["error"] = agent_failure(client.name, AgentApi.status, e)[:1024]
         return entry
-    entry.update(version=st.version, state=st.state, attempt=st.attempt, lastSeen=at)
-    if st.error:
-        entry["error"] = st.error[:1024]
+    entry.update(agent_report(st), lastSeen=at)
     return {k: v for k, v in entry.items() if v is not None}
 
 
@@ -92,18 +145,19 @@ def refresh(kube: KubeClient, fleet: Mapping[str, Any], *, clock: Callable[[], s
     status = current.get("status") or {}
     at = clock()
     found = discover(kube, namespace, spec)
+    no_agents = "no agent token"
     try:
         agents = clients(kube, namespace, spec, found)
     except InvalidResource as e:
         log.warning("fleet %s/%s: %s", namespace, name, e)
-        agents = []
+        agents, no_agents = [], f"No agent token: {e}"
     previous = {r["name"]: r for r in status.get("receivers") or []}
     if agents:
         with ThreadPoolExecutor(min(16, len(agents))) as pool:
             reports = list(pool.map(lambda p: _report(p[0], p[1].url, at),
                                     zip(agents, found, strict=True)))
     else:
-        reports = [{"name": r.name, "url": r.url, "error": "no agent token"} for r in found]
+        reports = [{"name": r.name, "url": r.url, "error": no_agents} for r in found]
     for r in reports:
         ack = (acks or {}).get(r["name"]) or previous.get(r["name"], {}).get("lastAck")
         if ack:

@@ -44,7 +44,7 @@ from dcr_operator.cleanup import clean_store
 from dcr_operator.commitstore import FleetCommitStore
 from dcr_operator.crds import FLEET_PLURAL, GROUP, REFIT_PLURAL, VERSION, RolloutFleetSpec
 from dcr_operator.errors import ApiError, ApiUnreachable, InvalidResource, NotFound, NotYet
-from dcr_operator.fleet import fleet_path, refresh, secret_data
+from dcr_operator.fleet import fleet_path, refresh, store_credentials
 from dcr_operator.jobs import REFIT_LABEL, short_name
 from dcr_operator.kube import Credentials, KubeClient, api_path
 from dcr_operator.progress import Emit
@@ -269,12 +269,12 @@ async def refit_deleted(body: kopf.Body, memo: Any, namespace: str | None, name:
 
 
 def _delete_unfinished_jobs(kube: KubeClient, namespace: str, name: str) -> None:
-    path = api_path("batch", "v1", "jobs", namespace)
-    jobs = kube.get(path, labelSelector=f"{REFIT_LABEL}={short_name(name, 63)}")
+    jobs = kube.get(api_path("batch", "v1", "jobs", namespace),
+                    labelSelector=f"{REFIT_LABEL}={short_name(name, 63)}")
     for job in jobs.get("items", []):
         if not (job.get("status") or {}).get("completionTime"):
             with contextlib.suppress(NotFound):
-                kube.delete(f"{path}/{job['metadata']['name']}")
+                kube.delete(api_path("batch", "v1", "jobs", namespace, job["metadata"]["name"]))
 
 
 def _clean(kube: KubeClient, refit: Mapping[str, Any]) -> None:
@@ -288,14 +288,18 @@ def _clean(kube: KubeClient, refit: Mapping[str, Any]) -> None:
         emit(refit, "Warning", "CleanupSkipped", f"RolloutFleet {spec['fleet']} is gone: "
              f"the store of attempts {', '.join(attempts)} is unknown.")
         return
-    store = RolloutFleetSpec.model_validate(fleet["spec"]).store
+    fleet_spec = RolloutFleetSpec.model_validate(fleet["spec"])
+    store = fleet_spec.store
     if store is None:  # a relay fleet: relays keep nothing past their memory budget
         return
-    creds = (secret_data(kube, meta["namespace"], store.credentials_secret_ref.name)
-             if store.credentials_secret_ref else None)
+    creds = store_credentials(kube, meta["namespace"], fleet_spec)
     t0 = time.monotonic()
     done = clean_store(store.uri, int(spec["targetVersion"]), attempts,
                        endpoint=store.endpoint, region=store.region, credentials=creds)
+    if done.rejected:  # status is writable by more than the operator: never a path
+        emit(refit, "Warning", "CleanupRefused", f"Skipped {len(done.rejected)} attempt "
+             f"ids that are not attempt ids (nothing deleted for them): "
+             f"{', '.join(repr(a)[:80] for a in done.rejected[:5])}.")
     if done.skipped:
         emit(refit, "Warning", "CleanupSkipped", f"Store {store.uri}: {done.skipped}.")
     else:

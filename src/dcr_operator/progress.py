@@ -18,14 +18,20 @@ from dataclasses import dataclass, field, replace
 from typing import Any, ParamSpec, TypeVar, cast
 
 from dcr.format.payload import Mode
-from dcr.protocol.agent_api import AgentApi, Call, FlushAck
+from dcr.protocol.agent_api import AgentApi, AgentError, Call, FlushAck
 from dcr.protocol.coordinator import AttemptResult, ReceiverHandle
 from dcr.protocol.records import Attempt
 from dcr_operator.crds import GROUP, REFIT_PLURAL, VERSION
 from dcr_operator.errors import ApiError, ApiUnreachable
 from dcr_operator.kube import KubeClient, api_path
 from dcr_operator.metrics import METRICS
-from dcr_operator.reconcile import abandoned, attempt_status, phase_of, set_condition
+from dcr_operator.reconcile import (
+    abandoned,
+    agent_failure,
+    attempt_status,
+    phase_of,
+    set_condition,
+)
 
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
@@ -126,10 +132,11 @@ class Recorder:
                 else:
                     entry[key] = value
 
-    def flushed(self, name: str, ack: FlushAck) -> None:
+    def flushed(self, name: str, attempt: str, ack: FlushAck) -> None:
+        """Receiver ``name`` flushed ``attempt`` (the id we sent, not one it answered)."""
         with self._lock:
-            self.payloads[ack.attempt] = max(self.payloads.get(ack.attempt, 0), ack.payloads)
-        self.receiver(name, attempt=ack.attempt, state="flushed", payloads=ack.payloads,
+            self.payloads[attempt] = max(self.payloads.get(attempt, 0), ack.payloads)
+        self.receiver(name, attempt=attempt, state="flushed", payloads=ack.payloads,
                       bytes=ack.bytes, applySeconds=round(ack.apply_s, 4),
                       lastAck=self.clock(), error=None)
         self.flush()
@@ -219,6 +226,8 @@ class TrackedReceiver(AgentApi):
 
     Every row of the agent API is a method (from :class:`AgentApi`); :data:`STEPS` says
     what each one writes. A forced mode replaces the mode of every attempt passed on.
+    A failed call is recorded, and raised on to the coordinator (whose attempt reasons
+    become status too), in the words of :func:`~dcr_operator.reconcile.agent_failure`.
     """
 
     def __init__(self, inner: ReceiverHandle, recorder: Recorder,
@@ -246,13 +255,17 @@ class TrackedReceiver(AgentApi):
         try:
             out: R = fn(*map(self._mode, args), **{k: self._mode(v) for k, v in kwargs.items()})
         except Exception as e:
-            self.recorder.receiver(self.name, state=f"{step.label} failed", error=str(e)[:1024])
-            raise
+            said = agent_failure(self.name, call, e)
+            self.recorder.receiver(self.name, state=f"{step.label} failed", error=said[:1024])
+            if said == str(e):
+                raise
+            log.info("receiver %s: %s failed: %r", self.name, call.name, e)
+            raise AgentError(said, getattr(e, "status", None), getattr(e, "kind", "")) from e
         if step.after:
             extra = {"attempt": cast(Attempt, args[0]).id} if step.starts_attempt else {}
             self.recorder.receiver(self.name, **extra, **step.after)
         if step.ack:
-            self.recorder.flushed(self.name, cast(FlushAck, out))
+            self.recorder.flushed(self.name, cast(Attempt, args[0]).id, cast(FlushAck, out))
         if step.event is not None:
             reason, message = step.event
             self.recorder.emit(self.recorder.refit, "Normal", reason,

@@ -6,8 +6,12 @@
   changes only when ``status`` does); :func:`phase_of` derives the printer-column phase
   from the conditions.
 * :func:`receivers_of`: the fleet's receivers from its pods: every selected pod that is
-  Running and not being deleted, addressed by the ``dcr.dev/agent-url`` annotation when
-  present and by ``<scheme>://<podIP>:<agent.port>`` otherwise.
+  Running and not being deleted, addressed only as ``<scheme>://<podIP>:<agent.port>``
+  (the pod's status, which its kubelet writes; nothing a pod's author sets, such as an
+  annotation, can send the agent token elsewhere).
+* :func:`agent_failure`, :func:`agent_report`: what status says about an agent, in
+  sentences of our own: the call, the HTTP status, an error kind that is an identifier;
+  never text the agent (or whatever answers at its address) sent.
 * :func:`attempt_status`: a coordinator ``AttemptResult`` as WeightRefit status.
 * :func:`fleet_conditions`: Ready / Progressing / Degraded from the receivers' reports.
 """
@@ -15,13 +19,20 @@
 from __future__ import annotations
 
 import datetime as dt
+import ipaddress
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from pydantic import ValidationError
+
+from dcr.format.names import ATTEMPT_RE
+from dcr.protocol.agent_api import AgentError, AgentStatus, Call
 from dcr.protocol.coordinator import AttemptResult
 from dcr.protocol.records import CommitRecord
-from dcr_operator.crds import AGENT_URL_ANNOTATION, AgentSpec, LabelSelector, Phase, WeightRefitSpec
+from dcr.protocol.state import AttemptState
+from dcr_operator.crds import AgentSpec, LabelSelector, Phase, WeightRefitSpec
 
 
 def now() -> str:
@@ -153,19 +164,62 @@ def selector_query(selector: LabelSelector) -> str:
     return ",".join(parts)
 
 
+def agent_url(pod_ip: object, agent: AgentSpec) -> str | None:
+    """``<scheme>://<podIP>:<port>``; None unless ``pod_ip`` is an IP address."""
+    try:
+        ip = ipaddress.ip_address(str(pod_ip))
+    except ValueError:
+        return None
+    host = f"[{ip}]" if ip.version == 6 else str(ip)
+    return f"{agent.scheme}://{host}:{agent.port}"
+
+
 def receivers_of(pods: Iterable[Mapping[str, Any]], agent: AgentSpec) -> list[Receiver]:
-    """Every Running, not terminating pod as a receiver, sorted by name."""
+    """Every Running, not terminating pod with an IP as a receiver, sorted by name."""
     out = []
     for pod in pods:
         meta, status = pod.get("metadata", {}), pod.get("status") or {}
         if meta.get("deletionTimestamp") or status.get("phase") != "Running":
             continue
-        url = (meta.get("annotations") or {}).get(AGENT_URL_ANNOTATION)
-        if not url and status.get("podIP"):
-            url = f"{agent.scheme}://{status['podIP']}:{agent.port}"
+        url = agent_url(status.get("podIP"), agent)
         if url:
             out.append(Receiver(name=meta["name"], url=url))
     return sorted(out, key=lambda r: r.name)
+
+
+_KIND = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")  # an error kind worth showing: a class name
+_STATES = frozenset(s.value for s in AttemptState)
+
+
+def agent_failure(name: str, call: Call[..., Any, Any], e: BaseException) -> str:
+    """What status and Events say about a failed agent call: a sentence of our own.
+
+    An error body or a malformed answer is whatever answers at the agent's address chose
+    to send, and status is read by many more people than the agent's logs: only the
+    call, the HTTP status and a well-formed error kind are shown. An :class:`AgentError`
+    without a status (no answer) is the client's own sentence (the URL we built, our
+    side's reason); anything else raised in process is shown as it is.
+    """
+    what = f"Agent {name} ({call.method} {call.path})"
+    if isinstance(e, AgentError) and e.status is not None:
+        if 300 <= e.status < 400:
+            return f"{what} answered HTTP {e.status}, a redirect, which is never followed."
+        kind = f" ({e.kind})" if _KIND.fullmatch(e.kind) else ""
+        return f"{what} was refused with HTTP {e.status}{kind}."
+    if isinstance(e, ValidationError):
+        return f"{what} answered with a body that is not a valid answer to that call."
+    return str(e)
+
+
+def agent_report(st: AgentStatus) -> dict[str, Any]:
+    """An agent's ``/v1/status`` as fleet status: numbers, and words only from our lists."""
+    attempt = st.attempt if st.attempt and ATTEMPT_RE.fullmatch(st.attempt) else None
+    out: dict[str, Any] = {"version": st.version, "attempt": attempt,
+                           "state": st.state if st.state in _STATES else None}
+    if st.error:
+        out["error"] = (f"The agent reports that attempt {attempt or '(unnamed)'} failed "
+                        "(its GET /v1/status and log say why).")
+    return out
 
 
 # --- status ---------------------------------------------------------------------------

@@ -6,7 +6,9 @@ Role, RoleBinding and KopfPeering from ``helm template``; the operator as a subp
 (``python -m dcr_operator``) authenticated with that ServiceAccount's bound token, so
 every call it makes goes through the chart's RBAC. A standby operator of lower priority
 waits behind it (kopf peering). Three ``dcr agent`` processes serve a small Llama model
-through transformers; three Pod objects select them (``dcr.dev/agent-url``). Encoder
+through transformers, each on its own loopback address (127.0.0.2, .3, .4) and the
+fleet's agent port; three Pod objects stand for them, each with that address as its
+``status.podIP`` (the only address the operator calls). Encoder
 Jobs are created by the operator, their pods by the real Job controller, and run here by
 a stand-in kubelet (:mod:`kubelet`). A trainer takes real AdamW steps and exports a
 checkpoint per version.
@@ -39,6 +41,7 @@ import pytest
 from controlplane import ControlPlane
 from k8sutil import REPO, admin_client, apply, eventually, helm_template, install_crds
 from kubelet import FakeKubelet
+from stubs import free_port_on
 
 from dcr.errors import DcrError
 from dcr.receiver.launch import AgentProcess, free_port
@@ -175,10 +178,9 @@ def _conditions(obj: dict[str, Any]) -> dict[str, tuple[str, str]]:
     return {c["type"]: (c["status"], c["reason"]) for c in obj["status"]["conditions"]}
 
 
-def _pod(i: int, agent: AgentProcess) -> dict[str, Any]:
+def _pod(i: int) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": f"rollout-{i}", "labels": {"app": "rollout"},
-                         "annotations": {"dcr.dev/agent-url": agent.url}},
+            "metadata": {"name": f"rollout-{i}", "labels": {"app": "rollout"}},
             "spec": {"containers": [{"name": "agent", "image": "dcr:test"}]}}
 
 
@@ -209,19 +211,24 @@ def scenario(control_plane: ControlPlane, helm: Path, tmp_path_factory: pytest.T
     trainer = Trainer(TRAINER)
     sc_ckpts = {0: trainer.export(tmp / "ckpts" / "v0")}
     store = tmp / "store"
+    hosts = [f"127.0.0.{i + 2}" for i in range(AGENTS)]  # each pod's IP
+    port = free_port_on(*hosts)  # the fleet's agent port
     agents = [AgentProcess(name=f"rollout-{i}", state_dir=tmp / "agents" / str(i), token=TOKEN,
+                           host=hosts[i], port=port,
                            args=["--store", store.as_uri(), "--model", str(sc_ckpts[0]),
                                  "--runtime", "hf"]) for i in range(AGENTS)]
     for a in agents:
         a.start()
     for a in agents:
         a.wait_ready()
-    apply(kube, [{"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "agent-token"},
+    apply(kube, [{"apiVersion": "v1", "kind": "Secret",
+                  "metadata": {"name": "agent-token", "labels": {"dcr.dev/agent-token": "true"}},
                   "data": {"token": base64.b64encode(TOKEN.encode()).decode()}}], ns)
     for i, a in enumerate(agents):
-        apply(kube, [_pod(i, a)], ns)
+        apply(kube, [_pod(i)], ns)
         kube.merge_patch(f"/api/v1/namespaces/{ns}/pods/rollout-{i}/status", {"status": {
-            "phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}})
+            "phase": "Running", "podIP": a.host, "podIPs": [{"ip": a.host}],
+            "conditions": [{"type": "Ready", "status": "True"}]}})
     primary = Operator("primary", ns, kubeconfig, tmp / "operator-primary.log", priority=100)
     standby = Operator("standby", ns, kubeconfig, tmp / "operator-standby.log", priority=50)
     with FakeKubelet(kube, ns, "dcr.dev/component=encoder", tmp) as kubelet:
@@ -232,7 +239,8 @@ def scenario(control_plane: ControlPlane, helm: Path, tmp_path_factory: pytest.T
                       "metadata": {"name": FLEET},
                       "spec": {"selector": {"matchLabels": {"app": "rollout"}},
                                "runtime": "hf",
-                               "agent": {"tokenSecretRef": {"name": "agent-token"}},
+                               "agent": {"port": port,
+                                         "tokenSecretRef": {"name": "agent-token"}},
                                "store": {"uri": store.as_uri()},
                                "initial": {"version": 0, "checkpoint": str(sc_ckpts[0])},
                                "commitPolicy": {"attemptTimeoutSeconds": 120},

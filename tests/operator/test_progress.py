@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from dcr.protocol.agent_api import AgentApi, FlushAck
+from dcr.protocol.agent_api import AgentApi, AgentError, FlushAck
 from dcr.protocol.coordinator import AttemptResult
 from dcr.protocol.records import Attempt, Transition
 from dcr_operator.errors import ApiUnreachable
@@ -105,6 +105,38 @@ def test_a_receiver_error_is_recorded_and_raised() -> None:
         rx.open_apply(attempt())
     (entry,) = rec.status()["receivers"]
     assert (entry["state"], entry["error"]) == ("open_apply failed", "agent p0 went away")
+
+
+class HostileReceiver(FakeReceiver):
+    """An agent whose refusals and answers carry text of its own choosing."""
+
+    def open_apply(self, attempt: Attempt) -> None:
+        raise AgentError("Agent p0 (POST /v1/apply): S3CR3T body text", 500,
+                         "<script>alert(1)</script>")
+
+    def close_gate(self) -> None:
+        raise AgentError("Agent p0 (POST /v1/gate/close): S3CR3T", 409, "AgentConflict")
+
+    def flush(self, attempt: Attempt) -> FlushAck:
+        return FlushAck(attempt="../S3CR3T", payloads=3, bytes=100, apply_s=0.5, wait_s=0.1)
+
+
+def test_refit_status_and_the_coordinator_get_our_sentence_not_the_agents() -> None:
+    """Fails on 5b0b0ae: an agent's error body (and the attempt id it answered a flush
+    with) went into the WeightRefit's status, and into attempt reasons and Events."""
+    rec = recorder(FakeKube(), [])
+    rx = TrackedReceiver(HostileReceiver(), rec, lambda x: None)  # type: ignore[arg-type]
+    with pytest.raises(AgentError) as refused:
+        rx.open_apply(attempt())
+    said = "Agent p0 (POST /v1/apply) was refused with HTTP 500."
+    assert (str(refused.value), refused.value.status) == (said, 500)
+    assert rec.status()["receivers"][0]["error"] == said
+    with pytest.raises(AgentError, match=r"^Agent p0 \(POST /v1/gate/close\) was refused "
+                       r"with HTTP 409 \(AgentConflict\)\.$"):
+        rx.close_gate()
+    rx.flush(attempt())
+    assert "S3CR3T" not in repr(rec.status())
+    assert rec.status()["receivers"][0]["attempt"] == attempt().id
 
 
 def test_every_progress_step_names_a_call_of_the_agent_api() -> None:

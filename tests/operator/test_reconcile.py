@@ -113,13 +113,18 @@ def _pod(name: str, *, phase: str = "Running", ip: str | None = "10.0.0.7",
     return {"metadata": meta, "status": status}
 
 
-def test_receivers_are_running_pods_addressed_by_annotation_or_pod_ip() -> None:
+def test_receivers_are_running_pods_addressed_by_pod_ip_only() -> None:
+    """Fails on 5b0b0ae: pod "a"'s ``dcr.dev/agent-url`` annotation (which anyone who may
+    annotate a selected pod can set) decided where the agent token was sent."""
     agent = AgentSpec(port=9000, token_secret_ref=SecretKeyRef(name="s"))
-    pods = [_pod("c"), _pod("a", annotations={"dcr.dev/agent-url": "http://127.0.0.1:5"}),
-            _pod("pending", phase="Pending"), _pod("gone", deleting=True),
-            _pod("no-ip", ip=None)]
+    pods = [_pod("c"), _pod("a", ip="10.0.0.8",
+                            annotations={"dcr.dev/agent-url": "http://attacker:5"}),
+            _pod("v6", ip="fd00::7"), _pod("pending", phase="Pending"),
+            _pod("gone", deleting=True), _pod("no-ip", ip=None),
+            _pod("bad-ip", ip="10.0.0.9/x")]
     got = [(r.name, r.url) for r in receivers_of(pods, agent)]
-    assert got == [("a", "http://127.0.0.1:5"), ("c", "http://10.0.0.7:9000")]
+    assert got == [("a", "http://10.0.0.8:9000"), ("c", "http://10.0.0.7:9000"),
+                   ("v6", "http://[fd00::7]:9000")]
 
 
 def test_selector_query_spells_labels_and_expressions() -> None:

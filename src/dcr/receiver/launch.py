@@ -19,6 +19,7 @@ from typing import IO
 
 from dcr.errors import DcrError
 from dcr.protocol.agent_api import AgentClient
+from dcr.tokens import write_token_file
 
 
 def free_port() -> int:
@@ -34,25 +35,24 @@ class AgentProcess:
     state_dir: Path
     token: str
     port: int = field(default_factory=free_port)
+    host: str = "127.0.0.1"  # any loopback address: tests give pods 127.0.0.2, .3, ...
     proc: subprocess.Popen[str] | None = None
     restarts: int = 0
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def client(self, timeout_s: float = 30.0) -> AgentClient:
         return AgentClient(self.name, self.url, self.token, timeout_s=timeout_s)
 
     def start(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        token_file = self.state_dir / "token"
-        token_file.write_text(self.token)
-        token_file.chmod(0o600)
+        token_file = write_token_file(self.state_dir / "token", self.token)  # 0600 at birth
         log: IO[str] = open(self.state_dir / "agent.log", "a")  # noqa: SIM115 (owned by proc)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dcr", "agent", "--name", self.name,
-             "--listen", f"127.0.0.1:{self.port}", "--state-dir", str(self.state_dir),
+             "--listen", f"{self.host}:{self.port}", "--state-dir", str(self.state_dir),
              "--token-file", str(token_file), *self.args],
             stdout=subprocess.PIPE, stderr=log, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},

@@ -1,0 +1,169 @@
+"""A fleet's receivers and Secrets on a real apiserver, with hostile agents on loopback.
+
+Pods are API objects whose ``status.podIP`` is a distinct loopback address (127.0.0.2,
+.3, ...: Linux routes 127.0.0.0/8 to ``lo``); the "agents" are stubs listening there on
+the fleet's agent port (:mod:`stubs`). The operator's own functions (``refresh``,
+``clients``, ``check_job_secrets``) run against them with the admin client.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+import pytest
+from k8sutil import apply, install_crds
+from stubs import Stub, stubs
+
+from dcr_operator.crds import RolloutFleetSpec
+from dcr_operator.errors import InvalidResource
+from dcr_operator.fleet import clients, discover, refresh
+from dcr_operator.kube import KubeClient
+from dcr_operator.reconcile import now
+
+pytestmark = pytest.mark.e2e
+
+TOKEN = "fleet-test-agent-token-0123456789"
+SECRET = "S3CR3T-FROM-THE-ENDPOINT"
+STATUS = {"name": "x", "version": 0, "dirty": None, "unknown": None, "attempt": None,
+          "state": None, "error": None, "gate_open": True, "payloads_staged": 0,
+          "payloads_applied": 0, "bytes_staged": 0}
+
+
+def _secret(name: str, *uses: str, key: str = "token", value: str = TOKEN) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Secret",
+            "metadata": {"name": name, "labels": {f"dcr.dev/{u}": "true" for u in uses}},
+            "data": {key: base64.b64encode(value.encode()).decode()}}
+
+
+def _fleet(port: int, token_secret: str, **more: Any) -> dict[str, Any]:
+    return {"apiVersion": "dcr.dev/v1alpha1", "kind": "RolloutFleet",
+            "metadata": {"name": "fleet"},
+            "spec": {"selector": {"matchLabels": {"app": "r"}}, "runtime": "hf",
+                     "agent": {"port": port, "tokenSecretRef": {"name": token_secret}},
+                     "initial": {"version": 0, "checkpoint": "/ckpt/v0"},
+                     **(more or {"store": {"uri": "file:///tmp/store"}})}}
+
+
+def _pods(kube: KubeClient, namespace: str, ips: dict[str, str],
+          annotations: dict[str, dict[str, str]] | None = None) -> None:
+    """Running pods ``name -> podIP``, as a kubelet would report them."""
+    for name, ip in ips.items():
+        apply(kube, [{"apiVersion": "v1", "kind": "Pod",
+                      "metadata": {"name": name, "labels": {"app": "r"},
+                                   "annotations": (annotations or {}).get(name, {})},
+                      "spec": {"containers": [{"name": "agent", "image": "dcr:test"}]}}],
+              namespace)
+        kube.merge_patch(f"/api/v1/namespaces/{namespace}/pods/{name}/status", {"status": {
+            "phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}})
+
+
+def _answers(stub: Stub, status: dict[str, Any] = STATUS) -> None:
+    stub.answer = (200, {"Content-Type": "application/json"}, json.dumps(status).encode())
+
+
+def test_fleet_status_says_what_happened_in_our_words_never_an_agents(
+        kube: KubeClient, namespace: str) -> None:
+    """Fails on 5b0b0ae: the error body of an agent was copied into
+    ``status.receivers[].error``, and the ``dcr.dev/agent-url`` annotation of a pod sent
+    the token to another address."""
+    install_crds(kube)
+    apply(kube, [_secret("agent-token", "agent-token")], namespace)
+    with stubs("127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5") as (
+            refusing, redirecting, lying, elsewhere):
+        refusing.answer = (500, {"Content-Type": "application/json"}, json.dumps(
+            {"error": SECRET, "kind": "<img src=x onerror=alert(1)>"}).encode())
+        redirecting.answer = (302, {"Location": f"{elsewhere.url}/v1/status"}, b"")
+        _answers(lying, {**STATUS, "error": SECRET, "state": SECRET,
+                         "attempt": f"../{SECRET}", "version": 3})
+        _answers(elsewhere)
+        _pods(kube, namespace, {"refusing": "127.0.0.2", "redirecting": "127.0.0.3",
+                                "lying": "127.0.0.4"},
+              annotations={"redirecting": {"dcr.dev/agent-url": elsewhere.url}})
+        (fleet,) = apply(kube, [_fleet(refusing.port, "agent-token")], namespace)
+        refresh(kube, fleet, clock=now, active=None)
+        status = kube.get(f"/apis/dcr.dev/v1alpha1/namespaces/{namespace}/rolloutfleets/"
+                          "fleet")["status"]
+        assert SECRET not in json.dumps(status)
+        got = {r["name"]: r for r in status["receivers"]}
+        port = refusing.port
+        assert got["refusing"] == {
+            "name": "refusing", "url": f"http://127.0.0.2:{port}",
+            "error": "Agent refusing (GET /v1/status) was refused with HTTP 500."}
+        assert got["redirecting"] == {
+            "name": "redirecting", "url": f"http://127.0.0.3:{port}",
+            "error": "Agent redirecting (GET /v1/status) answered HTTP 302, a redirect, "
+                     "which is never followed."}
+        assert got["lying"]["version"] == 3
+        assert "state" not in got["lying"]
+        assert "attempt" not in got["lying"]
+        assert got["lying"]["error"] == ("The agent reports that attempt (unnamed) failed "
+                                         "(its GET /v1/status and log say why).")
+        assert elsewhere.seen == []
+        assert redirecting.tokens() == [f"Bearer {TOKEN}"]
+
+
+def test_a_secret_is_used_only_for_what_its_label_opts_it_in_to(
+        kube: KubeClient, namespace: str) -> None:
+    """Fails on 5b0b0ae: the operator read whichever Secret a fleet named and sent its
+    key to every selected pod as the agent token."""
+    install_crds(kube)
+    apply(kube, [_secret("db-password", value=SECRET),
+                 _secret("relay-only", "relay-token", value=SECRET),
+                 _secret("agent-token", "agent-token")], namespace)
+    with stubs("127.0.0.2") as (agent,):
+        _answers(agent)
+        _pods(kube, namespace, {"r0": "127.0.0.2"})
+        for name in ("db-password", "relay-only"):
+            spec = RolloutFleetSpec.model_validate(_fleet(agent.port, name)["spec"])
+            with pytest.raises(InvalidResource, match=(
+                    f"Secret {namespace}/{name} \\(spec.agent.tokenSecretRef\\) is not "
+                    "labelled dcr.dev/agent-token=true")):
+                clients(kube, namespace, spec, discover(kube, namespace, spec))
+        (fleet,) = apply(kube, [_fleet(agent.port, "db-password")], namespace)
+        refresh(kube, fleet, clock=now, active=None)
+        (entry,) = kube.get(f"/apis/dcr.dev/v1alpha1/namespaces/{namespace}/rolloutfleets/"
+                            "fleet")["status"]["receivers"]
+        assert entry["error"].startswith("No agent token: Secret ")
+        assert "is not labelled dcr.dev/agent-token=true" in entry["error"]
+        assert agent.seen == []
+        spec = RolloutFleetSpec.model_validate(_fleet(agent.port, "agent-token")["spec"])
+        (client,) = clients(kube, namespace, spec, discover(kube, namespace, spec))
+        assert client.status().version == 0
+        assert agent.tokens() == [f"Bearer {TOKEN}"]
+
+
+def test_the_secrets_encoder_jobs_and_the_finalizer_use_must_opt_in_too(
+        kube: KubeClient, namespace: str) -> None:
+    """Fails on 5b0b0ae (no check existed): an encoder Job got any Secret the fleet named
+    (``envFrom``, ``secretKeyRef``), and the finalizer sent the credentials Secret's
+    keys to the fleet's S3 endpoint."""
+    from dcr_operator.fleet import check_job_secrets, store_credentials
+
+    install_crds(kube)
+    apply(kube, [_secret("creds", key="AWS_ACCESS_KEY_ID"),
+                 _secret("creds-ok", "store-credentials", key="AWS_ACCESS_KEY_ID"),
+                 _secret("relay", "agent-token"), _secret("relay-ok", "relay-token")],
+          namespace)
+    s3 = {"uri": "s3://b/p", "endpoint": "http://127.0.0.1:9", "credentialsSecretRef": {}}
+    cases = [
+        ({"store": {**s3, "credentialsSecretRef": {"name": "creds"}}}, "creds",
+         "spec.store.credentialsSecretRef", "store-credentials"),
+        ({"relay": {"url": "http://relay:8470", "tokenSecretRef": {"name": "relay"}}},
+         "relay", "spec.relay.tokenSecretRef", "relay-token"),
+    ]
+    for where, name, field, label in cases:
+        spec = RolloutFleetSpec.model_validate(_fleet(1, "t", **where)["spec"])
+        with pytest.raises(InvalidResource, match=(
+                f"Secret {namespace}/{name} \\({field}\\) is not labelled dcr.dev/{label}")):
+            check_job_secrets(kube, namespace, spec)
+    with pytest.raises(InvalidResource, match=r"is not labelled dcr\.dev/store-credentials"):
+        store_credentials(kube, namespace, RolloutFleetSpec.model_validate(
+            _fleet(1, "t", **cases[0][0])["spec"]))
+    ok = RolloutFleetSpec.model_validate(_fleet(1, "t", store={
+        **s3, "credentialsSecretRef": {"name": "creds-ok"}})["spec"])
+    check_job_secrets(kube, namespace, ok)
+    assert store_credentials(kube, namespace, ok) == {"AWS_ACCESS_KEY_ID": TOKEN}
+    check_job_secrets(kube, namespace, RolloutFleetSpec.model_validate(_fleet(1, "t", relay={
+        "url": "http://relay:8470", "tokenSecretRef": {"name": "relay-ok"}})["spec"]))
