@@ -14,7 +14,9 @@ overwritten. A 409 means *something* changed the fleet since the read; other wri
 again: if the record itself moved the answer is CONFLICT, otherwise the CAS is tried
 again with the new resourceVersion. No answer from the API server (or a 5xx, after
 which the write may or may not have landed) is UNKNOWN, and the coordinator then reads
-the record to learn what happened.
+the record to learn what happened. A success counts only if the API server's answer
+carries the record written: a patch that reached anything but this fleet's status (the
+main resource ignores ``status`` and answers 200) is UNKNOWN, never SUCCESS.
 """
 
 from __future__ import annotations
@@ -60,6 +62,12 @@ def commit_status(record: CommitRecord, *, refit: str | None = None,
     return out
 
 
+def _carries(answer: Any, record: CommitRecord) -> bool:
+    """Does the API server's answer to a status patch hold ``record`` as this fleet's?"""
+    return (isinstance(answer, Mapping) and bool((answer.get("status") or {}).get("commit"))
+            and record_of(answer) == record)
+
+
 class FleetCommitStore:
     """The commit record of RolloutFleet ``namespace/name``."""
 
@@ -72,6 +80,7 @@ class FleetCommitStore:
         self.retries = retries
         self.clock = clock
         self.path = api_path(GROUP, VERSION, FLEET_PLURAL, namespace, name)
+        self.status_path = api_path(GROUP, VERSION, FLEET_PLURAL, namespace, name, "status")
 
     def __repr__(self) -> str:
         return f"FleetCommitStore({self.namespace}/{self.name})"
@@ -99,7 +108,7 @@ class FleetCommitStore:
                      "status": {"commit": commit_status(new, refit=self.refit,
                                                         at=self.clock())}}
             try:
-                self.kube.merge_patch(self.path + "/status", patch)
+                answer = self.kube.merge_patch(self.status_path, patch)
             except Conflict:
                 log.info("%r: resourceVersion moved before the compare-and-set; reading again",
                          self)
@@ -110,6 +119,10 @@ class FleetCommitStore:
             except ApiError as e:
                 log.warning("%r: the compare-and-set was refused: %s", self, e)
                 return CommitOutcome.UNKNOWN if e.status >= 500 else CommitOutcome.FAILED
+            if not _carries(answer, new):
+                log.warning("%r: the compare-and-set was answered without the record it "
+                            "wrote; its outcome is unknown", self)
+                return CommitOutcome.UNKNOWN
             log.info("%r: committed version %s (%s) by %s", self, new.committed_version,
                      new.baseline_id, new.attempt)
             return CommitOutcome.SUCCESS
@@ -125,9 +138,10 @@ class FleetCommitStore:
             patch = {"metadata": {"resourceVersion": fleet["metadata"]["resourceVersion"]},
                      "status": {"commit": commit_status(record)}}
             try:
-                self.kube.merge_patch(self.path + "/status", patch)
+                answer = self.kube.merge_patch(self.status_path, patch)
             except Conflict:
                 continue
-            return record
+            if _carries(answer, record):
+                return record
         raise CommitStoreError(f"Could not initialize the commit record of RolloutFleet "
                                f"{self.namespace}/{self.name}: it kept changing.")

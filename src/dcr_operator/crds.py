@@ -31,13 +31,23 @@ VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 FLEET_PLURAL = "rolloutfleets"
 REFIT_PLURAL = "weightrefits"
-AGENT_URL_ANNOTATION = f"{GROUP}/agent-url"  # overrides http://<podIP>:<agent.port>
 REPO_ROOT = Path(__file__).resolve().parents[2]
 OUTPUT_DIRS = (REPO_ROOT / "crds", REPO_ROOT / "charts" / "dcr" / "crds")
 
 _IMMUTABLE = "self == oldSelf"
 _RFC3339 = {"format": "date-time"}
-_NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"  # an RFC 1123 label (object names we create from)
+_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+
+# Names of other objects, as Kubernetes requires them for that kind, checked by pydantic
+# and by the API server (the pattern is in the CRD schema). A name goes into a REST path,
+# so a '#', '?', '/' or '..' there would change which object a request reaches.
+DnsLabel = Annotated[str, Field(min_length=1, max_length=63, pattern=f"^{_LABEL}$")]
+"""An RFC 1123 label: encoder profile names."""
+DnsSubdomain = Annotated[str, Field(min_length=1, max_length=253,
+                                    pattern=rf"^{_LABEL}(\.{_LABEL})*$")]
+"""An RFC 1123 subdomain: the names of RolloutFleets, Secrets and ServiceAccounts."""
+SecretKey = Annotated[str, Field(min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")]
+"""A key of a Secret's data, as Kubernetes allows it."""
 
 
 class _Spec(BaseModel):
@@ -78,16 +88,16 @@ _CONDITIONS: dict[str, Any] = {
 
 
 class SecretKeyRef(_Spec):
-    """A key of a Secret in the resource's namespace."""
+    """A key of a Secret in the resource's namespace (labelled for its use: see fleet.py)."""
 
-    name: Annotated[str, Field(min_length=1, max_length=253)]
-    key: Annotated[str, Field(min_length=1)] = "token"
+    name: DnsSubdomain
+    key: SecretKey = "token"
 
 
 class SecretRef(_Spec):
-    """A Secret in the resource's namespace."""
+    """A Secret in the resource's namespace (labelled for its use: see fleet.py)."""
 
-    name: Annotated[str, Field(min_length=1, max_length=253)]
+    name: DnsSubdomain
 
 
 class CommitRecordStatus(_Status):
@@ -104,22 +114,41 @@ class CommitRecordStatus(_Status):
 
 
 class LabelSelectorRequirement(_Spec):
-    key: Annotated[str, Field(min_length=1)]
+    key: Annotated[str, Field(min_length=1, max_length=317)]
     operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
-    values: list[str] | None = None
+    values: Annotated[list[Annotated[str, Field(max_length=63)]] | None,
+                      Field(max_length=64)] = None
+
+
+_NARROWING = ("In", "Exists")  # operators that select only pods carrying a label
+_SELECTS_SOME = ("(has(self.matchLabels) && size(self.matchLabels) > 0) || "
+                 "(has(self.matchExpressions) && self.matchExpressions.exists(e, "
+                 + " || ".join(f"e.operator == '{o}'" for o in _NARROWING) + "))")
+_EMPTY_SELECTOR = ("selector needs a matchLabels entry or an In or Exists expression: an "
+                   "empty selector (or NotIn / DoesNotExist alone) makes every pod of the "
+                   "namespace a receiver, and every receiver gets the agent token")
 
 
 class LabelSelector(_Spec):
-    """Which pods of the namespace are the fleet's rollout ranks (metav1.LabelSelector)."""
+    """Which pods of the namespace are the fleet's rollout ranks (metav1.LabelSelector).
+
+    Never one that selects (nearly) every pod: each receiver is sent the agent token.
+    """
 
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{
-        "rule": "has(self.matchLabels) || has(self.matchExpressions)",
-        "message": "selector needs matchLabels or matchExpressions: an empty selector "
-                   "would make every pod of the namespace a receiver",
-    }]})
+        "rule": _SELECTS_SOME, "message": _EMPTY_SELECTOR}]})
 
-    match_labels: dict[str, str] | None = None
-    match_expressions: list[LabelSelectorRequirement] | None = None
+    match_labels: Annotated[dict[str, Annotated[str, Field(max_length=63)]] | None,
+                            Field(max_length=64)] = None
+    match_expressions: Annotated[list[LabelSelectorRequirement] | None,
+                                 Field(max_length=64)] = None
+
+    @model_validator(mode="after")
+    def _selects_some(self) -> LabelSelector:
+        if not self.match_labels and not any(
+                e.operator in _NARROWING for e in self.match_expressions or []):
+            raise ValueError(_EMPTY_SELECTOR)
+        return self
 
 
 class AgentSpec(_Spec):
@@ -181,6 +210,50 @@ class CommitPolicy(_Spec):
         default="Sync", description="Sync: close request gates first; Async: after staging.")
 
 
+class Resources(_Spec):
+    """Container resources (quantities as Kubernetes writes them: 2, "500m", "4Gi")."""
+
+    requests: dict[str, Annotated[int | str, Field(
+        json_schema_extra={"x-kubernetes-int-or-string": True})]] | None = None
+    limits: dict[str, Annotated[int | str, Field(
+        json_schema_extra={"x-kubernetes-int-or-string": True})]] | None = None
+
+
+class Toleration(_Spec):
+    """One toleration of encoder pods (core/v1 Toleration)."""
+
+    key: Annotated[str, Field(max_length=317)] | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: Annotated[str, Field(max_length=63)] | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+DEFAULT_PROFILE = "default"
+
+
+class EncoderProfile(_Spec):
+    """How one kind of encoder pod runs; a WeightRefit picks one by name.
+
+    Everything that shapes the pod lives here, in the fleet (which its admin owns), and
+    never in a WeightRefit: whoever may write this may run that image, as that
+    ServiceAccount, on those nodes (docs/operations.md, "Who may do what"). Unset
+    fields take the operator's defaults (Helm ``encoder.*``).
+    """
+
+    name: DnsLabel = Field(description="What WeightRefits name in spec.encoder.profile.")
+    image: Annotated[str, Field(min_length=1, max_length=512)] | None = Field(
+        default=None, description="The image (it must provide `dcr`); one the operator "
+        "allows (Helm encoder.image and encoder.allowedImages). Default: encoder.image.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    service_account_name: DnsSubdomain | None = Field(
+        default=None, description="Default: the operator's encoder.serviceAccount.")
+    resources: Resources | None = None
+    node_selector: Annotated[dict[str, Annotated[str, Field(max_length=63)]] | None,
+                             Field(max_length=64)] = None
+    tolerations: Annotated[list[Toleration] | None, Field(max_length=64)] = None
+
+
 class RolloutFleetSpec(_Spec):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{
         "rule": "has(self.store) != has(self.relay)",
@@ -197,6 +270,11 @@ class RolloutFleetSpec(_Spec):
     commit_policy: CommitPolicy = Field(default_factory=CommitPolicy)
     retry_limit: Annotated[int, Field(ge=1, le=32)] = Field(
         default=4, description="Attempts per transition before the refit fails.")
+    encoder_profiles: Annotated[list[EncoderProfile], Field(max_length=16, json_schema_extra={
+        "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})] = Field(
+        default=[], description="The encoder pods WeightRefits of this fleet may ask for, "
+        f"by name; without one named {DEFAULT_PROFILE!r}, that one is the operator's "
+        "defaults.")
 
     @model_validator(mode="after")
     def _one_destination(self) -> RolloutFleetSpec:
@@ -234,24 +312,15 @@ class RolloutFleetStatus(_Status):
 # --- WeightRefit ----------------------------------------------------------------------
 
 
-class Resources(_Spec):
-    """Container resources (quantities as Kubernetes writes them: 2, "500m", "4Gi")."""
+class RefitEncoder(_Spec):
+    """What a WeightRefit chooses of its encoder Job: a profile of its fleet and the split.
 
-    requests: dict[str, Annotated[int | str, Field(
-        json_schema_extra={"x-kubernetes-int-or-string": True})]] | None = None
-    limits: dict[str, Annotated[int | str, Field(
-        json_schema_extra={"x-kubernetes-int-or-string": True})]] | None = None
+    No image, ServiceAccount or scheduling: those come from the fleet's profile, so
+    creating a WeightRefit never amounts to creating pods of one's own making.
+    """
 
-
-class EncoderOverrides(_Spec):
-    """The encoder Job on the training side; unset fields take the operator's defaults."""
-
-    image: str | None = None
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
-    resources: Resources | None = None
-    node_selector: dict[str, str] | None = None
-    tolerations: list[dict[str, Any]] | None = None
-    service_account_name: str | None = None
+    profile: DnsLabel = Field(
+        default=DEFAULT_PROFILE, description="One of the fleet's spec.encoderProfiles.")
     owners: Annotated[int, Field(ge=1, le=256)] = Field(
         default=1, description="Parallel owners: Job completions, tensors split by name.")
     bucket_mib: Annotated[int | None, Field(ge=1, le=4096, alias="bucketMiB")] = None
@@ -269,12 +338,11 @@ class WeightRefitSpec(_Spec):
          "message": "targetVersion must be greater than baseVersion"},
     ]})
 
-    fleet: Annotated[str, Field(min_length=1, max_length=253)] = Field(
-        description="The RolloutFleet (same namespace) to refit.")
+    fleet: DnsSubdomain = Field(description="The RolloutFleet (same namespace) to refit.")
     target_version: Annotated[int, Field(ge=1)]
     base_version: Annotated[int, Field(ge=0)]
     source: SourceSpec
-    encoder: EncoderOverrides = Field(default_factory=EncoderOverrides)
+    encoder: RefitEncoder = Field(default_factory=RefitEncoder)
     mode_policy: Literal["MixedThenOverwrite", "Overwrite"] = Field(
         default="MixedThenOverwrite", description="MixedThenOverwrite: XOR where the "
         "loaders allow, overwrite on retries; Overwrite: absolute values every attempt.")

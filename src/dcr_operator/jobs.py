@@ -12,6 +12,12 @@ the refit garbage-collects them.
 The merged receiver profile (which tensors each loader can take as XOR, overwrite or
 dense) reaches the encoder through a ConfigMap mounted at :data:`PROFILE_DIR`.
 
+What shapes the encoder pods (image, ServiceAccount, resources, node selector,
+tolerations) is never the WeightRefit's to say: :func:`encoder_pod` takes it from the
+fleet's encoder profile the refit names (the fleet's admin wrote it) over the operator's
+defaults, and refuses an image the operator does not allow. A WeightRefit chooses only
+the profile, the number of owners and the bucket size.
+
 :class:`JobOwner` is the coordinator's ``OwnerHandle`` for index ``k``: ``publish``
 makes sure the attempt's Job exists and waits until index ``k`` completed (the Job's
 ``status.completedIndexes``), failing the attempt if the Job fails, disappears, or
@@ -35,8 +41,22 @@ from dcr.format.payload import Mode
 from dcr.owner.settings import EncodeSettings
 from dcr.protocol.records import Attempt, CommitRecord
 from dcr.settings import MiB
-from dcr_operator.crds import API_VERSION, GROUP, RolloutFleetSpec, WeightRefitSpec
-from dcr_operator.errors import ApiError, ApiUnreachable, Conflict, EncoderJobFailed, NotFound
+from dcr_operator.crds import (
+    API_VERSION,
+    DEFAULT_PROFILE,
+    GROUP,
+    EncoderProfile,
+    RolloutFleetSpec,
+    WeightRefitSpec,
+)
+from dcr_operator.errors import (
+    ApiError,
+    ApiUnreachable,
+    Conflict,
+    EncoderJobFailed,
+    InvalidResource,
+    NotFound,
+)
 from dcr_operator.kube import KubeClient, api_path
 from dcr_operator.settings import OperatorSettings
 
@@ -90,11 +110,39 @@ def encode_args(*, base: str, target: str, store: str, attempt: Attempt, owners:
     return settings.argv(base, target, store=store, owner="$(DCR_OWNER)")
 
 
+def encoder_pod(spec: WeightRefitSpec, fleet: RolloutFleetSpec, fleet_name: str,
+                settings: OperatorSettings) -> EncoderProfile:
+    """The fleet's encoder profile the refit names, with the operator's defaults filled in.
+
+    InvalidResource if the fleet has no such profile or names an image the operator
+    does not allow: the fleet's owner can fix either, and the refit then proceeds.
+    """
+    wanted = spec.encoder.profile
+    found = next((p for p in fleet.encoder_profiles if p.name == wanted), None)
+    if found is None and wanted != DEFAULT_PROFILE:
+        have = ", ".join(p.name for p in fleet.encoder_profiles) or "none"
+        raise InvalidResource(f"The WeightRefit asks for encoder profile {wanted!r}, which "
+                              f"RolloutFleet {fleet_name} does not define (its "
+                              f"spec.encoderProfiles: {have}).")
+    profile = found or EncoderProfile(name=DEFAULT_PROFILE)
+    image = profile.image or settings.encoder_image
+    if not settings.allows_image(image):
+        raise InvalidResource(f"Encoder profile {profile.name!r} of RolloutFleet {fleet_name} "
+                              f"names image {image!r}, which the operator does not allow "
+                              "(Helm encoder.image and encoder.allowedImages).")
+    return profile.model_copy(update={
+        "image": image,
+        "image_pull_policy": profile.image_pull_policy or settings.encoder_image_pull_policy,
+        "service_account_name": (profile.service_account_name
+                                 or settings.encoder_service_account or None)})
+
+
 def job_manifest(*, refit: Mapping[str, Any], spec: WeightRefitSpec, fleet: RolloutFleetSpec,
                  fleet_name: str, base_checkpoint: str, attempt: Attempt,
                  settings: OperatorSettings, profile: str | None) -> dict[str, Any]:
     """The indexed Job that publishes ``attempt`` (every owner one index)."""
     enc, store, relay = spec.encoder, fleet.store, fleet.relay
+    shape = encoder_pod(spec, fleet, fleet_name, settings)
     name, refit_name = job_name(refit["metadata"]["name"], attempt.id), refit["metadata"]["name"]
     labels = {"app.kubernetes.io/name": "dcr-encoder", "app.kubernetes.io/managed-by":
               "dcr-operator", COMPONENT_LABEL: "encoder", REFIT_LABEL: short_name(refit_name, 63),
@@ -112,8 +160,8 @@ def job_manifest(*, refit: Mapping[str, Any], spec: WeightRefitSpec, fleet: Roll
         store.uri if store is not None else "")
     container: dict[str, Any] = {
         "name": "encoder",
-        "image": enc.image or settings.encoder_image,
-        "imagePullPolicy": enc.image_pull_policy or settings.encoder_image_pull_policy,
+        "image": shape.image,
+        "imagePullPolicy": shape.image_pull_policy,
         "command": ["dcr"],
         "args": encode_args(base=base_checkpoint, target=spec.source.checkpoint,
                             store=destination, attempt=attempt, owners=enc.owners,
@@ -122,20 +170,20 @@ def job_manifest(*, refit: Mapping[str, Any], spec: WeightRefitSpec, fleet: Roll
     }
     if store is not None and store.credentials_secret_ref is not None:
         container["envFrom"] = [{"secretRef": {"name": store.credentials_secret_ref.name}}]
-    if enc.resources is not None:
-        container["resources"] = enc.resources.model_dump(exclude_none=True)
+    if shape.resources is not None:
+        container["resources"] = shape.resources.model_dump(exclude_none=True)
     pod: dict[str, Any] = {"restartPolicy": "Never", "containers": [container]}
     if profile is not None:
         container["volumeMounts"] = [{"name": "profile", "mountPath": PROFILE_DIR,
                                       "readOnly": True}]
         pod["volumes"] = [{"name": "profile", "configMap": {"name": profile}}]
-    account = enc.service_account_name or settings.encoder_service_account
-    if account:
-        pod["serviceAccountName"] = account
-    if enc.node_selector:
-        pod["nodeSelector"] = dict(enc.node_selector)
-    if enc.tolerations:
-        pod["tolerations"] = [dict(t) for t in enc.tolerations]
+    if shape.service_account_name:
+        pod["serviceAccountName"] = shape.service_account_name
+    if shape.node_selector:
+        pod["nodeSelector"] = dict(shape.node_selector)
+    if shape.tolerations:
+        pod["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True)
+                              for t in shape.tolerations]
     job_spec: dict[str, Any] = {
         "completionMode": "Indexed", "completions": enc.owners, "parallelism": enc.owners,
         "backoffLimit": 0,  # a failed encoder fails the attempt; the protocol retries it

@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dcr_operator.errors import ApiError, ApiUnreachable, Conflict, NotFound
+from dcr_operator.errors import ApiError, ApiUnreachable, Conflict, InvalidResource, NotFound
 
 log = logging.getLogger(__name__)
 
@@ -186,11 +186,21 @@ def _api_error(method: str, path: str, e: urllib.error.HTTPError) -> ApiError:
 
 def api_path(group: str, version: str, plural: str, namespace: str, name: str = "",
              sub: str = "") -> str:
-    """The REST path of a namespaced resource (core group when ``group`` is empty)."""
+    """The REST path of a namespaced resource (core group when ``group`` is empty).
+
+    Namespace, name and subresource are quoted as single path segments: a name read from
+    a spec cannot add segments (``/``), a query (``?``) or a fragment (``#``, which urllib
+    drops, so ``fleet#x/status`` would reach the fleet itself instead of its status).
+    """
+    def seg(text: str) -> str:
+        if text in (".", ".."):
+            raise InvalidResource(f"{text!r} is not an object name.")
+        return urllib.parse.quote(text, safe="")
+
     root = f"/api/{version}" if not group else f"/apis/{group}/{version}"
-    path = f"{root}/namespaces/{namespace}/{plural}"
+    path = f"{root}/namespaces/{seg(namespace)}/{plural}"
     if name:
-        path += f"/{name}"
+        path += f"/{seg(name)}"
     if sub:
-        path += f"/{sub}"
+        path += f"/{seg(sub)}"
     return path

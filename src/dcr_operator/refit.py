@@ -41,7 +41,7 @@ from pydantic import ValidationError
 from dcr.errors import ConfigError, first_validation_error
 from dcr.format.payload import Mode
 from dcr.format.profile import ReceiverProfile, dumps, merge
-from dcr.protocol.agent_api import AgentClient
+from dcr.protocol.agent_api import AgentApi, AgentClient
 from dcr.protocol.commitstore import CommitStoreError
 from dcr.protocol.coordinator import (
     CommitConflict,
@@ -62,12 +62,26 @@ from dcr_operator.errors import (
     NotFound,
     NotYet,
 )
-from dcr_operator.fleet import clients, discover, fleet_path, refresh, set_active
-from dcr_operator.jobs import PROFILE_KEY, EncoderJobs, JobOwner, owner_reference, profile_name
+from dcr_operator.fleet import (
+    check_job_secrets,
+    clients,
+    discover,
+    fleet_path,
+    refresh,
+    set_active,
+)
+from dcr_operator.jobs import (
+    PROFILE_KEY,
+    EncoderJobs,
+    JobOwner,
+    encoder_pod,
+    owner_reference,
+    profile_name,
+)
 from dcr_operator.kube import KubeClient, api_path
 from dcr_operator.metrics import METRICS
 from dcr_operator.progress import Emit, Recorder, TrackedReceiver
-from dcr_operator.reconcile import Verdict, is_final, now, parse_time, validate
+from dcr_operator.reconcile import Verdict, agent_failure, is_final, now, parse_time, validate
 from dcr_operator.settings import OperatorSettings
 
 log = logging.getLogger(__name__)
@@ -161,6 +175,8 @@ class RefitRun:
             rec.set("Validated", False, verdict.reason, verdict.message, event="Waiting")
             rec.flush()
             raise NotYet(verdict.message)
+        if verdict.action == "run":
+            self._admit_encoder(spec, fleet_spec, rec)
         rec.set("Validated", True, verdict.reason, verdict.message, event="Validated")
         rec.flush()
         with claim(self.namespace, spec.fleet, self.name):
@@ -169,6 +185,24 @@ class RefitRun:
                 return self._drive(spec, fleet, fleet_spec, record, verdict, rec, forced)
             finally:
                 self._refresh_fleet(fleet, rec)
+
+    def _admit_encoder(self, spec: WeightRefitSpec, fleet_spec: RolloutFleetSpec,
+                       rec: Recorder) -> None:
+        """InvalidResource, and Validated=False saying why, unless the encoder pods may run.
+
+        What they may be (the fleet's profile, an image the operator allows) and carry
+        (Secrets that opted in) is the fleet's and the operator's to say, never the
+        WeightRefit's; either can be fixed without touching the refit.
+        """
+        reason = "EncoderProfileRefused"
+        try:
+            encoder_pod(spec, fleet_spec, spec.fleet, self.settings)
+            reason = "SecretNotOptedIn"
+            check_job_secrets(self.kube, self.namespace, fleet_spec)
+        except InvalidResource as e:
+            rec.set("Validated", False, reason, str(e), event=reason, warning=True)
+            rec.flush()
+            raise
 
     # --- the refit -----------------------------------------------------------------
 
@@ -284,7 +318,7 @@ class RefitRun:
         name = profile_name(self.name)
         path = api_path("", "v1", "configmaps", self.namespace)
         with contextlib.suppress(NotFound):
-            self.kube.get(f"{path}/{name}")
+            self.kube.get(api_path("", "v1", "configmaps", self.namespace, name))
             return name
         profiles, sources, errors = [], [], []
         for a in agents:
@@ -292,7 +326,7 @@ class RefitRun:
                 profiles.append(ReceiverProfile(tensors=a.profile()["tensors"]))
                 sources.append(a.name)
             except Exception as e:  # an agent that cannot answer does not vote
-                errors.append(f"{a.name}: {e}")
+                errors.append(agent_failure(a.name, AgentApi.profile, e))
         if len(profiles) < max(1, need):
             raise NotYet(f"Receiver profiles from {len(profiles)} of {len(agents)} agents; "
                          f"{need} needed: {'; '.join(errors)}")

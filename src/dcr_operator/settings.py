@@ -20,11 +20,17 @@ PREFIX = "DCR_OPERATOR_"
 
 @dataclass(frozen=True, kw_only=True)
 class OperatorSettings:
-    # The image encoder Jobs run (it must provide the `dcr` command). A WeightRefit's
-    # spec.encoder.image overrides it.
+    # The image encoder Jobs run (it must provide the `dcr` command), unless the
+    # RolloutFleet's encoder profile names another that encoder_images allows.
     encoder_image: str = "ghcr.io/dcr-dev/dcr:0.1.0"
     encoder_image_pull_policy: str = "IfNotPresent"
-    # ServiceAccount of encoder pods ("" = the namespace's default).
+    # Images a RolloutFleet's encoder profiles may name besides encoder_image,
+    # comma-separated; an entry ending in "*" allows every image that starts with the
+    # rest ("registry.example/dcr:*"). Empty: encoder_image only. The cluster admin's
+    # say over what the operator's Jobs run, whoever writes the fleets.
+    encoder_images: str = ""
+    # ServiceAccount of encoder pods ("" = the namespace's default), unless the fleet's
+    # encoder profile names another.
     encoder_service_account: str = ""
     # ttlSecondsAfterFinished of encoder Jobs; 0 keeps them until their WeightRefit is
     # deleted (owner references then remove them), which keeps them inspectable.
@@ -63,6 +69,15 @@ class OperatorSettings:
             raise ConfigError(f"{PREFIX}ENCODER_IMAGE_PULL_POLICY="
                               f"{self.encoder_image_pull_policy!r}: Always, IfNotPresent or "
                               "Never.")
+
+    def allows_image(self, image: str) -> bool:
+        """May an encoder profile name ``image`` (``encoder_image`` always may)?"""
+        if image == self.encoder_image:
+            return True
+        for entry in filter(None, (e.strip() for e in self.encoder_images.split(","))):
+            if image == entry or (entry.endswith("*") and image.startswith(entry[:-1])):
+                return True
+        return False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> OperatorSettings:

@@ -1,7 +1,9 @@
-"""The commit record in a RolloutFleet's status: compare-and-set on a real apiserver."""
+"""The commit record in a RolloutFleet's status: compare-and-set on a real apiserver; and
+what the CRDs' schemas and CEL rules make that apiserver refuse."""
 
 from __future__ import annotations
 
+import re
 import socket
 from typing import Any
 
@@ -132,3 +134,107 @@ def test_the_apiserver_refuses_a_fleet_with_both_or_neither_store_and_relay(
         kube.merge_patch(store.path, {"spec": {"relay": {
             "url": "http://relay:8470", "tokenSecretRef": {"name": "t"}}}})
     assert e.value.status == 422
+
+
+def test_a_fleet_name_with_a_fragment_reaches_no_other_fleet(store: FleetCommitStore) -> None:
+    """Fails on 5b0b0ae: urllib dropped ``#x/status`` from ``.../rolloutfleets/fleet#x/
+    status``, so the commit went to RolloutFleet ``fleet`` itself, whose main resource
+    ignores ``status``, and the compare-and-set reported SUCCESS with nothing written."""
+    hashed = FleetCommitStore(store.kube, store.namespace, "fleet#x", refit="r1")
+    assert hashed.path.endswith("/rolloutfleets/fleet%23x")
+    assert hashed.compare_and_set(V0, V1) is CommitOutcome.FAILED  # no such fleet
+    assert store.read() == V0
+
+
+def test_a_compare_and_set_answered_without_the_record_written_is_unknown(
+        store: FleetCommitStore, kube: KubeClient) -> None:
+    """Fails on 5b0b0ae: any 200 counted as SUCCESS, also one from a patch that reached
+    the fleet's main resource (which ignores ``status``) instead of its status."""
+    real = kube.merge_patch
+
+    def main_resource(path: str, body: Any) -> Any:
+        return real(path.removesuffix("/status"), body)
+
+    kube.merge_patch = main_resource  # type: ignore[method-assign]
+    assert store.compare_and_set(V0, V1) is CommitOutcome.UNKNOWN
+    kube.merge_patch = real  # type: ignore[method-assign]
+    assert store.read() == V0
+
+
+def test_api_paths_quote_names_as_single_segments() -> None:
+    """Fails on 5b0b0ae: names went into paths as they were."""
+    from dcr_operator.errors import InvalidResource
+    from dcr_operator.kube import api_path
+
+    assert api_path("dcr.dev", "v1alpha1", "rolloutfleets", "ns", "a#b", "status") == (
+        "/apis/dcr.dev/v1alpha1/namespaces/ns/rolloutfleets/a%23b/status")
+    assert api_path("", "v1", "secrets", "n/s", "a/b?c") == (
+        "/api/v1/namespaces/n%2Fs/secrets/a%2Fb%3Fc")
+    with pytest.raises(InvalidResource, match=r"'\.\.' is not an object name"):
+        api_path("", "v1", "secrets", "ns", "..")
+
+
+def _create(kube: KubeClient, namespace: str, obj: dict[str, Any], **query: str) -> Any:
+    from k8sutil import path_of
+
+    return kube.request("POST", path_of(obj, namespace), obj, query=query or None)
+
+
+def _refit(**spec: Any) -> dict[str, Any]:
+    return {"apiVersion": "dcr.dev/v1alpha1", "kind": "WeightRefit",
+            "metadata": {"name": "r"},
+            "spec": {"fleet": "fleet", "baseVersion": 0, "targetVersion": 1,
+                     "source": {"checkpoint": "/ckpt/v1"}, **spec}}
+
+
+@pytest.mark.parametrize(("obj", "field"), [
+    (_refit(fleet="fleet#x"), "spec.fleet"),
+    (_refit(fleet="../fleet"), "spec.fleet"),
+    (_refit(encoder={"profile": "Big/One"}), "spec.encoder.profile"),
+    ({**fleet("f2"), "spec": {**fleet()["spec"], "agent": {"tokenSecretRef": {
+        "name": "tok/../x"}}}}, "spec.agent.tokenSecretRef.name"),
+    ({**fleet("f3"), "spec": {**fleet()["spec"], "encoderProfiles": [
+        {"name": "p", "serviceAccountName": "a#b"}]}}, "spec.encoderProfiles[0]"),
+])
+def test_the_apiserver_refuses_object_names_that_are_not_rfc_1123(
+        store: FleetCommitStore, kube: KubeClient, namespace: str, obj: dict[str, Any],
+        field: str) -> None:
+    """Fails on 5b0b0ae: the CRDs took any string as the name of another object."""
+    from dcr_operator.errors import ApiError
+
+    with pytest.raises(ApiError, match=re.escape(field)) as e:
+        _create(kube, namespace, obj)
+    assert e.value.status == 422
+
+
+@pytest.mark.parametrize("selector", [
+    {"matchLabels": {}}, {}, {"matchExpressions": []},
+    {"matchLabels": {}, "matchExpressions": [{"key": "old", "operator": "DoesNotExist"}]},
+    {"matchExpressions": [{"key": "a", "operator": "NotIn", "values": ["x"]}]},
+])
+def test_the_apiserver_refuses_a_selector_that_selects_every_pod(
+        store: FleetCommitStore, kube: KubeClient, namespace: str,
+        selector: dict[str, Any]) -> None:
+    """Fails on 5b0b0ae: ``matchLabels: {}`` (and expressions that only exclude) passed
+    the CEL rule, and the fleet made every pod of the namespace a receiver."""
+    from dcr_operator.errors import ApiError
+
+    obj = {**fleet("everything"), "spec": {**fleet()["spec"], "selector": selector}}
+    with pytest.raises(ApiError, match="selector needs a matchLabels entry") as e:
+        _create(kube, namespace, obj)
+    assert e.value.status == 422
+
+
+def test_the_apiserver_keeps_no_pod_shaping_field_of_a_weightrefit(
+        store: FleetCommitStore, kube: KubeClient, namespace: str) -> None:
+    """Fails on 5b0b0ae: ``spec.encoder.image`` (and serviceAccountName, tolerations,
+    nodeSelector) were stored and copied into the encoder Job."""
+    from dcr_operator.errors import ApiError
+
+    shaping = {"image": "attacker/miner:1", "serviceAccountName": "admin",
+               "tolerations": [{"operator": "Exists"}], "nodeSelector": {"a": "b"}}
+    with pytest.raises(ApiError, match=r'unknown field "spec\.encoder\.image"') as e:
+        _create(kube, namespace, _refit(encoder=shaping), fieldValidation="Strict")
+    assert e.value.status == 400
+    created = _create(kube, namespace, _refit(encoder=shaping))  # pruned, as any unknown
+    assert created["spec"]["encoder"] == {"owners": 1, "profile": "default"}

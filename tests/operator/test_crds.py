@@ -137,3 +137,57 @@ def test_a_spec_with_an_unknown_key_names_it() -> None:
     refit = _examples("WeightRefit")[0]["spec"]
     with pytest.raises(ValidationError, match="targetVersoin"):
         WeightRefitSpec.model_validate({**refit, "targetVersoin": 3})
+
+
+FLEET_SPEC: dict[str, Any] = {
+    "selector": {"matchLabels": {"app": "r"}}, "runtime": "hf",
+    "agent": {"tokenSecretRef": {"name": "tok"}}, "store": {"uri": "file:///s"},
+    "initial": {"checkpoint": "/c"}}
+REFIT_SPEC: dict[str, Any] = {"fleet": "f", "baseVersion": 0, "targetVersion": 1,
+                              "source": {"checkpoint": "/c1"}}
+
+
+@pytest.mark.parametrize("name", ["fleet#x", "../f", "a/b", "F", "a?b", "", "-a", "a" * 254])
+def test_object_names_must_be_what_kubernetes_allows_for_their_kind(name: str) -> None:
+    """Fails on 5b0b0ae: ``spec.fleet`` and Secret names took any non-empty string; a
+    ``#`` in one sent the commit record's patch to the wrong object."""
+    with pytest.raises(ValidationError, match="fleet"):
+        WeightRefitSpec.model_validate({**REFIT_SPEC, "fleet": name})
+    with pytest.raises(ValidationError, match=r"tokenSecretRef\.name"):
+        RolloutFleetSpec.model_validate({**FLEET_SPEC, "agent": {
+            "tokenSecretRef": {"name": name}}})
+    with pytest.raises(ValidationError, match="serviceAccountName"):
+        RolloutFleetSpec.model_validate({**FLEET_SPEC, "encoderProfiles": [
+            {"name": "p", "serviceAccountName": name}]})
+
+
+def test_dotted_names_are_subdomains_and_profile_names_are_labels() -> None:
+    assert WeightRefitSpec.model_validate({**REFIT_SPEC, "fleet": "team.a-1"}).fleet == (
+        "team.a-1")
+    with pytest.raises(ValidationError, match="profile"):
+        WeightRefitSpec.model_validate({**REFIT_SPEC, "encoder": {"profile": "a.b"}})
+    with pytest.raises(ValidationError, match=r"tokenSecretRef\.key"):
+        RolloutFleetSpec.model_validate({**FLEET_SPEC, "agent": {
+            "tokenSecretRef": {"name": "t", "key": "../token"}}})
+
+
+@pytest.mark.parametrize("selector", [
+    {}, {"matchLabels": {}}, {"matchExpressions": []}, {"matchLabels": {}, "matchExpressions": []},
+    {"matchExpressions": [{"key": "old", "operator": "DoesNotExist"}]},
+    {"matchExpressions": [{"key": "a", "operator": "NotIn", "values": ["x"]}]},
+])
+def test_a_selector_that_selects_every_pod_is_refused(selector: dict[str, Any]) -> None:
+    """Fails on 5b0b0ae: an empty selector (or one that only excludes) passed, and every
+    pod of the namespace became a receiver and got the agent token."""
+    with pytest.raises(ValidationError, match="selector needs a matchLabels entry"):
+        RolloutFleetSpec.model_validate({**FLEET_SPEC, "selector": selector})
+
+
+@pytest.mark.parametrize("selector", [
+    {"matchLabels": {"app": "r"}},
+    {"matchExpressions": [{"key": "app", "operator": "In", "values": ["r"]}]},
+    {"matchExpressions": [{"key": "app", "operator": "Exists"},
+                          {"key": "old", "operator": "DoesNotExist"}]},
+])
+def test_a_selector_with_a_label_it_requires_is_taken(selector: dict[str, Any]) -> None:
+    RolloutFleetSpec.model_validate({**FLEET_SPEC, "selector": selector})

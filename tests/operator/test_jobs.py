@@ -6,18 +6,21 @@ import time
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from dcr.protocol.records import Attempt, Transition
 from dcr_operator.crds import RolloutFleetSpec, WeightRefitSpec
-from dcr_operator.jobs import job_manifest, job_name, job_state, parse_indexes
+from dcr_operator.errors import InvalidResource
+from dcr_operator.jobs import encoder_pod, job_manifest, job_name, job_state, parse_indexes
 from dcr_operator.settings import OperatorSettings
 
-FLEET = RolloutFleetSpec.model_validate({
+FLEET_SPEC: dict[str, Any] = {
     "selector": {"matchLabels": {"app": "r"}}, "runtime": "hf",
     "agent": {"tokenSecretRef": {"name": "tok"}},
     "store": {"uri": "s3://bucket/p", "endpoint": "http://s3:9000", "region": "eu-1",
               "credentialsSecretRef": {"name": "creds"}},
-    "initial": {"checkpoint": "/ckpt/v0"}})
+    "initial": {"checkpoint": "/ckpt/v0"}}
+FLEET = RolloutFleetSpec.model_validate(FLEET_SPEC)
 REFIT = {"apiVersion": "dcr.dev/v1alpha1", "kind": "WeightRefit",
          "metadata": {"name": "policy-v3", "namespace": "ns", "uid": "u-1"}}
 
@@ -27,13 +30,22 @@ def attempt(mode: str = "mixed") -> Attempt:
                    receivers=("p0",), deadline=time.time() + 600, owners=2, id="a-0123456789ab")
 
 
-def manifest(**encoder: Any) -> dict[str, Any]:
-    spec = WeightRefitSpec.model_validate({
+def refit_spec(**encoder: Any) -> WeightRefitSpec:
+    return WeightRefitSpec.model_validate({
         "fleet": "f", "baseVersion": 2, "targetVersion": 3,
         "source": {"checkpoint": "/ckpt/v3"}, "encoder": {"owners": 2, **encoder}})
-    return job_manifest(refit=REFIT, spec=spec, fleet=FLEET, fleet_name="f",
+
+
+def manifest(fleet: RolloutFleetSpec = FLEET, settings: OperatorSettings | None = None,
+             **encoder: Any) -> dict[str, Any]:
+    return job_manifest(refit=REFIT, spec=refit_spec(**encoder), fleet=fleet, fleet_name="f",
                         base_checkpoint="/ckpt/v2", attempt=attempt(),
-                        settings=OperatorSettings(encoder_image="img:1"), profile="prof")
+                        settings=settings or OperatorSettings(encoder_image="img:1"),
+                        profile="prof")
+
+
+def with_profiles(*profiles: dict[str, Any]) -> RolloutFleetSpec:
+    return RolloutFleetSpec.model_validate({**FLEET_SPEC, "encoderProfiles": list(profiles)})
 
 
 def test_job_names_are_deterministic_and_fit_a_pod_hostname() -> None:
@@ -75,10 +87,13 @@ def test_the_encoder_job_is_indexed_owned_and_runs_one_owner_per_index() -> None
     assert pod["restartPolicy"] == "Never"
 
 
-def test_encoder_overrides_reach_the_pod() -> None:
-    job = manifest(image="mine:2", nodeSelector={"pool": "train"}, bucketMiB=64,
-                   resources={"requests": {"cpu": 4, "memory": "8Gi"}},
-                   tolerations=[{"key": "gpu", "operator": "Exists"}])
+def test_the_fleets_encoder_profile_the_refit_picks_reaches_the_pod() -> None:
+    fleet = with_profiles({
+        "name": "big", "image": "mine:2", "nodeSelector": {"pool": "train"},
+        "resources": {"requests": {"cpu": 4, "memory": "8Gi"}},
+        "serviceAccountName": "encoder", "tolerations": [{"key": "gpu", "operator": "Exists"}]})
+    job = manifest(fleet, OperatorSettings(encoder_image="img:1", encoder_images="mine:*"),
+                   profile="big", bucketMiB=64)
     pod = job["spec"]["template"]["spec"]
     c = pod["containers"][0]
     assert c["image"] == "mine:2"
@@ -86,6 +101,50 @@ def test_encoder_overrides_reach_the_pod() -> None:
     assert c["resources"] == {"requests": {"cpu": 4, "memory": "8Gi"}}
     assert pod["nodeSelector"] == {"pool": "train"}
     assert pod["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
+    assert pod["serviceAccountName"] == "encoder"
+
+
+def test_without_a_default_profile_the_operators_defaults_shape_the_pod() -> None:
+    settings = OperatorSettings(encoder_image="img:1", encoder_service_account="enc-sa",
+                                encoder_image_pull_policy="Always")
+    pod = manifest(with_profiles({"name": "big", "image": "img:1"}), settings)[
+        "spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert (c["image"], c["imagePullPolicy"], pod["serviceAccountName"]) == (
+        "img:1", "Always", "enc-sa")
+    assert "nodeSelector" not in pod
+    assert "tolerations" not in pod
+    assert "resources" not in c
+
+
+@pytest.mark.parametrize("field", [
+    {"image": "attacker/miner:1"}, {"serviceAccountName": "cluster-admin-sa"},
+    {"nodeSelector": {"node-role.kubernetes.io/control-plane": ""}},
+    {"tolerations": [{"operator": "Exists"}]}, {"imagePullPolicy": "Always"},
+    {"resources": {"limits": {"nvidia.com/gpu": 8}}}])
+def test_a_weightrefit_cannot_shape_the_encoder_pod(field: dict[str, Any]) -> None:
+    """Fails on 5b0b0ae: a WeightRefit set the encoder's image, ServiceAccount, node
+    selector, tolerations and resources, so creating one amounted to creating any pod
+    (with the fleet's Secret in its environment) through the operator's Job rights."""
+    with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
+        refit_spec(**field)
+
+
+def test_an_unknown_profile_or_an_image_the_operator_does_not_allow_is_refused() -> None:
+    """Fails on 5b0b0ae (no profiles: ``encoder_pod`` did not exist); the fleet, which
+    its admin owns, may name only images the operator's settings allow."""
+    fleet = with_profiles({"name": "big", "image": "elsewhere/dcr:1"})
+    settings = OperatorSettings(encoder_image="img:1", encoder_images="registry/dcr:*, mine:2")
+    with pytest.raises(InvalidResource, match=r"asks for encoder profile 'huge', which "
+                       r"RolloutFleet f does not define \(its spec.encoderProfiles: big\)"):
+        encoder_pod(refit_spec(profile="huge"), fleet, "f", settings)
+    with pytest.raises(InvalidResource, match="names image 'elsewhere/dcr:1', which the "
+                       "operator does not allow"):
+        encoder_pod(refit_spec(profile="big"), fleet, "f", settings)
+    for allowed in ("registry/dcr:0.2", "mine:2", "img:1"):
+        ok = with_profiles({"name": "big", "image": allowed})
+        assert encoder_pod(refit_spec(profile="big"), ok, "f", settings).image == allowed
+    assert not settings.allows_image("mine:22")
 
 
 @pytest.mark.parametrize(("text", "want"), [
