@@ -4,6 +4,8 @@ The RBAC tests install what ``helm template`` renders into the real apiserver an
 as the chart's ServiceAccount (a bound token from the TokenRequest API), whether each
 thing the operator does is allowed, and whether a few things it never does are denied.
 The end-to-end test proves the same RBAC by running the operator with that token.
+Watching every namespace, the "cluster-wide" flavour names the namespace its fleets
+live in (``rbac.workloadNamespaces``): only there may it read Secrets and run Jobs.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from k8sutil import CHART, apply, helm_template, install_crds
 from dcr_operator.kube import KubeClient
 
 KUBE_VERSION = "1.37.0"  # the control plane's release line (tools/controlplane/build.sh)
-FLAVOURS = {"cluster-wide": [], "namespaced": ["--set=watchNamespaces={team-a,team-b}"]}
+FLAVOURS = {"cluster-wide": ["--set=rbac.workloadNamespaces={elsewhere}"],
+            "namespaced": ["--set=watchNamespaces={team-a,team-b}"]}
 CUSTOM_KINDS = {"ClusterKopfPeering", "KopfPeering", "RolloutFleet", "WeightRefit"}
 
 
@@ -123,3 +126,35 @@ def test_the_chart_service_account_may_do_exactly_what_the_operator_does(
         assert not _access(control_plane, token, "get", "secrets", namespace="elsewhere")
         assert not _access(control_plane, token, "list", "weightrefits", group="dcr.dev",
                            namespace="elsewhere")
+
+
+# (verb, resource, group): what lets the operator run pods and read credentials.
+WORKLOADS = [("get", "secrets", ""), ("create", "configmaps", ""), ("create", "jobs", "batch"),
+             ("delete", "jobs", "batch")]
+
+
+@pytest.mark.e2e
+def test_watching_every_namespace_grants_jobs_and_secrets_only_where_named(
+        control_plane: ControlPlane, kube: KubeClient, helm: Path) -> None:
+    """Fails on 5b0b0ae: the default install let the operator create Jobs and read
+    Secrets in every namespace, so anyone who could create a WeightRefit (or a fleet)
+    in any namespace could have it run pods there."""
+    install_crds(kube)
+    for name in ("dcr-narrow", "fleets", "elsewhere"):
+        apply(kube, [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}])
+    cases = {"rbac-default": ([], set()),
+             "rbac-named": (["--set=rbac.workloadNamespaces={fleets}"], {"fleets"}),
+             "rbac-wide": (["--set=rbac.workloadsClusterWide=true"], {"fleets", "elsewhere"})}
+    for release, (args, granted) in cases.items():
+        objs = helm_template(helm, "--namespace=dcr-narrow", *args, release=release)
+        apply(kube, objs, "dcr-narrow")
+        sa = next(o for o in objs if o["kind"] == "ServiceAccount")["metadata"]["name"]
+        token = control_plane.service_account_token("dcr-narrow", sa)
+        for target in ("fleets", "elsewhere"):
+            for verb, resource, group in WORKLOADS:
+                assert _access(control_plane, token, verb, resource, group=group,
+                               namespace=target) == (target in granted), (
+                    release, verb, resource, target)
+            assert _access(control_plane, token, "watch", "weightrefits", group="dcr.dev",
+                           namespace=target)
+            assert _access(control_plane, token, "list", "pods", namespace=target)

@@ -41,9 +41,13 @@ app.kubernetes.io/component: operator
 
 {{/*
 What the operator does, and nothing more (docs/operations.md explains each rule).
-Namespaced rules: the same for the ClusterRole and for each per-namespace Role.
+Namespaced rules, in two parts: "watch" (the custom resources, their status, pods,
+Events) and "workloads" (Secrets, the profile ConfigMap, encoder Jobs: what makes the
+operator able to run pods and read credentials in a namespace). A per-namespace Role
+gets both; watching every namespace, the ClusterRole gets only "watch" and "workloads"
+is granted per namespace (rbac.workloadNamespaces) unless rbac.workloadsClusterWide.
 */}}
-{{- define "dcr.namespacedRules" -}}
+{{- define "dcr.watchRules" -}}
 # Watch both kinds; kopf patches its annotations and the finalizer on them.
 - apiGroups: ["dcr.dev"]
   resources: ["rolloutfleets", "weightrefits"]
@@ -56,7 +60,15 @@ Namespaced rules: the same for the ClusterRole and for each per-namespace Role.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list"]
-# Agent tokens and store credentials (tokenSecretRef, credentialsSecretRef).
+# Transitions as Events.
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+{{- end -}}
+
+{{- define "dcr.workloadRules" -}}
+# Agent tokens and store/relay credentials (tokenSecretRef, credentialsSecretRef), by
+# name, used only if labelled for that use (dcr.dev/agent-token, ...: docs/operations.md).
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get"]
@@ -64,10 +76,6 @@ Namespaced rules: the same for the ClusterRole and for each per-namespace Role.
 - apiGroups: [""]
   resources: ["configmaps"]
   verbs: ["get", "create"]
-# Transitions as Events.
-- apiGroups: [""]
-  resources: ["events"]
-  verbs: ["create"]
 # Encoder Jobs: one per attempt; obsolete ones are deleted.
 - apiGroups: ["batch"]
   resources: ["jobs"]
