@@ -27,3 +27,13 @@ def test_a_bad_value_is_named() -> None:
         OperatorSettings.from_env({"DCR_OPERATOR_RETRY_SECONDS": "soon"})
     with pytest.raises(ConfigError, match="PULL_POLICY='Sometimes'"):
         OperatorSettings.from_env({"DCR_OPERATOR_ENCODER_IMAGE_PULL_POLICY": "Sometimes"})
+
+
+def test_encoder_images_the_admin_allows_parse_as_exact_names_and_prefixes() -> None:
+    """What the chart's encoder.allowedImages becomes (joined by commas)."""
+    s = OperatorSettings.from_env({"DCR_OPERATOR_ENCODER_IMAGE": "dcr:1",
+                                   "DCR_OPERATOR_ENCODER_IMAGES": "reg/dcr:*,mine:2"})
+    assert [s.allows_image(i) for i in ("dcr:1", "reg/dcr:0.3", "mine:2", "mine:22",
+                                        "reg/dcrx:1", "other:1")] == [
+        True, True, True, False, False, False]
+    assert not OperatorSettings(encoder_image="dcr:1").allows_image("")
