@@ -9,6 +9,7 @@ sentences by way of an exception that quotes it.
 from __future__ import annotations
 
 import json
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,7 @@ def test_proxies_from_the_environment_are_not_used(monkeypatch: pytest.MonkeyPat
             monkeypatch.setenv(var, proxy.url)
         monkeypatch.delenv("no_proxy", raising=False)
         monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.setattr(urllib.request, "_opener", None)  # urlopen's, built anew
         assert AgentClient("r0", agent.url, TOKEN).status().name == "r0"
         assert proxy.seen == []
         assert len(agent.seen) == 1
