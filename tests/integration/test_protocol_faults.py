@@ -38,7 +38,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from dcr.apply.engine import BITS, ApplyReport, CanonicalTensor, DuplicatePayload
 from dcr.checkpoint import ArrayCheckpoint
+from dcr.codec.encode import PayloadBuilder, diff_range, encode_item
 from dcr.errors import BaselineError, StoreError
+from dcr.format.dtypes import DTYPES
 from dcr.format.layout import parse_payload_key, payload_key
 from dcr.format.manifest import Manifest
 from dcr.format.profile import merge
@@ -1033,3 +1035,122 @@ def test_the_gate_stays_shut_while_an_attempt_applies_and_apply_refuses_an_open_
     with pytest.raises(AgentConflict, match="is obsolete"):
         svc.open_apply(attempt)
     assert svc.status().gate_open is False
+
+
+# --- hostile writes under an attempt's prefix (store write access, a relay token) -------
+
+FOREIGN_TENSOR = "model.layers.0.mlp.down_proj.weight"
+
+
+def foreign_payload(versions: Versions, attempt: str, owner: int, seq: int) -> bytes:
+    """A well-formed payload of ``attempt`` with ids ``(owner, seq)``, which no owner
+    wrote: XOR masks on elements of one tensor that v0 and v1 share, where an overwrite
+    retry (the changed set only) would never write again."""
+    t = FOREIGN_TENSOR
+    base = versions.states[0][t].view(torch.int16).reshape(-1).numpy().view(np.uint16)
+    same = np.flatnonzero(base == versions.states[1][t].view(torch.int16).reshape(-1)
+                          .numpy().view(np.uint16))
+    assert same.size >= 8
+    target = base.copy()
+    target[same] ^= 0x0101
+    delta = diff_range(name=t, dtype=DTYPES["BF16"], shape=tuple(versions.states[0][t].shape),
+                       start=0, base=base, target=target, entry="xor")
+    assert delta is not None
+    builder = PayloadBuilder(base_version=0, target_version=1, attempt=attempt, owner=owner,
+                             seq=seq, mode="mixed")
+    builder.add(encode_item(delta), dense_bytes=base.nbytes)
+    return builder.seal()
+
+
+def hold_part(fleet: Fleet, fetched: list[str]) -> Fault:
+    """Owner 0's manifest part waits (a few seconds at most) until every receiver has
+    fetched ``fetched[0]`` and applied everything it staged: a receiver that applies what
+    it has not verified has then applied the foreign payload before the attempt fails."""
+    def hold(key: str, data: bytes) -> bytes:
+        fleet.store.wait_gets(fetched[0], len(KINDS), timeout_s=3.0)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(
+                (st := r.service.status()).state == "applying"
+                and st.payloads_applied < st.payloads_staged for r in fleet.ranks):
+            time.sleep(0.01)
+        return data
+    return hold
+
+
+@pytest.mark.parametrize("where", ["owner-outside-the-attempt", "after-the-owners-last"])
+def test_a_foreign_payload_the_manifest_does_not_list_is_never_applied(
+        fleet: Fleet, where: str) -> None:
+    """Someone with store write access puts a well-formed payload under the attempt's
+    prefix (owner 2 of a two-owner attempt, or owner 0's next seq) while owner 0 streams.
+    Receivers never apply it, and the first attempt commits bit-exact. Fails on 5b0b0ae:
+    the receivers applied it, the attempt failed, and the overwrite retry committed with
+    its bits still in the tensor (assert_committed finds it differs from a dense load)."""
+    forged: list[str] = []
+
+    def plant(key: str, data: bytes) -> bytes:
+        owner, seq = (2, 0) if where == "owner-outside-the-attempt" else (0, 2)
+        attempt = attempt_of(key)
+        forged.append(payload_key(1, attempt, owner, seq))
+        fleet.store.inner.put(forged[0], foreign_payload(fleet.versions, attempt, owner, seq))
+        return data
+
+    fleet.store.on_put.append(once(lambda k: is_payload(k, owner=0, seq=0), plant))
+    fleet.store.on_put.append(once(lambda k: k.endswith("manifest-o0000.json"),
+                                   hold_part(fleet, forged)))
+    c = fleet.coordinator()
+    record = c.refit(1, "ckpt-1")
+    fleet.assert_committed(record, 1, c)  # the bits first: what 5b0b0ae got wrong
+    assert outcomes(c) == [("mixed", "committed")]
+    assert len(fleet.encoders[0].manifests[0].payloads) == 2  # so s2 is no owner's
+    if where == "owner-outside-the-attempt":
+        assert fleet.store.gets.count(forged[0]) == 0  # never even fetched
+
+
+@pytest.mark.parametrize("gate", ["sync", "async"])
+def test_a_listed_payload_replaced_by_other_bytes_fails_the_attempt_and_a_dense_load_repairs(
+        fleet: Fleet, gate: Gate) -> None:
+    """The store holds other (well-formed) bytes under a payload key the manifest lists
+    with its real digest. Receivers refuse it before applying it; those that had begun
+    writing the attempt (sync gate) report their weights unknown, are restored by a dense
+    load at the next admission, and the overwrite retry commits bit-exact. With the sync
+    gate this fails on 5b0b0ae: the payload was applied before the comparison, and the
+    overwrite retry committed v1 with its bits still in the tensor. With the async gate
+    nothing is applied before everything is staged, then as now; it shows that weights
+    nothing was written to are not distrusted (no dense load)."""
+    replaced: list[str] = []
+
+    def replace(key: str, _: bytes) -> bytes:
+        replaced.append(key)
+        return foreign_payload(fleet.versions, attempt_of(key), 0, 0)
+
+    fleet.store.on_put.append(once(lambda k: is_payload(k, owner=0, seq=0), replace))
+    fleet.store.on_put.append(once(lambda k: k.endswith("manifest-o0000.json"),
+                                   hold_part(fleet, replaced)))
+    c = fleet.coordinator(settings=CoordinatorSettings(gate=gate, attempt_timeout_s=30.0))
+    record = c.refit(1, "ckpt-1")
+    fleet.assert_committed(record, 1, c)  # the bits first: what 5b0b0ae got wrong
+    assert outcomes(c) == [("mixed", "failed"), ("overwrite", "committed")]
+    assert "o0/s0 arrived as" in c.history[0].outcome
+    # Sync: apply was open, so the weights were dirty: unknown, dense load, then overwrite.
+    # Async: nothing had been written; the weights held v0 and take part as they are.
+    assert c.history[1].rejoined == (KINDS if gate == "sync" else ())
+
+
+def test_bits_that_differ_from_the_manifests_target_fail_the_flush_and_a_dense_load_repairs(
+        fleet: Fleet) -> None:
+    """A receiver whose weights already hold a foreign bit (applied earlier, by an agent
+    that did not check): the attempt's XOR masks carry it into v1. Flush reads the
+    tensors back, finds the fingerprint differs from the manifest's target, fails the
+    attempt and reports the weights unknown; a dense load and the overwrite retry make it
+    exact. Fails on 5b0b0ae, which committed v1 with the bit still flipped."""
+    victim = fleet.rank("hf")
+    held = dict(victim.service.host.runtime.named_tensors())[FOREIGN_TENSOR]
+    with torch.no_grad():
+        held.view(-1).view(torch.int16)[0] ^= 1
+    c = fleet.coordinator()
+    record = c.refit(1, "ckpt-1")
+    fleet.assert_committed(record, 1, c)  # the bits first: what 5b0b0ae got wrong
+    assert outcomes(c) == [("mixed", "failed"), ("overwrite", "committed")]
+    assert f"'{FOREIGN_TENSOR}' holds xxh3-128:" in c.history[0].outcome
+    assert c.history[1].rejoined == ("hf",)
+    assert victim.service.counters.dense_loads == 1

@@ -4,18 +4,26 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 
+import dcr.transport.receive as rx
 from dcr.checkpoint import ArrayCheckpoint
+from dcr.codec.encode import PayloadBuilder, diff_range, encode_item
 from dcr.errors import DigestMismatch, ManifestError
-from dcr.format.layout import manifest_key
+from dcr.format.dtypes import DTYPES
+from dcr.format.layout import manifest_key, owner_manifest_key, parse_payload_key, payload_key
 from dcr.format.payload import Payload
 from dcr.owner.diff import diff_checkpoints
 from dcr.owner.settings import EncodeSettings
 from dcr.transport.receive import StoreSource, receive
 from dcr.transport.store import MemoryStore
+
+if TYPE_CHECKING:
+    from dcr.transport.receive import PayloadId, Release
 
 
 def published(attempt: str = "a-1", stride: int = 37) -> tuple[MemoryStore, dict[str, bytes]]:
@@ -117,3 +125,130 @@ def test_payloads_that_are_not_the_ones_the_manifest_lists_fail_the_receive() ->
     with pytest.raises(ManifestError, match=r"applied as \d+ bytes, digest [0-9a-f]{32}; "
                                             r"the manifest lists \d+ bytes, digest"):
         receive(StoreSource(store=live, version=1, attempt="a-1"), "a-1", lambda p: None)
+
+
+# --- what an agent stages: only what its owner's manifest part lists -------------------
+
+
+def forged(attempt: str, owner: int, seq: int) -> bytes:
+    """A well-formed payload whose ids match its key, which no owner wrote: XOR masks for
+    every thousandth element of ``t0``."""
+    base = np.zeros(600_000, dtype=np.uint16)
+    target = base.copy()
+    target[::1000] = 1
+    delta = diff_range(name="t0", dtype=DTYPES["BF16"], shape=(base.size,), start=0,
+                       base=base, target=target, entry="xor")
+    assert delta is not None
+    builder = PayloadBuilder(base_version=0, target_version=1, attempt=attempt, owner=owner,
+                             seq=seq, mode="mixed")
+    builder.add(encode_item(delta), dense_bytes=base.nbytes)
+    return builder.seal()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Counting(StoreSource):
+    fetched: list[PayloadId] = field(default_factory=list)
+
+    def fetch(self, pid: PayloadId) -> bytes:
+        self.fetched.append(pid)
+        return super().fetch(pid)
+
+
+def test_a_payload_is_staged_only_once_its_owners_manifest_part_lists_it() -> None:
+    """Fails on 5b0b0ae, which staged (and an agent applied) each payload on arrival,
+    before any manifest vouched for it, and had no ``release``."""
+    _, objects = published()
+    live = MemoryStore()
+    sender = trickle(live, objects, delay=0.02)
+    listed_at_stage: list[bool] = []
+    manifest = receive(StoreSource(store=live, version=1, attempt="a-1"), "a-1",
+                       lambda p: listed_at_stage.append(live.exists(manifest_key(1))),
+                       release="when_listed")
+    sender.join()
+    assert len(listed_at_stage) == len(manifest.payloads) >= 3
+    assert all(listed_at_stage)
+
+
+def test_one_owners_payloads_are_staged_while_another_owner_still_streams() -> None:
+    """Pipelining kept where it is safe: owner 0's part vouches for owner 0's payloads."""
+    rng = np.random.default_rng(1)
+    base = {f"t{i}": rng.integers(0, 2**16, 300_000, dtype=np.uint16) for i in range(8)}
+    target = {n: b ^ 1 for n, b in base.items()}
+    src = {k: ArrayCheckpoint({n: ("BF16", (a.size,), a) for n, a in d.items()})
+           for k, d in (("b", base), ("t", target))}
+    full = MemoryStore()
+    for owner in range(2):
+        diff_checkpoints(src["b"], src["t"], full, EncodeSettings(
+            version=1, base_version=0, attempt="a-2", owner=owner, owners=2,
+            bucket_bytes=1 << 20))
+    ids = sorted(p for p in map(parse_payload_key, full.objects) if p is not None)
+
+    live = MemoryStore()
+    seen: list[tuple[int, int]] = []
+    first = threading.Event()
+
+    def stage(p: Payload) -> None:
+        seen.append((p.header.owner, p.header.seq))
+        first.set()
+
+    receiver = threading.Thread(target=receive, args=(
+        StoreSource(store=live, version=1, attempt="a-2", owners=2), "a-2", stage),
+        kwargs={"owners": 2, "release": "when_listed", "timeout_s": 30})
+    receiver.start()
+    for owner in range(2):  # all of owner 0, then all of owner 1
+        keys = [payload_key(*p) for p in ids if p.owner == owner]
+        for k in [*keys, owner_manifest_key(1, "a-2", owner)]:
+            live.put(k, full.objects[k])
+        if owner == 0:
+            assert first.wait(30)  # staged while owner 1 has written nothing
+            assert seen[0] == (0, 0)
+    receiver.join(30)
+    assert seen == [(p.owner, p.seq) for p in ids]
+    assert {owner for owner, _ in seen} == {0, 1}
+
+
+def test_an_object_the_manifest_does_not_list_is_never_staged() -> None:
+    """A well-formed payload at the owner's next seq, written before the manifest: it is
+    dropped when the manifest arrives. Fails on 5b0b0ae, which staged it (the attempt
+    then failed, and an overwrite retry left the bits it had applied)."""
+    _, objects = published()
+    n = sum(k.endswith(".dcrp") for k in objects)
+    live = MemoryStore()
+    live.put(payload_key(1, "a-1", 0, n), forged("a-1", 0, n))
+    trickle(live, objects, delay=0.0).join()
+    got: list[tuple[int, int]] = []
+    manifest = receive(StoreSource(store=live, version=1, attempt="a-1"), "a-1",
+                       lambda p: got.append((p.header.owner, p.header.seq)),
+                       release="when_listed")
+    assert got == [(e.owner, e.seq) for e in manifest.payloads]
+    assert (0, n) not in got
+
+
+def test_a_listed_payload_with_other_bytes_is_refused_before_it_is_staged() -> None:
+    """A well-formed payload with the right ids but not the bytes the manifest lists.
+    Fails on 5b0b0ae, which staged it and compared only once everything had arrived."""
+    _, objects = published()
+    key = sorted(k for k in objects if k.endswith(".dcrp"))[1]
+    objects[key] = forged("a-1", 0, 1)
+    live = MemoryStore()
+    trickle(live, objects, delay=0.0).join()
+    got: list[int] = []
+    with pytest.raises(rx.ForeignPayload, match=r"o0/s1 arrived as \d+ bytes, digest "
+                                             r"[0-9a-f]{32}; the manifest lists"):
+        receive(StoreSource(store=live, version=1, attempt="a-1"), "a-1",
+                lambda p: got.append(p.header.seq), release="when_listed")
+    assert got == [0]
+
+
+@pytest.mark.parametrize("release", ["on_arrival", "when_listed"])
+def test_payloads_of_owners_outside_the_attempt_are_never_fetched(release: Release) -> None:
+    """Fails on 5b0b0ae, which fetched and staged owner 1's payload in a one-owner attempt."""
+    _, objects = published()
+    live = MemoryStore()
+    live.put(payload_key(1, "a-1", 1, 0), forged("a-1", 1, 0))
+    trickle(live, objects, delay=0.0).join()
+    source = Counting(store=live, version=1, attempt="a-1")
+    got: list[int] = []
+    manifest = receive(source, "a-1", lambda p: got.append(p.header.owner), release=release)
+    assert got == [0] * len(manifest.payloads)
+    assert {owner for owner, _ in source.fetched} == {0}

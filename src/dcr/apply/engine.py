@@ -23,15 +23,23 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 import torch
 
-from dcr.apply.geometry import UnsupportedView, View, check_invertible, locate, storage_index
+from dcr.apply.geometry import (
+    UnsupportedView,
+    View,
+    check_invertible,
+    is_rowmajor,
+    locate,
+    storage_index,
+)
 from dcr.apply.intercept import LoaderPathError, WriteInterceptor, storage_key
+from dcr.checkpoint import fingerprint
 from dcr.codec import _native  # type: ignore[attr-defined]
 from dcr.codec.decode import DecodedItem, decode
 from dcr.errors import DcrError, MalformedPayload, TargetMismatch
@@ -119,6 +127,7 @@ class ApplyReport:
     loader_s: float = 0.0
     intercept_s: float = 0.0
     classes: dict[str, int] = field(default_factory=dict)
+    names: set[str] = field(default_factory=set)  # the canonical tensors written
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -145,6 +154,7 @@ class ApplyEngine:
         self.tensors: dict[str, CanonicalTensor] = {}
         self.plans: dict[str, TensorPlan] = {}
         self._applied: dict[tuple[str, int, int], bytes] = {}
+        self.readable: set[str] = set()  # canonical bits can be read back (read_canonical)
 
     # --- prewarm -------------------------------------------------------------------
 
@@ -160,6 +170,8 @@ class ApplyEngine:
         for t in self.tensors.values():
             plan = self._record(t)
             self.plans[t.name] = plan
+            if plan.cls == "xor" and _covers(t, plan.writes):
+                self.readable.add(t.name)
             for w in plan.writes:
                 touched[w.storage].append((t.name, w.dst))
         self._check_overlaps(touched)
@@ -412,6 +424,7 @@ class ApplyEngine:
                 "intercepted write: it bypasses the hook."
             )
         report.tensors += 1
+        report.names.add(name)
         report.records += len(positions)
         report.writes += len(observed)
         report.classes[plan.cls] = report.classes.get(plan.cls, 0) + 1
@@ -430,6 +443,56 @@ class ApplyEngine:
         _put(bits, idx, v, xor=xor)
         if self.verify and not bool(torch.equal(bits[idx], expect)):
             raise LoaderPathError(f"Post-apply check failed for a write into {sig.storage!r}.")
+
+    # --- post-apply checks -------------------------------------------------------------
+
+    def read_canonical(self, name: str) -> torch.Tensor:
+        """The canonical tensor's bits (flat, integer view) as this rank's storage holds
+        them, for a tensor in :attr:`readable`: each of prewarm's writes is a same-dtype
+        copy of a scratch view into a storage view, which no other write touches, so
+        copying every storage view back into its scratch view inverts the load exactly."""
+        if name not in self.readable:
+            raise LoaderPathError(f"Tensor {name!r} cannot be read back on this rank: its "
+                                  f"path is {self.plans[name].cls}, or the rank holds part.")
+        t = self.tensors[name]
+        size = DTYPES[t.dtype].itemsize
+        held = dict(self.runtime.named_tensors())
+        out = torch.empty(t.nbytes // size, dtype=BITS[size], device=self.device)
+        for w in self.plans[name].writes:
+            if w.src is None:
+                continue  # a constant fill: no canonical element reaches it
+            base = held[w.storage]
+            bits = torch.empty(0, dtype=BITS[size], device=base.device).set_(
+                base.untyped_storage())
+            out.as_strided(w.src.sizes, w.src.strides, w.src.offset).copy_(
+                bits.as_strided(w.dst.sizes, w.dst.strides, w.dst.offset))
+        return out
+
+    def check_targets(self, targets: Mapping[str, str]) -> list[str]:
+        """Compare the fingerprints of the readable tensors among ``targets`` (name ->
+        ``xxh3-128:...`` of the canonical bits, as a manifest lists them) with what
+        storage holds; return a sentence per tensor that differs."""
+        differ = []
+        for name in sorted(targets.keys() & self.readable):
+            got = fingerprint(self.read_canonical(name).cpu().numpy())
+            if got != targets[name]:
+                differ.append(f"{name!r} holds {got}, the manifest says {targets[name]}")
+        return differ
+
+
+def _covers(t: CanonicalTensor, writes: Sequence[CopySig]) -> bool:
+    """Whether the writes' source views cover every element of the canonical tensor (a
+    rank that holds only a shard of it cannot recompute the tensor's fingerprint)."""
+    numel = t.nbytes // DTYPES[t.dtype].itemsize
+    views = [w.src for w in writes if w.src is not None]
+    if any(v.offset == 0 and v.numel == numel and is_rowmajor(v) for v in views):
+        return True
+    if sum(v.numel for v in views) < numel:
+        return False
+    seen = torch.zeros(numel, dtype=torch.bool)
+    for v in views:
+        seen.as_strided(v.sizes, v.strides, v.offset).fill_(True)
+    return bool(seen.all())
 
 
 def _put(bits: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, *, xor: bool) -> None:

@@ -2,13 +2,17 @@
 
 The dense load goes through the same ``load_weights`` as every refit, so a receiver
 restored by a dense refit holds exactly the bits any other receiver reached in place.
+It reads and checks the whole checkpoint first (:meth:`RuntimeHost.read_dense`: this
+rank's canonical tensors, and the fingerprints a manifest lists for the version where
+the caller has them) and only then writes (:meth:`RuntimeHost.load_tensors`), so a
+refused checkpoint leaves the weights as they were.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -19,15 +23,31 @@ from dcr.apply.engine import BITS, TORCH_DTYPES, ApplyEngine, CanonicalTensor
 from dcr.checkpoint import Checkpoint, fingerprint
 from dcr.errors import CheckpointError
 from dcr.format.profile import ReceiverProfile
+from dcr.protocol.agent_api import BadRequest
 from dcr.runtimes.base import Runtime
 
+Tensors = dict[str, torch.Tensor]
 
-def checkpoint_tensors(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint as torch tensors over copies of its stored bits."""
+
+class DenseRefused(CheckpointError):
+    """A checkpoint is not this rank's model at the version asked for; nothing was
+    written. The message names tensors of this rank, never bytes of the file."""
+
+
+def checkpoint_tensors(ckpt: Checkpoint, expect: Mapping[str, str] | None = None) -> Tensors:
+    """Every tensor of a checkpoint as torch tensors over copies of its stored bits.
+
+    With ``expect`` (name -> fingerprint of the version's canonical bits), each listed
+    tensor's copy must have that fingerprint: the bits checked are the bits loaded.
+    """
     out = {}
     for info in ckpt:
         size = info.dtype.itemsize
         bits = np.array(ckpt.bits(info.name))  # a copy: the loader may keep a reference
+        if expect is not None and info.name in expect and fingerprint(bits) != expect[
+                info.name]:
+            raise DenseRefused(f"Tensor {info.name!r} of checkpoint {ckpt.root} is not the "
+                               f"version's: its fingerprint differs from {expect[info.name]}.")
         t = torch.from_numpy(bits.view(f"<i{size}" if size > 1 else "u1"))
         out[info.name] = t.view(BITS[size]).view(TORCH_DTYPES[info.dtype.name]).reshape(
             info.shape)
@@ -56,16 +76,33 @@ class RuntimeHost:
         self._idle = threading.Condition()
 
     def load_dense(self, checkpoint: Path) -> None:
+        self.load_tensors(self.read_dense(checkpoint))
+
+    def read_dense(self, checkpoint: Path, *, expect: Mapping[str, str] | None = None,
+                   root: Path | None = None) -> Tensors:
+        """This rank's canonical tensors from ``checkpoint``, checked, without writing.
+
+        With ``root``, every file the checkpoint is read from must lie under it (links
+        resolved). With ``expect``, the fingerprints must match (:func:`checkpoint_tensors`).
+        """
         with Checkpoint(checkpoint) as ckpt:
+            if root is not None:
+                outside = [f for f in ckpt.files if not f.resolve().is_relative_to(root)]
+                if outside:
+                    raise DenseRefused(f"Checkpoint {checkpoint}: {len(outside)} of its files "
+                                       f"lie outside the checkpoint root {root}.")
             want = {(t.name, t.dtype, tuple(t.shape)) for t in self.canonical}
             got = {(i.name, i.dtype.name, tuple(i.shape)) for i in ckpt}
             if want != got:
-                raise CheckpointError(
+                raise DenseRefused(
                     f"Checkpoint {checkpoint} does not hold this rank's canonical tensors: "
-                    f"missing {sorted(w[0] for w in want - got)[:3]}, unexpected "
-                    f"{sorted(g[0] for g in got - want)[:3]}."
+                    f"missing {sorted(w[0] for w in want - got)[:3]} and "
+                    f"{len(got - want)} unexpected."
                 )
-            self.runtime.load_weights(checkpoint_tensors(ckpt).items())
+            return checkpoint_tensors(ckpt, expect)
+
+    def load_tensors(self, tensors: Tensors) -> None:
+        self.runtime.load_weights(tensors.items())
         self.sync()
 
     def sync(self) -> None:
@@ -102,10 +139,24 @@ class RuntimeHost:
             self._inflight -= 1
             self._idle.notify_all()
 
-    def generate(self, input_ids: list[int], new_tokens: int, timeout_s: float) -> list[int]:
-        """Greedy decoding through the model's forward, behind the request gate."""
+    def check_prompt(self, input_ids: list[int], *, max_input: int) -> None:
+        """Refuse a prompt the model cannot take (:class:`BadRequest` names the value)."""
         model = getattr(self.runtime, "model", None)
-        if not callable(model) or not hasattr(model, "config"):
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        if not callable(model) or not isinstance(vocab, int):
+            raise BadRequest("generate: this runtime has no forward pass to serve.")
+        if len(input_ids) > max_input:
+            raise BadRequest(f"generate: {len(input_ids)} input ids; at most {max_input}.")
+        bad = next((i for i in input_ids if not 0 <= i < vocab), None)
+        if bad is not None:
+            raise BadRequest(f"generate: input id {bad} is outside the vocabulary "
+                             f"(0..{vocab - 1}).")
+
+    def generate(self, input_ids: list[int], new_tokens: int, timeout_s: float) -> list[int]:
+        """Greedy decoding through the model's forward, behind the request gate; the
+        caller checks the prompt first (:meth:`check_prompt`)."""
+        model = getattr(self.runtime, "model", None)
+        if not callable(model):
             raise NotImplementedError("This runtime has no forward pass to serve.")
         with self.request(timeout_s), torch.inference_mode():
             ids = torch.tensor([input_ids], dtype=torch.long)

@@ -47,6 +47,11 @@ class AgentSettings:
                          "+ safetensors) loaded at start")
     model_version: int = option(0, metavar="N", doc="version --model holds: 0 when a fleet "
                                 "starts; a later pod starts from the committed version")
+    checkpoint_root: Path | None = option(None, metavar="DIR",
+                                          doc="directory every dense load (/v1/dense) must "
+                                          "come from, links resolved (default: the directory "
+                                          "holding --model, where the versions lie side by "
+                                          "side); nothing else on the host can be loaded")
     runtime: Literal["hf", "vllm-ref"] = option(
         "hf", doc="hf: a transformers causal LM that also serves generation; vllm-ref: "
         "one tensor-parallel rank of the vLLM-layout reference runtime")
@@ -58,6 +63,28 @@ class AgentSettings:
                                 doc="staged, unapplied payload bytes before back-pressure: "
                                 "a few of the owners' buckets, so receiving runs ahead of "
                                 "apply without holding a whole large attempt")
+    max_waits: int = option(8, metavar="N",
+                            doc="concurrent /v1/staged and /v1/flush waits; more are refused "
+                            "with 503 at once: a coordinator needs one, and each holds a "
+                            "thread of their own pool, never status's or stop's")
+    max_wait_s: float = option(3600.0, metavar="S",
+                               doc="seconds one wait may last whatever timeout_s it asks: "
+                               "longer than any attempt's deadline, short enough that a "
+                               "forgotten wait ends")
+    liveness_timeout_s: float = option(10.0, metavar="S",
+                                       doc="/healthz answers 503 when the agent's state lock "
+                                       "cannot be taken within this many seconds (a wedged "
+                                       "control loop); no call holds it longer than a "
+                                       "journal write")
+    max_input_tokens: int = option(4096, metavar="N",
+                                   doc="/v1/generate: input ids per request, so one request "
+                                   "cannot hold the gate open for long")
+
+    @property
+    def dense_root(self) -> Path:
+        """Where dense loads may come from, resolved (``checkpoint_root`` or --model's
+        directory)."""
+        return (self.checkpoint_root or self.model.resolve().parent).resolve()
 
     def __post_init__(self) -> None:
         given = [s for s in SOURCES if getattr(self, s)]
@@ -71,6 +98,12 @@ class AgentSettings:
         if not 0 <= self.tp_rank < self.tp_size:
             raise ConfigError(f"Agent {self.name!r}: --tp-rank {self.tp_rank} is outside "
                               f"0..{self.tp_size - 1} (--tp-size {self.tp_size}).")
+        limits = (self.max_waits, self.max_wait_s, self.liveness_timeout_s,
+                  self.max_input_tokens)
+        if min(limits) <= 0:
+            raise ConfigError(f"Agent {self.name!r}: max_waits, max_wait_s, "
+                              "liveness_timeout_s and max_input_tokens must be positive; got "
+                              f"{limits}.")
         if self.staging_bytes <= 0 or self.model_version < 0:
             raise ConfigError(f"Agent {self.name!r}: staging_bytes={self.staging_bytes} must "
                               f"be positive and --model-version {self.model_version} not "
