@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING
 from dcr.errors import ConfigError
 from dcr.receiver.settings import AGENT_TOKEN_ENV, RELAY_TOKEN_ENV, SOURCES, AgentSettings
 from dcr.settings import add_options, from_args
+from dcr.tokens import read_token
 
 if TYPE_CHECKING:  # torch loads only when an agent runs, not for ``dcr --help``
     from dcr.receiver.service import AgentService
@@ -41,11 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _token(path: Path | None, env: str) -> str:
-    token = path.read_text().strip() if path else os.environ.get(env, "")
-    if len(token) < 16:
-        raise ConfigError(f"The bearer token (from {path or '$' + env}) must be at least 16 "
-                          f"characters; got {len(token)}.")
-    return token
+    what = "relay read token" if env == RELAY_TOKEN_ENV else "agent token"
+    return read_token(what, path, env)  # one check for every token: dcr.tokens
 
 
 def build_service(s: AgentSettings) -> AgentService:

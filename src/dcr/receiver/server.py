@@ -12,7 +12,6 @@ anything else. Health, readiness, metrics and ``generate`` are served beside the
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -24,6 +23,7 @@ from dcr.prometheus import Family, render
 from dcr.protocol.agent_api import AgentApi, BadRequest, Call, parse_body
 from dcr.protocol.state import IllegalTransition
 from dcr.receiver.service import AgentConflict, AgentService, AttemptFailed
+from dcr.tokens import bearer_matches
 
 log = logging.getLogger(__name__)
 
@@ -44,14 +44,11 @@ def _error(status: int, message: str, kind: str) -> web.Response:
 
 
 def make_app(service: AgentService, token: str) -> web.Application:
-    expected = f"Bearer {token}".encode()
-
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path not in OPEN_PATHS:
-            got = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(got, expected):
-                return _error(401, "Missing or wrong bearer token.", "Unauthorized")
+        authorized = bearer_matches(request.headers.get("Authorization"), token)  # total
+        if request.path not in OPEN_PATHS and not authorized:
+            return _error(401, "Missing or wrong bearer token.", "Unauthorized")
         try:
             return await handler(request)
         except BadRequest as e:

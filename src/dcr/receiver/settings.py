@@ -32,8 +32,9 @@ class AgentSettings:
                          doc="address of the control API; port 0 takes any free one (the "
                          "process prints the URL it got)")
     token_file: Path | None = option(None, metavar="PATH",
-                                     doc="file holding the control API's bearer token, at "
-                                     f"least 16 characters (default: ${AGENT_TOKEN_ENV})")
+                                     doc="file holding the control API's bearer token: 16 "
+                                     "or more printable ASCII characters, not a change-me "
+                                     f"placeholder (default: ${AGENT_TOKEN_ENV})")
     state_dir: Path = option(metavar="DIR",
                              doc="where the journal lives: it tells a restarted agent which "
                              "version its weights hold, so keep it across restarts")
@@ -41,8 +42,9 @@ class AgentSettings:
                                doc="object store URI the owners publish to (file://, s3://)")
     relay: str | None = option(None, metavar="URL", doc="URL of this node's relay (dcr relay)")
     relay_token_file: Path | None = option(None, metavar="PATH",
-                                           doc="file holding the relay's bearer token "
-                                           f"(default: ${RELAY_TOKEN_ENV})")
+                                           doc="file holding the relay's read token (it "
+                                           "cannot push); checked as --token-file (default: "
+                                           f"${RELAY_TOKEN_ENV})")
     model: Path = option(metavar="DIR", doc="Hugging Face checkpoint directory (config.json "
                          "+ safetensors) loaded at start")
     model_version: int = option(0, metavar="N", doc="version --model holds: 0 when a fleet "
