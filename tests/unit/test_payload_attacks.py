@@ -26,6 +26,7 @@ import hashlib
 import json
 import re
 import struct
+import tracemalloc
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -581,6 +582,49 @@ def test_header_missing_a_field_is_malformed() -> None:
 def test_too_many_items_is_a_limit() -> None:
     reject(LimitExceeded, two_tensors().data, "2 items", "limit of 1",
            good=two_tensors(), limits=DecodeLimits(max_items=1))
+
+
+def _many_items_payload(n: int) -> tuple[bytes, int]:
+    """A consistent payload of ``n`` one-element overwrite items; its raw header size."""
+    one = ('{{"name": "t{}", "dtype": "U8", "shape": [1], "start": 0, "stop": 1, '
+           '"entry": "overwrite", "loc": "gaps", "count": 1, "runs": 0, "escapes": 0, '
+           '"loc_width": 0, "len_width": 0}}')
+    loc, val = zc(bytes(n)), zc(b"\x01" * n)
+    raw = ('{"base_version": 1, "target_version": 2, "attempt": "a-1", "owner": 0, "seq": 0, '
+           '"mode": "overwrite", "items": [' + ", ".join(one.format(i) for i in range(n))
+           + f'], "streams": [{{"id": "loc.0", "raw": {n}, "packed": {len(loc)}}}, '
+           f'{{"id": "val.overwrite.U8.0", "raw": {n}, "packed": {len(val)}}}]}}').encode()
+    return seal(zc(raw), loc + val, header_raw=len(raw)), len(raw)
+
+
+def test_a_header_of_300000_items_is_refused_by_counting_before_it_is_parsed() -> None:
+    """Fails on 5b0b0ae: the reader parsed every item into models before it compared the
+    count with its limit (then 2**20), so 300,000 items were accepted after seconds and
+    some 500 MiB. Now the header's objects are counted first, against 2**16 items, and
+    refusing costs little beyond the header's own bytes."""
+    data, raw_size = _many_items_payload(300_000)
+    tracemalloc.start()
+    try:
+        reject(LimitExceeded, data, "300003 JSON objects", str(DEFAULT_LIMITS.max_items),
+               "before parsing")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < raw_size + (32 << 20), (peak >> 20, raw_size >> 20)
+
+
+def test_a_payload_over_the_default_item_limit_is_never_sealed() -> None:
+    """Fails on 5b0b0ae: the writer sealed payloads that every reader would refuse."""
+    n = DEFAULT_LIMITS.max_items + 1
+    items = tuple(ItemHeader(name=f"t{i}", dtype="U8", shape=(1,), start=0, stop=1,
+                             entry="overwrite", loc="gaps", count=1, runs=0, escapes=0,
+                             loc_width=0, len_width=0) for i in range(n))
+    with pytest.raises(LimitExceeded, match=f"{n} items, over the limit of {n - 1}"):
+        pack_payload(base_version=1, target_version=2, attempt="a-1", owner=0, seq=0,
+                     mode="overwrite", items=items,
+                     streams={"loc.0": bytes(n), "val.overwrite.U8.0": b"\x01" * n})
+    data, _ = _many_items_payload(n - 1)  # at the limit: read as usual
+    assert len(read_payload(data).header.items) == n - 1
 
 
 def test_tensor_over_max_elements_is_a_limit() -> None:

@@ -2,9 +2,14 @@
 
 A payload is one owner's bucket of items for one attempt. ``src/dcr/format/FORMAT.md`` documents
 every byte; this module is the only code that reads or writes that layout. Reading is
-defensive: lengths and the digest are checked before anything is decompressed, every
-declared size is checked against limits and against what the items imply, and each
-zstd frame must decompress to exactly its declared size with no bytes left over.
+defensive: lengths and the digest are checked before anything is decompressed, the
+header's size and a cheap count of its objects are checked before it is parsed into
+models, every declared size is checked against limits and against what the items imply,
+and each zstd frame must decompress to exactly its declared size with no bytes left over.
+A receiver that knows its tensors reads with :meth:`DecodeLimits.for_tensors`, limits no
+honest payload for those tensors can exceed, and checks items against its tensors before
+it decompresses a stream (:mod:`dcr.apply.engine`). The writer refuses to seal what the
+default limits would refuse to read.
 """
 
 from __future__ import annotations
@@ -15,8 +20,8 @@ import math
 import re
 import struct
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from typing import Annotated, Literal
+from dataclasses import dataclass, replace
+from typing import Annotated, Literal, get_args
 
 import zstandard
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -43,6 +48,9 @@ LocCoding = Literal["gaps", "runs"]
 WIDTHS = (1, 2, 4, 8)
 
 NAME_RE = re.compile(r"[^\x00-\x1f\x7f]{1,1024}")  # use fullmatch
+# Bytes a record can cost beside its value: its location byte, up to 8 escape planes and
+# up to 8 run-length planes (FORMAT.md, "Records").
+_CODING_BYTES = 1 + 8 + 8
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,18 +58,50 @@ class DecodeLimits:
     """Upper bounds a reader enforces before it allocates anything.
 
     Defaults fit the largest real checkpoints (a 1T-parameter model's biggest tensor is
-    well under 2**36 elements) and a 4 GiB bucket; lower them for untrusted sources.
+    well under 2**36 elements) and a 4 GiB bucket. ``max_items`` bounds what checking a
+    header costs: about 30 us and 1.6 KiB of parsed models per item (measured), so 65536
+    items take about 2 s and 110 MiB, against one item per 4 KiB of a default 256 MiB
+    bucket. A receiver narrows the rest to its model with :meth:`for_tensors`.
     """
 
     max_header_bytes: int = 64 << 20  # decompressed JSON header
-    max_items: int = 1 << 20
+    max_items: int = 1 << 16
     max_stream_bytes: int = 8 << 30  # one decompressed stream
     max_total_bytes: int = 16 << 30  # all decompressed streams of one payload
     max_elements: int = 1 << 40  # elements in one canonical tensor
     max_ndim: int = 16
 
+    @classmethod
+    def for_tensors(cls, tensors: Iterable[tuple[str, tuple[int, ...]]],
+                    base: DecodeLimits | None = None) -> DecodeLimits:
+        """Limits that no honest payload for these ``(dtype, shape)`` tensors exceeds,
+        never above ``base`` (the defaults).
+
+        Items are disjoint ranges of these tensors, so a payload holds at most one record
+        per element. Every stream has at most one byte per record, and ``loc.0`` spans
+        every tensor the payload touches, so one stream is bounded by all the elements,
+        not by the largest tensor; all streams together by each element's value bytes plus
+        :data:`_CODING_BYTES` (an overwrite of a whole tensor needs more than its own
+        bytes: a location byte per element beside the values).
+        """
+        base = DEFAULT_LIMITS if base is None else base
+        sizes = [(math.prod(shape), DTYPES[dt].itemsize, len(shape)) for dt, shape in tensors]
+        elements = sum(n for n, _, _ in sizes)
+        return replace(
+            base,
+            max_elements=min(base.max_elements, max((n for n, _, _ in sizes), default=0)),
+            max_ndim=min(base.max_ndim, max((d for _, _, d in sizes), default=0)),
+            max_stream_bytes=min(base.max_stream_bytes, elements),
+            max_total_bytes=min(base.max_total_bytes,
+                                sum(n * (size + _CODING_BYTES) for n, size, _ in sizes)),
+        )
+
 
 DEFAULT_LIMITS = DecodeLimits()
+# Most streams one payload can have: loc.0, 8 escape and 8 run-length planes, and a value
+# plane per byte of each dtype for each entry kind. With the top-level object, a header
+# holds at most ``items + MAX_STREAMS + 1`` JSON objects.
+MAX_STREAMS = 1 + 8 + 8 + len(get_args(EntryKind)) * sum(d.itemsize for d in DTYPES.values())
 
 
 class _Frozen(BaseModel):
@@ -257,6 +297,8 @@ def pack_payload(
         ),
     )
     raw_header = header.model_dump_json().encode()
+    check_limits(header, DEFAULT_LIMITS)  # never seal what a reader would refuse
+    _check_counts(header.label, raw_header, DEFAULT_LIMITS)
     packed_header = compressor.compress(raw_header)
     body_len = sum(len(f) for f in frames)
     pre = _PREAMBLE.pack(
@@ -337,18 +379,20 @@ def read_payload(data: bytes | memoryview, limits: DecodeLimits = DEFAULT_LIMITS
             f"Payload header declares {h_raw} bytes, over the limit of {limits.max_header_bytes}."
         )
     raw = _decompress_exact(buf[PREAMBLE_SIZE : PREAMBLE_SIZE + h_packed], h_raw, "header")
+    _check_counts("Payload header", raw, limits)
     try:
         # Strict JSON mode: UTF-8 only, integers must be JSON integers, no coercion.
         header = PayloadHeader.model_validate_json(raw, strict=True)
     except ValidationError as e:
         what = "not valid JSON" if e.errors()[0]["type"] == "json_invalid" else "invalid"
         raise MalformedPayload(f"Payload header is {what}: {first_validation_error(e)}") from e
-    if len(header.items) > limits.max_items:
-        raise LimitExceeded(
-            f"{header.label}: header lists {len(header.items)} items, over the limit of "
-            f"{limits.max_items}."
+    check_limits(header, limits)
+    packed = sum(s.packed for s in header.streams)
+    if packed != body_len:
+        raise MalformedPayload(
+            f"{header.label}: streams declare {packed} compressed bytes but the body has "
+            f"{body_len}."
         )
-    _check_limits(header, body_len, limits)
     return Payload(header=header, data=buf, body_offset=PREAMBLE_SIZE + h_packed)
 
 
@@ -363,7 +407,33 @@ def decode_streams(payload: Payload) -> dict[str, memoryview]:
     return out
 
 
-def _check_limits(header: PayloadHeader, body_len: int, limits: DecodeLimits) -> None:
+def _check_counts(what: str, raw: bytes, limits: DecodeLimits) -> None:
+    """Refuse a header with too many items before it is parsed into models.
+
+    Every item and stream is a JSON object, so ``{`` bytes (strings may hold more) bound
+    the items from above; counting them costs a scan of the bytes, where parsing costs
+    about 30 us and 1.6 KiB per item.
+    """
+    if len(raw) > limits.max_header_bytes:
+        raise LimitExceeded(
+            f"{what} is {len(raw)} bytes, over the limit of {limits.max_header_bytes}."
+        )
+    objects = raw.count(b"{")
+    if objects > limits.max_items + MAX_STREAMS + 1:
+        raise LimitExceeded(
+            f"{what} holds {objects} JSON objects: more items than the limit of "
+            f"{limits.max_items} (refused before parsing)."
+        )
+
+
+def check_limits(header: PayloadHeader, limits: DecodeLimits) -> None:
+    """Raise :class:`LimitExceeded` if a parsed header declares more than ``limits`` allow:
+    items, a tensor's elements or dimensions, one stream's or all streams' raw bytes."""
+    if len(header.items) > limits.max_items:
+        raise LimitExceeded(
+            f"{header.label}: header lists {len(header.items)} items, over the limit of "
+            f"{limits.max_items}."
+        )
     for it in header.items:
         if it.numel > limits.max_elements or len(it.shape) > limits.max_ndim:
             raise LimitExceeded(
@@ -382,12 +452,6 @@ def _check_limits(header: PayloadHeader, body_len: int, limits: DecodeLimits) ->
         raise LimitExceeded(
             f"{header.label}: streams declare {total} bytes in all, over the limit of "
             f"{limits.max_total_bytes}."
-        )
-    packed = sum(s.packed for s in header.streams)
-    if packed != body_len:
-        raise MalformedPayload(
-            f"{header.label}: streams declare {packed} compressed bytes but the body has "
-            f"{body_len}."
         )
 
 
@@ -416,6 +480,7 @@ __all__ = [
     "DEFAULT_LIMITS",
     "FORMAT_VERSION",
     "MAGIC",
+    "MAX_STREAMS",
     "DecodeLimits",
     "EntryKind",
     "ItemHeader",
@@ -426,6 +491,7 @@ __all__ = [
     "PayloadHeader",
     "StreamHeader",
     "check_disjoint",
+    "check_limits",
     "decode_streams",
     "expected_streams",
     "pack_payload",
