@@ -17,6 +17,14 @@ writes differ from that list fails. Payloads are deduplicated by id, because XOR
 not idempotent. The engine takes payloads as bytes or as the verified
 :class:`~dcr.format.payload.Payload` a receiver already holds, which it does not parse
 again.
+
+Nothing is decompressed before every item of every payload is checked against the
+canonical tensors (name, dtype, shape, hence range; entry kind against the path; the
+items disjoint): a stream's size follows from its items, so a small payload naming a
+tensor the model lacks, or a huge shape, is refused while it is still small. Streams
+are then decoded under limits derived from the model (:attr:`ApplyEngine.limits`,
+:meth:`DecodeLimits.for_tensors`), a second guard that a receiver can also pass to
+:func:`~dcr.format.payload.read_payload`.
 """
 
 from __future__ import annotations
@@ -44,7 +52,15 @@ from dcr.codec import _native  # type: ignore[attr-defined]
 from dcr.codec.decode import DecodedItem, decode
 from dcr.errors import DcrError, MalformedPayload, TargetMismatch
 from dcr.format.dtypes import DTYPES
-from dcr.format.payload import Payload, check_disjoint, read_payload
+from dcr.format.payload import (
+    DEFAULT_LIMITS,
+    DecodeLimits,
+    ItemHeader,
+    Payload,
+    check_disjoint,
+    check_limits,
+    read_payload,
+)
 from dcr.format.profile import ReceiverProfile, TensorClass
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -153,6 +169,7 @@ class ApplyEngine:
         self._scratch = torch.zeros(0, dtype=torch.uint8, device=self.device)
         self.tensors: dict[str, CanonicalTensor] = {}
         self.plans: dict[str, TensorPlan] = {}
+        self.limits: DecodeLimits = DEFAULT_LIMITS  # narrowed to the model by prewarm
         self._applied: dict[tuple[str, int, int], bytes] = {}
         self.readable: set[str] = set()  # canonical bits can be read back (read_canonical)
 
@@ -164,6 +181,7 @@ class ApplyEngine:
         Nothing is written to the runtime's storage.
         """
         self.tensors = {t.name: t for t in tensors}
+        self.limits = DecodeLimits.for_tensors((t.dtype, t.shape) for t in self.tensors.values())
         largest = max((t.nbytes for t in self.tensors.values()), default=0)
         self._scratch = torch.zeros(largest, dtype=torch.uint8, device=self.device)
         touched: dict[str, list[tuple[str, View]]] = defaultdict(list)
@@ -275,13 +293,14 @@ class ApplyEngine:
     def apply_payloads(self, payloads: Sequence[bytes | Payload]) -> ApplyReport:
         """Validate and deduplicate every payload, then apply them as one set, in order.
 
-        Bytes are verified here (:func:`read_payload`); a :class:`Payload` was verified
-        when it was read and is used as it is.
+        Bytes are verified here (:func:`read_payload`, under :attr:`limits`); a
+        :class:`Payload` was verified when it was read and is used as it is. Every item
+        is checked against the canonical tensors before any stream is decompressed.
         """
-        items: list[DecodedItem] = []
+        verified: list[Payload] = []
         ids: dict[tuple[str, int, int], bytes] = {}
         for given in payloads:
-            p = given if isinstance(given, Payload) else read_payload(given)
+            p = given if isinstance(given, Payload) else read_payload(given, self.limits)
             h = p.header
             pid = (h.attempt, h.owner, h.seq)
             digest = p.digest
@@ -297,12 +316,19 @@ class ApplyEngine:
                     f"{digest.hex()}. The attempt must fail."
                 )
             ids[pid] = digest
-            items.extend(decode(p))
+            verified.append(p)
+        headers = [it for p in verified for it in p.header.items]
         try:
-            check_disjoint(i.header for i in items)
+            check_disjoint(headers)
         except ValueError as e:
             raise MalformedPayload(f"Payloads to apply conflict: {e}.") from e
-        groups = self._check_items(items)
+        self._check_items(headers)  # before a single stream is decompressed
+        for p in verified:
+            check_limits(p.header, self.limits)
+        groups: dict[str, list[DecodedItem]] = defaultdict(list)
+        for p in verified:
+            for item in decode(p):
+                groups[item.header.name].append(item)
         self._applied.update(ids)  # from here on, these must never be applied again
         report = ApplyReport()
         for name, group in groups.items():
@@ -315,10 +341,11 @@ class ApplyEngine:
             )
         return report
 
-    def _check_items(self, items: list[DecodedItem]) -> dict[str, list[DecodedItem]]:
-        groups: dict[str, list[DecodedItem]] = defaultdict(list)
-        for it in items:
-            h = it.header
+    def _check_items(self, items: list[ItemHeader]) -> None:
+        """Every item fits a canonical tensor of this rank and its path; per tensor, one
+        entry kind and, for a tensor loaded whole, every element."""
+        groups: dict[str, list[ItemHeader]] = defaultdict(list)
+        for h in items:
             t = self.tensors.get(h.name)
             if t is None:
                 raise TargetMismatch(f"Item {h.where}: no canonical tensor {h.name!r} was "
@@ -332,20 +359,19 @@ class ApplyEngine:
                     f"Item {h.where} carries XOR masks, but {h.name!r} reaches storage "
                     f"through a {cls} path on this rank: the sender must overwrite it."
                 )
-            groups[h.name].append(it)
+            groups[h.name].append(h)
         for name, group in groups.items():
             t = self.tensors[name]
             if self.plans[name].cls == "dense":
-                count = sum(i.header.count for i in group)
+                count = sum(i.count for i in group)
                 numel = t.nbytes // DTYPES[t.dtype].itemsize
                 if count != numel:
                     raise TargetMismatch(
                         f"Tensor {name!r} is quantized as a whole on this rank, so every one "
                         f"of its {numel} elements must be sent; the payloads carry {count}."
                     )
-            if len({i.header.entry for i in group}) > 1:
+            if len({i.entry for i in group}) > 1:
                 raise MalformedPayload(f"Tensor {name!r} has both XOR and overwrite items.")
-        return groups
 
     def _apply_tensor(self, name: str, group: list[DecodedItem], report: ApplyReport) -> None:
         plan = self.plans[name]
