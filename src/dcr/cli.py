@@ -43,7 +43,7 @@ examples:
   dcr inspect --store file:///tmp/deltas --version 2
   dcr refit --kill-receiver-every 2
   dcr relay --listen 0.0.0.0:8470 --members r0:8470,r1:8470,r2:8470 --index 1 \
-            --token-file /etc/dcr/token
+            --token-file /etc/dcr/read-token --publish-token-file /etc/dcr/publish-token
 """
 
 
@@ -174,21 +174,15 @@ def cmd_refit(args: argparse.Namespace) -> None:
     run_refit(from_args(RefitSettings, args, trainer=from_args(TrainerSettings, args)))
 
 
-def _read_token(path: Path) -> str:
-    from dcr.errors import ConfigError
-
-    try:
-        return path.read_text().strip()
-    except OSError as e:
-        raise ConfigError(f"Cannot read the relay token file {str(path)!r}: {e}.") from e
-
-
 def relay_settings(args: argparse.Namespace) -> RelaySettings:
-    """``dcr relay``'s settings: the generated options, the member list and the token."""
+    """``dcr relay``'s settings: the generated options, the member list and the tokens."""
+    from dcr.tokens import read_token
     from dcr.transport.relay import RelaySettings
 
     members = tuple(m.strip() for m in args.members.split(",") if m.strip())
-    return from_args(RelaySettings, args, members=members, token=_read_token(args.token_file))
+    return from_args(RelaySettings, args, members=members,
+                     token=read_token("relay read token", args.token_file),
+                     publish_token=read_token("relay publish token", args.publish_token_file))
 
 
 def cmd_relay(args: argparse.Namespace) -> None:
@@ -227,7 +221,10 @@ def _relay_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--members", required=True, metavar="H:P,H:P,...",
                    help="comma-separated: " + doc(RelaySettings, "members"))
     p.add_argument("--token-file", required=True, type=Path, metavar="PATH",
-                   help="file holding the bearer token every node and client shares")
+                   help="file holding the read token: agents' reads (GET)")
+    p.add_argument("--publish-token-file", required=True, type=Path, metavar="PATH",
+                   help="file holding the publish token: owners' pushes, and members' "
+                   "forwards, deletes and subscriptions (PUT, DELETE, POST)")
     add_options(p, RelaySettings, skip=EDGE_PARSED, required=("listen",))
     p.add_argument("--verbose", action="store_true", help="log every payload (DEBUG)")
     p.set_defaults(func=cmd_relay)

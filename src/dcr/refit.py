@@ -46,6 +46,7 @@ from dcr.protocol.records import CommitRecord
 from dcr.receiver.launch import AgentProcess, free_port
 from dcr.receiver.settings import AgentSettings
 from dcr.settings import option, to_argv
+from dcr.tokens import write_token_file
 from dcr.trainer import Trainer, TrainerSettings, reference_fingerprint
 from dcr.transport.relay.publish import TOKEN_ENV
 from dcr.transport.relay.settings import RelaySettings
@@ -111,12 +112,22 @@ def _kind(a: AgentSettings) -> str:
     return f"{a.runtime} TP{a.tp_size} rank {a.tp_rank}, FP8 {', '.join(a.fp8) or 'none'}"
 
 
-def _start_relays(work: Path, n: int) -> tuple[list[subprocess.Popen[bytes]], list[str], Path]:
-    """``dcr relay`` nodes, one per agent, in one tree; their URLs (the first is the root)."""
+@dataclass(frozen=True, kw_only=True)
+class _RelayTree:
+    """The running ``dcr relay`` nodes: processes, URLs (the first is the root), and the
+    two token files: agents get the read token, the owner the publish token."""
+
+    procs: list[subprocess.Popen[bytes]]
+    urls: list[str]
+    read_token_file: Path
+    publish_token_file: Path
+
+
+def _start_relays(work: Path, n: int) -> _RelayTree:
+    """``dcr relay`` nodes, one per agent, in one tree."""
     work.mkdir(parents=True, exist_ok=True)
-    token_file = work / "token"
-    token_file.write_text(secrets.token_hex(16))
-    token_file.chmod(0o600)
+    read_file = write_token_file(work / "read-token", secrets.token_hex(16))
+    publish_file = write_token_file(work / "publish-token", secrets.token_hex(16))
     ports = [free_port() for _ in range(n)]
     members = ",".join(f"127.0.0.1:{p}" for p in ports)
     procs = []
@@ -124,7 +135,8 @@ def _start_relays(work: Path, n: int) -> tuple[list[subprocess.Popen[bytes]], li
         with open(work / f"relay-{i}.log", "ab") as log_file:
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "dcr", "relay", "--listen", f"127.0.0.1:{p}",
-                 "--members", members, "--index", str(i), "--token-file", str(token_file)],
+                 "--members", members, "--index", str(i), "--token-file", str(read_file),
+                 "--publish-token-file", str(publish_file)],
                 stdout=subprocess.DEVNULL, stderr=log_file))
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     deadline = time.monotonic() + 60
@@ -137,7 +149,8 @@ def _start_relays(work: Path, n: int) -> tuple[list[subprocess.Popen[bytes]], li
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise DcrError(f"Relay node {url} did not start: {e}.") from e
                 time.sleep(0.05)
-    return procs, urls, token_file
+    return _RelayTree(procs=procs, urls=urls, read_token_file=read_file,
+                      publish_token_file=publish_file)
 
 
 def _reference(a: AgentSettings, ckpt: Path) -> dict[str, str]:
@@ -190,9 +203,11 @@ def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
     sources: list[dict[str, Any]] = [{"store": store}] * s.agents
     publish_to, owner_env = store, {}
     if s.transport == "relay":
-        relays, urls, token_file = _start_relays(out / "relay", s.agents)
-        sources = [{"relay": u, "relay_token_file": token_file} for u in urls]
-        publish_to, owner_env = f"relay+{urls[0]}", {TOKEN_ENV: token_file.read_text()}
+        tree = _start_relays(out / "relay", s.agents)
+        relays = tree.procs
+        sources = [{"relay": u, "relay_token_file": tree.read_token_file} for u in tree.urls]
+        publish_to = f"relay+{tree.urls[0]}"
+        owner_env = {TOKEN_ENV: tree.publish_token_file.read_text()}  # owners push
     specs = [_agent(i, s.agents, out, sources[i], ckpts / "v0") for i in range(s.agents)]
     agents = [AgentProcess(name=a.name, args=to_argv(a, skip=LAUNCHED), state_dir=a.state_dir,
                            token=token) for a in specs]

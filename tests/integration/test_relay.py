@@ -2,13 +2,16 @@
 
 Payloads are real (built with ``dcr.codec.encode``), a few MiB of incompressible XOR
 masks each. Every check reads the nodes' own answers (``GET`` of the bytes, listings,
-``/healthz`` and ``/v1/status``), never their internals.
+``/healthz`` and ``/v1/status``), never their internals. Clients push with the publish
+token (:data:`TOKEN`); receivers read with the read token (:data:`READ_TOKEN`), the only
+one an agent holds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import http.client
 import math
 import os
 import signal
@@ -25,6 +28,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
+import yarl
 
 from dcr.codec.decode import Target, apply_items, decode
 from dcr.codec.encode import PayloadBuilder, diff_range, encode_item
@@ -43,7 +47,8 @@ from dcr.transport.relay import (
     tree_depth,
 )
 
-TOKEN = "relay-test-token-7f2c"
+TOKEN = "relay-test-token-7f2c"  # the publish token: owners, and members among themselves
+READ_TOKEN = "relay-read-token-91d4"  # the read token: agents
 ELEMENTS = 1_500_000  # BF16 elements per payload, all changed: about 3 MiB of masks
 
 
@@ -142,8 +147,9 @@ class Tree:
 
 def start_tree(root_dir: Path, n: int, fanout: int, *extra: str) -> Tree:
     root_dir.mkdir(parents=True, exist_ok=True)
-    token_file = root_dir / "token"
-    token_file.write_text(TOKEN + "\n")
+    token_file, publish_file = root_dir / "read-token", root_dir / "publish-token"
+    token_file.write_text(READ_TOKEN + "\n")
+    publish_file.write_text(TOKEN + "\n")
     tree = Tree(root_dir, free_ports(n))
     members = ",".join(f"127.0.0.1:{p}" for p in tree.ports)
     for i, port in enumerate(tree.ports):
@@ -151,7 +157,8 @@ def start_tree(root_dir: Path, n: int, fanout: int, *extra: str) -> Tree:
             tree.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "dcr", "relay", "--listen", f"127.0.0.1:{port}",
                  "--members", members, "--index", str(i), "--fanout", str(fanout),
-                 "--token-file", str(token_file), *extra],
+                 "--token-file", str(token_file), "--publish-token-file", str(publish_file),
+                 *extra],
                 stdout=log, stderr=subprocess.STDOUT,
             ))
     try:
@@ -451,8 +458,147 @@ def test_every_endpoint_but_healthz_needs_the_token(tree7: Tree) -> None:
         async with RelayClient(url, TOKEN) as c:
             assert await c.list_payloads("a-auth") == []
         assert TOKEN not in tree7.log(1, tail=1 << 30)
+        assert READ_TOKEN not in tree7.log(1, tail=1 << 30)
 
     asyncio.run(scenario())
+
+
+# --- credentials and hostile requests -------------------------------------------------
+
+
+def test_the_read_token_reads_but_cannot_push_replace_drop_or_subscribe(tree7: Tree) -> None:
+    """Fails on 5b0b0ae: one token did everything, so the token every agent holds could
+    claim payload ids, drop attempts and reshape the tree (``dcr relay`` had no
+    ``--publish-token-file``)."""
+    attempt = "a-readonly"
+    data = make_payload(attempt, 0, 0, elements=1000)
+    claim = make_payload(attempt, 0, 0, elements=1000, salt=1)
+
+    async def scenario() -> None:
+        async with Clients(tree7) as owners, Clients(tree7, READ_TOKEN) as readers:
+            for i in (0, 3):  # a reader cannot claim the id first, at the root or below
+                with pytest.raises(RelayError, match="publish token") as e:
+                    await readers[i].put_payload(attempt, 0, 0, claim)
+                assert e.value.status == 403
+            assert await owners[0].put_payload(attempt, 0, 0, data) == "queued"
+            for i, c in enumerate(readers):
+                await until(lambda c=c: holds(c, attempt, 1), 10, f"member {i}", tree7)
+            manifest = make_manifest(attempt, {(0, 0): data})
+            for call in (readers[1].put_manifest(attempt, manifest),
+                         readers[1].delete_attempt(attempt),
+                         readers[0].subscribe(5, {}, [])):
+                with pytest.raises(RelayError) as e:
+                    await call
+                assert e.value.status == 403
+            for i, c in enumerate(readers):  # nothing a reader asked for happened
+                assert await c.get_payload(attempt, 0, 0) == data, f"member {i}"
+                with pytest.raises(RelayNotFound):
+                    await c.get_manifest(attempt)
+                assert (await c.status())["index"] == i
+            assert 5 not in (await readers[0].health())["children"]
+            assert (await counters(readers[1]))["forbidden"] >= 2
+
+    asyncio.run(scenario())
+    assert READ_TOKEN not in tree7.log(0, tail=1 << 30)
+
+
+def test_a_second_push_of_a_held_id_with_other_bytes_is_refused_and_logged(
+        tree7: Tree) -> None:
+    """Fails on 5b0b0ae: the 409 was counted but never logged, so a publisher's attempt to
+    replace a payload left no trace in the node's log."""
+    attempt = "a-claimed"
+    first = make_payload(attempt, 4, 2, elements=2000)
+    other = make_payload(attempt, 4, 2, elements=2000, salt=7)
+
+    async def scenario() -> None:
+        async with Clients(tree7) as cs:
+            assert await cs[0].put_payload(attempt, 4, 2, first) == "queued"
+            with pytest.raises(RelayError, match="other bytes") as e:
+                await cs[0].put_payload(attempt, 4, 2, other)
+            assert e.value.status == 409
+            assert await cs[0].get_payload(attempt, 4, 2) == first
+
+    asyncio.run(scenario())
+    log = tree7.log(0, tail=1 << 30)
+    assert f"refused payload {attempt}/o4/s2: already held with other bytes" in log, log[-2000:]
+
+
+def test_ids_with_control_characters_are_refused_before_anything_logs_them(
+        tree7: Tree) -> None:
+    """Fails on 5b0b0ae: listings and DELETE took the attempt id from the URL unchecked, so
+    a ``%0A`` in it wrote a forged line into the node's log."""
+    forged = "a%0AFORGED-LINE%20member%200%20compromised"
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    calls = [("DELETE", f"/v1/attempts/{forged}", None),
+             ("GET", f"/v1/attempts/{forged}/payloads", None),
+             ("GET", f"/v1/manifests/{forged}", None),
+             ("PUT", f"/v1/manifests/{forged}", b"{}"),
+             ("POST", "/v1/subscribe", b'{"index": 3, "held": {"a\\nFORGED-LINE": [[0, 0]]}}'),
+             ("POST", "/v1/subscribe", b'{"index": 3, "manifests": ["a\\nFORGED-LINE"]}')]
+
+    async def scenario() -> None:
+        async with aiohttp.ClientSession() as session:
+            for method, path, body in calls:
+                url = yarl.URL(tree7.urls[0] + path, encoded=True)
+                async with session.request(method, url, data=body, headers=auth) as r:
+                    assert r.status == 400, (method, path, r.status, await r.text())
+
+    asyncio.run(scenario())
+    assert "FORGED-LINE" not in tree7.log(0, tail=1 << 30)
+
+
+@pytest.mark.parametrize("value", [b"Bearer \xff\xfe", "Bearer t\u00f6k\u00e9n".encode(),
+                                   b"\xc3\x28", "Bearer \u2603".encode()],
+                         ids=["latin1", "utf8", "bad-utf8", "snowman"])
+def test_a_non_ascii_authorization_header_is_a_401_not_a_500(tree7: Tree, value: bytes) -> None:
+    """Fails on 5b0b0ae: the node encoded the header to compare it; bytes that are not
+    UTF-8 (which aiohttp keeps as surrogates) raised, and it answered 500 with a traceback."""
+    conn = http.client.HTTPConnection("127.0.0.1", tree7.ports[2], timeout=10)
+    try:
+        conn.putrequest("GET", "/v1/status")
+        conn.putheader("Authorization", value)
+        conn.endheaders()
+        r = conn.getresponse()
+        body = r.read()
+    finally:
+        conn.close()
+    assert r.status == 401, (r.status, body)
+    assert b"missing or wrong bearer token" in body
+    assert "Traceback" not in tree7.log(2, tail=1 << 30)
+
+
+def test_a_sender_trickling_bytes_is_cut_at_its_deadline_and_frees_its_budget(
+        trees: Callable[..., Tree]) -> None:
+    """Fails on 5b0b0ae: the stall timeout restarted with every byte, so a sender giving
+    a few bytes at a time held its reserved budget as long as it liked (and ``dcr relay``
+    had no ``--min-upload-bytes-per-s``)."""
+    tree = trees(1, 2, "--stall-timeout-s", "2", "--min-upload-bytes-per-s", "2048")
+    data = make_payload("a-slow", 0, 0, elements=2000)
+    sent = [0]
+
+    async def trickle() -> AsyncIterator[bytes]:  # 320 bytes/s, never a 2 s stall
+        for off in range(0, len(data), 32):
+            yield data[off : off + 32]
+            sent[0] = off + 32
+            await asyncio.sleep(0.1)
+
+    async def scenario() -> None:
+        async with Clients(tree) as (c,):
+            with pytest.raises(RelayError) as e:
+                await c.put_payload("a-slow", 0, 0, trickle(), size=len(data))
+            assert e.value.status in (408, None), e.value  # 408, or reset while sending
+            assert sent[0] < len(data)  # cut while the sender still had bytes to give
+            await until(lambda: _settled(c), 5, "the node to drop the upload", tree)
+            assert await c.list_payloads("a-slow") == []
+            assert (await counters(c))["too_slow"] == 1
+
+    asyncio.run(scenario())
+    assert "slower than the minimum of 2048 bytes/s" in tree.log(0), tree.log(0)
+
+
+async def _settled(c: RelayClient) -> bool:
+    h = await c.health()
+    return h["incoming"] == 0 and h["staged_bytes"] == 0
 
 
 # --- failures -----------------------------------------------------------------------
@@ -657,7 +803,7 @@ def test_receivers_at_every_live_member_reach_the_target_bits_when_a_node_dies(
     outcome: dict[int, object] = {}
 
     # Sources are made (and first used) here: imports stay on the main thread.
-    sources = {i: RelaySource(tree.urls[i], TOKEN, attempt) for i in alive}
+    sources = {i: RelaySource(tree.urls[i], READ_TOKEN, attempt) for i in alive}
     assert all(s.available() == [] for s in sources.values())
 
     def receiver(i: int) -> None:

@@ -33,6 +33,22 @@ Choices, and why:
   :class:`dcr.format.manifest.Manifest`. A failure answers 400, drops the bytes and
   aborts the forwards still running (children see a short body and drop theirs; they
   would also reject it on their own, since they run the same checks).
+* **Two credentials: read and publish.** GETs (listings, bytes, status) take either
+  token; everything that changes what a node holds or where it sends it (``PUT`` of a
+  payload or manifest, ``DELETE`` of an attempt, ``POST /v1/subscribe``) takes the
+  publish token; a wrong or missing token answers 401, the read token on a write 403.
+  Owners hold the publish token (``$DCR_RELAY_TOKEN`` of ``dcr encode``), agents only
+  the read token (``--relay-token-file``). Members hold both (``dcr relay --token-file
+  READ --publish-token-file PUBLISH``): forwarding to a child is a ``PUT`` and
+  re-attaching is a subscription, so a member authenticates to the others with the
+  publish token. An agent's token, or a read token taken from a rollout pod's agent
+  container, therefore cannot push, replace or drop a payload anywhere in the tree. The
+  tokens must differ and pass :func:`dcr.tokens.check_token`.
+* **First upload of an id wins; receivers decide.** Only publishers push, and a
+  second ``PUT`` of a held id with other bytes is refused (409) and logged; what a
+  relay holds is still only a candidate: a receiver applies a payload only after
+  checking its size and digest against the attempt's manifest (:mod:`dcr.transport.receive`),
+  so bytes a publisher put under the wrong id fail the attempt instead of changing bits.
 * **Hop ack means "queued".** 201 says this node holds verified bytes and has started
   forwarding; it does not wait for children. Completion comes from the receivers' flush.
 * **Idempotence by payload id.** A second ``PUT`` of an id with the same BLAKE2b-128
@@ -59,24 +75,33 @@ Choices, and why:
   and again every ``resync_interval_s`` (anti-entropy: whatever it missed, through a
   refusal, a stall or exhausted re-sends, comes back). A forward that fails with a
   connection error or a 5xx is re-sent from staging ``retries`` times with doubling
-  delays; an upload that brings no bytes for ``stall_timeout_s`` is dropped (a hung
-  sender cannot pin staging space). Duplicates from re-sends are dropped by id.
+  delays; an upload that brings no bytes for ``stall_timeout_s``, or does not end
+  within ``size / min_upload_bytes_per_s`` plus one ``stall_timeout_s`` for the sender
+  and one per child, is dropped (408): a hung or trickling sender cannot pin staging
+  space. Duplicates from re-sends are dropped by id.
+* **Ids are checked before they are used or logged.** Attempt ids in URLs and
+  subscription bodies must match the attempt-id pattern (else 400); log lines quote
+  request-derived text with ``repr``, so control characters cannot forge log lines. A
+  payload's header is counted before it is parsed (:func:`dcr.format.payload.read_payload`:
+  at most ``max_items`` items), so a small upload cannot cost seconds and hundreds of
+  MiB to verify.
 
-Endpoints (``Authorization: Bearer <token>`` on all but ``/healthz``, else 401)::
+Endpoints (``Authorization: Bearer <token>`` on all but ``/healthz``, else 401; ``P``:
+the publish token only, else 403; ``R``: either token)::
 
-    PUT    /v1/payloads/{attempt}/{owner}/{seq}   201 queued | 200 duplicate | 400 | 409
-                                                  | 410 deleted | 411 | 413 | 503
-    GET    /v1/payloads/{attempt}/{owner}/{seq}   the bytes (404 if not staged)
-    GET    /v1/attempts/{attempt}/payloads        {payloads: [{owner, seq, size, digest}],
-                                                   manifest: {size, digest} | null}
-    DELETE /v1/attempts/{attempt}                 drop it here and below: {dropped}
-    PUT    /v1/manifests/{attempt}                as payloads; JSON checked as a Manifest
-    GET    /v1/manifests/{attempt}                the manifest bytes
-    POST   /v1/subscribe                          {index, held: {attempt: [[owner, seq]]},
-                                                   manifests: [attempt]} -> {replaying}
-    GET    /v1/status                             health + counters + blobs still arriving
-    GET    /healthz                               {status: ok | detached, parent, children,
-                                                   staged_bytes, memory_bytes, waiting, ...}
+    PUT    /v1/payloads/{attempt}/{owner}/{seq}   P  201 queued | 200 duplicate | 400 | 408
+                                                     | 409 | 410 deleted | 411 | 413 | 503
+    GET    /v1/payloads/{attempt}/{owner}/{seq}   R  the bytes (404 if not staged)
+    GET    /v1/attempts/{attempt}/payloads        R  {payloads: [{owner, seq, size, digest}],
+                                                      manifest: {size, digest} | null}
+    DELETE /v1/attempts/{attempt}                 P  drop it here and below: {dropped}
+    PUT    /v1/manifests/{attempt}                P  as payloads; JSON checked as a Manifest
+    GET    /v1/manifests/{attempt}                R  the manifest bytes
+    POST   /v1/subscribe                          P  {index, held: {attempt: [[owner, seq]]},
+                                                      manifests: [attempt]} -> {replaying}
+    GET    /v1/status                             R  health + counters + blobs still arriving
+    GET    /healthz                                  {status: ok | detached, parent, children,
+                                                      staged_bytes, memory_bytes, waiting, ...}
 
 Not here: TLS (run it behind the cluster's mesh or add an ``ssl_context``), persistence
 of staged bytes across restarts (a restarted node starts empty and is refilled by its

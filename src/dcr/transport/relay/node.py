@@ -8,7 +8,6 @@ re-attaching under an ancestor) and the endpoints are described in
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import shutil
 import signal
@@ -16,32 +15,43 @@ import tempfile
 from collections import Counter
 from collections.abc import AsyncIterable, Awaitable, Callable, Coroutine, Iterable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import aiohttp
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dcr.errors import ConfigError, RelayError
-from dcr.format.names import object_hasher
+from dcr.format.names import ATTEMPT_PATTERN, object_hasher
 from dcr.format.payload import PREAMBLE_SIZE
+from dcr.tokens import bearer_matches
 from dcr.transport.relay.client import RelayClient
 from dcr.transport.relay.settings import MiB, RelaySettings
 from dcr.transport.relay.staging import Blob, Staging, staged_body, verify
 from dcr.transport.relay.tree import ancestors_of, children_of, parent_of, parse_address
-from dcr.transport.relay.wire import Chunk, Key, QueueChunks, Refused, key_from
+from dcr.transport.relay.wire import (
+    Chunk,
+    Key,
+    QueueChunks,
+    Refused,
+    attempt_from,
+    key_from,
+)
 
 log = logging.getLogger(__package__)  # "dcr.transport.relay", as before the split
 
 Outcome = Literal["ok", "retry", "refused"]
+Role = Literal["read", "publish"]
+WRITES = frozenset({"PUT", "DELETE", "POST"})  # push, drop, subscribe: the publish token
+_Attempt = Annotated[str, Field(pattern=ATTEMPT_PATTERN)]
 
 
 class _Subscription(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     index: int
-    held: dict[str, list[tuple[int, int]]] = {}
-    manifests: list[str] = []
+    held: dict[_Attempt, list[tuple[int, int]]] = {}
+    manifests: list[_Attempt] = []
 
 
 class _LiveForward:
@@ -181,8 +191,8 @@ class RelayNode:
     def _client(self, member: int) -> RelayClient:
         if member not in self._clients:
             assert self._session is not None
-            self._clients[member] = RelayClient(
-                f"http://{self.settings.members[member]}", self.settings.token,
+            self._clients[member] = RelayClient(  # members forward: a push, so publish
+                f"http://{self.settings.members[member]}", self.settings.publish_token,
                 session=self._session, connect_timeout_s=self.settings.connect_timeout_s,
                 read_timeout_s=None,
             )
@@ -196,17 +206,31 @@ class RelayNode:
         handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
     ) -> web.StreamResponse:
         if request.path != "/healthz":
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.settings.token}".encode()):
+            role = self._role(request.headers.get("Authorization"))
+            if role is None:
                 self.counters["unauthorized"] += 1
                 return web.json_response(
                     {"error": "missing or wrong bearer token"}, status=401,
                     headers={"WWW-Authenticate": "Bearer"},
                 )
+            if request.method in WRITES and role != "publish":
+                self.counters["forbidden"] += 1
+                return web.json_response(
+                    {"error": "the read token cannot push, delete or subscribe; that takes "
+                              "the publish token"}, status=403,
+                )
         try:
             return await handler(request)
         except Refused as e:
             return web.json_response({"error": str(e)}, status=e.status)
+
+    def _role(self, header: str | None) -> Role | None:
+        """What an ``Authorization`` header may do: publish (also read), read, or nothing."""
+        if bearer_matches(header, self.settings.publish_token):
+            return "publish"
+        if bearer_matches(header, self.settings.token):
+            return "read"
+        return None
 
     def _health(self) -> dict[str, Any]:
         st = self.staging
@@ -273,15 +297,15 @@ class RelayNode:
                 f.abort()
             self.staging.discard(blob)
             self.counters["rejected"] += 1
-            log.info("rejected %s (%d): %s", key.label, e.status, e)
+            log.info("rejected %s (%d): %r", key.label, e.status, str(e))
             raise
         except BaseException as e:  # the sender went away or the node is stopping
             for f in forwards:
                 f.abort()
             self.staging.discard(blob)
             self.counters["broken"] += 1
-            log.info("upload of %s broke off after %d of %d bytes: %s",
-                     key.label, blob.received, size, e or type(e).__name__)
+            log.info("upload of %s broke off after %d of %d bytes: %r",
+                     key.label, blob.received, size, str(e) or type(e).__name__)
             if isinstance(e, ConnectionError):
                 return web.json_response({"error": "body broke off"}, status=400)
             raise
@@ -323,25 +347,44 @@ class RelayNode:
     async def _stream_in(
         self, request: web.Request, blob: Blob, forwards: list[_LiveForward]
     ) -> None:
-        """Copy the body into staging and onto every child's queue as it arrives."""
-        content = request.content
-        while blob.received < blob.size:
-            try:
-                async with asyncio.timeout(self.settings.stall_timeout_s):
-                    chunk = await content.readany()
-            except TimeoutError:
-                raise Refused(408, f"{blob.key.label}: no bytes for "
-                                    f"{self.settings.stall_timeout_s} s.") from None
-            if not chunk:
-                raise ConnectionResetError(f"body ended after {blob.received} bytes")
-            self.staging.write(blob, chunk)
-            for f in forwards:
-                await f.feed(chunk)
-            if blob.dropped:
-                raise Refused(410, f"{blob.key.label}: its attempt was deleted while it arrived.")
+        """Copy the body into staging and onto every child's queue as it arrives.
+
+        Two clocks: ``stall_timeout_s`` without a byte, and a deadline for the whole body
+        (:meth:`_upload_s`), so a sender trickling bytes cannot hold its budget for long.
+        """
+        content, s = request.content, self.settings
+        allowed_s = self._upload_s(blob.size, len(forwards))
+        try:
+            async with asyncio.timeout(allowed_s):
+                while blob.received < blob.size:
+                    try:
+                        async with asyncio.timeout(s.stall_timeout_s):
+                            chunk = await content.readany()
+                    except TimeoutError:
+                        raise Refused(408, f"{blob.key.label}: no bytes for "
+                                           f"{s.stall_timeout_s} s.") from None
+                    if not chunk:
+                        raise ConnectionResetError(f"body ended after {blob.received} bytes")
+                    self.staging.write(blob, chunk)
+                    for f in forwards:
+                        await f.feed(chunk)
+                    if blob.dropped:
+                        raise Refused(410, f"{blob.key.label}: its attempt was deleted while "
+                                           "it arrived.")
+        except TimeoutError:
+            self.counters["too_slow"] += 1
+            raise Refused(408, f"{blob.key.label}: {blob.received} of {blob.size} bytes in "
+                               f"{allowed_s:.1f} s, slower than the minimum of "
+                               f"{s.min_upload_bytes_per_s} bytes/s.") from None
         self.staging.finish_writing(blob)
         for f in forwards:
             await f.feed(None)
+
+    def _upload_s(self, size: int, children: int) -> float:
+        """Seconds an upload of ``size`` bytes may take: at the minimum rate, plus one
+        stall for the sender and one for each child a live copy may wait on."""
+        s = self.settings
+        return size / s.min_upload_bytes_per_s + s.stall_timeout_s * (1 + children)
 
     async def _duplicate(self, request: web.Request, blob: Blob) -> web.Response:
         """A PUT of an id already held: 200 if the bytes are the same, else 409."""
@@ -353,6 +396,9 @@ class RelayNode:
             same_size = h.hexdigest() == blob.digest
         if not same_size:
             self.counters["conflicts"] += 1
+            log.warning("refused %s: already held with other bytes (%d bytes, digest %s); the "
+                        "first upload stays, receivers check it against the manifest",
+                        blob.key.label, blob.size, blob.digest)
             raise Refused(409, f"{blob.key.label} is already held with other bytes "
                                 f"({blob.size} bytes, digest {blob.digest}).")
         self.counters["duplicates"] += 1
@@ -385,7 +431,7 @@ class RelayNode:
         return resp
 
     async def _list(self, request: web.Request) -> web.Response:
-        attempt = request.match_info["attempt"]
+        attempt = attempt_from(request)
         blobs = self.staging.staged(attempt)
         payloads = [
             {"owner": b.key.owner, "seq": b.key.seq, "size": b.size, "digest": b.digest}
@@ -396,7 +442,7 @@ class RelayNode:
         return web.json_response({"attempt": attempt, "payloads": payloads, "manifest": manifest})
 
     async def _delete(self, request: web.Request) -> web.Response:
-        attempt = request.match_info["attempt"]
+        attempt = attempt_from(request)
         dropped = self.staging.drop_attempt(attempt)
         for (_, a), tasks in list(self._inflight.items()):
             if a == attempt:
@@ -404,14 +450,14 @@ class RelayNode:
                     t.cancel()
         for c in sorted(self.children):
             self._spawn(self._delete_at(c, attempt))
-        log.info("dropped attempt %s (%d blobs)", attempt, dropped)
+        log.info("dropped attempt %r (%d blobs)", attempt, dropped)
         return web.json_response({"dropped": dropped})
 
     async def _delete_at(self, child: int, attempt: str) -> None:
         try:
             await self._client(child).delete_attempt(attempt)
         except RelayError as e:
-            log.warning("could not drop attempt %s at member %d: %s", attempt, child, e)
+            log.warning("could not drop attempt %r at member %d: %r", attempt, child, str(e))
 
     # --- forwarding ---
 
@@ -423,11 +469,11 @@ class RelayNode:
         except RelayError as e:
             retry = e.status is None or e.status >= 500
             log.log(logging.INFO if retry else logging.WARNING,
-                    "forward of %s to member %d failed: %s", blob.key.label, child, e)
+                    "forward of %s to member %d failed: %r", blob.key.label, child, str(e))
             self.counters["forwards_failed"] += 1
             return "retry" if retry else "refused"
         except (OSError, ValueError) as e:  # e.g. the spool file vanished under a DELETE
-            log.info("forward of %s to member %d failed: %s", blob.key.label, child, e)
+            log.info("forward of %s to member %d failed: %r", blob.key.label, child, str(e))
             self.counters["forwards_failed"] += 1
             return "retry"
         self.counters["forwards_ok"] += 1
@@ -534,7 +580,8 @@ class RelayNode:
         try:
             await self._client(member).subscribe(self.index, held, manifests)
         except RelayError as e:
-            log.info("member %d could not subscribe to member %d: %s", self.index, member, e)
+            log.info("member %d could not subscribe to member %d: %r", self.index, member,
+                     str(e))
             return False
         return True
 

@@ -1,9 +1,9 @@
 """One relay node's settings: the member list, its place in it, budgets and timings.
 
 Declared once with :func:`dcr.settings.option`: ``dcr relay``'s options are generated
-from :class:`RelaySettings`, except the two the command line spells differently
-(:data:`EDGE_PARSED`): ``--members`` is a comma list and the token comes from
-``--token-file``, never from the command line.
+from :class:`RelaySettings`, except the three the command line spells differently
+(:data:`EDGE_PARSED`): ``--members`` is a comma list and the two tokens come from
+``--token-file`` (read) and ``--publish-token-file``, never from the command line.
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ from typing import Any
 
 from dcr.errors import ConfigError
 from dcr.settings import GiB, MiB, option
+from dcr.tokens import check_token
 from dcr.transport.relay.tree import parse_address
 
-EDGE_PARSED = ("members", "token")  # on the command line as a comma list and a token file
+# On the command line as a comma list and two token files.
+EDGE_PARSED = ("members", "token", "publish_token")
 
 
 def _secret(doc: str) -> Any:
@@ -33,7 +35,11 @@ class RelaySettings:
     members: tuple[str, ...] = option(cli=False, doc="every node's host:port, in tree "
                                       "order; member 0 is the root")
     index: int = option(metavar="I", doc="this node's position in the members list")
-    token: str = _secret("bearer token on every endpoint but /healthz; never logged")
+    token: str = _secret("read token: bearer token for GET endpoints (agents' reads); "
+                         "never logged")
+    publish_token: str = _secret("publish token: bearer token for PUT, DELETE and "
+                                 "subscribe (owners, and members forwarding to each other); "
+                                 "also reads; never logged")
     fanout: int = option(2, metavar="K", doc="children per node: 2 keeps a node's upload "
                          "fan-out at twice its input")
     listen: str = option("127.0.0.1:8470", metavar="HOST:PORT", doc="address to bind; often "
@@ -53,6 +59,13 @@ class RelaySettings:
                                "child's memory to a few MiB")
     stall_timeout_s: float = option(30.0, metavar="S", doc="seconds a child may take (a "
                                     "sender may give) no bytes before it is cut")
+    min_upload_bytes_per_s: int = option(MiB, metavar="BYTES", doc="slowest average rate, "
+                                         "in bytes per second, an upload may arrive at: it "
+                                         "must end within size / rate seconds plus "
+                                         "stall_timeout_s per child and one more, so a "
+                                         "sender trickling a byte at a time cannot hold its "
+                                         "reserved budget for long (1 MiB/s: a 256 MiB "
+                                         "bucket gets over 4 minutes)")
     connect_timeout_s: float = option(2.0, metavar="S", doc="seconds for a TCP connect to "
                                       "another member; loopback and LAN are fast")
     health_interval_s: float = option(0.25, metavar="S", doc="seconds between probes of "
@@ -85,8 +98,11 @@ class RelaySettings:
             raise ConfigError(f"Relay index {self.index} is outside 0..{n - 1}.")
         if self.fanout < 1:
             raise ConfigError(f"Relay fan-out {self.fanout} must be at least 1.")
-        if not self.token or any(c.isspace() for c in self.token):
-            raise ConfigError("Relay token is empty or contains whitespace.")
+        check_token(self.token, "relay read token")
+        check_token(self.publish_token, "relay publish token")
+        if self.token == self.publish_token:
+            raise ConfigError("The relay read and publish tokens are the same; a reader could "
+                              "then push. Give each its own random secret.")
         parse_address(self.listen)
         positive = {
             "budget_bytes": self.budget_bytes,
@@ -95,6 +111,7 @@ class RelaySettings:
             "chunk_bytes": self.chunk_bytes,
             "queue_chunks": self.queue_chunks,
             "stall_timeout_s": self.stall_timeout_s,
+            "min_upload_bytes_per_s": self.min_upload_bytes_per_s,
             "connect_timeout_s": self.connect_timeout_s,
             "health_interval_s": self.health_interval_s,
             "health_timeout_s": self.health_timeout_s,

@@ -3,6 +3,10 @@
 A node stages payloads ``(attempt, owner, seq)`` and one manifest per attempt, each
 under a :class:`Key` whose ``path`` is its URL. A handler refuses a request by raising
 :class:`Refused` with the HTTP status. Bodies travel as async iterables of chunks.
+
+Ids come from URLs, which a client spells: :func:`attempt_from` and :func:`key_from`
+check them against the attempt-id pattern and the owner and seq ranges before anything
+uses or logs them (a ``%0A`` in a URL must not become a forged log line).
 """
 
 from __future__ import annotations
@@ -49,11 +53,17 @@ class Key:
         return f"payload {self.attempt}/o{self.owner}/s{self.seq}"
 
 
-def key_from(request: web.Request, kind: Literal["payload", "manifest"]) -> Key:
-    info = request.match_info
-    attempt = info["attempt"]
+def attempt_from(request: web.Request) -> str:
+    """The URL's attempt id, checked; 400 (the id quoted with ``repr``) otherwise."""
+    attempt = request.match_info["attempt"]
     if not ATTEMPT_RE.fullmatch(attempt):
         raise Refused(400, f"Attempt id {attempt!r} does not match {ATTEMPT_RE.pattern}.")
+    return attempt
+
+
+def key_from(request: web.Request, kind: Literal["payload", "manifest"]) -> Key:
+    info = request.match_info
+    attempt = attempt_from(request)
     if kind == "manifest":
         return Key(attempt, "manifest")
     owner, seq = int(info["owner"]), int(info["seq"])
