@@ -14,7 +14,8 @@ bit-only changes: NaN payloads, -0.0 <-> +0.0, finite -> Inf. Through ``python -
   missing payload, and a manifest of another version, with exit 1, a ``dcr: error:``
   message naming the culprit, and every checkpoint file byte-identical;
 * a re-run is a no-op, and a run after a simulated crash (some shards already at the
-  target, a stale temporary file) completes;
+  target, a stale temporary file) completes; a link planted at a temporary name is never
+  written through, and a copy that fails (the disk full) leaves no temporary file;
 * ``inspect`` (JSON and table) reports the true changed counts;
 * ``diff`` of checkpoints with different tensors, shapes or dtypes fails naming the
   tensor; ``--help`` works; usage errors exit 2.
@@ -25,7 +26,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import resource
 import shutil
+import signal
 import stat
 import struct
 import subprocess
@@ -591,6 +594,56 @@ def test_patch_resumes_after_a_crash_left_some_shards_patched(
     assert not list(ckpt.glob(".*dcr-patch")), "temporary files must not be left behind"
     for name in shards:
         assert (ckpt / name).read_bytes() == (r.target / name).read_bytes(), name
+
+
+def test_patch_never_writes_through_a_link_planted_at_a_temporary_name(
+    tmp_path, refits, scenario, read_bits
+):
+    """Fails on 5b0b0ae: the copy went to the fixed name ``.<file>.dcr-patch``, following a
+    link planted there (the checkpoint's bytes landed in the link's target) and then
+    renaming the link over the checkpoint file."""
+    r = refits("file", "mixed")
+    ckpt = r.copy_base(tmp_path / "ckpt")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"not the checkpoint's to write")
+    (ckpt.parent / f".{ckpt.name}.dcr-patch").symlink_to(victim)
+    dcr_json("patch", ckpt, "--store", r.store.as_uri(), "--version", r.version)
+    assert victim.read_bytes() == b"not the checkpoint's to write"
+    assert stat.S_ISREG(ckpt.lstat().st_mode)
+    _assert_bits_equal(read_bits(ckpt), scenario.target_bits)
+    assert not list(ckpt.parent.glob(".*dcr-patch"))  # the planted link is gone, unfollowed
+
+
+def test_patch_removes_the_temporary_file_a_killed_run_left(tmp_path, refits):
+    """Fails on 5b0b0ae: only the fixed temporary name was ever cleaned up."""
+    r = refits("file", "mixed")
+    ckpt = r.copy_base(tmp_path / "ckpt")
+    (ckpt.parent / f".{ckpt.name}.q8x2_k1p.dcr-patch").write_bytes(b"half a copy")
+    dcr_json("patch", ckpt, "--store", r.store.as_uri(), "--version", r.version)
+    assert not list(ckpt.parent.glob(".*dcr-patch"))
+
+
+def test_patch_that_cannot_write_its_copy_leaves_no_temporary_file(tmp_path, refits):
+    """Fails on 5b0b0ae: the copy was made outside the cleanup, so a full disk (here a
+    file-size limit) left a partial temporary file beside the checkpoint, and the error
+    was a traceback."""
+    r = refits("file", "mixed")
+    ckpt = r.copy_base(tmp_path / "ckpt")
+    before = ckpt.read_bytes()
+    limit = len(before) // 2
+
+    def disk_fills_up() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    result = subprocess.run(
+        [sys.executable, "-m", "dcr", "patch", str(ckpt), "--store", r.store.as_uri(),
+         "--version", str(r.version)],
+        capture_output=True, text=True, timeout=120, check=False, preexec_fn=disk_fills_up,
+    )
+    assert_refused(result, str(ckpt), "cannot make the patched copy")
+    assert ckpt.read_bytes() == before
+    assert not list(ckpt.parent.glob(".*dcr-patch"))
 
 
 def test_patch_rerun_is_a_no_op_when_a_shard_has_no_changes(tmp_path, module_builders):

@@ -1,22 +1,31 @@
 """``dcr patch``: bring a checkpoint from the base version to the target version in place.
 
-Nothing is written until all inputs are verified: the manifest and every payload are
-fetched and checked (size, BLAKE2b digest, header fields against the manifest), every
-item is decoded and validated, and every tensor of the checkpoint is fingerprinted and
+Nothing is written until all inputs are verified: the checkpoint must hold exactly the
+manifest's tensors, every payload is fetched and checked (size, BLAKE2b digest, header
+fields against the manifest, every item against the manifest's tensors before a stream
+is decompressed, under limits derived from those tensors), every item is decoded and
+validated, and every tensor of the checkpoint is fingerprinted and
 must be at the base version or, for a whole file, already at the target (a re-run
 after a crash). Each file to change is then copied to a temporary file beside it (mode
 bits kept), patched there, checked against the target fingerprints, fsynced and renamed
-over the original: a file is always wholly old or wholly new. Should a later file fail
-its target check (a manifest whose fingerprints disagree with its payloads), the files
-renamed before it stay at the target and the command fails naming the file; a re-run
-with a correct manifest finishes the rest.
+over the original: a file is always wholly old or wholly new. The temporary file is
+made by ``mkstemp`` (a fresh name, ``O_CREAT | O_EXCL``, so a link planted beside the
+checkpoint is never written through) and removed when anything fails; a leftover of a
+killed run (``.<file>.*dcr-patch``) is unlinked, not followed, by the next run. Should a
+later file fail its target check (a manifest whose fingerprints disagree with its
+payloads), the files renamed before it stay at the target and the command fails naming
+the file; a re-run with a correct manifest finishes the rest.
 """
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import mmap
 import os
 import shutil
+import stat
+import tempfile
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,14 +35,27 @@ import numpy as np
 
 from dcr.checkpoint import Checkpoint, TensorInfo, UInt, fingerprint, read_header
 from dcr.codec.decode import DecodedItem, Target, apply_items, decode
-from dcr.errors import MalformedPayload, ManifestError, TargetMismatch, WrongBaseVersion
+from dcr.errors import (
+    CheckpointError,
+    MalformedPayload,
+    ManifestError,
+    TargetMismatch,
+    WrongBaseVersion,
+)
 from dcr.format.layout import manifest_key
 from dcr.format.manifest import Manifest, TensorEntry
 from dcr.format.names import object_digest
-from dcr.format.payload import DEFAULT_LIMITS, DecodeLimits, check_disjoint, read_payload
+from dcr.format.payload import (
+    DEFAULT_LIMITS,
+    DecodeLimits,
+    Payload,
+    check_disjoint,
+    read_payload,
+)
 from dcr.transport.store import Store
 
 Progress = Callable[[int], None]
+TEMP_SUFFIX = "dcr-patch"  # temporary files are .<file>.<random>.dcr-patch beside <file>
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,8 +75,14 @@ def load_manifest(store: Store, version: int) -> Manifest:
 
 
 def fetch_items(store: Store, manifest: Manifest, limits: DecodeLimits) -> list[DecodedItem]:
-    """Fetch, verify and decode every payload the manifest lists, in manifest order."""
-    items: list[DecodedItem] = []
+    """Fetch, verify and decode every payload the manifest lists, in manifest order.
+
+    Items are checked against the manifest's tensors, and decoded under ``limits``
+    narrowed to them, so a small payload cannot decompress to more than they hold.
+    """
+    tensors = {t.name: (t.dtype, t.shape) for t in manifest.tensors}
+    limits = DecodeLimits.for_tensors(tensors.values(), limits)
+    payloads: list[Payload] = []
     for e in manifest.payloads:
         data = store.get(e.key)
         if len(data) != e.size:
@@ -74,15 +102,19 @@ def fetch_items(store: Store, manifest: Manifest, limits: DecodeLimits) -> list[
                 f"Payload {e.key} says (base, target, attempt, owner, seq, mode) = {got}; "
                 f"the manifest expects {want}."
             )
-        items.extend(decode(payload))
+        for it in h.items:
+            if tensors.get(it.name) != (it.dtype, it.shape):
+                raise TargetMismatch(f"Item {it.where} of {e.key} does not match the "
+                                     "manifest's tensors.")
+        payloads.append(payload)
     try:
-        check_disjoint(i.header for i in items)
+        check_disjoint(it for p in payloads for it in p.header.items)
     except ValueError as err:
         raise MalformedPayload(f"Payloads of {manifest.attempt} conflict: {err}.") from err
-    return items
+    return [item for p in payloads for item in decode(p)]
 
 
-def _check_layout(ckpt: Checkpoint, manifest: Manifest, items: list[DecodedItem]) -> None:
+def _check_layout(ckpt: Checkpoint, manifest: Manifest) -> None:
     want = {t.name: (t.dtype, t.shape) for t in manifest.tensors}
     have = {n: (i.dtype.name, i.shape) for n, i in ckpt.tensors.items()}
     if want != have:
@@ -90,9 +122,6 @@ def _check_layout(ckpt: Checkpoint, manifest: Manifest, items: list[DecodedItem]
         raise TargetMismatch(
             f"Checkpoint {ckpt.root} does not hold the manifest's tensors: {diff}."
         )
-    for it in items:
-        if want.get(it.header.name) != (it.header.dtype, it.header.shape):
-            raise TargetMismatch(f"Item {it.header.where} does not match the manifest's tensors.")
 
 
 def _classify(ckpt: Checkpoint, manifest: Manifest) -> tuple[list[Path], list[Path]]:
@@ -127,12 +156,32 @@ def _view(mm: mmap.mmap, info: TensorInfo) -> UInt:
     return np.frombuffer(mm, dtype=info.dtype.bits, count=info.numel, offset=info.offset)
 
 
+def _remove_leftovers(path: Path) -> None:
+    """Unlink (never follow) temporary files of ``path`` that a killed run left."""
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.*{TEMP_SUFFIX}"):
+        stale.unlink(missing_ok=True)
+
+
+def _copy_beside(path: Path) -> Path:
+    """A fresh temporary copy of ``path`` in its directory, with its mode bits."""
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.",
+                                suffix=f".{TEMP_SUFFIX}")
+    tmp = Path(name)
+    try:
+        with open(path, "rb") as src, os.fdopen(fd, "wb") as dst:
+            os.fchmod(dst.fileno(), stat.S_IMODE(os.fstat(src.fileno()).st_mode))
+            shutil.copyfileobj(src, dst, 16 << 20)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"{path}: cannot make the patched copy beside it: {e}.") from e
+    return tmp
+
+
 def _patch_file(
     path: Path, items: list[DecodedItem], entries: dict[str, TensorEntry]
 ) -> int:
-    tmp = path.with_name(f".{path.name}.dcr-patch")
-    shutil.copyfile(path, tmp)
-    shutil.copymode(path, tmp)
+    _remove_leftovers(path)
+    tmp = _copy_beside(path)
     try:
         infos = read_header(tmp)
         with tmp.open("r+b") as f:
@@ -154,7 +203,8 @@ def _patch_file(
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
@@ -172,9 +222,9 @@ def patch_checkpoint(
     progress: Progress | None = None,
 ) -> PatchResult:
     manifest = load_manifest(store, version)
-    items = fetch_items(store, manifest, limits)
     with Checkpoint(root) as ckpt:
-        _check_layout(ckpt, manifest, items)
+        _check_layout(ckpt, manifest)
+        items = fetch_items(store, manifest, limits)
         todo, done = _classify(ckpt, manifest)
         file_of = {n: i.file for n, i in ckpt.tensors.items()}
         sizes = {p: p.stat().st_size for p in todo}
