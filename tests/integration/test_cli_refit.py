@@ -33,12 +33,15 @@ import stat
 import struct
 import subprocess
 import sys
+import tracemalloc
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+
+from dcr.errors import LimitExceeded, TargetMismatch
 
 ITEMSIZE = {
     "BF16": 2, "F16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1,
@@ -488,6 +491,56 @@ def test_patch_refuses_a_payload_of_another_attempt(tmp_path, refits, file_hashe
     before = file_hashes(ckpt)
     result = dcr("patch", ckpt, "--store", store.as_uri(), "--version", r.version)
     assert_refused(result, first["payloads"][0]["key"], "the manifest expects")
+    assert file_hashes(ckpt) == before
+
+
+@pytest.mark.parametrize(("n", "error", "needle"), [
+    (1 << 27, LimitExceeded, "over the limits (524288 elements"),  # the largest tensor's
+    (500_000, TargetMismatch, "does not match the manifest's tensors"),
+])
+def test_patch_refuses_a_decompression_bomb_before_decompressing_it(
+        tmp_path, refits, file_hashes, n, error, needle):
+    """The 2**27 case fails on 5b0b0ae: every payload was decoded before its items were
+    compared with the manifest's tensors, so a few KiB that the manifest vouches for (store
+    write access is all it takes) decompressed to 256 MiB first (1.4 GiB peak). Now it is
+    read under limits derived from the manifest's tensors; an item within them that names
+    no tensor is refused before its streams are decoded. Peak traced memory stays under
+    64 MiB."""
+    from dcr.files.patch import patch_checkpoint
+    from dcr.format.payload import ItemHeader, pack_payload
+    from dcr.transport.store import open_store
+
+    r = refits("file", "mixed")
+    store = r.copy_store(tmp_path / "store")
+    key = f"v{r.version:010d}/manifest.json"
+    manifest = json.loads((store / key).read_text())
+    entry = manifest["payloads"][0]
+    item = ItemHeader(name="model.layers.7.mlp.absent.weight", dtype="U8", shape=(n,),
+                      start=0, stop=n, entry="overwrite", loc="gaps", count=n, runs=0,
+                      escapes=0, loc_width=0, len_width=0)
+    zeros = bytes(n)
+    bomb = pack_payload(base_version=manifest["base_version"],
+                        target_version=manifest["target_version"],
+                        attempt=manifest["attempt"], owner=entry["owner"], seq=entry["seq"],
+                        mode=manifest["mode"], items=(item,),
+                        streams={"loc.0": zeros, "val.overwrite.U8.0": zeros})
+    del zeros
+    assert len(bomb) < 64 << 10
+    (store / entry["key"]).write_bytes(bomb)
+    entry["size"] = len(bomb)
+    entry["digest"] = hashlib.blake2b(bomb, digest_size=16).hexdigest()
+    (store / key).write_text(json.dumps(manifest))
+    ckpt = r.copy_base(tmp_path / "ckpt")
+    before = file_hashes(ckpt)
+    tracemalloc.start()
+    try:
+        with pytest.raises(error, match=r"absent\.weight") as e:
+            patch_checkpoint(ckpt, open_store(store.as_uri()), r.version)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert needle in str(e.value)
+    assert peak < 64 << 20, f"peak {peak >> 20} MiB"
     assert file_hashes(ckpt) == before
 
 
