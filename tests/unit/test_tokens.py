@@ -104,6 +104,17 @@ def test_dcr_relay_refuses_weak_or_shared_tokens(tmp_path: Path, read: str, publ
         assert secret not in r.stderr
 
 
+def test_an_owner_refuses_a_weak_publish_token_before_it_connects(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from dcr.transport.relay.publish import RelayPublisher
+
+    monkeypatch.setenv("DCR_RELAY_TOKEN", PLACEHOLDER + "\n")
+    with pytest.raises(ConfigError, match=r"relay publish token from \$DCR_RELAY_TOKEN"):
+        RelayPublisher("relay+http://127.0.0.1:9")
+    with pytest.raises(ConfigError, match="6 characters"):
+        RelayPublisher("relay+http://127.0.0.1:9", token="abcdef")
+
+
 @pytest.mark.parametrize("header", [None, "", GOOD, f"bearer {GOOD}", f"Bearer {GOOD} ",
                                     "Bearer \udcff\udcfe", f"Bearer {GOOD}\u00e9"])
 def test_only_the_exact_bearer_header_matches_and_nothing_raises(header: str | None) -> None:

@@ -1,7 +1,9 @@
 """The relay root as a write-only ``Store``: what an owner publishes goes to the tree.
 
-``open_store("relay+http://host:port")`` gives this store; the bearer token comes from
-``$DCR_RELAY_TOKEN`` (never from the URI, so it stays out of logs and process lists).
+``open_store("relay+http://host:port")`` gives this store; the relay's publish token
+comes from ``$DCR_RELAY_TOKEN`` (never from the URI, so it stays out of logs and process
+lists) and is checked like every token (:func:`dcr.tokens.check_token`); the read token
+agents hold cannot push.
 Payload keys ``v<N>/<attempt>/o<K>-s<S>.dcrp`` become ``PUT /v1/payloads/...`` of that
 attempt and a manifest key becomes ``PUT /v1/manifests/<attempt>``; each ``put``
 returns once the root acknowledged it as queued (the relay's hop acknowledgement).
@@ -19,6 +21,7 @@ import os
 
 from dcr.errors import ConfigError
 from dcr.format.layout import parse_manifest_key, parse_manifest_part_key, parse_payload_key
+from dcr.tokens import check_token
 from dcr.transport.relay.client import BlockingRelay
 
 TOKEN_ENV = "DCR_RELAY_TOKEN"
@@ -28,10 +31,13 @@ class RelayPublisher:
     """A ``Store`` whose ``put`` streams to the relay root; reads are not offered."""
 
     def __init__(self, url: str, token: str | None = None) -> None:
-        token = token if token is not None else os.environ.get(TOKEN_ENV, "")
+        source = "relay publish token" if token is not None else (
+            f"relay publish token from ${TOKEN_ENV}")
+        token = token if token is not None else os.environ.get(TOKEN_ENV, "").strip()
         if not token:
             raise ConfigError(f"Publishing to the relay at {url} needs its bearer token in "
-                              f"${TOKEN_ENV}.")
+                              f"${TOKEN_ENV} (the relay's publish token).")
+        check_token(token, source)
         self.uri = url
         self._relay = BlockingRelay(url.replace("relay+", "", 1), token, name="relay-publish")
         self._run, self._client = self._relay.run, self._relay.client
