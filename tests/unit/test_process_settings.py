@@ -62,21 +62,27 @@ def test_agent_settings_refuse_contradictions_naming_the_values(
 
 def test_relay_flags_users_type_keep_their_meaning(tmp_path: Path) -> None:
     (tmp_path / "token").write_text("0123456789abcdef\n")
+    (tmp_path / "publish").write_text("fedcba9876543210\n")
     ns = parse("relay", "--listen", "0.0.0.0:8470", "--members", "a:1, b:2,c:3", "--index",
-               "1", "--fanout", "3", "--token-file", str(tmp_path / "token"), "--spool",
+               "1", "--fanout", "3", "--token-file", str(tmp_path / "token"),
+               "--publish-token-file", str(tmp_path / "publish"), "--spool",
                str(tmp_path), "--budget-mib", "4", "--spool-budget-mib", "8",
                "--admit-timeout-s", "1.5", "--health-timeout-s", "2")
     s = relay_settings(ns)
     assert s == RelaySettings(
         members=("a:1", "b:2", "c:3"), index=1, fanout=3, token="0123456789abcdef",
-        listen="0.0.0.0:8470", spool_dir=tmp_path, budget_bytes=4 * MiB,
-        spool_budget_bytes=8 * MiB, admit_timeout_s=1.5, health_timeout_s=2.0)
+        publish_token="fedcba9876543210", listen="0.0.0.0:8470", spool_dir=tmp_path,
+        budget_bytes=4 * MiB, spool_budget_bytes=8 * MiB, admit_timeout_s=1.5,
+        health_timeout_s=2.0)
     assert "0123456789abcdef" not in repr(s)
+    assert "fedcba9876543210" not in repr(s)
 
 
 def test_relay_refuses_an_unreadable_token_file_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "publish").write_text("fedcba9876543210\n")
     ns = parse("relay", "--listen", "h:1", "--members", "h:1", "--index", "0",
-               "--token-file", str(tmp_path / "missing"))
+               "--token-file", str(tmp_path / "missing"),
+               "--publish-token-file", str(tmp_path / "publish"))
     with pytest.raises(ConfigError, match="missing"):
         relay_settings(ns)
 
@@ -110,8 +116,8 @@ def test_the_main_job_starts_agents_with_argv_built_from_their_settings() -> Non
     (TrainerSettings, {"heads": 3}, "heads=3"),
     (CoordinatorSettings, {"max_attempts": 0}, "max_attempts=0"),
     (S3Settings, {"max_attempts": 0}, "max_attempts = 0"),
-    (RelaySettings, {"members": ("a:1",), "index": 0, "token": "t", "retries": -1},
-     "retries=-1"),
+    (RelaySettings, {"members": ("a:1",), "index": 0, "token": "0123456789abcdef",
+                     "publish_token": "fedcba9876543210", "retries": -1}, "retries=-1"),
 ])
 def test_settings_refuse_bad_values_naming_them(cls: type, given: dict[str, object],
                                                 named: str) -> None:
