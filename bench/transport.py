@@ -52,6 +52,7 @@ from dcr.codec.decode import Target, apply_items, decode
 from dcr.format.payload import Payload
 from dcr.owner.diff import diff_checkpoints
 from dcr.owner.settings import EncodeSettings
+from dcr.tokens import write_token_file
 from dcr.transport.receive import Source, StoreSource, receive
 from dcr.transport.relay import RelaySource
 from dcr.transport.relay.publish import RelayPublisher
@@ -60,7 +61,8 @@ from dcr.transport.store import open_store
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
 KEY, SECRET = "dcrbenchaccesskey", "dcrbenchsecretkey0123456789"
-BUCKET, ATTEMPT, TOKEN = "bench", "a-bench", "bench-token"
+BUCKET, ATTEMPT = "bench", "a-bench"
+TOKEN, PUBLISH_TOKEN = "bench-read-token-0001", "bench-publish-token-0001"  # relay: nodes read
 BUCKET_BYTES = 256 << 20  # set from --bucket-mib
 
 
@@ -278,18 +280,19 @@ def run_dcr_relay(procs: Procs, v0: Path, v1: Path, n: int, mbit: float, rtt: fl
                   fanout: int, work: Path) -> dict[str, Any]:
     ports = [free_port() for _ in range(n)]
     members = ",".join(f"127.0.0.1:{p}" for p in ports)
-    token_file = work / "token"
-    token_file.write_text(TOKEN)
+    token_file = write_token_file(work / "token", TOKEN)
+    publish_file = write_token_file(work / "publish-token", PUBLISH_TOKEN)
     for i, port in enumerate(ports):
         procs.start([sys.executable, "-m", "dcr", "relay", "--listen", f"127.0.0.1:{port}",
                      "--members", members, "--index", str(i), "--fanout", str(fanout),
-                     "--token-file", str(token_file)], stdout=subprocess.DEVNULL,
+                     "--token-file", str(token_file), "--publish-token-file",
+                     str(publish_file)], stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL)
     for port in ports:
         wait_http(f"http://127.0.0.1:{port}/healthz")
     link, link_port = start_link(procs, ports[0], mbit, rtt)  # trainer -> root: the boundary
     nodes = start_nodes(procs, n, "dcr-relay", v0, [f"127.0.0.1:{p}" for p in ports])
-    push = RelayPublisher(f"relay+http://127.0.0.1:{link_port}", token=TOKEN)
+    push = RelayPublisher(f"relay+http://127.0.0.1:{link_port}", token=PUBLISH_TOKEN)
     results_box: list[list[dict[str, Any]]] = []
     t0 = time.perf_counter()
     waiter = threading.Thread(target=lambda: results_box.append(go(nodes)))
