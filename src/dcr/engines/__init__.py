@@ -1,0 +1,20 @@
+"""Serving engines as the agent drives them: the seam and one adapter per engine.
+
+``base`` is the seam (:class:`~dcr.engines.base.Engine`) and its values; ``plugin`` is
+DCR's plugin inside the engine as the agent calls it (six methods, one answer per rank)
+and the shared half of both adapters; ``vllm`` drives a vLLM server (and ``dcr serve``,
+which speaks vLLM's dialect) through ``/collective_rpc``, ``/pause`` and the weight-version
+routes; ``sglang`` drives an SGLang server through its custom weight-loader hook,
+``/pause_generation`` and ``/update_weight_version``; ``http`` is the one JSON-over-HTTP
+conversation both use; ``errors`` holds the package's errors. Torch-free: the agent that
+imports this holds no model. ``docs/engines.md`` is the contract in prose.
+"""
+
+from dcr.engines.base import ApplyOutcome, Engine, PauseMode, TensorSpec
+from dcr.engines.errors import BadAnswer, EngineError
+from dcr.engines.plugin import EngineTimeouts
+from dcr.engines.sglang import SglangEngine
+from dcr.engines.vllm import VllmEngine
+
+__all__ = ["ApplyOutcome", "BadAnswer", "Engine", "EngineError", "EngineTimeouts",
+           "PauseMode", "SglangEngine", "TensorSpec", "VllmEngine"]
