@@ -1,14 +1,14 @@
-"""The ``dcr`` command line: diff, patch, inspect, relay, encode, agent, refit.
+"""The ``dcr`` command line: diff, patch, inspect, relay, encode, agent, serve, refit.
 
 Exit status: 0 on success, 1 when DCR refuses or fails (the message names the value),
 2 for usage errors. With ``--json`` a command prints exactly one JSON object on stdout
 and no progress bars.
 
-The options of ``agent``, ``refit`` and ``relay`` are generated from their settings
-classes (``AgentSettings``, ``RefitSettings`` with ``TrainerSettings``,
-``RelaySettings``); a command's options are built only when that command runs (or for
-``dcr --help``), so ``dcr encode``, started once per attempt, does not import the relay
-node or the main job.
+The options of ``agent``, ``serve``, ``refit`` and ``relay`` are generated from their
+settings classes (``AgentSettings``, ``ServeSettings``, ``RefitSettings`` with
+``TrainerSettings``, ``RelaySettings``); a command's options are built only when that
+command runs (or for ``dcr --help``), so ``dcr encode``, started once per attempt, does
+not import the relay node or the main job.
 """
 
 from __future__ import annotations
@@ -167,6 +167,17 @@ def cmd_agent(args: argparse.Namespace) -> None:
     run(from_args(AgentSettings, args))
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    import logging
+
+    from dcr.serve.main import run
+    from dcr.serve.settings import ServeSettings
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    run(from_args(ServeSettings, args))
+
+
 def cmd_refit(args: argparse.Namespace) -> None:
     from dcr.refit import RefitSettings, run_refit
     from dcr.trainer import TrainerSettings
@@ -205,6 +216,13 @@ def _agent_options(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_agent)
 
 
+def _serve_options(p: argparse.ArgumentParser) -> None:
+    from dcr.serve.main import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=cmd_serve)
+
+
 def _refit_options(p: argparse.ArgumentParser) -> None:
     from dcr.refit import RefitSettings
     from dcr.trainer import TrainerSettings
@@ -234,6 +252,8 @@ def _relay_options(p: argparse.ArgumentParser) -> None:
 _BUILT_WHEN_RUN: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "agent": ("run a rollout rank's agent (HTTP control API) with an embedded runtime",
               _agent_options),
+    "serve": ("run the reference serving engine (vLLM's HTTP dialect, DCR's plugin in "
+              "every rank) for tests and the demo", _serve_options),
     "refit": ("the main job and the demo: train, refit agent processes after every step, "
               "recover from kills, verify bits, plot", _refit_options),
     "relay": ("run one relay tree node until SIGTERM", _relay_options),

@@ -1,0 +1,125 @@
+"""``POST /v1/completions`` of the reference server: greedy tokens from token-id prompts.
+
+The body is the part of vLLM's ``CompletionRequest`` a refit test needs: ``prompt`` as
+token ids, ``max_tokens``, greedy sampling (``temperature`` absent or 0), and
+``return_weight_versions``. Anything else is refused with 400 naming the field, as is a
+token id outside the vocabulary or a prompt or ``max_tokens`` over the server's limits.
+The answer has vLLM's ``CompletionResponse`` shape; each choice carries ``token_ids``
+(there is no tokenizer, so ``text`` is empty) and, when asked, ``weight_versions``: the
+spans of output tokens each weight-version label produced.
+
+:func:`greedy` runs in a worker thread: one forward per token under the model lock,
+and the pause gate's :meth:`~dcr.serve.gate.PauseGate.step` before each, so a pause can
+drain, abort or park it between tokens.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dcr.errors import first_validation_error
+from dcr.serve.gate import Aborted, PauseGate
+
+
+class BadCompletion(ValueError):
+    """A completion body the server refuses (the message names the field or value)."""
+
+
+class CompletionBody(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    prompt: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] = 16
+    model: str | None = None
+    temperature: Annotated[float, Field(ge=0, le=0)] | None = None  # greedy only
+    return_weight_versions: bool = False
+    stream: Literal[False] = False  # one JSON answer; no server-sent events
+
+
+def parse_completion(raw: bytes, *, vocab: int, max_input: int,
+                     max_tokens: int) -> CompletionBody:
+    """The checked body, or :class:`BadCompletion` naming what is wrong."""
+    try:
+        body = CompletionBody.model_validate_json(raw or b"{}")
+    except ValidationError as e:
+        raise BadCompletion(f"completions: {first_validation_error(e, 'body')}") from None
+    if len(body.prompt) > max_input:
+        raise BadCompletion(f"completions: prompt: {len(body.prompt)} token ids; at most "
+                            f"{max_input}.")
+    if body.max_tokens > max_tokens:
+        raise BadCompletion(f"completions: max_tokens: {body.max_tokens}; at most "
+                            f"{max_tokens}.")
+    bad = next((i for i in body.prompt if i >= vocab), None)
+    if bad is not None:
+        raise BadCompletion(f"completions: prompt: token id {bad} is outside the vocabulary "
+                            f"(0..{vocab - 1}).")
+    return body
+
+
+@dataclass(kw_only=True)
+class Completion:
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str = "length"
+    versions: list[str] = field(default_factory=list)  # the label at each token
+
+
+def greedy(model: Callable[[torch.Tensor], torch.Tensor], prompt: list[int], max_tokens: int,
+           *, gate: PauseGate, lock: Any, label: Callable[[], str],
+           min_step_s: float = 0.0) -> Completion:
+    """Greedy decoding of ``max_tokens`` tokens behind the gate (:class:`~dcr.serve.gate.Paused`
+    when it refuses new completions)."""
+    ticket = gate.admit()
+    out = Completion()
+    try:
+        ids = torch.tensor([prompt], dtype=torch.long)
+        for _ in range(max_tokens):
+            try:
+                gate.step(ticket)
+            except Aborted:
+                out.finish_reason = "abort"
+                break
+            started = time.monotonic()
+            with lock, torch.inference_mode():
+                token = int(model(ids)[0, -1].argmax())
+                out.versions.append(label())
+            time.sleep(max(0.0, min_step_s - (time.monotonic() - started)))
+            out.tokens.append(token)
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    finally:
+        gate.leave(ticket)
+    return out
+
+
+def spans(versions: list[str]) -> list[dict[str, Any]]:
+    """vLLM's ``weight_versions``: ``[{version, start, end}]`` over output tokens."""
+    out: list[dict[str, Any]] = []
+    for i, v in enumerate(versions):
+        if out and out[-1]["version"] == v:
+            out[-1]["end"] = i + 1
+        else:
+            out.append({"version": v, "start": i, "end": i + 1})
+    return out
+
+
+def response(body: CompletionBody, c: Completion, served: str) -> dict[str, Any]:
+    """vLLM's ``CompletionResponse`` for one choice."""
+    choice: dict[str, Any] = {"index": 0, "text": "", "token_ids": c.tokens,
+                              "finish_reason": c.finish_reason, "logprobs": None,
+                              "stop_reason": None}
+    if body.return_weight_versions:
+        choice["weight_versions"] = spans(c.versions)
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+            "created": int(time.time()), "model": body.model or served, "choices": [choice],
+            "usage": {"prompt_tokens": len(body.prompt), "completion_tokens": len(c.tokens),
+                      "total_tokens": len(body.prompt) + len(c.tokens)}}
+
+
+__all__ = ["BadCompletion", "Completion", "CompletionBody", "greedy", "parse_completion",
+           "response", "spans"]

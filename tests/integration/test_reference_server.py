@@ -1,0 +1,389 @@
+"""Real ``dcr serve`` processes on loopback, driven only through the agent's ``VllmEngine``.
+
+Each server holds a tiny Llama (``--runtime hf``, or both ranks of the vLLM-layout
+reference at TP 2) with DCR's worker extension in every rank, reads payloads from a
+staging directory by file name and dense checkpoints from a checkpoint root, as a vLLM
+server started with the plugin would. Payloads are made by the owner's own diff
+(``diff_checkpoints`` + ``EncodeSettings``) between checkpoints of real AdamW steps and
+written to the staging directory under their file names. Bits are compared through the
+engine's fingerprint (xxh3-128 of every parameter and buffer's integer view, per rank)
+against a second server that loaded the target densely through the same loader.
+Completions (the serving side, not the agent's) are posted with a small helper.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+import urllib.parse
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dcr.apply.engine import CanonicalTensor
+from dcr.checkpoint import Checkpoint
+from dcr.engines import BadAnswer, EngineError, VllmEngine
+from dcr.errors import ConfigError
+from dcr.format.manifest import Manifest
+from dcr.format.names import Mode
+from dcr.format.profile import ReceiverProfile
+from dcr.owner.diff import diff_checkpoints
+from dcr.owner.settings import EncodeSettings
+from dcr.settings import MiB
+from dcr.transport.store import MemoryStore
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow, pytest.mark.e2e]
+
+KEY = "serve-test-key-0123456789abcdef"
+LLAMA = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    tie_word_embeddings=False)
+START_TIMEOUT_S = 120.0
+STEP_S = 0.05  # --min-step-s of the pause test's server: a 60-token completion takes 3 s
+
+
+@pytest.fixture(scope="module")
+def ckpt_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The checkpoint root: versions 0..2 of a tiny Llama, each a ``save_pretrained``
+    directory in BF16, one real AdamW step apart (lr 1e-3, random tokens)."""
+    root = tmp_path_factory.mktemp("ckpts")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LLAMA)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for v in range(3):
+        if v:
+            ids = torch.randint(0, LLAMA.vocab_size, (2, 16))
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        export = LlamaForCausalLM(LLAMA)
+        export.load_state_dict(model.state_dict())
+        export.to(torch.bfloat16).save_pretrained(root / f"v{v}")
+    return root
+
+
+def canonical(ckpt: Path) -> list[CanonicalTensor]:
+    with Checkpoint(ckpt) as c:
+        return [CanonicalTensor(name=i.name, dtype=i.dtype.name, shape=i.shape) for i in c]
+
+
+# --- servers ---------------------------------------------------------------------------
+
+
+@dataclass(eq=False, kw_only=True)
+class Server:
+    proc: subprocess.Popen[bytes]
+    url: str
+    engine: VllmEngine
+    log: Path
+
+    @property
+    def port(self) -> int:
+        return int(urllib.parse.urlsplit(self.url).port or 0)
+
+
+class Servers:
+    """``dcr serve`` processes of one test over one staging directory and checkpoint
+    root; every one is killed at teardown."""
+
+    def __init__(self, tmp: Path, root: Path) -> None:
+        self.tmp, self.root = tmp, root
+        self.staging = tmp / "staging"
+        self.staging.mkdir()
+        self.key_file = tmp / "api-key"
+        self.key_file.write_text(KEY + "\n")
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, runtime: str = "hf", *, tp: int = 1, port: int = 0,
+              extra: tuple[str, ...] = ()) -> Server:
+        cmd = [sys.executable, "-m", "dcr", "serve", "--runtime", runtime,
+               "--model", str(self.root / "v0"), "--listen", f"127.0.0.1:{port}",
+               "--api-key-file", str(self.key_file), "--staging-dir", str(self.staging),
+               "--checkpoint-root", str(self.root), "--weight-version", "0", *extra]
+        if tp > 1:
+            cmd += ["--tp-size", str(tp)]
+        log = self.tmp / f"serve-{len(self.procs)}.log"
+        with log.open("wb") as err:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=err, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        self.procs.append(proc)
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], START_TIMEOUT_S)
+        line = proc.stdout.readline() if ready else b""
+        if not line:
+            proc.kill()
+            pytest.fail(f"dcr serve did not start:\n{log.read_text()[-3000:]}")
+        url = json.loads(line)["url"]
+        return Server(proc=proc, url=url, engine=VllmEngine(url, KEY), log=log)
+
+    def stage(self, base: int, target: int, mode: Mode,
+              profile: ReceiverProfile | None) -> tuple[list[str], Manifest]:
+        """Diff version ``base`` -> ``target`` as an owner would, and write each payload
+        to the staging directory; the file names in order, and the manifest."""
+        store = MemoryStore()
+        settings = EncodeSettings(version=target, base_version=base, mode=mode,
+                                  profile=profile, bucket_bytes=1 * MiB, attempt_manifest=True)
+        with Checkpoint(self.root / f"v{base}") as b, Checkpoint(self.root / f"v{target}") as t:
+            manifest = diff_checkpoints(b, t, store, settings)
+        names = []
+        for p in sorted(manifest.payloads, key=lambda p: (p.owner, p.seq)):
+            name = f"{manifest.attempt}-o{p.owner:04d}-s{p.seq:06d}.dcrp"
+            (self.staging / name).write_bytes(store.get(p.key))
+            names.append(name)
+        return names, manifest
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+@pytest.fixture
+def servers(tmp_path: Path, ckpt_root: Path) -> Iterator[Servers]:
+    s = Servers(tmp_path, ckpt_root)
+    yield s
+    s.close()
+
+
+def post(url: str, path: str, body: Any, key: str | None = KEY) -> tuple[int, Any]:
+    """A request of the serving side (completions), not the agent's."""
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=60)
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    try:
+        conn.request("POST", path, json.dumps(body), headers)
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read() or b"null")
+    finally:
+        conn.close()
+
+
+def complete(server: Server, tokens: int, **kw: Any) -> tuple[int, Any]:
+    return post(server.url, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": tokens,
+                                                "return_weight_versions": True, **kw})
+
+
+def metric(server: Server, name: str) -> int:
+    parts = urllib.parse.urlsplit(server.url)
+    conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=30)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    m = re.search(rf"^vllm:{name}{{[^}}]*}} (\d+)$", text, re.MULTILINE)
+    assert m is not None, text
+    return int(m[1])
+
+
+def until(server: Server, name: str, value: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while metric(server, name) != value:
+        assert time.monotonic() < deadline, f"{name} never reached {value}"
+        time.sleep(0.02)
+
+
+# --- tests -----------------------------------------------------------------------------
+
+
+# Until DcrWorkerExtension takes the world size from the worker's parallel_config when
+# no process group exists (dcr serve holds its ranks in one process), both ranks of the
+# TP 2 server say the world is 1 and VllmEngine refuses the answer (strict: it will
+# pass, and fail here, the day the extension does).
+_TP2_WORLD = pytest.mark.xfail(strict=True, raises=BadAnswer,
+                               reason="the extension reports world 1 without a process group")
+
+
+@pytest.mark.parametrize(("runtime", "tp"), [
+    ("hf", 1), pytest.param("vllm-ref", 2, marks=_TP2_WORLD)])
+def test_staged_payloads_applied_through_the_plugin_equal_a_dense_load_on_every_rank(
+        servers: Servers, runtime: str, tp: int) -> None:
+    refit, dense = servers.start(runtime, tp=tp), servers.start(runtime, tp=tp)
+    tensors = canonical(servers.root / "v0")
+    profile = refit.engine.prewarm(tensors)
+    assert set(profile.tensors) == {t.name for t in tensors}
+    start = refit.engine.fingerprint()
+    assert len(start) == tp
+    assert refit.engine.instance() != dense.engine.instance()
+
+    for base, target, mode in ((0, 1, "mixed"), (1, 2, "overwrite")):
+        names, manifest = servers.stage(base, target, mode, profile)
+        assert names
+        refit.engine.pause("wait")
+        outcome = refit.engine.apply(names)
+        refit.engine.sync()
+        refit.engine.set_version(str(target))
+        refit.engine.resume()
+        assert len(outcome.reports) == tp
+        assert outcome.names
+        assert outcome.names <= {t.name for t in tensors}
+
+        dense.engine.load_dense(f"v{target}",
+                                expect={t.name: t.target for t in manifest.tensors})
+        got, want = refit.engine.fingerprint(), dense.engine.fingerprint()
+        for rank in range(tp):
+            differ = sorted(n for n in want[rank] if got[rank].get(n) != want[rank][n])
+            assert got[rank].keys() == want[rank].keys()
+            assert differ == [], f"rank {rank} differs from a dense load of v{target}"
+        assert refit.engine.version() == str(target)
+
+    moved = [n for n in start[0] if start[0][n] != got[0][n]]
+    assert len(moved) >= len(start[0]) // 2  # not vacuous: the weights did change
+
+
+def test_names_that_leave_the_staging_dir_or_checkpoint_root_are_refused_and_change_nothing(
+        servers: Servers, request: pytest.FixtureRequest) -> None:
+    server = servers.start()
+    engine = server.engine
+    engine.prewarm(canonical(servers.root / "v0"))
+    before = engine.fingerprint()
+    secret = servers.tmp / "outside.dcrp"
+    names, _ = servers.stage(0, 1, "mixed", None)
+    secret.write_bytes((servers.staging / names[0]).read_bytes())
+    (servers.staging / "link.dcrp").symlink_to(secret)
+    outside = servers.tmp / "outside-v1"  # a real checkpoint, outside the root
+    outside.mkdir()
+    for f in (servers.root / "v1").iterdir():
+        (outside / f.name).write_bytes(f.read_bytes())
+    escape = servers.root / f"escape-{servers.tmp.name}"  # a link in the root leading out
+    escape.symlink_to(outside)
+    request.addfinalizer(escape.unlink)
+
+    refused = [
+        ("dcr_apply", {"payloads": ["../outside.dcrp"]}),
+        ("dcr_apply", {"payloads": [str(secret)]}),
+        ("dcr_apply", {"payloads": ["link.dcrp"]}),  # a link out of the staging dir
+        ("dcr_load_dense", {"checkpoint": "../outside-v1", "expect": None}),
+        ("dcr_load_dense", {"checkpoint": escape.name, "expect": None}),
+        ("dcr_load_dense", {"checkpoint": str(servers.root / "v1"), "expect": None}),
+        ("dcr_load_dense", {"checkpoint": "v1", "expect": {"lm_head.weight": "xxh3-128:0"}}),
+    ]
+    for method, arg in refused:
+        with pytest.raises(EngineError) as e:
+            engine.rpc(method, arg)
+        assert e.value.status == 400
+        assert f"{method} (POST /collective_rpc)" in str(e.value)
+    with pytest.raises(EngineError, match="is not one of DCR's plugin methods"):
+        engine.rpc("load_model")
+    # The adapter refuses the same names before it sends anything.
+    with pytest.raises(ConfigError):
+        engine.apply(["../outside.dcrp"])
+    with pytest.raises(ConfigError):
+        engine.load_dense("/etc")
+    assert engine.fingerprint() == before
+    assert engine.apply(names).names  # the same payloads under their own names apply
+
+
+def test_pause_modes_drain_abort_or_park_completions_in_flight_and_gate_new_ones(
+        servers: Servers) -> None:
+    server = servers.start(extra=("--min-step-s", str(STEP_S)))
+    engine = server.engine
+    pool = ThreadPoolExecutor(4)
+
+    # keep: the completion in flight parks and continues after resume; one sent while
+    # paused waits for resume instead of being refused.
+    first: Future[tuple[int, Any]] = pool.submit(complete, server, 60)
+    until(server, "num_requests_running", 1)
+    engine.pause("keep")
+    assert engine.is_paused()
+    held = pool.submit(complete, server, 4)
+    until(server, "num_requests_waiting", 1)
+    engine.set_version("1")
+    engine.resume()
+    status, answer = held.result(timeout=60)
+    assert status == 200
+    assert answer["choices"][0]["weight_versions"] == [{"version": "1", "start": 0, "end": 4}]
+    engine.pause("wait")  # drains: the first completion ends on its own
+    status, answer = first.result(timeout=60)
+    choice = answer["choices"][0]
+    assert (status, choice["finish_reason"], len(choice["token_ids"])) == (200, "length", 60)
+    assert [s["version"] for s in choice["weight_versions"]] == ["0", "1"]
+    engine.resume()
+
+    # abort: the completion in flight ends at its next step; new ones get 503 until resume.
+    third = pool.submit(complete, server, 60)
+    until(server, "num_requests_running", 1)
+    engine.pause("abort")
+    status, answer = third.result(timeout=60)
+    assert (status, answer["choices"][0]["finish_reason"]) == (200, "abort")
+    assert len(answer["choices"][0]["token_ids"]) < 60
+    status, answer = complete(server, 2)
+    assert (status, answer["error"]["type"]) == (503, "ServiceUnavailableError")
+    engine.resume()
+
+    # wait: the completion in flight runs to its end before pause returns.
+    fourth = pool.submit(complete, server, 8)
+    until(server, "num_requests_running", 1)
+    engine.pause("wait")
+    assert metric(server, "num_requests_running") == 0
+    status, answer = fourth.result(timeout=60)
+    assert (status, answer["choices"][0]["finish_reason"]) == (200, "length")
+    assert complete(server, 2)[0] == 503
+    engine.resume()
+    assert not engine.is_paused()
+    assert complete(server, 2)[0] == 200
+    pool.shutdown()
+
+    for body, named in (({"prompt": [1, 600], "max_tokens": 2}, "token id 600"),
+                        ({"prompt": [1], "max_tokens": 100_000}, "max_tokens"),
+                        ({"prompt": [1], "temperature": 0.7}, "temperature"),
+                        ({"prompt": [1], "n": 2}, "n")):
+        status, answer = post(server.url, "/v1/completions", body)
+        assert status == 400
+        assert named in answer["error"]["message"], answer
+
+
+def test_a_restarted_server_is_seen_as_a_new_instance_and_calls_need_the_api_key(
+        servers: Servers) -> None:
+    first = servers.start()
+    engine = first.engine
+    instance = engine.instance()
+    assert engine.instance() == instance  # fixed while the process lives
+    engine.set_version("7")
+    assert (engine.health(), engine.version()) == (True, "7")
+
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait()
+    assert not engine.health()
+    with pytest.raises(EngineError, match="no answer") as e:
+        engine.instance()
+    assert (e.value.status, e.value.call) == (None, "instance")
+
+    again = servers.start(port=first.port)
+    assert again.url == first.url
+    assert engine.instance() != instance  # the same adapter sees a new engine
+    assert engine.version() == "0"  # weights and label as the process started
+
+    for key in (None, "wrong-key-0123456789abcdef"):
+        stranger = VllmEngine(again.url, key)
+        assert stranger.health()  # the probe needs no key
+        with pytest.raises(EngineError) as e:
+            stranger.instance()
+        assert e.value.status == 401
+    with pytest.raises(ConfigError):
+        VllmEngine(again.url, "kéy")
+    conn = http.client.HTTPConnection("127.0.0.1", again.port, timeout=30)
+    conn.putrequest("POST", "/collective_rpc")
+    conn.putheader("Authorization", "Bearer k\xe9y".encode("latin-1"))
+    conn.putheader("Content-Length", "0")
+    conn.endheaders()
+    assert conn.getresponse().status == 401  # a non-ASCII header is a 401, not a 500
+    conn.close()
