@@ -204,7 +204,7 @@ def test_engine_errors_name_the_call_and_quote_only_a_bounded_printable_excerpt(
     assert (e.value.status, e.value.call) == (500, "apply")
     assert text.startswith(f"vLLM engine at {server.url}: apply (POST /collective_rpc) "
                            "answered HTTP 500: boom?[31m xxx")
-    assert len(text) < 400 and text.isprintable()
+    assert (len(text) < 400, text.isprintable()) == (True, True)
     with pytest.raises(EngineError, match=r"pause \(POST /pause\?mode=wait\) answered HTTP "
                                           "422: Input should be 'abort'"):
         engine.pause()
@@ -219,7 +219,7 @@ def test_engine_errors_name_the_call_and_quote_only_a_bounded_printable_excerpt(
     hop = stub({("POST", "/collective_rpc"): redirect})
     with pytest.raises(EngineError, match="answered HTTP 307, a redirect") as e:
         VllmEngine(hop.url, KEY).sync()
-    assert e.value.status == 307 and elsewhere.requests == []  # the key went nowhere else
+    assert (e.value.status, elsewhere.requests) == (307, [])  # the key went nowhere else
 
 
 @pytest.mark.parametrize(("results", "wrong"), [
