@@ -314,7 +314,11 @@ def sglang_routes(staging: Path, state: dict[str, Any]) -> Routes:
             ((name, _),) = AllowListUnpickler(io.BytesIO(base64.b64decode(entry))).load()
             call = json.loads(name.removeprefix("dcr:"))
             reply = state.get("fail") or plugin_answer(call["method"], call["args"], rank)
-            (staging / result_name(call["call"], rank)).write_text(json.dumps(reply))
+            path = staging / result_name(call["call"], rank)
+            if "plant" in state:  # a link where the answer should be
+                path.symlink_to(state["plant"])
+            else:
+                path.write_text(json.dumps(reply))
         return ok()
 
     async def server_info(_: web.Request) -> web.Response:
@@ -393,6 +397,16 @@ def test_sglang_engine_refuses_wait_and_reports_a_ranks_failure_by_rank(
         engine.apply(["p.dcrp"])
     assert list(tmp_path.iterdir()) == []
     assert not state.get("session")  # the session was closed after the failure
+
+    secret = tmp_path.parent / "secret.json"
+    secret.write_text(json.dumps({"rank": 0, "error": "the contents of another file"}))
+    state.pop("fail")
+    state["plant"] = secret
+    with pytest.raises(BadAnswer, match="rank 0 left no readable answer") as e:
+        engine.sync()
+    assert "contents" not in str(e.value)  # a planted link is not followed
+    assert list(tmp_path.iterdir()) == []
+    del state["plant"]
 
     state["session"] = True  # SGLang refuses a second session: the error names it
     with pytest.raises(EngineError, match="a weight-update session is already open"):

@@ -124,10 +124,11 @@ class Engine(Protocol):
 
 def check_staged_name(name: str) -> str:
     """``name`` if it is a plain file name in the staging directory (no separator, no
-    leading dot, at most 255 characters of ``[A-Za-z0-9._-]``), else :class:`ConfigError`."""
-    if not STAGED_NAME.fullmatch(name):
+    leading dot, no ``..``, at most 255 characters of ``[A-Za-z0-9._-]``), else
+    :class:`ConfigError`."""
+    if not STAGED_NAME.fullmatch(name) or ".." in name:
         raise ConfigError(f"Staged payload name {name[:80]!r} is not a plain file name "
-                          "(letters, digits, '.', '_', '-'; no leading dot or '/').")
+                          "(letters, digits, '.', '_', '-'; no leading dot, '/' or '..').")
     return name
 
 

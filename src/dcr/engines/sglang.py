@@ -38,7 +38,9 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import os
 import secrets
+import stat
 import struct
 from collections.abc import Mapping
 from pathlib import Path
@@ -95,6 +97,15 @@ def call_pickle(name: str) -> bytes:
     raw = name.encode()
     return b"".join((b"\x80\x02]", b"X" + struct.pack("<I", len(raw)) + raw, _EMPTY_TENSOR,
                      b"\x86a."))
+
+
+def _read_regular(path: Path, limit: int) -> bytes:
+    """At most ``limit`` bytes of a regular file, never through a final symlink."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        return f.read(limit)
 
 
 class SglangEngine(PluginEngine):
@@ -174,8 +185,7 @@ class SglangEngine(PluginEngine):
         for rank in range(self.tp_size):
             path = self.staging_dir / result_name(cid, rank)
             try:
-                with path.open("rb") as f:
-                    raw = f.read(MAX_ANSWER + 1)
+                raw = _read_regular(path, MAX_ANSWER + 1)
                 answer = json.loads(raw)
             except (OSError, ValueError) as e:
                 raise BadAnswer(f"{self.what}: {call}: rank {rank} left no readable answer "
