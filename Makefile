@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint bench schema crds clean
+.PHONY: install demo test test-engines lint bench schema crds clean
 
 install: $(STAMP)
 
@@ -18,6 +18,12 @@ demo: install
 
 test: install
 	$(PY) -m pytest
+
+# The engine tier (opt-in): DCR's apply through vLLM's real model classes on CPU, run from
+# vLLM's own venv, which tools/engines/setup.sh makes (7-15 min and ~9.4 GB the first time,
+# seconds after) under ~/.cache/dcr-engines.
+test-engines:
+	@py="$$(tools/engines/setup.sh)" && "$$py" -m pytest tests/engines
 
 lint: install
 	$(VENV)/bin/ruff check src tests bench

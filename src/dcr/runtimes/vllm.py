@@ -1,31 +1,88 @@
 """Running the apply engine inside vLLM's worker processes.
 
 vLLM loads weights with each model's own ``load_weights(iter[(hf_name, tensor)])``,
-which fuses, shards and quantizes canonical tensors into the worker's storage. DCR
-calls exactly that method, so the adapter is small:
+which fuses, shards and pads canonical tensors into the worker's storage. DCR calls
+exactly that method, so the adapter is small:
 
 * :class:`VllmRuntime` adapts any module with a vLLM-style ``load_weights`` (vLLM's
-  models, and :mod:`dcr.runtimes.vllm_reference`, whose tests exercise this class) to
+  model classes, tested in ``tests/engines``; :mod:`dcr.runtimes.vllm_reference`) to
   the :class:`~dcr.runtimes.base.Runtime` protocol.
-* :class:`DcrWorkerExtension` is a worker extension: pass
-  ``worker_extension_cls="dcr.runtimes.vllm.DcrWorkerExtension"`` to ``vllm.LLM`` and call
-  ``llm.collective_rpc("dcr_prewarm", args=(tensors,))`` once, then
-  ``llm.collective_rpc("dcr_apply", args=(payloads,))`` per refit. Each worker applies
-  in place to its own shard; the returned profiles are merged by the sender.
+* :class:`DcrWorkerExtension` is DCR's plugin in every vLLM worker (one per TP/EP
+  rank): ``vllm serve --worker-extension-cls dcr.runtimes.vllm.DcrWorkerExtension``
+  mixes it into the worker class, and the agent sidecar reaches its methods through
+  ``POST /collective_rpc`` (a dev-mode route: ``VLLM_SERVER_DEV_MODE=1``), which runs a
+  method on every worker and answers one result per worker.
 
-Nothing here imports vLLM; the extension only relies on the worker's
-``model_runner.model`` attribute, which vLLM's GPU workers provide.
+The contract (``docs/engines.md``; the agent's side is ``dcr.engines.plugin``)::
+
+    dcr_instance()                -> {"instance": hex, "rank", "world"}
+    dcr_prewarm(request)          -> {"rank", "profile": {name: class}}
+        request = {"tensors": [[name, dtype, [shape...]], ...]}
+    dcr_apply(request)            -> {"rank", ...the apply report's fields}
+        request = {"payloads": [file name in $DCR_STAGING_DIR, ...]}
+    dcr_fingerprint()             -> {"rank", "tensors": {name: "xxh3-128:..."}}
+    dcr_load_dense(request)       -> {"rank"}
+        request = {"checkpoint": path under $DCR_CHECKPOINT_ROOT,
+                   "expect": {name: fingerprint} | null}
+    dcr_sync()                    -> {"rank"}
+
+Choices, and why:
+
+* **Arguments are JSON strings, answers are dicts.** ``/collective_rpc`` passes only
+  strings (vLLM's rule, for safety) and turns any answer that is not a dict, list or
+  None into its ``str``. A request is parsed strictly (unknown keys are refused); a
+  Python caller (``LLM.collective_rpc``) may pass the dict itself.
+* **Directories come from the engine, never from the caller.** Payloads are read from
+  the staging directory the engine process was started with (``DCR_STAGING_DIR``, a
+  memory-backed volume shared with the sidecar) by plain file name; a dense checkpoint
+  is a relative path under ``DCR_CHECKPOINT_ROOT`` whose files must all resolve inside
+  it. ``/collective_rpc`` is reachable by whoever reaches the server, so a name with a
+  separator, ``..``, or an absolute path is refused, and files are opened without
+  following a final symlink.
+* **Instance id.** A random hex string drawn once per process: a restarted engine
+  answers a new one, so the agent knows its weights are unknown and rejoins densely.
+* **Storage identity is checked before every apply.** The apply engine intercepts
+  writes by storage address; if vLLM reallocated the weights since prewarm (sleep mode,
+  a reload), the loader's copies would land unintercepted, so the apply is refused up
+  front and the caller must prewarm again.
+* **vLLM's config is made current around loads**, as the worker itself does around its
+  own weight updates, when the worker carries one.
+
+Nothing here imports vLLM at module level (the project's own venv has none, and mypy
+checks this file there); the extension relies only on the worker's ``model_runner``
+(``get_model()`` or ``.model``) and, if present, its ``vllm_config``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Protocol
+import contextlib
+import importlib
+import os
+import re
+import secrets
+import stat
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path, PurePosixPath
+from typing import Any, Protocol, TypeVar
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
-from dcr.apply.engine import ApplyEngine, CanonicalTensor
+from dcr.apply.engine import ApplyEngine, CanonicalTensor, Loader
+from dcr.apply.intercept import LoaderPathError, storage_key
+from dcr.checkpoint import Checkpoint
+from dcr.errors import ConfigError, first_validation_error
+from dcr.format.dtypes import DTYPES
+from dcr.format.payload import NAME_RE
 from dcr.runtimes.base import RequestGate
+from dcr.runtimes.weights import DenseRefused, checkpoint_tensors, runtime_fingerprint
+
+INSTANCE = secrets.token_hex(16)  # this process's identity; a restart draws a new one
+STAGING_ENV = "DCR_STAGING_DIR"
+CHECKPOINT_ROOT_ENV = "DCR_CHECKPOINT_ROOT"
+STAGED_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")  # one file, no separator
+MAX_PAYLOADS = 1 << 16  # files per apply call
+MAX_TENSORS = 1 << 20  # canonical tensors per prewarm
 
 
 class VllmStyleModel(Protocol):
@@ -57,25 +114,272 @@ class VllmRuntime:
         self.gate.open()
 
 
+# --- requests, as they arrive over /collective_rpc ----------------------------------------
+
+class _Request(BaseModel):
+    # Strict scalars; arrays may stand for tuples (JSON has no tuples).
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class PrewarmRequest(_Request):
+    tensors: list[tuple[StrictStr, StrictStr, list[StrictInt]]] = Field(max_length=MAX_TENSORS)
+
+
+class ApplyRequest(_Request):
+    payloads: list[StrictStr] = Field(min_length=1, max_length=MAX_PAYLOADS)
+
+
+class DenseLoadRequest(_Request):
+    checkpoint: StrictStr = Field(min_length=1, max_length=4096)
+    expect: dict[StrictStr, StrictStr] | None = None
+
+
+R = TypeVar("R", bound=_Request)
+
+
+def parse_request(model: type[R], request: str | bytes | Mapping[str, Any]) -> R:
+    """A request from its JSON text (``/collective_rpc``) or a dict (a Python caller);
+    :class:`~dcr.errors.ConfigError` names the field that is wrong."""
+    try:
+        if isinstance(request, str | bytes):
+            return model.model_validate_json(request)
+        return model.model_validate(dict(request))
+    except ValidationError as e:
+        raise ConfigError(f"{model.__name__}: {first_validation_error(e, 'request')}") from e
+
+
+def canonical_tensors(req: PrewarmRequest) -> list[CanonicalTensor]:
+    out = []
+    for name, dtype, shape in req.tensors:
+        if not NAME_RE.fullmatch(name):
+            raise ConfigError(f"Tensor name {name[:80]!r} is empty, too long or has control "
+                              "characters.")
+        if dtype not in DTYPES:
+            raise ConfigError(f"Tensor {name!r}: dtype {dtype!r} is not one of "
+                              f"{sorted(DTYPES)}.")
+        if any(d < 0 for d in shape):
+            raise ConfigError(f"Tensor {name!r}: shape {shape} has a negative dimension.")
+        out.append(CanonicalTensor(name=name, dtype=dtype, shape=tuple(shape)))
+    return out
+
+
+def engine_dir(env: str) -> Path:
+    """A directory the engine process was configured with, never one a caller names."""
+    value = os.environ.get(env)
+    if not value:
+        raise ConfigError(f"The engine process has no {env}; start it with {env} set to "
+                          "the directory it shares with the DCR agent.")
+    return Path(value).resolve()
+
+
+def read_staged(staging: Path, name: str) -> bytes:
+    """The bytes of one staged payload: a plain file name, opened without following a
+    final symlink, and a regular file."""
+    if not STAGED_NAME.fullmatch(name) or ".." in name:
+        raise ConfigError(f"Staged payload name {name[:80]!r} is not a plain file name "
+                          "(letters, digits, '.', '_', '-'; no leading dot, no '/' or '..').")
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(staging / name, flags)
+    except OSError as e:
+        raise ConfigError(f"Staged payload {name!r} cannot be opened in {staging}: "
+                          f"{e.strerror}.") from e
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise ConfigError(f"Staged payload {name!r} in {staging} is not a regular file.")
+        return f.read()
+
+
+def confined_checkpoint(root: Path, relative: str) -> Path:
+    """``root / relative``, for a relative path with no empty, ``.`` or ``..`` segment
+    that resolves inside ``root``."""
+    if (PurePosixPath(relative).is_absolute() or "\\" in relative or "\x00" in relative
+            or any(part in ("", ".", "..") for part in relative.split("/"))):
+        raise ConfigError(f"Checkpoint {relative[:120]!r} must be a relative path without "
+                          "'.', '..' or empty segments; the engine resolves it under "
+                          f"{CHECKPOINT_ROOT_ENV}.")
+    path = (root / relative).resolve()
+    if not path.is_relative_to(root):
+        raise ConfigError(f"Checkpoint {relative!r} resolves outside {root}.")
+    return path
+
+
+# --- one rank, as the agent drives it -------------------------------------------------------
+
+class EngineRank:
+    """One rank of a serving engine: its runtime, the apply engine prewarm made, and the
+    calls of the plugin contract as plain methods returning JSON-ready dicts.
+
+    Engine-neutral: vLLM's worker extension wraps it, and any engine whose workers hold
+    a :class:`~dcr.apply.engine.Loader` can.
+    """
+
+    def __init__(self, runtime: Loader, *, rank: int, world: int,
+                 device: torch.device) -> None:
+        self.runtime = runtime
+        self.rank = rank
+        self.world = world
+        self.device = device
+        self.engine: ApplyEngine | None = None
+        self.canonical: list[CanonicalTensor] = []
+        self._storages: dict[str, tuple[str, int]] = {}
+
+    def instance(self) -> dict[str, Any]:
+        return {"instance": INSTANCE, "rank": self.rank, "world": self.world}
+
+    def prewarm(self, req: PrewarmRequest) -> dict[str, Any]:
+        canonical = canonical_tensors(req)
+        engine = ApplyEngine(self.runtime, device=self.device)
+        profile = engine.prewarm(canonical)
+        self.engine, self.canonical = engine, canonical
+        self._storages = {n: storage_key(t) for n, t in self.runtime.named_tensors()}
+        return {"rank": self.rank, "profile": dict(profile.tensors)}
+
+    def apply(self, req: ApplyRequest) -> dict[str, Any]:
+        engine = self._prewarmed("apply")
+        self._check_storages()
+        staging = engine_dir(STAGING_ENV)
+        payloads = [read_staged(staging, name) for name in req.payloads]
+        report = engine.apply_payloads(payloads)
+        self.sync()
+        return {"rank": self.rank, "tensors": report.tensors, "records": report.records,
+                "writes": report.writes, "scatter_s": report.scatter_s,
+                "loader_s": report.loader_s, "intercept_s": report.intercept_s,
+                "classes": dict(report.classes), "names": sorted(report.names)}
+
+    def fingerprint(self) -> dict[str, Any]:
+        self.sync()
+        return {"rank": self.rank, "tensors": runtime_fingerprint(self.runtime)}
+
+    def load_dense(self, req: DenseLoadRequest) -> dict[str, Any]:
+        """Read and check the whole checkpoint, then load it through the runtime's own
+        loader; a refused checkpoint leaves the weights as they were."""
+        root = engine_dir(CHECKPOINT_ROOT_ENV)
+        path = confined_checkpoint(root, req.checkpoint)
+        with Checkpoint(path) as ckpt:
+            outside = [f for f in ckpt.files if not f.resolve().is_relative_to(root)]
+            if outside:
+                raise DenseRefused(f"Checkpoint {req.checkpoint!r}: {len(outside)} of its "
+                                   f"files lie outside {root}.")
+            if self.canonical:
+                want = {(t.name, t.dtype, t.shape) for t in self.canonical}
+                got = {(i.name, i.dtype.name, tuple(i.shape)) for i in ckpt}
+                if want != got:
+                    raise DenseRefused(
+                        f"Checkpoint {req.checkpoint!r} does not hold this rank's canonical "
+                        f"tensors: missing {sorted(w[0] for w in want - got)[:3]} and "
+                        f"{len(got - want)} unexpected.")
+            tensors = checkpoint_tensors(ckpt, req.expect)
+        self.runtime.load_weights(tensors.items())
+        self.sync()
+        return {"rank": self.rank}
+
+    def sync(self) -> dict[str, Any]:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return {"rank": self.rank}
+
+    def _prewarmed(self, call: str) -> ApplyEngine:
+        if self.engine is None:
+            raise ConfigError(f"dcr_{call} before dcr_prewarm on rank {self.rank}: the "
+                              "engine has no receiver profile yet.")
+        return self.engine
+
+    def _check_storages(self) -> None:
+        now = {n: storage_key(t) for n, t in self.runtime.named_tensors()}
+        moved = sorted(n for n in now.keys() | self._storages.keys()
+                       if now.get(n) != self._storages.get(n))
+        if moved:
+            self.engine = None
+            raise LoaderPathError(
+                f"Rank {self.rank}: the storage of {moved[:3]} ({len(moved)} tensors) changed "
+                "since prewarm (the weights were reallocated); prewarm again, then refit "
+                "densely.")
+
+
+# --- the vLLM worker extension --------------------------------------------------------------
+
 class DcrWorkerExtension:
-    """Mixed into vLLM's worker class; methods are reached through ``collective_rpc``."""
+    """Mixed into vLLM's worker class; its ``dcr_*`` methods are reached through
+    ``collective_rpc`` (``POST /collective_rpc`` on a dev-mode server).
+
+    vLLM refuses an extension attribute that the worker class already has, so every
+    name here starts with ``dcr_`` or ``_dcr_``.
+    """
 
     model_runner: Any  # provided by the vLLM worker this class is mixed into
-    _dcr_engine: ApplyEngine
+    _dcr_state: tuple[object, EngineRank]  # the model it was made for, and the rank
 
-    def dcr_prewarm(self, tensors: Sequence[tuple[str, str, Sequence[int]]]) -> dict[str, str]:
-        """Reserve scratch, classify every canonical tensor; returns this rank's profile."""
-        model = self.model_runner.model
-        device = next(model.parameters()).device
-        self._dcr_engine = ApplyEngine(VllmRuntime(model), device=device)
-        profile = self._dcr_engine.prewarm(
-            CanonicalTensor(name=n, dtype=d, shape=tuple(s)) for n, d, s in tensors
-        )
-        return dict(profile.tensors)
+    def dcr_instance(self) -> dict[str, Any]:
+        return self._dcr_rank().instance()
 
-    def dcr_apply(self, payloads: Sequence[bytes]) -> dict[str, Any]:
-        """Apply a set of payloads in place; returns the apply report as a dict."""
-        report = self._dcr_engine.apply_payloads(payloads)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return vars(report)
+    def dcr_prewarm(self, request: str | Mapping[str, Any]) -> dict[str, Any]:
+        """Reserve scratch and classify every canonical tensor; this rank's profile."""
+        req = parse_request(PrewarmRequest, request)
+        with self._dcr_loading():
+            return self._dcr_rank().prewarm(req)
+
+    def dcr_apply(self, request: str | Mapping[str, Any]) -> dict[str, Any]:
+        """Apply staged payloads in place, as one set; the apply report."""
+        req = parse_request(ApplyRequest, request)
+        with self._dcr_loading():
+            return self._dcr_rank().apply(req)
+
+    def dcr_fingerprint(self) -> dict[str, Any]:
+        return self._dcr_rank().fingerprint()
+
+    def dcr_load_dense(self, request: str | Mapping[str, Any]) -> dict[str, Any]:
+        """A dense load of a checkpoint under ``DCR_CHECKPOINT_ROOT`` through the
+        model's own ``load_weights``."""
+        req = parse_request(DenseLoadRequest, request)
+        with self._dcr_loading():
+            return self._dcr_rank().load_dense(req)
+
+    def dcr_sync(self) -> dict[str, Any]:
+        return self._dcr_rank().sync()
+
+    # --- the worker's side --------------------------------------------------------------
+
+    def _dcr_model(self) -> Any:
+        runner = self.model_runner
+        get_model = getattr(runner, "get_model", None)
+        return get_model() if callable(get_model) else runner.model
+
+    def _dcr_loader(self, model: Any) -> Loader:
+        """The runtime DCR loads through; a worker that hosts another kind of model
+        overrides this."""
+        return VllmRuntime(model)
+
+    def _dcr_rank(self) -> EngineRank:
+        model = self._dcr_model()
+        held: tuple[object, EngineRank] | None = getattr(self, "_dcr_state", None)
+        if held is not None and held[0] is model:
+            return held[1]
+        # A new model object (a reload replaced it): a rank that must be prewarmed again.
+        rank, world = _rank_and_world(self)
+        state = EngineRank(self._dcr_loader(model), rank=rank, world=world,
+                           device=next(model.parameters()).device)
+        self._dcr_state = (model, state)
+        return state
+
+    @contextlib.contextmanager
+    def _dcr_loading(self) -> Iterator[None]:
+        """vLLM's config made current (as the worker does around its own weight loads),
+        and no autograd."""
+        config = getattr(self, "vllm_config", None)
+        with contextlib.ExitStack() as stack:
+            if config is not None:
+                vllm_config = importlib.import_module("vllm.config")
+                stack.enter_context(vllm_config.set_current_vllm_config(config))
+            stack.enter_context(torch.no_grad())
+            yield
+
+
+def _rank_and_world(worker: object) -> tuple[int, int]:
+    """This worker's rank and the number of workers, from the default process group
+    vLLM set up (each worker is one rank of it), else the worker's own ``rank``."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    rank = getattr(worker, "rank", 0)
+    return (rank if isinstance(rank, int) else 0), 1
