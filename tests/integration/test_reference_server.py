@@ -380,6 +380,13 @@ def test_a_restarted_server_is_seen_as_a_new_instance_and_calls_need_the_api_key
         assert e.value.status == 401
     with pytest.raises(ConfigError):
         VllmEngine(again.url, "kéy")
+    env = {k: v for k, v in os.environ.items() if k != "DCR_SERVE_API_KEY"}
+    refused = subprocess.run(
+        [sys.executable, "-m", "dcr", "serve", "--model", str(servers.root / "v0"),
+         "--listen", "0.0.0.0:0", "--staging-dir", str(servers.staging)],
+        capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert refused.returncode == 1
+    assert "beyond loopback the server needs an API key" in refused.stderr
     conn = http.client.HTTPConnection("127.0.0.1", again.port, timeout=30)
     conn.putrequest("POST", "/collective_rpc")
     conn.putheader("Authorization", "Bearer k\xe9y".encode("latin-1"))
