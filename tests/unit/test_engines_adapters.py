@@ -227,6 +227,7 @@ def test_engine_errors_name_the_call_and_quote_only_a_bounded_printable_excerpt(
     ([{"rank": 1}], "ranks [1], not 0..0"),
     ([{"rank": 0, "extra": 1}], "extra: Extra inputs are not permitted"),
     ([{"rank": "0"}], "rank: Input should be a valid integer"),
+    ([{"rank": 0, "k" * 5000: 1}], "is not a RankAnswer (kkk"),  # a peer's key, cut short
     ({"rank": 0}, "without a results list"),
     ([], "not one answer per rank"),
 ])
@@ -234,8 +235,9 @@ def test_answers_that_break_the_contract_are_refused(
         stub: Callable[[Routes], Stub], results: Any, wrong: str) -> None:
     server = stub({("POST", "/collective_rpc"): answer(
         {"results": results} if isinstance(results, list) else results)})
-    with pytest.raises(BadAnswer, match=re.escape(wrong)):
+    with pytest.raises(BadAnswer, match=re.escape(wrong)) as e:
         VllmEngine(server.url).sync()
+    assert len(str(e.value)) < 400
     with pytest.raises(BadAnswer):
         VllmEngine(server.url).fingerprint()
 
@@ -348,7 +350,9 @@ def test_sglang_engine_carries_plugin_calls_through_the_custom_loader_and_staged
 
     assert engine.instance() == "00" * 8 + "-" + "01" * 8
     assert engine.prewarm(TENSORS).tensors == {"a.weight": "xor", "b.weight": "overwrite"}
-    assert engine.apply(["p-0.dcrp"]).names == {"a.weight"}
+    outcome = engine.apply(["p-0.dcrp"])
+    assert outcome.names == {"a.weight"}
+    assert outcome.reports[0]["writes"] == 3  # the report's other fields, as sent
     assert engine.fingerprint()[1] == {"a.weight": "xxh3-128:1"}
     engine.pause("keep")
     engine.load_dense("v2")

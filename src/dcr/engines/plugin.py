@@ -37,6 +37,7 @@ from dcr.engines.errors import BadAnswer
 from dcr.engines.http import JsonHttp
 from dcr.errors import first_validation_error
 from dcr.format.profile import ReceiverProfile, TensorClass, merge
+from dcr.http_direct import excerpt
 from dcr.settings import option
 
 M = TypeVar("M", bound="RankAnswer")
@@ -64,7 +65,12 @@ class FingerprintAnswer(RankAnswer):
 
 
 class ApplyAnswer(RankAnswer):
+    """A rank's apply report: the canonical tensors it wrote, and whatever else the
+    plugin reports (counts, ``*_s`` seconds), kept as sent."""
+
     model_config = ConfigDict(frozen=True, extra="allow", strict=True)
+
+    names: list[str] = []
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,8 +101,9 @@ def ranked(results: object, model: type[M], *, what: str, call: str) -> list[M]:
         try:
             out.append(model.model_validate(r))
         except ValidationError as e:
+            why = excerpt(first_validation_error(e, "answer"), 160)  # keys are the peer's
             raise BadAnswer(f"{what}: {call}: answer {i} is not a {model.__name__} "
-                            f"({first_validation_error(e, 'answer')}).", call=call) from None
+                            f"({why}).", call=call) from None
     out.sort(key=lambda a: a.rank)
     ranks = [a.rank for a in out]
     if ranks != list(range(len(out))):
