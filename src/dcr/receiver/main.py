@@ -84,16 +84,20 @@ def build_service(s: AgentSettings) -> AgentService:
 
     return AgentService(s.name, host, source_for, version=s.model_version,
                         journal=Journal(s.state_dir / "journal.json"),
-                        staging_bytes=s.staging_bytes)
+                        staging_bytes=s.staging_bytes, checkpoint_root=s.dense_root,
+                        max_wait_s=s.max_wait_s)
 
 
-async def _serve(service: AgentService, token: str, listen: str) -> None:
+async def _serve(service: AgentService, token: str, s: AgentSettings) -> None:
     from aiohttp import web
 
     from dcr.receiver.server import make_app
 
-    host, _, port = listen.rpartition(":")
-    runner = web.AppRunner(make_app(service, token), access_log=None)
+    host, _, port = s.listen.rpartition(":")
+    app = make_app(service, token, max_waits=s.max_waits,
+                   liveness_timeout_s=s.liveness_timeout_s,
+                   max_input_tokens=s.max_input_tokens)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host or "127.0.0.1", int(port))
     await site.start()
@@ -110,7 +114,7 @@ def run(s: AgentSettings) -> int:
     token = _token(s.token_file, AGENT_TOKEN_ENV)
     service = build_service(s)
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_serve(service, token, s.listen))
+        asyncio.run(_serve(service, token, s))
     return 0
 
 

@@ -2,19 +2,32 @@
 
 One route per row of :class:`~dcr.protocol.agent_api.AgentApi`: the handler validates
 the JSON body strictly with the row's model, decodes it into the arguments of the
-service method of the row's name, runs that blocking call on a thread (applies and
-waits must not stall the event loop: a ``stop`` has to get through while a ``flush``
-waits) and serialises the row's response model. Errors map to statuses: 400 bad body,
-401 token, 409 attempt, state or version conflict, 422 the attempt failed here, 500
-anything else. Health, readiness, metrics and ``generate`` are served beside the table.
+service method of the row's name, runs that blocking call on a thread and serialises
+the row's response model. Errors map to statuses: 400 bad body, 401 token, 409 attempt,
+state or version conflict, 422 the attempt failed here, 503 too many waits, 500 anything
+else. Health, readiness, metrics and ``generate`` are served beside the table.
+
+Threads, and why: blocking calls never run on the event loop, and never on one shared
+pool, where six long waits once took every thread and ``status`` and ``stop`` timed out
+behind them. Each kind of call has its own pool (:data:`POOLS`): ``status`` (also
+readiness, metrics and the liveness probe), ``stop``, ``wait`` (``/v1/staged`` and
+``/v1/flush``, at most ``max_waits`` at once: one more is answered 503 at once),
+``generate``, and ``control`` for the rest. A wait ends at the agent's ``max_wait_s``
+whatever it asks, and as soon as its client disconnects (its ``cancel`` event is set and
+the service woken). ``/healthz`` answers 503 when the state lock cannot be taken within
+``liveness_timeout_s`` or the status pool does not run the probe: a wedged control loop
+makes the pod unhealthy instead of silently deaf.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
+import threading
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -23,12 +36,17 @@ from dcr.prometheus import Family, render
 from dcr.protocol.agent_api import AgentApi, BadRequest, Call, parse_body
 from dcr.protocol.state import IllegalTransition
 from dcr.receiver.service import AgentConflict, AgentService, AttemptFailed
+from dcr.receiver.settings import AgentSettings
 from dcr.tokens import bearer_matches
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+# Which pool runs a call (by its row's name; "control" otherwise), and each pool's threads.
+POOLS = {"status": "status", "stop_and_wait": "stop", "wait_staged": "wait", "flush": "wait"}
+POOL_THREADS = {"status": 2, "stop": 2, "control": 4, "generate": 2}  # "wait": max_waits
+DISCONNECT_POLL_S = 0.2  # how often a wait looks whether its client is still there
 
 
 if TYPE_CHECKING:
@@ -43,7 +61,39 @@ def _error(status: int, message: str, kind: str) -> web.Response:
     return web.json_response({"error": message, "kind": kind}, status=status)
 
 
-def make_app(service: AgentService, token: str) -> web.Application:
+def make_app(service: AgentService, token: str, *, max_waits: int = AgentSettings.max_waits,
+             liveness_timeout_s: float = AgentSettings.liveness_timeout_s,
+             max_input_tokens: int = AgentSettings.max_input_tokens) -> web.Application:
+    sizes = {**POOL_THREADS, "wait": max_waits}
+    pools: dict[str, Executor] = {
+        name: ThreadPoolExecutor(n, thread_name_prefix=f"agent-{name}")
+        for name, n in sizes.items()}
+    waits = asyncio.Semaphore(max_waits)
+
+    async def run(pool: str, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(pools[pool], fn, *args)
+
+    async def wait(request: web.Request, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a waiting call; set its ``cancel`` when the client goes away."""
+        if waits.locked():
+            raise web.HTTPServiceUnavailable(
+                text=json.dumps({"error": f"{service.name}: {max_waits} waits are in "
+                                 "progress; try again when one has ended.", "kind": "Busy"}),
+                content_type="application/json")
+        cancel = threading.Event()
+        async with waits:
+            job = asyncio.ensure_future(run("wait", functools.partial(fn, *args,
+                                                                      cancel=cancel)))
+            try:
+                while not (await asyncio.wait({job}, timeout=DISCONNECT_POLL_S))[0]:
+                    if request.transport is None or request.transport.is_closing():
+                        break
+            finally:
+                if not job.done():  # the client left, or this handler was cancelled
+                    cancel.set()
+                    pools["stop"].submit(service.wake)
+            return await job
+
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         authorized = bearer_matches(request.headers.get("Authorization"), token)  # total
@@ -65,28 +115,39 @@ def make_app(service: AgentService, token: str) -> web.Application:
 
     def route(call: Call[..., Any, Any]) -> web.RouteDef:
         fn: Callable[..., Any] = getattr(service, call.name)
+        pool = POOLS.get(call.name, "control")
 
         async def handler(request: web.Request) -> web.StreamResponse:
             args: tuple[Any, ...] = ()
             if call.request is not None:
                 args = call.decode(parse_body(call.request, await request.read()))
-            result = await asyncio.to_thread(fn, *args)
+            result = await (wait(request, fn, *args) if pool == "wait"
+                            else run(pool, fn, *args))
             return web.Response(body=call.adapter.dump_json(result),
                                 content_type="application/json")
 
         return web.route(call.method, call.path, handler)
 
     async def healthz(_: web.Request) -> web.StreamResponse:
+        try:
+            alive = await asyncio.wait_for(run("status", service.alive, liveness_timeout_s),
+                                           liveness_timeout_s + 1.0)
+        except TimeoutError:
+            alive = False
+        if not alive:
+            return web.Response(status=503, text="wedged: the agent's state has been locked "
+                                f"for more than {liveness_timeout_s} s\n")
         return web.Response(text="ok\n")
 
     async def readyz(_: web.Request) -> web.StreamResponse:
-        st = service.status()
+        st = await run("status", service.status)
         if st.version is None:
             return web.Response(status=503, text=f"no version: {st.unknown or st.dirty}\n")
         return web.Response(text=f"version {st.version}\n")
 
     async def metrics(_: web.Request) -> web.StreamResponse:
-        return web.Response(text=render_metrics(service), content_type="text/plain")
+        text = await run("status", render_metrics, service)
+        return web.Response(text=text, content_type="text/plain")
 
     async def generate(request: web.Request) -> web.StreamResponse:
         try:
@@ -98,10 +159,17 @@ def make_app(service: AgentService, token: str) -> web.Application:
                 and type(n) is int and 1 <= n <= 64):
             raise BadRequest("generate wants input_ids: [non-negative int] and "
                              f"max_new_tokens in 1..64, got {str(body)[:80]}")
-        out = await asyncio.to_thread(service.host.generate, ids, n, 60.0)
-        return web.json_response({"output_ids": out, "version": service.status().version})
+        service.host.check_prompt(ids, max_input=max_input_tokens)
+        out = await run("generate", service.host.generate, ids, n, 60.0)
+        st = await run("status", service.status)
+        return web.json_response({"output_ids": out, "version": st.version})
+
+    async def shutdown(_: web.Application) -> None:
+        for pool in pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
 
     app = web.Application(middlewares=[guard], client_max_size=1 << 20)
+    app.on_cleanup.append(shutdown)
     app.add_routes([
         *(route(call) for call in AgentApi.calls()),
         web.post("/v1/generate", generate),
@@ -132,4 +200,6 @@ def render_metrics(service: AgentService) -> str:
                [(f'{{outcome="{k}"}}', v) for k, v in sorted(c.attempts.items())]),
         Family("dcr_agent_dense_loads_total", "counter", "Dense refits (rejoins).",
                [("", c.dense_loads)]),
+        Family("dcr_agent_waits", "gauge", "Staged and flush waits in progress.",
+               [("", service.waits)]),
     ])
