@@ -417,3 +417,46 @@ def test_an_encoder_process_killed_mid_stream_is_repaired_by_an_overwrite_retry(
         committed_version=1, baseline_id="ckpt-1", attempt=c.history[1].attempt)
     assert owner.version == 1
     fleet.assert_holds(a, 1)
+
+
+def test_dense_loads_stay_under_the_checkpoint_root_and_generate_checks_its_input(
+        fleet: Fleet) -> None:
+    """``/v1/dense`` refuses a path outside the checkpoint root (the directory holding
+    ``--model`` by default) and a file there that is not a checkpoint, without quoting
+    the file; the weights and the gate stay as they were. ``/v1/generate`` refuses an id
+    outside the vocabulary and an input longer than the agent allows, naming the value.
+    Fails on 5b0b0ae: it loaded any path (500, leaving the agent unknown with its gate
+    shut), a non-checkpoint file's first 8 bytes came back as a "header length", and an
+    id of 10**9 gave a 500."""
+    (agent,) = fleet.start(("low", "hf"))
+    junk = fleet.ckpts.root / "junk.safetensors"
+    secret = b"SECRET!!" + b"x" * 64
+    junk.write_bytes(secret)
+    try:
+        for checkpoint, refusal in (("/etc", "dense loads come from under"),
+                                    ("../..", "dense loads come from under"),
+                                    (str(junk), "is not a readable safetensors checkpoint")):
+            code, text = http(agent.url + "/v1/dense", method="POST", token=TOKEN,
+                              body=json.dumps({"version": 0, "checkpoint": checkpoint}).encode())
+            assert code == 409, text
+            assert refusal in json.loads(text)["error"]
+            assert "SECRET" not in text
+            assert str(int.from_bytes(secret[:8], "little")) not in text
+    finally:
+        junk.unlink()
+    fleet.assert_holds(agent, 0)  # version 0, clean, the gate open
+
+    def generate(ids: list[int], n: int = 1) -> tuple[int, Any]:
+        code, text = http(agent.url + "/v1/generate", method="POST", token=TOKEN,
+                          body=json.dumps({"input_ids": ids, "max_new_tokens": n}).encode())
+        return code, json.loads(text)
+
+    code, err = generate([1, 10**9])
+    assert (code, err["kind"]) == (400, "BadRequest")
+    assert f"input id {10**9} is outside the vocabulary (0..{LLAMA.vocab_size - 1})" in err["error"]
+    code, err = generate([1] * 4097)
+    assert (code, err["kind"]) == (400, "BadRequest")
+    assert "4097 input ids; at most 4096" in err["error"]
+    code, out = generate([1, 2, 3], 2)
+    assert code == 200
+    assert (len(out["output_ids"]), out["version"]) == (2, 0)
