@@ -5,12 +5,16 @@ Hierarchy::
     DcrError
     ├── ConfigError            bad settings or arguments (names the value)
     ├── CheckpointError        a safetensors file or index is unreadable or inconsistent
+    │   └── DenseRefused       (receiver.host) not this rank's model at that version, or
+    │                          outside the checkpoint root; nothing was written
     ├── PayloadError           a payload failed validation; nothing was written
     │   ├── TruncatedPayload   fewer (or more) bytes than the preamble declares
     │   ├── DigestMismatch     the BLAKE2b digest does not match the bytes
     │   ├── LimitExceeded      a declared size is over a decode limit (bomb guard)
     │   └── MalformedPayload   a field is out of range or inconsistent
     ├── ManifestError          a manifest is missing, malformed, or disagrees with payloads
+    │   └── ForeignPayload     (transport.receive) an object under an attempt's prefix is
+    │                          not what its owner wrote (size or digest, or header ids)
     ├── TargetMismatch         a payload does not fit the tensors it would be applied to
     │   └── WrongBaseVersion   the target is not at the payload's base version
     ├── HttpError              a peer answered with an error status or not at all;
@@ -41,6 +45,8 @@ Hierarchy::
     ├── AgentConflict          (receiver.service) a call does not fit the agent's state
     ├── AttemptFailed          (receiver.service) the current attempt failed on this agent
     ├── JournalError           (receiver.journal) the agent's journal is unreadable
+    ├── FingerprintMismatch    (receiver.service) after apply, a tensor's bits differ from
+    │                          the target fingerprint its manifest lists
     │
     └── BaselineError          an owner cannot vouch for that baseline version (owner/)
 
