@@ -35,7 +35,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from dcr.apply.engine import CanonicalTensor
 from dcr.checkpoint import Checkpoint
-from dcr.engines import BadAnswer, EngineError, VllmEngine
+from dcr.engines import EngineError, VllmEngine
 from dcr.errors import ConfigError
 from dcr.format.manifest import Manifest
 from dcr.format.names import Mode
@@ -204,16 +204,7 @@ def until(server: Server, name: str, value: int, timeout_s: float = 60.0) -> Non
 # --- tests -----------------------------------------------------------------------------
 
 
-# Until DcrWorkerExtension takes the world size from the worker's parallel_config when
-# no process group exists (dcr serve holds its ranks in one process), both ranks of the
-# TP 2 server say the world is 1 and VllmEngine refuses the answer (strict: it will
-# pass, and fail here, the day the extension does).
-_TP2_WORLD = pytest.mark.xfail(strict=True, raises=BadAnswer,
-                               reason="the extension reports world 1 without a process group")
-
-
-@pytest.mark.parametrize(("runtime", "tp"), [
-    ("hf", 1), pytest.param("vllm-ref", 2, marks=_TP2_WORLD)])
+@pytest.mark.parametrize(("runtime", "tp"), [("hf", 1), ("vllm-ref", 2)])
 def test_staged_payloads_applied_through_the_plugin_equal_a_dense_load_on_every_rank(
         servers: Servers, runtime: str, tp: int) -> None:
     refit, dense = servers.start(runtime, tp=tp), servers.start(runtime, tp=tp)

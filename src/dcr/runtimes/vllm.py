@@ -376,10 +376,14 @@ class DcrWorkerExtension:
 
 
 def _rank_and_world(worker: object) -> tuple[int, int]:
-    """This worker's rank and the number of workers, from the default process group
-    vLLM set up (each worker is one rank of it), else the worker's own ``rank``."""
+    """This worker's rank and the number of workers: from the default process group
+    vLLM set up (each worker is one rank of it), else from the worker's own ``rank`` and
+    ``parallel_config.world_size`` (a server that holds every rank in one process, as
+    ``dcr serve`` does), else rank 0 of 1."""
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     rank = getattr(worker, "rank", 0)
-    return (rank if isinstance(rank, int) else 0), 1
+    world = getattr(getattr(worker, "parallel_config", None), "world_size", 1)
+    return ((rank if isinstance(rank, int) else 0),
+            (world if isinstance(world, int) and world >= 1 else 1))
