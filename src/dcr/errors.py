@@ -5,7 +5,7 @@ Hierarchy::
     DcrError
     ├── ConfigError            bad settings or arguments (names the value)
     ├── CheckpointError        a safetensors file or index is unreadable or inconsistent
-    │   └── DenseRefused       (receiver.host) not this rank's model at that version, or
+    │   └── DenseRefused       (runtimes.weights) not this rank's model at that version, or
     │                          outside the checkpoint root; nothing was written
     ├── PayloadError           a payload failed validation; nothing was written
     │   ├── TruncatedPayload   fewer (or more) bytes than the preamble declares

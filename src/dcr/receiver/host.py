@@ -16,51 +16,22 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from dcr.apply.engine import BITS, TORCH_DTYPES, ApplyEngine, CanonicalTensor
-from dcr.checkpoint import Checkpoint, fingerprint
-from dcr.errors import CheckpointError
+from dcr.apply.engine import ApplyEngine, CanonicalTensor
+from dcr.checkpoint import Checkpoint
 from dcr.format.profile import ReceiverProfile
 from dcr.protocol.agent_api import BadRequest
 from dcr.runtimes.base import Runtime
+from dcr.runtimes.weights import (  # shared with engine processes; named here for callers
+    DenseRefused,
+    Tensors,
+    checkpoint_tensors,
+    runtime_fingerprint,
+)
 
-Tensors = dict[str, torch.Tensor]
-
-
-class DenseRefused(CheckpointError):
-    """A checkpoint is not this rank's model at the version asked for; nothing was
-    written. The message names tensors of this rank, never bytes of the file."""
-
-
-def checkpoint_tensors(ckpt: Checkpoint, expect: Mapping[str, str] | None = None) -> Tensors:
-    """Every tensor of a checkpoint as torch tensors over copies of its stored bits.
-
-    With ``expect`` (name -> fingerprint of the version's canonical bits), each listed
-    tensor's copy must have that fingerprint: the bits checked are the bits loaded.
-    """
-    out = {}
-    for info in ckpt:
-        size = info.dtype.itemsize
-        bits = np.array(ckpt.bits(info.name))  # a copy: the loader may keep a reference
-        if expect is not None and info.name in expect and fingerprint(bits) != expect[
-                info.name]:
-            raise DenseRefused(f"Tensor {info.name!r} of checkpoint {ckpt.root} is not the "
-                               f"version's: its fingerprint differs from {expect[info.name]}.")
-        t = torch.from_numpy(bits.view(f"<i{size}" if size > 1 else "u1"))
-        out[info.name] = t.view(BITS[size]).view(TORCH_DTYPES[info.dtype.name]).reshape(
-            info.shape)
-    return out
-
-
-def runtime_fingerprint(runtime: Runtime) -> dict[str, str]:
-    """xxh3-128 of the integer view of every parameter and buffer the runtime names."""
-    out = {}
-    for name, t in runtime.named_tensors():
-        flat = t.detach().contiguous().reshape(-1).cpu()
-        out[name] = fingerprint(flat.view(BITS[flat.element_size()]).numpy())
-    return out
+__all__ = ["DenseRefused", "RuntimeHost", "Tensors", "checkpoint_tensors",
+           "runtime_fingerprint"]
 
 
 class RuntimeHost:
