@@ -15,11 +15,15 @@ import ipaddress
 import socket
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+
+from dcr.codec.encode import PayloadBuilder, diff_range, encode_item
+from dcr.format.dtypes import DTYPES
 
 # Tests run with --import-mode=importlib and no __init__.py: make the helper importable.
 sys.path.insert(0, str(Path(__file__).resolve().parent / "k8s"))
@@ -51,6 +55,23 @@ def _guarded_connect(self: socket.socket, address: Any) -> Any:
     if not _is_loopback(address):
         raise RuntimeError(f"test tried to reach {address!r}; only loopback is allowed")
     return _real_connect(self, address)
+
+
+@pytest.fixture
+def sealed_xor() -> Callable[..., bytes]:
+    """``sealed_xor(attempt, owner, seq, name, base, target, shape=None)``: one sealed
+    payload of transition 0 -> 1 whose single item carries the XOR masks ``base ^
+    target`` (flat BF16 bits) of tensor ``name``; the hostile-input tests forge with it."""
+    def seal(attempt: str, owner: int, seq: int, name: str, base: np.ndarray,
+             target: np.ndarray, shape: tuple[int, ...] | None = None) -> bytes:
+        delta = diff_range(name=name, dtype=DTYPES["BF16"], shape=shape or (base.size,),
+                           start=0, base=base, target=target, entry="xor")
+        assert delta is not None
+        builder = PayloadBuilder(base_version=0, target_version=1, attempt=attempt,
+                                 owner=owner, seq=seq, mode="mixed")
+        builder.add(encode_item(delta), dense_bytes=base.nbytes)
+        return builder.seal()
+    return seal
 
 
 @pytest.fixture(autouse=True)

@@ -38,9 +38,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from dcr.apply.engine import BITS, ApplyReport, CanonicalTensor, DuplicatePayload
 from dcr.checkpoint import ArrayCheckpoint
-from dcr.codec.encode import PayloadBuilder, diff_range, encode_item
 from dcr.errors import BaselineError, StoreError
-from dcr.format.dtypes import DTYPES
 from dcr.format.layout import parse_payload_key, payload_key
 from dcr.format.manifest import Manifest
 from dcr.format.profile import merge
@@ -1042,24 +1040,18 @@ def test_the_gate_stays_shut_while_an_attempt_applies_and_apply_refuses_an_open_
 FOREIGN_TENSOR = "model.layers.0.mlp.down_proj.weight"
 
 
-def foreign_payload(versions: Versions, attempt: str, owner: int, seq: int) -> bytes:
+def foreign_payload(seal: Callable[..., bytes], versions: Versions, attempt: str, owner: int,
+                    seq: int) -> bytes:
     """A well-formed payload of ``attempt`` with ids ``(owner, seq)``, which no owner
     wrote: XOR masks on elements of one tensor that v0 and v1 share, where an overwrite
     retry (the changed set only) would never write again."""
-    t = FOREIGN_TENSOR
-    base = versions.states[0][t].view(torch.int16).reshape(-1).numpy().view(np.uint16)
-    same = np.flatnonzero(base == versions.states[1][t].view(torch.int16).reshape(-1)
-                          .numpy().view(np.uint16))
+    v0, v1 = (versions.states[v][FOREIGN_TENSOR] for v in (0, 1))
+    base = v0.view(torch.int16).reshape(-1).numpy().view(np.uint16)
+    same = np.flatnonzero(base == v1.view(torch.int16).reshape(-1).numpy().view(np.uint16))
     assert same.size >= 8
     target = base.copy()
     target[same] ^= 0x0101
-    delta = diff_range(name=t, dtype=DTYPES["BF16"], shape=tuple(versions.states[0][t].shape),
-                       start=0, base=base, target=target, entry="xor")
-    assert delta is not None
-    builder = PayloadBuilder(base_version=0, target_version=1, attempt=attempt, owner=owner,
-                             seq=seq, mode="mixed")
-    builder.add(encode_item(delta), dense_bytes=base.nbytes)
-    return builder.seal()
+    return seal(attempt, owner, seq, FOREIGN_TENSOR, base, target, tuple(v0.shape))
 
 
 def hold_part(fleet: Fleet, fetched: list[str]) -> Fault:
@@ -1079,7 +1071,7 @@ def hold_part(fleet: Fleet, fetched: list[str]) -> Fault:
 
 @pytest.mark.parametrize("where", ["owner-outside-the-attempt", "after-the-owners-last"])
 def test_a_foreign_payload_the_manifest_does_not_list_is_never_applied(
-        fleet: Fleet, where: str) -> None:
+        fleet: Fleet, where: str, sealed_xor: Callable[..., bytes]) -> None:
     """Someone with store write access puts a well-formed payload under the attempt's
     prefix (owner 2 of a two-owner attempt, or owner 0's next seq) while owner 0 streams.
     Receivers never apply it, and the first attempt commits bit-exact. Fails on 5b0b0ae:
@@ -1091,7 +1083,8 @@ def test_a_foreign_payload_the_manifest_does_not_list_is_never_applied(
         owner, seq = (2, 0) if where == "owner-outside-the-attempt" else (0, 2)
         attempt = attempt_of(key)
         forged.append(payload_key(1, attempt, owner, seq))
-        fleet.store.inner.put(forged[0], foreign_payload(fleet.versions, attempt, owner, seq))
+        fleet.store.inner.put(forged[0], foreign_payload(sealed_xor, fleet.versions, attempt,
+                                                         owner, seq))
         return data
 
     fleet.store.on_put.append(once(lambda k: is_payload(k, owner=0, seq=0), plant))
@@ -1108,7 +1101,7 @@ def test_a_foreign_payload_the_manifest_does_not_list_is_never_applied(
 
 @pytest.mark.parametrize("gate", ["sync", "async"])
 def test_a_listed_payload_replaced_by_other_bytes_fails_the_attempt_and_a_dense_load_repairs(
-        fleet: Fleet, gate: Gate) -> None:
+        fleet: Fleet, gate: Gate, sealed_xor: Callable[..., bytes]) -> None:
     """The store holds other (well-formed) bytes under a payload key the manifest lists
     with its real digest. Receivers refuse it before applying it; those that had begun
     writing the attempt (sync gate) report their weights unknown, are restored by a dense
@@ -1121,7 +1114,7 @@ def test_a_listed_payload_replaced_by_other_bytes_fails_the_attempt_and_a_dense_
 
     def replace(key: str, _: bytes) -> bytes:
         replaced.append(key)
-        return foreign_payload(fleet.versions, attempt_of(key), 0, 0)
+        return foreign_payload(sealed_xor, fleet.versions, attempt_of(key), 0, 0)
 
     fleet.store.on_put.append(once(lambda k: is_payload(k, owner=0, seq=0), replace))
     fleet.store.on_put.append(once(lambda k: k.endswith("manifest-o0000.json"),

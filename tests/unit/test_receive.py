@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -12,9 +13,7 @@ import pytest
 
 import dcr.transport.receive as rx
 from dcr.checkpoint import ArrayCheckpoint
-from dcr.codec.encode import PayloadBuilder, diff_range, encode_item
 from dcr.errors import DigestMismatch, ManifestError
-from dcr.format.dtypes import DTYPES
 from dcr.format.layout import manifest_key, owner_manifest_key, parse_payload_key, payload_key
 from dcr.format.payload import Payload
 from dcr.owner.diff import diff_checkpoints
@@ -130,19 +129,16 @@ def test_payloads_that_are_not_the_ones_the_manifest_lists_fail_the_receive() ->
 # --- what an agent stages: only what its owner's manifest part lists -------------------
 
 
-def forged(attempt: str, owner: int, seq: int) -> bytes:
+Seal = Callable[..., bytes]
+
+
+def forged(sealed_xor: Seal, attempt: str, owner: int, seq: int) -> bytes:
     """A well-formed payload whose ids match its key, which no owner wrote: XOR masks for
     every thousandth element of ``t0``."""
     base = np.zeros(600_000, dtype=np.uint16)
     target = base.copy()
     target[::1000] = 1
-    delta = diff_range(name="t0", dtype=DTYPES["BF16"], shape=(base.size,), start=0,
-                       base=base, target=target, entry="xor")
-    assert delta is not None
-    builder = PayloadBuilder(base_version=0, target_version=1, attempt=attempt, owner=owner,
-                             seq=seq, mode="mixed")
-    builder.add(encode_item(delta), dense_bytes=base.nbytes)
-    return builder.seal()
+    return sealed_xor(attempt, owner, seq, "t0", base, target)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,14 +203,14 @@ def test_one_owners_payloads_are_staged_while_another_owner_still_streams() -> N
     assert {owner for owner, _ in seen} == {0, 1}
 
 
-def test_an_object_the_manifest_does_not_list_is_never_staged() -> None:
+def test_an_object_the_manifest_does_not_list_is_never_staged(sealed_xor: Seal) -> None:
     """A well-formed payload at the owner's next seq, written before the manifest: it is
     dropped when the manifest arrives. Fails on 5b0b0ae, which staged it (the attempt
     then failed, and an overwrite retry left the bits it had applied)."""
     _, objects = published()
     n = sum(k.endswith(".dcrp") for k in objects)
     live = MemoryStore()
-    live.put(payload_key(1, "a-1", 0, n), forged("a-1", 0, n))
+    live.put(payload_key(1, "a-1", 0, n), forged(sealed_xor, "a-1", 0, n))
     trickle(live, objects, delay=0.0).join()
     got: list[tuple[int, int]] = []
     manifest = receive(StoreSource(store=live, version=1, attempt="a-1"), "a-1",
@@ -224,12 +220,13 @@ def test_an_object_the_manifest_does_not_list_is_never_staged() -> None:
     assert (0, n) not in got
 
 
-def test_a_listed_payload_with_other_bytes_is_refused_before_it_is_staged() -> None:
+def test_a_listed_payload_with_other_bytes_is_refused_before_it_is_staged(
+        sealed_xor: Seal) -> None:
     """A well-formed payload with the right ids but not the bytes the manifest lists.
     Fails on 5b0b0ae, which staged it and compared only once everything had arrived."""
     _, objects = published()
     key = sorted(k for k in objects if k.endswith(".dcrp"))[1]
-    objects[key] = forged("a-1", 0, 1)
+    objects[key] = forged(sealed_xor, "a-1", 0, 1)
     live = MemoryStore()
     trickle(live, objects, delay=0.0).join()
     got: list[int] = []
@@ -241,11 +238,12 @@ def test_a_listed_payload_with_other_bytes_is_refused_before_it_is_staged() -> N
 
 
 @pytest.mark.parametrize("release", ["on_arrival", "when_listed"])
-def test_payloads_of_owners_outside_the_attempt_are_never_fetched(release: Release) -> None:
+def test_payloads_of_owners_outside_the_attempt_are_never_fetched(
+        release: Release, sealed_xor: Seal) -> None:
     """Fails on 5b0b0ae, which fetched and staged owner 1's payload in a one-owner attempt."""
     _, objects = published()
     live = MemoryStore()
-    live.put(payload_key(1, "a-1", 1, 0), forged("a-1", 1, 0))
+    live.put(payload_key(1, "a-1", 1, 0), forged(sealed_xor, "a-1", 1, 0))
     trickle(live, objects, delay=0.0).join()
     source = Counting(store=live, version=1, attempt="a-1")
     got: list[int] = []
