@@ -137,7 +137,9 @@ class AttemptRef(_Body):
 
 class DenseRequest(_Body):
     version: Annotated[int, Field(ge=0)]
-    checkpoint: Annotated[str, Field(min_length=1)]  # a directory of the version's safetensors
+    # The version's safetensors, under the agent's checkpoint root (a relative path is
+    # taken from there); checked against the version's fingerprints where the agent has them.
+    checkpoint: Annotated[str, Field(min_length=1, max_length=4096)]
 
 
 class AgentStatus(_Body):
