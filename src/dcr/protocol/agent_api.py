@@ -51,12 +51,13 @@ from __future__ import annotations
 
 import http.client
 import json
+import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Generic, Literal, ParamSpec, Protocol, TypeVar, overload
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -98,10 +99,14 @@ class AttemptKey(Protocol):
 
 @dataclass(frozen=True, kw_only=True)
 class AttemptDeadline:
-    """An :class:`AttemptKey` as a request names it (the deadline from ``timeout_s``)."""
+    """An :class:`AttemptKey` as a request names it (the deadline from ``timeout_s``).
+
+    ``cancel``, when the server sets it, ends a wait on this key early: its client left.
+    """
 
     id: str
     deadline: float
+    cancel: threading.Event | None = field(default=None, compare=False)
 
 
 def seconds_left(attempt: AttemptKey) -> float:

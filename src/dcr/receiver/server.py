@@ -22,7 +22,7 @@ makes the pod unhealthy instead of silently deaf.
 from __future__ import annotations
 
 import asyncio
-import functools
+import dataclasses
 import json
 import logging
 import threading
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from dcr.prometheus import Family, render
-from dcr.protocol.agent_api import AgentApi, BadRequest, Call, parse_body
+from dcr.protocol.agent_api import AgentApi, AttemptDeadline, BadRequest, Call, parse_body
 from dcr.protocol.state import IllegalTransition
 from dcr.receiver.service import AgentConflict, AgentService, AttemptFailed
 from dcr.receiver.settings import AgentSettings
@@ -73,8 +73,8 @@ def make_app(service: AgentService, token: str, *, max_waits: int = AgentSetting
     async def run(pool: str, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(pools[pool], fn, *args)
 
-    async def wait(request: web.Request, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run a waiting call; set its ``cancel`` when the client goes away."""
+    async def wait(request: web.Request, fn: Callable[..., Any], key: AttemptDeadline) -> Any:
+        """Run a waiting call; set its key's ``cancel`` when the client goes away."""
         if waits.locked():
             raise web.HTTPServiceUnavailable(
                 text=json.dumps({"error": f"{service.name}: {max_waits} waits are in "
@@ -82,8 +82,8 @@ def make_app(service: AgentService, token: str, *, max_waits: int = AgentSetting
                 content_type="application/json")
         cancel = threading.Event()
         async with waits:
-            job = asyncio.ensure_future(run("wait", functools.partial(fn, *args,
-                                                                      cancel=cancel)))
+            job = asyncio.ensure_future(run("wait", fn, dataclasses.replace(key,
+                                                                            cancel=cancel)))
             try:
                 while not (await asyncio.wait({job}, timeout=DISCONNECT_POLL_S))[0]:
                     if request.transport is None or request.transport.is_closing():

@@ -37,8 +37,8 @@ closed *and drained* (``close_gate`` returned), so no generation request still r
 the weights; a dense load holds ``loading`` from its first check to its last write, and
 ``prepare`` and ``open_apply`` refuse meanwhile; ``stop_and_wait`` is idempotent, so two
 concurrent stops both answer with the stopped attempt. Waits (``wait_staged``,
-``flush``) are capped (``max_wait_s``) and end early when their ``cancel`` event is set
-(the HTTP server sets it when the client goes away).
+``flush``) are capped (``max_wait_s``) and end early when their key's ``cancel`` event
+is set (the HTTP server sets it when the client goes away).
 """
 
 from __future__ import annotations
@@ -86,7 +86,6 @@ class FingerprintMismatch(DcrError):
     fingerprint its manifest lists."""
 
 
-Cancel = threading.Event  # set by whoever waits on a call to end the wait early
 
 
 @dataclass(kw_only=True)
@@ -226,9 +225,11 @@ class AgentService:
             raise AgentConflict(f"{self.name}: a dense load of version {self._loading} is in "
                                 f"progress; {what} waits until it has ended.")
 
-    def _wait(self, ready: Callable[[], bool], wait_s: float, cancel: Cancel | None) -> bool:
+    def _wait(self, ready: Callable[[], bool], wait_s: float, attempt: AttemptKey) -> bool:
         """Wait (holding the lock) until ``ready()``; False after ``wait_s``. Raises
-        :class:`AgentConflict` once ``cancel`` is set (see :meth:`wake`)."""
+        :class:`AgentConflict` once the key's ``cancel`` is set (an
+        :class:`~dcr.protocol.agent_api.AttemptDeadline` from the server; see :meth:`wake`)."""
+        cancel: threading.Event | None = getattr(attempt, "cancel", None)
         self.waits += 1
         try:
             done = self._cond.wait_for(
@@ -333,12 +334,12 @@ class AgentService:
                 self._start(run, self._apply, "apply")
             return self.status()
 
-    def wait_staged(self, attempt: AttemptKey, cancel: Cancel | None = None) -> AgentStatus:
+    def wait_staged(self, attempt: AttemptKey) -> AgentStatus:
         wait_s = min(seconds_left(attempt), self.max_wait_s)
         with self._cond:
             run = self._current(attempt.id)
             if not self._wait(lambda: run.received or run.error is not None
-                              or run.stop.is_set(), wait_s, cancel):
+                              or run.stop.is_set(), wait_s, attempt):
                 raise AttemptFailed(f"{self.name}: attempt {attempt.id} not staged after "
                                     f"{wait_s:.1f} s ({len(run.staged)} payloads).")
             if run.error:
@@ -347,14 +348,14 @@ class AgentService:
                 raise AgentConflict(f"{self.name}: attempt {attempt.id} was stopped.")
             return self.status()
 
-    def flush(self, attempt: AttemptKey, cancel: Cancel | None = None) -> FlushAck:
+    def flush(self, attempt: AttemptKey) -> FlushAck:
         t0, wait_s = time.perf_counter(), min(seconds_left(attempt), self.max_wait_s)
         with self._cond:
             run = self._current(attempt.id)
             if not run.apply_open.is_set():
                 raise AgentConflict(f"{self.name}: flush before open_apply of {attempt.id}.")
             done = self._wait(lambda: run.error is not None or run.stop.is_set()
-                              or run.checked, wait_s, cancel)
+                              or run.checked, wait_s, attempt)
             if run.error:
                 raise AttemptFailed(run.error)
             if run.stop.is_set() or run.state is S.OBSOLETE:
