@@ -1,0 +1,34 @@
+"""The security doc's tables name tests that exist, so a defence never loses its test
+silently when a test is renamed or moved."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+REF = re.compile(r"(tests/[\w/]+\.py)?::(test_\w+)")
+
+
+def named_tests(doc: Path) -> list[tuple[str, str]]:
+    """(file, test) for every ``tests/...py::test_name`` reference in ``doc``; a bare
+    ``::test_name`` refers to the last file named before it on the same row."""
+    found = []
+    for line in doc.read_text().splitlines():
+        if not line.startswith("| "):
+            continue
+        last = None
+        for m in REF.finditer(line):
+            last = m[1] or last
+            assert last is not None, f"{doc.name}: {m[0]} names no file: {line[:80]}"
+            found.append((last, m[2]))
+    return found
+
+
+def test_every_test_the_security_doc_names_exists() -> None:
+    refs = named_tests(ROOT / "docs" / "security.md")
+    assert len(refs) >= 40  # the tables are there and parsed
+    missing = [f"{f}::{t}" for f, t in refs
+               if not (ROOT / f).is_file()
+               or not re.search(rf"^\s*(async )?def {t}\(", (ROOT / f).read_text(), re.M)]
+    assert not missing, f"docs/security.md names tests that do not exist: {missing}"
