@@ -23,7 +23,7 @@ from dcr.errors import CheckpointError
 from dcr.format.layout import owner_of
 from dcr.format.manifest import Manifest, PayloadEntry, TensorEntry
 from dcr.format.names import new_attempt_id
-from dcr.format.payload import NAME_RE
+from dcr.format.payload import DEFAULT_LIMITS, NAME_RE
 from dcr.owner.settings import EncodeSettings
 from dcr.owner.writer import AttemptWriter
 from dcr.transport.store import Store
@@ -70,7 +70,9 @@ def _buckets(infos: list[TensorInfo], s: EncodeSettings) -> Iterator[list[_Range
     for info in infos:
         for lo in range(0, info.numel, s.item_elements):
             r = _Range(info=info, start=lo, stop=min(info.numel, lo + s.item_elements))
-            if bucket and size + r.nbytes > s.bucket_bytes:
+            # A payload holds at most as many items as a reader accepts.
+            if bucket and (size + r.nbytes > s.bucket_bytes
+                           or len(bucket) >= DEFAULT_LIMITS.max_items):
                 yield bucket
                 bucket, size = [], 0
             bucket.append(r)

@@ -42,6 +42,7 @@ from dcr.errors import ConfigError
 from dcr.format.dtypes import dtype as dtype_of
 from dcr.format.manifest import Manifest
 from dcr.format.names import EntryKind
+from dcr.format.payload import DEFAULT_LIMITS
 from dcr.format.profile import ReceiverProfile
 from dcr.owner.settings import EncodeSettings
 from dcr.owner.state import OwnerState
@@ -209,6 +210,9 @@ class ShardEncoder(OwnerState[Mapping[str, UInt]]):
             total += base.size
             dense += base.nbytes
             for delta in m.project(base, cand, entry):
+                if len(b.items) >= DEFAULT_LIMITS.max_items:  # what a reader accepts
+                    writer.seal(b)
+                    b = writer.builder(b.seq + 1)
                 changed += delta.positions.size
                 b.add(encode_item(delta), dense_bytes=0)
             b.dense_bytes += base.nbytes
