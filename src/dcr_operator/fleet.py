@@ -26,7 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from dcr.errors import ConfigError
 from dcr.protocol.agent_api import AgentApi, AgentClient
+from dcr.tokens import check_token
 from dcr_operator.commitstore import record_of
 from dcr_operator.crds import FLEET_PLURAL, GROUP, VERSION, RolloutFleetSpec
 from dcr_operator.errors import ApiError, InvalidResource, NotFound
@@ -96,7 +98,11 @@ def agent_token(kube: KubeClient, namespace: str, spec: RolloutFleetSpec) -> str
     if ref.key not in data:
         raise InvalidResource(f"Secret {namespace}/{ref.name} has no key {ref.key!r} "
                               f"({AGENT_TOKEN.field}.key).")
-    return data[ref.key].strip()
+    try:  # the agents refuse a weak token; refuse it here before sending it anywhere
+        return check_token(data[ref.key].strip(),
+                           f"agent token in Secret {namespace}/{ref.name} key {ref.key!r}")
+    except ConfigError as e:
+        raise InvalidResource(str(e)) from None
 
 
 def store_credentials(kube: KubeClient, namespace: str, spec: RolloutFleetSpec

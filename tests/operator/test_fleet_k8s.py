@@ -167,3 +167,22 @@ def test_the_secrets_encoder_jobs_and_the_finalizer_use_must_opt_in_too(
     assert store_credentials(kube, namespace, ok) == {"AWS_ACCESS_KEY_ID": TOKEN}
     check_job_secrets(kube, namespace, RolloutFleetSpec.model_validate(_fleet(1, "t", relay={
         "url": "http://relay:8470", "tokenSecretRef": {"name": "relay-ok"}})["spec"]))
+
+
+def test_a_weak_or_placeholder_agent_token_is_refused_before_any_agent_is_called(
+        kube: KubeClient, namespace: str) -> None:
+    """Fails before the operator checked the token it reads: a labelled Secret holding
+    the chart's `change-me` example (or a short token) was sent to every selected pod."""
+    install_crds(kube)
+    apply(kube, [_secret("placeholder", "agent-token", value="change-me-to-a-long-random-token"),
+                 _secret("short", "agent-token", value="tiny")], namespace)
+    with stubs("127.0.0.2") as (agent,):
+        _answers(agent)
+        _pods(kube, namespace, {"r0": "127.0.0.2"})
+        for name in ("placeholder", "short"):
+            spec = RolloutFleetSpec.model_validate(_fleet(agent.port, name)["spec"])
+            with pytest.raises(InvalidResource, match=f"Secret {namespace}/{name}") as e:
+                clients(kube, namespace, spec, discover(kube, namespace, spec))
+            assert "change-me-to" not in str(e.value)
+            assert "tiny" not in str(e.value)
+        assert agent.seen == []
