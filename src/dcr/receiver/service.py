@@ -64,7 +64,7 @@ from dcr.protocol.agent_api import (
 )
 from dcr.protocol.records import Attempt
 from dcr.protocol.state import FINAL, AttemptState, advance
-from dcr.receiver.host import DenseRefused, RuntimeHost
+from dcr.receiver.host import DenseRefused, RuntimeHost, Tensors
 from dcr.receiver.journal import Journal, JournalEntry
 from dcr.receiver.settings import AgentSettings
 from dcr.transport.receive import ForeignPayload, ReceiveStopped, Source, receive
@@ -303,10 +303,14 @@ class AgentService:
             if run is not None and run.state not in FINAL and run.apply_open.is_set():
                 raise AgentConflict(f"{self.name}: attempt {run.spec.attempt} is applying; "
                                     "the gate opens after its commit or stop.")
-            self._drained = False
-            self._gate_opens += 1
-            self.host.runtime.open_gate()  # clean weights hold ``version``: safe to serve
+            self._gate_up()  # clean weights hold ``version``: safe to serve
             return self.status()
+
+    def _gate_up(self) -> None:
+        """Open the request gate (hold the lock); a drain that began before no longer counts."""
+        self._drained = False
+        self._gate_opens += 1
+        self.host.runtime.open_gate()
 
     def open_apply(self, attempt: AttemptKey) -> AgentStatus:
         with self._cond:
@@ -426,7 +430,7 @@ class AgentService:
             with self._cond:
                 self._loading = None
                 if was_open and not self.gate_open:
-                    self.host.runtime.open_gate()  # nothing was written: serve as before
+                    self._gate_up()  # nothing was written: serve as before
             raise
         try:
             with self._cond:
@@ -453,7 +457,7 @@ class AgentService:
                                 f"{checkpoint!r} is not there.")
         return path
 
-    def _read_dense(self, version: int, path: Path) -> dict[str, Any]:
+    def _read_dense(self, version: int, path: Path) -> Tensors:
         known = self._known
         expect = known[1] if known is not None and known[0] == version else None
         try:
