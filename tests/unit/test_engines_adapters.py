@@ -52,6 +52,9 @@ def plugin_answer(method: str, args: list[str], rank: int) -> dict[str, Any]:
                 "loader_s": 0.25, "writes": 3}
     if method == "dcr_fingerprint":
         return {"rank": rank, "tensors": {"a.weight": f"xxh3-128:{rank}"}}
+    if method == "dcr_check_targets":  # each rank checks what it holds whole
+        return {"rank": rank, "differ": {n: "xxh3-128:7" for n in sorted(arg["expect"])
+                                         [rank:rank + 1]}}
     return {"rank": rank}
 
 
@@ -158,6 +161,9 @@ def test_vllm_engine_maps_each_call_onto_vllms_endpoints(stub: Callable[[Routes]
     assert (outcome.seconds, outcome.names) == (1.25, frozenset({"a.weight"}))
     engine.sync()
     assert engine.fingerprint() == [{"a.weight": "xxh3-128:0"}, {"a.weight": "xxh3-128:1"}]
+    assert engine.check_targets({"b.weight": "xxh3-128:2", "a.weight": "xxh3-128:1"}) == {
+        "a.weight": "xxh3-128:7", "b.weight": "xxh3-128:7"}  # every rank's, merged
+    engine.check_dense("v3", {"a.weight": "xxh3-128:9"})
     engine.load_dense("v3", {"a.weight": "xxh3-128:9"})
     engine.pause("keep")
     assert engine.is_paused()
@@ -177,8 +183,12 @@ def test_vllm_engine_maps_each_call_onto_vllms_endpoints(stub: Callable[[Routes]
          t.apply_s),
         ("dcr_sync", [], t.call_s),
         ("dcr_fingerprint", [], t.call_s),
-        ("dcr_load_dense", ['{"checkpoint":"v3","expect":{"a.weight":"xxh3-128:9"}}'],
-         t.dense_s),
+        ("dcr_check_targets", ['{"expect":{"b.weight":"xxh3-128:2","a.weight":"xxh3-128:1"}}'],
+         t.prewarm_s),
+        ("dcr_load_dense", ['{"checkpoint":"v3","expect":{"a.weight":"xxh3-128:9"},'
+                            '"check_only":true}'], t.dense_s),
+        ("dcr_load_dense", ['{"checkpoint":"v3","expect":{"a.weight":"xxh3-128:9"},'
+                            '"check_only":false}'], t.dense_s),
     ]
     assert [(m, p, b) for m, p, b in server.calls() if p != "/collective_rpc"] == [
         ("POST", "/pause?mode=keep", None), ("GET", "/is_paused", None),

@@ -494,16 +494,13 @@ class ApplyEngine:
                 bits.as_strided(w.dst.sizes, w.dst.strides, w.dst.offset))
         return out
 
-    def check_targets(self, targets: Mapping[str, str]) -> list[str]:
+    def check_targets(self, targets: Mapping[str, str]) -> dict[str, str]:
         """Compare the fingerprints of the readable tensors among ``targets`` (name ->
         ``xxh3-128:...`` of the canonical bits, as a manifest lists them) with what
-        storage holds; return a sentence per tensor that differs."""
-        differ = []
-        for name in sorted(targets.keys() & self.readable):
-            got = fingerprint(self.read_canonical(name).cpu().numpy())
-            if got != targets[name]:
-                differ.append(f"{name!r} holds {got}, the manifest says {targets[name]}")
-        return differ
+        storage holds; return those that differ, each with the fingerprint it holds."""
+        held = {name: fingerprint(self.read_canonical(name).cpu().numpy())
+                for name in sorted(targets.keys() & self.readable)}
+        return {name: fp for name, fp in held.items() if fp != targets[name]}
 
 
 def _covers(t: CanonicalTensor, writes: Sequence[CopySig]) -> bool:

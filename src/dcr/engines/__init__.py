@@ -1,7 +1,7 @@
 """Serving engines as the agent drives them: the seam and one adapter per engine.
 
 ``base`` is the seam (:class:`~dcr.engines.base.Engine`) and its values; ``plugin`` is
-DCR's plugin inside the engine as the agent calls it (six methods, one answer per rank)
+DCR's plugin inside the engine as the agent calls it (seven methods, one answer per rank)
 and the shared half of both adapters; ``vllm`` drives a vLLM server (and ``dcr serve``,
 which speaks vLLM's dialect) through ``/collective_rpc``, ``/pause`` and the weight-version
 routes; ``sglang`` drives an SGLang server through its custom weight-loader hook,

@@ -95,10 +95,22 @@ class Engine(Protocol):
         """Per rank (index = rank): xxh3-128 of every parameter and buffer's bits."""
         ...
 
+    def check_targets(self, expect: Mapping[str, str]) -> dict[str, str]:
+        """The tensors among ``expect`` (canonical name -> fingerprint) that some rank
+        holds whole on a bit-preserving path and whose bits differ, each with the
+        fingerprint a rank holds; the other tensors are not checked (no rank can
+        recompute their canonical bits)."""
+        ...
+
     def load_dense(self, checkpoint: str, expect: Mapping[str, str] | None = None) -> None:
         """Load a whole checkpoint (a path relative to the engine's checkpoint root)
         through the same loader; with ``expect`` (canonical name -> fingerprint) a rank
         refuses the checkpoint before writing anything if a tensor differs."""
+        ...
+
+    def check_dense(self, checkpoint: str, expect: Mapping[str, str] | None = None) -> None:
+        """Every check :meth:`load_dense` makes, on every rank, and no write: a refusal
+        here leaves the weights certainly as they were."""
         ...
 
     def pause(self, mode: PauseMode = "wait") -> None:

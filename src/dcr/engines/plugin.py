@@ -1,4 +1,4 @@
-"""DCR's plugin inside the engine, as the agent calls it: six methods, one answer per rank.
+"""DCR's plugin inside the engine, as the agent calls it: seven methods, one answer per rank.
 
 The plugin runs in every worker (rank) of the serving engine: in vLLM the worker
 extension ``dcr.runtimes.vllm.DcrWorkerExtension`` (``--worker-extension-cls``), in the
@@ -13,11 +13,13 @@ strings), and every rank answers with a JSON object carrying its ``rank``::
                                          -> {"rank", ...apply report}
     dcr_fingerprint()                    -> {"rank", "tensors": {name: "xxh3-128:..."}}
     dcr_load_dense({"checkpoint": path under DCR_CHECKPOINT_ROOT,
-                    "expect": {name: fingerprint} | null})
+                    "expect": {name: fingerprint} | null, "check_only": bool})
                                          -> {"rank"}
+    dcr_check_targets({"expect": {name: fingerprint}})
+                                         -> {"rank", "differ": {name: fingerprint held}}
     dcr_sync()                           -> {"rank"}
 
-:class:`PluginEngine` implements those six calls of :class:`~dcr.engines.base.Engine` on
+:class:`PluginEngine` implements those calls of :class:`~dcr.engines.base.Engine` on
 top of one primitive each adapter supplies (``_plugin``: carry a call to every rank and
 return the answers), and checks the answers like any input from a peer: each a JSON
 object of the documented shape, one per rank, ranks exactly ``0..world-1``.
@@ -64,6 +66,10 @@ class FingerprintAnswer(RankAnswer):
     tensors: dict[str, str]
 
 
+class CheckAnswer(RankAnswer):
+    differ: dict[str, str]  # name -> the fingerprint this rank holds
+
+
 class ApplyAnswer(RankAnswer):
     """A rank's apply report: the canonical tensors it wrote, and whatever else the
     plugin reports (counts, ``*_s`` seconds), kept as sent."""
@@ -81,8 +87,9 @@ class EngineTimeouts:
 
     call_s: float = option(30.0, metavar="S", doc="quick calls: instance, health, version, "
                            "resume, fingerprint, sync")
-    prewarm_s: float = option(600.0, metavar="S", doc="prewarm: every canonical tensor once "
-                              "through every rank's loader")
+    prewarm_s: float = option(600.0, metavar="S", doc="prewarm, and the check of targets "
+                              "after an attempt: every canonical tensor once through every "
+                              "rank's loader")
     apply_s: float = option(600.0, metavar="S", doc="one apply call (a set of payloads)")
     dense_s: float = option(1800.0, metavar="S", doc="a dense load of a whole checkpoint "
                             "from the engine's disk")
@@ -113,7 +120,7 @@ def ranked(results: object, model: type[M], *, what: str, call: str) -> list[M]:
 
 
 class PluginEngine:
-    """The plugin's six calls as :class:`~dcr.engines.base.Engine` methods; a subclass
+    """The plugin's calls as :class:`~dcr.engines.base.Engine` methods; a subclass
     carries a call to every rank (``_plugin``) and adds the gate and version calls."""
 
     what = "engine"  # how sentences name it; a subclass sets "vLLM engine at URL" etc.
@@ -160,10 +167,23 @@ class PluginEngine:
                                call="fingerprint", timeout_s=self.timeouts.call_s)
         return [a.tensors for a in answers]
 
+    def check_targets(self, expect: Mapping[str, str]) -> dict[str, str]:
+        answers = self._ranked("dcr_check_targets", {"expect": dict(expect)}, CheckAnswer,
+                               call="check_targets", timeout_s=self.timeouts.prewarm_s)
+        return {n: fp for a in answers for n, fp in sorted(a.differ.items())}
+
     def load_dense(self, checkpoint: str, expect: Mapping[str, str] | None = None) -> None:
+        self._dense(checkpoint, expect, check_only=False)
+
+    def check_dense(self, checkpoint: str, expect: Mapping[str, str] | None = None) -> None:
+        self._dense(checkpoint, expect, check_only=True)
+
+    def _dense(self, checkpoint: str, expect: Mapping[str, str] | None, *,
+               check_only: bool) -> None:
         arg = {"checkpoint": check_checkpoint_path(checkpoint),
-               "expect": None if expect is None else dict(expect)}
-        self._ranked("dcr_load_dense", arg, RankAnswer, call="load_dense",
+               "expect": None if expect is None else dict(expect), "check_only": check_only}
+        self._ranked("dcr_load_dense", arg, RankAnswer,
+                     call="check_dense" if check_only else "load_dense",
                      timeout_s=self.timeouts.dense_s)
 
     def health(self) -> bool:
@@ -184,5 +204,5 @@ def encode_arg(arg: Mapping[str, Any] | None) -> list[str]:
     return [] if arg is None else [json.dumps(arg, separators=(",", ":"))]
 
 
-__all__ = ["ApplyAnswer", "EngineTimeouts", "FingerprintAnswer", "InstanceAnswer",
+__all__ = ["ApplyAnswer", "CheckAnswer", "EngineTimeouts", "FingerprintAnswer", "InstanceAnswer",
            "PluginEngine", "ProfileAnswer", "RankAnswer", "encode_arg", "ranked"]

@@ -583,8 +583,10 @@ class AgentService:
         targets = {t.name: t.target for t in run.manifest.tensors if t.name in run.touched}
         differ = self.host.engine.check_targets(targets)
         if differ:
+            said = "; ".join(f"{n!r} holds {fp}, the manifest says {targets[n]}"
+                             for n, fp in list(differ.items())[:3])
             raise FingerprintMismatch(f"{len(differ)} tensors differ from the manifest's "
-                                      f"target after apply: {'; '.join(differ[:3])}.")
+                                      f"target after apply: {said}.")
         with self._cond:
             run.checked = True
             self._cond.notify_all()

@@ -23,7 +23,9 @@ The contract (``docs/engines.md``; the agent's side is ``dcr.engines.plugin``)::
     dcr_fingerprint()             -> {"rank", "tensors": {name: "xxh3-128:..."}}
     dcr_load_dense(request)       -> {"rank"}
         request = {"checkpoint": path under $DCR_CHECKPOINT_ROOT,
-                   "expect": {name: fingerprint} | null}
+                   "expect": {name: fingerprint} | null, "check_only": bool}
+    dcr_check_targets(request)    -> {"rank", "differ": {name: fingerprint held}}
+        request = {"expect": {name: fingerprint of the canonical bits}}
     dcr_sync()                    -> {"rank"}
 
 Choices, and why:
@@ -41,6 +43,13 @@ Choices, and why:
   following a final symlink.
 * **Instance id.** A random hex string drawn once per process: a restarted engine
   answers a new one, so the agent knows its weights are unknown and rejoins densely.
+* **A dense load can be checked without loading** (``check_only``): every rank runs
+  every check (confinement, this rank's canonical tensors, the expected fingerprints)
+  and writes nothing, so the agent learns that a checkpoint is refused while the weights
+  are certainly untouched; the load itself checks again.
+* **Targets are checked where they can be recomputed exactly** (``dcr_check_targets``):
+  the tensors prewarm found readable on this rank (whole, bit-preserving), read back
+  through prewarm's exact views; the rest are not this rank's to vouch for.
 * **Storage identity is checked before every apply.** The apply engine intercepts
   writes by storage address; if vLLM reallocated the weights since prewarm (sleep mode,
   a reload), the loader's copies would land unintercepted, so the apply is refused up
@@ -66,7 +75,15 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Protocol, TypeVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
 
 from dcr.apply.engine import ApplyEngine, CanonicalTensor, Loader
 from dcr.apply.intercept import LoaderPathError, storage_key
@@ -132,6 +149,11 @@ class ApplyRequest(_Request):
 class DenseLoadRequest(_Request):
     checkpoint: StrictStr = Field(min_length=1, max_length=4096)
     expect: dict[StrictStr, StrictStr] | None = None
+    check_only: StrictBool = False  # run every check, write nothing
+
+
+class CheckTargetsRequest(_Request):
+    expect: dict[StrictStr, StrictStr] = Field(max_length=MAX_TENSORS)
 
 
 R = TypeVar("R", bound=_Request)
@@ -163,8 +185,11 @@ def canonical_tensors(req: PrewarmRequest) -> list[CanonicalTensor]:
     return out
 
 
-def engine_dir(env: str) -> Path:
-    """A directory the engine process was configured with, never one a caller names."""
+def engine_dir(env: str, given: Path | None = None) -> Path:
+    """A directory the engine process was configured with (``given`` by its builder, else
+    ``$env``), never one a caller names."""
+    if given is not None:
+        return given.resolve()
     value = os.environ.get(env)
     if not value:
         raise ConfigError(f"The engine process has no {env}; start it with {env} set to "
@@ -211,21 +236,28 @@ class EngineRank:
     calls of the plugin contract as plain methods returning JSON-ready dicts.
 
     Engine-neutral: vLLM's worker extension wraps it, and any engine whose workers hold
-    a :class:`~dcr.apply.engine.Loader` can.
+    a :class:`~dcr.apply.engine.Loader` can. ``instance``, ``staging_dir`` and
+    ``checkpoint_root`` default to the process's (its random id, ``$DCR_STAGING_DIR``,
+    ``$DCR_CHECKPOINT_ROOT``); an engine that holds several in one process, each
+    standing for a server of its own (:class:`dcr.serve.local.LocalEngine`), gives them.
     """
 
-    def __init__(self, runtime: Loader, *, rank: int, world: int,
-                 device: torch.device) -> None:
+    def __init__(self, runtime: Loader, *, rank: int, world: int, device: torch.device,
+                 instance: str = INSTANCE, staging_dir: Path | None = None,
+                 checkpoint_root: Path | None = None) -> None:
         self.runtime = runtime
         self.rank = rank
         self.world = world
         self.device = device
+        self.instance_id = instance
+        self.staging_dir = staging_dir
+        self.checkpoint_root = checkpoint_root
         self.engine: ApplyEngine | None = None
         self.canonical: list[CanonicalTensor] = []
         self._storages: dict[str, tuple[str, int]] = {}
 
     def instance(self) -> dict[str, Any]:
-        return {"instance": INSTANCE, "rank": self.rank, "world": self.world}
+        return {"instance": self.instance_id, "rank": self.rank, "world": self.world}
 
     def prewarm(self, req: PrewarmRequest) -> dict[str, Any]:
         canonical = canonical_tensors(req)
@@ -238,7 +270,7 @@ class EngineRank:
     def apply(self, req: ApplyRequest) -> dict[str, Any]:
         engine = self._prewarmed("apply")
         self._check_storages()
-        staging = engine_dir(STAGING_ENV)
+        staging = engine_dir(STAGING_ENV, self.staging_dir)
         payloads = [read_staged(staging, name) for name in req.payloads]
         report = engine.apply_payloads(payloads)
         self.sync()
@@ -251,10 +283,18 @@ class EngineRank:
         self.sync()
         return {"rank": self.rank, "tensors": runtime_fingerprint(self.runtime)}
 
+    def check_targets(self, req: CheckTargetsRequest) -> dict[str, Any]:
+        """The tensors among ``expect`` that this rank holds whole on a bit-preserving
+        path (prewarm's readable set) and whose bits differ from their fingerprint."""
+        engine = self._prewarmed("check_targets")
+        self.sync()
+        return {"rank": self.rank, "differ": engine.check_targets(req.expect)}
+
     def load_dense(self, req: DenseLoadRequest) -> dict[str, Any]:
         """Read and check the whole checkpoint, then load it through the runtime's own
-        loader; a refused checkpoint leaves the weights as they were."""
-        root = engine_dir(CHECKPOINT_ROOT_ENV)
+        loader (unless ``check_only``); a refused checkpoint leaves the weights as they
+        were."""
+        root = engine_dir(CHECKPOINT_ROOT_ENV, self.checkpoint_root)
         path = confined_checkpoint(root, req.checkpoint)
         with Checkpoint(path) as ckpt:
             outside = [f for f in ckpt.files if not f.resolve().is_relative_to(root)]
@@ -270,6 +310,8 @@ class EngineRank:
                         f"tensors: missing {sorted(w[0] for w in want - got)[:3]} and "
                         f"{len(got - want)} unexpected.")
             tensors = checkpoint_tensors(ckpt, req.expect)
+        if req.check_only:
+            return {"rank": self.rank}
         self.runtime.load_weights(tensors.items())
         self.sync()
         return {"rank": self.rank}
@@ -335,6 +377,13 @@ class DcrWorkerExtension:
         with self._dcr_loading():
             return self._dcr_rank().load_dense(req)
 
+    def dcr_check_targets(self, request: str | Mapping[str, Any]) -> dict[str, Any]:
+        """The tensors among ``expect`` this rank can read back exactly whose bits differ
+        from their fingerprint (the agent's check after an attempt's applies)."""
+        req = parse_request(CheckTargetsRequest, request)
+        with self._dcr_loading():
+            return self._dcr_rank().check_targets(req)
+
     def dcr_sync(self) -> dict[str, Any]:
         return self._dcr_rank().sync()
 
@@ -350,6 +399,11 @@ class DcrWorkerExtension:
         overrides this."""
         return VllmRuntime(model)
 
+    def _dcr_rank_options(self) -> dict[str, Any]:
+        """:class:`EngineRank`'s ``instance``, ``staging_dir`` and ``checkpoint_root``
+        where the worker gives its own (none: the process's)."""
+        return {}
+
     def _dcr_rank(self) -> EngineRank:
         model = self._dcr_model()
         held: tuple[object, EngineRank] | None = getattr(self, "_dcr_state", None)
@@ -358,7 +412,8 @@ class DcrWorkerExtension:
         # A new model object (a reload replaced it): a rank that must be prewarmed again.
         rank, world = _rank_and_world(self)
         state = EngineRank(self._dcr_loader(model), rank=rank, world=world,
-                           device=next(model.parameters()).device)
+                           device=next(model.parameters()).device,
+                           **self._dcr_rank_options())
         self._dcr_state = (model, state)
         return state
 

@@ -11,5 +11,6 @@ vLLM in production; only the server differs.
 
 ``settings`` declares the options; ``workers`` builds a worker per rank and calls the
 plugin; ``gate`` is vLLM's pause modes; ``completions`` the greedy endpoint; ``server``
-the aiohttp app; ``main`` the process.
+the aiohttp app; ``main`` the process; ``local`` the same workers as an in-process
+engine for tests and benchmarks (no HTTP).
 """

@@ -40,17 +40,27 @@ from dcr.runtimes.weights import checkpoint_tensors
 from dcr.serve.settings import ServeSettings
 
 PLUGIN_METHODS = ("dcr_instance", "dcr_prewarm", "dcr_apply", "dcr_fingerprint",
-                  "dcr_load_dense", "dcr_sync")
+                  "dcr_load_dense", "dcr_check_targets", "dcr_sync")
 
 
 class ServeWorker:
-    """What vLLM's worker offers its extension, for one rank of this process."""
+    """What vLLM's worker offers its extension, for one rank of this process.
 
-    def __init__(self, *, rank: int, world: int, model: torch.nn.Module) -> None:
+    ``rank_options`` (``instance``, ``staging_dir``, ``checkpoint_root``) give the
+    plugin's rank its own instead of the process's: an in-process engine
+    (:class:`dcr.serve.local.LocalEngine`) stands for a server of its own.
+    """
+
+    def __init__(self, *, rank: int, world: int, model: torch.nn.Module,
+                 rank_options: dict[str, Any] | None = None) -> None:
         self.rank = self.local_rank = rank
         self.parallel_config = SimpleNamespace(world_size=world, tensor_parallel_size=world)
         self.device = torch.device("cpu")
         self.model_runner = SimpleNamespace(model=model)
+        self._rank_options = dict(rank_options or {})
+
+    def _dcr_rank_options(self) -> dict[str, Any]:
+        return self._rank_options
 
 
 class HfServeWorker(ServeWorker):
@@ -60,10 +70,23 @@ class HfServeWorker(ServeWorker):
         return HFRuntime(model)
 
 
-def build_workers(s: ServeSettings) -> list[ServeWorker]:
+_WORKER_CLASSES: dict[bool, type[ServeWorker]] = {  # vLLM's way: the worker class with
+    hf: type("ReferenceWorker",                      # the extension appended to its bases
+             (HfServeWorker if hf else ServeWorker, DcrWorkerExtension), {})
+    for hf in (False, True)}
+
+
+def make_worker(model: Any, *, rank: int, world: int,
+                rank_options: dict[str, Any] | None = None) -> ServeWorker:
+    """A worker holding ``model`` (a transformers model loads through its state dict, any
+    other through its vLLM-style ``load_weights``), with DCR's plugin mixed in."""
+    cls = _WORKER_CLASSES[isinstance(model, PreTrainedModel)]
+    return cls(rank=rank, world=world, model=model, rank_options=rank_options)
+
+
+def build_workers(s: ServeSettings, rank_options: dict[str, Any] | None = None
+                  ) -> list[ServeWorker]:
     """A worker per rank the settings hold, each loaded densely with ``--model``."""
-    base = HfServeWorker if s.runtime == "hf" else ServeWorker
-    cls = type("ReferenceWorker", (base, DcrWorkerExtension), {})
     workers = []
     for rank in s.ranks:
         runtime = build_runtime(s.runtime, s.model, tp_size=s.tp_size, tp_rank=rank,
@@ -71,7 +94,8 @@ def build_workers(s: ServeSettings) -> list[ServeWorker]:
         assert isinstance(runtime, HFRuntime | VllmRuntime)  # what build_runtime makes
         with Checkpoint(s.model) as ckpt:
             runtime.load_weights(checkpoint_tensors(ckpt).items())
-        workers.append(cls(rank=rank, world=s.tp_size, model=runtime.model))
+        workers.append(make_worker(runtime.model, rank=rank, world=s.tp_size,
+                                   rank_options=rank_options))
     return workers
 
 
@@ -109,4 +133,4 @@ class Workers:
 
 
 __all__ = ["PLUGIN_METHODS", "HfServeWorker", "ServeWorker", "UnknownMethod", "Workers",
-           "build_workers"]
+           "build_workers", "make_worker"]
