@@ -84,9 +84,19 @@ def test_immutable_fields_carry_cel_transition_rules() -> None:
     assert "self == oldSelf" in rules
     assert "self.targetVersion > self.baseVersion" in rules
     fleet_spec = _schema(crds["dcr.dev_rolloutfleets.yaml"])["properties"]["spec"]
-    for field in ("initial", "runtime"):
-        assert {"rule": "self == oldSelf"}.items() <= (
-            fleet_spec["properties"][field]["x-kubernetes-validations"][0].items())
+    assert {"rule": "self == oldSelf"}.items() <= (
+        fleet_spec["properties"]["initial"]["x-kubernetes-validations"][0].items())
+
+
+def test_fleet_runtime_is_optional_documentation_that_may_change() -> None:
+    """The agent picks its engine adapter from its own flags; the fleet's runtime only
+    describes the pods, which a rolling update may move to another engine."""
+    spec = _schema(crd_manifests()["dcr.dev_rolloutfleets.yaml"])["properties"]["spec"]
+    runtime = spec["properties"]["runtime"]
+    assert "runtime" not in spec["required"]
+    assert "x-kubernetes-validations" not in runtime
+    assert runtime["enum"] == ["vllm", "sglang", "hf", "vllm-ref"]
+    assert "Documentation only" in runtime["description"]
 
 
 def test_status_schemas_carry_no_defaults_and_specs_do() -> None:
