@@ -255,6 +255,12 @@ def test_sglang_loader_refits_both_tp_ranks_bit_exactly_through_the_adapter(
     engine.apply(names)
     engine.sync()
     assert engine.fingerprint() == twin_fingerprints(ckpt_root, "v2")
+    targets = {t.name: t.target for t in manifest.tensors}
+    assert engine.check_targets(targets) == {}
+    wrong = "model.norm.weight"  # replicated: both ranks hold it whole
+    assert list(engine.check_targets({**targets, wrong: "xxh3-128:" + "0" * 32})) == [wrong]
+    engine.check_dense("v1")  # every check, no write
+    assert engine.fingerprint() == twin_fingerprints(ckpt_root, "v2")
 
     engine.load_dense("v0")  # a dense rejoin through the same loader
     assert engine.fingerprint() == twin_fingerprints(ckpt_root, "v0")

@@ -65,6 +65,7 @@ from dcr.errors import ConfigError, first_validation_error
 from dcr.runtimes.vllm import (
     STAGING_ENV,
     ApplyRequest,
+    CheckTargetsRequest,
     DenseLoadRequest,
     EngineRank,
     PrewarmRequest,
@@ -81,7 +82,7 @@ MAX_CALL = 64 << 20  # characters of a call's name (a prewarm lists every tensor
 MAX_ERROR = 2000  # characters of an error answer (the agent keeps 240)
 
 Method = Literal["dcr_instance", "dcr_prewarm", "dcr_apply", "dcr_fingerprint",
-                 "dcr_load_dense", "dcr_sync"]
+                 "dcr_load_dense", "dcr_check_targets", "dcr_sync"]
 
 
 class SglangCall(BaseModel):
@@ -110,6 +111,8 @@ CALLS: dict[str, tuple[bool, Callable[[EngineRank, str], dict[str, Any]]]] = {
     "dcr_apply": (True, lambda r, a: r.apply(parse_request(ApplyRequest, a))),
     "dcr_fingerprint": (False, lambda r, _: r.fingerprint()),
     "dcr_load_dense": (True, lambda r, a: r.load_dense(parse_request(DenseLoadRequest, a))),
+    "dcr_check_targets": (True,
+                          lambda r, a: r.check_targets(parse_request(CheckTargetsRequest, a))),
     "dcr_sync": (False, lambda r, _: r.sync()),
 }
 
