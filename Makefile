@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-engines lint bench schema crds clean
+.PHONY: install demo test test-engines gpu-check lint bench schema crds clean
 
 install: $(STAMP)
 
@@ -24,6 +24,18 @@ test: install
 # seconds after) under ~/.cache/dcr-engines.
 test-engines:
 	@py="$$(tools/engines/setup.sh)" && "$$py" -m pytest tests/engines
+
+# DCR refitting a real `vllm serve` through the agent sidecar on one GPU (under 8 minutes on
+# an H200): ~1B Llama, 5 AdamW steps, fingerprints against dense loads, apply throughput and
+# the pause a request in flight sees, into bench/results/gpu.json. From vLLM's venv
+# (tools/engines/setup.sh). On CPU, a dry run against `dcr serve` with a tiny model:
+#   make gpu-check ENGINE=reference MODEL_SIZE=tiny   (writes bench/results/gpu-dry.json)
+ENGINE     ?= vllm
+MODEL_SIZE ?= 1b
+gpu-check:
+	@if [ "$(ENGINE)" = vllm ]; then py="$$(tools/engines/setup.sh)"; \
+	else $(MAKE) --no-print-directory install && py=$(PY); fi && \
+	"$$py" tools/gpu-check/gpu_check.py --engine $(ENGINE) --model-size $(MODEL_SIZE)
 
 lint: install
 	$(VENV)/bin/ruff check src tests bench
