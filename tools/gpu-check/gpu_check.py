@@ -521,14 +521,14 @@ def main() -> int:
                    help="the agent's --pause-mode during the sidecar refits (keep: the "
                    "request in flight freezes and continues, so it sees the pause)")
     p.add_argument("--request-tokens", type=int, default=None,
-                   help="tokens of the request kept in flight (default: 2000 on vLLM, "
+                   help="tokens of the request kept in flight (default: 1000 on vLLM, "
                    "200 on dcr serve)")
     p.add_argument("--work", type=Path, default=None,
                    help="scratch directory (default: a fresh one under /tmp, removed after)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     if args.request_tokens is None:
-        args.request_tokens = 2000 if args.engine == "vllm" else 200
+        args.request_tokens = 1000 if args.engine == "vllm" else 200
     out = args.out or REPO / "bench" / "results" / (
         "gpu.json" if args.engine == "vllm" else "gpu-dry.json")
     sys.path.insert(0, str(REPO / "src"))
