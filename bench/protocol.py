@@ -1,10 +1,12 @@
 """Protocol benchmark: overhead per refit and the cost of recovering from a failure.
 
-Four ``dcr agent`` processes on loopback (two tensor-parallel pairs of the vLLM-layout
-reference runtime) hold a ~1 GiB BF16 Llama-shaped model; an in-process encoder (the
-trainer API) publishes to a file store; the coordinator drives them over HTTP and
-commits in SQLite. Refits alternate between two checkpoints that differ in 1% of the
-elements, so every refit moves 1% of the elements.
+Two rollout pods on loopback, each a ``dcr serve`` reference server holding both ranks
+of a tensor-parallel pair of the vLLM-layout reference runtime (a ~1 GiB BF16
+Llama-shaped model) and a ``dcr agent`` sidecar driving it over HTTP through a shared
+staging directory: four engine ranks. An in-process encoder (the trainer API) publishes
+to a file store; the coordinator drives the agents over HTTP and commits in SQLite.
+Refits alternate between two checkpoints that differ in 1% of the elements, so every
+refit moves 1% of the elements.
 
 * overhead: a refit whose candidate equals the baseline (no payloads) measures the
   protocol's own stages (prepare + gate + open_apply, flush, commit, finish); the same
@@ -45,7 +47,7 @@ from dcr.owner.encoder import Encoder
 from dcr.protocol.commitstore import SqliteCommitStore
 from dcr.protocol.coordinator import Coordinator
 from dcr.protocol.records import CommitRecord
-from dcr.receiver.launch import AgentProcess
+from dcr.receiver.launch import AgentProcess, Process, ServeProcess
 from dcr.transport.store import FileStore
 
 OVERHEAD_STAGES = ("prepare", "flush", "commit", "finish")
@@ -137,15 +139,23 @@ def run(root: Path, layers: int, repeats: int) -> dict[str, Any]:
     print(f"checkpoints written in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     token = secrets.token_hex(16)
     store = CorruptLast(FileStore(root / "store"))
-    agents = [AgentProcess(name=f"agent-{i}", token=token, state_dir=root / f"agent-{i}",
-                           args=["--store", store.uri, "--model", str(a), "--runtime",
-                                 "vllm-ref", "--tp-size", "2", "--tp-rank", str(i % 2)])
-              for i in range(4)]
-    for ag in agents:
-        ag.start()
+    staging = [root / f"pod-{i}" / "staging" for i in range(2)]
+    servers = [ServeProcess(name=f"serve-{i}", workdir=root / f"pod-{i}" / "serve",
+                            args=["--model", str(a), "--runtime", "vllm-ref", "--tp-size", "2",
+                                  "--staging-dir", str(staging[i]), "--checkpoint-root",
+                                  str(root / "ckpt")]) for i in range(2)]
+    agents = [AgentProcess(name=f"agent-{i}", token=token, state_dir=root / f"pod-{i}" / "agent",
+                           args=["--store", store.uri, "--engine-url", servers[i].url,
+                                 "--staging-dir", str(staging[i]), "--canonical", str(a)])
+              for i in range(2)]
+    procs: list[Process] = [*servers, *agents]
+    for d in staging:
+        d.mkdir(parents=True)
+    for proc in procs:
+        proc.start()
     try:
-        for ag in agents:
-            ag.wait_ready(600)
+        for proc in procs:
+            proc.wait_ready(600)
         clients = [ag.client(timeout_s=120) for ag in agents]
         profile = merge(ReceiverProfile(tensors=c.profile()["tensors"]) for c in clients)
         ckpt = {0: Checkpoint(a), 1: Checkpoint(b)}
@@ -194,15 +204,15 @@ def run(root: Path, layers: int, repeats: int) -> dict[str, Any]:
             c.close()
         coord.close()
     finally:
-        for ag in agents:
-            ag.stop()
+        for proc in procs:
+            proc.stop()
     med = statistics.median
     t_clean, t_rec = med(r["total_s"] for r in clean), med(r["total_s"] for r in recovery)
     return {
         "host": {"cpus": os.cpu_count(), "python": platform.python_version(),
                  "torch": torch.__version__, "machine": platform.machine()},
         "model": {"dense_bytes": dense, "layers": layers, "change_rate": 0.01,
-                  "agents": "4 dcr agent processes: 2 x vLLM-layout TP2 pairs"},
+                  "agents": "2 pods (dcr serve + dcr agent), each a vLLM-layout TP2 pair"},
         # The protocol alone: a refit with nothing to send (no encode, no apply work).
         "protocol_overhead_s": med(r["overhead_s"] for r in empty),
         # The same stages inside 1% refits; flush there includes the apply's tail.

@@ -250,7 +250,7 @@ def _relay_options(p: argparse.ArgumentParser) -> None:
 
 # Commands whose options come from settings in heavier modules: (name, help, options).
 _BUILT_WHEN_RUN: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
-    "agent": ("run a rollout rank's agent (HTTP control API) with an embedded runtime",
+    "agent": ("run a rollout pod's agent sidecar (HTTP control API) driving a serving engine",
               _agent_options),
     "serve": ("run the reference serving engine (vLLM's HTTP dialect, DCR's plugin in "
               "every rank) for tests and the demo", _serve_options),
@@ -287,7 +287,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     i.set_defaults(func=cmd_inspect)
 
     for name, (help_, options) in _BUILT_WHEN_RUN.items():
-        sp = sub.add_parser(name, help=help_)
+        # No abbreviations: a flag that moved elsewhere (the agent's --model is dcr
+        # serve's now) must be refused, not taken for a prefix of another (--model-version).
+        sp = sub.add_parser(name, help=help_, allow_abbrev=False)
         if command in (None, name):
             options(sp)
     return p

@@ -2,21 +2,26 @@
 
 The trainer (:mod:`dcr.trainer`) trains a small Llama-architecture model with AdamW at an
 RL learning rate and exports a BF16 Hugging Face checkpoint after every optimizer step.
-Rollout ranks are ``dcr agent`` processes, each serving the model through its own
-loader: transformers ranks, and tensor-parallel pairs of the vLLM-layout reference
-runtime with an FP8 ``o_proj``. Encoders are ``dcr encode`` processes that split the
-tensors by name. A coordinator in this process drives every refit through the agents'
-HTTP API and commits it by compare-and-set in a SQLite commit record.
+Each rollout pod is two processes sharing a staging directory, as in a real pod: a
+``dcr serve`` reference server holding the model (transformers servers, and one
+vLLM-layout server holding both ranks of tensor-parallel size 2 with an FP8
+``o_proj``), and a ``dcr agent`` sidecar that drives it through its HTTP API the way it
+drives vLLM. Encoders are ``dcr encode`` processes that split the tensors by name. A
+coordinator in this process drives every refit through the agents' HTTP API and commits
+it by compare-and-set in a SQLite commit record.
 
-``--kill-receiver-every N`` SIGKILLs one agent in the middle of every N-th refit and
-restarts it on the same port and state directory, as a pod restart does: the attempt
-fails, the survivors stop, the restarted agent reports an unknown version from its
-journal, is restored by a dense refit, and the retry in overwrite mode commits.
+``--kill-receiver-every N`` SIGKILLs one process of a pod in the middle of every N-th
+refit and restarts it on the same port and directories, as a container restart does:
+the first kill, third, ... kill the pod's agent, the second, fourth, ... its server.
+Either way the attempt fails and the survivors stop. A restarted agent reports an
+unknown version from its journal; a restarted server answers a new instance id, so its
+agent reports unknown weights; either is restored by a dense refit, and the retry in
+overwrite mode commits.
 
-After every step each live agent's fingerprint of every parameter and buffer (xxh3 of
-integer views) is compared with a dense load of the trainer's export through the same
-loader. The coverage line says which share of the weight bytes travels as XOR,
-overwrite or dense under the agents' merged profile. A table per step,
+After every step, each pod's fingerprint of every parameter and buffer (xxh3 of integer
+views, every rank of its server) is compared with a dense load of the trainer's export
+through the same loader. The coverage line says which share of the weight bytes travels
+as XOR, overwrite or dense under the agents' merged profile. A table per step,
 ``summary.json`` and a plot (``refit.png``) are written. This is the one demo; the
 file-level path (``dcr diff``/``dcr patch`` on checkpoint files) is the command line's.
 """
@@ -37,14 +42,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dcr.checkpoint import Checkpoint
+from dcr.engines.base import merge_fingerprints
 from dcr.errors import ConfigError, DcrError
 from dcr.format.profile import ReceiverProfile, coverage, merge
 from dcr.owner.process import ProcessOwner
 from dcr.protocol.commitstore import SqliteCommitStore
 from dcr.protocol.coordinator import Coordinator, CoordinatorSettings
 from dcr.protocol.records import CommitRecord
-from dcr.receiver.launch import AgentProcess, free_port
+from dcr.receiver.launch import AgentProcess, Process, ServeProcess, free_port
 from dcr.receiver.settings import AgentSettings
+from dcr.serve.settings import ServeSettings
 from dcr.settings import option, to_argv
 from dcr.tokens import write_token_file
 from dcr.trainer import Trainer, TrainerSettings, reference_fingerprint
@@ -53,6 +60,7 @@ from dcr.transport.relay.settings import RelaySettings
 
 log = logging.getLogger(__name__)
 LAUNCHED = ("name", "listen", "state_dir", "token_file")  # AgentProcess passes these itself
+SERVED = ("listen", "api_key_file")  # and ServeProcess these
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,14 +70,16 @@ class RefitSettings:
     out: Path = option(Path("refit-out"), metavar="DIR", doc="working directory, emptied "
                        "first: checkpoints, store, agents' state, summary.json, refit.png")
     steps: int = option(4, metavar="K", doc="optimizer steps, each refit to every agent")
-    agents: int = option(4, metavar="N", doc="agent processes: half transformers, half "
-                         "vLLM-layout TP2 pairs (so an even number)")
+    agents: int = option(3, metavar="N", doc="rollout pods, each a dcr serve server and a "
+                         "dcr agent: the last server holds both ranks of a vLLM-layout TP2 "
+                         "model, the others a transformers model (so 4 ranks by default)")
     owners: int | None = option(None, metavar="M", doc="encoder processes (default 2; 1 "
                                 "with the relay, which carries one owner per attempt)")
     transport: Literal["store", "relay"] = option("store", doc="store: a file store; relay: "
                                                   "a relay tree, one node per agent")
-    kill_receiver_every: int = option(0, metavar="N", doc="kill one agent mid-refit every N "
-                                      "steps (0: never)")
+    kill_receiver_every: int = option(0, metavar="N", doc="kill a pod's process mid-refit "
+                                      "every N steps, its agent the first time, its server "
+                                      "the next, and so on (0: never)")
     trainer: TrainerSettings = option(TrainerSettings(), cli=False,
                                       doc="the trainer (its own options)")
     coordinator: CoordinatorSettings = option(
@@ -86,9 +96,9 @@ class RefitSettings:
         if self.steps < 1 or self.owner_count < 1 or self.kill_receiver_every < 0:
             raise ConfigError(f"steps ({self.steps}) and owners ({self.owners}) must be >= 1, "
                               f"kill_receiver_every ({self.kill_receiver_every}) >= 0.")
-        if self.agents < 2 or self.agents % 2:
-            raise ConfigError(f"--agents {self.agents}: an even number >= 2 (half of them "
-                              "form vLLM-layout TP2 pairs).")
+        if self.agents < 2:
+            raise ConfigError(f"--agents {self.agents}: at least 2 (one transformers pod "
+                              "and the vLLM-layout TP2 pod).")
 
     @property
     def owner_count(self) -> int:
@@ -96,20 +106,55 @@ class RefitSettings:
         return self.owners
 
 
-def _agent(i: int, n: int, out: Path, source: dict[str, Any], model: Path) -> AgentSettings:
-    """Agent ``i`` of ``n``: the first half transformers ranks, the rest TP2 pairs."""
-    half = n // 2
-    rank: dict[str, Any] = {} if i < half else {
-        "runtime": "vllm-ref", "tp_size": 2, "tp_rank": (i - half) % 2,
-        "fp8": ("self_attn.o_proj",)}
-    return AgentSettings(name=f"agent-{i}", state_dir=out / "agents" / f"agent-{i}",
-                         model=model, **source, **rank)
+@dataclass(frozen=True, kw_only=True)
+class _Pod:
+    """One rollout pod: its server and its agent, and their settings."""
+
+    serve: ServeSettings
+    agent: AgentSettings
+    server: ServeProcess
+    sidecar: AgentProcess
+
+    @property
+    def name(self) -> str:
+        return self.agent.name
+
+    @property
+    def kind(self) -> str:
+        s = self.serve
+        if s.runtime == "hf":
+            return s.runtime
+        return f"{s.runtime} TP{s.tp_size}, FP8 {', '.join(s.fp8) or 'none'}"
+
+    def start(self) -> None:
+        self.server.start()
+        self.server.wait_ready()
+        self.sidecar.start()
+
+    def stop(self) -> None:
+        self.sidecar.stop()
+        self.server.stop()
 
 
-def _kind(a: AgentSettings) -> str:
-    if a.runtime == "hf":
-        return a.runtime
-    return f"{a.runtime} TP{a.tp_size} rank {a.tp_rank}, FP8 {', '.join(a.fp8) or 'none'}"
+def _pod(i: int, n: int, out: Path, source: dict[str, Any], ckpts: Path,
+         token: str) -> _Pod:
+    """Pod ``i`` of ``n``: the last one serves both ranks of the vLLM-layout TP2 model,
+    the others a transformers model; server and agent share ``staging``."""
+    home = out / "pods" / f"pod-{i}"
+    staging = home / "staging"
+    staging.mkdir(parents=True, exist_ok=True)
+    tp: dict[str, Any] = {} if i < n - 1 else {
+        "runtime": "vllm-ref", "tp_size": 2, "fp8": ("self_attn.o_proj",)}
+    serve = ServeSettings(model=ckpts / "v0", staging_dir=staging, checkpoint_root=ckpts,
+                          weight_version="0", **tp)
+    server = ServeProcess(name=f"serve-{i}", args=to_argv(serve, skip=SERVED),
+                          workdir=home / "serve")
+    agent = AgentSettings(name=f"agent-{i}", state_dir=home / "agent",
+                          engine_url=server.url, staging_dir=staging, canonical=ckpts / "v0",
+                          checkpoint_root=ckpts, **source)
+    sidecar = AgentProcess(name=agent.name, args=to_argv(agent, skip=LAUNCHED),
+                           state_dir=agent.state_dir, token=token)
+    return _Pod(serve=serve, agent=agent, server=server, sidecar=sidecar)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,23 +198,27 @@ def _start_relays(work: Path, n: int) -> _RelayTree:
                       publish_token_file=publish_file)
 
 
-def _reference(a: AgentSettings, ckpt: Path) -> dict[str, str]:
-    """What a dense load of ``ckpt`` through agent ``a``'s own loader holds."""
-    return reference_fingerprint(ckpt, a.runtime, tp_size=a.tp_size, tp_rank=a.tp_rank,
-                                 fp8=a.fp8)
+def _reference(pod: _Pod, ckpt: Path) -> dict[str, str]:
+    """What a dense load of ``ckpt`` through the pod's server's own loader holds, every
+    rank of it, as its agent's fingerprint says it."""
+    s = pod.serve
+    return merge_fingerprints([reference_fingerprint(ckpt, s.runtime, tp_size=s.tp_size,
+                                                     tp_rank=r, fp8=s.fp8) for r in s.ranks])
 
 
 class _Killer(threading.Thread):
-    """Waits until the victim is applying an attempt, then SIGKILLs and restarts it."""
+    """Waits until the pod's agent is applying an attempt, then SIGKILLs and restarts
+    ``victim`` (the agent, or the server beside it)."""
 
-    def __init__(self, victim: AgentProcess) -> None:
+    def __init__(self, pod: _Pod, victim: Process) -> None:
         super().__init__(name=f"kill-{victim.name}", daemon=True)
+        self.pod = pod
         self.victim = victim
         self.killed_at: float | None = None
         self.done = threading.Event()
 
     def run(self) -> None:
-        client = self.victim.client(timeout_s=5.0)
+        client = self.pod.sidecar.client(timeout_s=5.0)
         deadline = time.monotonic() + 120
         try:
             while time.monotonic() < deadline:
@@ -208,16 +257,14 @@ def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
         sources = [{"relay": u, "relay_token_file": tree.read_token_file} for u in tree.urls]
         publish_to = f"relay+{tree.urls[0]}"
         owner_env = {TOKEN_ENV: tree.publish_token_file.read_text()}  # owners push
-    specs = [_agent(i, s.agents, out, sources[i], ckpts / "v0") for i in range(s.agents)]
-    agents = [AgentProcess(name=a.name, args=to_argv(a, skip=LAUNCHED), state_dir=a.state_dir,
-                           token=token) for a in specs]
+    pods = [_pod(i, s.agents, out, sources[i], ckpts, token) for i in range(s.agents)]
     t0 = time.perf_counter()
-    for a in agents:
-        a.start()
-    for a in agents:
-        a.wait_ready()
+    for proc in [p.server for p in pods] + [p.sidecar for p in pods]:
+        proc.start()
+    for proc in [p.server for p in pods] + [p.sidecar for p in pods]:
+        proc.wait_ready()
     startup_s = time.perf_counter() - t0
-    clients = [a.client() for a in agents]
+    clients = [p.sidecar.client() for p in pods]
     profile = merge(ReceiverProfile(tensors=c.profile()["tensors"]) for c in clients)
     profile_path = out / "profile.json"
     profile_path.write_text(json.dumps({"tensors": profile.tensors}))
@@ -231,14 +278,14 @@ def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
         committed_version=0, baseline_id=str(ckpts / "v0"), attempt=""))
     coordinator = Coordinator(commits, owners, clients, settings=s.coordinator,
                               dense_checkpoint=lambda v: str(ckpts / f"v{v}"))
-    job = _Job(trainer=trainer, ckpts=ckpts, agents=agents, specs=specs,
-               coordinator=coordinator, owners=owners)
+    job = _Job(trainer=trainer, ckpts=ckpts, pods=pods, coordinator=coordinator,
+               owners=owners)
     where = (f"relay tree of {s.agents} nodes (fan-out {RelaySettings.fanout}), root "
              f"{publish_to}" if relays else f"store {store}")
     print(f"model: Llama, {trainer.parameters:,} parameters, BF16; AdamW lr={s.trainer.lr}; "
           f"{where}")
-    print(f"{s.agents} agent processes up in {startup_s:.1f} s "
-          f"({'; '.join(sorted({_kind(a) for a in specs}))}); "
+    print(f"{s.agents} rollout pods (a dcr serve server and a dcr agent each) up in "
+          f"{startup_s:.1f} s ({'; '.join(sorted({p.kind for p in pods}))}); "
           f"{s.owner_count} encoder processes; commit record {commits.path}")
     print("coverage (share of weight bytes by path): "
           + ", ".join(f"{k} {100 * v:.1f}%" for k, v in shares.items() if v))
@@ -251,8 +298,8 @@ def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
             rows.append(_step(v, s, job))
     finally:
         coordinator.close()
-        for a in agents:
-            a.stop()
+        for pod in pods:
+            pod.stop()
         for r in relays:
             r.terminate()
             r.wait(10)
@@ -273,8 +320,7 @@ class _Job:
 
     trainer: Trainer
     ckpts: Path
-    agents: list[AgentProcess]
-    specs: list[AgentSettings]  # the agents' settings, in the same order
+    pods: list[_Pod]
     coordinator: Coordinator
     owners: list[ProcessOwner]
 
@@ -283,10 +329,12 @@ def _step(v: int, s: RefitSettings, job: _Job) -> dict[str, Any]:
     loss = job.trainer.step()
     ckpt = job.ckpts / f"v{v}"
     job.trainer.export(ckpt)
-    agents, coordinator = job.agents, job.coordinator
+    pods, coordinator = job.pods, job.coordinator
     killer = None
     if s.kill_receiver_every and v % s.kill_receiver_every == 0:
-        killer = _Killer(agents[v % len(agents)])
+        pod = pods[v % len(pods)]
+        nth = v // s.kill_receiver_every  # the agent on odd kills, the server on even ones
+        killer = _Killer(pod, pod.sidecar if nth % 2 else pod.server)
         killer.start()
     first = len(coordinator.history)
     t0 = time.perf_counter()
@@ -297,17 +345,17 @@ def _step(v: int, s: RefitSettings, job: _Job) -> dict[str, Any]:
     attempts = coordinator.history[first:]
     # A receiver the last attempt could not admit rejoins now, between attempts.
     rejoined_after = []
-    for a in agents:
-        if a.client().status().version != record.committed_version:
-            a.client().rejoin(record.committed_version, str(ckpt))
-            rejoined_after.append(a.name)
+    for pod in pods:
+        client = pod.sidecar.client()
+        if client.status().version != record.committed_version:
+            client.rejoin(record.committed_version, str(ckpt))
+            rejoined_after.append(pod.name)
     refs: dict[str, dict[str, str]] = {}
     exact = True
-    for a, spec in zip(agents, job.specs, strict=True):
-        kind = _kind(spec)
-        if kind not in refs:
-            refs[kind] = _reference(spec, ckpt)
-        exact &= a.client().fingerprint() == refs[kind]
+    for pod in pods:
+        if pod.kind not in refs:
+            refs[pod.kind] = _reference(pod, ckpt)
+        exact &= pod.sidecar.client().fingerprint() == refs[pod.kind]
     last = attempts[-1]
     summaries = [o.summaries[last.attempt] for o in job.owners]
     changed = sum(int(str(x["changed_elements"])) for x in summaries)
@@ -318,7 +366,7 @@ def _step(v: int, s: RefitSettings, job: _Job) -> dict[str, Any]:
         "step": v, "loss": loss, "changed_pct": 100 * changed / total,
         "payload_bytes": payload, "dense_bytes": dense, "dense_pct": 100 * payload / dense,
         "total_s": total_s, "bit_exact": exact, "record": asdict(record),
-        "killed": killer.victim.name if killer else None,
+        "killed": killer.victim.name if killer else None,  # agent-N or serve-N
         "rejoined_after": rejoined_after,
         "attempts": [asdict(h) for h in attempts],
     }

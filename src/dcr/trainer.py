@@ -147,8 +147,8 @@ def reference_fingerprint(ckpt: Path, runtime: str = "hf", *, tp_size: int = 1,
                           tp_rank: int = 0, fp8: tuple[str, ...] = ()) -> dict[str, str]:
     """What a dense load of ``ckpt`` through ``runtime``'s own loader holds, per tensor."""
     from dcr.checkpoint import Checkpoint
-    from dcr.receiver.host import checkpoint_tensors, runtime_fingerprint
     from dcr.runtimes import build_runtime
+    from dcr.runtimes.weights import checkpoint_tensors, runtime_fingerprint
 
     built = build_runtime(runtime, ckpt, tp_size=tp_size, tp_rank=tp_rank, fp8=fp8)
     with Checkpoint(ckpt) as c:

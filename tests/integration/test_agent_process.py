@@ -1,22 +1,22 @@
-"""Real ``dcr agent`` processes over loopback HTTP: the API's edges and process deaths.
+"""Real ``dcr agent`` processes over loopback HTTP, each beside a ``dcr serve`` reference
+server (a rollout pod): the API's edges and process deaths, of agents and of servers.
 
-Agents serve a tiny Llama checkpoint written with ``save_pretrained`` (the ``hf``
-runtime and the vLLM-layout reference runtime on one TP rank), read payloads from a
-``FileStore`` under the test's directory, and keep their journal in ``--state-dir``.
-Owners are ``ProcessOwner``s: every attempt runs ``python -m dcr encode`` as a process.
-Bits are compared through ``AgentClient.fingerprint()`` (xxh3 of the integer view of
-every parameter and buffer) against a runtime of the same kind built in this process
-and loaded densely with the target through the same loader.
+Servers hold a tiny Llama checkpoint written with ``save_pretrained`` (the ``hf``
+runtime, or both ranks of the vLLM-layout reference runtime at TP 2 in one server) and
+read staged payloads from the directory they share with their agent; agents read
+payloads from a ``FileStore`` under the test's directory, keep their journal in
+``--state-dir`` and drive their server only through its HTTP API. Owners are
+``ProcessOwner``s: every attempt runs ``python -m dcr encode`` as a process. Bits are
+compared through ``AgentClient.fingerprint()`` (xxh3 of the integer view of every
+parameter and buffer, every rank of the server) against a runtime of the same kind built
+in this process and loaded densely with the target through the same loader.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import select
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -29,8 +29,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dcr.apply.engine import CanonicalTensor
-from dcr.checkpoint import Checkpoint
+from dcr.engines.base import merge_fingerprints
 from dcr.errors import DcrError
 from dcr.format.layout import manifest_key, payload_key, version_prefix
 from dcr.format.profile import ReceiverProfile, dumps, merge
@@ -39,8 +38,8 @@ from dcr.protocol.agent_api import AgentClient, AgentError, AgentStatus, FlushAc
 from dcr.protocol.commitstore import SqliteCommitStore
 from dcr.protocol.coordinator import Coordinator, CoordinatorSettings, ReceiverHandle
 from dcr.protocol.records import Attempt, CommitRecord, Transition
-from dcr.receiver.host import RuntimeHost
-from dcr.runtimes import build_runtime
+from dcr.receiver.launch import AgentProcess, ServeProcess
+from dcr.trainer import reference_fingerprint
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow, pytest.mark.e2e]
 
@@ -51,7 +50,7 @@ LLAMA = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=512,
                     tie_word_embeddings=False)
 V0 = CommitRecord(committed_version=0, baseline_id="ckpt-0", attempt="")
 SETTINGS = CoordinatorSettings(attempt_timeout_s=60.0)
-START_TIMEOUT_S = 120.0
+TP = {"hf": 1, "vllm-ref": 2}  # ranks of each runtime's server
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,87 +85,91 @@ _FINGERPRINTS: dict[tuple[Path, str, int], dict[str, str]] = {}
 
 
 def dense_fingerprint(ckpts: Checkpoints, runtime: str, v: int) -> dict[str, str]:
-    """What an agent of ``runtime`` holds after a dense load of version ``v`` (the oracle)."""
+    """What a pod of ``runtime`` holds after a dense load of version ``v``, every rank of
+    its server as its agent reports them (the oracle)."""
     key = (ckpts.root, runtime, v)
     if key not in _FINGERPRINTS:
-        kind, _, rank = runtime.partition(":")
-        rt = build_runtime(kind, ckpts.dir(v), tp_size=2 if rank else 1,
-                           tp_rank=int(rank or 0))
-        with Checkpoint(ckpts.dir(v)) as ckpt:
-            canonical = [CanonicalTensor(name=i.name, dtype=i.dtype.name, shape=i.shape)
-                         for i in ckpt]
-        host = RuntimeHost(rt, canonical)
-        host.load_dense(ckpts.dir(v))
-        _FINGERPRINTS[key] = host.fingerprint()
+        tp = TP[runtime]
+        _FINGERPRINTS[key] = merge_fingerprints([
+            reference_fingerprint(ckpts.dir(v), runtime, tp_size=tp, tp_rank=r)
+            for r in range(tp)])
     return _FINGERPRINTS[key]
 
 
-# --- agent processes -------------------------------------------------------------------
+# --- pods: a server and its agent ---------------------------------------------------
 
 
 @dataclass(eq=False, kw_only=True)
 class Agent:
     name: str
-    runtime: str  # "hf", or "vllm-ref:RANK" (tensor-parallel size 2)
-    proc: subprocess.Popen[bytes]
+    runtime: str  # "hf", or "vllm-ref" (both ranks of tensor-parallel size 2)
+    process: AgentProcess
+    server: ServeProcess
     hello: dict[str, Any]  # the JSON line it printed once listening
     client: AgentClient
-    log: Path
 
     @property
     def url(self) -> str:
         return self.client.url
 
+    @property
+    def proc(self) -> subprocess.Popen[str]:
+        assert self.process.proc is not None
+        return self.process.proc
+
 
 class Fleet:
-    """Agent processes of one test, all on one store; every one is killed at teardown."""
+    """Pods of one test, all on one store; every process is killed at teardown. A pod's
+    server outlives its agent: starting an agent of the same name again finds it."""
 
     def __init__(self, tmp: Path, ckpts: Checkpoints) -> None:
         self.tmp = tmp
         self.ckpts = ckpts
         self.store = tmp / "store"
-        self.token_file = tmp / "token"
-        self.token_file.write_text(TOKEN + "\n")
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.servers: dict[str, ServeProcess] = {}
+        self.agents: list[AgentProcess] = []
+
+    def server(self, name: str, runtime: str) -> ServeProcess:
+        """The pod's reference server, started if it is not running."""
+        server = self.servers.get(name)
+        if server is None:
+            server = ServeProcess(
+                name=f"serve-{name}", workdir=self.tmp / name / "serve",
+                args=["--runtime", runtime, "--model", str(self.ckpts.dir(0)),
+                      "--tp-size", str(TP[runtime]), "--staging-dir", str(self.staging(name)),
+                      "--checkpoint-root", str(self.ckpts.root), "--weight-version", "0"])
+            self.servers[name] = server
+        if server.proc is None or server.proc.poll() is not None:
+            server.start()
+            server.wait_ready()
+        return server
+
+    def staging(self, name: str) -> Path:
+        path = self.tmp / name / "staging"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
 
     def start(self, *specs: tuple[str, str]) -> list[Agent]:
-        """Start agents ``(name, runtime)`` side by side; return once each is listening."""
-        launched = []
+        """Start pods ``(name, runtime)`` side by side (a running server is kept); return
+        once each agent is listening."""
+        pods = []
         for name, runtime in specs:
-            kind, _, rank = runtime.partition(":")
-            cmd = [sys.executable, "-m", "dcr", "agent", "--name", name,
-                   "--token-file", str(self.token_file), "--state-dir", str(self.tmp / name),
-                   "--store", self.store.as_uri(), "--model", str(self.ckpts.dir(0)),
-                   "--model-version", "0", "--runtime", kind]
-            if rank:
-                cmd += ["--tp-size", "2", "--tp-rank", rank]
-            log = self.tmp / f"{name}-{len(self.procs)}.log"
-            with log.open("wb") as err:
-                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                        stderr=err, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-            self.procs.append(proc)
-            launched.append((name, runtime, proc, log))
-        return [self._hello(*x) for x in launched]
-
-    def _hello(self, name: str, runtime: str, proc: subprocess.Popen[bytes],
-               log: Path) -> Agent:
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], START_TIMEOUT_S)
-        line = proc.stdout.readline() if ready else b""
-        if not line:
-            proc.kill()
-            pytest.fail(f"agent {name} did not start:\n{log.read_text()[-3000:]}")
-        hello = json.loads(line)
-        return Agent(name=name, runtime=runtime, proc=proc, hello=hello, log=log,
-                     client=AgentClient(name, hello["url"], TOKEN))
+            server = self.server(name, runtime)
+            agent = AgentProcess(
+                name=name, state_dir=self.tmp / name / "agent", token=TOKEN,
+                args=["--store", self.store.as_uri(), "--engine-url", server.url,
+                      "--staging-dir", str(self.staging(name)),
+                      "--canonical", str(self.ckpts.dir(0)), "--model-version", "0"])
+            agent.start()
+            self.agents.append(agent)
+            pods.append((name, runtime, agent, server))
+        return [Agent(name=name, runtime=runtime, process=agent, server=server,
+                      hello=agent.wait_ready(), client=agent.client())
+                for name, runtime, agent, server in pods]
 
     def close(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            if proc.stdout is not None:
-                proc.stdout.close()
+        for proc in [*self.agents, *self.servers.values()]:
+            proc.kill()
 
     def owner(self, **kw: Any) -> ProcessOwner:
         return ProcessOwner(store_uri=self.store.as_uri(), checkpoints=self.ckpts.dir,
@@ -176,13 +179,14 @@ class Fleet:
         want = dense_fingerprint(self.ckpts, agent.runtime, version)
         if version:  # not vacuous: the previous version differs almost everywhere
             before = dense_fingerprint(self.ckpts, agent.runtime, version - 1)
-            assert sum(before[n] != want[n] for n in want) >= len(want) - 1
+            assert sum(before[n] != want[n] for n in want) >= len(want) - TP[agent.runtime]
         got = agent.client.fingerprint()
         assert got.keys() == want.keys()
         differ = [n for n in want if got[n] != want[n]]
         assert differ == [], f"{agent.name} differs from a dense load of v{version}: {differ[:4]}"
         st = agent.client.status()
         assert (st.version, st.dirty, st.unknown, st.gate_open) == (version, None, None, True)
+        assert agent.server.engine().version() == str(version)  # the engine's label
 
 
 @pytest.fixture
@@ -297,7 +301,7 @@ class KilledBeforeFlush:
 
 def test_an_agent_killed_mid_apply_is_left_out_then_restarted_unknown_and_rejoined_dense(
         fleet: Fleet) -> None:
-    a, b = fleet.start(("a", "hf"), ("b", "vllm-ref:1"))
+    a, b = fleet.start(("a", "hf"), ("b", "vllm-ref"))
     profile = profile_file(fleet.tmp, [a, b])
     owners = [fleet.owner(owner=k, owners=2, profile_path=profile) for k in range(2)]
     commits = SqliteCommitStore(fleet.tmp / "commit.db", V0)
@@ -319,7 +323,7 @@ def test_an_agent_killed_mid_apply_is_left_out_then_restarted_unknown_and_rejoin
     assert [o.version for o in owners] == [1, 1]
     fleet.assert_holds(a, 1)
 
-    (b2,) = fleet.start(("b", "vllm-ref:1"))  # the same --state-dir: its journal
+    (b2,) = fleet.start(("b", "vllm-ref"))  # the same --state-dir (its journal), server
     assert b2.hello["version"] is None
     st = b2.client.status()
     assert st.version is None
@@ -419,15 +423,15 @@ def test_an_encoder_process_killed_mid_stream_is_repaired_by_an_overwrite_retry(
     fleet.assert_holds(a, 1)
 
 
-def test_dense_loads_stay_under_the_checkpoint_root_and_generate_checks_its_input(
+def test_dense_loads_stay_under_the_checkpoint_root_and_completions_check_their_input(
         fleet: Fleet) -> None:
     """``/v1/dense`` refuses a path outside the checkpoint root (the directory holding
-    ``--model`` by default) and a file there that is not a checkpoint, without quoting
-    the file; the weights and the gate stay as they were. ``/v1/generate`` refuses an id
-    outside the vocabulary and an input longer than the agent allows, naming the value.
-    Fails on 5b0b0ae: it loaded any path (500, leaving the agent unknown with its gate
-    shut), a non-checkpoint file's first 8 bytes came back as a "header length", and an
-    id of 10**9 gave a 500."""
+    ``--canonical`` by default) and a file there that is not a checkpoint, without
+    quoting the file; the weights and the gate stay as they were. Generation is the
+    server's (``/v1/completions``): it refuses an id outside the vocabulary and a prompt
+    longer than it allows, naming the value. Fails on 5b0b0ae: it loaded any path (500,
+    leaving the agent unknown with its gate shut), a non-checkpoint file's first 8 bytes
+    came back as a "header length", and an id of 10**9 gave a 500."""
     (agent,) = fleet.start(("low", "hf"))
     junk = fleet.ckpts.root / "junk.safetensors"
     secret = b"SECRET!!" + b"x" * 64
@@ -446,17 +450,74 @@ def test_dense_loads_stay_under_the_checkpoint_root_and_generate_checks_its_inpu
         junk.unlink()
     fleet.assert_holds(agent, 0)  # version 0, clean, the gate open
 
-    def generate(ids: list[int], n: int = 1) -> tuple[int, Any]:
-        code, text = http(agent.url + "/v1/generate", method="POST", token=TOKEN,
-                          body=json.dumps({"input_ids": ids, "max_new_tokens": n}).encode())
+    def complete(ids: list[int], n: int = 1) -> tuple[int, Any]:
+        code, text = http(agent.server.url + "/v1/completions", method="POST",
+                          body=json.dumps({"prompt": ids, "max_tokens": n}).encode())
         return code, json.loads(text)
 
-    code, err = generate([1, 10**9])
-    assert (code, err["kind"]) == (400, "BadRequest")
-    assert f"input id {10**9} is outside the vocabulary (0..{LLAMA.vocab_size - 1})" in err["error"]
-    code, err = generate([1] * 4097)
-    assert (code, err["kind"]) == (400, "BadRequest")
-    assert "4097 input ids; at most 4096" in err["error"]
-    code, out = generate([1, 2, 3], 2)
+    code, err = complete([1, 10**9])
+    assert code == 400
+    assert (f"token id {10**9} is outside the vocabulary (0..{LLAMA.vocab_size - 1})"
+            in err["error"]["message"])
+    code, err = complete([1] * 4097)
+    assert code == 400
+    assert "4097 token ids; at most 4096" in err["error"]["message"]
+    code, out = complete([1, 2, 3], 2)
     assert code == 200
-    assert (len(out["output_ids"]), out["version"]) == (2, 0)
+    assert len(out["choices"][0]["token_ids"]) == 2
+    assert http(agent.url + "/v1/generate", method="POST", token=TOKEN, body=b"{}")[0] == 404
+
+
+class ServerRestartedMidAttempt:
+    """A pod's handle whose server is SIGKILLed and restarted on its port right after
+    the agent opened apply (its journal says dirty), before any payload reached it."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.name = agent.name
+        self.instances: list[str] = []
+
+    def __getattr__(self, call: str) -> Any:
+        return getattr(self.agent.client, call)
+
+    def open_apply(self, attempt: Attempt) -> AgentStatus:
+        st = self.agent.client.open_apply(attempt)
+        if not self.instances:
+            engine = self.agent.server.engine()
+            self.instances.append(engine.instance())
+            self.agent.server.restart()  # SIGKILL, then the same port: what v0 loads
+            self.instances.append(engine.instance())
+        return st
+
+
+def test_a_server_restarted_mid_refit_is_seen_as_a_new_instance_and_rejoined_dense(
+        fleet: Fleet) -> None:
+    """The agent's weights live in the server: a restarted server holds what it loaded
+    at start, whatever the agent's journal says. Its agent sees a new instance id, fails
+    the attempt, reports its weights unknown, and is restored by a dense load before the
+    overwrite retry; both pods end bit-exact with v1."""
+    a, b = fleet.start(("a", "hf"), ("b", "vllm-ref"))
+    profile = profile_file(fleet.tmp, [a, b])
+    owners = [fleet.owner(owner=k, owners=2, profile_path=profile) for k in range(2)]
+    commits = SqliteCommitStore(fleet.tmp / "commit.db", V0)
+    victim = ServerRestartedMidAttempt(b)
+    c = Coordinator(commits, owners, [a.client, victim], settings=SETTINGS,
+                    dense_checkpoint=fleet.ckpts.dense)
+    try:
+        record = c.refit(1, "ckpt-1")
+    finally:
+        c.close()
+    before, after = victim.instances
+    assert before != after
+    assert outcomes(c) == [("mixed", "failed"), ("overwrite", "committed")]
+    assert "b: attempt" in c.history[0].outcome
+    assert c.history[1].rejoined == ("b",)  # unknown weights: a dense load of v0 first
+    assert c.history[1].receivers == ("a", "b")
+    assert record == commits.read() == CommitRecord(
+        committed_version=1, baseline_id="ckpt-1", attempt=c.history[1].attempt)
+    journal = json.loads((fleet.tmp / "b" / "agent" / "journal.json").read_text())
+    assert (journal["version"], journal["instance"]) == (1, after)
+    assert "dcr_agent_dense_loads_total 1\n" in http(b.url + "/metrics")[1]
+    assert "the engine restarted (instance" in b.process.log_path.read_text()
+    fleet.assert_holds(a, 1)
+    fleet.assert_holds(b, 1)

@@ -1,9 +1,10 @@
 """The agent's HTTP server under load, over real loopback HTTP: threads, waits, liveness.
 
 The server (:func:`dcr.receiver.server.make_app`) runs on its own event loop thread on a
-free port; clients are plain sockets and ``urllib``. The agent is one rank of the small
-vLLM-layout reference runtime whose store never receives anything, so every
-``/v1/staged`` wait lasts as long as it is allowed to.
+free port; clients are plain sockets and ``urllib``. The agent drives an in-process
+engine (``LocalEngine``) holding one rank of the small vLLM-layout reference runtime, and
+its store never receives anything, so every ``/v1/staged`` wait lasts as long as it is
+allowed to.
 """
 
 from __future__ import annotations
@@ -26,11 +27,10 @@ from aiohttp import web
 from dcr.apply.engine import CanonicalTensor
 from dcr.protocol.agent_api import AgentStatus, AttemptSpec
 from dcr.protocol.records import Attempt, Transition
-from dcr.receiver.host import RuntimeHost
 from dcr.receiver.server import make_app
 from dcr.receiver.service import AgentService
-from dcr.runtimes.vllm import VllmRuntime
 from dcr.runtimes.vllm_reference import ReferenceConfig, ReferenceModel, random_checkpoint
+from dcr.serve.local import LocalEngine
 from dcr.transport.receive import Source, StoreSource
 from dcr.transport.store import MemoryStore
 
@@ -43,18 +43,20 @@ CFG = ReferenceConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_
 DEFAULT_POOL = min(32, (os.cpu_count() or 1) + 4)
 
 
-def agent(**kw: Any) -> AgentService:
+def agent(tmp: Path, **kw: Any) -> AgentService:
     state = random_checkpoint(CFG, 0)
     canonical = [CanonicalTensor(name=n, dtype="BF16", shape=tuple(t.shape))
                  for n, t in state.items()]
-    host = RuntimeHost(VllmRuntime(ReferenceModel(CFG, tp_size=1, tp_rank=0)), canonical)
-    host.runtime.load_weights(state.items())
+    model = ReferenceModel(CFG, tp_size=1, tp_rank=0)
+    model.load_weights(state.items())
+    engine = LocalEngine([model], staging_dir=tmp / "staging", checkpoint_root=tmp)
     store = MemoryStore()  # nothing is ever published: every wait waits
 
     def source_for(spec: AttemptSpec) -> Source:
         return StoreSource(store=store, version=spec.target_version, attempt=spec.attempt)
 
-    return AgentService("rx", host, source_for, version=0, **kw)
+    return AgentService("rx", engine, source_for, canonical=canonical,
+                        staging_dir=tmp / "staging", version=0, **kw)
 
 
 class Server:
@@ -126,7 +128,7 @@ def test_status_and_stop_answer_while_waits_hold_every_thread_they_may(
     first ``max_waits`` wait, the rest are refused at once with 503, and ``/v1/status``
     and ``/v1/stop`` still answer (stop ends the waits). Fails on 5b0b0ae: the waits took
     every thread, and status timed out behind them."""
-    svc = agent()
+    svc = agent(tmp_path)
     server = serve(svc)
     a = prepared(svc)
     n = DEFAULT_POOL + 1
@@ -156,11 +158,12 @@ def test_status_and_stop_answer_while_waits_hold_every_thread_they_may(
     assert all("was stopped" in e for e in stopped)
 
 
-def test_a_wait_ends_when_its_client_goes_away(serve: Callable[..., Server]) -> None:
+def test_a_wait_ends_when_its_client_goes_away(serve: Callable[..., Server],
+                                               tmp_path: Path) -> None:
     """A client that sends ``/v1/staged`` and hangs up leaves no wait behind. Fails on
     5b0b0ae, whose waits ran to their deadline in a thread whatever the client did (and
     which exported no gauge of them)."""
-    svc = agent()
+    svc = agent(tmp_path)
     server = serve(svc)
     a = prepared(svc)
     body = json.dumps({"attempt": a.id, "timeout_s": 600}).encode()
@@ -176,10 +179,11 @@ def test_a_wait_ends_when_its_client_goes_away(serve: Callable[..., Server]) -> 
     assert svc.status().state == "streaming"  # the attempt itself goes on
 
 
-def test_a_wait_lasts_no_longer_than_the_agent_allows(serve: Callable[..., Server]) -> None:
+def test_a_wait_lasts_no_longer_than_the_agent_allows(serve: Callable[..., Server],
+                                                      tmp_path: Path) -> None:
     """``timeout_s: 3600`` asks for an hour; the agent caps it at its ``max_wait_s``.
     Fails on 5b0b0ae, which waited as long as any client asked."""
-    svc = agent(max_wait_s=0.5)
+    svc = agent(tmp_path, max_wait_s=0.5)
     server = serve(svc)
     a = prepared(svc)
     t0 = time.monotonic()
@@ -190,11 +194,12 @@ def test_a_wait_lasts_no_longer_than_the_agent_allows(serve: Callable[..., Serve
     assert time.monotonic() - t0 < 20
 
 
-def test_liveness_reports_a_wedged_control_loop(serve: Callable[..., Server]) -> None:
+def test_liveness_reports_a_wedged_control_loop(serve: Callable[..., Server],
+                                                tmp_path: Path) -> None:
     """While the agent's state lock is held (a wedged control loop), ``/healthz`` answers
     503; once it is free again, 200. Fails on 5b0b0ae, whose ``/healthz`` said ok
     whatever the agent could still do."""
-    svc = agent()
+    svc = agent(tmp_path)
     server = serve(svc, liveness_timeout_s=0.3)
     assert http(f"{server.url}/healthz") == (200, "ok\n")
     with svc._cond:  # what a call stuck inside the lock looks like from outside

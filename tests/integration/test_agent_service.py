@@ -4,8 +4,10 @@ Each race is forced, not hoped for: a hook (an event the test holds) parks one c
 the point where the other used to slip in, the test checks the observable state that
 says it is parked there, then makes the other call. Nothing depends on a sleep.
 
-The receiver is one tensor-parallel rank (TP 1) of the vLLM-layout reference runtime,
-small enough that a dense load takes milliseconds.
+The receiver drives an in-process engine (``LocalEngine``: ``dcr serve``'s workers
+without HTTP) holding one rank (TP 1) of the vLLM-layout reference runtime, small enough
+that a dense load takes milliseconds. A generation request in flight is a ticket of the
+engine's pause gate, as a completion holds one.
 """
 
 from __future__ import annotations
@@ -24,16 +26,17 @@ from safetensors.torch import save_file
 
 from dcr.apply.engine import CanonicalTensor
 from dcr.checkpoint import ArrayCheckpoint
+from dcr.engines.base import PauseMode
 from dcr.format.manifest import Manifest
+from dcr.format.profile import ReceiverProfile
 from dcr.owner.encoder import Encoder
 from dcr.protocol.agent_api import AgentStatus, AttemptSpec
 from dcr.protocol.commitstore import SqliteCommitStore
 from dcr.protocol.coordinator import Coordinator
 from dcr.protocol.records import Attempt, CommitRecord, Transition
-from dcr.receiver.host import RuntimeHost
 from dcr.receiver.service import AgentConflict, AgentService
-from dcr.runtimes.vllm import VllmRuntime
 from dcr.runtimes.vllm_reference import ReferenceConfig, ReferenceModel, random_checkpoint
+from dcr.serve.local import LocalEngine
 from dcr.transport.receive import PayloadId, Source, StoreSource
 from dcr.transport.store import MemoryStore
 
@@ -106,16 +109,23 @@ def service(versions: Versions, source_for: Callable[[AttemptSpec], Source] | No
             store: MemoryStore | None = None) -> AgentService:
     canonical = [CanonicalTensor(name=n, dtype="BF16", shape=tuple(t.shape))
                  for n, t in versions.states[0].items()]
-    host = RuntimeHost(VllmRuntime(ReferenceModel(CFG, tp_size=1, tp_rank=0)), canonical)
-    host.load_dense(versions.dir(0))
+    staging = versions.root.parent / "staging"
+    engine = LocalEngine([ReferenceModel(CFG, tp_size=1, tp_rank=0)], staging_dir=staging,
+                         checkpoint_root=versions.root)
+    engine.load_dense("v0")
     store = store or MemoryStore()
 
     def from_store(spec: AttemptSpec) -> Source:
         return StoreSource(store=store, version=spec.target_version, attempt=spec.attempt,
                            owners=spec.owners)
 
-    return AgentService("rx", host, source_for or from_store, version=0,
-                        checkpoint_root=versions.root)
+    return AgentService("rx", engine, source_for or from_store, canonical=canonical,
+                        staging_dir=staging, version=0, checkpoint_root=versions.root)
+
+
+def engine_of(svc: AgentService) -> LocalEngine:
+    assert isinstance(svc.engine, LocalEngine)
+    return svc.engine
 
 
 def attempt() -> Attempt:
@@ -148,7 +158,7 @@ def until(check: Callable[[], bool]) -> None:
 
 def bits(svc: AgentService) -> dict[str, torch.Tensor]:
     return {n: t.detach().clone().view(torch.uint8) for n, t in
-            svc.host.runtime.named_tensors()}
+            engine_of(svc).runtimes[0].named_tensors()}
 
 
 # --- races (issue 11, Medium 5) ---------------------------------------------------------
@@ -164,9 +174,13 @@ def test_apply_is_refused_until_close_gate_has_drained_the_requests_in_flight(
     svc.prepare(a)
     request = Parked()
 
-    def generate() -> None:
-        with svc.host.request(WAIT_S):
+    def generate() -> None:  # a completion in flight: a ticket of the engine's gate
+        gate = engine_of(svc).gate
+        ticket = gate.admit()
+        try:
             request()
+        finally:
+            gate.leave(ticket)
 
     generating, _ = in_thread(generate)
     assert request.entered.wait(WAIT_S)
@@ -190,19 +204,20 @@ def test_prepare_is_refused_while_a_dense_load_runs(versions: Versions) -> None:
     loading: an attempt began meanwhile and the agent later committed v1 over the v0 it
     had just loaded."""
     svc = service(versions)
+    engine = engine_of(svc)
     draining, loading = Parked(), Parked()
-    real_drain, real_load = svc.host.drain, svc.host.load_tensors
+    real_pause, real_load = engine.pause, engine.load_dense
 
-    def drain(timeout_s: float) -> bool:
+    def pause(mode: PauseMode = "wait") -> None:
         draining()
-        return real_drain(timeout_s)
+        real_pause(mode)
 
-    def load(tensors: dict[str, torch.Tensor]) -> None:
+    def load(checkpoint: str, expect: dict[str, str] | None = None) -> None:
         loading()
-        real_load(tensors)
+        real_load(checkpoint, expect)
 
-    svc.host.drain = drain  # type: ignore[method-assign]
-    svc.host.load_tensors = load  # type: ignore[method-assign]
+    engine.pause = pause  # type: ignore[method-assign]
+    engine.load_dense = load  # type: ignore[method-assign]
     rejoining, rejoined = in_thread(lambda: svc.rejoin(0, str(versions.dir(0))))
     for parked in (draining, loading):
         assert parked.entered.wait(WAIT_S)
@@ -269,7 +284,7 @@ def committed(versions: Versions, tmp_path: Path) -> AgentService:
     store = MemoryStore()
     svc = service(versions, store=store)
     owner = Encoder(store=store, baseline=versions.source(0), version=0,
-                    profile=svc.host.profile)
+                    profile=ReceiverProfile(tensors=svc.profile()["tensors"]))
     owner.set_candidate(versions.source(1), 1)
     c = Coordinator(SqliteCommitStore(tmp_path / "commit.db", CommitRecord(
         committed_version=0, baseline_id="v0", attempt="")), [owner], [svc])
@@ -287,7 +302,7 @@ def test_a_dense_load_under_a_wrong_version_label_is_refused_and_writes_nothing(
     checkpoint with the fingerprints of v1's manifest and refuses before writing. Fails
     on 5b0b0ae, which loaded v0 and reported version 1."""
     before = bits(committed)
-    with pytest.raises(AgentConflict, match=r"dense load of version 1 refused: Tensor "
+    with pytest.raises(AgentConflict, match=r"dense load of version 1 refused: .*Tensor "
                                             r"'[^']+' of checkpoint .* is not the version's"):
         committed.rejoin(1, str(versions.dir(0)))
     after = bits(committed)

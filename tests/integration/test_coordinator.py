@@ -1,6 +1,7 @@
 """The coordinator over in-process parties: retry by overwrite, joint commit, conflicts.
 
-Two vLLM-layout TP ranks receive; the first attempt's second rank dies mid-apply. The
+Two vLLM-layout TP ranks receive, each an agent over an in-process engine
+(``LocalEngine``) holding its shard; the first attempt's second rank dies mid-apply. The
 coordinator abandons it, retries in overwrite mode, commits by compare-and-set, and
 only then advances the owner's baseline: both ranks end bit-exact with a dense load.
 """
@@ -15,20 +16,19 @@ import torch
 
 from dcr.apply.engine import CanonicalTensor
 from dcr.checkpoint import ArrayCheckpoint
-from dcr.format.profile import merge
+from dcr.format.profile import ReceiverProfile, merge
 from dcr.owner.encoder import Encoder
 from dcr.protocol.commitstore import SqliteCommitStore
 from dcr.protocol.coordinator import CommitConflict, Coordinator
 from dcr.protocol.records import CommitOutcome, CommitRecord
-from dcr.receiver.host import RuntimeHost
 from dcr.receiver.service import AgentService
-from dcr.runtimes.vllm import VllmRuntime
 from dcr.runtimes.vllm_reference import (
     ReferenceConfig,
     ReferenceModel,
     dense_state,
     random_checkpoint,
 )
+from dcr.serve.local import LocalEngine
 from dcr.transport.receive import StoreSource
 from dcr.transport.store import MemoryStore
 
@@ -55,13 +55,14 @@ def setup(tmp_path: Path):  # type: ignore[no-untyped-def]
     for r in range(2):
         model = ReferenceModel(CFG, tp_size=2, tp_rank=r)
         model.load_weights(old.items())
-        host = RuntimeHost(VllmRuntime(model), canonical)
+        staging = tmp_path / f"rank-{r}"
+        engine = LocalEngine([model], staging_dir=staging, checkpoint_root=tmp_path)
         ranks.append(model)
         receivers.append(AgentService(
-            f"rank-{r}", host, lambda spec: StoreSource(
+            f"rank-{r}", engine, lambda spec: StoreSource(
                 store=store, version=spec.target_version, attempt=spec.attempt,
-                owners=spec.owners), version=0))
-    profile = merge(rx.host.profile for rx in receivers)
+                owners=spec.owners), canonical=canonical, staging_dir=staging, version=0))
+    profile = merge(ReceiverProfile(tensors=rx.profile()["tensors"]) for rx in receivers)
     owner = Encoder(store=store, baseline=source(old), version=0, profile=profile)
     owner.set_candidate(source(new), 1)
     commits = SqliteCommitStore(tmp_path / "commit.db", V0)
@@ -77,7 +78,10 @@ def exact(model: ReferenceModel, rank: int, sd: dict[str, torch.Tensor]) -> bool
 
 def test_a_receiver_killed_mid_apply_is_repaired_by_an_overwrite_retry(tmp_path: Path) -> None:
     _, new, ranks, receivers, owner, commits = setup(tmp_path)
-    victim = receivers[1].host.engine
+    engine = receivers[1].engine
+    assert isinstance(engine, LocalEngine)
+    victim = engine.ranks[0].engine  # the rank's apply engine, made by prewarm
+    assert victim is not None
     real, calls = victim._write_mapped, 0
 
     def dying(*args, **kwargs):  # type: ignore[no-untyped-def]

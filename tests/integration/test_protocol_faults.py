@@ -2,8 +2,9 @@
 
 Every scenario runs a real fleet: three receivers (two vLLM-layout TP ranks of the
 reference runtime and a transformers ``LlamaForCausalLM``), each an ``AgentService``
-over a ``RuntimeHost`` with its own journal (a ``ReceiverHandle`` itself), behind
-handles that can die and restart;
+with its own journal (a ``ReceiverHandle`` itself) driving an in-process engine
+(``LocalEngine``: ``dcr serve``'s workers, DCR's plugin in the rank, a staging
+directory of its own) that holds its model, behind handles that can die and restart;
 two in-process ``Encoder`` owners splitting the tensors (multi-owner manifests); a
 SQLite commit record. Faults are injected only at our own seams: a ``Store`` wrapper
 around ``MemoryStore`` (payload and store faults), ``Source`` wrappers (delivery
@@ -36,12 +37,14 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dcr.apply.engine import BITS, ApplyReport, CanonicalTensor, DuplicatePayload
-from dcr.checkpoint import ArrayCheckpoint
+from dcr.apply.engine import BITS, CanonicalTensor, Loader
+from dcr.checkpoint import ArrayCheckpoint, Checkpoint
+from dcr.engines import ApplyOutcome, EngineError
+from dcr.engines.base import staged_name
 from dcr.errors import BaselineError, StoreError
 from dcr.format.layout import parse_payload_key, payload_key
 from dcr.format.manifest import Manifest
-from dcr.format.profile import merge
+from dcr.format.profile import ReceiverProfile, merge
 from dcr.owner.encoder import Encoder
 from dcr.owner.process import ProcessOwner
 from dcr.protocol.agent_api import AgentError, AgentStatus, AttemptSpec, FlushAck
@@ -54,13 +57,13 @@ from dcr.protocol.coordinator import (
     RefitFailed,
 )
 from dcr.protocol.records import Attempt, CommitOutcome, CommitRecord, Transition
-from dcr.receiver.host import RuntimeHost
 from dcr.receiver.journal import Journal
 from dcr.receiver.service import AgentService
-from dcr.runtimes.base import Runtime
 from dcr.runtimes.hf import HFRuntime
 from dcr.runtimes.vllm import VllmRuntime
 from dcr.runtimes.vllm_reference import ReferenceConfig, ReferenceModel, random_checkpoint
+from dcr.runtimes.weights import checkpoint_tensors
+from dcr.serve.local import LocalEngine
 from dcr.transport.receive import PayloadId, Source, StoreSource
 from dcr.transport.store import MemoryStore
 
@@ -88,7 +91,7 @@ class EncoderKilled(Exception):
 # --- versions, runtimes, oracles ---------------------------------------------------
 
 
-def _int_views(runtime: Runtime) -> dict[str, torch.Tensor]:
+def _int_views(runtime: Loader) -> dict[str, torch.Tensor]:
     """Integer views (copies) of every parameter and buffer the runtime names."""
     out = {}
     for name, t in runtime.named_tensors():
@@ -97,7 +100,7 @@ def _int_views(runtime: Runtime) -> dict[str, torch.Tensor]:
     return out
 
 
-def build_runtime(kind: str) -> Runtime:
+def build_runtime(kind: str) -> HFRuntime | VllmRuntime:
     if kind == "hf":
         torch.manual_seed(1234)  # the receiver's init never matters: a dense load follows
         config = LlamaConfig(vocab_size=CFG.vocab_size, hidden_size=CFG.hidden_size,
@@ -147,9 +150,10 @@ class Versions:
     def dense(self, kind: str, v: int) -> dict[str, torch.Tensor]:
         """A fresh runtime of ``kind`` after a dense load of ``v`` (the oracle)."""
         if (kind, v) not in self._dense:
-            host = RuntimeHost(build_runtime(kind), canonical())
-            host.load_dense(self.dir(v))
-            self._dense[kind, v] = _int_views(host.runtime)
+            runtime = build_runtime(kind)
+            with Checkpoint(self.dir(v)) as ckpt:
+                runtime.load_weights(checkpoint_tensors(ckpt).items())
+            self._dense[kind, v] = _int_views(runtime)
         return self._dense[kind, v]
 
 
@@ -248,13 +252,15 @@ def fail(key: str, _: bytes) -> bytes:
 
 
 class Rank:
-    """One receiver: an ``AgentService`` over a ``RuntimeHost``, as a ``ReceiverHandle``.
+    """One receiver: an ``AgentService`` over its engine, as a ``ReceiverHandle``.
 
-    ``kill_after_applies(n)`` kills it right after its ``n``-th payload apply: from then
-    on every call fails as an unreachable agent's would, and its journal stays as it was
-    at that instant. ``restart()`` is what a restarted ``dcr agent`` does: a fresh
-    runtime loaded from its v0 ``--model``, the same journal. With ``restart_on_status``
-    a dead rank restarts when the coordinator next asks for its status.
+    The engine (a ``LocalEngine`` holding the rank's model, loaded densely with v0) lives
+    as long as the rank; the agent can die and restart beside it, as a sidecar does.
+    ``kill_after_applies(n)`` kills the agent right after its ``n``-th payload apply:
+    from then on every call fails as an unreachable agent's would, and its journal stays
+    as it was at that instant. ``restart()`` is what a restarted ``dcr agent`` does: a
+    fresh service over the same engine and journal. With ``restart_on_status`` a dead
+    rank restarts when the coordinator next asks for its status.
     """
 
     def __init__(self, kind: str, versions: Versions, store: FaultyStore, tmp: Path) -> None:
@@ -262,6 +268,10 @@ class Rank:
         self.versions = versions
         self.store = store
         self.journal = Journal(tmp / kind / "journal.json")
+        self.staging = tmp / kind / "staging"
+        self.engine = LocalEngine([build_runtime(kind).model], staging_dir=self.staging,
+                                  checkpoint_root=versions.root)
+        self.engine.load_dense("v0")
         self.wrap: Callable[[Source], Source] = lambda s: s  # a delivery-fault seam
         self.restart_on_status = False
         self.dead = False
@@ -269,10 +279,10 @@ class Rank:
         self.start()
 
     def start(self) -> None:
-        host = RuntimeHost(build_runtime(self.kind), canonical())
-        host.load_dense(self.versions.dir(0))
-        self.service = AgentService(self.name, host, self._source, version=0,
-                                    journal=self.journal)
+        self.service = AgentService(self.name, self.engine, self._source,
+                                    canonical=canonical(), staging_dir=self.staging,
+                                    version=0, journal=self.journal,
+                                    checkpoint_root=self.versions.root)
         self.dead = False
 
     def _source(self, spec: AttemptSpec) -> Source:
@@ -280,26 +290,26 @@ class Rank:
                                      attempt=spec.attempt, owners=spec.owners))
 
     def kill_after_applies(self, n: int) -> None:
-        engine = self.service.host.engine
-        real = engine.apply_payloads
+        real = self.engine.apply
         count = 0
 
-        def dying(payloads: Sequence[bytes]) -> ApplyReport:
+        def dying(payloads: Sequence[str]) -> ApplyOutcome:
             nonlocal count
-            report = real(payloads)
+            outcome = real(payloads)
             count += 1
             if count == n:
                 self._journal_at_death = self.journal.path.read_bytes()
                 self.dead = True
+                self.engine.apply = real  # type: ignore[method-assign]
                 raise RuntimeError(f"{self.name} killed after {n} payload applies")
-            return report
+            return outcome
 
-        engine.apply_payloads = dying  # type: ignore[method-assign]
+        self.engine.apply = dying  # type: ignore[method-assign]
 
     def restart(self) -> None:
         """Bury the dead service (end its threads), restore its journal, start afresh."""
         old = self.service
-        attempt = old.status().attempt
+        attempt = old.snapshot().attempt
         if attempt is not None:
             old.stop_and_wait(attempt)
         assert self._journal_at_death is not None, f"{self.name} was never killed"
@@ -313,7 +323,7 @@ class Rank:
 
     def bits(self) -> dict[str, torch.Tensor]:
         assert not self.dead, f"{self.name} is dead"
-        return _int_views(self.service.host.runtime)
+        return _int_views(self.engine.runtimes[0])
 
     # ReceiverHandle
     def status(self) -> AgentStatus:
@@ -468,7 +478,7 @@ class Fleet:
 def make_fleet(tmp_path: Path, versions: Versions) -> Fleet:
     store = FaultyStore()
     ranks = [Rank(kind, versions, store, tmp_path) for kind in KINDS]
-    profile = merge(r.service.host.profile for r in ranks)
+    profile = merge(ReceiverProfile(tensors=r.service.profile()["tensors"]) for r in ranks)
     encoders = [Encoder(store=store, baseline=versions.source(0), version=0, owner=k,
                         owners=OWNERS, profile=profile, bucket_bytes=1 << 20)  # several each
                 for k in range(OWNERS)]
@@ -623,8 +633,13 @@ def test_duplicated_payloads_are_applied_once_and_the_first_attempt_commits(
     fleet.assert_committed(record, 1, c)
 
     again = fleet.store.inner.get(payloads[0])  # a duplicate past the transport
-    with pytest.raises(DuplicatePayload, match="already applied"):
-        fleet.rank("vllm-0").service.host.engine.apply_payloads([again])
+    key = parse_payload_key(payloads[0])
+    assert key is not None
+    rank = fleet.rank("vllm-0")
+    name = staged_name(key.attempt, key.owner, key.seq)
+    (rank.staging / name).write_bytes(again)
+    with pytest.raises(EngineError, match=r"DuplicatePayload: .*already applied"):
+        rank.engine.apply([name])
     fleet.assert_committed(record, 1, c)
 
 
@@ -1137,7 +1152,7 @@ def test_bits_that_differ_from_the_manifests_target_fail_the_flush_and_a_dense_l
     attempt and reports the weights unknown; a dense load and the overwrite retry make it
     exact. Fails on 5b0b0ae, which committed v1 with the bit still flipped."""
     victim = fleet.rank("hf")
-    held = dict(victim.service.host.runtime.named_tensors())[FOREIGN_TENSOR]
+    held = dict(victim.engine.runtimes[0].named_tensors())[FOREIGN_TENSOR]
     with torch.no_grad():
         held.view(-1).view(torch.int16)[0] ^= 1
     c = fleet.coordinator()

@@ -1,10 +1,13 @@
-"""The main job (`dcr refit`, `make demo`): real agent and encoder processes, a killed
-agent mid-refit, recovery by overwrite retry and dense rejoin, bits checked per step.
+"""The main job (`dcr refit`, `make demo`): rollout pods of a real ``dcr serve`` server
+and a ``dcr agent`` sidecar, real encoder processes, an agent or a server killed
+mid-refit, recovery by overwrite retry and dense rejoin, bits checked per step through
+the servers' fingerprints.
 
 It is the one demo: every refit it makes is bit-exact on every in-place receiver
-(transformers and vLLM-layout ranks), a small share of the weights changes per step,
-and the receivers' merged profile sends most bytes as XOR (the coverage line). The
-file-level path of the earlier demo is checked in ``test_file_refit.py``."""
+(transformers servers and a vLLM-layout TP2 server), a small share of the weights
+changes per step, and the receivers' merged profile sends most bytes as XOR (the
+coverage line). The file-level path of the earlier demo is checked in
+``test_file_refit.py``."""
 
 from __future__ import annotations
 
@@ -51,16 +54,29 @@ def test_refit_job_recovers_from_a_killed_agent_and_ends_bit_exact(tmp_path: Pat
 
 
 @pytest.mark.slow
-def test_refit_job_over_a_relay_tree_recovers_and_ends_bit_exact(tmp_path: Path) -> None:
+def test_refit_job_over_a_relay_tree_recovers_from_a_killed_agent_and_a_killed_server(
+        tmp_path: Path) -> None:
+    """Step 1 kills pod 1's agent, step 2 pod 0's server: the restarted server answers a
+    new instance id, so its agent reports unknown weights and is restored by a dense
+    refit before the pod counts again; both steps end bit-exact on every pod."""
     proc = subprocess.run(
         [sys.executable, "-m", "dcr", "refit", "--out", "out", "--steps", "2", "--agents", "2",
-         "--transport", "relay", "--kill-receiver-every", "2"],
+         "--transport", "relay", "--kill-receiver-every", "1"],
         capture_output=True, text=True, timeout=600, check=False, cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert all(r["bit_exact"] for r in rows)
-    assert [a["mode"] for a in rows[1]["attempts"]] == ["mixed", "overwrite"]
-    assert rows[1]["attempts"][-1]["outcome"] == "committed"
+    assert [r["killed"] for r in rows] == ["agent-1", "serve-0"]
+    for r in rows:
+        assert [a["mode"] for a in r["attempts"]] == ["mixed", "overwrite"]
+        assert r["attempts"][-1]["outcome"] == "committed"
+    assert "serve-0" not in rows[1]["attempts"][0]["outcome"]  # the agent saw it fail:
+    assert "agent-0" in rows[1]["attempts"][0]["outcome"]  # the pod's failure is its agent's
+    second = rows[1]["attempts"][1]
+    if "agent-0" in second["receivers"]:  # the server was back by the retry's admission
+        assert second["rejoined"] == ["agent-0"]
+    else:
+        assert rows[1]["rejoined_after"] == ["agent-0"]
     assert "relay tree of 2 nodes" in proc.stdout
     assert "all 2 refits bit-exact on every live agent" in proc.stdout

@@ -668,15 +668,14 @@ def test_refit_through_s3_survives_5xx_slow_truncated_and_corrupted_objects_bit_
     from dcr.protocol.commitstore import SqliteCommitStore
     from dcr.protocol.coordinator import Coordinator
     from dcr.protocol.records import CommitRecord
-    from dcr.receiver.host import RuntimeHost
     from dcr.receiver.service import AgentService
-    from dcr.runtimes.vllm import VllmRuntime
     from dcr.runtimes.vllm_reference import (
         ReferenceConfig,
         ReferenceModel,
         dense_state,
         random_checkpoint,
     )
+    from dcr.serve.local import LocalEngine
     from dcr.transport.receive import StoreSource
 
     cfg = ReferenceConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -718,10 +717,12 @@ def test_refit_through_s3_survives_5xx_slow_truncated_and_corrupted_objects_bit_
         model = ReferenceModel(cfg, tp_size=2, tp_rank=r)
         model.load_weights(old.items())
         store = make_store(FAST)
+        staging = tmp_path / f"rank-{r}"
         receivers.append(AgentService(
-            f"rank-{r}", RuntimeHost(VllmRuntime(model), canonical),
+            f"rank-{r}", LocalEngine([model], staging_dir=staging, checkpoint_root=tmp_path),
             lambda spec, store=store: StoreSource(store=store, version=spec.target_version,
-                                                  attempt=spec.attempt), version=0))
+                                                  attempt=spec.attempt),
+            canonical=canonical, staging_dir=staging, version=0))
         models.append(model)
     owner_store = CorruptFirstAttempt(make_store(FAST))
     owner = Encoder(store=owner_store, baseline=bits(old), version=0)

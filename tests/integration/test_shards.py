@@ -22,15 +22,14 @@ from dcr.owner.shards import ShardEncoder, ShardMap
 from dcr.protocol.commitstore import SqliteCommitStore
 from dcr.protocol.coordinator import Coordinator
 from dcr.protocol.records import Attempt, CommitRecord, Transition
-from dcr.receiver.host import RuntimeHost
 from dcr.receiver.service import AgentService
-from dcr.runtimes.vllm import VllmRuntime
 from dcr.runtimes.vllm_reference import (
     ReferenceConfig,
     ReferenceModel,
     dense_state,
     random_checkpoint,
 )
+from dcr.serve.local import LocalEngine
 from dcr.transport.receive import StoreSource
 from dcr.transport.store import MemoryStore
 
@@ -115,21 +114,29 @@ def ep_shards(sd: State, cfg: ReferenceConfig, rank: int, ranks: int) -> Shards:
     return maps, local
 
 
-def receivers(cfg: ReferenceConfig, sd: State, store: MemoryStore, tps: tuple[int, ...]
-              ) -> tuple[list[AgentService], list[tuple[ReferenceModel, int, int]]]:
+def receivers(cfg: ReferenceConfig, sd: State, store: MemoryStore, tps: tuple[int, ...],
+              tmp: Path) -> tuple[list[AgentService], list[tuple[ReferenceModel, int, int]]]:
+    """An agent per rank, each over an in-process engine holding that rank's shard,
+    prewarmed."""
     canonical = [CanonicalTensor(name=n, dtype="BF16", shape=tuple(t.shape)) for n, t in sd.items()]
     out, models = [], []
     for tp in tps:
         for r in range(tp):
             model = ReferenceModel(cfg, tp_size=tp, tp_rank=r)
             model.load_weights(sd.items())
-            host = RuntimeHost(VllmRuntime(model), canonical)
+            staging = tmp / f"tp{tp}-rank{r}"
+            engine = LocalEngine([model], staging_dir=staging, checkpoint_root=tmp)
             out.append(AgentService(
-                f"tp{tp}-rank{r}", host, lambda spec: StoreSource(
+                f"tp{tp}-rank{r}", engine, lambda spec: StoreSource(
                     store=store, version=spec.target_version, attempt=spec.attempt,
-                    owners=spec.owners), version=0))
+                    owners=spec.owners), canonical=canonical, staging_dir=staging, version=0))
+            out[-1].attach()
             models.append((model, tp, r))
     return out, models
+
+
+def profile_of(rx: list[AgentService]) -> ReceiverProfile:
+    return merge(ReceiverProfile(tensors=r.profile()["tensors"]) for r in rx)
 
 
 def exact(cfg: ReferenceConfig, models: list[tuple[ReferenceModel, int, int]], sd: State) -> bool:
@@ -146,8 +153,8 @@ def test_tensor_parallel_trainer_ranks_refit_vllm_ranks_bit_exactly(tmp_path: Pa
     old = random_checkpoint(DENSE, 0)
     new = perturbed(old, 0.02, 1)
     store = MemoryStore()
-    rx, models = receivers(DENSE, old, store, (2, 1))
-    profile = merge(r.host.profile for r in rx)
+    rx, models = receivers(DENSE, old, store, (2, 1), tmp_path)
+    profile = profile_of(rx)
     owners = []
     for rank in range(2):
         maps, base = tp_shards(old, rank, 2)
@@ -173,8 +180,11 @@ def test_a_failed_first_attempt_of_shard_owners_is_repaired_by_overwrite(tmp_pat
     old = random_checkpoint(DENSE, 0)
     new = perturbed(old, 0.02, 2)
     store = MemoryStore()
-    rx, models = receivers(DENSE, old, store, (2,))
-    engine = rx[1].host.engine
+    rx, models = receivers(DENSE, old, store, (2,), tmp_path)
+    local = rx[1].engine
+    assert isinstance(local, LocalEngine)
+    engine = local.ranks[0].engine  # the rank's apply engine, made by prewarm
+    assert engine is not None
     real, calls = engine._write_mapped, 0
 
     def dying(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -208,7 +218,7 @@ def test_expert_parallel_ranks_publish_their_stacks_in_canonical_coordinates(
     old = random_checkpoint(MOE, 0)
     new = perturbed(old, 0.03, 3)
     store = MemoryStore()
-    rx, models = receivers(MOE, old, store, (2,))
+    rx, models = receivers(MOE, old, store, (2,), tmp_path)
     owners = []
     for rank in range(2):
         maps, base = ep_shards(old, MOE, rank, 2)

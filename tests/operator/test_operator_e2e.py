@@ -5,10 +5,12 @@ controller and garbage collector) on loopback; the CRDs and the chart's ServiceA
 Role, RoleBinding and KopfPeering from ``helm template``; the operator as a subprocess
 (``python -m dcr_operator``) authenticated with that ServiceAccount's bound token, so
 every call it makes goes through the chart's RBAC. A standby operator of lower priority
-waits behind it (kopf peering). Three ``dcr agent`` processes serve a small Llama model
-through transformers, each on its own loopback address (127.0.0.2, .3, .4) and the
-fleet's agent port; three Pod objects stand for them, each with that address as its
-``status.podIP`` (the only address the operator calls). Encoder
+waits behind it (kopf peering). Three rollout pods are each a ``dcr serve`` reference
+server holding a small Llama model through transformers and a ``dcr agent`` sidecar
+driving it, sharing a staging directory; each pod's two processes are on its own
+loopback address (127.0.0.2, .3, .4), the agent on the fleet's agent port; three Pod
+objects stand for them, each with that address as its ``status.podIP`` (the only
+address the operator calls). Encoder
 Jobs are created by the operator, their pods by the real Job controller, and run here by
 a stand-in kubelet (:mod:`kubelet`). A trainer takes real AdamW steps and exports a
 checkpoint per version.
@@ -44,7 +46,7 @@ from kubelet import FakeKubelet
 from stubs import free_port_on
 
 from dcr.errors import DcrError
-from dcr.receiver.launch import AgentProcess, free_port
+from dcr.receiver.launch import AgentProcess, ServeProcess, free_port
 from dcr.trainer import Trainer, TrainerSettings, reference_fingerprint
 from dcr_operator.jobs import job_name
 from dcr_operator.kube import KubeClient
@@ -120,6 +122,7 @@ class Scenario:
     store: Path
     trainer: Trainer
     agents: list[AgentProcess]
+    servers: list[ServeProcess]
     kubelet: FakeKubelet
     primary: Operator
     standby: Operator
@@ -213,14 +216,23 @@ def scenario(control_plane: ControlPlane, helm: Path, tmp_path_factory: pytest.T
     store = tmp / "store"
     hosts = [f"127.0.0.{i + 2}" for i in range(AGENTS)]  # each pod's IP
     port = free_port_on(*hosts)  # the fleet's agent port
+    staging = [tmp / "pods" / str(i) / "staging" for i in range(AGENTS)]
+    servers = [ServeProcess(name=f"serve-{i}", workdir=tmp / "pods" / str(i) / "serve",
+                            host=hosts[i], port=_other_port(hosts[i], port),
+                            args=["--runtime", "hf", "--model", str(sc_ckpts[0]),
+                                  "--staging-dir", str(staging[i]), "--weight-version", "0"])
+               for i in range(AGENTS)]
     agents = [AgentProcess(name=f"rollout-{i}", state_dir=tmp / "agents" / str(i), token=TOKEN,
                            host=hosts[i], port=port,
-                           args=["--store", store.as_uri(), "--model", str(sc_ckpts[0]),
-                                 "--runtime", "hf"]) for i in range(AGENTS)]
-    for a in agents:
-        a.start()
-    for a in agents:
-        a.wait_ready()
+                           args=["--store", store.as_uri(), "--engine-url", servers[i].url,
+                                 "--staging-dir", str(staging[i]),
+                                 "--canonical", str(sc_ckpts[0])]) for i in range(AGENTS)]
+    for d in staging:
+        d.mkdir(parents=True)
+    for proc in [*servers, *agents]:
+        proc.start()
+    for proc in [*servers, *agents]:
+        proc.wait_ready()
     apply(kube, [{"apiVersion": "v1", "kind": "Secret",
                   "metadata": {"name": "agent-token", "labels": {"dcr.dev/agent-token": "true"}},
                   "data": {"token": base64.b64encode(TOKEN.encode()).decode()}}], ns)
@@ -246,16 +258,23 @@ def scenario(control_plane: ControlPlane, helm: Path, tmp_path_factory: pytest.T
                                "commitPolicy": {"attemptTimeoutSeconds": 120},
                                "retryLimit": 4}}], ns)
         sc = Scenario(cp=cp, kube=kube, ns=ns, tmp=tmp, store=store, trainer=trainer,
-                      agents=agents, kubelet=kubelet, primary=primary, standby=standby,
-                      ckpts=sc_ckpts)
+                      agents=agents, servers=servers, kubelet=kubelet, primary=primary,
+                      standby=standby, ckpts=sc_ckpts)
         try:
             yield sc
         finally:
             primary.stop()
             standby.stop()
-            for a in agents:
-                a.stop()
+            for proc in [*agents, *servers]:
+                proc.stop()
             cp.request("DELETE", f"/api/v1/namespaces/{ns}")
+
+
+def _other_port(host: str, taken: int) -> int:
+    """A port free on ``host`` other than ``taken`` (the agents', not yet listening)."""
+    while (port := free_port_on(host)) == taken:
+        pass
+    return port
 
 
 def test_a_new_fleet_gets_its_initial_commit_record_and_ready_receivers(scenario: Scenario
@@ -317,7 +336,10 @@ def test_a_refit_commits_through_a_two_owner_indexed_encoder_job_bit_exact(
 
 
 class _Killer(threading.Thread):
-    """SIGKILLs an agent as soon as it takes part in an attempt, then restarts it."""
+    """SIGKILLs an agent as soon as it applies an attempt (its journal says dirty), then
+    restarts it. Its server keeps the half-written weights: the restarted agent reports
+    them unknown, and a dense load restores them. (An agent killed before it wrote
+    anything would restart at its version, with nothing to repair.)"""
 
     def __init__(self, victim: AgentProcess) -> None:
         super().__init__(name=f"kill-{victim.name}", daemon=True)
@@ -334,8 +356,7 @@ class _Killer(threading.Thread):
                 except DcrError:
                     time.sleep(0.01)
                     continue
-                if st.attempt is not None and st.version != 2 and st.state not in (
-                        "committed", "obsolete"):
+                if st.attempt is not None and st.state == "applying":
                     self.state = str(st.state)
                     break
                 time.sleep(0.005)

@@ -24,23 +24,39 @@ def parse(*argv: str) -> argparse.Namespace:
     return build_parser(argv[0]).parse_args(list(argv))
 
 
+ENGINE = {"engine_url": "http://127.0.0.1:8000", "staging_dir": Path("/staging"),
+          "canonical": Path("/ckpt/v0")}
+ENGINE_FLAGS = ("--engine-url", "http://127.0.0.1:8000", "--staging-dir", "/staging",
+                "--canonical", "/ckpt/v0")
+
+
 def test_agent_settings_survive_their_own_argv() -> None:
-    s = AgentSettings(name="a", state_dir=Path("/s"), model=Path("/m"), relay="http://r:1",
-                      relay_token_file=Path("/t"), runtime="vllm-ref", tp_size=2, tp_rank=1,
-                      fp8=("self_attn.o_proj", "mlp.down_proj"), staging_bytes=64 * MiB)
+    s = AgentSettings(name="a", state_dir=Path("/s"), relay="http://r:1",
+                      relay_token_file=Path("/t"), engine="sglang", pause_mode="keep",
+                      engine_api_key_file=Path("/k"), staging_bytes=64 * MiB,
+                      **ENGINE)  # type: ignore[arg-type]
     assert from_args(AgentSettings, parse("agent", *to_argv(s))) == s
 
 
 def test_agent_flags_users_type_keep_their_meaning() -> None:
-    ns = parse("agent", "--name", "r0", "--state-dir", "/s", "--store", "file:///x", "--model",
-               "/m", "--model-version=3", "--staging-mib", "16", "--listen", "0.0.0.0:8471")
+    ns = parse("agent", "--name", "r0", "--state-dir", "/s", "--store", "file:///x",
+               *ENGINE_FLAGS, "--model-version=3", "--staging-mib", "16", "--listen",
+               "0.0.0.0:8471")
     s = from_args(AgentSettings, ns)
-    assert (s.store, s.relay, s.model_version, s.staging_bytes, s.listen, s.runtime) == (
-        "file:///x", None, 3, 16 * MiB, "0.0.0.0:8471", "hf")
+    assert (s.store, s.relay, s.model_version, s.staging_bytes, s.listen, s.engine,
+            s.pause_mode, s.dense_root) == (
+        "file:///x", None, 3, 16 * MiB, "0.0.0.0:8471", "vllm", "wait", Path("/ckpt"))
+
+
+@pytest.mark.parametrize("moved", ["--model", "--runtime", "--tp-size", "--tp-rank", "--fp8"])
+def test_the_engines_options_are_dcr_serves_not_the_agents(moved: str) -> None:
+    with pytest.raises(SystemExit):
+        parse("agent", "--name", "r0", "--state-dir", "/s", "--store", "s", *ENGINE_FLAGS,
+              moved, "1")
 
 
 def test_agent_without_a_source_or_with_both_is_a_usage_error() -> None:
-    base = ("agent", "--name", "r0", "--state-dir", "/s", "--model", "/m")
+    base = ("agent", "--name", "r0", "--state-dir", "/s", *ENGINE_FLAGS)
     with pytest.raises(SystemExit):
         parse(*base)
     with pytest.raises(SystemExit):
@@ -50,14 +66,15 @@ def test_agent_without_a_source_or_with_both_is_a_usage_error() -> None:
 @pytest.mark.parametrize(("given", "named"), [
     ({"store": "s", "relay": "http://r:1"}, "store='s', relay='http://r:1'"),
     ({}, "store=None, relay=None"),
-    ({"store": "s", "tp_size": 2, "tp_rank": 2}, "--tp-rank 2"),
+    ({"store": "s", "engine": "sglang"}, "give --pause-mode abort or keep"),
+    ({"store": "s", "engine_url": "unix:///x"}, "'unix:///x' is not an http"),
     ({"store": "s", "listen": "nowhere"}, "'nowhere'"),
     ({"store": "s", "staging_bytes": 0}, "staging_bytes=0"),
 ])
 def test_agent_settings_refuse_contradictions_naming_the_values(
         given: dict[str, object], named: str) -> None:
     with pytest.raises(ConfigError, match=named.replace("(", r"\(")):
-        AgentSettings(name="a", state_dir=Path("/s"), model=Path("/m"), **given)
+        AgentSettings(name="a", state_dir=Path("/s"), **{**ENGINE, **given})
 
 
 def test_relay_flags_users_type_keep_their_meaning(tmp_path: Path) -> None:
@@ -92,8 +109,8 @@ def test_refit_owners_default_by_transport_and_the_relay_refuses_two() -> None:
     assert RefitSettings(transport="relay").owners == 1
     with pytest.raises(ConfigError, match="--owners 2"):
         RefitSettings(transport="relay", owners=2)
-    with pytest.raises(ConfigError, match="--agents 3"):
-        RefitSettings(agents=3)
+    with pytest.raises(ConfigError, match="--agents 1"):
+        RefitSettings(agents=1)
 
 
 def test_refit_flags_set_the_job_and_its_trainer() -> None:
@@ -106,7 +123,8 @@ def test_refit_flags_set_the_job_and_its_trainer() -> None:
 
 
 def test_the_main_job_starts_agents_with_argv_built_from_their_settings() -> None:
-    s = AgentSettings(name="agent-1", state_dir=Path("/s"), model=Path("/m"), store="file:///x")
+    s = AgentSettings(name="agent-1", state_dir=Path("/s"), store="file:///x",
+                      **ENGINE)  # type: ignore[arg-type]
     argv = to_argv(s, skip=LAUNCHED)
     assert not {"--name", "--listen", "--state-dir", "--token-file"} & set(argv)
     assert argv[argv.index("--staging-mib") + 1] == str(s.staging_bytes // MiB)
@@ -127,5 +145,5 @@ def test_settings_refuse_bad_values_naming_them(cls: type, given: dict[str, obje
 
 def test_settings_refuse_unknown_keys() -> None:
     with pytest.raises(TypeError, match="bucket"):
-        AgentSettings(name="a", state_dir=Path("/s"), model=Path("/m"), store="s",
-                      bucket=1)
+        AgentSettings(name="a", state_dir=Path("/s"), store="s", bucket=1,
+                      **ENGINE)  # type: ignore[arg-type]

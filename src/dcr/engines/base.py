@@ -49,6 +49,16 @@ class TensorSpec(Protocol):
 
 
 @dataclass(frozen=True, kw_only=True)
+class CanonicalSpec:
+    """A :class:`TensorSpec` as a value (the agent reads them from a checkpoint's
+    headers, without torch)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
 class ApplyOutcome:
     """What every rank reported for one apply, in rank order, as the plugin sent it
     (``docs/engines.md`` lists the fields)."""
@@ -144,6 +154,21 @@ def check_staged_name(name: str) -> str:
     return name
 
 
+def staged_name(attempt: str, owner: int, seq: int) -> str:
+    """The file name a payload is staged under: its attempt, owner and sequence
+    (``a-7f2c...-o0000-s000003.dcrp``), checked as :func:`check_staged_name` does."""
+    return check_staged_name(f"{attempt}-o{owner:04d}-s{seq:06d}.dcrp")
+
+
+def merge_fingerprints(ranks: Sequence[Mapping[str, str]]) -> dict[str, str]:
+    """One mapping for an engine's per-rank fingerprints: a single rank's as it is; with
+    several, each name prefixed by its rank (``rank1/model.norm.weight``), because the
+    ranks hold different shards under the same names."""
+    if len(ranks) == 1:
+        return dict(ranks[0])
+    return {f"rank{r}/{name}": fp for r, held in enumerate(ranks) for name, fp in held.items()}
+
+
 def check_checkpoint_path(path: str) -> str:
     """``path`` if it is relative with no empty, ``.`` or ``..`` segment, else
     :class:`ConfigError`: the engine resolves it under its own checkpoint root."""
@@ -155,5 +180,5 @@ def check_checkpoint_path(path: str) -> str:
     return path
 
 
-__all__ = ["ApplyOutcome", "Engine", "PauseMode", "TensorSpec", "check_checkpoint_path",
-           "check_staged_name"]
+__all__ = ["ApplyOutcome", "CanonicalSpec", "Engine", "PauseMode", "TensorSpec",
+           "check_checkpoint_path", "check_staged_name", "merge_fingerprints", "staged_name"]

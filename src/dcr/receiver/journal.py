@@ -1,4 +1,5 @@
-"""The agent's local journal: which attempt it was in, and whether it had written.
+"""The agent's local journal: which attempt it was in, whether it had written, and under
+which engine instance its version holds.
 
 One small JSON file, replaced atomically (write, fsync, rename, fsync the directory)
 before every step that matters: before the first write of an attempt (``dirty``), at
@@ -27,6 +28,7 @@ class JournalEntry:
     dirty: tuple[int, int] | None  # (base, target) of writes not settled by commit or dense
     attempt: str | None
     state: str | None  # an AttemptState value
+    instance: str | None = None  # the engine instance the weights hold ``version`` under
 
 
 class Journal:
@@ -42,8 +44,11 @@ class Journal:
             raise JournalError(f"Journal {self.path} is unreadable: {e}.") from e
         try:
             dirty = raw["dirty"]
+            instance = raw.get("instance")
+            if instance is not None and not isinstance(instance, str):
+                raise TypeError(f"instance is a {type(instance).__name__}")
             return JournalEntry(version=raw["version"], attempt=raw["attempt"],
-                                state=raw["state"],
+                                state=raw["state"], instance=instance,
                                 dirty=None if dirty is None else (int(dirty[0]), int(dirty[1])))
         except (KeyError, TypeError, IndexError, ValueError) as e:
             raise JournalError(f"Journal {self.path} is malformed: {e!r}.") from e

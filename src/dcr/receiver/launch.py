@@ -1,7 +1,14 @@
-"""Start, kill and restart ``dcr agent`` processes on loopback (the main job, tests, bench).
+"""Start, kill and restart ``dcr agent`` and ``dcr serve`` processes on loopback (the main
+job, tests, bench).
 
-Each agent keeps its port and state directory across restarts, as a pod keeps its
-address and volume, so a restarted agent finds its journal and its coordinator finds it.
+A rollout pod is two processes: a serving engine (here the reference server, ``dcr
+serve``, :class:`ServeProcess`) and the agent beside it (:class:`AgentProcess`), sharing
+a staging directory. Each process keeps its port and directory across restarts, as a
+pod keeps its address and volumes, so a restarted agent finds its journal, a restarted
+server is where its agent looks for it, and the coordinator finds both.
+
+Both are a :class:`Process`: a ``dcr`` subcommand that prints one JSON line once it
+listens, logs to a file in its directory, and dies by SIGKILL when a test says so.
 """
 
 from __future__ import annotations
@@ -15,11 +22,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, ClassVar
 
+from dcr.engines.vllm import VllmEngine
 from dcr.errors import DcrError
 from dcr.protocol.agent_api import AgentClient
 from dcr.tokens import write_token_file
+
+START_TIMEOUT_S = 120.0  # a server loads its model before it listens
 
 
 def free_port() -> int:
@@ -29,49 +39,58 @@ def free_port() -> int:
 
 
 @dataclass(kw_only=True)
-class AgentProcess:
+class Process:
+    """One ``dcr <command>`` process, restartable on the same port and directory."""
+
+    command: ClassVar[str]  # the dcr subcommand
     name: str
-    args: list[str]  # ``dcr agent`` arguments after --name/--listen/--state-dir/--token-file
-    state_dir: Path
-    token: str
+    args: list[str]  # its arguments after those the launcher passes itself (``argv``)
     port: int = field(default_factory=free_port)
     host: str = "127.0.0.1"  # any loopback address: tests give pods 127.0.0.2, .3, ...
     proc: subprocess.Popen[str] | None = None
     restarts: int = 0
 
     @property
+    def directory(self) -> Path:
+        """Where its log (and whatever else it keeps) lives."""
+        raise NotImplementedError
+
+    @property
+    def log_path(self) -> Path:
+        return self.directory / f"{self.command}.log"
+
+    @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def client(self, timeout_s: float = 30.0) -> AgentClient:
-        return AgentClient(self.name, self.url, self.token, timeout_s=timeout_s)
+    def argv(self) -> list[str]:
+        """The arguments the launcher passes before ``args`` (written files included)."""
+        return ["--listen", f"{self.host}:{self.port}"]
 
     def start(self) -> None:
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        token_file = write_token_file(self.state_dir / "token", self.token)  # 0600 at birth
-        log: IO[str] = open(self.state_dir / "agent.log", "a")  # noqa: SIM115 (owned by proc)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        log: IO[str] = open(self.log_path, "a")  # noqa: SIM115 (owned by proc)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dcr", "agent", "--name", self.name,
-             "--listen", f"{self.host}:{self.port}", "--state-dir", str(self.state_dir),
-             "--token-file", str(token_file), *self.args],
-            stdout=subprocess.PIPE, stderr=log, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            [sys.executable, "-m", "dcr", self.command, *self.argv(), *self.args],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"},
         )
         log.close()
 
-    def wait_ready(self, timeout_s: float = 120.0) -> dict[str, object]:
-        """Block until the agent prints its listening line; its status then answers."""
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> dict[str, object]:
+        """Block until the process prints its listening line; it answers from then on."""
         assert self.proc is not None
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout_s
         line = ""
         while not line:
             if self.proc.poll() is not None:
-                tail = (self.state_dir / "agent.log").read_text().splitlines()[-5:]
-                raise DcrError(f"Agent {self.name} exited {self.proc.returncode} while "
-                               f"starting: {' | '.join(tail)}")
+                tail = self.log_path.read_text().splitlines()[-5:]
+                raise DcrError(f"{self.command} {self.name} exited {self.proc.returncode} "
+                               f"while starting: {' | '.join(tail)}")
             if time.monotonic() > deadline:
-                raise DcrError(f"Agent {self.name} not listening after {timeout_s} s.")
+                raise DcrError(f"{self.command} {self.name} not listening after "
+                               f"{timeout_s} s.")
             line = self.proc.stdout.readline().strip()
         return dict(json.loads(line))
 
@@ -100,3 +119,51 @@ class AgentProcess:
             except subprocess.TimeoutExpired:
                 self.kill()
         self._close_pipe()
+
+
+@dataclass(kw_only=True)
+class AgentProcess(Process):
+    """``dcr agent``: ``args`` after --name/--listen/--state-dir/--token-file."""
+
+    command: ClassVar[str] = "agent"
+    state_dir: Path
+    token: str
+
+    @property
+    def directory(self) -> Path:
+        return self.state_dir
+
+    def client(self, timeout_s: float = 30.0) -> AgentClient:
+        return AgentClient(self.name, self.url, self.token, timeout_s=timeout_s)
+
+    def argv(self) -> list[str]:
+        token_file = write_token_file(self.state_dir / "token", self.token)  # 0600 at birth
+        return ["--name", self.name, *super().argv(), "--state-dir", str(self.state_dir),
+                "--token-file", str(token_file)]
+
+
+@dataclass(kw_only=True)
+class ServeProcess(Process):
+    """``dcr serve``, the reference engine: ``args`` after --listen (and --api-key-file
+    when it has an ``api_key``); its log in ``workdir``."""
+
+    command: ClassVar[str] = "serve"
+    workdir: Path
+    api_key: str | None = None
+
+    @property
+    def directory(self) -> Path:
+        return self.workdir
+
+    def engine(self) -> VllmEngine:
+        """The agent's adapter to it (``dcr serve`` speaks vLLM's dialect)."""
+        return VllmEngine(self.url, self.api_key)
+
+    def argv(self) -> list[str]:
+        if self.api_key is None:
+            return super().argv()
+        key_file = write_token_file(self.workdir / "api-key", self.api_key)
+        return [*super().argv(), "--api-key-file", str(key_file)]
+
+
+__all__ = ["AgentProcess", "Process", "ServeProcess", "free_port"]

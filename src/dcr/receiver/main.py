@@ -1,11 +1,13 @@
-"""``dcr agent``: one rollout rank's sidecar as a process, serving a local model.
+"""``dcr agent``: one rollout pod's sidecar as a process, driving a serving engine.
 
-The embedded runtimes load a Hugging Face checkpoint directory (``config.json`` and
-safetensors) through their own loaders: ``hf`` (a transformers causal LM, which also
-serves greedy generation behind the request gate) or ``vllm-ref`` (the vLLM-layout
-reference runtime on one tensor-parallel rank). Payloads come from an object store
-(``--store``) or a relay node (``--relay``). Once listening, the process prints one
-JSON line ``{"url": ..., "name": ..., "version": ...}`` on stdout. The options are
+The agent holds no model and imports no torch: it drives the engine beside it through
+the engine's HTTP API (``--engine vllm``: vLLM or ``dcr serve``; ``--engine sglang``)
+and stages verified payloads as files in the directory it shares with the engine
+(``--staging-dir``). Payloads come from an object store (``--store``) or a relay node
+(``--relay``). It listens at once and meets the engine in the background (instance id,
+prewarm), so a slow engine start does not fail the agent's probes; until the engine
+answers, ``/v1/status`` and ``/readyz`` answer 503. Once listening, the process prints
+one JSON line ``{"url": ..., "name": ..., "version": ...}`` on stdout. The options are
 :class:`~dcr.receiver.settings.AgentSettings`, declared there once.
 """
 
@@ -17,17 +19,29 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dcr.errors import ConfigError
-from dcr.receiver.settings import AGENT_TOKEN_ENV, RELAY_TOKEN_ENV, SOURCES, AgentSettings
+from dcr.receiver.settings import (
+    AGENT_TOKEN_ENV,
+    ENGINE_KEY_ENV,
+    RELAY_TOKEN_ENV,
+    SOURCES,
+    AgentSettings,
+)
 from dcr.settings import add_options, from_args
-from dcr.tokens import read_token
+from dcr.tokens import check_token, read_token
 
-if TYPE_CHECKING:  # torch loads only when an agent runs, not for ``dcr --help``
+if TYPE_CHECKING:
+    from dcr.engines.base import CanonicalSpec, Engine
     from dcr.receiver.service import AgentService
+
+ATTACH_RETRY_S = 1.0  # how often the agent tries again to meet an engine that is not up
 
 log = logging.getLogger(__name__)
 
@@ -45,24 +59,43 @@ def _token(path: Path | None, env: str) -> str:
     return read_token(what, path, env)  # one check for every token: dcr.tokens
 
 
-def build_service(s: AgentSettings) -> AgentService:
-    from dcr.apply.engine import CanonicalTensor
+def engine_key(s: AgentSettings) -> str | None:
+    """The engine's API key from ``--engine-api-key-file`` or ``$DCR_ENGINE_API_KEY``;
+    None when neither is given (an engine on loopback may have none)."""
+    if s.engine_api_key_file is not None:
+        return read_token("engine API key", s.engine_api_key_file)
+    value = os.environ.get(ENGINE_KEY_ENV, "").strip()
+    return check_token(value, f"engine API key from ${ENGINE_KEY_ENV}") if value else None
+
+
+def build_engine(s: AgentSettings) -> Engine:
+    """The adapter of ``--engine`` at ``--engine-url``."""
+    from dcr.engines import EngineTimeouts, SglangEngine, VllmEngine
+    from dcr.protocol.agent_api import DRAIN_S
+
+    timeouts = EngineTimeouts(drain_s=DRAIN_S)  # a drain ends before the client gives up
+    if s.engine == "sglang":
+        return SglangEngine(s.engine_url, s.staging_dir, engine_key(s), timeouts=timeouts)
+    return VllmEngine(s.engine_url, engine_key(s), timeouts=timeouts)
+
+
+def canonical_tensors(checkpoint: Path) -> list[CanonicalSpec]:
+    """The tensors a checkpoint directory's safetensors headers name (no data read)."""
     from dcr.checkpoint import Checkpoint
+    from dcr.engines.base import CanonicalSpec
+
+    with Checkpoint(checkpoint) as ckpt:
+        return [CanonicalSpec(name=i.name, dtype=i.dtype.name, shape=tuple(i.shape))
+                for i in ckpt]
+
+
+def build_service(s: AgentSettings, engine: Engine | None = None) -> AgentService:
     from dcr.protocol.agent_api import AttemptSpec
-    from dcr.receiver.host import RuntimeHost
     from dcr.receiver.journal import Journal
     from dcr.receiver.service import AgentService, SourceFor
-    from dcr.runtimes import build_runtime
     from dcr.transport.receive import Source, StoreSource
     from dcr.transport.store import open_store
 
-    runtime = build_runtime(s.runtime, s.model, tp_size=s.tp_size, tp_rank=s.tp_rank,
-                            fp8=s.fp8)
-    with Checkpoint(s.model) as ckpt:
-        canonical = [CanonicalTensor(name=i.name, dtype=i.dtype.name, shape=i.shape)
-                     for i in ckpt]
-    host = RuntimeHost(runtime, canonical)
-    host.load_dense(s.model)
     source_for: SourceFor
     if s.store:
         store = open_store(s.store)
@@ -82,10 +115,27 @@ def build_service(s: AgentSettings) -> AgentService:
                                   f"{spec.attempt} has {spec.owners} owners.")
             return RelaySource(relay, relay_token, spec.attempt)
 
-    return AgentService(s.name, host, source_for, version=s.model_version,
-                        journal=Journal(s.state_dir / "journal.json"),
+    return AgentService(s.name, engine or build_engine(s), source_for,
+                        canonical=canonical_tensors(s.canonical), staging_dir=s.staging_dir,
+                        version=s.model_version, journal=Journal(s.state_dir / "journal.json"),
                         staging_bytes=s.staging_bytes, checkpoint_root=s.dense_root,
-                        max_wait_s=s.max_wait_s)
+                        max_wait_s=s.max_wait_s, pause_mode=s.pause_mode)
+
+
+def attach_in_background(service: AgentService) -> threading.Thread:
+    """Meet the engine (instance id, prewarm) as soon as it answers, on a thread."""
+    def attach() -> None:
+        while True:
+            try:
+                service.attach()
+                return
+            except Exception as e:  # not up yet, or restarting: try again
+                log.info("%s: engine not ready: %s", service.name, e)
+                time.sleep(ATTACH_RETRY_S)
+
+    t = threading.Thread(target=attach, name="attach", daemon=True)
+    t.start()
+    return t
 
 
 async def _serve(service: AgentService, token: str, s: AgentSettings) -> None:
@@ -95,15 +145,15 @@ async def _serve(service: AgentService, token: str, s: AgentSettings) -> None:
 
     host, _, port = s.listen.rpartition(":")
     app = make_app(service, token, max_waits=s.max_waits,
-                   liveness_timeout_s=s.liveness_timeout_s,
-                   max_input_tokens=s.max_input_tokens)
+                   liveness_timeout_s=s.liveness_timeout_s)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host or "127.0.0.1", int(port))
     await site.start()
     bound = runner.addresses[0][1]
     print(json.dumps({"url": f"http://{host or '127.0.0.1'}:{bound}", "name": service.name,
-                      "version": service.status().version}), flush=True)
+                      "version": service.snapshot().version}), flush=True)
+    attach_in_background(service)
     try:
         await asyncio.Event().wait()
     finally:

@@ -4,15 +4,17 @@ One route per row of :class:`~dcr.protocol.agent_api.AgentApi`: the handler vali
 the JSON body strictly with the row's model, decodes it into the arguments of the
 service method of the row's name, runs that blocking call on a thread and serialises
 the row's response model. Errors map to statuses: 400 bad body, 401 token, 409 attempt,
-state or version conflict, 422 the attempt failed here, 503 too many waits, 500 anything
-else. Health, readiness, metrics and ``generate`` are served beside the table.
+state or version conflict, 422 the attempt failed here, 503 too many waits or an engine
+that failed or did not answer, 500 anything else. Health, readiness and metrics are
+served beside the table. Generation is the engine's (``/v1/completions`` on vLLM, SGLang
+or ``dcr serve``), not the agent's: the agent holds no model.
 
 Threads, and why: blocking calls never run on the event loop, and never on one shared
 pool, where six long waits once took every thread and ``status`` and ``stop`` timed out
 behind them. Each kind of call has its own pool (:data:`POOLS`): ``status`` (also
 readiness, metrics and the liveness probe), ``stop``, ``wait`` (``/v1/staged`` and
-``/v1/flush``, at most ``max_waits`` at once: one more is answered 503 at once),
-``generate``, and ``control`` for the rest. A wait ends at the agent's ``max_wait_s``
+``/v1/flush``, at most ``max_waits`` at once: one more is answered 503 at once), and
+``control`` for the rest. A wait ends at the agent's ``max_wait_s``
 whatever it asks, and as soon as its client disconnects (its ``cancel`` event is set and
 the service woken). ``/healthz`` answers 503 when the state lock cannot be taken within
 ``liveness_timeout_s`` or the status pool does not run the probe: a wedged control loop
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from dcr.engines.errors import EngineError
 from dcr.prometheus import Family, render
 from dcr.protocol.agent_api import AgentApi, AttemptDeadline, BadRequest, Call, parse_body
 from dcr.protocol.state import IllegalTransition
@@ -45,7 +48,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 # Which pool runs a call (by its row's name; "control" otherwise), and each pool's threads.
 POOLS = {"status": "status", "stop_and_wait": "stop", "wait_staged": "wait", "flush": "wait"}
-POOL_THREADS = {"status": 2, "stop": 2, "control": 4, "generate": 2}  # "wait": max_waits
+POOL_THREADS = {"status": 2, "stop": 2, "control": 4}  # "wait": max_waits
 DISCONNECT_POLL_S = 0.2  # how often a wait looks whether its client is still there
 
 
@@ -62,8 +65,7 @@ def _error(status: int, message: str, kind: str) -> web.Response:
 
 
 def make_app(service: AgentService, token: str, *, max_waits: int = AgentSettings.max_waits,
-             liveness_timeout_s: float = AgentSettings.liveness_timeout_s,
-             max_input_tokens: int = AgentSettings.max_input_tokens) -> web.Application:
+             liveness_timeout_s: float = AgentSettings.liveness_timeout_s) -> web.Application:
     sizes = {**POOL_THREADS, "wait": max_waits}
     pools: dict[str, Executor] = {
         name: ThreadPoolExecutor(n, thread_name_prefix=f"agent-{name}")
@@ -107,6 +109,8 @@ def make_app(service: AgentService, token: str, *, max_waits: int = AgentSetting
             return _error(409, str(e), type(e).__name__)
         except AttemptFailed as e:
             return _error(422, str(e), type(e).__name__)
+        except EngineError as e:  # the engine failed the call or did not answer
+            return _error(503, str(e), type(e).__name__)
         except web.HTTPException:
             raise
         except Exception as e:  # the message names the value; the stack goes to the log
@@ -149,21 +153,6 @@ def make_app(service: AgentService, token: str, *, max_waits: int = AgentSetting
         text = await run("status", render_metrics, service)
         return web.Response(text=text, content_type="text/plain")
 
-    async def generate(request: web.Request) -> web.StreamResponse:
-        try:
-            body = json.loads(await request.read() or b"{}")
-        except ValueError as e:
-            raise BadRequest(f"generate: the body is not JSON: {e}") from e
-        ids, n = body.get("input_ids"), body.get("max_new_tokens", 1)
-        if not (isinstance(ids, list) and ids and all(type(i) is int and i >= 0 for i in ids)
-                and type(n) is int and 1 <= n <= 64):
-            raise BadRequest("generate wants input_ids: [non-negative int] and "
-                             f"max_new_tokens in 1..64, got {str(body)[:80]}")
-        service.host.check_prompt(ids, max_input=max_input_tokens)
-        out = await run("generate", service.host.generate, ids, n, 60.0)
-        st = await run("status", service.status)
-        return web.json_response({"output_ids": out, "version": st.version})
-
     async def shutdown(_: web.Application) -> None:
         for pool in pools.values():
             pool.shutdown(wait=False, cancel_futures=True)
@@ -172,7 +161,6 @@ def make_app(service: AgentService, token: str, *, max_waits: int = AgentSetting
     app.on_cleanup.append(shutdown)
     app.add_routes([
         *(route(call) for call in AgentApi.calls()),
-        web.post("/v1/generate", generate),
         web.get("/healthz", healthz),
         web.get("/readyz", readyz),
         web.get("/metrics", metrics),
@@ -182,7 +170,7 @@ def make_app(service: AgentService, token: str, *, max_waits: int = AgentSetting
 
 def render_metrics(service: AgentService) -> str:
     """Prometheus text exposition of the agent's counters and gauges."""
-    st, c = service.status(), service.counters
+    st, c = service.snapshot(), service.counters
     return render([
         Family("dcr_agent_version", "gauge", "Version the weights hold (-1: none).",
                [("", -1 if st.version is None else st.version)]),

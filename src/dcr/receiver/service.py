@@ -1,36 +1,54 @@
-"""The agent's protocol logic (docs/protocol.md), one attempt at a time.
+"""The agent's protocol logic (docs/protocol.md), one attempt at a time, over an engine.
+
+The agent holds no model: it drives a serving engine through the
+:class:`~dcr.engines.base.Engine` seam (vLLM, SGLang or ``dcr serve`` over HTTP; a
+:class:`~dcr.serve.local.LocalEngine` in process) and shares a staging directory with it.
 
 ``prepare`` admits an attempt and starts a receive thread that pulls the attempt's
-payloads from the source (object store or relay node), verifies them and stages them
-compressed in host memory, so a server in asynchronous RL keeps serving the old
-version meanwhile. ``open_apply`` (only with the request gate closed) starts the apply
-thread, which applies staged payloads through the runtime's loader in the attempt's
-declared order while later payloads still arrive. ``flush`` waits until every payload
-the manifest lists has been applied and the device is synchronized; ``committed`` then
-moves the held version forward. ``stop_and_wait`` makes the attempt obsolete and
-returns only after both threads have ended, so no write of it can still happen.
+payloads from the source (object store or relay node), verifies them and stages each
+as a file in the staging directory (:mod:`dcr.receiver.staging`), so a server in
+asynchronous RL keeps serving the old version meanwhile. ``open_apply`` (only with the
+request gate closed) starts the apply thread, which has the engine apply the staged
+files one at a time in the attempt's declared order while later payloads still arrive.
+``flush`` waits until every payload the manifest lists has been applied, the engine's
+devices are synchronized and the targets checked; ``committed`` then moves the held
+version forward and sets the engine's version label. ``stop_and_wait`` makes the
+attempt obsolete and returns only after both threads have ended, so no write of it can
+still happen. The gate is the engine's: closing it is ``engine.pause`` (``wait`` by
+default: requests in flight finish), opening it ``engine.resume``.
 
 What the weights hold is tracked exactly: ``version`` while they hold one, ``dirty =
 (base, target)`` from just before the first write of an attempt until a commit or a
 dense load settles it. Dirty weights only accept an overwrite attempt of the same
 transition (absolute values repair any mix of old and new bits) or a dense load, and
-the gate will not reopen on them. The journal records all of it before it happens.
+the gate will not reopen on them. The journal records all of it before it happens,
+with the engine's instance id: a version is vouched for only under the engine instance
+that reached it. An engine that answers a new instance id (its process restarted) holds
+whatever it loaded at start, so the weights become ``unknown`` and need a dense load,
+exactly as when the agent itself restarts mid-attempt. The agent reads the id at every
+admission (``status`` between attempts), at ``prepare``, after a failed engine call and
+before an attempt's flush completes; a new instance is prewarmed before it is used.
 
 What reaches the weights is vouched for, and checked after:
 
-* Only payloads the attempt's manifest lists, with their size and digest, are applied:
+* Only payloads the attempt's manifest lists, with their size and digest, are staged:
   the receive thread holds each owner's payloads until that owner's manifest part (which
   it writes last) has arrived and lists them (:func:`~dcr.transport.receive.receive`,
   ``release="when_listed"``); payloads of owners outside the attempt are never fetched.
-* Once everything is applied, the apply thread synchronizes the device and reads back
-  every tensor the attempt wrote whose path preserves bits (the ``xor`` class, on a rank
-  that holds the whole tensor) and compares its fingerprint with the target the
-  manifest lists (:meth:`~dcr.apply.engine.ApplyEngine.check_targets`); ``flush``
+  The engine's ranks refuse a payload id applied before (XOR is not idempotent).
+* Once everything is applied, the apply thread synchronizes the engine and has every
+  rank read back each tensor the attempt wrote whose path preserves bits (the ``xor``
+  class, on a rank that holds the whole tensor) and compare its fingerprint with the
+  target the manifest lists (:meth:`~dcr.engines.base.Engine.check_targets`); ``flush``
   answers only after that.
 * A foreign object under the attempt's prefix (:class:`~dcr.transport.receive.
   ForeignPayload`) or a fingerprint that differs (:class:`FingerprintMismatch`) fails
   the attempt and, if it had begun writing, makes the weights ``unknown``: a dense load
   restores them, never an overwrite retry, which rewrites only the changed set.
+
+A dense load is checked by every rank before anything is written
+(:meth:`~dcr.engines.base.Engine.check_dense`): a refusal leaves weights, version and
+gate as they were; a load that fails after that leaves the weights unknown.
 
 Calls that race are ordered by the state they need: ``open_apply`` needs the gate
 closed *and drained* (``close_gate`` returned), so no generation request still reads
@@ -38,7 +56,9 @@ the weights; a dense load holds ``loading`` from its first check to its last wri
 ``prepare`` and ``open_apply`` refuse meanwhile; ``stop_and_wait`` is idempotent, so two
 concurrent stops both answer with the stopped attempt. Waits (``wait_staged``,
 ``flush``) are capped (``max_wait_s``) and end early when their key's ``cancel`` event
-is set (the HTTP server sets it when the client goes away).
+is set (the HTTP server sets it when the client goes away). The state lock is never held
+across an engine call: gate calls are ordered by a lock of their own, prewarm by
+another.
 """
 
 from __future__ import annotations
@@ -46,16 +66,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dcr.errors import CheckpointError, DcrError
+from dcr.engines.base import Engine, PauseMode, TensorSpec, merge_fingerprints
+from dcr.engines.errors import EngineError
+from dcr.errors import DcrError
 from dcr.format.manifest import Manifest
 from dcr.format.payload import Payload
+from dcr.format.profile import ReceiverProfile
 from dcr.protocol.agent_api import (
-    DRAIN_S,
     AgentStatus,
     AttemptKey,
     AttemptSpec,
@@ -64,9 +86,9 @@ from dcr.protocol.agent_api import (
 )
 from dcr.protocol.records import Attempt
 from dcr.protocol.state import FINAL, AttemptState, advance
-from dcr.receiver.host import DenseRefused, RuntimeHost, Tensors
 from dcr.receiver.journal import Journal, JournalEntry
 from dcr.receiver.settings import AgentSettings
+from dcr.receiver.staging import StagingDir
 from dcr.transport.receive import ForeignPayload, ReceiveStopped, Source, receive
 
 log = logging.getLogger(__name__)
@@ -86,8 +108,6 @@ class FingerprintMismatch(DcrError):
     fingerprint its manifest lists."""
 
 
-
-
 @dataclass(kw_only=True)
 class Counters:
     """What ``/metrics`` exports (monotonic counts and seconds)."""
@@ -99,13 +119,20 @@ class Counters:
     dense_loads: int = 0
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Staged:
+    name: str  # the file in the staging directory
+    size: int  # bytes, as the manifest lists them
+
+
 @dataclass(eq=False, kw_only=True)
 class _Run:
     spec: AttemptSpec
+    instance: str  # the engine instance the attempt writes to
     state: AttemptState = S.PREPARED
     stop: threading.Event = field(default_factory=threading.Event)
     apply_open: threading.Event = field(default_factory=threading.Event)
-    staged: list[Payload | None] = field(default_factory=list)  # verified once, on receipt
+    staged: list[_Staged | None] = field(default_factory=list)  # verified, as files
     staged_bytes: int = 0  # staged, not yet applied
     received: bool = False  # the manifest closed the attempt: nothing more will be staged
     manifest: Manifest | None = None
@@ -113,7 +140,7 @@ class _Run:
     applied_bytes: int = 0
     apply_s: float = 0.0
     touched: set[str] = field(default_factory=set)  # canonical tensors the payloads wrote
-    checked: bool = False  # all applied, the device synchronized, fingerprints compared
+    checked: bool = False  # all applied, the engine synchronized, fingerprints compared
     error: str | None = None
     threads: list[threading.Thread] = field(default_factory=list)
 
@@ -121,37 +148,55 @@ class _Run:
 SourceFor = Callable[[AttemptSpec], Source]
 
 
+def _short(instance: str | None) -> str:
+    return "none" if instance is None else instance[:12]
+
+
 class AgentService:
     """A ``ReceiverHandle`` in process; the HTTP server serves its methods, one per row
     of :class:`~dcr.protocol.agent_api.AgentApi`, under the same names."""
 
-    def __init__(self, name: str, host: RuntimeHost, source_for: SourceFor, *, version: int,
+    def __init__(self, name: str, engine: Engine, source_for: SourceFor, *,
+                 canonical: Sequence[TensorSpec], staging_dir: Path, version: int,
                  journal: Journal | None = None,
                  staging_bytes: int = AgentSettings.staging_bytes,
                  checkpoint_root: Path | None = None,
-                 max_wait_s: float = AgentSettings.max_wait_s) -> None:
-        """``checkpoint_root``: dense loads only from under it (None: any path, for a
-        caller in process, which is trusted with the file system anyway)."""
+                 max_wait_s: float = AgentSettings.max_wait_s,
+                 pause_mode: PauseMode = AgentSettings.pause_mode) -> None:
+        """``canonical``: the tensors the engine's ranks are prewarmed with.
+        ``staging_dir``: the directory shared with the engine, as this process sees it.
+        ``checkpoint_root``: dense loads only from under it, passed to the engine
+        relative to it (the engine resolves them under its own checkpoint root)."""
         self.name = name
-        self.host = host
+        self.engine = engine
         self.source_for = source_for
+        self.canonical = list(canonical)
+        self.staging = StagingDir(staging_dir)
         self.journal = journal
         self.staging_bytes = staging_bytes
         self.checkpoint_root = checkpoint_root.resolve() if checkpoint_root else None
         self.max_wait_s = max_wait_s
+        self.pause_mode = pause_mode
         self.counters = Counters()
         self._cond = threading.Condition()
+        self._gate_lock = threading.Lock()  # orders pause and resume calls to the engine
+        self._engine_lock = threading.Lock()  # orders instance reads and prewarms
         self._run: _Run | None = None
         self._obsolete: set[str] = set()
         self.version: int | None = version
         self.dirty: tuple[int, int] | None = None
         self.unknown: str | None = None
+        self.instance: str | None = None  # the engine instance ``version`` holds under
+        self._prewarmed: tuple[str, ReceiverProfile] | None = None  # instance, profile
+        self._gate_open = True  # the engine serves until the agent first pauses it
         self._drained = False  # the gate closed and no request in flight since (apply needs it)
         self._gate_opens = 0  # counts openings: a drain counts only if none came between
         self._loading: int | None = None  # the version a dense load is restoring
         self._known: tuple[int, dict[str, str]] | None = None  # a version's target fingerprints
         self.waits = 0  # waits in progress (metrics)
         last = journal.load() if journal else None
+        if last is not None:
+            self.instance = last.instance
         if last is not None and (last.dirty is not None or last.state in ("applying", "flushed")
                                  or last.version is None):
             # Unknown stays unknown across restarts (the journal says version None) until
@@ -161,7 +206,13 @@ class AgentService:
                             f"writes of {last.dirty} unsettled" if last.version is not None
                             or last.dirty is not None else
                             "restarted while the version was unknown")
+            self._gate_open = False  # the engine may still be paused; a dense load opens it
             log.warning("%s: %s; a dense refit must restore a version", name, self.unknown)
+        elif last is not None:
+            self.version = last.version
+        removed = self.staging.clear()
+        if removed:
+            log.info("%s: removed %d staged files an earlier run left", name, removed)
         self._journal()
 
     # --- state ---------------------------------------------------------------------
@@ -173,7 +224,7 @@ class AgentService:
         self.journal.save(JournalEntry(
             version=self.version, dirty=self.dirty,
             attempt=run.spec.attempt if run else None,
-            state=run.state.value if run else None,
+            state=run.state.value if run else None, instance=self.instance,
         ))
 
     def _move(self, run: _Run, to: AttemptState) -> None:
@@ -191,14 +242,31 @@ class AgentService:
             raise AgentConflict(f"{self.name}: attempt {attempt} is not current; current: {have}.")
         return run
 
+    def _busy(self) -> bool:
+        """An attempt has not ended, or a dense load runs; hold the lock."""
+        run = self._run
+        return (run is not None and run.state not in FINAL) or self._loading is not None
+
     def status(self) -> AgentStatus:
+        """The agent's state; between attempts it first reads the engine's instance id
+        (admission happens there), so a restarted engine shows as unknown weights.
+        Raises :class:`~dcr.engines.errors.EngineError` while the engine does not
+        answer: such a receiver is not admitted."""
+        with self._cond:
+            busy = self._busy()
+        if not busy:
+            self.attach()
+        return self.snapshot()
+
+    def snapshot(self) -> AgentStatus:
+        """The agent's state as it knows it, without asking the engine."""
         with self._cond:
             run = self._run
             return AgentStatus(
                 name=self.name, version=None if self.dirty else self.version, dirty=self.dirty,
                 unknown=self.unknown, attempt=run.spec.attempt if run else None,
                 state=run.state.value if run else None, error=run.error if run else None,
-                gate_open=self.gate_open,
+                gate_open=self._gate_open,
                 payloads_staged=len(run.staged) if run else 0,
                 payloads_applied=run.applied if run else 0,
                 bytes_staged=run.staged_bytes if run else 0,
@@ -206,8 +274,74 @@ class AgentService:
 
     @property
     def gate_open(self) -> bool:
-        gate = getattr(self.host.runtime, "gate", None)
-        return bool(gate.is_open) if gate is not None else False
+        return self._gate_open
+
+    # --- the engine ----------------------------------------------------------------
+
+    def attach(self) -> str:
+        """Read the engine's instance id and take note of a restart; prewarm an instance
+        not prewarmed yet (never during an attempt or a dense load). The id."""
+        with self._engine_lock:
+            instance = self.engine.instance()
+            with self._cond:
+                self._seen(instance)
+                fresh = self._prewarmed is None or self._prewarmed[0] != instance
+                if not fresh or self._busy():
+                    return instance
+            profile = self.engine.prewarm(self.canonical)
+            with self._cond:
+                self._prewarmed = (instance, profile)
+            log.info("%s: engine %s prewarmed (%d tensors)", self.name, _short(instance),
+                     len(profile.tensors))
+            return instance
+
+    def _seen(self, instance: str) -> None:
+        """The engine answered ``instance``; hold the lock. A first id is adopted: the
+        engine holds what the agent was started at. Another id means the engine restarted:
+        its weights are unknown, and an attempt in progress fails."""
+        if instance == self.instance:
+            return
+        old, self.instance = self.instance, instance
+        if old is not None:
+            self.version, self.dirty = None, None
+            self.unknown = (f"the engine restarted (instance {_short(old)} -> "
+                            f"{_short(instance)}): its weights are what it loaded at start")
+            run = self._run
+            if run is not None and run.state not in FINAL and run.error is None:
+                run.error = (f"{self.name}: attempt {run.spec.attempt}: the engine "
+                             "restarted during the attempt.")
+            log.warning("%s: %s; a dense refit must restore a version", self.name,
+                        self.unknown)
+            self._cond.notify_all()
+        self._journal()
+
+    def _pause(self) -> None:
+        """Close the engine's gate (``pause_mode``); returns once it is closed."""
+        with self._gate_lock:
+            with self._cond:
+                self._gate_open = False
+            self.engine.pause(self.pause_mode)
+
+    def _resume(self) -> None:
+        with self._gate_lock:
+            with self._cond:  # under the lock: open_apply cannot start writes meanwhile
+                if self.dirty is not None or self.unknown is not None:
+                    raise AgentConflict(f"{self.name}: will not serve weights that hold no "
+                                        f"version (dirty {self.dirty}, unknown "
+                                        f"{self.unknown}).")
+                run = self._run
+                if run is not None and run.state not in FINAL and run.apply_open.is_set():
+                    raise AgentConflict(f"{self.name}: attempt {run.spec.attempt} is "
+                                        "applying; the gate opens after its commit or stop.")
+                self._drained = False
+                self._gate_opens += 1
+                self._gate_open = True  # clean weights hold ``version``: safe to serve
+            try:
+                self.engine.resume()
+            except BaseException:
+                with self._cond:
+                    self._gate_open = False
+                raise
 
     # --- protocol calls ------------------------------------------------------------
 
@@ -257,6 +391,10 @@ class AgentService:
         spec = AttemptSpec.of(attempt)
         with self._cond:
             self._between_attempts("a new attempt")
+            self._not_loading("a new attempt")
+        instance = self.attach()  # a restarted engine makes the weights unknown first
+        with self._cond:
+            self._between_attempts("a new attempt")
             if spec.attempt in self._obsolete:
                 raise AgentConflict(f"{self.name}: attempt {spec.attempt} is obsolete.")
             self._not_loading("a new attempt")
@@ -273,51 +411,39 @@ class AgentService:
             if self.dirty is None and self.version != spec.base_version:
                 raise AgentConflict(f"{self.name}: holds version {self.version}; attempt "
                                     f"{spec.attempt} is for base {spec.base_version}.")
-            run = _Run(spec=spec)
+            if self.instance != instance:  # it restarted again since attach read it
+                raise AgentConflict(f"{self.name}: the engine restarted while attempt "
+                                    f"{spec.attempt} was being prepared.")
+            run = _Run(spec=spec, instance=instance)
             self._run = run
             self._journal()
             self._move(run, S.STREAMING)
             self._start(run, self._receive, "receive")
-            return self.status()
+            return self.snapshot()
 
-    def close_gate(self, timeout_s: float = DRAIN_S) -> AgentStatus:
+    def close_gate(self) -> AgentStatus:
+        """Pause the engine (``pause_mode``: ``wait`` lets requests in flight finish);
+        returns once it has."""
         with self._cond:
             opens = self._gate_opens
-        self.host.runtime.close_gate()
-        if not self.host.drain(timeout_s):
-            raise AgentConflict(f"{self.name}: generation requests still in flight after "
-                                f"{timeout_s} s with the gate closed.")
+        self._pause()
         with self._cond:
-            self._drained = opens == self._gate_opens and not self.gate_open
+            self._drained = opens == self._gate_opens and not self._gate_open
             run = self._run
             if run is not None and run.state in (S.PREPARED, S.STREAMING, S.STAGED):
                 self._move(run, S.GATE_CLOSED)
-            return self.status()
+        return self.snapshot()
 
     def open_gate(self) -> AgentStatus:
-        with self._cond:  # under the lock: open_apply cannot start writes meanwhile
-            if self.dirty is not None or self.unknown is not None:
-                raise AgentConflict(f"{self.name}: will not serve weights that hold no version "
-                                    f"(dirty {self.dirty}, unknown {self.unknown}).")
-            run = self._run
-            if run is not None and run.state not in FINAL and run.apply_open.is_set():
-                raise AgentConflict(f"{self.name}: attempt {run.spec.attempt} is applying; "
-                                    "the gate opens after its commit or stop.")
-            self._gate_up()  # clean weights hold ``version``: safe to serve
-            return self.status()
-
-    def _gate_up(self) -> None:
-        """Open the request gate (hold the lock); a drain that began before no longer counts."""
-        self._drained = False
-        self._gate_opens += 1
-        self.host.runtime.open_gate()
+        self._resume()
+        return self.snapshot()
 
     def open_apply(self, attempt: AttemptKey) -> AgentStatus:
         with self._cond:
             run = self._current(attempt.id)
             if run.state in FINAL:
                 raise AgentConflict(f"{self.name}: attempt {attempt.id} is {run.state.value}.")
-            if self.gate_open:
+            if self._gate_open:
                 raise AgentConflict(f"{self.name}: close the request gate before applying "
                                     f"attempt {attempt.id}.")
             self._not_loading("an apply")
@@ -336,7 +462,7 @@ class AgentService:
                 self._move(run, S.APPLYING)  # journaled dirty before the first write
                 run.apply_open.set()
                 self._start(run, self._apply, "apply")
-            return self.status()
+            return self.snapshot()
 
     def wait_staged(self, attempt: AttemptKey) -> AgentStatus:
         wait_s = min(seconds_left(attempt), self.max_wait_s)
@@ -350,7 +476,7 @@ class AgentService:
                 raise AttemptFailed(run.error)
             if run.stop.is_set():
                 raise AgentConflict(f"{self.name}: attempt {attempt.id} was stopped.")
-            return self.status()
+        return self.snapshot()
 
     def flush(self, attempt: AttemptKey) -> FlushAck:
         t0, wait_s = time.perf_counter(), min(seconds_left(attempt), self.max_wait_s)
@@ -378,7 +504,7 @@ class AgentService:
         with self._cond:
             run = self._current(attempt)
             if run.state is S.COMMITTED:
-                return self.status()
+                return self.snapshot()
             if run.state is not S.FLUSHED:
                 raise AgentConflict(f"{self.name}: attempt {attempt} is "
                                     f"{run.state.value}, not flushed; it cannot be committed.")
@@ -386,14 +512,31 @@ class AgentService:
             if run.manifest is not None and run.manifest.tensors:  # checks later dense loads
                 self._known = (self.version, {t.name: t.target for t in run.manifest.tensors})
             self._move(run, S.COMMITTED)
-            return self.status()
+            version = self.version
+        self.staging.clear(attempt)
+        now = self._instance_now()  # a restart since the flush: the label must not lie
+        with self._cond:
+            if now is not None:
+                self._seen(now)
+        if now == run.instance:
+            self._label(version)
+        return self.snapshot()
+
+    def _label(self, version: int) -> None:
+        """The engine's weight-version label: what it reports with its outputs. Best
+        effort: the weights hold ``version`` whether or not the label follows."""
+        try:
+            self.engine.set_version(str(version))
+        except EngineError as e:
+            log.warning("%s: the engine's version label stays behind %s: %s", self.name,
+                        version, e)
 
     def stop_and_wait(self, attempt: str) -> AgentStatus:
         with self._cond:
             self._obsolete.add(attempt)
             run = self._run
             if run is None or run.spec.attempt != attempt or run.state in FINAL:
-                return self.status()
+                return self.snapshot()
             run.stop.set()
             self._cond.notify_all()
             threads = list(run.threads)
@@ -404,82 +547,101 @@ class AgentService:
                 run.staged.clear()
                 run.staged_bytes = 0
                 self._move(run, S.OBSOLETE)
-            return self.status()
+        self.staging.clear(attempt)
+        return self.snapshot()
 
     def rejoin(self, version: int, checkpoint: str) -> AgentStatus:
-        """Restore ``version`` from a full checkpoint through the runtime's loader.
+        """Restore ``version`` from a full checkpoint through the engine's loader.
 
         The checkpoint must lie under ``checkpoint_root``; where this agent knows the
         version's target fingerprints (from the manifest of the attempt it committed to
-        it), the checkpoint must have them. Both are checked, and the whole checkpoint
-        read, before anything is written: a refused load leaves the weights and the gate
-        as they were. Errors name the check that failed, never bytes of the file.
+        it), the checkpoint must have them. Every rank checks both, reading the whole
+        checkpoint, before anything is written (:meth:`Engine.check_dense`): a refused
+        load leaves the weights and the gate as they were. Errors name the check that
+        failed, never bytes of the file (the engine's sentences do not quote files).
         """
-        path = self._dense_path(checkpoint)
+        relative = self._dense_path(checkpoint)
         with self._cond:
             self._between_attempts("a dense refit")
             self._not_loading("another dense refit")
-            self._loading, was_open = version, self.gate_open
+        instance = self.attach()  # a restarted engine is prewarmed before it loads
+        with self._cond:
+            self._between_attempts("a dense refit")
+            self._not_loading("another dense refit")
+            self._loading, was_open = version, self._gate_open
+        known = self._known
+        expect = known[1] if known is not None and known[0] == version else None
         try:
-            self.host.runtime.close_gate()
-            if not self.host.drain(DRAIN_S):
-                raise AgentConflict(f"{self.name}: requests still in flight; dense load "
-                                    "refused.")
-            tensors = self._read_dense(version, path)
-        except BaseException:
+            self._pause()
+            self.engine.check_dense(relative, expect)
+        except BaseException as e:
             with self._cond:
                 self._loading = None
-                if was_open and not self.gate_open:
-                    self._gate_up()  # nothing was written: serve as before
+                reopen = was_open and not self._gate_open
+            if reopen:
+                self._resume()  # nothing was written: serve as before
+            if isinstance(e, EngineError) and e.status is not None:
+                raise AgentConflict(f"{self.name}: dense load of version {version} refused: "
+                                    f"{e}") from e
             raise
         try:
             with self._cond:
                 self.version, self.dirty, self.unknown = None, None, f"dense load of {version}"
                 self._journal()
-            self.host.load_tensors(tensors)
+            self.engine.load_dense(relative, expect)
+            self.engine.sync()
+            differ = self.engine.check_targets(expect) if expect else {}
+            if differ:
+                raise FingerprintMismatch(f"{self.name}: after a dense load of version "
+                                          f"{version}, {len(differ)} tensors differ from its "
+                                          f"manifest's targets: {sorted(differ)[:3]}.")
+            now = self.engine.instance()
             with self._cond:
+                self._seen(now)
+                if now != instance:
+                    raise AgentConflict(f"{self.name}: the engine restarted during the dense "
+                                        f"load of version {version}.")
                 self.version, self.unknown = version, None
                 self.counters.dense_loads += 1
                 self._journal()
         finally:
             with self._cond:
                 self._loading = None
-        log.info("%s: restored version %s by a dense load of %s", self.name, version, path)
+        log.info("%s: restored version %s by a dense load of %s", self.name, version,
+                 relative)
+        self._label(version)
         return self.open_gate()
 
-    def _dense_path(self, checkpoint: str) -> Path:
+    def _dense_path(self, checkpoint: str) -> str:
+        """``checkpoint`` relative to the checkpoint root, if it lies under it (links
+        resolved); the engine resolves it under its own root."""
         root = self.checkpoint_root
         if root is None:
-            return Path(checkpoint)
+            raise AgentConflict(f"{self.name}: no checkpoint root is configured; dense loads "
+                                "are refused.")
         path = (root / checkpoint).resolve()  # an absolute ``checkpoint`` replaces ``root``
-        if not path.is_relative_to(root):
+        if not path.is_relative_to(root) or path == root:
             raise AgentConflict(f"{self.name}: dense loads come from under {root}; "
                                 f"{checkpoint!r} is not there.")
-        return path
-
-    def _read_dense(self, version: int, path: Path) -> Tensors:
-        known = self._known
-        expect = known[1] if known is not None and known[0] == version else None
-        try:
-            return self.host.read_dense(path, expect=expect, root=self.checkpoint_root)
-        except DenseRefused as e:
-            raise AgentConflict(f"{self.name}: dense load of version {version} refused: "
-                                f"{e}") from e
-        except CheckpointError as e:  # its sentence may quote the file: the log has it
-            log.warning("%s: dense load of %s refused: %s", self.name, path, e)
-            raise AgentConflict(f"{self.name}: dense load of version {version} refused: "
-                                f"{path} is not a readable safetensors checkpoint (the "
-                                "agent's log says why).") from e
+        return path.relative_to(root).as_posix()
 
     # --- inspection ----------------------------------------------------------------
 
     def profile(self) -> dict[str, Any]:
-        """The loader's class of every canonical tensor (what the sender encodes for)."""
-        return {"tensors": self.host.profile.tensors}
+        """The engine's class of every canonical tensor, its ranks' merged (what the
+        sender encodes for)."""
+        self.attach()
+        with self._cond:
+            prewarmed = self._prewarmed
+        if prewarmed is None:
+            raise AgentConflict(f"{self.name}: the engine has not been prewarmed yet (an "
+                                "attempt or a dense load is in progress).")
+        return {"tensors": prewarmed[1].tensors}
 
     def fingerprint(self) -> dict[str, str]:
-        """xxh3-128 of every parameter and buffer's integer view (bit-exact checks)."""
-        return self.host.fingerprint()
+        """xxh3-128 of every parameter and buffer's integer view, per rank of the engine
+        (:func:`~dcr.engines.base.merge_fingerprints`), for bit-exact checks."""
+        return merge_fingerprints(self.engine.fingerprint())
 
     # --- threads -------------------------------------------------------------------
 
@@ -495,6 +657,7 @@ class AgentService:
         except ReceiveStopped:
             pass
         except Exception as e:  # the attempt fails; the coordinator retries by overwrite
+            instance = self._instance_now() if isinstance(e, EngineError) else None
             with self._cond:
                 if run.error is None and not run.stop.is_set():
                     run.error = f"{self.name}: attempt {run.spec.attempt}: {e}"
@@ -507,7 +670,16 @@ class AgentService:
                                     "after writing; a dense load must restore a version")
                     log.warning("%s: %s", self.name, self.unknown)
                     self._journal()
+                if instance is not None:
+                    self._seen(instance)
                 self._cond.notify_all()
+
+    def _instance_now(self) -> str | None:
+        """The engine's instance id after a failed call, or None if it does not answer."""
+        try:
+            return self.engine.instance()
+        except Exception:  # down or restarting: the next admission reads it again
+            return None
 
     def _receive(self, run: _Run) -> None:
         spec = run.spec
@@ -544,8 +716,10 @@ class AgentService:
             self._cond.wait_for(lambda: run.stop.is_set() or fits())
             if run.stop.is_set():
                 raise ReceiveStopped(f"attempt {run.spec.attempt} stopped")
-            run.staged.append(payload)  # kept verified: the apply thread does not parse again
-            run.staged_bytes += size
+            run.staged_bytes += size  # reserved before the file is written
+        name = self.staging.write(payload)  # a stop joins this thread, then clears the files
+        with self._cond:
+            run.staged.append(_Staged(name=name, size=size))
             self._cond.notify_all()
 
     def _apply(self, run: _Run) -> None:
@@ -558,35 +732,43 @@ class AgentService:
                     return
                 if i >= len(run.staged):
                     break  # received and all applied: check, then flush finishes the attempt
-                payload = run.staged[i]
-            assert payload is not None
+                staged = run.staged[i]
+            assert staged is not None
             t0 = time.perf_counter()
-            report = self.host.engine.apply_payloads([payload])
+            outcome = self.engine.apply([staged.name])  # every rank reads the file
             seconds = time.perf_counter() - t0
+            self.staging.remove(staged.name)
             with self._cond:
                 run.staged[i] = None
-                run.staged_bytes -= payload.size
+                run.staged_bytes -= staged.size
                 run.applied += 1
-                run.applied_bytes += payload.size
+                run.applied_bytes += staged.size
                 run.apply_s += seconds
-                run.touched |= report.names
+                run.touched |= outcome.names
                 self.counters.payloads_applied += 1
-                self.counters.payload_bytes_applied += payload.size
+                self.counters.payload_bytes_applied += staged.size
                 self.counters.apply_seconds += seconds
                 self._cond.notify_all()
         self._check(run)
 
     def _check(self, run: _Run) -> None:
-        """Synchronize, then compare the fingerprints of what the attempt wrote."""
-        self.host.sync()
+        """Synchronize, then compare the fingerprints of what the attempt wrote, on the
+        engine instance the attempt began with."""
+        self.engine.sync()
         assert run.manifest is not None
         targets = {t.name: t.target for t in run.manifest.tensors if t.name in run.touched}
-        differ = self.host.engine.check_targets(targets)
+        differ = self.engine.check_targets(targets) if targets else {}
         if differ:
             said = "; ".join(f"{n!r} holds {fp}, the manifest says {targets[n]}"
                              for n, fp in list(differ.items())[:3])
             raise FingerprintMismatch(f"{len(differ)} tensors differ from the manifest's "
                                       f"target after apply: {said}.")
+        instance = self.engine.instance()
+        if instance != run.instance:
+            with self._cond:
+                self._seen(instance)
+            raise AttemptFailed(f"the engine restarted during the attempt (instance "
+                                f"{_short(run.instance)} -> {_short(instance)}).")
         with self._cond:
             run.checked = True
             self._cond.notify_all()

@@ -1,4 +1,9 @@
-"""``dcr agent``'s settings: one rollout rank's sidecar, declared once.
+"""``dcr agent``'s settings: one rollout pod's sidecar, declared once.
+
+The agent holds no model: it drives a serving engine (``--engine`` at ``--engine-url``)
+and shares ``--staging-dir`` with it. Which model the engine serves, how it is sharded
+and quantized, are the engine's options (``dcr serve --model/--runtime/--tp-*/--fp8``
+for the reference server, vLLM's or SGLang's own otherwise).
 
 The options of ``dcr agent`` are generated from :class:`AgentSettings`
 (:func:`dcr.settings.add_options`), and the main job builds the argv of the agents it
@@ -18,13 +23,14 @@ from dcr.settings import GiB, MiB, option
 
 AGENT_TOKEN_ENV = "DCR_AGENT_TOKEN"
 RELAY_TOKEN_ENV = "DCR_RELAY_TOKEN"
+ENGINE_KEY_ENV = "DCR_ENGINE_API_KEY"
 SOURCES = ("store", "relay")  # where payloads come from: exactly one of these fields
 
 
 @dataclass(frozen=True, kw_only=True)
 class AgentSettings:
-    """One agent process: who it is, where it listens, where payloads come from, what it
-    serves. Units are in the names (``*_bytes`` is MiB on the command line)."""
+    """One agent process: who it is, where it listens, where payloads come from, which
+    engine it drives. Units are in the names (``*_bytes`` is MiB on the command line)."""
 
     name: str = option(doc="receiver name the coordinator uses (a pod's name: unique in "
                        "its fleet, the same across restarts)")
@@ -45,22 +51,37 @@ class AgentSettings:
                                            doc="file holding the relay's read token (it "
                                            "cannot push); checked as --token-file (default: "
                                            f"${RELAY_TOKEN_ENV})")
-    model: Path = option(metavar="DIR", doc="Hugging Face checkpoint directory (config.json "
-                         "+ safetensors) loaded at start")
-    model_version: int = option(0, metavar="N", doc="version --model holds: 0 when a fleet "
-                                "starts; a later pod starts from the committed version")
+    engine: Literal["vllm", "sglang"] = option(
+        "vllm", doc="the serving engine beside the agent: vllm (vLLM, or dcr serve, which "
+        "speaks its dialect) or sglang")
+    engine_url: str = option(metavar="URL", doc="the engine's HTTP API, e.g. "
+                             "http://127.0.0.1:8000 (in the pod: loopback)")
+    engine_api_key_file: Path | None = option(None, metavar="PATH",
+                                              doc="file holding the engine's API key (SGLang: "
+                                              "its admin key); checked as --token-file "
+                                              f"(default: ${ENGINE_KEY_ENV}; neither: none)")
+    staging_dir: Path = option(metavar="DIR",
+                               doc="the directory shared with the engine (its "
+                               "$DCR_STAGING_DIR; a memory-backed volume in a pod) where "
+                               "verified payloads wait as files for the engine to apply")
+    canonical: Path = option(metavar="DIR",
+                             doc="a checkpoint directory whose safetensors headers name the "
+                             "canonical tensors the engine's ranks are prewarmed with (the "
+                             "one the engine started from; only headers are read)")
+    model_version: int = option(0, metavar="N", doc="the version the engine's weights hold "
+                                "when the agent first meets it: 0 when a fleet starts; a "
+                                "later pod starts from the committed version")
     checkpoint_root: Path | None = option(None, metavar="DIR",
                                           doc="directory every dense load (/v1/dense) must "
-                                          "come from, links resolved (default: the directory "
-                                          "holding --model, where the versions lie side by "
-                                          "side); nothing else on the host can be loaded")
-    runtime: Literal["hf", "vllm-ref"] = option(
-        "hf", doc="hf: a transformers causal LM that also serves generation; vllm-ref: "
-        "one tensor-parallel rank of the vLLM-layout reference runtime")
-    tp_size: int = option(1, metavar="T", doc="vllm-ref: tensor-parallel ranks")
-    tp_rank: int = option(0, metavar="R", doc="vllm-ref: this rank, 0..T-1")
-    fp8: tuple[str, ...] = option((), metavar="MODULE",
-                                  doc="vllm-ref: module suffix stored as FP8 (repeatable)")
+                                          "come from, links resolved, as this container "
+                                          "sees it; the engine gets the path relative to it "
+                                          "and resolves it under its own $DCR_CHECKPOINT_ROOT "
+                                          "(default: the directory holding --canonical, "
+                                          "where the versions lie side by side)")
+    pause_mode: Literal["wait", "abort", "keep"] = option(
+        "wait", doc="how closing the gate pauses the engine: wait (requests in flight "
+        "finish: the sync-RL gate), abort (they end now), keep (they freeze and continue "
+        "after the refit: partial rollouts); SGLang has no wait")
     staging_bytes: int = option(GiB, unit=MiB,
                                 doc="staged, unapplied payload bytes before back-pressure: "
                                 "a few of the owners' buckets, so receiving runs ahead of "
@@ -78,15 +99,12 @@ class AgentSettings:
                                        "cannot be taken within this many seconds (a wedged "
                                        "control loop); no call holds it longer than a "
                                        "journal write")
-    max_input_tokens: int = option(4096, metavar="N",
-                                   doc="/v1/generate: input ids per request, so one request "
-                                   "cannot hold the gate open for long")
 
     @property
     def dense_root(self) -> Path:
-        """Where dense loads may come from, resolved (``checkpoint_root`` or --model's
-        directory)."""
-        return (self.checkpoint_root or self.model.resolve().parent).resolve()
+        """Where dense loads may come from, resolved (``checkpoint_root`` or the directory
+        holding --canonical)."""
+        return (self.checkpoint_root or self.canonical.resolve().parent).resolve()
 
     def __post_init__(self) -> None:
         given = [s for s in SOURCES if getattr(self, s)]
@@ -97,15 +115,16 @@ class AgentSettings:
         if not sep or not port.isdigit() or int(port) > 65535:
             raise ConfigError(f"Agent {self.name!r}: --listen {self.listen!r} is not "
                               "HOST:PORT.")
-        if not 0 <= self.tp_rank < self.tp_size:
-            raise ConfigError(f"Agent {self.name!r}: --tp-rank {self.tp_rank} is outside "
-                              f"0..{self.tp_size - 1} (--tp-size {self.tp_size}).")
-        limits = (self.max_waits, self.max_wait_s, self.liveness_timeout_s,
-                  self.max_input_tokens)
+        if self.engine == "sglang" and self.pause_mode == "wait":
+            raise ConfigError(f"Agent {self.name!r}: SGLang cannot pause with requests in "
+                              "flight finishing; give --pause-mode abort or keep.")
+        if not self.engine_url.startswith(("http://", "https://")):
+            raise ConfigError(f"Agent {self.name!r}: --engine-url {self.engine_url[:80]!r} "
+                              "is not an http(s) URL.")
+        limits = (self.max_waits, self.max_wait_s, self.liveness_timeout_s)
         if min(limits) <= 0:
-            raise ConfigError(f"Agent {self.name!r}: max_waits, max_wait_s, "
-                              "liveness_timeout_s and max_input_tokens must be positive; got "
-                              f"{limits}.")
+            raise ConfigError(f"Agent {self.name!r}: max_waits, max_wait_s and "
+                              f"liveness_timeout_s must be positive; got {limits}.")
         if self.staging_bytes <= 0 or self.model_version < 0:
             raise ConfigError(f"Agent {self.name!r}: staging_bytes={self.staging_bytes} must "
                               f"be positive and --model-version {self.model_version} not "

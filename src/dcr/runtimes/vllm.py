@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import os
 import re
 import secrets
@@ -88,12 +89,13 @@ from pydantic import (
 from dcr.apply.engine import ApplyEngine, CanonicalTensor, Loader
 from dcr.apply.intercept import LoaderPathError, storage_key
 from dcr.checkpoint import Checkpoint
-from dcr.errors import ConfigError, first_validation_error
+from dcr.errors import CheckpointError, ConfigError, first_validation_error
 from dcr.format.dtypes import DTYPES
 from dcr.format.payload import NAME_RE
 from dcr.runtimes.base import RequestGate
-from dcr.runtimes.weights import DenseRefused, checkpoint_tensors, runtime_fingerprint
+from dcr.runtimes.weights import DenseRefused, Tensors, checkpoint_tensors, runtime_fingerprint
 
+log = logging.getLogger(__name__)
 INSTANCE = secrets.token_hex(16)  # this process's identity; a restart draws a new one
 STAGING_ENV = "DCR_STAGING_DIR"
 CHECKPOINT_ROOT_ENV = "DCR_CHECKPOINT_ROOT"
@@ -296,6 +298,23 @@ class EngineRank:
         were."""
         root = engine_dir(CHECKPOINT_ROOT_ENV, self.checkpoint_root)
         path = confined_checkpoint(root, req.checkpoint)
+        try:
+            tensors = self._read_dense(req, root, path)
+        except DenseRefused:
+            raise
+        except CheckpointError as e:  # its sentence may quote the file: only the log has it
+            log.warning("Rank %s: dense load of %s refused: %s", self.rank, path, e)
+            raise DenseRefused(f"Checkpoint {req.checkpoint!r} is not a readable safetensors "
+                               "checkpoint (the engine's log says why).") from e
+        if req.check_only:
+            return {"rank": self.rank}
+        self.runtime.load_weights(tensors.items())
+        self.sync()
+        return {"rank": self.rank}
+
+    def _read_dense(self, req: DenseLoadRequest, root: Path, path: Path) -> Tensors:
+        """The checkpoint's tensors, checked: every file under ``root``, this rank's
+        canonical tensors (once prewarmed), the expected fingerprints."""
         with Checkpoint(path) as ckpt:
             outside = [f for f in ckpt.files if not f.resolve().is_relative_to(root)]
             if outside:
@@ -309,12 +328,7 @@ class EngineRank:
                         f"Checkpoint {req.checkpoint!r} does not hold this rank's canonical "
                         f"tensors: missing {sorted(w[0] for w in want - got)[:3]} and "
                         f"{len(got - want)} unexpected.")
-            tensors = checkpoint_tensors(ckpt, req.expect)
-        if req.check_only:
-            return {"rank": self.rank}
-        self.runtime.load_weights(tensors.items())
-        self.sync()
-        return {"rank": self.rank}
+            return checkpoint_tensors(ckpt, req.expect)
 
     def sync(self) -> dict[str, Any]:
         if self.device.type == "cuda":

@@ -32,7 +32,7 @@ from dcr.apply.engine import Loader
 from dcr.engines.base import PauseMode
 from dcr.engines.errors import EngineError
 from dcr.engines.plugin import EngineTimeouts, PluginEngine, encode_arg
-from dcr.runtimes.vllm import DcrWorkerExtension
+from dcr.runtimes.vllm import DcrWorkerExtension, EngineRank
 from dcr.serve.gate import PauseGate
 from dcr.serve.workers import Workers, make_worker
 
@@ -69,9 +69,15 @@ class LocalEngine(PluginEngine):
                                 for i, m in enumerate(self.models)], threading.Lock())
 
     @property
+    def ranks(self) -> list[EngineRank]:
+        """Each rank as the plugin holds it (its loader, and its apply engine once
+        prewarmed): for tests that look inside."""
+        return [cast(DcrWorkerExtension, w)._dcr_rank() for w in self.workers.workers]
+
+    @property
     def runtimes(self) -> list[Loader]:
         """Each rank's loader: what the plugin applies through and fingerprints."""
-        return [cast(DcrWorkerExtension, w)._dcr_rank().runtime for w in self.workers.workers]
+        return [r.runtime for r in self.ranks]
 
     def _plugin(self, method: str, arg: Mapping[str, Any] | None, *, call: str,
                 timeout_s: float) -> list[Any]:
