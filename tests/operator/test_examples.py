@@ -145,14 +145,16 @@ def test_rollout_pod_keeps_the_sidecar_engine_contract(name: str) -> None:
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert fleet["spec"]["selector"]["matchLabels"].items() <= labels.items()
     assert fleet["spec"]["agent"]["port"] in [p["containerPort"] for p in agent["ports"]]
-    assert fleet["spec"]["initial"]["checkpoint"] == start
+    assert fleet["spec"]["initial"]["checkpoint"] == start == arg(agent, "--canonical")
+    if ROLLOUTS[name] == "sglang":  # SGLang has no pause that lets requests finish
+        assert arg(agent, "--pause-mode") != "wait"
 
 
 @pytest.mark.parametrize("name", sorted(ROLLOUTS))
 def test_every_dcr_command_line_of_a_rollout_pod_parses(name: str) -> None:
     for c in pod(name)["containers"]:
-        if c["command"][0] != "dcr" or c["name"] == "agent":  # TODO(issue 12): the agent's
-            continue  # --engine flags land with the agent's rewiring
+        if c["command"][0] != "dcr":
+            continue
         argv = [*c["command"][1:], *c["args"]]
         try:
             build_parser(argv[0]).parse_args(argv)
