@@ -20,7 +20,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -272,6 +272,37 @@ def test_the_agent_api_needs_a_token_names_a_bad_field_and_refuses_a_wrong_base_
     fleet.assert_holds(agent, 0)
 
 
+@dataclass(frozen=True, kw_only=True)
+class VictimRun:
+    """A refit to v1 of two pods, ``a`` (hf) and ``b`` (vllm-ref TP 2, behind ``victim``)."""
+
+    a: Agent
+    b: Agent
+    victim: Any
+    coordinator: Coordinator
+    record: CommitRecord
+    owners: list[ProcessOwner]
+    commits: SqliteCommitStore
+
+
+def refit_with_a_victim(fleet: Fleet, victim_of: Callable[[Agent], Any]) -> VictimRun:
+    """Refit two pods to v1 through two encoder processes, pod ``b`` behind the handle
+    ``victim_of(b)`` that breaks something mid-attempt."""
+    a, b = fleet.start(("a", "hf"), ("b", "vllm-ref"))
+    profile = profile_file(fleet.tmp, [a, b])
+    owners = [fleet.owner(owner=k, owners=2, profile_path=profile) for k in range(2)]
+    commits = SqliteCommitStore(fleet.tmp / "commit.db", V0)
+    victim = victim_of(b)
+    c = Coordinator(commits, owners, [a.client, victim], settings=SETTINGS,
+                    dense_checkpoint=fleet.ckpts.dense)
+    try:
+        record = c.refit(1, "ckpt-1")
+    finally:
+        c.close()
+    return VictimRun(a=a, b=b, victim=victim, coordinator=c, record=record, owners=owners,
+                     commits=commits)
+
+
 class KilledBeforeFlush:
     """An agent's handle whose process is SIGKILLed mid-apply, just before its first flush.
 
@@ -301,17 +332,9 @@ class KilledBeforeFlush:
 
 def test_an_agent_killed_mid_apply_is_left_out_then_restarted_unknown_and_rejoined_dense(
         fleet: Fleet) -> None:
-    a, b = fleet.start(("a", "hf"), ("b", "vllm-ref"))
-    profile = profile_file(fleet.tmp, [a, b])
-    owners = [fleet.owner(owner=k, owners=2, profile_path=profile) for k in range(2)]
-    commits = SqliteCommitStore(fleet.tmp / "commit.db", V0)
-    victim = KilledBeforeFlush(b)
-    c = Coordinator(commits, owners, [a.client, victim], settings=SETTINGS,
-                    dense_checkpoint=fleet.ckpts.dense)
-    try:
-        record = c.refit(1, "ckpt-1")
-    finally:
-        c.close()
+    run = refit_with_a_victim(fleet, KilledBeforeFlush)
+    a, b, victim, c, record = run.a, run.b, run.victim, run.coordinator, run.record
+    owners, commits = run.owners, run.commits
     assert victim.seen is not None
     assert (victim.seen.state, victim.seen.dirty) == ("applying", (0, 1))
     assert b.proc.returncode == -signal.SIGKILL
@@ -496,17 +519,9 @@ def test_a_server_restarted_mid_refit_is_seen_as_a_new_instance_and_rejoined_den
     at start, whatever the agent's journal says. Its agent sees a new instance id, fails
     the attempt, reports its weights unknown, and is restored by a dense load before the
     overwrite retry; both pods end bit-exact with v1."""
-    a, b = fleet.start(("a", "hf"), ("b", "vllm-ref"))
-    profile = profile_file(fleet.tmp, [a, b])
-    owners = [fleet.owner(owner=k, owners=2, profile_path=profile) for k in range(2)]
-    commits = SqliteCommitStore(fleet.tmp / "commit.db", V0)
-    victim = ServerRestartedMidAttempt(b)
-    c = Coordinator(commits, owners, [a.client, victim], settings=SETTINGS,
-                    dense_checkpoint=fleet.ckpts.dense)
-    try:
-        record = c.refit(1, "ckpt-1")
-    finally:
-        c.close()
+    run = refit_with_a_victim(fleet, ServerRestartedMidAttempt)
+    a, b, victim, c, record = run.a, run.b, run.victim, run.coordinator, run.record
+    commits = run.commits
     before, after = victim.instances
     assert before != after
     assert outcomes(c) == [("mixed", "failed"), ("overwrite", "committed")]
