@@ -34,6 +34,7 @@ from dcr.protocol.agent_api import AgentStatus, AttemptSpec
 from dcr.protocol.commitstore import SqliteCommitStore
 from dcr.protocol.coordinator import Coordinator
 from dcr.protocol.records import Attempt, CommitRecord, Transition
+from dcr.receiver.journal import Journal, JournalEntry
 from dcr.receiver.service import AgentConflict, AgentService
 from dcr.runtimes.vllm_reference import ReferenceConfig, ReferenceModel, random_checkpoint
 from dcr.serve.local import LocalEngine
@@ -106,13 +107,15 @@ class HeldSource:
 
 
 def service(versions: Versions, source_for: Callable[[AttemptSpec], Source] | None = None,
-            store: MemoryStore | None = None) -> AgentService:
+            store: MemoryStore | None = None, *, engine: LocalEngine | None = None,
+            journal: Journal | None = None) -> AgentService:
     canonical = [CanonicalTensor(name=n, dtype="BF16", shape=tuple(t.shape))
                  for n, t in versions.states[0].items()]
     staging = versions.root.parent / "staging"
-    engine = LocalEngine([ReferenceModel(CFG, tp_size=1, tp_rank=0)], staging_dir=staging,
-                         checkpoint_root=versions.root)
-    engine.load_dense("v0")
+    if engine is None:
+        engine = LocalEngine([ReferenceModel(CFG, tp_size=1, tp_rank=0)], staging_dir=staging,
+                             checkpoint_root=versions.root)
+        engine.load_dense("v0")
     store = store or MemoryStore()
 
     def from_store(spec: AttemptSpec) -> Source:
@@ -120,7 +123,8 @@ def service(versions: Versions, source_for: Callable[[AttemptSpec], Source] | No
                            owners=spec.owners)
 
     return AgentService("rx", engine, source_for or from_store, canonical=canonical,
-                        staging_dir=staging, version=0, checkpoint_root=versions.root)
+                        staging_dir=staging, version=0, checkpoint_root=versions.root,
+                        journal=journal)
 
 
 def engine_of(svc: AgentService) -> LocalEngine:
@@ -329,3 +333,54 @@ def test_a_dense_load_comes_only_from_under_the_checkpoint_root(
     assert (st.version, st.unknown, st.gate_open) == (0, None, True)
     assert svc.counters.dense_loads == 0
     assert svc.rejoin(0, "v0").version == 0  # relative to the root
+
+
+# --- the engine beside the agent (issue 12) -------------------------------------------
+
+
+def test_staged_files_go_once_applied_and_a_restarted_agent_removes_what_was_left(
+        committed: AgentService, versions: Versions) -> None:
+    """Payloads wait as files in the staging directory shared with the engine; after the
+    commit none is left, and leftovers of an earlier run (a killed agent's) are removed
+    at start, the engine's own files kept."""
+    staging = committed.staging.path
+    assert committed.counters.payloads_applied > 0
+    assert list(staging.iterdir()) == []
+    for name in ("a-0123-o0000-s000000.dcrp", ".a-0123-o0000-s000001.dcrp.tmp",
+                 ".dcr-result-00-0.json"):
+        (staging / name).write_bytes(b"left")
+    service(versions, engine=engine_of(committed))
+    assert [p.name for p in staging.iterdir()] == [".dcr-result-00-0.json"]
+
+
+def test_a_restarted_engine_makes_the_journaled_version_unknown_until_a_dense_load(
+        versions: Versions, tmp_path: Path) -> None:
+    """The journal names the engine instance the version holds under. An agent that
+    restarts beside the same engine keeps its version; one whose engine restarted (a new
+    instance id, weights as loaded at start) reports them unknown, refuses attempts, and
+    a dense load restores them under the new instance."""
+    journal = Journal(tmp_path / "journal.json")
+    svc = service(versions, journal=journal)
+    engine = engine_of(svc)
+    assert svc.status().version == 0  # the first instance it meets holds --model-version
+    first = engine.instance()
+    assert journal.load() == JournalEntry(version=0, dirty=None, attempt=None, state=None,
+                                          instance=first)
+    again = service(versions, engine=engine, journal=journal)  # the agent restarted
+    assert again.status().version == 0
+
+    engine.restart()  # the server restarted
+    st = again.status()
+    assert (st.version, st.dirty) == (None, None)
+    assert st.unknown is not None
+    assert f"the engine restarted (instance {first[:12]} -> " in st.unknown
+    with pytest.raises(AgentConflict, match="version unknown"):
+        again.prepare(attempt())
+    assert service(versions, engine=engine, journal=journal).status().version is None
+
+    restored = again.rejoin(0, "v0")
+    assert (restored.version, restored.unknown, restored.gate_open) == (0, None, True)
+    entry = journal.load()
+    assert entry is not None
+    assert (entry.version, entry.instance) == (0, engine.instance())
+    assert engine.version() == "0"  # the engine's label follows the version

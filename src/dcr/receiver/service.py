@@ -188,6 +188,7 @@ class AgentService:
         self.unknown: str | None = None
         self.instance: str | None = None  # the engine instance ``version`` holds under
         self._prewarmed: tuple[str, ReceiverProfile] | None = None  # instance, profile
+        self._prewarming = False
         self._gate_open = True  # the engine serves until the agent first pauses it
         self._drained = False  # the gate closed and no request in flight since (apply needs it)
         self._gate_opens = 0  # counts openings: a drain counts only if none came between
@@ -251,11 +252,15 @@ class AgentService:
         """The agent's state; between attempts it first reads the engine's instance id
         (admission happens there), so a restarted engine shows as unknown weights.
         Raises :class:`~dcr.engines.errors.EngineError` while the engine does not
-        answer: such a receiver is not admitted."""
+        answer, or is being prewarmed: such a receiver is not admitted. Never waits for
+        a prewarm, so the status threads stay free for the liveness probe."""
         with self._cond:
-            busy = self._busy()
+            busy, prewarming = self._busy(), self._prewarming
+        if prewarming:
+            raise EngineError(f"{self.name}: the engine is being prewarmed; not ready yet.",
+                              503, call="prewarm")
         if not busy:
-            self.attach()
+            self.attach(prewarm=False)
         return self.snapshot()
 
     def snapshot(self) -> AgentStatus:
@@ -278,17 +283,23 @@ class AgentService:
 
     # --- the engine ----------------------------------------------------------------
 
-    def attach(self) -> str:
-        """Read the engine's instance id and take note of a restart; prewarm an instance
-        not prewarmed yet (never during an attempt or a dense load). The id."""
+    def attach(self, *, prewarm: bool = True) -> str:
+        """Read the engine's instance id and take note of a restart; with ``prewarm``,
+        prewarm an instance not prewarmed yet (never during an attempt or a dense load).
+        The id."""
         with self._engine_lock:
             instance = self.engine.instance()
             with self._cond:
                 self._seen(instance)
                 fresh = self._prewarmed is None or self._prewarmed[0] != instance
-                if not fresh or self._busy():
+                if not (prewarm and fresh) or self._busy():
                     return instance
-            profile = self.engine.prewarm(self.canonical)
+                self._prewarming = True
+            try:
+                profile = self.engine.prewarm(self.canonical)
+            finally:
+                with self._cond:
+                    self._prewarming = False
             with self._cond:
                 self._prewarmed = (instance, profile)
             log.info("%s: engine %s prewarmed (%d tensors)", self.name, _short(instance),
