@@ -163,9 +163,12 @@ class Fleet:
             agent.start()
             self.agents.append(agent)
             pods.append((name, runtime, agent, server))
-        return [Agent(name=name, runtime=runtime, process=agent, server=server,
-                      hello=agent.wait_ready(), client=agent.client())
-                for name, runtime, agent, server in pods]
+        started = [Agent(name=name, runtime=runtime, process=agent, server=server,
+                         hello=agent.wait_ready(), client=agent.client())
+                   for name, runtime, agent, server in pods]
+        for a in started:
+            a.client.profile()  # returns once the agent has met and prewarmed its server
+        return started
 
     def close(self) -> None:
         for proc in [*self.agents, *self.servers.values()]:

@@ -233,6 +233,8 @@ def scenario(control_plane: ControlPlane, helm: Path, tmp_path_factory: pytest.T
         proc.start()
     for proc in [*servers, *agents]:
         proc.wait_ready()
+    for a in agents:
+        a.client().profile()  # returns once the agent has met and prewarmed its server
     apply(kube, [{"apiVersion": "v1", "kind": "Secret",
                   "metadata": {"name": "agent-token", "labels": {"dcr.dev/agent-token": "true"}},
                   "data": {"token": base64.b64encode(TOKEN.encode()).decode()}}], ns)
