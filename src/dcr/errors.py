@@ -39,6 +39,9 @@ Hierarchy::
     ├── RefitAborted           (protocol.coordinator) an operator aborted between attempts
     ├── CommitUnknown          (protocol.coordinator) a commit's outcome could not be
     │                          learned; nothing was abandoned, the record decides later
+    ├── EngineError            (engines.errors) a serving engine refused or failed a call,
+    │   │                      or is unreachable (an HttpError)
+    │   └── BadAnswer          a 2xx answer that breaks the plugin contract
     ├── AgentError             (protocol.agent_api) an agent refused a call or is
     │                          unreachable (an HttpError)
     ├── ReceiveStopped         (transport.receive) the receiver was told to stop
