@@ -23,15 +23,14 @@ import subprocess
 import sys
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig
 
 from dcr.apply.engine import CanonicalTensor
 from dcr.checkpoint import Checkpoint
@@ -56,22 +55,12 @@ STEP_S = 0.05  # --min-step-s of the pause test's server: a 60-token completion 
 
 
 @pytest.fixture(scope="module")
-def ckpt_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def ckpt_root(tmp_path_factory: pytest.TempPathFactory,
+              export_llama_versions: Callable[..., None]) -> Path:
     """The checkpoint root: versions 0..2 of a tiny Llama, each a ``save_pretrained``
     directory in BF16, one real AdamW step apart (lr 1e-3, random tokens)."""
     root = tmp_path_factory.mktemp("ckpts")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LLAMA)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for v in range(3):
-        if v:
-            ids = torch.randint(0, LLAMA.vocab_size, (2, 16))
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad()
-        export = LlamaForCausalLM(LLAMA)
-        export.load_state_dict(model.state_dict())
-        export.to(torch.bfloat16).save_pretrained(root / f"v{v}")
+    export_llama_versions(root, LLAMA)
     return root
 
 

@@ -27,7 +27,7 @@ import pickle
 import sys
 import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,22 +60,12 @@ LLAMA = LlamaConfig(vocab_size=500, hidden_size=64, intermediate_size=128,
 
 
 @pytest.fixture(scope="module")
-def ckpt_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def ckpt_root(tmp_path_factory: pytest.TempPathFactory,
+              export_llama_versions: Callable[..., None]) -> Path:
     """Versions 0..2 of a tiny Llama in BF16, one real AdamW step apart; ``other`` is a
     model of another shape."""
     root = tmp_path_factory.mktemp("ckpts")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LLAMA)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for v in range(3):
-        if v:
-            ids = torch.randint(0, LLAMA.vocab_size, (2, 16))
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad()
-        export = LlamaForCausalLM(LLAMA)
-        export.load_state_dict(model.state_dict())
-        export.to(torch.bfloat16).save_pretrained(root / f"v{v}")
+    export_llama_versions(root, LLAMA)
     other = LlamaConfig(**{**LLAMA.to_dict(), "intermediate_size": 96})
     LlamaForCausalLM(other).to(torch.bfloat16).save_pretrained(root / "other")
     return root
