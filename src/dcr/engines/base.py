@@ -172,7 +172,7 @@ def merge_fingerprints(ranks: Sequence[Mapping[str, str]]) -> dict[str, str]:
 def check_checkpoint_path(path: str) -> str:
     """``path`` if it is relative with no empty, ``.`` or ``..`` segment, else
     :class:`ConfigError`: the engine resolves it under its own checkpoint root."""
-    if (not path or PurePosixPath(path).is_absolute() or "\\" in path
+    if (not path or PurePosixPath(path).is_absolute() or "\\" in path or "\x00" in path
             or any(part in ("", ".", "..") for part in path.split("/"))):
         raise ConfigError(f"Checkpoint {path[:120]!r} must be a relative path without '.', "
                           "'..' or empty segments (the engine resolves it under its "

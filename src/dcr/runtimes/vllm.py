@@ -68,11 +68,10 @@ import contextlib
 import importlib
 import logging
 import os
-import re
 import secrets
 import stat
 from collections.abc import Iterable, Iterator, Mapping
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -89,6 +88,7 @@ from pydantic import (
 from dcr.apply.engine import ApplyEngine, CanonicalTensor, Loader
 from dcr.apply.intercept import LoaderPathError, storage_key
 from dcr.checkpoint import Checkpoint
+from dcr.engines.base import check_checkpoint_path, check_staged_name
 from dcr.errors import CheckpointError, ConfigError, first_validation_error
 from dcr.format.dtypes import DTYPES
 from dcr.format.payload import NAME_RE
@@ -99,7 +99,6 @@ log = logging.getLogger(__name__)
 INSTANCE = secrets.token_hex(16)  # this process's identity; a restart draws a new one
 STAGING_ENV = "DCR_STAGING_DIR"
 CHECKPOINT_ROOT_ENV = "DCR_CHECKPOINT_ROOT"
-STAGED_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")  # one file, no separator
 MAX_PAYLOADS = 1 << 16  # files per apply call
 MAX_TENSORS = 1 << 20  # canonical tensors per prewarm
 
@@ -202,9 +201,7 @@ def engine_dir(env: str, given: Path | None = None) -> Path:
 def read_staged(staging: Path, name: str) -> bytes:
     """The bytes of one staged payload: a plain file name, opened without following a
     final symlink, and a regular file."""
-    if not STAGED_NAME.fullmatch(name) or ".." in name:
-        raise ConfigError(f"Staged payload name {name[:80]!r} is not a plain file name "
-                          "(letters, digits, '.', '_', '-'; no leading dot, no '/' or '..').")
+    check_staged_name(name)
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(staging / name, flags)
@@ -220,12 +217,7 @@ def read_staged(staging: Path, name: str) -> bytes:
 def confined_checkpoint(root: Path, relative: str) -> Path:
     """``root / relative``, for a relative path with no empty, ``.`` or ``..`` segment
     that resolves inside ``root``."""
-    if (PurePosixPath(relative).is_absolute() or "\\" in relative or "\x00" in relative
-            or any(part in ("", ".", "..") for part in relative.split("/"))):
-        raise ConfigError(f"Checkpoint {relative[:120]!r} must be a relative path without "
-                          "'.', '..' or empty segments; the engine resolves it under "
-                          f"{CHECKPOINT_ROOT_ENV}.")
-    path = (root / relative).resolve()
+    path = (root / check_checkpoint_path(relative)).resolve()
     if not path.is_relative_to(root):
         raise ConfigError(f"Checkpoint {relative!r} resolves outside {root}.")
     return path
