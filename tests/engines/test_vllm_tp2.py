@@ -24,12 +24,8 @@ pytest.importorskip("vllm", reason="vLLM does not import in this interpreter: th
 import vllm_cpu
 from ranks import Ranks
 
-from dcr.checkpoint import Checkpoint
 from dcr.format.payload import Mode
 from dcr.format.profile import ReceiverProfile, merge
-from dcr.owner.diff import diff_checkpoints
-from dcr.owner.settings import EncodeSettings
-from dcr.transport.store import MemoryStore
 
 
 @pytest.fixture(scope="module")
@@ -67,14 +63,7 @@ def test_refit_at_tp2_matches_a_dense_load_on_every_rank(
     profile = merge(ReceiverProfile(tensors=a["profile"]) for a in answers)
     assert set(profile.tensors.values()) == {"xor"}
     for v in range(1, len(dirs)):
-        store = MemoryStore()
-        m = diff_checkpoints(Checkpoint(dirs[v - 1]), Checkpoint(dirs[v]), store,
-                             EncodeSettings(version=v, base_version=v - 1, mode=mode,
-                                            profile=profile))
-        names = []
-        for i, e in enumerate(m.payloads):
-            names.append(f"{family}-{mode}-v{v}-{i}.dcrp")
-            (staging / names[-1]).write_bytes(store.get(e.key))
+        names, m = vllm_cpu.stage(staging, dirs, v, profile, mode)
         reports = rpc(ranks, "dcr_apply", "applied", {"payloads": names})
         assert all(r["records"] == m.stats.changed_elements for r in reports)
         rpc(ranks, "dcr_load_dense", "dense", {"checkpoint": f"{family}/v{v}",

@@ -26,14 +26,10 @@ import vllm_cpu
 from dcr.apply.intercept import LoaderPathError
 from dcr.checkpoint import Checkpoint
 from dcr.errors import ConfigError
-from dcr.format.manifest import Manifest
 from dcr.format.payload import Mode
 from dcr.format.profile import ReceiverProfile
-from dcr.owner.diff import diff_checkpoints
-from dcr.owner.settings import EncodeSettings
 from dcr.runtimes.vllm import INSTANCE
 from dcr.runtimes.weights import DenseRefused
-from dcr.transport.store import MemoryStore
 
 pytestmark = pytest.mark.usefixtures("tp1")
 FAMILY = "qwen2-moe"  # fused qkv with bias, gate_up, expert stacks, padded vocabulary
@@ -68,22 +64,6 @@ def rpc(method: Callable[..., object], request: object = None) -> dict[str, obje
     return answer
 
 
-def stage(staging: Path, versions: list[Path], v: int, profile: ReceiverProfile,
-          mode: Mode = "mixed") -> tuple[list[str], Manifest]:
-    """Version ``v``'s payloads as files in the staging directory, as the agent stages
-    them; their names and the manifest."""
-    store = MemoryStore()
-    m = diff_checkpoints(Checkpoint(versions[v - 1]), Checkpoint(versions[v]), store,
-                         EncodeSettings(version=v, base_version=v - 1, mode=mode,
-                                        profile=profile))
-    names = []
-    for i, e in enumerate(m.payloads):
-        name = f"v{v}-{m.attempt}-{i}.dcrp"
-        (staging / name).write_bytes(store.get(e.key))
-        names.append(name)
-    return names, m
-
-
 def profile_of(w: vllm_cpu.Worker, model_dir: Path) -> ReceiverProfile:
     answer = rpc(w.dcr_prewarm, json.loads(vllm_cpu.canonical_request(model_dir)))
     assert answer["rank"] == 0
@@ -108,7 +88,7 @@ def test_refit_through_the_extension_matches_a_dense_load_through_it(
     assert set(profile.tensors.values()) == {"xor"}
     dense = vllm_cpu.Worker(vllm_cpu.build_model(dirs[0]))
     for v in range(1, len(dirs)):
-        names, m = stage(staging, dirs, v, profile, mode)
+        names, m = vllm_cpu.stage(staging, dirs, v, profile, mode)
         report = rpc(worker.dcr_apply, {"payloads": names})
         assert report["rank"] == 0
         assert report["records"] == m.stats.changed_elements
@@ -140,7 +120,7 @@ def test_a_staged_name_that_could_leave_the_staging_directory_is_refused(
 def test_a_symlinked_payload_is_refused(worker: vllm_cpu.Worker, staging: Path,
                                         versions: Callable[[str], list[Path]]) -> None:
     dirs = versions(FAMILY)
-    names, _ = stage(staging, dirs, 1, profile_of(worker, dirs[0]))
+    names, _ = vllm_cpu.stage(staging, dirs, 1, profile_of(worker, dirs[0]))
     (staging / "link.dcrp").symlink_to(staging / names[0])
     before = rpc(worker.dcr_fingerprint)
     with pytest.raises(ConfigError, match="cannot be opened"):
@@ -207,7 +187,7 @@ def test_weights_reallocated_since_prewarm_are_refused_before_any_write(
         worker: vllm_cpu.Worker, staging: Path, versions: Callable[[str], list[Path]]
         ) -> None:
     dirs = versions(FAMILY)
-    names, _ = stage(staging, dirs, 1, profile_of(worker, dirs[0]))
+    names, _ = vllm_cpu.stage(staging, dirs, 1, profile_of(worker, dirs[0]))
     param = worker.model.model.norm.weight
     param.data = param.data.clone()  # what a reload or sleep mode could do
     before = rpc(worker.dcr_fingerprint)

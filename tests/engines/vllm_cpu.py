@@ -34,7 +34,13 @@ import torch
 from safetensors.torch import save_file
 
 from dcr.checkpoint import Checkpoint
+from dcr.format.manifest import Manifest
+from dcr.format.names import Mode
+from dcr.format.profile import ReceiverProfile
+from dcr.owner.diff import diff_checkpoints
+from dcr.owner.settings import EncodeSettings
 from dcr.runtimes.vllm import DcrWorkerExtension
+from dcr.transport.store import MemoryStore
 
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -253,3 +259,19 @@ def canonical_request(model_dir: Path) -> str:
     with Checkpoint(model_dir) as ckpt:
         tensors = [[i.name, i.dtype.name, list(i.shape)] for i in ckpt]
     return json.dumps({"tensors": tensors})
+
+
+def stage(staging: Path, versions: list[Path], v: int, profile: ReceiverProfile,
+          mode: Mode = "mixed") -> tuple[list[str], Manifest]:
+    """Version ``v``'s payloads as files in the staging directory, as the agent stages
+    them; their names and the manifest."""
+    store = MemoryStore()
+    m = diff_checkpoints(Checkpoint(versions[v - 1]), Checkpoint(versions[v]), store,
+                         EncodeSettings(version=v, base_version=v - 1, mode=mode,
+                                        profile=profile))
+    names = []
+    for i, e in enumerate(m.payloads):
+        name = f"v{v}-{m.attempt}-{i}.dcrp"
+        (staging / name).write_bytes(store.get(e.key))
+        names.append(name)
+    return names, m
