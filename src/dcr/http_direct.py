@@ -13,7 +13,8 @@ got no answer in our own words (an exception about a malformed answer would quot
 peer's bytes).
 
 Torch-free and stdlib-only, at the bottom layer, so the engine adapters
-(:mod:`dcr.engines`) use it and the agent client can.
+(:mod:`dcr.engines`) and the agent client (:class:`dcr.protocol.agent_api.AgentClient`)
+use it.
 """
 
 from __future__ import annotations

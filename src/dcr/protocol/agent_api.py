@@ -62,8 +62,9 @@ from typing import Annotated, Any, Generic, Literal, ParamSpec, Protocol, TypeVa
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from dcr.errors import ConfigError, HttpError, first_validation_error
+from dcr.errors import HttpError, first_validation_error
 from dcr.format.names import ATTEMPT_PATTERN, Mode
+from dcr.http_direct import OPENER, check_url, read_bounded, unreachable_reason
 from dcr.protocol.records import Attempt
 
 _ATTEMPT = ATTEMPT_PATTERN
@@ -335,15 +336,8 @@ class AgentApi:
         raise NotImplementedError(f"{type(self).__name__} does not carry out {call!r}.")
 
 
-# The client's opener: plain HTTP(S) straight to the agent, nothing else. No redirect
-# handler (a 3xx is an error and the token is never sent to a second address), no proxy
-# handler (no environment variable reroutes calls that carry the token), and no file:,
-# ftp: or data: handlers (any other scheme reaches UnknownHandler: "unknown url type").
-_OPENER = urllib.request.OpenerDirector()
-for _handler in (urllib.request.HTTPHandler(), urllib.request.HTTPSHandler(),
-                 urllib.request.HTTPDefaultErrorHandler(), urllib.request.HTTPErrorProcessor(),
-                 urllib.request.UnknownHandler()):
-    _OPENER.add_handler(_handler)
+# The client opens through dcr.http_direct.OPENER: HTTP(S) straight to the agent, no
+# redirect (the token is never sent to a second address), no proxy, no other scheme.
 _MAX_ANSWER = 256 << 20  # bytes of one answer (fingerprints of a large model are MiBs)
 _MAX_ERROR = 64 << 10  # bytes of an error body read for its sentence
 
@@ -352,12 +346,8 @@ class AgentClient(AgentApi):
     """A ``ReceiverHandle`` over one agent's HTTP API; every row of the table is a method."""
 
     def __init__(self, name: str, url: str, token: str, *, timeout_s: float = 30.0) -> None:
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ConfigError(f"Agent {name}: {url!r} is not an http:// or https:// URL "
-                              "with a host; agents are reached over HTTP(S) only.")
         self.name = name
-        self.url = url.rstrip("/")
+        self.url = check_url(url, f"Agent {name}")
         self._token = token
         self.timeout_s = timeout_s
 
@@ -377,8 +367,8 @@ class AgentClient(AgentApi):
                      "Content-Type": "application/json"},
         )
         try:
-            with _OPENER.open(req, timeout=wait_s) as resp:
-                raw = bytes(resp.read(_MAX_ANSWER + 1))
+            with OPENER.open(req, timeout=wait_s) as resp:
+                raw = read_bounded(resp, _MAX_ANSWER)
         except urllib.error.HTTPError as e:
             with e:  # closes the connection
                 if 300 <= e.code < 400:  # never followed: the token stays with this agent
@@ -394,12 +384,9 @@ class AgentClient(AgentApi):
         except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
             # Our side's words only: an exception about a malformed answer (a bad status
             # line, say) would quote the peer's bytes, so those show by their class name.
-            reason = getattr(e, "reason", e)
-            why = reason if isinstance(reason, str) else (
-                getattr(reason, "strerror", None) or type(reason).__name__)
             raise AgentError(f"Agent {self.name} at {self.url} is unreachable ({method} "
-                             f"{path}): {why}.") from e
-        if len(raw) > _MAX_ANSWER:
+                             f"{path}): {unreachable_reason(e)}.") from e
+        if raw is None:
             raise AgentError(f"Agent {self.name} ({method} {path}) answered more than "
                              f"{_MAX_ANSWER} bytes.")
         return raw
