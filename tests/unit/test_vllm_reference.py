@@ -377,3 +377,19 @@ def test_random_checkpoint_is_reproducible_and_in_the_config_dtype() -> None:
         assert t.dtype == MOE.dtype
         assert tuple(t.shape) == hf_checkpoint_shapes(MOE)[name]
         assert torch.equal(_bits(t), _bits(b[name]))
+
+
+def test_only_the_hf_runtime_holds_weights_off_the_cpu(tmp_path: Any) -> None:
+    """`dcr serve --device cuda` moves a transformers model; the vLLM-layout reference
+    model has CPU kernels only, and asking for another device is refused by name."""
+    from transformers import LlamaConfig
+
+    from dcr.runtimes import build_runtime
+
+    LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=1).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="'vllm-ref' holds its weights on the CPU only, "
+                                          "not on 'cuda'"):
+        build_runtime("vllm-ref", tmp_path, device="cuda")
+    model = build_runtime("hf", tmp_path, device="cpu").model  # type: ignore[attr-defined]
+    assert {p.device.type for p in model.parameters()} == {"cpu"}

@@ -33,6 +33,10 @@ any fingerprint differs. Nothing here asserts a time: numbers are recorded, not 
 
 Dry run on CPU: ``make gpu-check ENGINE=reference MODEL_SIZE=tiny`` (``dcr serve
 --runtime hf``, a tiny model): the same steps, to show the script works end to end.
+With ``--engine reference`` on a machine with CUDA, ``dcr serve --device cuda`` holds the
+transformers model on the GPU and DCR's plugin applies there: the CUDA paths of the apply
+engine, through the sidecar, where vLLM itself cannot be installed (written to
+``bench/results/gpu-reference.json``).
 """
 
 from __future__ import annotations
@@ -203,7 +207,8 @@ def request(url: str, method: str, path: str, body: Any = None, *,
         conn.close()
 
 
-def start_engine(kind: str, ckpts: Path, staging: Path, tmp: Path, tp: int) -> tuple[Proc, str]:
+def start_engine(kind: str, ckpts: Path, staging: Path, tmp: Path, tp: int,
+                 device: str) -> tuple[Proc, str]:
     env = {"DCR_STAGING_DIR": str(staging), "DCR_CHECKPOINT_ROOT": str(ckpts),
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     if kind == "vllm":
@@ -226,7 +231,7 @@ def start_engine(kind: str, ckpts: Path, staging: Path, tmp: Path, tp: int) -> t
                               "--model", str(ckpts / "v0"), "--listen", "127.0.0.1:0",
                               "--staging-dir", str(staging), "--checkpoint-root", str(ckpts),
                               "--weight-version", "0", "--min-step-s", "0.02",
-                              "--max-tokens", "256"],
+                              "--max-tokens", "256", "--device", device],
                 tmp / "engine.log", env)
     proc.start()
     url = str(proc.json_line(START_TIMEOUT_S)["url"])
@@ -529,10 +534,13 @@ def main() -> int:
     args = p.parse_args()
     if args.request_tokens is None:
         args.request_tokens = 1000 if args.engine == "vllm" else 200
-    out = args.out or REPO / "bench" / "results" / (
-        "gpu.json" if args.engine == "vllm" else "gpu-dry.json")
     sys.path.insert(0, str(REPO / "src"))
     import torch
+
+    cuda = torch.cuda.is_available()
+    out = args.out or REPO / "bench" / "results" / (
+        "gpu.json" if args.engine == "vllm" else
+        "gpu-reference.json" if cuda else "gpu-dry.json")
 
     from dcr.engines import VllmEngine
     from dcr.engines.plugin import EngineTimeouts
@@ -547,15 +555,15 @@ def main() -> int:
     store = f"file://{work / 'store'}"
     phases: dict[str, float] = {}
     procs: list[Proc] = []
-    result: dict[str, Any] = {"engine": args.engine, "dry_run": args.engine != "vllm",
+    result: dict[str, Any] = {"engine": args.engine, "dry_run": not cuda,
                               "versions": versions(), "argv": sys.argv[1:]}
     t_all = time.perf_counter()
     try:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = "cuda" if cuda else "cpu"
         result["model"] = timed(phases, "checkpoints", lambda: make_checkpoints(
             ckpts, args.model_size, args.steps, args.lr, device))
         engine_proc, engine_url = timed(phases, "engine_start", lambda: start_engine(
-            args.engine, ckpts, staging, tmp, args.tp))
+            args.engine, ckpts, staging, tmp, args.tp, device))
         procs.append(engine_proc)
         token = secrets.token_hex(24)
         agent_proc, agent_url = timed(phases, "agent_start", lambda: start_agent(

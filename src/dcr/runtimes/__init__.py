@@ -28,15 +28,17 @@ class RuntimeOptions:
     tp_size: int = 1  # vllm-ref: tensor-parallel ranks
     tp_rank: int = 0  # vllm-ref: this rank
     fp8: tuple[str, ...] = ()  # vllm-ref: module suffixes stored as FP8
+    device: str = "cpu"  # hf: where the weights live
 
 
-def _hf(config: Any, _: RuntimeOptions) -> Runtime:
+def _hf(config: Any, o: RuntimeOptions) -> Runtime:
     import torch
     from transformers import AutoModelForCausalLM
 
     from dcr.runtimes.hf import HFRuntime
 
-    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()  # type: ignore[no-untyped-call]
+    model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    model = model.to(device=o.device, dtype=torch.bfloat16).eval()
     return HFRuntime(model)
 
 
@@ -60,7 +62,7 @@ RUNTIMES: dict[str, Callable[[Any, RuntimeOptions], Runtime]] = {
 
 
 def build_runtime(kind: str, model_dir: Path, *, tp_size: int = 1, tp_rank: int = 0,
-                  fp8: tuple[str, ...] = ()) -> Runtime:
+                  fp8: tuple[str, ...] = (), device: str = "cpu") -> Runtime:
     """A runtime of ``kind`` shaped by ``model_dir``'s ``config.json`` (weights not loaded)."""
     try:
         builder = RUNTIMES[kind]
@@ -69,4 +71,7 @@ def build_runtime(kind: str, model_dir: Path, *, tp_size: int = 1, tp_rank: int 
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    return builder(config, RuntimeOptions(tp_size=tp_size, tp_rank=tp_rank, fp8=fp8))
+    if device != "cpu" and kind != "hf":
+        raise ConfigError(f"Runtime {kind!r} holds its weights on the CPU only, not on {device!r}.")
+    return builder(config, RuntimeOptions(tp_size=tp_size, tp_rank=tp_rank, fp8=fp8,
+                                          device=device))

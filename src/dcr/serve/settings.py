@@ -39,6 +39,9 @@ class ServeSettings:
                          doc="address of the HTTP API; port 0 takes any free one (the "
                          "process prints the URL it got); beyond loopback only with an "
                          "API key")
+    device: Literal["cpu", "cuda"] = option(
+        "cpu", doc="where the model's weights live (hf only: cuda holds them on the "
+        "current CUDA device, and DCR's plugin applies there)")
     tp_size: int = option(1, metavar="T", doc="vllm-ref: tensor-parallel ranks")
     tp_rank: int | None = option(None, metavar="R",
                                  doc="vllm-ref: hold only this rank (default: every rank "

@@ -55,7 +55,7 @@ class ServeWorker:
                  rank_options: dict[str, Any] | None = None) -> None:
         self.rank = self.local_rank = rank
         self.parallel_config = SimpleNamespace(world_size=world, tensor_parallel_size=world)
-        self.device = torch.device("cpu")
+        self.device = next(model.parameters()).device
         self.model_runner = SimpleNamespace(model=model)
         self._rank_options = dict(rank_options or {})
 
@@ -90,7 +90,7 @@ def build_workers(s: ServeSettings, rank_options: dict[str, Any] | None = None
     workers = []
     for rank in s.ranks:
         runtime = build_runtime(s.runtime, s.model, tp_size=s.tp_size, tp_rank=rank,
-                                fp8=s.fp8)
+                                fp8=s.fp8, device=s.device)
         assert isinstance(runtime, HFRuntime | VllmRuntime)  # what build_runtime makes
         with Checkpoint(s.model) as ckpt:
             runtime.load_weights(checkpoint_tensors(ckpt).items())
@@ -120,12 +120,12 @@ class Workers:
 
     @property
     def forward(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """Next-token logits of every position, on rank 0's model; None for a model
-        without a forward pass (vllm-ref)."""
+        """Next-token logits of every position, on rank 0's model (the ids go to the
+        model's device); None for a model without a forward pass (vllm-ref)."""
         model = self.workers[0].model_runner.model
         if not isinstance(model, PreTrainedModel):
             return None
-        return lambda ids: model(input_ids=ids).logits
+        return lambda ids: model(input_ids=ids.to(model.device)).logits
 
     @property
     def vocab(self) -> int:
