@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Build (or reuse) the control-plane binaries the Kubernetes tests run on loopback:
-# etcd, kube-apiserver, kube-controller-manager and helm, all from the Go module proxy.
+# Build (or reuse) the Kubernetes binaries the tests run, all from the Go module proxy:
+# the control plane on loopback (etcd, kube-apiserver, kube-controller-manager, helm) and, for the
+# deploy tier's one-node cluster, the node and client side (kubelet, kube-scheduler, kube-proxy,
+# kubectl).
 #
 # Binaries land outside the repository, one directory per component and version:
 #   ${DCR_INFRA_CACHE:-$HOME/.cache/dcr-infra}/<component>-<version>/<component>
 # A binary that exists and answers --version is reused; the whole run then takes well under 2 s.
 #
-# Usage: tools/controlplane/build.sh [component ...]   (default: all four)
+# Usage: tools/controlplane/build.sh [component ...]   (default: the control plane's four;
+#        `node` names the node's four, `all` all eight)
 # Prints one line per component: "built|reused <component> <version> <path> ...".
 set -euo pipefail
 
@@ -16,7 +19,9 @@ readonly HELM_VERSION=v3.22.0   # helm.sh/helm/v3
 
 readonly HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 readonly CACHE="${DCR_INFRA_CACHE:-$HOME/.cache/dcr-infra}"
-readonly ALL_COMPONENTS=(etcd kube-apiserver kube-controller-manager helm)
+readonly CONTROL_PLANE=(etcd kube-apiserver kube-controller-manager helm)
+readonly NODE=(kubelet kube-scheduler kube-proxy kubectl)
+readonly ALL_COMPONENTS=("${CONTROL_PLANE[@]}" "${NODE[@]}")
 
 GO="${GO:-$(command -v go || echo /usr/local/go/bin/go)}"
 # Never fetch a different Go toolchain behind our back; static binaries, no cgo.
@@ -34,7 +39,8 @@ check_pin() {
 version_of() {
     case "$1" in
         etcd) echo "$ETCD_VERSION" ;;
-        kube-apiserver | kube-controller-manager) echo "$KUBE_VERSION" ;;
+        kube-apiserver | kube-controller-manager | kubelet | kube-scheduler | kube-proxy | kubectl)
+            echo "$KUBE_VERSION" ;;
         helm) echo "$HELM_VERSION" ;;
         *) die "unknown component '$1' (known: ${ALL_COMPONENTS[*]})" ;;
     esac
@@ -48,6 +54,7 @@ usable() {
     [[ -x "$bin" ]] || return 1
     case "$component" in
         helm) "$bin" version --short >/dev/null 2>&1 ;;
+        kubectl) "$bin" version --client >/dev/null 2>&1 ;;
         *) "$bin" --version >/dev/null 2>&1 ;;
     esac
 }
@@ -96,7 +103,7 @@ build_one() {
             (cd "$HERE/etcd" && nice -n 10 "$GO" build -mod=readonly -trimpath -ldflags="-s -w" \
                 -o "$tmp" go.etcd.io/etcd/server/v3) || return
             ;;
-        kube-apiserver | kube-controller-manager)
+        kube-apiserver | kube-controller-manager | kubelet | kube-scheduler | kube-proxy | kubectl)
             check_pin "$HERE/kube/go.mod" k8s.io/kubernetes "$KUBE_VERSION" || return
             (cd "$HERE/kube" && nice -n 10 "$GO" build -mod=readonly -trimpath \
                 -ldflags="$(kube_ldflags)" -o "$tmp" "k8s.io/kubernetes/cmd/$component") || return
@@ -114,8 +121,15 @@ build_one() {
 }
 
 main() {
-    local components=("$@")
-    [[ ${#components[@]} -gt 0 ]] || components=("${ALL_COMPONENTS[@]}")
+    local components=() arg
+    for arg in "${@:-control-plane}"; do
+        case "$arg" in
+            control-plane) components+=("${CONTROL_PLANE[@]}") ;;
+            node) components+=("${NODE[@]}") ;;
+            all) components+=("${ALL_COMPONENTS[@]}") ;;
+            *) components+=("$arg") ;;
+        esac
+    done
     local component bin missing=()
     for component in "${components[@]}"; do
         version_of "$component" >/dev/null # dies here, in this shell, on an unknown name
@@ -143,6 +157,8 @@ main() {
             continue
         fi
         mkdir -p "$(dirname "$bin")"
+        # A cold build takes minutes per component: say so on stderr (stdout is parsed).
+        echo "build.sh: building $component $(version_of "$component") (cold: several minutes on 2 cores)..." >&2
         start=$SECONDS
         build_one "$component" "$bin" || die "building $component $(version_of "$component") failed"
         usable "$bin" "$component" || die "built $bin but it does not run with --version"
