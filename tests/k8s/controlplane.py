@@ -148,6 +148,7 @@ class ControlPlane:
         startup_timeout_s: float = 60.0,
         keep_workdir: bool = False,
         extra_apiserver_args: Sequence[str] = (),
+        address: str = "127.0.0.1",
     ) -> None:
         """Configure; nothing starts before ``start()`` / ``with``.
 
@@ -156,6 +157,10 @@ class ControlPlane:
         ``startup_timeout_s``: limit for each process to become ready, in seconds.
         ``keep_workdir``: leave certificates, data and logs behind after ``stop()``.
         ``extra_apiserver_args``: appended to kube-apiserver's command line (last one wins).
+        ``address``: where kube-apiserver listens and what it advertises as the ``kubernetes``
+        Service's endpoint. Loopback (the default) is enough for processes on this machine;
+        Pods of a real node (tests/deploy) need an address they can route to, such as their
+        bridge's gateway, and then the Service gets that endpoint.
         """
         self._binaries = binaries
         self._controllers = (
@@ -166,6 +171,7 @@ class ControlPlane:
         self._startup_timeout_s = startup_timeout_s
         self._keep_workdir = keep_workdir
         self._extra_apiserver_args = tuple(extra_apiserver_args)
+        self._address = address
         self._processes: dict[str, subprocess.Popen[bytes]] = {}
         self._workdir: Path | None = None
         self._server: str | None = None
@@ -206,6 +212,10 @@ class ControlPlane:
         return self.workdir / "pki" / "admin.key"
 
     @property
+    def address(self) -> str:
+        return self._address
+
+    @property
     def has_controller_manager(self) -> bool:
         return bool(self._controllers)
 
@@ -230,7 +240,8 @@ class ControlPlane:
             raise ControlPlaneError("the control plane is already started")
         self._workdir = Path(tempfile.mkdtemp(prefix="dcr-controlplane-"))
         try:
-            _make_pki(self.workdir / "pki", controller_manager=bool(self._controllers))
+            _make_pki(self.workdir / "pki", controller_manager=bool(self._controllers),
+                      address=self._address)
             self._start_etcd()
             self._start_apiserver()
             self._write_admin_kubeconfig()
@@ -280,7 +291,8 @@ class ControlPlane:
             headers["Content-Type"] = "application/json"
         if query:
             path = f"{path}?{urllib.parse.urlencode(query)}"
-        return _https(self._ports["apiserver"], method, path, payload, headers, context, timeout_s)
+        return _https(self._address, self._ports["apiserver"], method, path, payload, headers,
+                      context, timeout_s)
 
     def service_account_token(
         self, namespace: str, name: str, *, expiration_seconds: int = 3600
@@ -325,18 +337,18 @@ class ControlPlane:
                 "--log-level=warn",
             ],
         )
-        self._wait_until("etcd", lambda: _http_ok(client, "/health", tls=None))
+        self._wait_until("etcd", lambda: _http_ok("127.0.0.1", client, "/health", tls=None))
 
     def _start_apiserver(self) -> None:
         port = _free_port()
         self._ports["apiserver"] = port
-        self._server = f"https://127.0.0.1:{port}"
+        self._server = f"https://{self._address}:{port}"
         pki = self.workdir / "pki"
         args = [
             str(self._binaries.kube_apiserver),
             f"--etcd-servers=http://127.0.0.1:{self._ports['etcd']}",
-            "--bind-address=127.0.0.1",
-            "--advertise-address=127.0.0.1",
+            f"--bind-address={self._address}",
+            f"--advertise-address={self._address}",
             f"--secure-port={port}",
             f"--cert-dir={self.workdir / 'apiserver-certs'}",
             f"--tls-cert-file={pki / 'apiserver.crt'}",
@@ -348,8 +360,11 @@ class ControlPlane:
             f"--service-account-signing-key-file={pki / 'sa.key'}",
             f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
             "--allow-privileged=true",
+            # kubectl logs/exec through a real kubelet (tests/deploy), which trusts this CA.
+            f"--kubelet-client-certificate={pki / 'admin.crt'}",
+            f"--kubelet-client-key={pki / 'admin.key'}",
             # The 'kubernetes' Service would get 127.0.0.1 endpoints, which validation refuses.
-            "--endpoint-reconciler-type=none",
+            "--endpoint-reconciler-type=" + ("none" if self._address == "127.0.0.1" else "lease"),
             "--profiling=false",
         ]
         if not self._controllers:
@@ -359,7 +374,8 @@ class ControlPlane:
         args.extend(self._extra_apiserver_args)
         self._spawn("kube-apiserver", args)
         context = _client_context(pki)
-        self._wait_until("kube-apiserver", lambda: _http_ok(port, "/readyz", tls=context))
+        self._wait_until("kube-apiserver",
+                         lambda: _http_ok(self._address, port, "/readyz", tls=context))
 
     def _start_controller_manager(self) -> None:
         assert self._binaries.kube_controller_manager is not None
@@ -398,7 +414,8 @@ class ControlPlane:
         insecure.check_hostname = False
         insecure.verify_mode = ssl.CERT_NONE  # its self-signed serving cert; loopback only
         self._wait_until(
-            "kube-controller-manager", lambda: _http_ok(port, "/healthz", tls=insecure)
+            "kube-controller-manager",
+            lambda: _http_ok("127.0.0.1", port, "/healthz", tls=insecure)
         )
 
     def _spawn(self, name: str, args: list[str]) -> None:
@@ -491,6 +508,7 @@ def _client_context(pki: Path) -> ssl.SSLContext:
 
 
 def _https(
+    host: str,
     port: int,
     method: str,
     path: str,
@@ -501,9 +519,9 @@ def _https(
 ) -> ApiResult:
     conn: http.client.HTTPConnection
     if context is None:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+        conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
     else:
-        conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=timeout_s, context=context)
+        conn = http.client.HTTPSConnection(host, port, timeout=timeout_s, context=context)
     try:
         conn.request(method, path, body=payload, headers=dict(headers))
         response = conn.getresponse()
@@ -517,9 +535,9 @@ def _https(
     return ApiResult(status=response.status, body=body)
 
 
-def _http_ok(port: int, path: str, *, tls: ssl.SSLContext | None) -> bool:
+def _http_ok(host: str, port: int, path: str, *, tls: ssl.SSLContext | None) -> bool:
     try:
-        result = _https(port, "GET", path, None, {}, tls, timeout_s=5.0)
+        result = _https(host, port, "GET", path, None, {}, tls, timeout_s=5.0)
     except (OSError, http.client.HTTPException):
         return False
     return result.status == 200
@@ -609,7 +627,7 @@ def _ec_key(path: Path) -> None:
     )  # fmt: skip
 
 
-def _make_pki(pki: Path, *, controller_manager: bool) -> None:
+def _make_pki(pki: Path, *, controller_manager: bool, address: str = "127.0.0.1") -> None:
     """A CA, leaf certificates signed by it, and the service-account signing key pair."""
     pki.mkdir(mode=0o700)
     _ec_key(pki / "ca.key")
@@ -624,6 +642,8 @@ def _make_pki(pki: Path, *, controller_manager: bool) -> None:
         _ec_key(pki / f"{name}.key")
         _openssl("req", "-new", "-key", f"{name}.key", "-out", f"{name}.csr", "-subj", subject,
                  cwd=pki)  # fmt: skip
+        if name == "apiserver" and address != "127.0.0.1":
+            extensions = extensions.replace("subjectAltName=", f"subjectAltName=IP:{address},")
         (pki / f"{name}.ext").write_text(_LEAF_COMMON + extensions)
         _openssl(
             "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
