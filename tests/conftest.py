@@ -27,6 +27,7 @@ from dcr.format.dtypes import DTYPES
 
 # Tests run with --import-mode=importlib and no __init__.py: make the helper importable.
 sys.path.insert(0, str(Path(__file__).resolve().parent / "k8s"))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 from controlplane import (
     Binaries,
@@ -39,6 +40,11 @@ from controlplane import (
 _real_connect = socket.socket.connect
 
 
+# Networks that never leave this machine besides loopback: a deploy-tier node's bridge
+# (tests/deploy/node.py) registers its subnet here while it runs.
+LOCAL_NETWORKS: list[ipaddress.IPv4Network] = []
+
+
 def _is_loopback(address: Any) -> bool:
     if isinstance(address, str):  # AF_UNIX path
         return True
@@ -46,9 +52,10 @@ def _is_loopback(address: Any) -> bool:
     if host in ("localhost", ""):
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        ip = ipaddress.ip_address(host)
     except ValueError:
         return False
+    return ip.is_loopback or any(ip in net for net in LOCAL_NETWORKS)
 
 
 def _guarded_connect(self: socket.socket, address: Any) -> Any:
@@ -72,6 +79,13 @@ def sealed_xor() -> Callable[..., bytes]:
         builder.add(encode_item(delta), dense_bytes=base.nbytes)
         return builder.seal()
     return seal
+
+
+@pytest.fixture(scope="session")
+def local_networks() -> list[ipaddress.IPv4Network]:
+    """The guard's allow-list beyond loopback: a fixture whose network stays on this
+    machine (a node's bridge) appends to it for as long as that network exists."""
+    return LOCAL_NETWORKS
 
 
 @pytest.fixture(autouse=True)

