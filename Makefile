@@ -17,6 +17,7 @@ demo: install
 	$(VENV)/bin/dcr refit --kill-receiver-every 2
 
 test: install
+	@tools/controlplane/packages.sh
 	$(PY) -m pytest
 
 # The engine tier (opt-in): DCR's apply through vLLM's real model classes on CPU, run from
