@@ -70,10 +70,15 @@ class RelaySettings:
                                       "another member; loopback and LAN are fast")
     health_interval_s: float = option(0.25, metavar="S", doc="seconds between probes of "
                                       "the parent")
-    health_timeout_s: float = option(0.5, metavar="S", doc="seconds one probe may take; a "
-                                     "slower parent counts as down (raise it on busy hosts)")
-    parent_timeout_s: float = option(1.0, metavar="S", doc="seconds the parent may stay "
-                                     "down before this node re-attaches to an ancestor")
+    health_timeout_s: float = option(2.0, metavar="S", doc="seconds one probe of the parent "
+                                     "(or of an ancestor to re-attach to) may take before it "
+                                     "counts as failed: a dead member refuses at once, so "
+                                     "this only waits on a hung or starved one, and a busy "
+                                     "host can take over a second to answer on loopback")
+    parent_timeout_s: float = option(5.0, metavar="S", doc="seconds the parent may go "
+                                     "without a successful probe before this node "
+                                     "re-attaches to an ancestor: more than two timed-out "
+                                     "probes, so one stall does not move a member")
     join_grace_s: float = option(10.0, metavar="S", doc="seconds the parent may take to come "
                                  "up when the node starts")
     resync_interval_s: float = option(10.0, metavar="S", doc="seconds between a node's "
