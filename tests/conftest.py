@@ -6,11 +6,14 @@ once (a few seconds) and every test shares them, each in its own namespace (``na
 The binaries come from ``tools/controlplane/build.sh``: a fraction of a second when cached,
 but the first build takes minutes, longer than the per-test timeout. So the script runs once
 after collection, outside any test's timeout, and only when a selected test needs the
-control plane.
+control plane; its steps ("build.sh: building etcd ...", then "still building etcd (N s)"
+every 30 s) reach the terminal while it runs. The ``progress`` fixture gives any other long
+session setup the same live line, past pytest's output capture.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import socket
 import sys
@@ -98,14 +101,36 @@ def _loopback_only(monkeypatch: pytest.MonkeyPatch) -> None:
 _BINARIES = pytest.StashKey[Binaries | ControlPlaneError]()
 
 
+def terminal_line(config: pytest.Config) -> Callable[[str], None]:
+    """Write a line to the terminal now, even from inside a test or fixture, whose output
+    pytest otherwise captures: for setup that runs for minutes (first builds)."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+
+    def write(line: str) -> None:
+        if reporter is None:
+            return
+        with (capture.global_and_fixture_disabled() if capture is not None
+              else contextlib.nullcontext()):
+            reporter.write_line(line)
+
+    return write
+
+
+@pytest.fixture(scope="session")
+def progress(pytestconfig: pytest.Config) -> Callable[[str], None]:
+    """``progress(line)``: say what a long session setup is doing, on the terminal, live."""
+    return terminal_line(pytestconfig)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     if not any("control_plane" in getattr(item, "fixturenames", ()) for item in session.items):
         return
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line("tests/k8s: tools/controlplane/build.sh (minutes on a cold cache)")
+    say = terminal_line(session.config)
+    say("tests/k8s: tools/controlplane/build.sh (minutes on a cold cache; "
+        "its steps show here as they run)")
     try:
-        session.config.stash[_BINARIES] = build_binaries()
+        session.config.stash[_BINARIES] = build_binaries(progress=say)
     except ControlPlaneError as e:
         session.config.stash[_BINARIES] = e
 
@@ -116,7 +141,7 @@ def control_plane(pytestconfig: pytest.Config) -> Iterator[ControlPlane]:
     binaries = pytestconfig.stash.get(_BINARIES, None)
     if binaries is None:  # the collection hook did not run (e.g. the fixture used via a plugin)
         try:
-            binaries = build_binaries()
+            binaries = build_binaries(progress=terminal_line(pytestconfig))
         except ControlPlaneError as e:
             binaries = e
     if isinstance(binaries, ControlPlaneError):

@@ -25,6 +25,7 @@ import http.client
 import json
 import logging
 import os
+import queue
 import re
 import shutil
 import signal
@@ -32,13 +33,14 @@ import socket
 import ssl
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import IO, Any, Self
 
 logger = logging.getLogger(__name__)
 
@@ -95,27 +97,91 @@ def go_available() -> bool:
     return shutil.which("go") is not None or os.access("/usr/local/go/bin/go", os.X_OK)
 
 
-def build_binaries(script: Path = BUILD_SCRIPT, *, timeout_s: float | None = None) -> Binaries:
+_BUILDING = re.compile(r"\bbuilding (?P<what>\S+)")
+
+
+def run_reporting(argv: Sequence[str], *, progress: Callable[[str], None] | None = None,
+                  tick_s: float = 30.0, timeout_s: float | None = None,
+                  name: str = "") -> tuple[int, str]:
+    """Run a long setup command, passing its stderr lines to ``progress`` while it runs.
+
+    Returns the exit status and everything it printed, stdout and stderr in the order the
+    lines arrived (stdout lines are what callers parse; stderr is the command's progress).
+    Lines of stdout that start with "built " are passed on too, and while the command is
+    silent for ``tick_s`` seconds ``progress`` gets "still <doing what its last stderr line
+    said> (<N> s)". ``progress`` runs on the calling thread. The command runs in its own
+    process group, killed whole on timeout or interrupt.
+    """
+    name = name or Path(argv[0]).name
+    say = progress or (lambda _line: None)
+    proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    lines: queue.Queue[tuple[str, str | None]] = queue.Queue()
+
+    def pump(stream: IO[str], kind: str) -> None:
+        with contextlib.suppress(ValueError, OSError), stream:  # or closed by _kill_group
+            for line in stream:
+                lines.put((kind, line.rstrip("\n")))
+        lines.put((kind, None))
+
+    assert proc.stdout is not None
+    assert proc.stderr is not None
+    pumps = [threading.Thread(target=pump, args=(stream, kind), daemon=True)
+             for stream, kind in ((proc.stdout, "out"), (proc.stderr, "err"))]
+    for t in pumps:
+        t.start()
+    started = last_said = time.monotonic()
+    deadline = None if timeout_s is None else started + timeout_s
+    doing, open_streams = f"running {name}", 2
+    output: list[str] = []
+    try:
+        while open_streams:
+            now = time.monotonic()
+            if deadline is not None and now > deadline:
+                raise subprocess.TimeoutExpired(list(argv), timeout_s or 0.0)
+            wait_s = max(0.0, last_said + tick_s - now)
+            if deadline is not None:
+                wait_s = min(wait_s, max(0.0, deadline - now))
+            try:
+                kind, line = lines.get(timeout=wait_s)
+            except queue.Empty:
+                if time.monotonic() - last_said >= tick_s:
+                    say(f"{name}: still {doing} ({time.monotonic() - started:.0f} s)")
+                    last_said = time.monotonic()
+                continue
+            if line is None:
+                open_streams -= 1
+                continue
+            output.append(line)
+            if kind == "err" or line.startswith("built "):
+                say(line if kind == "err" else f"{name}: {line}")
+                last_said = time.monotonic()
+                if kind == "err" and (m := _BUILDING.search(line)):
+                    doing = f"building {m['what']}"
+        proc.wait()
+    except BaseException:
+        _kill_group(proc, name)
+        raise
+    for t in pumps:
+        t.join()
+    return proc.returncode, "\n".join(output)
+
+
+def build_binaries(script: Path = BUILD_SCRIPT, *, timeout_s: float | None = None,
+                   progress: Callable[[str], None] | None = None,
+                   tick_s: float = 30.0) -> Binaries:
     """Run ``build.sh`` (a no-op of well under 2 s once the cache is warm) and return the paths.
 
     The script runs in its own process group, so an interrupted first build (tens of minutes)
-    does not leave ``go build`` children behind.
+    does not leave ``go build`` children behind. ``progress`` gets, as they happen, the
+    script's stderr lines ("build.sh: building etcd ..."), its "built" lines, and every
+    ``tick_s`` seconds a "still building <component> (<N> s)" line.
     """
-    proc = subprocess.Popen(
-        ["bash", str(script)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=timeout_s)
-    except BaseException:
-        _kill_group(proc, "build.sh")
-        raise
-    if proc.returncode != 0:
+    returncode, output = run_reporting(["bash", str(script)], progress=progress,
+                                       tick_s=tick_s, timeout_s=timeout_s, name="build.sh")
+    if returncode != 0:
         raise ControlPlaneError(
-            f"{script} exited with status {proc.returncode}:\n{_tail(output.splitlines())}"
+            f"{script} exited with status {returncode}:\n{_tail(output.splitlines())}"
         )
     found = {
         m["component"]: Path(m["path"])

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from controlplane import ControlPlane, ControlPlaneError
+from controlplane import ControlPlane, ControlPlaneError, run_reporting
 
 pytestmark = pytest.mark.e2e
 
@@ -262,3 +262,30 @@ def test_startup_failure_names_the_process_and_shows_its_log(control_plane: Cont
         broken.start()
     with pytest.raises(ControlPlaneError, match="not started"):
         _ = broken.workdir
+
+
+def test_a_long_setup_command_reports_its_steps_and_ticks_while_it_is_silent(
+    tmp_path: Path,
+) -> None:
+    """What ``make test`` shows during a cold build: the script's lines, then a tick while
+    a step is silent. The step here ends only once a tick has been seen."""
+    script, flag = tmp_path / "build.sh", tmp_path / "ticked"
+    script.write_text(
+        'echo "build.sh: building widget v1 ..." >&2\n'
+        f'while [ ! -e "{flag}" ]; do sleep 0.05; done\n'
+        'echo "built widget v1 /cache/widget in 3 s"\n'
+    )
+    said: list[str] = []
+
+    def progress(line: str) -> None:
+        said.append(line)
+        if "still" in line:
+            flag.touch()
+
+    returncode, output = run_reporting(["bash", str(script)], progress=progress, tick_s=0.2,
+                                       timeout_s=120, name="build.sh")
+    assert returncode == 0
+    assert said[0] == "build.sh: building widget v1 ..."
+    assert said[1].startswith("build.sh: still building widget (")
+    assert said[-1] == "build.sh: built widget v1 /cache/widget in 3 s"
+    assert "built widget v1 /cache/widget in 3 s" in output.splitlines()
