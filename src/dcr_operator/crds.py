@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from dcr_operator.schema import structural
+from dcr_operator.volumes import ProfileVolumes
 
 GROUP = "dcr.dev"
 VERSION = "v1alpha1"
@@ -237,8 +238,8 @@ class EncoderProfile(_Spec):
 
     Everything that shapes the pod lives here, in the fleet (which its admin owns), and
     never in a WeightRefit: whoever may write this may run that image, as that
-    ServiceAccount, on those nodes (docs/operations.md, "Who may do what"). Unset
-    fields take the operator's defaults (Helm ``encoder.*``).
+    ServiceAccount, on those nodes, with those volumes (docs/operations.md, "Who may do
+    what"). Unset fields take the operator's defaults (Helm ``encoder.*``).
     """
 
     name: DnsLabel = Field(description="What WeightRefits name in spec.encoder.profile.")
@@ -252,6 +253,11 @@ class EncoderProfile(_Spec):
     node_selector: Annotated[dict[str, Annotated[str, Field(max_length=63)]] | None,
                              Field(max_length=64)] = None
     tolerations: Annotated[list[Toleration] | None, Field(max_length=64)] = None
+    volumes: ProfileVolumes | None = Field(
+        default=None, description="Volumes the encoder container mounts, such as the "
+        "one holding the checkpoints (dcr encode reads the base and target checkpoints "
+        "from a path): each a persistentVolumeClaim, hostPath or nfs, read-only unless "
+        "readOnly is false.")
 
 
 class RolloutFleetSpec(_Spec):

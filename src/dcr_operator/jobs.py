@@ -13,10 +13,12 @@ The merged receiver profile (which tensors each loader can take as XOR, overwrit
 dense) reaches the encoder through a ConfigMap mounted at :data:`PROFILE_DIR`.
 
 What shapes the encoder pods (image, ServiceAccount, resources, node selector,
-tolerations) is never the WeightRefit's to say: :func:`encoder_pod` takes it from the
-fleet's encoder profile the refit names (the fleet's admin wrote it) over the operator's
-defaults, and refuses an image the operator does not allow. A WeightRefit chooses only
-the profile, the number of owners and the bucket size.
+tolerations, volumes) is never the WeightRefit's to say: :func:`encoder_pod` takes it
+from the fleet's encoder profile the refit names (the fleet's admin wrote it) over the
+operator's defaults, and refuses an image the operator does not allow. A WeightRefit
+chooses only the profile, the number of owners and the bucket size. ``dcr encode``
+reads both checkpoints from paths, so the profile's volumes (:mod:`.volumes`) must hold
+them; the default profile has none.
 
 :class:`JobOwner` is the coordinator's ``OwnerHandle`` for index ``k``: ``publish``
 makes sure the attempt's Job exists and waits until index ``k`` completed (the Job's
@@ -59,10 +61,10 @@ from dcr_operator.errors import (
 )
 from dcr_operator.kube import KubeClient, api_path
 from dcr_operator.settings import OperatorSettings
+from dcr_operator.volumes import PROFILE_DIR, PROFILE_VOLUME
 
 log = logging.getLogger(__name__)
 
-PROFILE_DIR = "/etc/dcr/profile"
 PROFILE_KEY = "profile.json"
 COMPONENT_LABEL = f"{GROUP}/component"
 REFIT_LABEL = f"{GROUP}/refit"
@@ -137,6 +139,21 @@ def encoder_pod(spec: WeightRefitSpec, fleet: RolloutFleetSpec, fleet_name: str,
                                  or settings.encoder_service_account or None)})
 
 
+def volumes_of(shape: EncoderProfile, profile: str | None
+               ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The encoder container's volume mounts and the pod's volumes: the receiver
+    profile's ConfigMap (when there is one), then the encoder profile's own volumes."""
+    mounts: list[dict[str, Any]] = []
+    volumes: list[dict[str, Any]] = []
+    if profile is not None:
+        mounts.append({"name": PROFILE_VOLUME, "mountPath": PROFILE_DIR, "readOnly": True})
+        volumes.append({"name": PROFILE_VOLUME, "configMap": {"name": profile}})
+    for v in shape.volumes or []:
+        mounts.append(v.volume_mount())
+        volumes.append(v.pod_volume())
+    return mounts, volumes
+
+
 def job_manifest(*, refit: Mapping[str, Any], spec: WeightRefitSpec, fleet: RolloutFleetSpec,
                  fleet_name: str, base_checkpoint: str, attempt: Attempt,
                  settings: OperatorSettings, profile: str | None) -> dict[str, Any]:
@@ -173,10 +190,9 @@ def job_manifest(*, refit: Mapping[str, Any], spec: WeightRefitSpec, fleet: Roll
     if shape.resources is not None:
         container["resources"] = shape.resources.model_dump(exclude_none=True)
     pod: dict[str, Any] = {"restartPolicy": "Never", "containers": [container]}
-    if profile is not None:
-        container["volumeMounts"] = [{"name": "profile", "mountPath": PROFILE_DIR,
-                                      "readOnly": True}]
-        pod["volumes"] = [{"name": "profile", "configMap": {"name": profile}}]
+    mounts, volumes = volumes_of(shape, profile)
+    if volumes:
+        container["volumeMounts"], pod["volumes"] = mounts, volumes
     if shape.service_account_name:
         pod["serviceAccountName"] = shape.service_account_name
     if shape.node_selector:

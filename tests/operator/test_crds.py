@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -201,3 +202,41 @@ def test_a_selector_that_selects_every_pod_is_refused(selector: dict[str, Any]) 
 ])
 def test_a_selector_with_a_label_it_requires_is_taken(selector: dict[str, Any]) -> None:
     RolloutFleetSpec.model_validate({**FLEET_SPEC, "selector": selector})
+
+
+def _fleet_with_volume(volume: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "dcr.dev/v1alpha1", "kind": "RolloutFleet",
+            "metadata": {"name": "volumes"},
+            "spec": {**FLEET_SPEC, "encoderProfiles": [{"name": "p", "volumes": [volume]}]}}
+
+
+@pytest.mark.e2e
+def test_the_apiserver_refuses_a_profile_volume_with_two_sources_or_over_the_profile_dir(
+        kube: Any, namespace: str) -> None:
+    """The CRD's CEL rules and patterns refuse what the models refuse, for clients that
+    never run them; the same volume with one source is stored as written."""
+    from k8sutil import install_crds, path_of
+
+    from dcr_operator.errors import ApiError
+
+    install_crds(kube)
+    pvc = {"name": "ckpt", "mountPath": "/checkpoints",
+           "persistentVolumeClaim": {"claimName": "policy-checkpoints"}}
+    refused = [
+        ({**pvc, "hostPath": {"path": "/mnt/ckpt"}},
+         "set exactly one of persistentVolumeClaim, hostPath and nfs"),
+        ({**pvc, "mountPath": "/etc/dcr"},
+         "mountPath /etc/dcr would cover or sit inside /etc/dcr/profile"),
+        ({**pvc, "mountPath": "/checkpoints/../etc"}, "spec.encoderProfiles[0].volumes[0]"
+         ".mountPath: Invalid value"),
+        ({"name": "host", "mountPath": "/h", "hostPath": {"path": "mnt"}},
+         "spec.encoderProfiles[0].volumes[0].hostPath.path: Invalid value"),
+    ]
+    for volume, message in refused:
+        obj = _fleet_with_volume(volume)
+        with pytest.raises(ApiError, match=re.escape(message)) as e:
+            kube.create(path_of(obj, namespace), obj)
+        assert e.value.status == 422
+    obj = _fleet_with_volume(pvc)
+    created = kube.create(path_of(obj, namespace), obj)
+    assert created["spec"]["encoderProfiles"][0]["volumes"] == [{**pvc, "readOnly": True}]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -13,6 +14,7 @@ from dcr_operator.crds import RolloutFleetSpec, WeightRefitSpec
 from dcr_operator.errors import InvalidResource
 from dcr_operator.jobs import encoder_pod, job_manifest, job_name, job_state, parse_indexes
 from dcr_operator.settings import OperatorSettings
+from dcr_operator.volumes import ABSOLUTE_PATH, MOUNT_PATH, PROFILE_DIR
 
 FLEET_SPEC: dict[str, Any] = {
     "selector": {"matchLabels": {"app": "r"}}, "runtime": "hf",
@@ -198,3 +200,129 @@ def test_a_fleet_names_exactly_one_of_store_and_relay(where: dict[str, Any]) -> 
             "selector": {"matchLabels": {"app": "r"}}, "runtime": "hf",
             "agent": {"tokenSecretRef": {"name": "tok"}}, "initial": {"checkpoint": "/c"},
             **where})
+
+
+CHECKPOINTS = {"name": "checkpoints", "mountPath": "/checkpoints",
+               "persistentVolumeClaim": {"claimName": "policy-checkpoints"}}
+
+
+def test_the_profiles_volumes_are_mounted_beside_the_receiver_profile() -> None:
+    """Fails on b59354c: encoder pods mounted only the profile ConfigMap, so ``dcr
+    encode`` could not read the checkpoints at ``/checkpoints/...`` on a real cluster."""
+    fleet = with_profiles({"name": "train", "volumes": [
+        CHECKPOINTS,
+        {"name": "scratch", "mountPath": "/data/scratch", "readOnly": False,
+         "hostPath": {"path": "/mnt/nvme/scratch", "type": "DirectoryOrCreate"}},
+        {"name": "archive", "mountPath": "/archive",
+         "nfs": {"server": "10.0.0.7", "path": "/exports/ckpt"}}]})
+    pod = manifest(fleet, profile="train")["spec"]["template"]["spec"]
+    assert pod["volumes"] == [
+        {"name": "profile", "configMap": {"name": "prof"}},
+        {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "policy-checkpoints",
+                                                          "readOnly": True}},
+        {"name": "scratch", "hostPath": {"path": "/mnt/nvme/scratch",
+                                         "type": "DirectoryOrCreate"}},
+        {"name": "archive", "nfs": {"server": "10.0.0.7", "path": "/exports/ckpt",
+                                    "readOnly": True}}]
+    assert pod["containers"][0]["volumeMounts"] == [
+        {"name": "profile", "mountPath": "/etc/dcr/profile", "readOnly": True},
+        {"name": "checkpoints", "mountPath": "/checkpoints", "readOnly": True},
+        {"name": "scratch", "mountPath": "/data/scratch", "readOnly": False},
+        {"name": "archive", "mountPath": "/archive", "readOnly": True}]
+
+
+def test_profile_volumes_without_a_receiver_profile_and_the_default_profile_has_none() -> None:
+    fleet = with_profiles({"name": "train", "volumes": [CHECKPOINTS]})
+    job = job_manifest(refit=REFIT, spec=refit_spec(profile="train"), fleet=fleet,
+                       fleet_name="f", base_checkpoint="/ckpt/v2", attempt=attempt(),
+                       settings=OperatorSettings(encoder_image="img:1"), profile=None)
+    pod = job["spec"]["template"]["spec"]
+    assert [v["name"] for v in pod["volumes"]] == ["checkpoints"]
+    assert pod["containers"][0]["volumeMounts"] == [
+        {"name": "checkpoints", "mountPath": "/checkpoints", "readOnly": True}]
+    default = manifest(fleet)["spec"]["template"]["spec"]  # the refit picks "default"
+    assert [v["name"] for v in default["volumes"]] == ["profile"]
+
+
+def profile_volume(**volume: Any) -> RolloutFleetSpec:
+    return with_profiles({"name": "p", "volumes": [{**CHECKPOINTS, **volume}]})
+
+
+@pytest.mark.parametrize(("volume", "error"), [
+    ({"mountPath": "checkpoints"}, r"'checkpoints' is not an absolute path"),
+    ({"mountPath": "/checkpoints/../etc"}, r"'/checkpoints/\.\./etc' has a '\.\.' segment"),
+    ({"mountPath": "/checkpoints/"}, r"mountPath '/checkpoints/' is not canonical"),
+    ({"mountPath": "/a//b"}, r"mountPath '/a//b' is not canonical"),
+    ({"mountPath": "/"}, r"mountPath '/' is not canonical"),
+    ({"mountPath": "/etc/dcr/profile"}, r"mountPath '/etc/dcr/profile' would cover or sit "
+     r"inside /etc/dcr/profile"),
+    ({"mountPath": "/etc/dcr"}, r"mountPath '/etc/dcr' would cover"),
+    ({"mountPath": "/etc/dcr/profile/x"}, r"mountPath '/etc/dcr/profile/x' would cover"),
+    ({"hostPath": {"path": "/mnt/ckpt"}}, r"volume 'checkpoints': set exactly one of "
+     r"persistentVolumeClaim, hostPath and nfs \(given: persistentVolumeClaim, hostPath\)"),
+    ({"persistentVolumeClaim": None}, r"volume 'checkpoints': set exactly one of "
+     r"persistentVolumeClaim, hostPath and nfs \(given: none\)"),
+    ({"persistentVolumeClaim": None, "hostPath": {"path": "mnt/ckpt"}},
+     r"'mnt/ckpt' is not an absolute path"),
+    ({"persistentVolumeClaim": None, "nfs": {"server": "nfs", "path": "/a/../b"}},
+     r"'/a/\.\./b' has a '\.\.' segment"),
+    ({"persistentVolumeClaim": {"claimName": "Policy/Checkpoints"}}, r"claimName"),
+    ({"name": "profile"}, r"volume name 'profile' is the operator's own volume"),
+    ({"secret": {"secretName": "s"}}, r"secret\s+Extra inputs are not permitted"),
+])
+def test_a_profile_volume_that_is_not_plainly_a_mount_is_refused(
+        volume: dict[str, Any], error: str) -> None:
+    with pytest.raises(ValidationError, match=error):
+        profile_volume(**volume)
+
+
+def test_profile_volumes_need_distinct_names_and_mount_paths_and_are_bounded() -> None:
+    other = {**CHECKPOINTS, "name": "other"}
+    with pytest.raises(ValidationError, match="two volumes have mountPath '/checkpoints'"):
+        with_profiles({"name": "p", "volumes": [CHECKPOINTS, other]})
+    with pytest.raises(ValidationError, match="two volumes have name 'checkpoints'"):
+        with_profiles({"name": "p", "volumes": [
+            CHECKPOINTS, {**CHECKPOINTS, "mountPath": "/elsewhere"}]})
+    many = [{**CHECKPOINTS, "name": f"v{i}", "mountPath": f"/v{i}"} for i in range(17)]
+    with pytest.raises(ValidationError, match="at most 16 items"):
+        with_profiles({"name": "p", "volumes": many})
+    assert len(with_profiles({"name": "p", "volumes": many[:16]}).encoder_profiles[0]
+               .volumes or []) == 16
+
+
+@pytest.mark.parametrize("path", [
+    "/checkpoints", "/a/.b/..c/...", "/a.b", "/", "//", "/a/", "/a/./b", "/a/..", "/..",
+    "/a/../b", "a", "", "/.", "/a//b", "/..a/b..", "/etc/dcr/profile"])
+def test_the_crd_patterns_accept_what_the_validators_accept(path: str) -> None:
+    """The API server checks paths with the schema's patterns, pydantic with validators;
+    both must agree on every path."""
+    absolute = re.fullmatch(ABSOLUTE_PATH, path) is not None
+    mount = re.fullmatch(MOUNT_PATH, path) is not None
+    assert absolute == accepts(lambda: profile_volume(
+        persistentVolumeClaim=None, hostPath={"path": path}))
+    off_profile = path.startswith("/") and not (
+        path == PROFILE_DIR or PROFILE_DIR.startswith(path + "/")
+        or path.startswith(PROFILE_DIR + "/"))
+    assert (mount and off_profile) == accepts(lambda: profile_volume(mountPath=path))
+
+
+def accepts(build: Any) -> bool:
+    try:
+        build()
+    except ValidationError:
+        return False
+    return True
+
+
+def test_a_weightrefit_cannot_add_volumes() -> None:
+    """Volumes are pod-shaping: only the fleet's profiles have them."""
+    with pytest.raises(ValidationError, match=r"encoder\.volumes\s+Extra inputs are not"):
+        refit_spec(volumes=[CHECKPOINTS])
+    spec = {"fleet": "f", "baseVersion": 2, "targetVersion": 3,
+            "source": {"checkpoint": "/ckpt/v3"}}
+    with pytest.raises(ValidationError, match=r"(?m)^volumes\s+Extra inputs are not") as e:
+        WeightRefitSpec.model_validate({**spec, "volumes": [CHECKPOINTS]})
+    assert e.value.error_count() == 1
+    with pytest.raises(ValidationError, match=r"source\.volumes\s+Extra inputs are not"):
+        WeightRefitSpec.model_validate({**spec, "source": {
+            "checkpoint": "/ckpt/v3", "volumes": [CHECKPOINTS]}})

@@ -1,0 +1,200 @@
+"""Volumes of encoder pods: what an encoder profile mounts, typed and checked.
+
+``dcr encode`` reads the base and the target checkpoint from a filesystem path
+(``WeightRefit.spec.source.checkpoint`` and the fleet's committed baseline, such as
+``/checkpoints/policy-a/v1``), so its pod must mount the volume that holds them: the
+same PersistentVolumeClaim the rollout pods mount, a host path on training nodes, or an
+NFS export. A RolloutFleet's encoder profile lists them (:class:`ProfileVolume`); the
+operator adds each to the Job's pod and mounts it in the encoder container
+(:meth:`ProfileVolume.pod_volume`, :meth:`ProfileVolume.volume_mount`).
+
+Choices, and why:
+
+* Three sources, not core/v1's thirty: each entry is a small model with strict keys, so
+  a profile cannot smuggle a Secret, a projected ServiceAccount token or an inline CSI
+  driver into the pod by way of a free-form volume. Exactly one source per entry, in
+  pydantic and as a CEL rule in the CRD (the API server refuses the same specs).
+* Paths are absolute and free of ``..`` segments; a mount path is canonical (no ``.``,
+  ``..`` or empty segments, no trailing ``/``, not ``/``), so that a string comparison
+  is enough to keep it off :data:`PROFILE_DIR`, where the operator mounts the merged
+  receiver profile: a volume at, above or below it would hide or shadow that file.
+* Mounts are read-only unless the profile says otherwise: an encoder only reads
+  checkpoints (it publishes to the store or relay, never to a volume).
+* Only the fleet's admin writes profiles; a WeightRefit names one and cannot add a
+  volume (its schema has no such field, and unknown fields are refused or pruned).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+PROFILE_DIR = "/etc/dcr/profile"
+"""Where encoder pods mount the ConfigMap of the merged receiver profile."""
+PROFILE_VOLUME = "profile"
+"""That ConfigMap volume's name in the pod: no profile volume may take it."""
+MAX_VOLUMES = 16
+"""Volumes per encoder profile."""
+
+_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+# A segment other than '..' (RE2 has no lookahead): '.', or one that starts with
+# something other than '.', or '.' then something other than '.', or '..' then more.
+_NOT_DOTDOT = r"\.|[^/.][^/]*|\.[^/.][^/]*|\.\.[^/]+"
+# A segment other than '', '.' and '..'.
+_PLAIN = r"[^/.][^/]*|\.[^/.][^/]*|\.\.[^/]+"
+ABSOLUTE_PATH = rf"^(/({_NOT_DOTDOT})?)+$"
+"""An absolute path without ``..`` segments (``/`` included): host paths, NFS exports."""
+MOUNT_PATH = rf"^(/({_PLAIN}))+$"
+"""A canonical absolute path other than ``/``: where a volume is mounted."""
+_MAX_PATH = 1024
+
+
+def _absolute(value: str) -> str:
+    if not value.startswith("/"):
+        raise ValueError(f"{value!r} is not an absolute path (it must start with '/')")
+    if ".." in value.split("/"):
+        raise ValueError(f"{value!r} has a '..' segment: name the directory itself")
+    return value
+
+
+def _mount_path(value: str) -> str:
+    _absolute(value)
+    if value == "/" or any(s in ("", ".") for s in value[1:].split("/")):
+        raise ValueError(f"mountPath {value!r} is not canonical: no '.' or empty segments, "
+                         "no trailing '/', and not '/' itself")
+    if value == PROFILE_DIR or PROFILE_DIR.startswith(value + "/") or value.startswith(
+            PROFILE_DIR + "/"):
+        raise ValueError(f"mountPath {value!r} would cover or sit inside {PROFILE_DIR}, "
+                         "where the operator mounts the receiver profile")
+    return value
+
+
+AbsolutePath = Annotated[str, AfterValidator(_absolute), Field(
+    min_length=1, max_length=_MAX_PATH, json_schema_extra={"pattern": ABSOLUTE_PATH})]
+"""An absolute path with no ``..`` segment, checked by pydantic and the API server."""
+
+_OFF_PROFILE = (f"self != '{PROFILE_DIR}' && !'{PROFILE_DIR}'.startsWith(self + '/') && "
+                f"!self.startsWith('{PROFILE_DIR}/')")
+MountPath = Annotated[str, AfterValidator(_mount_path), Field(
+    min_length=2, max_length=_MAX_PATH, json_schema_extra={
+        "pattern": MOUNT_PATH, "x-kubernetes-validations": [{
+            "rule": _OFF_PROFILE,
+            "messageExpression": f"'mountPath ' + self + ' would cover or sit inside "
+                                 f"{PROFILE_DIR}, where the operator mounts the receiver "
+                                 "profile'"}]})]
+"""Where a profile volume is mounted: canonical, absolute, and off :data:`PROFILE_DIR`."""
+
+
+class _Spec(BaseModel):
+    """As crds._Spec: what users write; unknown keys are errors, values are frozen."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel,
+                              populate_by_name=True)
+
+
+class PersistentVolumeClaimSource(_Spec):
+    """A PersistentVolumeClaim of the fleet's namespace (e.g. the rollout pods' checkpoints)."""
+
+    claim_name: Annotated[str, Field(min_length=1, max_length=253,
+                                     pattern=rf"^{_LABEL}(\.{_LABEL})*$")]
+
+
+HostPathType = Literal["DirectoryOrCreate", "Directory", "FileOrCreate", "File", "Socket",
+                       "CharDevice", "BlockDevice"]
+
+
+class HostPathSource(_Spec):
+    """A path on the node the encoder pod runs on (pin the nodes with nodeSelector)."""
+
+    path: AbsolutePath
+    type: HostPathType | None = Field(
+        default=None, description="What must be at the path; default: no check.")
+
+
+class NfsSource(_Spec):
+    """An NFS export."""
+
+    server: Annotated[str, Field(min_length=1, max_length=253,
+                                 pattern=r"^[A-Za-z0-9]([-A-Za-z0-9.:\[\]]*[A-Za-z0-9\]])?$")
+                      ] = Field(description="Host name or IP address of the NFS server.")
+    path: AbsolutePath = Field(description="The exported path.")
+
+
+_SOURCES = ("persistent_volume_claim", "host_path", "nfs")
+_ONE_SOURCE = "set exactly one of persistentVolumeClaim, hostPath and nfs"
+
+
+class ProfileVolume(_Spec):
+    """One volume of an encoder profile, and where the encoder container mounts it."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{
+        "rule": " + ".join(f"(has(self.{to_camel(s)}) ? 1 : 0)" for s in _SOURCES) + " == 1",
+        "message": _ONE_SOURCE}]})
+
+    name: Annotated[str, Field(min_length=1, max_length=63, pattern=f"^{_LABEL}$",
+                               json_schema_extra={"x-kubernetes-validations": [{
+                                   "rule": f"self != '{PROFILE_VOLUME}'",
+                                   "message": f"{PROFILE_VOLUME!r} is the operator's own "
+                                              "volume (the receiver profile)"}]})] = Field(
+        description="The pod volume's name (an RFC 1123 label), unique in the profile.")
+    mount_path: MountPath = Field(
+        description="Where the encoder container sees it: an absolute path, such as the "
+        "directory the refits' checkpoints are under.")
+    read_only: bool = Field(default=True, description="Mount read-only (the default: an "
+                            "encoder only reads checkpoints).")
+    persistent_volume_claim: PersistentVolumeClaimSource | None = None
+    host_path: HostPathSource | None = None
+    nfs: NfsSource | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ProfileVolume:
+        given = [to_camel(s) for s in _SOURCES if getattr(self, s) is not None]
+        if len(given) != 1:
+            raise ValueError(f"volume {self.name!r}: {_ONE_SOURCE} (given: "
+                             f"{', '.join(given) or 'none'})")
+        if self.name == PROFILE_VOLUME:
+            raise ValueError(f"volume name {self.name!r} is the operator's own volume (the "
+                             "receiver profile): choose another")
+        return self
+
+    def pod_volume(self) -> dict[str, Any]:
+        """The pod's ``volumes[]`` entry."""
+        out: dict[str, Any] = {"name": self.name}
+        if self.persistent_volume_claim is not None:
+            out["persistentVolumeClaim"] = {
+                "claimName": self.persistent_volume_claim.claim_name, "readOnly": self.read_only}
+        elif self.host_path is not None:
+            out["hostPath"] = self.host_path.model_dump(by_alias=True, exclude_none=True)
+        elif self.nfs is not None:
+            out["nfs"] = {**self.nfs.model_dump(by_alias=True), "readOnly": self.read_only}
+        return out
+
+    def volume_mount(self) -> dict[str, Any]:
+        """The encoder container's ``volumeMounts[]`` entry."""
+        return {"name": self.name, "mountPath": self.mount_path, "readOnly": self.read_only}
+
+
+_UNIQUE = "self.all(v, self.exists_one(w, w.{0} == v.{0}))"
+
+
+def _distinct(volumes: list[ProfileVolume]) -> list[ProfileVolume]:
+    for field in ("name", "mount_path"):
+        seen: set[str] = set()
+        for v in volumes:
+            value = getattr(v, field)
+            if value in seen:
+                raise ValueError(f"two volumes have {to_camel(field)} {value!r}: each needs "
+                                 "its own")
+            seen.add(value)
+    return volumes
+
+
+ProfileVolumes = Annotated[list[ProfileVolume], AfterValidator(_distinct), Field(
+    max_length=MAX_VOLUMES, json_schema_extra={
+        "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"],
+        "x-kubernetes-validations": [{"rule": _UNIQUE.format("mountPath"),
+                                      "message": "two volumes have the same mountPath"}]})]
+"""A profile's volumes: names and mount paths distinct, at most :data:`MAX_VOLUMES`."""
+
