@@ -151,6 +151,29 @@ def test_rollout_pod_keeps_the_sidecar_engine_contract(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(ROLLOUTS))
+def test_the_example_refits_encoders_see_the_checkpoints_the_rollout_pods_load(
+        name: str) -> None:
+    """``dcr encode`` reads the base (the fleet's initial checkpoint here) and the target
+    (the refit's source) from paths: the profile the refit picks mounts the rollout pods'
+    checkpoint claim, read-only, where both lie."""
+    (fleet,) = [o for o in objects("rolloutfleet.yaml") if o["kind"] == "RolloutFleet"]
+    (refit,) = [o for o in objects("weightrefit.yaml") if o["kind"] == "WeightRefit"]
+    (profile,) = [p for p in RolloutFleetSpec.model_validate(fleet["spec"]).encoder_profiles
+                  if p.name == refit["spec"]["encoder"]["profile"]]
+    rollout = {v["name"]: v for v in pod(name)["volumes"]}
+    (engine,) = [c for c in pod(name)["containers"] if c["name"] != "agent"]
+    for path in (fleet["spec"]["initial"]["checkpoint"], refit["spec"]["source"]["checkpoint"]):
+        (volume,) = [v for v in profile.volumes or []
+                     if path.startswith(v.mount_path + "/")]
+        assert volume.read_only
+        assert volume.persistent_volume_claim is not None
+        # The rollout pods' engine sees the same claim at the same path.
+        (same,) = [m for m in engine["volumeMounts"] if m["mountPath"] == volume.mount_path]
+        assert rollout[same["name"]]["persistentVolumeClaim"]["claimName"] == (
+            volume.persistent_volume_claim.claim_name)
+
+
+@pytest.mark.parametrize("name", sorted(ROLLOUTS))
 def test_every_dcr_command_line_of_a_rollout_pod_parses(name: str) -> None:
     for c in pod(name)["containers"]:
         if c["command"][0] != "dcr":
