@@ -12,7 +12,8 @@ Modules, one concern each:
 
 * :mod:`.crds`: the CRDs' pydantic models (the one source of truth) and their generator;
   :mod:`.schema` turns pydantic's JSON schema into a structural OpenAPI schema.
-* :mod:`.kube`: a small synchronous Kubernetes API client for the coordinator thread.
+* :mod:`.kube`: the coordinator thread's blocking Kubernetes API client, on the ``kubernetes``
+  package (its config loaders and ApiClient).
 * :mod:`.commitstore`: the commit record in the fleet's status, as a ``CommitStore``.
 * :mod:`.reconcile`: pure functions: validation, conditions, phase, receivers, status.
 * :mod:`.jobs`: encoder Job manifests and the owner handle that waits for them.

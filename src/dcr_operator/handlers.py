@@ -17,8 +17,9 @@ WeightRefit
     ``delete``: the finalizer stops the run, deletes unfinished encoder Jobs (owner
     references collect the rest) and removes the refit's objects from the store.
 
-Credentials: a ServiceAccount token in a pod, else the kubeconfig (``$KUBECONFIG``);
-kopf and the coordinator's synchronous client (:mod:`.kube`) use the same login.
+Credentials: a ServiceAccount token in a pod, else the kubeconfig (``$KUBECONFIG``),
+tried in that order by kopf's login and by the coordinator's synchronous client
+(:mod:`.kube`, through the ``kubernetes`` package's loaders).
 kopf keeps its own bookkeeping in ``dcr.dev/*`` annotations, never in status (the
 structural schemas would prune it), and posts only warnings as Events by itself; the
 operator's own Events name the refit's transitions.
@@ -46,7 +47,7 @@ from dcr_operator.crds import FLEET_PLURAL, GROUP, REFIT_PLURAL, VERSION, Rollou
 from dcr_operator.errors import ApiError, ApiUnreachable, InvalidResource, NotFound, NotYet
 from dcr_operator.fleet import fleet_path, refresh, store_credentials
 from dcr_operator.jobs import REFIT_LABEL, short_name
-from dcr_operator.kube import Credentials, KubeClient, api_path
+from dcr_operator.kube import KubeClient, api_path
 from dcr_operator.progress import Emit
 from dcr_operator.reconcile import is_final, now
 from dcr_operator.refit import RefitRun, holder
@@ -106,7 +107,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         prefix=GROUP, key="last-handled-configuration")
     settings.posting.level = logging.WARNING
     settings.peering.lifetime = SETTINGS.peering_lifetime_seconds
-    memo.kube = KubeClient(lambda: Credentials.of(connection(settings)))
+    memo.kube = KubeClient()
     log.info("DCR operator settings: %s", SETTINGS)
 
 

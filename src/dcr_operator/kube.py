@@ -2,159 +2,150 @@
 
 kopf talks to the API server asynchronously from its event loop; the coordinator
 (:class:`dcr.protocol.coordinator.Coordinator`) is synchronous and runs in a thread, and
-its commit store, owner handles and progress recorder need plain blocking calls. This
-client is that: JSON over HTTPS with ``urllib``, credentials from the same
-``kopf.ConnectionInfo`` kopf logged in with (a kubeconfig or the pod's ServiceAccount),
-re-read through ``login`` after a 401 (bound ServiceAccount tokens rotate).
+its commit store, owner handles and progress recorder need plain blocking calls on REST
+paths, with JSON in and out. :class:`KubeClient` is that, on the official ``kubernetes``
+package.
 
-Errors: a refused request raises :class:`ApiError` (``NotFound`` for 404, ``Conflict``
-for 409) with the server's message; no answer at all raises :class:`ApiUnreachable`,
-after which the fate of a write is unknown.
+What the library does: finding the API server and the credentials (in a pod,
+``KUBERNETES_SERVICE_HOST``/``_PORT`` and the ServiceAccount's CA and token; else the
+kubeconfig at ``$KUBECONFIG``, with its client certificates, tokens and exec plugins),
+re-reading the ServiceAccount token once a minute has passed since it last did (so a
+token the kubelet rotated is in use within a minute), TLS, the Authorization header,
+connection pooling, quoting the query, and urllib3's retries of requests that never
+reached the server (a PATCH or POST is not resent after a read error, so a retry never
+applies a compare-and-set twice).
+
+What stays here, because the library lacks it:
+
+* JSON on a path. The typed APIs turn core objects into model classes (and
+  ``DynamicClient`` needs discovery calls first); the coordinator, its stores and the
+  tests work on plain dicts and on the paths :func:`api_path` builds, so
+  :meth:`KubeClient.request` sends through the library's ``ApiClient.call_api`` and
+  decodes the answer itself.
+* Our error tree. A refusal raises :class:`ApiError` (``NotFound`` for 404, ``Conflict``
+  for 409) carrying the server's message; no answer at all (or no credentials to ask
+  with) raises :class:`ApiUnreachable`, after which the fate of a write is unknown.
+* No redirects. urllib3 follows them by default (dropping the Authorization header only
+  when the host changes, and presenting the client certificate to wherever they lead);
+  no call here has a reason to be redirected, so the client follows none and a 3xx is an
+  :class:`ApiError`.
+* :func:`api_path` quotes each segment as the typed APIs quote path parameters, and also
+  refuses ``.`` and ``..``, which urllib3 would resolve as dot segments.
+
+Secrets: the token lives in the library's ``Configuration`` only; nothing here logs it or
+puts it in an exception message, and ``repr`` shows the server alone.
 """
 
 from __future__ import annotations
 
-import base64
 import json
-import logging
 import os
-import ssl
-import tempfile
 import threading
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
+
+from kubernetes.client import ApiClient, Configuration
+from kubernetes.client.exceptions import ApiException
+from kubernetes.config import ConfigException, load_kube_config
+from kubernetes.config.incluster_config import (
+    SERVICE_CERT_FILENAME,
+    SERVICE_TOKEN_FILENAME,
+    InClusterConfigLoader,
+)
+from urllib3.exceptions import HTTPError
+from urllib3.util.retry import Retry
 
 from dcr_operator.errors import ApiError, ApiUnreachable, Conflict, InvalidResource, NotFound
 
-log = logging.getLogger(__name__)
-
 MERGE_PATCH = "application/merge-patch+json"
 JSON = "application/json"
+_ERRORS: dict[int, type[ApiError]] = {404: NotFound, 409: Conflict}
 
 
-@dataclass(frozen=True, kw_only=True)
-class Credentials:
-    """Where the API server is and how to authenticate (a subset of kopf.ConnectionInfo)."""
-
-    server: str
-    ca_path: str | None = None
-    ca_data: str | None = None  # base64 PEM, as kubeconfigs carry it
-    insecure: bool = False
-    token: str | None = None
-    certificate_path: str | None = None
-    certificate_data: str | None = None  # base64 PEM
-    private_key_path: str | None = None
-    private_key_data: str | None = None  # base64 PEM
-    default_namespace: str | None = None
-
-    def __repr__(self) -> str:  # never the token or the key
-        return f"Credentials(server={self.server!r})"
-
-    @classmethod
-    def of(cls, info: Any) -> Credentials:
-        """From a ``kopf.ConnectionInfo`` (paths and data as kopf's login handlers leave them)."""
-        def text(v: object) -> str | None:
-            if v is None:
-                return None
-            if isinstance(v, bytes):
-                return v.decode()
-            return os.fspath(v) if isinstance(v, os.PathLike) else str(v)
-
-        return cls(server=str(info.server).rstrip("/"), ca_path=text(info.ca_path),
-                   ca_data=text(info.ca_data), insecure=bool(info.insecure),
-                   token=text(info.token), certificate_path=text(info.certificate_path),
-                   certificate_data=text(info.certificate_data),
-                   private_key_path=text(info.private_key_path),
-                   private_key_data=text(info.private_key_data),
-                   default_namespace=text(info.default_namespace))
+def in_cluster(*, token_path: str = SERVICE_TOKEN_FILENAME,
+               ca_path: str = SERVICE_CERT_FILENAME,
+               environ: Mapping[str, str] = os.environ) -> Configuration:
+    """The pod's ServiceAccount, as the library loads it (it re-reads ``token_path`` once a
+    minute, so a rotated bound token is picked up); raises ``ConfigException`` outside a pod."""
+    config = Configuration()
+    InClusterConfigLoader(token_filename=token_path, cert_filename=ca_path,
+                          environ=environ).load_and_set(config)  # type: ignore[no-untyped-call]
+    return config
 
 
-def _ssl_context(c: Credentials) -> ssl.SSLContext:
-    if c.insecure:
-        ctx = ssl.create_default_context()
-        ctx.check_hostname = False
-        ctx.verify_mode = ssl.CERT_NONE
-    elif c.ca_data:
-        ctx = ssl.create_default_context(cadata=base64.b64decode(c.ca_data).decode())
-    else:
-        ctx = ssl.create_default_context(cafile=c.ca_path)
-    if not (c.certificate_data or c.private_key_data):
-        if c.certificate_path:
-            ctx.load_cert_chain(c.certificate_path, c.private_key_path)
-        return ctx
-    # ssl loads client certificates from files only: a private directory, removed at once.
-    with tempfile.TemporaryDirectory(prefix="dcr-operator-") as tmp:
-        paths = []
-        for name, data, path in (("cert.pem", c.certificate_data, c.certificate_path),
-                                 ("key.pem", c.private_key_data, c.private_key_path)):
-            if data:
-                path = os.path.join(tmp, name)
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                with os.fdopen(fd, "wb") as f:
-                    f.write(base64.b64decode(data))
-            paths.append(path)
-        ctx.load_cert_chain(paths[0] or "", paths[1])
-    return ctx
+def from_kubeconfig(path: str | None = None) -> Configuration:
+    """The current context of the kubeconfig at ``path`` (default ``$KUBECONFIG``)."""
+    config = Configuration()
+    load_kube_config(config_file=path, client_configuration=config)  # type: ignore[no-untyped-call]
+    return config
+
+
+def configuration() -> Configuration:
+    """The ServiceAccount in a pod, else the kubeconfig: the order kopf's login tries them."""
+    try:
+        return in_cluster()
+    except ConfigException as pod:
+        try:
+            return from_kubeconfig()
+        except ConfigException as e:
+            raise ConfigException(f"not in a pod ({pod}), and no kubeconfig ({e})") from e
+
+
+def _without_redirects(retries: Retry | int | None) -> Retry:
+    """``retries`` (urllib3's default when None), redirects returned instead of followed."""
+    return Retry.from_int(retries).new(redirect=False, raise_on_redirect=False)
 
 
 class KubeClient:
-    """Blocking JSON calls to the API server; thread-safe."""
+    """Blocking JSON calls to the API server; thread-safe.
 
-    def __init__(self, login: Callable[[], Credentials], *, timeout_s: float = 30.0) -> None:
-        self._login = login
+    ``configure`` makes the library configuration on first use (so an operator without
+    credentials yet starts, and its calls raise ``ApiUnreachable`` until it has some); the
+    client changes that configuration's ``retries`` so that it follows no redirect.
+    """
+
+    def __init__(self, configure: Callable[[], Configuration] = configuration, *,
+                 timeout_s: float = 30.0) -> None:
+        self._configure = configure
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
-        self._creds: Credentials | None = None
-        self._ctx: ssl.SSLContext | None = None
+        self._api: ApiClient | None = None
 
-    def _session(self, refresh: bool = False) -> tuple[Credentials, ssl.SSLContext | None]:
+    def __repr__(self) -> str:  # never the token
+        host = self._api.configuration.host if self._api else "not configured yet"
+        return f"KubeClient({host})"
+
+    def _client(self) -> ApiClient:
         with self._lock:
-            if self._creds is None or refresh:
-                self._creds = self._login()
-                self._ctx = (_ssl_context(self._creds)
-                             if self._creds.server.startswith("https") else None)
-            return self._creds, self._ctx
+            if self._api is None:
+                try:
+                    config = self._configure()
+                except ConfigException as e:
+                    raise ApiUnreachable(f"No credentials for the API server: {e}.") from e
+                config.retries = _without_redirects(config.retries)
+                self._api = ApiClient(config)
+            return self._api
 
     def request(self, method: str, path: str, body: Mapping[str, Any] | None = None, *,
                 query: Mapping[str, str] | None = None, content_type: str = JSON,
                 timeout_s: float | None = None) -> Any:
-        """One call; the decoded JSON answer. Retries once with fresh credentials on 401."""
-        for attempt in (0, 1):
-            creds, ctx = self._session(refresh=attempt == 1)
-            try:
-                return self._once(creds, ctx, method, path, body, query, content_type,
-                                  timeout_s or self.timeout_s)
-            except ApiError as e:
-                if e.status != 401 or attempt == 1:
-                    raise
-                log.info("API server answered 401 for %s %s: logging in again", method, path)
-        raise AssertionError("unreachable")
-
-    def _once(self, creds: Credentials, ctx: ssl.SSLContext | None, method: str, path: str,
-              body: Mapping[str, Any] | None, query: Mapping[str, str] | None,
-              content_type: str, timeout_s: float) -> Any:
-        url = creds.server + path + (f"?{urllib.parse.urlencode(query)}" if query else "")
-        headers = {"Accept": JSON}
-        if creds.token:
-            headers["Authorization"] = f"Bearer {creds.token}"
-        data = None
-        if body is not None:
-            data = json.dumps(body).encode()
-            headers["Content-Type"] = content_type
-        req = urllib.request.Request(url, data=data, method=method, headers=headers)
+        """One call; the decoded JSON answer."""
+        api = self._client()
+        headers = {"Accept": JSON, **({"Content-Type": content_type} if body is not None
+                                      else {})}
         try:
-            with urllib.request.urlopen(req, timeout=timeout_s, context=ctx) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as e:
-            raise _api_error(method, path, e) from None
-        except (urllib.error.URLError, OSError, TimeoutError) as e:
-            reason = getattr(e, "reason", e)
-            raise ApiUnreachable(f"{method} {path}: no answer from {creds.server}: "
-                                 f"{reason}.") from e
+            # auth_settings: the library adds the (refreshed) bearer token, if there is one.
+            request = api.param_serialize(method, path, query_params=list((query or {}).items()),
+                                          header_params=headers, auth_settings=["BearerToken"],
+                                          body=None if body is None else dict(body))
+            response = api.call_api(*request, _request_timeout=timeout_s or self.timeout_s)
+            raw: bytes = response.read()  # type: ignore[no-untyped-call]
+        except (HTTPError, ApiException, ConfigException, OSError) as e:
+            raise ApiUnreachable(f"{method} {path}: no answer from {api.configuration.host}: "
+                                 f"{_reason(e)}.") from e
+        if not 200 <= response.status < 300:
+            raise _api_error(method, path, response.status, raw)
         return json.loads(raw) if raw else {}
 
     # --- conveniences ----------------------------------------------------------------
@@ -173,15 +164,22 @@ class KubeClient:
                                              "propagationPolicy": propagation})
 
 
-def _api_error(method: str, path: str, e: urllib.error.HTTPError) -> ApiError:
+def _reason(e: Exception) -> str:
+    """Why no answer came, in one line (urllib3's own text names the URL and the pool)."""
+    reason = getattr(e, "reason", None) or e
+    return " ".join(str(reason).split())
+
+
+def _api_error(method: str, path: str, status: int, raw: bytes) -> ApiError:
     try:
-        status = json.loads(e.read())
-        message, reason = str(status.get("message", "")), str(status.get("reason", ""))
-    except (ValueError, AttributeError, OSError):
-        message, reason = f"HTTP {e.code}", ""
-    text = f"{method} {path}: HTTP {e.code} {reason}: {message}"
-    cls = {404: NotFound, 409: Conflict}.get(e.code, ApiError)
-    return cls(text, e.code, reason)
+        answer = json.loads(raw)
+        message, reason = str(answer.get("message", "")), str(answer.get("reason", ""))
+    except (ValueError, AttributeError):
+        message, reason = f"HTTP {status}", ""
+    if 300 <= status < 400:
+        message = "a redirect, which this client never follows (it would carry credentials)"
+    text = f"{method} {path}: HTTP {status} {reason}: {message}"
+    return _ERRORS.get(status, ApiError)(text, status, reason)
 
 
 def api_path(group: str, version: str, plural: str, namespace: str, name: str = "",
@@ -189,7 +187,7 @@ def api_path(group: str, version: str, plural: str, namespace: str, name: str = 
     """The REST path of a namespaced resource (core group when ``group`` is empty).
 
     Namespace, name and subresource are quoted as single path segments: a name read from
-    a spec cannot add segments (``/``), a query (``?``) or a fragment (``#``, which urllib
+    a spec cannot add segments (``/``), a query (``?``) or a fragment (``#``, which urllib3
     drops, so ``fleet#x/status`` would reach the fleet itself instead of its status).
     """
     def seg(text: str) -> str:

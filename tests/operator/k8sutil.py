@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import yaml
+from kubernetes.client import Configuration
 
 from dcr_operator.crds import crd_manifests
 from dcr_operator.errors import Conflict, NotFound
-from dcr_operator.kube import Credentials, KubeClient
+from dcr_operator.kube import KubeClient
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "dcr"
@@ -42,10 +43,9 @@ KINDS: dict[str, tuple[str, str, bool]] = {
 
 def admin_client(cp: Any) -> KubeClient:
     """A client of the control plane's admin (system:masters) client certificate."""
-    creds = Credentials(server=cp.server, ca_path=str(cp.ca_path),
-                        certificate_path=str(cp.admin_cert_path),
-                        private_key_path=str(cp.admin_key_path))
-    return KubeClient(lambda: creds)
+    return KubeClient(lambda: Configuration(host=cp.server, ssl_ca_cert=str(cp.ca_path),
+                                            cert_file=str(cp.admin_cert_path),
+                                            key_file=str(cp.admin_key_path)))
 
 
 def path_of(obj: dict[str, Any], namespace: str | None = None, *, named: bool = False) -> str:

@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 from k8sutil import apply, install_crds
+from kubernetes.client import Configuration
 
 from dcr.protocol.commitstore import CommitStoreError
 from dcr.protocol.records import CommitOutcome, CommitRecord
 from dcr_operator.commitstore import FleetCommitStore
-from dcr_operator.kube import Credentials, KubeClient
+from dcr_operator.kube import KubeClient
 
 pytestmark = pytest.mark.e2e
 
@@ -108,7 +109,7 @@ def test_no_apiserver_is_unknown_and_a_missing_fleet_is_failed(
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = f"https://127.0.0.1:{s.getsockname()[1]}"
-    offline = FleetCommitStore(KubeClient(lambda: Credentials(server=dead), timeout_s=2),
+    offline = FleetCommitStore(KubeClient(lambda: Configuration(host=dead), timeout_s=2),
                                namespace, "fleet")
     assert offline.compare_and_set(V0, V1) is CommitOutcome.UNKNOWN
     with pytest.raises(CommitStoreError, match="Cannot read the commit record"):
