@@ -17,6 +17,7 @@ Modules, one concern each:
 * :mod:`.commitstore`: the commit record in the fleet's status, as a ``CommitStore``.
 * :mod:`.reconcile`: pure functions: validation, conditions, phase, receivers, status.
 * :mod:`.jobs`: encoder Job manifests and the owner handle that waits for them.
+* :mod:`.volumes`: the volumes an encoder profile mounts (checkpoints) and their checks.
 * :mod:`.refit`: one refit: the coordinator in a thread, recording progress.
 * :mod:`.cleanup`: what the WeightRefit finalizer deletes from the object store.
 * :mod:`.settings`: the operator's settings, parsed once from its environment.
