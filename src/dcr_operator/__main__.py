@@ -29,9 +29,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    # kopf reports every successful timer run at INFO: once per fleet per interval.
-    logging.getLogger("kopf.objects").addFilter(
-        lambda r: not str(r.msg).startswith("Timer 'receivers' succeeded"))
     import kopf
 
     import dcr_operator.handlers  # noqa: F401  (registers the handlers)

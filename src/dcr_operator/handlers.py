@@ -2,8 +2,9 @@
 
 RolloutFleet
     ``create`` / ``resume`` / ``update``: write the initial commit record (if none) and
-    the receivers' status. A timer refreshes ``status.receivers`` and the Ready,
-    Progressing and Degraded conditions every ``fleet_status_seconds``.
+    the receivers' status. One task of the operator (not a kopf timer per fleet) refreshes
+    ``status.receivers`` and the Ready, Progressing and Degraded conditions of every fleet
+    in the ``fleets`` index every ``fleet_status_seconds``.
 
 WeightRefit
     A **daemon** per WeightRefit that is not Committed or Failed runs
@@ -16,6 +17,17 @@ WeightRefit
     becomes ``TemporaryError(delay=retry_seconds)``; every step is idempotent.
     ``delete``: the finalizer stops the run, deletes unfinished encoder Jobs (owner
     references collect the rest) and removes the refit's objects from the store.
+
+Finalizers, and why so few. kopf puts its finalizer (``dcr.dev/cleanup``) on every object
+a daemon or timer serves and on every object a non-optional ``delete`` handler matches,
+and only a running operator removes it: after ``helm uninstall`` (or with the operator's
+pod gone first when a namespace is deleted) such an object, and so its namespace, hangs
+in Terminating. So only a WeightRefit the operator still has work for carries it: one
+that is unfinished (the daemon; its run to stop) or that recorded attempts whose
+payloads the store may hold (``_has_cleanup``). A RolloutFleet never does, which is why
+its status is polled by an operator-wide task over a kopf index rather than a timer; a
+refit that ended with nothing in the store loses the finalizer. docs/operations.md says
+what to do before uninstalling.
 
 Credentials: a ServiceAccount token in a pod, else the kubeconfig (``$KUBECONFIG``),
 tried in that order by kopf's login and by the coordinator's synchronous client
@@ -160,13 +172,48 @@ def _refresh_fleet(kube: KubeClient, fleet: Mapping[str, Any]) -> None:
     refresh(kube, fleet, clock=now, active=holder(meta["namespace"], meta["name"]))
 
 
-@kopf.timer(GROUP, VERSION, FLEET_PLURAL, id="receivers",
-            interval=SETTINGS.fleet_status_seconds, initial_delay=SETTINGS.fleet_status_seconds)
-async def fleet_receivers(body: kopf.Body, memo: Any, **_: Any) -> None:
-    try:
-        await _blocking(_refresh_fleet, _kube(memo), dict(body))
-    except (ApiError, ApiUnreachable, InvalidResource) as e:
-        raise kopf.TemporaryError(str(e), delay=SETTINGS.retry_seconds) from e
+@kopf.index(GROUP, VERSION, FLEET_PLURAL)
+def fleets(namespace: str | None, name: str, **_: Any) -> dict[tuple[str, str], bool]:
+    """Every RolloutFleet kopf serves here (an index needs no finalizer; a timer would)."""
+    assert namespace is not None
+    return {(namespace, name): True}
+
+
+@kopf.on.startup()
+async def start_fleet_polls(memo: kopf.Memo, **kwargs: Any) -> None:
+    index: kopf.Index[tuple[str, str], bool] = kwargs["fleets"]  # kopf passes indices by id
+    memo.fleet_polls = asyncio.create_task(_poll_fleets(_kube(memo), index))
+
+
+@kopf.on.cleanup()
+async def stop_fleet_polls(memo: kopf.Memo, **_: Any) -> None:
+    task: asyncio.Task[None] | None = getattr(memo, "fleet_polls", None)
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def _poll_fleets(kube: KubeClient, index: kopf.Index[tuple[str, str], bool]) -> None:
+    """Refresh every indexed fleet's status every ``fleet_status_seconds``, concurrently.
+
+    The index fills while kopf serves, so a standby paused from its start polls nothing.
+    One that served and was then paused behind a peer of higher priority keeps polling
+    the fleets it knew, reporting no refit running on them (it runs none), until it
+    restarts; the chart runs one replica. One fleet's failure never stops the others'.
+    """
+    async def one(namespace: str, name: str) -> None:
+        try:
+            fleet = await _blocking(kube.get, fleet_path(namespace, name))
+            await _blocking(_refresh_fleet, kube, fleet)
+        except NotFound:
+            pass  # deleted since it was indexed
+        except Exception as e:  # the next round tries again, as kopf retried the timer
+            log.warning("RolloutFleet %s/%s: status not refreshed: %s", namespace, name, e)
+
+    while True:
+        await asyncio.sleep(SETTINGS.fleet_status_seconds)
+        await asyncio.gather(*(one(ns, name) for ns, name in list(index)))
 
 
 # --- WeightRefit ----------------------------------------------------------------------
@@ -174,6 +221,11 @@ async def fleet_receivers(body: kopf.Body, memo: Any, **_: Any) -> None:
 
 def _unfinished(status: Mapping[str, Any], **_: Any) -> bool:
     return not is_final(status.get("phase"))
+
+
+def _has_cleanup(status: Mapping[str, Any], **_: Any) -> bool:
+    """Work for the finalizer: a run to stop, or attempts whose objects the store may hold."""
+    return _unfinished(status) or (SETTINGS.cleanup_store and bool(status.get("attempts")))
 
 
 @kopf.daemon(GROUP, VERSION, REFIT_PLURAL, id="refit", when=_unfinished,
@@ -248,7 +300,7 @@ def _result(done: asyncio.Future[str], name: str) -> str:
                                   delay=3 * SETTINGS.retry_seconds) from e
 
 
-@kopf.on.delete(GROUP, VERSION, REFIT_PLURAL, id="cleanup")
+@kopf.on.delete(GROUP, VERSION, REFIT_PLURAL, id="cleanup", when=_has_cleanup)
 async def refit_deleted(body: kopf.Body, memo: Any, namespace: str | None, name: str,
                         uid: str, runtime: dt.timedelta, **_: Any) -> None:
     assert namespace is not None

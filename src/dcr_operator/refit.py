@@ -354,7 +354,7 @@ class RefitRun:
         acks = {n: r["lastAck"] for n, r in rec.receivers.items() if r.get("lastAck")}
         try:
             refresh(self.kube, fleet, clock=self.clock, active=None, acks=acks)
-        except Exception as e:  # the fleet timer writes it again later
+        except Exception as e:  # the operator's fleet poll writes it again later
             log.warning("could not refresh RolloutFleet %s status: %s",
                         fleet["metadata"]["name"], e)
             set_active(self.kube, self.namespace, fleet["metadata"]["name"], None)
