@@ -1,4 +1,4 @@
-/* Native kernels for the codec's two hot loops.
+/* Native kernels for the codec's hot loops.
  *
  * scan:  compare two equal-length arrays of fixed-width elements as raw bits and
  *        emit, in one pass, every differing index with its old and new bits.
@@ -6,10 +6,14 @@
  *        instructions per block; at 1-5% change rates most blocks are skipped or
  *        hold one change.
  *
- * scatter: write (overwrite entries) or XOR (XOR entries) values at positions in
- *        place, touching only those elements.
+ * scatter: write (overwrite entries) or XOR (XOR entries) values at positions (plus a
+ *        constant shift) in place, touching only those elements.
  *
- * Both work on the buffer protocol (numpy arrays, mmaps), release the GIL, and use
+ * positions: turn one item's coded locations (gaps or runs, escape-coded; FORMAT.md)
+ *        into ascending element indices in one pass, instead of numpy's widen, escape
+ *        join, add and cumulative sum, each a pass of its own.
+ *
+ * All work on the buffer protocol (numpy arrays, mmaps), release the GIL, and use
  * memcpy for loads so unaligned tensors (safetensors does not align) are fine.
  */
 #define PY_SSIZE_T_CLEAN
@@ -128,8 +132,9 @@ done:
     do {                                                                                 \
         const T *v = (const T *)vals;                                                    \
         for (Py_ssize_t i = 0; i < count; i++) {                                         \
-            unsigned char *dst = tgt + pos[i] * (Py_ssize_t)sizeof(T);                   \
-            T cur = v[i];                                                                \
+            unsigned char *dst = tgt + (pos[i] + shift) * (Py_ssize_t)sizeof(T);         \
+            T cur;                                                                       \
+            memcpy(&cur, v + i, sizeof cur);                                             \
             if (xor) {                                                                   \
                 T old;                                                                   \
                 memcpy(&old, dst, sizeof old);                                           \
@@ -139,13 +144,14 @@ done:
         }                                                                                \
     } while (0)
 
-/* scatter(target, itemsize, positions, values, xor) -> None
- * target[positions[i]] = values[i], or ^= when xor. Every position is bounds-checked
- * before the first write, so a bad index writes nothing. */
+/* scatter(target, itemsize, positions, values, xor, shift=0) -> None
+ * target[positions[i] + shift] = values[i], or ^= when xor. Every position is
+ * bounds-checked before the first write, so a bad index writes nothing. */
 static PyObject *scatter(PyObject *self, PyObject *args) {
     Py_buffer t, p, v;
     int itemsize, xor;
-    if (!PyArg_ParseTuple(args, "w*iy*y*p", &t, &itemsize, &p, &v, &xor))
+    long long shift = 0;
+    if (!PyArg_ParseTuple(args, "w*iy*y*p|L", &t, &itemsize, &p, &v, &xor, &shift))
         return NULL;
     PyObject *result = NULL;
     Py_ssize_t count = p.len / 8;
@@ -163,9 +169,10 @@ static PyObject *scatter(PyObject *self, PyObject *args) {
     unsigned char *tgt = t.buf;
     Py_ssize_t n = t.len / itemsize;
     for (Py_ssize_t i = 0; i < count; i++) {
-        if (pos[i] < 0 || pos[i] >= n) {
-            PyErr_Format(PyExc_IndexError, "position %lld of record %zd is outside a target "
-                         "of %zd elements", (long long)pos[i], i, n);
+        int64_t q;
+        if (__builtin_add_overflow(pos[i], (int64_t)shift, &q) || q < 0 || q >= n) {
+            PyErr_Format(PyExc_IndexError, "position %lld of record %zd (shifted by %lld) is "
+                         "outside a target of %zd elements", (long long)pos[i], i, shift, n);
             goto done;
         }
     }
@@ -186,11 +193,131 @@ done:
     return result;
 }
 
+/* An unsigned little-endian value of `width` bytes (1, 2, 4 or 8) at index i. */
+static inline uint64_t load_uint(const unsigned char *base, int width, Py_ssize_t i) {
+    switch (width) {
+    case 1: return base[i];
+    case 2: { uint16_t x; memcpy(&x, base + 2 * i, 2); return x; }
+    case 4: { uint32_t x; memcpy(&x, base + 4 * i, 4); return x; }
+    default: { uint64_t x; memcpy(&x, base + 8 * i, 8); return x; }
+    }
+}
+
+/* Runs through one item's location values; 0 on success, else the error is set.
+ * Every sum is checked against `span`, so a hostile item cannot overflow or write past
+ * `out` even if the caller skipped its own validation. */
+static int positions_impl(const unsigned char *small, Py_ssize_t nloc, const unsigned char *esc,
+                          Py_ssize_t nesc, int esc_width, const unsigned char *lens,
+                          int len_width, int64_t start, int64_t span, int64_t *out,
+                          Py_ssize_t count) {
+    Py_ssize_t e = 0, k = 0;
+    uint64_t next = 0; /* the element after the previous record or run, relative to start */
+    if (!lens) { /* gaps: one record per location value */
+        if (nloc != count)
+            return 1;
+        for (Py_ssize_t i = 0; i < nloc; i++) {
+            uint64_t gap = small[i];
+            if (__builtin_expect(gap == 255, 0)) {
+                if (e == nesc)
+                    return 1;
+                uint64_t x = load_uint(esc, esc_width, e++);
+                if (x > (uint64_t)span)
+                    return 2;
+                gap = x + 255;
+            }
+            next += gap;
+            if (next >= (uint64_t)span)
+                return 2;
+            out[i] = start + (int64_t)next;
+            next++;
+        }
+        return e != nesc ? 1 : 0;
+    }
+    for (Py_ssize_t i = 0; i < nloc; i++) { /* runs */
+        uint64_t gap = small[i];
+        if (gap == 255) {
+            if (e == nesc)
+                return 1;
+            uint64_t x = load_uint(esc, esc_width, e++);
+            if (x > (uint64_t)span)
+                return 2;
+            gap = x + 255;
+        }
+        uint64_t length = load_uint(lens, len_width, i);
+        if (length >= (uint64_t)span)
+            return 2;
+        length++;
+        uint64_t first = next + gap;
+        if (first > (uint64_t)span || length > (uint64_t)span - first ||
+            length > (uint64_t)(count - k))
+            return 2;
+        for (uint64_t j = 0; j < length; j++)
+            out[k++] = start + (int64_t)(first + j);
+        next = first + length;
+    }
+    return (k != count || e != nesc) ? 1 : 0;
+}
+
+/* positions(small, escaped, esc_width, lengths, len_width, start, span, out) -> None
+ * small: one byte per location value, 255 marking an escape; escaped: the escaped
+ * values minus 255, esc_width bytes each; lengths: run lengths minus one, len_width bytes
+ * each, one per location value (a `runs` item), or empty for a `gaps` item. Writes the
+ * item's element indices (start + offset in the item) to out (int64, one per record). */
+static PyObject *positions(PyObject *self, PyObject *args) {
+    Py_buffer s, e, l, o;
+    int esc_width, len_width;
+    long long start, span;
+    if (!PyArg_ParseTuple(args, "y*y*iy*iLLw*", &s, &e, &esc_width, &l, &len_width, &start,
+                          &span, &o))
+        return NULL;
+    PyObject *result = NULL;
+    int ok_width = (esc_width == 1 || esc_width == 2 || esc_width == 4 || esc_width == 8) &&
+                   (len_width == 1 || len_width == 2 || len_width == 4 || len_width == 8);
+    if (!ok_width || e.len % esc_width || l.len % len_width || o.len % 8 || start < 0 ||
+        span < 0) {
+        PyErr_Format(PyExc_ValueError, "bad widths (%d, %d), buffer sizes or range", esc_width,
+                     len_width);
+        goto done;
+    }
+    int runs = l.len > 0;
+    if (runs && l.len / len_width != s.len) {
+        PyErr_Format(PyExc_ValueError, "%zd run lengths for %zd location values",
+                     l.len / len_width, s.len);
+        goto done;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = positions_impl(s.buf, s.len, e.buf, e.len / esc_width, esc_width,
+                        runs ? l.buf : NULL, len_width, start, span, o.buf, o.len / 8);
+    Py_END_ALLOW_THREADS
+    if (rc == 1) {
+        PyErr_Format(PyExc_ValueError, "location values do not match %zd records and %zd "
+                     "escapes", o.len / 8, e.len / esc_width);
+        goto done;
+    }
+    if (rc == 2) {
+        PyErr_Format(PyExc_ValueError, "locations reach past the item's %lld elements", span);
+        goto done;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&s);
+    PyBuffer_Release(&e);
+    PyBuffer_Release(&l);
+    PyBuffer_Release(&o);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS,
      "scan(base, target, itemsize, positions, old, new, offset) -> count of changed elements"},
     {"scatter", scatter, METH_VARARGS,
-     "scatter(target, itemsize, positions, values, xor) -> None: write or XOR values in place"},
+     "scatter(target, itemsize, positions, values, xor, shift=0) -> None: write or XOR "
+     "values at positions + shift in place"},
+    {"positions", positions, METH_VARARGS,
+     "positions(small, escaped, esc_width, lengths, len_width, start, span, out) -> None: "
+     "one item's coded locations as ascending element indices"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -31,15 +31,40 @@ APPLY_BLOCK = 1 << 22  # records per scatter; bounds temporaries to ~64 MiB
 
 @dataclass(frozen=True, kw_only=True)
 class DecodedItem:
+    """One item's records, still location-coded: ``small`` is ``loc.0`` (one byte per
+    location value, 255 escaping to ``escaped``, which holds the value minus 255),
+    ``len_values`` the run lengths minus one of a ``runs`` item, ``values`` the bits."""
+
     header: ItemHeader
-    locations: Locations
+    small: U8
+    escaped: UInt | None
+    len_values: UInt | None
     values: UInt
+
+    @property
+    def locations(self) -> Locations:
+        """The location values joined (one array, 8 bytes each): for :meth:`blocks`."""
+        return Locations(loc=self.header.loc, count=self.header.count,
+                         loc_values=escape_join(self.small, self.escaped),
+                         len_values=self.len_values)
+
+    def positions(self, out: npt.NDArray[np.int64]) -> None:
+        """Write the item's flat tensor indices (ascending) to ``out``, one per record, in
+        one pass of the native kernel, without joining the escapes first."""
+        esc = self.escaped if self.escaped is not None else _EMPTY
+        lens = self.len_values if self.len_values is not None else _EMPTY
+        h = self.header
+        _native.positions(self.small, esc, esc.itemsize, lens, lens.itemsize, h.start,
+                          h.stop - h.start, out)
 
     def blocks(self, block: int = APPLY_BLOCK) -> Iterator[tuple[npt.NDArray[np.int64], UInt]]:
         """Yield (flat tensor indices, values) in blocks of at most ``block`` records."""
         for lo, pos in locations.iter_positions(self.locations, block=block):
             pos += self.header.start
             yield pos, self.values[lo : lo + len(pos)]
+
+
+_EMPTY: U8 = np.zeros(0, dtype=np.uint8)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,19 +113,19 @@ def decode(payload: Payload) -> list[DecodedItem]:
                     f"exceeds the item's {span} elements."
                 )
             _check_width(where, "loc_width", it.loc_width, top)
-        loc_values = escape_join(small, escaped)
         len_values = planes(parts, "len", it.len_width) if it.loc == "runs" else None
         if len_values is not None:
             _check_width(where, "len_width", it.len_width, int(len_values.max()))
         size = DTYPES[it.dtype].itemsize
         values = planes(parts, f"val.{it.entry}.{it.dtype}", size)
-        locs = Locations(loc=it.loc, count=it.count, loc_values=loc_values, len_values=len_values)
-        locations.validate(where, locs, span)
+        locations.validate_escaped(where, count=it.count, small=small, escaped=escaped,
+                                   len_values=len_values, span=span)
         if it.entry == "xor":
             zeros = it.count - int(np.count_nonzero(values))
             if zeros:
                 raise MalformedPayload(f"Item {where}: {zeros} XOR masks are zero.")
-        items.append(DecodedItem(header=it, locations=locs, values=values))
+        items.append(DecodedItem(header=it, small=small, escaped=escaped,
+                                 len_values=len_values, values=values))
     return items
 
 

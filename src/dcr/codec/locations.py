@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dcr.codec.changes import Positions
-from dcr.codec.planes import UInt, uint_dtype, width_for
+from dcr.codec.planes import ESCAPE, U8, UInt, uint_dtype, width_for
 from dcr.errors import MalformedPayload
 from dcr.format.payload import LocCoding
 
@@ -74,14 +74,42 @@ def _narrow(values: Positions) -> UInt:
 
 def validate(where: str, locs: Locations, span: int) -> None:
     """Check that every position falls inside ``[0, span)`` without materialising them."""
-    reach = _bounded_sum(where, locs.loc_values, span)
-    if locs.len_values is None:
-        reach += locs.count
+    _check_reach(where, locs.count, _bounded_sum(where, locs.loc_values, span),
+                 locs.len_values, span)
+
+
+def validate_escaped(where: str, *, count: int, small: U8, escaped: UInt | None,
+                     len_values: UInt | None, span: int) -> None:
+    """:func:`validate` for location values still escape-coded (``loc.0`` bytes, 255
+    marking a value whose excess over 255 is in ``escaped``), without joining them: an
+    escaped value is at least 255, above every plain byte, so the largest value is the
+    largest escape plus 255 when there are escapes; and the sum of the values is the sum
+    of the bytes (255 for each escape) plus the sum of the escapes. The caller has
+    checked every escape against ``span`` and their count against the 255 bytes."""
+    escapes = escaped if escaped is not None and escaped.size else None
+    top = (int(escapes.max()) + ESCAPE if escapes is not None
+           else int(small.max()) if small.size else 0)
+    if top > span:
+        raise MalformedPayload(
+            f"Item {where}: location value {top} exceeds the item's {span} elements."
+        )
+    total = int(small.sum(dtype=np.uint64))  # at most 255 per record: no overflow
+    if escapes is not None:
+        total += _bounded_sum(where, escapes, span)
+    _check_reach(where, count, total, len_values, span)
+
+
+def _check_reach(where: str, count: int, reach: int, len_values: UInt | None,
+                 span: int) -> None:
+    """The last position (``reach - 1``, from the location values' sum and the records)
+    lies inside the item; for runs, the lengths add up to the records."""
+    if len_values is None:
+        reach += count
     else:
-        lengths = _bounded_sum(where, locs.len_values, span) + locs.runs
-        if lengths != locs.count:
+        lengths = _bounded_sum(where, len_values, span) + len(len_values)
+        if lengths != count:
             raise MalformedPayload(
-                f"Item {where}: run lengths add up to {lengths} records, header says {locs.count}."
+                f"Item {where}: run lengths add up to {lengths} records, header says {count}."
             )
         reach += lengths
     if reach > span:
