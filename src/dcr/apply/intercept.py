@@ -9,6 +9,11 @@ the handler too, as a source of ``None``: it writes the same bytes on every load
 is replayed as is. Any other op that would write a registered storage (``index_put_``,
 an ``out=`` variant, ...) fails the apply: DCR only knows how to honour these two.
 Writes to other tensors (the loader's temporaries) run normally.
+
+The interceptor also notes which registered storages an op *reads* (any op but a view,
+or a copy out of one): a loader that reads a parameter back while it loads sees what
+was written before, so the engine may defer its writes only for a loader that never
+does (:attr:`WriteInterceptor.reads`).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ class WriteInterceptor(TorchDispatchMode):  # type: ignore[no-untyped-call]
         super().__init__()  # type: ignore[no-untyped-call]
         self.storages = storages
         self.handler = handler
+        self.reads: set[str] = set()  # registered storages whose data an op read
 
     def __torch_dispatch__(
         self,
@@ -59,26 +65,49 @@ class WriteInterceptor(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 src = args[1] if func is aten.copy_.default else None
                 self.handler(name, dst, src, lambda: func(*args, **kwargs))
                 return dst
-        else:
-            hit = self._written_storage(func, args, kwargs)
-            if hit is not None:
-                raise LoaderPathError(
-                    f"The loader writes parameter storage {hit!r} with {func}; only copy_ "
-                    "into parameter views can be applied in place."
-                )
+        written, read = self._registered_args(func, args, kwargs)
+        if written is not None:
+            raise LoaderPathError(
+                f"The loader writes parameter storage {written!r} with {func}; only copy_ "
+                "into parameter views can be applied in place."
+            )
+        if read is not None:
+            self.reads.add(read)
         return func(*args, **kwargs)
 
-    def _written_storage(
+    def _registered_args(
         self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> str | None:
-        for i, arg in enumerate(func._schema.arguments):
-            if arg.alias_info is None or not arg.alias_info.is_write:
-                continue
-            value = args[i] if i < len(args) else kwargs.get(arg.name)
-            tensors = value if isinstance(value, list | tuple) else [value]
+    ) -> tuple[str | None, str | None]:
+        """The first registered storage among the op's written arguments, and among the
+        ones it only reads (a view op reads no data)."""
+        written: str | None = None
+        read: str | None = None
+        is_view, spec = _spec(func)
+        for i, arg_name, is_write in spec:
+            value = args[i] if i < len(args) else kwargs.get(arg_name)
+            tensors = value if isinstance(value, list | tuple) else (value,)
             for t in tensors:
                 if isinstance(t, torch.Tensor):
                     name = self.storages.get(storage_key(t))
-                    if name is not None:
-                        return name
-        return None
+                    if name is None:
+                        continue
+                    if is_write:
+                        written = written or name
+                    elif not is_view:
+                        read = read or name
+        return written, read
+
+
+# op -> (is a view op, per argument: index, name, whether the op writes it); the schema's
+# argument list is rebuilt on every access, and the loader runs the same few ops
+_SPECS: dict[Any, tuple[bool, tuple[tuple[int, str, bool], ...]]] = {}
+
+
+def _spec(func: Any) -> tuple[bool, tuple[tuple[int, str, bool], ...]]:
+    spec = _SPECS.get(func)
+    if spec is None:
+        spec = (bool(func.is_view), tuple(
+            (i, a.name, a.alias_info is not None and a.alias_info.is_write)
+            for i, a in enumerate(func._schema.arguments)))
+        _SPECS[func] = spec
+    return spec
