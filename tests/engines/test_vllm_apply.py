@@ -40,14 +40,18 @@ def canonical(model_dir: Path) -> list[CanonicalTensor]:
                 for i in ckpt]
 
 
+@pytest.mark.parametrize("path", ["deferred", "staged"])
 @pytest.mark.parametrize("mode", ["mixed", "overwrite"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_refit_through_vllm_model_classes_matches_a_dense_load_bit_for_bit(
-        family: str, mode: Mode, versions: Callable[[str], list[Path]]) -> None:
+        family: str, mode: Mode, path: str, versions: Callable[[str], list[Path]]) -> None:
+    """``deferred``: the engine as receivers run it (one loader call for the set, writes
+    after it is checked); ``staged``: one call per tensor, every write read back."""
     dirs = versions(family)
     receiver, dense = vllm_cpu.build_model(dirs[0]), vllm_cpu.build_model(dirs[0])
     vllm_cpu.load_dense(receiver, dirs[0])
-    engine = ApplyEngine(VllmRuntime(receiver), verify=True)
+    engine = (ApplyEngine(VllmRuntime(receiver)) if path == "deferred" else
+              ApplyEngine(VllmRuntime(receiver), defer=False, verify=True))
     with vllm_cpu.current(receiver):
         profile = engine.prewarm(canonical(dirs[0]))
     # Every BF16 tensor reaches storage through same-dtype copies of scratch views.
@@ -60,6 +64,8 @@ def test_refit_through_vllm_model_classes_matches_a_dense_load_bit_for_bit(
         with vllm_cpu.current(receiver):
             report = engine.apply_payloads([store.get(e.key) for e in m.payloads])
         assert report.records == m.stats.changed_elements
+        assert report.loads == (1 if path == "deferred" else report.tensors)
+        assert report.deferred == (report.tensors if path == "deferred" else 0)
         vllm_cpu.load_dense(dense, dirs[v])
         assert vllm_cpu.differing(receiver, dense) == [], f"after v{v}"
 

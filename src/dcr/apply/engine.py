@@ -1,10 +1,9 @@
 """The apply engine: decoded items -> scratch -> the runtime's own loader -> storage.
 
-For each canonical tensor a payload touches, the engine stages its entries in a
-reusable scratch tensor shaped like the canonical tensor (XOR masks on zeros; absolute
-values on NaN placeholders where the path converts), calls the runtime's native loader
-with ``(name, scratch)``, and intercepts the loader's final copies into parameter
-storage (:mod:`dcr.apply.intercept`):
+For each canonical tensor a payload touches, the engine hands the runtime's native
+loader ``(name, scratch)``, where scratch is a reusable tensor shaped like the canonical
+tensor, and intercepts the loader's final copies into parameter storage
+(:mod:`dcr.apply.intercept`):
 
 * a copy of a scratch view of the same dtype is inverted (:mod:`dcr.apply.geometry`) and
   only the changed elements are touched: XOR the mask in, or write the value;
@@ -25,6 +24,25 @@ tensor the model lacks, or a huge shape, is refused while it is still small. Str
 are then decoded under limits derived from the model (:attr:`ApplyEngine.limits`,
 :meth:`DecodeLimits.for_tensors`), a second guard that a receiver can also pass to
 :func:`~dcr.format.payload.read_payload`.
+
+Choices, and why (``docs/apply.md``, "Where apply time goes", has the numbers):
+
+* **One loader call for the whole set, writes deferred.** A tensor whose every write at
+  prewarm was a mapped copy or a constant fill, and whose load read no parameter
+  storage, is *deferrable*: the values the loader copies never matter, only where it
+  copies them. All deferrable tensors of an apply go through one ``load_weights`` call
+  (vLLM's loader costs ~1-2 ms a call before it loads anything); DCR records every
+  write without running it, checks each tensor's writes against prewarm's, the names
+  the loader reports, and that no storage moved, and only then writes the changed
+  elements. A loader that fails or strays mid-way leaves every parameter as it was.
+* **No staging for deferrable tensors.** Their scratch stays all zeros: the changed
+  elements go from the decoded records straight to storage (one scatter per record
+  instead of three: stage, write, reset).
+* **Scatter by shift.** A row-major source view copied into a row-major destination
+  view (fused QKV rows, a whole tensor, a TP row shard) maps canonical position ``p`` to
+  storage index ``p + shift``: the C kernel adds it, so no index array is built.
+* Tensors on other paths (converting, dense, a loader that reads parameters back) are
+  staged and loaded one call each, after the deferred set, as before.
 """
 
 from __future__ import annotations
@@ -33,9 +51,10 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from dcr.apply.geometry import (
@@ -132,6 +151,9 @@ class CopySig:
 class TensorPlan:
     cls: TensorClass
     writes: tuple[CopySig, ...]
+    # every write a mapped copy or a fill, and the load reads no parameter storage:
+    # its writes can wait until the whole set's loader call has been checked
+    deferrable: bool = False
 
 
 @dataclass(kw_only=True)
@@ -139,11 +161,32 @@ class ApplyReport:
     tensors: int = 0
     records: int = 0
     writes: int = 0
-    scatter_s: float = 0.0
-    loader_s: float = 0.0
-    intercept_s: float = 0.0
+    loads: int = 0  # load_weights calls
+    deferred: int = 0  # tensors applied through the one deferred call
+    decode_s: float = 0.0  # verify, check, decompress and validate the payloads
+    scatter_s: float = 0.0  # positions; staging scratch; the deferred writes into storage
+    loader_s: float = 0.0  # the runtime's own loader, less the time in DCR's hook
+    intercept_s: float = 0.0  # DCR's hook in loader calls (on the staged path, its writes)
     classes: dict[str, int] = field(default_factory=dict)
     names: set[str] = field(default_factory=set)  # the canonical tensors written
+
+
+@dataclass(kw_only=True)
+class _Records:
+    """One tensor's decoded records: ascending flat positions and their bits (a signed
+    integer view of the element width), as numpy, and as torch on the engine's device
+    once a path needs them there."""
+
+    positions: npt.NDArray[np.int64]
+    values: npt.NDArray[Any]
+    device: torch.device
+    _torch: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def on_device(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._torch is None:
+            self._torch = (torch.from_numpy(self.positions).to(self.device),
+                           torch.from_numpy(self.values).to(self.device))
+        return self._torch
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -157,21 +200,30 @@ class ApplyEngine:
     """Applies payloads to one runtime (one rank) in place."""
 
     def __init__(self, runtime: Loader, *, device: str | torch.device = "cpu",
-                 verify: bool = False) -> None:
+                 verify: bool = False, defer: bool = True) -> None:
+        """``verify`` reads every mapped write back. ``defer`` (the default) applies the
+        deferrable tensors of a set through one loader call and writes once that call has
+        been checked; ``False`` stages and loads every tensor one call each, as tensors
+        on converting and dense paths always are (slower: to compare, or to watch a
+        loader tensor by tensor)."""
         self.runtime = runtime
         self.device = torch.device(device)
         self.verify = verify
+        self.defer = defer
         self._storages: dict[tuple[str, int], str] = {}
         self._key_of: dict[str, tuple[str, int]] = {}
         for name, t in runtime.named_tensors():
             self._storages.setdefault(storage_key(t), name)
             self._key_of[name] = storage_key(t)
         self._scratch = torch.zeros(0, dtype=torch.uint8, device=self.device)
+        self._scratch_key = storage_key(self._scratch)
         self.tensors: dict[str, CanonicalTensor] = {}
         self.plans: dict[str, TensorPlan] = {}
         self.limits: DecodeLimits = DEFAULT_LIMITS  # narrowed to the model by prewarm
         self._applied: dict[tuple[str, int, int], bytes] = {}
         self.readable: set[str] = set()  # canonical bits can be read back (read_canonical)
+        # (storage, destination view) -> the canonical tensors whose plan writes it
+        self._writers: dict[tuple[str, View], list[str]] = {}
 
     # --- prewarm -------------------------------------------------------------------
 
@@ -184,7 +236,9 @@ class ApplyEngine:
         self.limits = DecodeLimits.for_tensors((t.dtype, t.shape) for t in self.tensors.values())
         largest = max((t.nbytes for t in self.tensors.values()), default=0)
         self._scratch = torch.zeros(largest, dtype=torch.uint8, device=self.device)
+        self._scratch_key = storage_key(self._scratch)
         touched: dict[str, list[tuple[str, View]]] = defaultdict(list)
+        self._writers = {}
         for t in self.tensors.values():
             plan = self._record(t)
             self.plans[t.name] = plan
@@ -192,6 +246,9 @@ class ApplyEngine:
                 self.readable.add(t.name)
             for w in plan.writes:
                 touched[w.storage].append((t.name, w.dst))
+                names = self._writers.setdefault((w.storage, w.dst), [])
+                if t.name not in names:
+                    names.append(t.name)
         self._check_overlaps(touched)
         return ReceiverProfile(tensors={n: p.cls for n, p in sorted(self.plans.items())})
 
@@ -210,13 +267,14 @@ class ApplyEngine:
         def record(storage: str, dst: torch.Tensor, src: torch.Tensor | None,
                    run: Callable[[], object]) -> None:
             nonlocal converting_ok
-            sig = self._signature(storage, dst, src, scratch)
+            sig = self._signature(storage, dst, src, scratch.dtype)
             sigs.append(sig)
             if src is not None and sig.src is None and src.is_floating_point():
                 nan = torch.isnan(src)
                 converting_ok &= bool(nan.any()) and not bool(nan.all())
 
-        with WriteInterceptor(self._storages, record):
+        mode = WriteInterceptor(self._storages, record)
+        with mode:
             loaded = self.runtime.load_weights([(t.name, scratch)])
         self._scratch.zero_()
         if not sigs:
@@ -226,7 +284,10 @@ class ApplyEngine:
                     "write into parameter storage was intercepted: it bypasses the hook."
                 )
             return TensorPlan(cls="skip", writes=())
-        return TensorPlan(cls=self._classify(t, sigs, converting_ok), writes=tuple(sigs))
+        cls = self._classify(t, sigs, converting_ok)
+        deferrable = (cls in ("xor", "overwrite") and not mode.reads
+                      and all(w.mapped or w.is_fill for w in sigs))
+        return TensorPlan(cls=cls, writes=tuple(sigs), deferrable=deferrable)
 
     def _classify(self, t: CanonicalTensor, sigs: list[CopySig], converting_ok: bool
                   ) -> TensorClass:
@@ -242,20 +303,20 @@ class ApplyEngine:
         return "overwrite" if t.dtype in FLOATS and converting_ok else "dense"
 
     def _signature(self, storage: str, dst: torch.Tensor, src: torch.Tensor | None,
-                   scratch: torch.Tensor) -> CopySig:
+                   dtype: torch.dtype) -> CopySig:
+        """What a write does, as geometry; ``dtype`` is the canonical tensor's (a source
+        sharing the scratch in that dtype is a view of it). Called once per write, so it
+        reads metadata only and makes no tensor."""
         if src is None:
             return CopySig(storage=storage, dst=View.of(dst), src=None,
                            dst_dtype=str(dst.dtype), src_dtype="fill")
-        shares = (
-            src.device == scratch.device
-            and src.untyped_storage().data_ptr() == scratch.untyped_storage().data_ptr()
-        )
+        shares = storage_key(src) == self._scratch_key
         if tuple(src.shape) != tuple(dst.shape):
             raise LoaderPathError(
                 f"The loader copies a {list(src.shape)} source into a {list(dst.shape)} "
                 f"view of {storage!r}; broadcasting copies are not supported."
             )
-        src_view = View.of(src) if shares and src.dtype == scratch.dtype else None
+        src_view = View.of(src) if shares and src.dtype == dtype else None
         try:
             if src_view is not None:
                 check_invertible(src_view)
@@ -295,8 +356,12 @@ class ApplyEngine:
 
         Bytes are verified here (:func:`read_payload`, under :attr:`limits`); a
         :class:`Payload` was verified when it was read and is used as it is. Every item
-        is checked against the canonical tensors before any stream is decompressed.
+        is checked against the canonical tensors before any stream is decompressed, and
+        every record is validated before anything is written. Deferrable tensors then go
+        through one loader call whose writes run only once it has been checked whole;
+        the others are staged and loaded one call each.
         """
+        t0 = time.perf_counter()
         verified: list[Payload] = []
         ids: dict[tuple[str, int, int], bytes] = {}
         for given in payloads:
@@ -329,17 +394,124 @@ class ApplyEngine:
         for p in verified:
             for item in decode(p):
                 groups[item.header.name].append(item)
+        for group in groups.values():  # disjoint ranges: records ascend across items
+            group.sort(key=lambda i: i.header.start)
         self._applied.update(ids)  # from here on, these must never be applied again
-        report = ApplyReport()
-        for name, group in groups.items():
-            self._apply_tensor(name, group, report)
+        report = ApplyReport(decode_s=time.perf_counter() - t0)
+        live = [n for n in groups if self.plans[n].cls != "skip"]
+        deferred = [n for n in live if self.defer and self.plans[n].deferrable]
+        staged = [n for n in live if not (self.defer and self.plans[n].deferrable)]
+        if deferred:
+            self._apply_deferred(deferred, groups, report)
+        for name in staged:
+            self._apply_tensor(name, groups[name], report)
+        if staged:
+            self._check_moved()
+        return report
+
+    def _check_moved(self) -> None:
+        """No parameter's storage was replaced: a loader that rebinds ``param.data``
+        writes behind the hook, and deferred writes would land in the old storage."""
         moved = [n for n, t in self.runtime.named_tensors() if storage_key(t) != self._key_of[n]]
         if moved:
             raise LoaderPathError(
                 f"The loader replaced the storage of {moved[:3]} instead of writing it in "
                 "place: those writes bypass the hook."
             )
-        return report
+
+    def _records(self, group: list[DecodedItem]) -> _Records:
+        """A tensor's records: ascending flat positions and their values (integer bits)."""
+        count = sum(it.header.count for it in group)
+        positions = np.empty(count, dtype=np.int64)
+        lo = 0
+        for it in group:  # sorted by start, disjoint: positions ascend
+            it.positions(positions[lo : lo + it.header.count])
+            lo += it.header.count
+        values = group[0].values if len(group) == 1 else np.concatenate([i.values for i in group])
+        if values.itemsize > 1:  # torch has no unsigned 16/32/64-bit arithmetic: signed view
+            values = values.view(np.dtype(f"<i{values.itemsize}"))
+        return _Records(positions=positions, values=values, device=self.device)
+
+    def _apply_deferred(self, names: list[str], groups: Mapping[str, list[DecodedItem]],
+                        report: ApplyReport) -> None:
+        """Load every deferrable tensor in one call, recording its writes; check them all;
+        then write the changed elements. Nothing is written unless every check passes."""
+        wanted = set(names)
+        observed: dict[str, list[tuple[CopySig, torch.Tensor, Callable[[], object]]]] = {
+            n: [] for n in names}
+        strays: list[str] = []
+        spent = 0.0
+
+        def record(storage: str, dst: torch.Tensor, src: torch.Tensor | None,
+                   run: Callable[[], object]) -> None:
+            nonlocal spent
+            t1 = time.perf_counter()
+            owners = [n for n in self._writers.get((storage, View.of(dst)), ())
+                      if n in wanted]
+            if not owners:
+                strays.append(storage)
+            # Prewarm's overlap check leaves one owner per destination view (empty views
+            # aside): the tensor whose next planned write this is, else the first.
+            chosen: tuple[str, CopySig] | None = None
+            for n in owners:
+                sig = self._signature(storage, dst, src, TORCH_DTYPES[self.tensors[n].dtype])
+                chosen = chosen or (n, sig)
+                plan, k = self.plans[n].writes, len(observed[n])
+                if k < len(plan) and sig == plan[k]:
+                    chosen = (n, sig)
+                    break
+            if chosen is not None:
+                observed[chosen[0]].append((chosen[1], dst, run))
+            spent += time.perf_counter() - t1
+
+        # The scratch stays zeros: only where the loader copies it matters. Views are
+        # made here, before the dispatch mode would see each op that makes them.
+        weights = [(n, self._scratch_for(self.tensors[n])) for n in names]
+
+        t0 = time.perf_counter()
+        mode = WriteInterceptor(self._storages, record)
+        with mode:
+            loaded = self.runtime.load_weights(iter(weights))
+        report.loader_s += time.perf_counter() - t0 - spent
+        report.intercept_s += spent
+        report.loads += 1
+        self._check_moved()
+        if strays:
+            raise LoaderPathError(
+                f"The loader wrote {sorted(set(strays))[:3]} where no tensor of this apply "
+                "wrote at prewarm; the path changed and nothing was written.")
+        for n in names:
+            if tuple(sig for sig, _, _ in observed[n]) != self.plans[n].writes:
+                raise LoaderPathError(
+                    f"Tensor {n!r}: the loader's writes differ from prewarm's "
+                    f"({len(observed[n])} now, {len(self.plans[n].writes)} then); the path "
+                    "changed and nothing was written.")
+        written = {self._key_of[sig.storage] for obs in observed.values() for sig, _, _ in obs}
+        bypass = [n for n in loaded if n in self._key_of and self._key_of[n] not in written]
+        if bypass:
+            raise LoaderPathError(
+                f"The loader reports {bypass[:3]} loaded without an intercepted write: it "
+                "bypasses the hook; nothing was written.")
+        if mode.reads:
+            raise LoaderPathError(
+                f"The loader read parameter storage {sorted(mode.reads)[:3]} while loading "
+                f"{len(names)} tensors that did not at prewarm; nothing was written.")
+        t2 = time.perf_counter()
+        for n in names:
+            records = self._records(groups[n])
+            xor = groups[n][0].header.entry == "xor"
+            for sig, dst, run in observed[n]:
+                if sig.is_fill:
+                    run()  # a constant fill, replayed as the loader meant it
+                else:
+                    self._write_mapped(sig, dst, records, xor)
+            report.tensors += 1
+            report.names.add(n)
+            report.records += len(records.positions)
+            report.writes += len(observed[n])
+            report.classes[self.plans[n].cls] = report.classes.get(self.plans[n].cls, 0) + 1
+        report.deferred += len(names)
+        report.scatter_s += time.perf_counter() - t2
 
     def _check_items(self, items: list[ItemHeader]) -> None:
         """Every item fits a canonical tensor of this rank and its path; per tensor, one
@@ -374,22 +546,17 @@ class ApplyEngine:
                 raise MalformedPayload(f"Tensor {name!r} has both XOR and overwrite items.")
 
     def _apply_tensor(self, name: str, group: list[DecodedItem], report: ApplyReport) -> None:
+        """The staged path, one loader call: the records go into scratch (masks on zeros,
+        or values on NaN placeholders where a write converts), and each intercepted write
+        is honoured as it happens."""
         plan = self.plans[name]
-        if plan.cls == "skip":
-            return
         t = self.tensors[name]
         xor = group[0].header.entry == "xor"
         t0 = time.perf_counter()
         scratch = self._scratch_for(t)
         sbits = scratch.view(BITS[scratch.element_size()]).view(-1)
-        pos_np = np.concatenate([p for it in group for p, _ in it.blocks()])
-        val_np = np.concatenate([v for it in group for _, v in it.blocks()])
-        if len(group) > 1 and not bool(np.all(pos_np[1:] > pos_np[:-1])):
-            order = np.argsort(pos_np, kind="stable")  # items may arrive in any order
-            pos_np, val_np = pos_np[order], val_np[order]
-        positions = torch.from_numpy(pos_np).to(self.device)
-        values = torch.from_numpy(val_np.view(np.dtype(f"<i{val_np.itemsize}"))
-                                  if val_np.itemsize > 1 else val_np).to(self.device)
+        records = self._records(group)
+        positions, values = records.on_device()
         masked = plan.cls == "overwrite" and not all(w.mapped or w.is_fill for w in plan.writes)
         if masked:
             if bool(torch.isnan(values.view(scratch.dtype)).any()):
@@ -408,12 +575,12 @@ class ApplyEngine:
                   run: Callable[[], object]) -> None:
             nonlocal spent
             t1 = time.perf_counter()
-            observed.append(self._signature(storage, dst, src, scratch))
+            observed.append(self._signature(storage, dst, src, scratch.dtype))
             sig = observed[-1]
             if src is None or plan.cls == "dense":
                 run()  # a constant fill, or a whole-tensor path: as the loader meant it
             elif sig.mapped:
-                self._write_mapped(sig, dst, positions, values, xor)
+                self._write_mapped(sig, dst, records, xor)
             else:
                 if xor:
                     raise LoaderPathError(f"A converting write of {name!r} got XOR masks.")
@@ -437,6 +604,7 @@ class ApplyEngine:
                 _put(sbits, positions, torch.zeros_like(values), xor=False)
         report.loader_s += time.perf_counter() - t2 - spent
         report.intercept_s += spent
+        report.loads += 1
         if tuple(observed) != plan.writes:
             raise LoaderPathError(
                 f"Tensor {name!r}: the loader's writes differ from prewarm's "
@@ -451,14 +619,25 @@ class ApplyEngine:
             )
         report.tensors += 1
         report.names.add(name)
-        report.records += len(positions)
+        report.records += len(records.positions)
         report.writes += len(observed)
         report.classes[plan.cls] = report.classes.get(plan.cls, 0) + 1
 
-    def _write_mapped(self, sig: CopySig, dst: torch.Tensor, positions: torch.Tensor,
-                      values: torch.Tensor, xor: bool) -> None:
+    def _write_mapped(self, sig: CopySig, dst: torch.Tensor, records: _Records,
+                      xor: bool) -> None:
+        """XOR (or write) the records that fall in the write's source view into its
+        destination: on the CPU, a row-major view onto a row-major view by a shift in the
+        C kernel; anything else through the inverted geometry."""
         assert sig.src is not None
-        inside, flat = locate(sig.src, positions)  # positions ascend
+        src = sig.src
+        if dst.device.type == "cpu" and is_rowmajor(src) and is_rowmajor(sig.dst):
+            lo, hi = np.searchsorted(records.positions, (src.offset, src.offset + src.numel))
+            if hi > lo:
+                self._scatter_shifted(sig, dst, records.positions[lo:hi],
+                                      records.values[lo:hi], xor)
+            return
+        positions, values = records.on_device()
+        inside, flat = locate(src, positions)  # positions ascend
         if flat.numel() == 0:
             return
         idx = storage_index(sig.dst, flat)
@@ -468,6 +647,19 @@ class ApplyEngine:
             expect = bits[idx] ^ v if xor else v
         _put(bits, idx, v, xor=xor)
         if self.verify and not bool(torch.equal(bits[idx], expect)):
+            raise LoaderPathError(f"Post-apply check failed for a write into {sig.storage!r}.")
+
+    def _scatter_shifted(self, sig: CopySig, dst: torch.Tensor,
+                         positions: npt.NDArray[np.int64], values: npt.NDArray[Any],
+                         xor: bool) -> None:
+        assert sig.src is not None
+        shift = sig.dst.offset - sig.src.offset
+        bits = _bits(dst).numpy()
+        if self.verify:
+            idx = positions + shift
+            expect = bits[idx] ^ values if xor else values
+        _native.scatter(bits, bits.itemsize, positions, values, xor, shift)
+        if self.verify and not np.array_equal(bits[idx], expect):
             raise LoaderPathError(f"Post-apply check failed for a write into {sig.storage!r}.")
 
     # --- post-apply checks -------------------------------------------------------------
