@@ -2,7 +2,7 @@
 
 A refit's attempts leave objects under ``v<target>/<attempt>/`` (payloads and, with
 several owners, their manifest parts; :mod:`dcr.format.layout`) and, with one owner,
-the version manifest ``v<target>/manifest.json``. Once a WeightRefit is deleted none of
+the version manifest ``v<target>/manifest.dcrm``. Once a WeightRefit is deleted none of
 them is needed any more: receivers applied the committed attempt, and a receiver that
 missed it rejoins by a dense load of the committed checkpoint. The finalizer deletes
 the objects of every attempt the refit recorded, and the version manifest if it names
@@ -21,7 +21,6 @@ a place under the store's root.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 from collections.abc import Iterable, Mapping
@@ -30,7 +29,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
+from dcr.errors import ManifestError
 from dcr.format.layout import manifest_key, version_prefix
+from dcr.format.manifest import Manifest
 from dcr.format.names import ATTEMPT_RE
 from dcr_operator.errors import InvalidResource
 
@@ -50,9 +51,11 @@ def attempt_prefixes(version: int, attempts: Iterable[str]) -> list[str]:
 
 
 def _manifest_is_ours(data: bytes, attempts: set[str]) -> bool:
+    """Whether a version manifest names one of ``attempts``; one that cannot be read as a
+    manifest is not ours, and stays."""
     try:
-        return str(json.loads(data).get("attempt")) in attempts
-    except (ValueError, AttributeError):
+        return Manifest.parse(data, "at the version").attempt in attempts
+    except ManifestError:
         return False
 
 

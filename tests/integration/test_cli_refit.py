@@ -42,6 +42,7 @@ import pytest
 import torch
 
 from dcr.errors import LimitExceeded, TargetMismatch
+from dcr.format.manifest import open_document, seal_document
 
 ITEMSIZE = {
     "BF16": 2, "F16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1,
@@ -202,6 +203,17 @@ def dcr_json(*args: object) -> dict:
     return json.loads(lines[0])
 
 
+def read_manifest(path: Path) -> dict:
+    """A stored manifest's JSON document, as a dict to tamper with."""
+    return json.loads(open_document(path.read_bytes(), str(path)))
+
+
+def write_manifest(path: Path, doc: dict) -> None:
+    """Seal a tampered document in a valid container, so that the check a test is about
+    is the one that refuses it."""
+    path.write_bytes(seal_document(json.dumps(doc).encode()))
+
+
 def assert_refused(r: subprocess.CompletedProcess[str], *needles: str) -> None:
     assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
     assert r.stderr.startswith("dcr: error: "), r.stderr
@@ -347,8 +359,8 @@ def test_diff_json_summary_matches_the_truth_and_the_store(refit, scenario):
         refit.version, refit.base_version, refit.mode,
     )
     assert s["store"] == refit.store.as_uri()
-    manifest = refit.store / f"v{refit.version:010d}" / "manifest.json"
-    assert json.loads(manifest.read_text())["stats"] == {k: s[k] for k in
+    manifest = refit.store / f"v{refit.version:010d}" / "manifest.dcrm"
+    assert read_manifest(manifest)["stats"] == {k: s[k] for k in
                                                           ("tensors", "changed_elements",
                                                            "total_elements", "dense_bytes",
                                                            "payload_bytes")}
@@ -462,11 +474,11 @@ def test_patch_refuses_a_corrupted_payload_even_when_the_manifest_agrees(
     raw = bytearray(victim.read_bytes())
     raw[-1] ^= 0x01
     victim.write_bytes(bytes(raw))
-    manifest_path = store / f"v{r.version:010d}" / "manifest.json"
-    manifest = json.loads(manifest_path.read_text())
+    manifest_path = store / f"v{r.version:010d}" / "manifest.dcrm"
+    manifest = read_manifest(manifest_path)
     entry = next(p for p in manifest["payloads"] if p["key"].endswith(victim.name))
     entry["digest"] = hashlib.blake2b(bytes(raw), digest_size=16).hexdigest()
-    manifest_path.write_text(json.dumps(manifest))
+    write_manifest(manifest_path, manifest)
     ckpt = r.copy_base(tmp_path / "ckpt")
     before = file_hashes(ckpt)
     result = dcr("patch", ckpt, "--store", store.as_uri(), "--version", r.version)
@@ -478,15 +490,15 @@ def test_patch_refuses_a_payload_of_another_attempt(tmp_path, refits, file_hashe
     """A manifest entry pointing at a valid payload of an earlier attempt is rejected."""
     r = refits("file", "mixed")
     store = r.copy_store(tmp_path / "store")
-    key = f"v{r.version:010d}/manifest.json"
-    first = json.loads((store / key).read_text())
+    key = f"v{r.version:010d}/manifest.dcrm"
+    first = read_manifest(store / key)
     retry = dcr_json("diff", r.base, r.target, "--store", store.as_uri(), "--version", r.version,
                      "--bucket-mib", 1)
     assert retry["attempt"] != first["attempt"]
-    second = json.loads((store / key).read_text())
+    second = read_manifest(store / key)
     assert second["attempt"] == retry["attempt"]
     second["payloads"][0] = first["payloads"][0]  # same owner and seq, other attempt
-    (store / key).write_text(json.dumps(second))
+    write_manifest(store / key, second)
     ckpt = r.copy_base(tmp_path / "ckpt")
     before = file_hashes(ckpt)
     result = dcr("patch", ckpt, "--store", store.as_uri(), "--version", r.version)
@@ -512,8 +524,8 @@ def test_patch_refuses_a_decompression_bomb_before_decompressing_it(
 
     r = refits("file", "mixed")
     store = r.copy_store(tmp_path / "store")
-    key = f"v{r.version:010d}/manifest.json"
-    manifest = json.loads((store / key).read_text())
+    key = f"v{r.version:010d}/manifest.dcrm"
+    manifest = read_manifest(store / key)
     entry = manifest["payloads"][0]
     item = ItemHeader(name="model.layers.7.mlp.absent.weight", dtype="U8", shape=(n,),
                       start=0, stop=n, entry="overwrite", loc="gaps", count=n, runs=0,
@@ -529,7 +541,7 @@ def test_patch_refuses_a_decompression_bomb_before_decompressing_it(
     (store / entry["key"]).write_bytes(bomb)
     entry["size"] = len(bomb)
     entry["digest"] = hashlib.blake2b(bomb, digest_size=16).hexdigest()
-    (store / key).write_text(json.dumps(manifest))
+    write_manifest(store / key, manifest)
     ckpt = r.copy_base(tmp_path / "ckpt")
     before = file_hashes(ckpt)
     tracemalloc.start()
@@ -568,11 +580,44 @@ def test_patch_refuses_when_a_payload_object_is_missing(tmp_path, refits, file_h
     assert file_hashes(ckpt) == before
 
 
+@pytest.mark.parametrize(("damage", "needle"), [
+    ("truncated", "is truncated or padded"),
+    ("flipped", "digest mismatch (expected "),
+    ("bomb", "declares 268435457 bytes of JSON, over the limit of 268435456"),
+    ("json", "(a version 1 manifest, plain JSON)"),
+])
+def test_patch_refuses_a_hostile_manifest_and_writes_nothing(tmp_path, refits, file_hashes,
+                                                             damage, needle):
+    """Every payload intact, the manifest that vouches for them truncated, corrupted,
+    declaring a decompression bomb, or in version 1's encoding: refused naming the value,
+    before any file is touched."""
+    r = refits("file", "mixed")
+    store = r.copy_store(tmp_path / "store")
+    path = store / f"v{r.version:010d}" / "manifest.dcrm"
+    data = bytearray(path.read_bytes())
+    if damage == "truncated":
+        del data[-3:]
+    elif damage == "flipped":
+        data[50] ^= 0x10
+    elif damage == "bomb":  # the declared JSON size over the limit, the digest made good
+        data[16:20] = ((256 << 20) + 1).to_bytes(4, "little")
+        data[24:40] = hashlib.blake2b(bytes(data[:24] + data[40:]), digest_size=16,
+                                      person=b"dcr-manifest-v2").digest()
+    else:
+        data = bytearray(json.dumps(read_manifest(path), indent=1).encode())
+    path.write_bytes(bytes(data))
+    ckpt = r.copy_base(tmp_path / "ckpt")
+    before = file_hashes(ckpt)
+    result = dcr("patch", ckpt, "--store", store.as_uri(), "--version", r.version)
+    assert_refused(result, needle, "manifest.dcrm")
+    assert file_hashes(ckpt) == before
+
+
 def test_patch_and_inspect_reject_a_manifest_of_another_version(tmp_path, refits, file_hashes):
     r = refits("file", "mixed")
     store = r.copy_store(tmp_path / "store")
     (store / "v0000000003").mkdir()
-    shutil.copy(store / "v0000000002" / "manifest.json", store / "v0000000003" / "manifest.json")
+    shutil.copy(store / "v0000000002" / "manifest.dcrm", store / "v0000000003" / "manifest.dcrm")
     ckpt = r.copy_base(tmp_path / "ckpt")
     before = file_hashes(ckpt)
     result = dcr("patch", ckpt, "--store", store.as_uri(), "--version", 3)
@@ -581,7 +626,7 @@ def test_patch_and_inspect_reject_a_manifest_of_another_version(tmp_path, refits
     assert_refused(dcr("inspect", "--store", store.as_uri(), "--version", 3), "version 2, not 3")
     # And a version with no manifest at all.
     assert_refused(dcr("patch", ckpt, "--store", store.as_uri(), "--version", 4),
-                   "v0000000004/manifest.json")
+                   "v0000000004/manifest.dcrm")
     assert file_hashes(ckpt) == before
 
 
@@ -601,12 +646,12 @@ def test_patch_replaces_each_file_wholly_or_not_at_all(tmp_path, refits, read_bi
     """A manifest whose target fingerprint is wrong for one tensor: that shard stays old."""
     r = refits("sharded", "mixed")
     store = r.copy_store(tmp_path / "store")
-    manifest_path = store / f"v{r.version:010d}" / "manifest.json"
-    manifest = json.loads(manifest_path.read_text())
+    manifest_path = store / f"v{r.version:010d}" / "manifest.dcrm"
+    manifest = read_manifest(manifest_path)
     tensor = "model.layers.0.self_attn.q_proj.weight"
     entry = next(t for t in manifest["tensors"] if t["name"] == tensor)
     entry["target"] = "xxh3-128:" + "0" * 32
-    manifest_path.write_text(json.dumps(manifest))
+    write_manifest(manifest_path, manifest)
     ckpt = r.copy_base(tmp_path / "ckpt")
     victim = _shard_of(ckpt, tensor)
     before = victim.read_bytes()
@@ -917,7 +962,7 @@ def test_diff_of_mismatched_checkpoints_fails_naming_the_tensor(
     result = dcr("diff", base, tgt, "--store", store.as_uri(), "--version", 2, "--json")
     assert_refused(result, needle)
     assert result.stdout == ""
-    assert not store.exists() or not list(store.rglob("manifest.json"))
+    assert not store.exists() or not list(store.rglob("manifest.dcrm"))
 
 
 def test_diff_rejects_bad_settings_with_exit_1(tmp_path, refits):

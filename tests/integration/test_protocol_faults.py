@@ -646,7 +646,7 @@ def test_duplicated_payloads_are_applied_once_and_the_first_attempt_commits(
 def test_a_payload_replayed_from_an_old_attempt_is_rejected_and_a_later_attempt_commits(
         fleet: Fleet) -> None:
     store = fleet.store
-    store.on_put.append(once(lambda k: k.endswith("manifest-o0000.json"), fail))
+    store.on_put.append(once(lambda k: k.endswith("manifest-o0000.dcrm"), fail))
 
     def first_s0() -> str:  # owner 0's payload 0 of the first attempt
         return next(k for k in store.puts if is_payload(k, owner=0, seq=0))
@@ -1103,7 +1103,7 @@ def test_a_foreign_payload_the_manifest_does_not_list_is_never_applied(
         return data
 
     fleet.store.on_put.append(once(lambda k: is_payload(k, owner=0, seq=0), plant))
-    fleet.store.on_put.append(once(lambda k: k.endswith("manifest-o0000.json"),
+    fleet.store.on_put.append(once(lambda k: k.endswith("manifest-o0000.dcrm"),
                                    hold_part(fleet, forged)))
     c = fleet.coordinator()
     record = c.refit(1, "ckpt-1")
@@ -1132,7 +1132,7 @@ def test_a_listed_payload_replaced_by_other_bytes_fails_the_attempt_and_a_dense_
         return foreign_payload(sealed_xor, fleet.versions, attempt_of(key), 0, 0)
 
     fleet.store.on_put.append(once(lambda k: is_payload(k, owner=0, seq=0), replace))
-    fleet.store.on_put.append(once(lambda k: k.endswith("manifest-o0000.json"),
+    fleet.store.on_put.append(once(lambda k: k.endswith("manifest-o0000.dcrm"),
                                    hold_part(fleet, replaced)))
     c = fleet.coordinator(settings=CoordinatorSettings(gate=gate, attempt_timeout_s=30.0))
     record = c.refit(1, "ckpt-1")

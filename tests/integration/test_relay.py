@@ -81,7 +81,7 @@ def make_manifest(attempt: str, payloads: dict[tuple[int, int], bytes]) -> bytes
                   total_elements=ELEMENTS * len(entries),
                   dense_bytes=2 * ELEMENTS * len(entries), payload_bytes=total)
     return Manifest(base_version=1, target_version=2, attempt=attempt, mode="mixed",
-                    payloads=entries, tensors=(), stats=stats).to_json()
+                    payloads=entries, tensors=(), stats=stats).pack()
 
 
 def _digest(data: bytes) -> str:

@@ -641,7 +641,7 @@ def test_dcr_diff_and_patch_through_s3_reach_the_target_bits(
     assert diff["store"] == s3_env.uri
     stored = sorted(p.relative_to(s3_env.object_path(""))
                     for p in s3_env.object_path("").rglob("*") if p.is_file())
-    assert Path("v0000000001/manifest.json") in stored
+    assert Path("v0000000001/manifest.dcrm") in stored
     assert sum(p.suffix == ".dcrp" for p in stored) == diff["payloads"] >= 2
     ckpt = shutil.copytree(b, tmp_path / "rollout")
     patch = dcr("patch", ckpt, "--store", s3_env.uri, "--version", 1)

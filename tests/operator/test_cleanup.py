@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -15,6 +14,7 @@ from typing import Any
 import pytest
 
 from dcr.format.layout import manifest_key, owner_manifest_key, payload_key
+from dcr.format.manifest import Manifest, Stats
 from dcr_operator.cleanup import clean_store
 
 OURS, OTHER = ("a-000000000001", "a-000000000002"), "a-0000000000ff"
@@ -23,7 +23,10 @@ OURS, OTHER = ("a-000000000001", "a-000000000002"), "a-0000000000ff"
 def _layout(manifest_attempt: str) -> dict[str, bytes]:
     objs = {payload_key(3, a, o, s): b"p" for a in (*OURS, OTHER) for o in (0, 1) for s in (0, 1)}
     objs |= {owner_manifest_key(3, a, 0): b"{}" for a in OURS}
-    objs[manifest_key(3)] = json.dumps({"attempt": manifest_attempt}).encode()
+    objs[manifest_key(3)] = Manifest(
+        base_version=2, target_version=3, attempt=manifest_attempt, mode="mixed", payloads=(),
+        tensors=(), stats=Stats(tensors=0, changed_elements=0, total_elements=0,
+                                dense_bytes=0, payload_bytes=0)).pack()
     objs[payload_key(2, OURS[0], 0, 0)] = b"another version"
     return objs
 

@@ -498,7 +498,7 @@ def test_deleting_a_refit_removes_its_payloads_and_its_jobs(scenario: Scenario) 
     prefix = sc.store / "v0000000002"
     # The committed attempt's payloads are there (the killed one may never have encoded).
     assert (prefix / ids[-1]).is_dir()
-    assert (prefix / ids[-1] / "manifest-o0000.json").is_file()  # owners write per attempt
+    assert (prefix / ids[-1] / "manifest-o0000.dcrm").is_file()  # owners write per attempt
     sc.cp.request("DELETE", sc.path("weightrefits", "policy-v2"))
     eventually(lambda: sc.cp.request("GET", sc.path("weightrefits", "policy-v2")).status == 404,
                timeout_s=60, what="policy-v2 deleted (its finalizer done)")

@@ -40,8 +40,8 @@ def test_built_keys_parse_back_to_their_ids(version: int, attempt: str, owner: i
     "v0000000001/a-1/o0000-s000000.dcrp\n",
     "x/v0000000001/a-1/o0000-s000000.dcrp",
     "v0000000001/a-1/x/o0000-s000000.dcrp",
-    "v0000000001/a-1/manifest-o0000.json",
-    "v0000000001/manifest.json",
+    "v0000000001/a-1/manifest-o0000.dcrm",
+    "v0000000001/manifest.dcrm",
 ])
 def test_keys_that_are_not_canonical_payload_keys_do_not_parse(key: str) -> None:
     assert parse_payload_key(key) is None
@@ -51,8 +51,11 @@ def test_each_parser_takes_only_its_own_kind_of_key() -> None:
     payload, part = payload_key(1, "a-1", 0, 0), owner_manifest_key(1, "a-1", 0)
     assert parse_manifest_part_key(payload) is None
     assert parse_manifest_key(part) is None
-    assert parse_manifest_part_key("v0000000001/a-1/manifest-o00000.json") is None
-    assert parse_manifest_key("v00000000001/manifest.json") is None
+    assert parse_manifest_part_key("v0000000001/a-1/manifest-o00000.dcrm") is None
+    assert parse_manifest_key("v00000000001/manifest.dcrm") is None
+    # Version 1 manifests were JSON under .json keys; those keys are nobody's now.
+    assert parse_manifest_part_key("v0000000001/a-1/manifest-o0000.json") is None
+    assert parse_manifest_key("v0000000001/manifest.json") is None
 
 
 @pytest.mark.parametrize("key", ["", "/abs", "a//b", "a/./b", "../up", "a/.."])

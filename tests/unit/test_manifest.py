@@ -1,15 +1,32 @@
-"""The manifest model, its committed JSON schema, and its validation."""
+"""The manifest: its model and committed JSON schema, its container, and hostile objects.
+
+Every refusal names the value it refuses (a size, a version, a digest, a field), and
+raises before anything is decompressed past a limit or parsed into models.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import struct
 
 import pytest
+import zstandard
 
 from dcr.errors import ManifestError
-from dcr.format.manifest import SCHEMA_PATH, Manifest, json_schema
+from dcr.format.manifest import (
+    DEFAULT_MANIFEST_LIMITS,
+    SCHEMA_PATH,
+    Manifest,
+    ManifestLimits,
+    json_schema,
+    open_document,
+    seal_document,
+)
+from dcr.format.payload import MAGIC as PAYLOAD_MAGIC
 
 FP = "xxh3-128:" + "0" * 32
+MAGIC = b"\x89DCM\r\n\x1a\n"
 
 
 def manifest(**over: object) -> dict[str, object]:
@@ -25,13 +42,44 @@ def manifest(**over: object) -> dict[str, object]:
     return m
 
 
+def sealed(**over: object) -> bytes:
+    return seal_document(json.dumps(manifest(**over)).encode())
+
+
+def container(frame: bytes, raw: int, *, magic: bytes = MAGIC, version: int = 2,
+              flags: int = 0, reserved: int = 0) -> bytes:
+    """A container around ``frame`` built from FORMAT.md alone, digest included."""
+    pre = struct.pack("<8sHHIII", magic, version, flags, len(frame), raw, reserved)
+    digest = hashlib.blake2b(pre + frame, digest_size=16, person=b"dcr-manifest-v2").digest()
+    return pre + digest + frame
+
+
+def frame(doc: bytes, *, content_size: bool = True) -> bytes:
+    return zstandard.ZstdCompressor(write_content_size=content_size).compress(doc)
+
+
 def test_committed_schema_matches_the_model() -> None:
     assert SCHEMA_PATH.read_text() == json_schema(), "run `make schema`"
 
 
 def test_valid_manifest_roundtrips() -> None:
-    m = Manifest.parse(json.dumps(manifest()).encode(), "t")
-    assert Manifest.parse(m.to_json(), "t") == m
+    m = Manifest.parse(sealed(), "t")
+    assert Manifest.parse(m.pack(), "t") == m
+    assert json.loads(open_document(m.pack(), "t")) == json.loads(m.document())
+    assert m.format_version == 2
+
+
+def test_a_container_built_from_the_spec_alone_is_read() -> None:
+    doc = json.dumps(manifest()).encode()
+    assert Manifest.parse(container(frame(doc), len(doc)), "t").attempt == "a-1"
+
+
+def test_packing_is_deterministic_and_compresses_the_document() -> None:
+    m = Manifest.parse(sealed(tensors=[
+        {"name": f"model.layers.{i}.mlp.up_proj.weight", "dtype": "BF16", "shape": [8, 8],
+         "base": FP, "target": FP} for i in range(50)]), "t")
+    assert m.pack() == m.pack()
+    assert len(m.pack()) < len(m.document()) / 5
 
 
 @pytest.mark.parametrize(
@@ -41,12 +89,151 @@ def test_valid_manifest_roundtrips() -> None:
         ({"attempt": "../x"}, "attempt"),
         ({"mode": "fast"}, "mode"),
         ({"extra": 1}, "extra"),
-        ({"format_version": 2}, "format_version"),
+        ({"format_version": 1}, "format_version"),
+        ({"format_version": 3}, "format_version"),
+        ({"format": "dcr-payload"}, "format"),
+        ({"base_version": "1"}, "base_version"),  # strict: no string for an integer
         ({"payloads": [{"key": "k", "owner": 0, "seq": 0, "size": 100, "digest": "zz",
                         "items": 1, "records": 1}]}, "digest"),
+        ({"tensors": [{"name": "w", "dtype": "BF16", "shape": [2], "base": "xxh3-128:1",
+                       "target": FP}]}, "tensors.0.base"),
     ],
 )
 def test_invalid_manifest_is_rejected_naming_the_field(override: dict[str, object],
                                                        needle: str) -> None:
+    with pytest.raises(ManifestError, match=needle) as e:
+        Manifest.parse(sealed(**override), "store/v2/manifest.dcrm")
+    assert "store/v2/manifest.dcrm" in str(e.value)
+
+
+def test_a_document_that_is_not_json_is_refused() -> None:
+    with pytest.raises(ManifestError, match="invalid"):
+        Manifest.parse(seal_document(b'{"base_version": 1,'), "t")
+
+
+# --- hostile containers -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("keep", [0, 1, 8, 39, 40, 41, -1])
+def test_a_truncated_manifest_is_refused_naming_its_length(keep: int) -> None:
+    cut = sealed()[:keep]
+    with pytest.raises(ManifestError, match=rf"truncated.*\b{len(cut)} bytes"):
+        Manifest.parse(cut, "t")
+
+
+def test_a_padded_manifest_is_refused_naming_both_lengths() -> None:
+    data = sealed()
+    with pytest.raises(ManifestError, match=rf"{len(data) + 1} bytes, but its preamble "
+                                            rf"declares {len(data)}"):
+        Manifest.parse(data + b"\0", "t")
+
+
+@pytest.mark.parametrize(("data", "needle"), [
+    (json.dumps(manifest()).encode(), r"version 1 manifest, plain JSON"),
+    (PAYLOAD_MAGIC + bytes(64), r"\(a payload\)"),
+    (b"\x28\xb5\x2f\xfd" + bytes(64), r"magic is b'\(\\xb5/\\xfd"),  # a bare zstd frame
+    (b"GARBAGE!" + bytes(64), "magic is b'GARBAGE!'"),
+])
+def test_an_object_of_another_encoding_is_refused_naming_its_magic(data: bytes,
+                                                                   needle: str) -> None:
+    with pytest.raises(ManifestError, match=rf"is not a DCR manifest: .*{needle}"):
+        Manifest.parse(data, "t")
+
+
+@pytest.mark.parametrize("version", [0, 1, 3, 0xFFFF])
+def test_an_unknown_format_version_is_refused_naming_it(version: int) -> None:
+    doc = json.dumps(manifest()).encode()
+    with pytest.raises(ManifestError, match=rf"format version {version}; this reader reads "
+                                            "version 2"):
+        Manifest.parse(container(frame(doc), len(doc), version=version), "t")
+
+
+@pytest.mark.parametrize(("flags", "reserved"), [(1, 0), (0, 7)])
+def test_nonzero_reserved_fields_are_refused(flags: int, reserved: int) -> None:
+    doc = json.dumps(manifest()).encode()
+    with pytest.raises(ManifestError, match=rf"flags={flags}, reserved={reserved}"):
+        Manifest.parse(container(frame(doc), len(doc), flags=flags, reserved=reserved), "t")
+
+
+def test_a_flipped_length_byte_is_a_length_mismatch() -> None:
+    data = bytearray(sealed())
+    data[12] ^= 0x01
+    with pytest.raises(ManifestError, match=r"truncated or padded"):
+        Manifest.parse(bytes(data), "t")
+
+
+@pytest.mark.parametrize("offset", [16, 24, 39, 40, -1])
+def test_a_flipped_byte_is_a_digest_mismatch_naming_both_digests(offset: int) -> None:
+    """The declared JSON size, the digest itself, the frame's first and last bytes."""
+    data = bytearray(sealed())
+    data[offset] ^= 0x01
+    with pytest.raises(ManifestError, match=r"digest mismatch \(expected [0-9a-f]{32}, got "
+                                            r"[0-9a-f]{32}\)"):
+        Manifest.parse(bytes(data), "t")
+
+
+def test_a_declared_json_size_over_the_limit_is_refused_before_decompressing() -> None:
+    """A bomb: 2 MiB of JSON in a few hundred bytes, against a 1 MiB limit; and a
+    declared size over the default limit, whose frame is never looked at."""
+    doc = json.dumps(manifest()).encode() + b" " * (2 << 20)
+    small = ManifestLimits(max_json_bytes=1 << 20)
+    data = container(frame(doc), len(doc))
+    assert len(data) < 1024
+    with pytest.raises(ManifestError, match=rf"declares {len(doc)} bytes of JSON, over the "
+                                            rf"limit of {1 << 20} \(refused before"):
+        Manifest.parse(data, "t", small)
+    huge = DEFAULT_MANIFEST_LIMITS.max_json_bytes + 1
+    with pytest.raises(ManifestError, match=rf"declares {huge} bytes of JSON"):
+        Manifest.parse(container(b"not even a frame", huge), "t")
+
+
+@pytest.mark.parametrize("declared", [0, 10, 1 << 20])
+def test_a_frame_that_disagrees_with_the_declared_size_is_refused(declared: int) -> None:
+    doc = json.dumps(manifest()).encode()
+    with pytest.raises(ManifestError, match=rf"frame declares {len(doc)} bytes but the "
+                                            rf"preamble says {declared}"):
+        Manifest.parse(container(frame(doc), declared), "t")
+
+
+def test_a_frame_without_its_content_size_is_refused() -> None:
+    doc = json.dumps(manifest()).encode()
+    with pytest.raises(ManifestError, match=rf"preamble says {len(doc)}"):
+        Manifest.parse(container(frame(doc, content_size=False), len(doc)), "t")
+
+
+@pytest.mark.parametrize(("body", "needle"), [
+    (b"\x00" * 32, "not a zstd frame"),
+    (b"trailing", "does not decompress"),
+])
+def test_a_document_that_is_not_exactly_one_frame_is_refused(body: bytes, needle: str) -> None:
+    doc = json.dumps(manifest()).encode()
+    data = body if needle == "not a zstd frame" else frame(doc) + body
     with pytest.raises(ManifestError, match=needle):
-        Manifest.parse(json.dumps(manifest(**override)).encode(), "store/v2/manifest.json")
+        Manifest.parse(container(data, len(doc)), "t")
+
+
+def test_an_object_over_the_size_limit_is_refused_naming_its_size() -> None:
+    data = sealed()
+    with pytest.raises(ManifestError, match=rf"{len(data)} bytes, over the limit of 100"):
+        Manifest.parse(data, "t", ManifestLimits(max_bytes=100))
+
+
+def test_too_many_entries_are_refused_before_parsing() -> None:
+    """The object count comes first: this document is not even JSON, yet the count
+    refuses it."""
+    doc = b"{" * 10
+    with pytest.raises(ManifestError, match=r"holds 10 JSON objects: more payloads and "
+                                            r"tensors than the limit of 4 \(refused before"):
+        Manifest.parse(seal_document(doc), "t", ManifestLimits(max_entries=4))
+    tensors = [{"name": f"t{i}", "dtype": "BF16", "shape": [1], "base": FP, "target": FP}
+               for i in range(5)]
+    with pytest.raises(ManifestError, match="holds 8 JSON objects"):
+        Manifest.parse(sealed(tensors=tensors), "t", ManifestLimits(max_entries=5))
+    assert len(Manifest.parse(sealed(tensors=tensors), "t",
+                              ManifestLimits(max_entries=6)).tensors) == 5
+
+
+def test_the_writer_refuses_what_a_reader_would_refuse() -> None:
+    too_many = b"{" * (DEFAULT_MANIFEST_LIMITS.max_entries + 3)
+    with pytest.raises(ManifestError, match="The manifest to seal holds"):
+        seal_document(too_many)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections.abc import Callable
@@ -15,6 +16,7 @@ import dcr.transport.receive as rx
 from dcr.checkpoint import ArrayCheckpoint
 from dcr.errors import DigestMismatch, ManifestError
 from dcr.format.layout import manifest_key, owner_manifest_key, parse_payload_key, payload_key
+from dcr.format.manifest import DEFAULT_MANIFEST_LIMITS, Manifest
 from dcr.format.payload import Payload
 from dcr.owner.diff import diff_checkpoints
 from dcr.owner.settings import EncodeSettings
@@ -124,6 +126,39 @@ def test_payloads_that_are_not_the_ones_the_manifest_lists_fail_the_receive() ->
     with pytest.raises(ManifestError, match=r"applied as \d+ bytes, digest [0-9a-f]{32}; "
                                             r"the manifest lists \d+ bytes, digest"):
         receive(StoreSource(store=live, version=1, attempt="a-1"), "a-1", lambda p: None)
+
+
+@pytest.mark.parametrize(("damage", "needle"), [
+    ("truncated", r"truncated or padded: \d+ bytes, but its preamble declares \d+"),
+    ("flipped", r"digest mismatch \(expected [0-9a-f]{32}, got [0-9a-f]{32}\)"),
+    ("version-1-json", r"magic is b'\{.*' \(a version 1 manifest, plain JSON\)"),
+    ("bomb", r"declares 268435457 bytes of JSON, over the limit of 268435456"),
+])
+def test_a_hostile_manifest_fails_the_receive_and_nothing_is_applied(damage: str,
+                                                                     needle: str) -> None:
+    """Every payload arrived intact; the manifest that would vouch for them is truncated,
+    corrupted, of version 1's encoding, or declares a decompression bomb."""
+    _, objects = published()
+    good = objects[manifest_key(1)]
+    bad = bytearray(good)
+    if damage == "truncated":
+        del bad[-1]
+    elif damage == "flipped":
+        bad[-1] ^= 1
+    elif damage == "version-1-json":
+        bad = bytearray(Manifest.parse(good, "t").model_dump_json(indent=1).encode())
+    else:  # a preamble that declares more JSON than the limit, its digest made good
+        bad[16:20] = (DEFAULT_MANIFEST_LIMITS.max_json_bytes + 1).to_bytes(4, "little")
+        bad[24:40] = hashlib.blake2b(bytes(bad[:24] + bad[40:]), digest_size=16,
+                                     person=b"dcr-manifest-v2").digest()
+    objects[manifest_key(1)] = bytes(bad)
+    live = MemoryStore()
+    trickle(live, objects, delay=0.0).join()
+    applied: list[Payload] = []
+    with pytest.raises(ManifestError, match=needle):
+        receive(StoreSource(store=live, version=1, attempt="a-1"), "a-1", applied.append,
+                release="when_listed")  # as an agent receives
+    assert applied == []
 
 
 # --- what an agent stages: only what its owner's manifest part lists -------------------

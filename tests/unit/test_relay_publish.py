@@ -24,9 +24,9 @@ def test_open_store_gives_a_publisher_that_needs_the_token_from_the_environment(
 
 
 @pytest.mark.parametrize(("key", "message"), [
-    ("v0000000001/a-1/manifest-o0001.json", "one manifest per attempt"),
+    ("v0000000001/a-1/manifest-o0001.dcrm", "one manifest per attempt"),
     ("v0000000001/a-1/notes.txt", "neither a payload nor a manifest"),
-    ("v0000000001/manifest.json", "not a manifest naming its attempt"),
+    ("v0000000001/manifest.dcrm", "not a manifest naming its attempt"),
 ])
 def test_what_a_relay_cannot_carry_is_refused_before_anything_is_sent(
         key: str, message: str) -> None:

@@ -19,8 +19,8 @@ from dcr.format.names import ATTEMPT_BODY
 
 _VERSION = r"v(\d{10,})"
 _PAYLOAD_KEY = re.compile(rf"{_VERSION}/({ATTEMPT_BODY})/o(\d{{4,}})-s(\d{{6,}})\.dcrp")
-_PART_KEY = re.compile(rf"{_VERSION}/({ATTEMPT_BODY})/manifest-o(\d{{4,}})\.json")
-_MANIFEST_KEY = re.compile(rf"{_VERSION}/manifest\.json")
+_PART_KEY = re.compile(rf"{_VERSION}/({ATTEMPT_BODY})/manifest-o(\d{{4,}})\.dcrm")
+_MANIFEST_KEY = re.compile(rf"{_VERSION}/manifest\.dcrm")
 
 
 class PayloadKey(NamedTuple):
@@ -33,7 +33,7 @@ class PayloadKey(NamedTuple):
 
 
 class ManifestPartKey(NamedTuple):
-    """The ids a manifest part key names: ``v<version>/<attempt>/manifest-o<owner>.json``."""
+    """The ids a manifest part key names: ``v<version>/<attempt>/manifest-o<owner>.dcrm``."""
 
     version: int
     attempt: str
@@ -50,12 +50,12 @@ def attempt_prefix(version: int, attempt: str) -> str:
 
 
 def manifest_key(version: int) -> str:
-    return f"{version_prefix(version)}/manifest.json"
+    return f"{version_prefix(version)}/manifest.dcrm"
 
 
 def owner_manifest_key(version: int, attempt: str, owner: int) -> str:
     """Where owner ``owner`` of a several-owner attempt writes its part of the manifest."""
-    return f"{attempt_prefix(version, attempt)}manifest-o{owner:04d}.json"
+    return f"{attempt_prefix(version, attempt)}manifest-o{owner:04d}.dcrm"
 
 
 def payload_key(version: int, attempt: str, owner: int, seq: int) -> str:

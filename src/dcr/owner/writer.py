@@ -69,7 +69,7 @@ class AttemptWriter:
         )
         key = (owner_manifest_key(self.version, self.attempt, self.owner)
                if self.per_attempt else manifest_key(self.version))
-        self.store.put(key, manifest.to_json())
+        self.store.put(key, manifest.pack())
         return manifest
 
 

@@ -95,7 +95,7 @@ the publish token only, else 403; ``R``: either token)::
     GET    /v1/attempts/{attempt}/payloads        R  {payloads: [{owner, seq, size, digest}],
                                                       manifest: {size, digest} | null}
     DELETE /v1/attempts/{attempt}                 P  drop it here and below: {dropped}
-    PUT    /v1/manifests/{attempt}                P  as payloads; JSON checked as a Manifest
+    PUT    /v1/manifests/{attempt}                P  as payloads; checked as a Manifest
     GET    /v1/manifests/{attempt}                R  the manifest bytes
     POST   /v1/subscribe                          P  {index, held: {attempt: [[owner, seq]]},
                                                       manifests: [attempt]} -> {replaying}

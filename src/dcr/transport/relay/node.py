@@ -417,8 +417,7 @@ class RelayNode:
         blob = self.staging.get(key)
         if blob is None or blob.state != "staged":
             raise Refused(404, f"No {key.label} is staged at member {self.index}.")
-        ctype = "application/json" if key.kind == "manifest" else "application/octet-stream"
-        headers = {"Content-Type": ctype, "X-Dcr-Digest": blob.digest}
+        headers = {"Content-Type": "application/octet-stream", "X-Dcr-Digest": blob.digest}
         if blob.path is not None:
             return web.FileResponse(blob.path, headers=headers)
         body = staged_body(blob, self.settings.chunk_bytes)

@@ -10,17 +10,18 @@ returns once the root acknowledged it as queued (the relay's hop acknowledgement
 
 A relay carries one manifest per attempt, so an attempt published through it has one
 owner; a second owner's manifest part is refused with a :class:`ConfigError`. The
-file-level version manifest (``v<N>/manifest.json``) names no attempt in its key; its
-attempt is read from its body. Keys are parsed by :mod:`dcr.format.layout`.
+file-level version manifest (``v<N>/manifest.dcrm``) names no attempt in its key; its
+attempt is read from its body, which is checked as a receiver checks it. Keys are parsed
+by :mod:`dcr.format.layout`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 
-from dcr.errors import ConfigError
+from dcr.errors import ConfigError, ManifestError
 from dcr.format.layout import parse_manifest_key, parse_manifest_part_key, parse_payload_key
+from dcr.format.manifest import Manifest
 from dcr.tokens import check_token
 from dcr.transport.relay.client import BlockingRelay
 
@@ -52,9 +53,9 @@ class RelayPublisher:
             self._run(self._client.put_manifest(part.attempt, data))
         elif parse_manifest_key(key) is not None:
             try:
-                attempt = str(json.loads(data)["attempt"])
-            except (ValueError, KeyError, TypeError) as e:
-                raise ConfigError(f"{key} is not a manifest naming its attempt: {e}.") from e
+                attempt = Manifest.parse(data, key).attempt
+            except ManifestError as e:
+                raise ConfigError(f"{key} is not a manifest naming its attempt: {e}") from e
             self._run(self._client.put_manifest(attempt, data))
         else:
             raise ConfigError(f"{key!r} is neither a payload nor a manifest key; the relay "

@@ -88,8 +88,9 @@ class RelaySettings:
                           "(connection error or 5xx)")
     retry_delay_s: float = option(0.25, metavar="S", doc="seconds before the first re-send; "
                                   "doubles each time (0.25 .. 2 s)")
-    max_manifest_bytes: int = option(64 * MiB, unit=MiB, doc="largest manifest accepted; "
-                                     "manifests are JSON, far smaller")
+    max_manifest_bytes: int = option(64 * MiB, unit=MiB, doc="largest manifest accepted "
+                                     "(as the manifest reader's own limit); manifests take "
+                                     "about 40 bytes per tensor, far less")
 
     def __post_init__(self) -> None:
         n = len(self.members)
