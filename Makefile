@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-engines gpu-check lint bench schema crds clean
+.PHONY: install demo test test-engines gpu-check lint bench schema crds image clean
 
 install: $(STAMP)
 
@@ -56,6 +56,13 @@ schema: install
 # them in sync).
 crds: install
 	$(PY) -m dcr_operator.crds
+
+# The container images, offline: localhost/dcr:<version> (operator, agent, encoder, relay) and
+# localhost/dcr-serve:<version> (dcr serve on Debian's CPU torch), from Debian trixie packages
+# and locked wheels, cached under ~/.cache/dcr-infra/image (about 5 minutes the first time,
+# seconds after). Prints "image <role> <ref> <archive>" per image; docs/operations.md.
+image:
+	tools/image/build.sh
 
 clean:
 	rm -rf $(VENV) refit-out .mypy_cache .ruff_cache .pytest_cache .hypothesis
