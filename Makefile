@@ -59,7 +59,7 @@ crds: install
 
 # The container images, offline: localhost/dcr:<version> (operator, agent, encoder, relay) and
 # localhost/dcr-serve:<version> (dcr serve on Debian's CPU torch), from Debian trixie packages
-# and locked wheels, cached under ~/.cache/dcr-infra/image (about 5 minutes the first time,
+# and locked wheels, cached under ~/.cache/dcr-infra/image (5-9 minutes the first time on 2 cores,
 # seconds after). Prints "image <role> <ref> <archive>" per image; docs/operations.md.
 image:
 	tools/image/build.sh
