@@ -457,7 +457,7 @@ def apply_throughput(args: argparse.Namespace, engine: Any, ckpts: Path, staging
         for n in names:
             (staging / n).unlink()
         split = {k: round(max(float(r.get(k, 0.0)) for r in outcome.reports), 4)
-                 for k in ("scatter_s", "loader_s", "intercept_s")}
+                 for k in ("decode_s", "scatter_s", "loader_s", "intercept_s")}
         rows.append({"step": v, "changed_pct": 100 * stats["changed_elements"]
                      / stats["total_elements"], "payload_bytes": stats["payload_bytes"],
                      "payloads": len(names), "apply_s": round(apply_s, 4),

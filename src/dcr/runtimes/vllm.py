@@ -269,7 +269,8 @@ class EngineRank:
         report = engine.apply_payloads(payloads)
         self.sync()
         return {"rank": self.rank, "tensors": report.tensors, "records": report.records,
-                "writes": report.writes, "scatter_s": report.scatter_s,
+                "writes": report.writes, "loads": report.loads, "deferred": report.deferred,
+                "decode_s": report.decode_s, "scatter_s": report.scatter_s,
                 "loader_s": report.loader_s, "intercept_s": report.intercept_s,
                 "classes": dict(report.classes), "names": sorted(report.names)}
 
