@@ -31,7 +31,7 @@ Choices, and why (``docs/apply.md``, "Where apply time goes", has the numbers):
   prewarm was a mapped copy or a constant fill, and whose load read no parameter
   storage, is *deferrable*: the values the loader copies never matter, only where it
   copies them. All deferrable tensors of an apply go through one ``load_weights`` call
-  (vLLM's loader costs ~1-2 ms a call before it loads anything); DCR records every
+  (vLLM's Llama loader spends ~0.7 ms a call before it loads anything); DCR records every
   write without running it, checks each tensor's writes against prewarm's, the names
   the loader reports, and that no storage moved, and only then writes the changed
   elements. A loader that fails or strays mid-way leaves every parameter as it was.
