@@ -27,7 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from dcr.errors import ConfigError
-from dcr.protocol.agent_api import AgentApi, AgentClient
+from dcr.protocol.agent_api import AgentApi, AgentClient, AgentStatus, Call
+from dcr.protocol.records import CommitRecord
+from dcr.protocol.state import FINAL
 from dcr.tokens import check_token
 from dcr_operator.commitstore import record_of
 from dcr_operator.crds import FLEET_PLURAL, GROUP, VERSION, RolloutFleetSpec
@@ -126,12 +128,30 @@ def clients(kube: KubeClient, namespace: str, spec: RolloutFleetSpec,
             for r in receivers]
 
 
-def _report(client: AgentClient, url: str, at: str) -> dict[str, Any]:
+def behind(st: AgentStatus, record: CommitRecord) -> bool:
+    """Whether an agent outside any attempt holds other bits than the committed version's:
+    a pod that started from an older checkpoint (a replacement, a scale-up) or one whose
+    weights are unknown or partly written."""
+    idle = st.attempt is None or st.state in {s.value for s in FINAL}
+    return idle and (st.dirty is not None or st.version != record.committed_version)
+
+
+def _report(client: AgentClient, url: str, at: str, catch_up: CommitRecord | None
+            ) -> dict[str, Any]:
+    """One receiver's status entry; with ``catch_up`` (no refit running on the fleet), an
+    agent that is :func:`behind` is first brought to the committed version by a dense
+    load of its checkpoint, as a refit's admission would."""
     entry: dict[str, Any] = {"name": client.name, "url": url}
+    call: Call[..., Any, AgentStatus] = AgentApi.status
     try:
         st = client.status()
+        if catch_up is not None and behind(st, catch_up):
+            log.info("%s holds %s (dirty %s): dense refit to the committed version %d",
+                     client.name, st.version, st.dirty, catch_up.committed_version)
+            call = AgentApi.rejoin
+            st = client.rejoin(catch_up.committed_version, catch_up.baseline_id)
     except Exception as e:  # any failure: the receiver is reported unreachable
-        entry["error"] = agent_failure(client.name, AgentApi.status, e)[:1024]
+        entry["error"] = agent_failure(client.name, call, e)[:1024]
         return entry
     entry.update(agent_report(st), lastSeen=at)
     return {k: v for k, v in entry.items() if v is not None}
@@ -141,7 +161,9 @@ def refresh(kube: KubeClient, fleet: Mapping[str, Any], *, clock: Callable[[], s
             active: str | None, acks: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Poll the fleet's agents and write its status (not the commit record); the status.
 
-    ``active`` is the WeightRefit running on the fleet (None: none). ``acks`` are flush
+    ``active`` is the WeightRefit running on the fleet (None: none); with none running,
+    an agent behind the committed version rejoins it now rather than at the next refit,
+    so a replaced or added pod serves the committed weights. ``acks`` are flush
     acknowledgment times to record as ``lastAck``.
     """
     meta = fleet["metadata"]
@@ -158,9 +180,11 @@ def refresh(kube: KubeClient, fleet: Mapping[str, Any], *, clock: Callable[[], s
         log.warning("fleet %s/%s: %s", namespace, name, e)
         agents, no_agents = [], f"No agent token: {e}"
     previous = {r["name"]: r for r in status.get("receivers") or []}
+    record = record_of(current)
+    catch_up = record if active is None and record.baseline_id else None
     if agents:
         with ThreadPoolExecutor(min(16, len(agents))) as pool:
-            reports = list(pool.map(lambda p: _report(p[0], p[1].url, at),
+            reports = list(pool.map(lambda p: _report(p[0], p[1].url, at, catch_up),
                                     zip(agents, found, strict=True)))
     else:
         reports = [{"name": r.name, "url": r.url, "error": no_agents} for r in found]
@@ -168,7 +192,6 @@ def refresh(kube: KubeClient, fleet: Mapping[str, Any], *, clock: Callable[[], s
         ack = (acks or {}).get(r["name"]) or previous.get(r["name"], {}).get("lastAck")
         if ack:
             r["lastAck"] = ack
-    record = record_of(current)
     patch: dict[str, Any] = {
         "observedGeneration": meta.get("generation"),
         "receivers": reports,

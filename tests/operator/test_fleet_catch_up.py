@@ -1,0 +1,45 @@
+"""Which agents the fleet poll brings to the committed version between refits.
+
+A replaced or added rollout pod starts from the fleet's initial checkpoint; without a
+refit running, the poll rejoins it by a dense load of the committed checkpoint (as a
+refit's admission would), so it never serves older weights until the next refit. The
+deploy tier (tests/deploy) shows it on a real node; these pin the rule.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from dcr.protocol.agent_api import AgentStatus
+from dcr.protocol.records import CommitRecord
+from dcr_operator.fleet import behind
+
+RECORD = CommitRecord(committed_version=2, baseline_id="/checkpoints/policy-a/v2",
+                      attempt="a-0123456789ab")
+
+
+def _status(**over: Any) -> AgentStatus:
+    fields: dict[str, Any] = {
+        "name": "rollout-0", "version": 2, "dirty": None, "unknown": None, "attempt": None,
+        "state": None, "error": None, "gate_open": True, "payloads_staged": 0,
+        "payloads_applied": 0, "bytes_staged": 0}
+    return AgentStatus(**{**fields, **over})
+
+
+@pytest.mark.parametrize(("status", "expected"), [
+    ({}, False),  # at the committed version: nothing to do
+    ({"version": 0}, True),  # a replacement pod, started from the initial checkpoint
+    ({"version": 3}, True),  # ahead of the record (a commit that did not land): back
+    ({"version": None, "unknown": "restarted mid-attempt"}, True),
+    ({"dirty": (2, 3)}, True),  # partly written
+    ({"version": 2, "attempt": "a-1111111111ab", "state": "committed"}, False),
+    ({"version": 1, "attempt": "a-1111111111ab", "state": "obsolete"}, True),
+    # Inside an attempt the refit's coordinator owns the agent: never touched here.
+    ({"version": 1, "attempt": "a-1111111111ab", "state": "applying"}, False),
+    ({"version": 1, "attempt": "a-1111111111ab", "state": "prepared"}, False),
+])
+def test_an_idle_agent_off_the_committed_bits_is_behind(status: dict[str, Any],
+                                                        expected: bool) -> None:
+    assert behind(_status(**status), RECORD) is expected
