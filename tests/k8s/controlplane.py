@@ -215,6 +215,7 @@ class ControlPlane:
         keep_workdir: bool = False,
         extra_apiserver_args: Sequence[str] = (),
         address: str = "127.0.0.1",
+        workdir_prefix: str = "dcr-controlplane-",
     ) -> None:
         """Configure; nothing starts before ``start()`` / ``with``.
 
@@ -227,6 +228,7 @@ class ControlPlane:
         Service's endpoint. Loopback (the default) is enough for processes on this machine;
         Pods of a real node (tests/deploy) need an address they can route to, such as their
         bridge's gateway, and then the Service gets that endpoint.
+        ``workdir_prefix``: the name prefix of its temporary directory.
         """
         self._binaries = binaries
         self._controllers = (
@@ -238,6 +240,7 @@ class ControlPlane:
         self._keep_workdir = keep_workdir
         self._extra_apiserver_args = tuple(extra_apiserver_args)
         self._address = address
+        self._workdir_prefix = workdir_prefix
         self._processes: dict[str, subprocess.Popen[bytes]] = {}
         self._workdir: Path | None = None
         self._server: str | None = None
@@ -304,7 +307,7 @@ class ControlPlane:
     def start(self) -> None:
         if self._workdir is not None:
             raise ControlPlaneError("the control plane is already started")
-        self._workdir = Path(tempfile.mkdtemp(prefix="dcr-controlplane-"))
+        self._workdir = Path(tempfile.mkdtemp(prefix=self._workdir_prefix))
         try:
             _make_pki(self.workdir / "pki", controller_manager=bool(self._controllers),
                       address=self._address)

@@ -1,0 +1,102 @@
+"""The deploy tier's fixtures: a real node, the project's images loaded into it, and an
+S3 server the node's Pods reach.
+
+``node`` starts once per session (:class:`node.Node`: a control plane on the bridge
+address, containerd, kubelet, kube-proxy, kube-scheduler, cluster DNS) and registers its
+bridge with the loopback guard, so the tests may call Pods by their IPs: that network
+never leaves this machine. ``images`` builds the images with ``tools/image/build.sh``
+(``make image``; minutes the first time, seconds after) and imports them into the node's
+containerd.
+
+Skipped, with the reason, where the machine cannot run a node (not root, or the Debian
+packages missing); ``.ci/run`` installs the packages, so CI runs the tier.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from node import (
+    GATEWAY,
+    PACKAGES,
+    SUBNET,
+    Images,
+    Node,
+    NodeError,
+    missing_prerequisites,
+)
+from s3server import S3Server, s3_server
+
+REPO = Path(__file__).resolve().parents[2]
+IMAGE_SCRIPT = REPO / "tools" / "image" / "build.sh"
+
+
+def _progress(config: pytest.Config, line: str) -> None:
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"tests/deploy: {line}")
+
+
+@pytest.fixture(scope="session")
+def node(pytestconfig: pytest.Config,
+         local_networks: list[ipaddress.IPv4Network]) -> Iterator[Node]:
+    missing = missing_prerequisites()
+    if missing:
+        pytest.skip(f"no node on this machine: needs {', '.join(missing)} "
+                    f"(root and the Debian packages {' '.join(PACKAGES)})")
+    _progress(pytestconfig, "starting a one-node cluster (containerd, kubelet, kube-proxy)")
+    started = time.monotonic()
+    try:
+        n = Node()
+        n.start()
+    except NodeError as e:
+        pytest.fail(str(e))
+    _progress(pytestconfig, f"node Ready in {time.monotonic() - started:.1f} s")
+    network = ipaddress.IPv4Network(SUBNET)
+    local_networks.append(network)
+    try:
+        yield n
+    finally:
+        local_networks.remove(network)
+        n.stop()
+
+
+@pytest.fixture(scope="session")
+def images(pytestconfig: pytest.Config, node: Node) -> Images:
+    """The project's images, built (``make image``) and imported into the node."""
+    _progress(pytestconfig, f"{IMAGE_SCRIPT.relative_to(REPO)} (minutes on a cold cache)")
+    started = time.monotonic()
+    # stderr stays the terminal's: the script reports each long step as it runs.
+    proc = subprocess.run(["bash", str(IMAGE_SCRIPT)], stdout=subprocess.PIPE, stderr=None,
+                          text=True, check=False, cwd=REPO)
+    if proc.returncode != 0:
+        pytest.fail(f"{IMAGE_SCRIPT} exited with {proc.returncode}")
+    refs: dict[str, str] = {}
+    for line in proc.stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 4 and parts[0] == "image":
+            _, role, ref, archive = parts
+            node.load_image(Path(archive))
+            refs[role] = ref
+    if set(refs) != {"dcr", "serve"}:
+        pytest.fail(f"{IMAGE_SCRIPT} reported images {sorted(refs)}, not dcr and serve:\n"
+                    f"{proc.stdout}")
+    _progress(pytestconfig, f"images built and loaded in {time.monotonic() - started:.0f} s")
+    return Images(dcr=refs["dcr"], serve=refs["serve"])
+
+
+@pytest.fixture(scope="session")
+def node_s3(node: Node, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """``rclone serve s3`` on the node's bridge address, where Pods reach it."""
+    with s3_server(tmp_path_factory.mktemp("node-s3"), host=GATEWAY,
+                   bucket="rl-weights") as server:
+        yield server

@@ -1,0 +1,426 @@
+"""The deploy tier: the project as a user deploys it, on a node whose Pods really run.
+
+Nothing here runs as a host process of ours but the trainer (which writes checkpoints
+to a directory the node's Pods mount) and the S3 server. The chart is installed with
+``helm install`` using the images ``make image`` builds; the operator runs as a Pod under
+the chart's ServiceAccount; the chart's own examples are applied with ``kubectl apply``
+(adjusted only where a cluster differs: the images' names, the S3 endpoint, real secrets,
+a hostPath in place of the PersistentVolumeClaim, smaller resource requests); encoder
+Jobs run as Pods; rollout Pods run the agent sidecar next to the reference serving
+engine (``dcr serve``).
+
+The tests run in order, each on the state the previous one left:
+install -> fleet Ready -> a refit commits bit-exact through a two-owner encoder Job ->
+``kubectl get`` columns -> a rollout Pod deleted mid-refit is replaced and rejoins ->
+the operator Pod killed mid-refit is replaced and the refit finishes -> deleting a refit
+cleans its Jobs and payloads -> ``helm upgrade`` -> ``helm uninstall`` and namespace
+deletion leave nothing behind.
+
+What the commands print is kept under the session's temporary directory
+(``deploy-transcript.txt``): docs/operations.md quotes it.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import yaml
+from controlplane import build_binaries
+from node import Images, Node
+from s3server import S3Server
+
+from dcr.protocol.agent_api import AgentClient
+from dcr.trainer import Trainer, TrainerSettings, reference_fingerprint
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "charts" / "dcr" / "examples"
+SYSTEM, NS = "dcr-system", "rl"
+RELEASE = "dcr"
+FLEET = "policy-rollout"
+REPLICAS = 2
+# A small model and a fast learning rate: quick steps with enough changes per version.
+TRAINER = TrainerSettings(hidden_size=128, intermediate_size=344, layers=2, heads=4,
+                          kv_heads=2, seq=64, batch=4, lr=1e-5, warmup_steps=0,
+                          corpus=("json", "shutil"), max_shard_size="200KB")
+T = TypeVar("T")
+
+
+def eventually(check: Callable[[], T | None], *, timeout_s: float, what: str,
+               every_s: float = 0.5) -> T:
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while True:
+        try:
+            last = check()
+        except Exception as e:  # a transient kubectl or HTTP failure: try again
+            last = e
+        else:
+            if last:
+                return last
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s:.0f} s (last: {last!r})")
+        time.sleep(every_s)
+
+
+@dataclass
+class Cluster:
+    node: Node
+    images: Images
+    s3: S3Server
+    helm: Path
+    tmp: Path
+    ckpts: Path  # the directory the Pods mount at /checkpoints/policy-a
+    trainer: Trainer
+    agent_token: str
+    transcript: list[str] = field(default_factory=list)
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True,
+                record: bool = False) -> str:
+        proc = self.node.kubectl(*args, input=input, check=check)
+        if record:
+            self.transcript.append(f"$ kubectl {' '.join(args)}\n{proc.stdout}")
+            (self.tmp / "deploy-transcript.txt").write_text("\n".join(self.transcript))
+        return proc.stdout
+
+    def get(self, *args: str) -> Any:
+        return json.loads(self.kubectl("get", *args, "-o", "json"))
+
+    def helm_run(self, *args: str, record: bool = True) -> str:
+        assert self.node.cp is not None
+        proc = subprocess.run([str(self.helm), "--kubeconfig", str(self.node.cp.kubeconfig),
+                               *args], capture_output=True, text=True, timeout=300,
+                              check=False)
+        if record:
+            self.transcript.append(f"$ helm {' '.join(args)}\n{proc.stdout}")
+        assert proc.returncode == 0, f"helm {' '.join(args)}: {proc.stderr}"
+        return proc.stdout
+
+    def apply(self, objs: list[dict[str, Any]], namespace: str = NS) -> None:
+        self.kubectl("-n", namespace, "apply", "-f", "-",
+                     input="\n---\n".join(yaml.safe_dump(o) for o in objs))
+
+    def refit(self, name: str) -> dict[str, Any]:
+        obj: dict[str, Any] = self.get("-n", NS, "weightrefit", name)
+        return obj
+
+    def fleet(self) -> dict[str, Any]:
+        obj: dict[str, Any] = self.get("-n", NS, "rolloutfleet", FLEET)
+        return obj
+
+    def rollout_pods(self) -> list[dict[str, Any]]:
+        pods: list[dict[str, Any]] = self.get("-n", NS, "pods", "-l", f"app={FLEET}")["items"]
+        return [p for p in pods if "deletionTimestamp" not in p["metadata"]]
+
+    def operator_pods(self) -> list[dict[str, Any]]:
+        pods: list[dict[str, Any]] = self.get(
+            "-n", SYSTEM, "pods", "-l", "app.kubernetes.io/name=dcr")["items"]
+        return pods
+
+    def new_version(self, v: int) -> None:
+        self.trainer.step()
+        self.trainer.export(self.ckpts / f"v{v}")
+        _readable(self.ckpts)
+
+    def create_refit(self, name: str, base: int, target: int) -> None:
+        refit = _load(EXAMPLES / "weightrefit.yaml")[0]
+        refit["metadata"]["name"] = name
+        refit["spec"].update(baseVersion=base, targetVersion=target,
+                             source={"checkpoint": f"/checkpoints/policy-a/v{target}"})
+        self.apply([refit])
+
+    def wait_phase(self, name: str, phase: str, timeout_s: float = 400) -> dict[str, Any]:
+        try:
+            eventually(lambda: (self.refit(name).get("status") or {}).get("phase")
+                       in (phase, "Committed", "Failed"), timeout_s=timeout_s,
+                       what=f"WeightRefit {name} {phase}")
+            refit = self.refit(name)
+            assert refit["status"]["phase"] == phase
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{self.diagnostics(name)}") from None
+        return refit
+
+    def diagnostics(self, refit: str = "") -> str:
+        parts = []
+        if refit:
+            parts.append(f"refit status: {json.dumps(self.refit(refit).get('status'))}")
+        parts.append(self.kubectl("get", "pods,jobs", "-A", "-o", "wide", check=False))
+        for pod in self.operator_pods():
+            parts.append(f"operator {pod['metadata']['name']}:\n"
+                         + self.node.pod_logs(SYSTEM, pod["metadata"]["name"]))
+        for pod in self.rollout_pods():
+            for c in ("agent", "engine"):
+                parts.append(f"{pod['metadata']['name']}/{c}:\n"
+                             + self.node.pod_logs(NS, pod["metadata"]["name"], c)[-3000:])
+        return "\n".join(parts)
+
+    def agents(self) -> list[AgentClient]:
+        return [AgentClient(p["metadata"]["name"], f"http://{p['status']['podIP']}:8471",
+                            self.agent_token, timeout_s=30)
+                for p in self.rollout_pods() if p["status"].get("podIP")]
+
+    def exact(self, v: int) -> bool:
+        """Every rollout Pod's engine holds, bit for bit, a dense load of version ``v``."""
+        want = reference_fingerprint(self.ckpts / f"v{v}")
+        agents = self.agents()
+        return len(agents) == REPLICAS and all(a.fingerprint() == want for a in agents)
+
+
+def _load(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def _readable(root: Path) -> None:
+    """The Pods run as a non-root user: checkpoints must be world-readable."""
+    root.chmod(0o755)
+    for p in root.rglob("*"):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+
+
+def _ready(pod: dict[str, Any]) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True"
+               for c in pod.get("status", {}).get("conditions", []))
+
+
+def _conditions(obj: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in obj["status"]["conditions"]}
+
+
+# -- the chart's examples, adjusted for this cluster ------------------------------------------
+
+
+def fleet_manifests(c: Cluster) -> list[dict[str, Any]]:
+    token_secret, fleet = _load(EXAMPLES / "rolloutfleet.yaml")
+    token_secret["stringData"]["token"] = c.agent_token
+    spec = fleet["spec"]
+    spec["runtime"] = "hf"
+    spec["store"].update(endpoint=c.s3.endpoint, region=c.s3.region)
+    spec["commitPolicy"]["attemptTimeoutSeconds"] = 180
+    (profile,) = spec["encoderProfiles"]
+    profile.pop("nodeSelector", None)  # one node, unlabelled
+    profile["resources"] = {"requests": {"cpu": "100m", "memory": "256Mi"},
+                            "limits": {"memory": "2Gi"}}
+    profile["imagePullPolicy"] = "Never"
+    for volume in profile.get("volumes", []):
+        if volume["name"] == "checkpoints":  # hostPath in place of the PVC
+            volume.pop("persistentVolumeClaim", None)
+            volume["hostPath"] = {"path": str(c.ckpts.parent), "type": "Directory"}
+    credentials = {"apiVersion": "v1", "kind": "Secret",
+                   "metadata": {"name": "weights-s3",
+                                "labels": {"dcr.dev/store-credentials": "true"}},
+                   "stringData": {"AWS_ACCESS_KEY_ID": c.s3.access_key,
+                                  "AWS_SECRET_ACCESS_KEY": c.s3.secret_key}}
+    return [token_secret, credentials, fleet]
+
+
+def rollout_manifests(c: Cluster) -> list[dict[str, Any]]:
+    key_secret, deployment = _load(EXAMPLES / "rollout-reference.yaml")
+    key_secret["stringData"]["key"] = secrets.token_hex(24)
+    deployment["spec"]["replicas"] = REPLICAS
+    pod = deployment["spec"]["template"]["spec"]
+    for container in pod["containers"]:
+        container["image"] = c.images.serve if container["name"] == "engine" else c.images.dcr
+        container["imagePullPolicy"] = "Never"
+        container["resources"] = {"requests": {"cpu": "100m", "memory": "256Mi"},
+                                  "limits": {"memory": "3Gi"}}
+        for env in container.get("env", []):
+            if env["name"] == "AWS_ENDPOINT_URL":
+                env["value"] = c.s3.endpoint
+    for volume in pod["volumes"]:
+        if volume["name"] == "checkpoints":
+            volume.pop("persistentVolumeClaim")
+            volume["hostPath"] = {"path": str(c.ckpts.parent), "type": "Directory"}
+    return [key_secret, deployment]
+
+
+@pytest.fixture(scope="module")
+def cluster(node: Node, images: Images, node_s3: S3Server,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    binaries = build_binaries()
+    assert binaries.helm is not None
+    tmp = tmp_path_factory.mktemp("deploy")
+    ckpts = tmp / "checkpoints" / "policy-a"
+    trainer = Trainer(TRAINER)
+    trainer.export(ckpts / "v0")
+    _readable(tmp / "checkpoints")
+    c = Cluster(node=node, images=images, s3=node_s3, helm=binaries.helm, tmp=tmp,
+                ckpts=ckpts, trainer=trainer, agent_token=secrets.token_hex(24))
+    yield c
+    print(f"transcript: {tmp / 'deploy-transcript.txt'}", file=sys.stderr)
+
+
+# -- the tests, in order ------------------------------------------------------------------------
+
+
+def test_helm_install_runs_the_operator_as_a_pod_under_its_service_account(
+        cluster: Cluster) -> None:
+    c = cluster
+    c.kubectl("create", "namespace", NS, record=True)
+    repo, tag = c.images.dcr.rsplit(":", 1)
+    c.helm_run("install", RELEASE, str(REPO / "charts" / "dcr"), "--namespace", SYSTEM,
+               "--create-namespace", f"--set=image.repository={repo}", f"--set=image.tag={tag}",
+               "--set=image.pullPolicy=Never", "--set=encoder.pullPolicy=Never",
+               f"--set=watchNamespaces={{{NS}}}", "--set=settings.jobPollSeconds=1",
+               "--set=settings.retrySeconds=2", "--set=settings.fleetStatusSeconds=3",
+               "--set=peering.lifetimeSeconds=15", "--wait", "--timeout=300s")
+    (pod,) = eventually(lambda: [p for p in c.operator_pods() if _ready(p)], timeout_s=180,
+                        what="the operator Pod Ready")
+    c.kubectl("-n", SYSTEM, "get", "deployments,pods", record=True)
+    assert pod["spec"]["serviceAccountName"] == f"{RELEASE}-operator"  # the chart's own
+    assert pod["spec"]["containers"][0]["image"] == c.images.dcr
+    (status,) = pod["status"]["containerStatuses"]
+    assert status["restartCount"] == 0, c.node.pod_logs(SYSTEM, pod["metadata"]["name"])
+    # It runs as the chart's non-root user, logged in to the apiserver in-cluster.
+    logs = c.node.pod_logs(SYSTEM, pod["metadata"]["name"])
+    assert "Traceback" not in logs, logs
+
+
+def test_the_examples_apply_and_the_fleet_becomes_ready(cluster: Cluster) -> None:
+    c = cluster
+    c.apply(fleet_manifests(c))
+    c.apply(rollout_manifests(c))
+    try:
+        eventually(lambda: len([p for p in c.rollout_pods() if _ready(p)]) == REPLICAS,
+                   timeout_s=300, what=f"{REPLICAS} rollout Pods Ready")
+        status = eventually(
+            lambda: (s := c.fleet().get("status") or {}).get("readyReceivers") == REPLICAS
+            and s, timeout_s=180, what="the fleet Ready")
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{c.diagnostics()}") from None
+    assert status["commit"]["committedVersion"] == 0
+    assert _conditions(c.fleet())["Ready"] == ("True", "AllReceiversCommitted")
+    c.kubectl("-n", NS, "get", "pods", "-o", "wide", record=True)
+    assert c.exact(0)
+
+
+def test_a_refit_commits_through_encoder_pods_bit_exact(cluster: Cluster) -> None:
+    c = cluster
+    c.new_version(1)
+    c.create_refit("policy-rollout-v1", 0, 1)
+    refit = c.wait_phase("policy-rollout-v1", "Committed")
+    (attempt,) = refit["status"]["attempts"]
+    assert (attempt["mode"], attempt["outcome"]) == ("mixed", "Committed")
+    job = c.get("-n", NS, "job", attempt["job"])
+    assert (job["spec"]["completionMode"], job["spec"]["completions"]) == ("Indexed", 2)
+    assert job["status"]["succeeded"] == 2
+    pods = c.get("-n", NS, "pods", "-l", f"job-name={attempt['job']}")["items"]
+    assert sorted(p["status"]["phase"] for p in pods) == ["Succeeded", "Succeeded"]
+    assert {p["spec"]["nodeName"] for p in pods} == {"dcr-node"}  # real Pods, really run
+    objects = list((c.s3.data_dir / c.s3.bucket / "policy-a").rglob("*"))
+    assert any(attempt["id"] in str(o) for o in objects)
+    assert c.exact(1)
+    c.kubectl("-n", NS, "get", "weightrefits,rolloutfleets", record=True)
+
+
+def test_kubectl_get_shows_the_printer_columns(cluster: Cluster) -> None:
+    c = cluster
+    lines = c.kubectl("-n", NS, "get", "rolloutfleets,weightrefits").splitlines()
+    assert lines[0].split() == ["NAME", "VERSION", "READY", "RECEIVERS", "REFIT", "STATUS",
+                                "AGE"]
+    assert lines[1].split()[:4] == [f"rolloutfleet.dcr.dev/{FLEET}", "1", str(REPLICAS),
+                                    str(REPLICAS)]
+    header = next(line for line in lines if line.startswith("NAME") and "FLEET" in line)
+    assert header.split() == ["NAME", "FLEET", "VERSION", "PHASE", "ATTEMPTS", "BYTES", "AGE"]
+    row = next(line.split() for line in lines if "policy-rollout-v1" in line)
+    assert row[1:5] == [FLEET, "1", "Committed", "1"]
+
+
+def test_a_rollout_pod_deleted_mid_refit_is_replaced_and_rejoins(cluster: Cluster) -> None:
+    c = cluster
+    c.new_version(2)
+    victim = c.rollout_pods()[0]["metadata"]["name"]
+    c.create_refit("policy-rollout-v2", 1, 2)
+    eventually(lambda: (c.refit("policy-rollout-v2").get("status") or {}).get("phase")
+               not in (None, "", "Pending"), timeout_s=120, what="the refit under way")
+    c.kubectl("-n", NS, "delete", "pod", victim, "--wait=false", record=True)
+    refit = c.wait_phase("policy-rollout-v2", "Committed")
+    assert refit["status"]["committed"]["attempt"]
+    names = eventually(
+        lambda: (pods := [p for p in c.rollout_pods() if _ready(p)]) and len(pods) == REPLICAS
+        and {p["metadata"]["name"] for p in pods}, timeout_s=300,
+        what="the Deployment's replacement Pod Ready")
+    assert victim not in names
+    # The replacement started from v0 and rejoined at the committed version (a dense
+    # load of v2's checkpoint), so the whole fleet holds v2's bits.
+    eventually(lambda: c.fleet()["status"].get("readyReceivers") == REPLICAS, timeout_s=180,
+               what="every receiver committed at v2")
+    assert c.exact(2), c.diagnostics("policy-rollout-v2")
+
+
+def test_the_operator_pod_killed_mid_refit_is_replaced_and_the_refit_finishes(
+        cluster: Cluster) -> None:
+    c = cluster
+    c.new_version(3)
+    (old,) = c.operator_pods()
+    c.create_refit("policy-rollout-v3", 2, 3)
+    eventually(lambda: (c.refit("policy-rollout-v3").get("status") or {}).get("attempts"),
+               timeout_s=120, what="an attempt started")
+    c.kubectl("-n", SYSTEM, "delete", "pod", old["metadata"]["name"], "--grace-period=0",
+              "--force", record=True)
+    c.wait_phase("policy-rollout-v3", "Committed", timeout_s=500)
+    (new,) = eventually(lambda: [p for p in c.operator_pods() if _ready(p)], timeout_s=120,
+                        what="the replacement operator Pod")
+    assert new["metadata"]["name"] != old["metadata"]["name"]
+    assert c.exact(3), c.diagnostics("policy-rollout-v3")
+
+
+def test_deleting_a_refit_removes_its_jobs_and_payloads(cluster: Cluster) -> None:
+    c = cluster
+    refit = c.refit("policy-rollout-v2")
+    ids = [a["id"] for a in refit["status"]["attempts"]]
+    prefix = c.s3.data_dir / c.s3.bucket / "policy-a" / "v0000000002"
+    assert any((prefix / i).exists() for i in ids)
+    c.kubectl("-n", NS, "delete", "weightrefit", "policy-rollout-v2", "--timeout=120s",
+              record=True)
+    assert not any((prefix / i).exists() for i in ids)
+    eventually(lambda: c.get("-n", NS, "jobs", "-l", "dcr.dev/refit=policy-rollout-v2")
+               ["items"] == [], timeout_s=120, what="its Jobs garbage-collected")
+    assert (c.s3.data_dir / c.s3.bucket / "policy-a" / "v0000000003").is_dir()
+
+
+def test_helm_upgrade_rolls_the_operator_with_the_new_value(cluster: Cluster) -> None:
+    c = cluster
+    (old,) = c.operator_pods()
+    c.helm_run("upgrade", RELEASE, str(REPO / "charts" / "dcr"), "--namespace", SYSTEM,
+               "--reuse-values", "--set=logLevel=DEBUG", "--wait", "--timeout=300s")
+    (new,) = eventually(lambda: [p for p in c.operator_pods() if _ready(p)
+                                 and p["metadata"]["name"] != old["metadata"]["name"]],
+                        timeout_s=180, what="the upgraded operator Pod")
+    assert "--log-level=DEBUG" in new["spec"]["containers"][0]["args"]
+
+
+def test_helm_uninstall_and_namespace_deletion_leave_nothing_behind(cluster: Cluster) -> None:
+    c = cluster
+    # docs/operations.md, "Uninstall": refits that are done go while the operator runs (it
+    # cleans their payloads), then the release, then the namespace.
+    c.kubectl("-n", NS, "delete", "weightrefits", "--all", "--timeout=180s", record=True)
+    assert not list((c.s3.data_dir / c.s3.bucket / "policy-a").glob("v*/a-*"))
+    c.kubectl("-n", NS, "delete", "deployment", FLEET, "--wait=true", "--timeout=120s")
+    c.helm_run("uninstall", RELEASE, "--namespace", SYSTEM, "--wait", "--timeout=120s")
+    left = c.kubectl("get", "clusterroles,clusterrolebindings,clusterkopfpeerings", "-o",
+                     "name", "-l", "app.kubernetes.io/instance=" + RELEASE, check=False)
+    assert left.strip() == ""
+    for ns in (SYSTEM, NS):
+        assert c.kubectl("-n", ns, "get", "deployments,serviceaccounts,roles,rolebindings,"
+                         "kopfpeerings", "-o", "name", "-l",
+                         "app.kubernetes.io/instance=" + RELEASE, check=False).strip() == ""
+    # The fleet stays with its CRD (helm never deletes CRDs) and carries no finalizer:
+    # with no operator left, deleting its namespace finishes.
+    assert c.fleet()["metadata"].get("finalizers") in (None, [])
+    c.kubectl("delete", "namespace", NS, "--wait=false", record=True)
+    eventually(lambda: c.kubectl("get", "namespace", NS, check=False).strip() == "",
+               timeout_s=120, what=f"namespace {NS} deleted")
+    c.kubectl("delete", "namespace", SYSTEM, "--wait=true", "--timeout=120s")
