@@ -15,16 +15,16 @@ packages missing); ``.ci/run`` installs the packages, so CI runs the tier.
 from __future__ import annotations
 
 import ipaddress
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from controlplane import run_reporting
 from node import (
     GATEWAY,
     PACKAGES,
@@ -40,27 +40,21 @@ REPO = Path(__file__).resolve().parents[2]
 IMAGE_SCRIPT = REPO / "tools" / "image" / "build.sh"
 
 
-def _progress(config: pytest.Config, line: str) -> None:
-    reporter = config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line(f"tests/deploy: {line}")
-
-
 @pytest.fixture(scope="session")
-def node(pytestconfig: pytest.Config,
+def node(progress: Callable[[str], None],
          local_networks: list[ipaddress.IPv4Network]) -> Iterator[Node]:
     missing = missing_prerequisites()
     if missing:
         pytest.skip(f"no node on this machine: needs {', '.join(missing)} "
                     f"(root and the Debian packages {' '.join(PACKAGES)})")
-    _progress(pytestconfig, "starting a one-node cluster (containerd, kubelet, kube-proxy)")
+    progress("tests/deploy: starting a one-node cluster (containerd, kubelet, kube-proxy)")
     started = time.monotonic()
     try:
-        n = Node()
+        n = Node(progress=progress)
         n.start()
     except NodeError as e:
         pytest.fail(str(e))
-    _progress(pytestconfig, f"node Ready in {time.monotonic() - started:.1f} s")
+    progress(f"tests/deploy: node Ready in {time.monotonic() - started:.1f} s")
     network = ipaddress.IPv4Network(SUBNET)
     local_networks.append(network)
     try:
@@ -71,17 +65,17 @@ def node(pytestconfig: pytest.Config,
 
 
 @pytest.fixture(scope="session")
-def images(pytestconfig: pytest.Config, node: Node) -> Images:
+def images(progress: Callable[[str], None], node: Node) -> Images:
     """The project's images, built (``make image``) and imported into the node."""
-    _progress(pytestconfig, f"{IMAGE_SCRIPT.relative_to(REPO)} (minutes on a cold cache)")
+    progress(f"tests/deploy: {IMAGE_SCRIPT.relative_to(REPO)} (minutes on a cold cache; "
+             "its steps show here as they run)")
     started = time.monotonic()
-    # stderr stays the terminal's: the script reports each long step as it runs.
-    proc = subprocess.run(["bash", str(IMAGE_SCRIPT)], stdout=subprocess.PIPE, stderr=None,
-                          text=True, check=False, cwd=REPO)
-    if proc.returncode != 0:
-        pytest.fail(f"{IMAGE_SCRIPT} exited with {proc.returncode}")
+    status, output = run_reporting(["bash", str(IMAGE_SCRIPT)], progress=progress,
+                                   name="make image")
+    if status != 0:
+        pytest.fail(f"{IMAGE_SCRIPT} exited with {status}:\n{output[-3000:]}")
     refs: dict[str, str] = {}
-    for line in proc.stdout.splitlines():
+    for line in output.splitlines():
         parts = line.split()
         if len(parts) == 4 and parts[0] == "image":
             _, role, ref, archive = parts
@@ -89,8 +83,8 @@ def images(pytestconfig: pytest.Config, node: Node) -> Images:
             refs[role] = ref
     if set(refs) != {"dcr", "serve"}:
         pytest.fail(f"{IMAGE_SCRIPT} reported images {sorted(refs)}, not dcr and serve:\n"
-                    f"{proc.stdout}")
-    _progress(pytestconfig, f"images built and loaded in {time.monotonic() - started:.0f} s")
+                    f"{output[-3000:]}")
+    progress(f"tests/deploy: images built and loaded in {time.monotonic() - started:.0f} s")
     return Images(dcr=refs["dcr"], serve=refs["serve"])
 
 

@@ -54,6 +54,7 @@ from controlplane import (
     _free_port,
     _kill_group,
     build_binaries,
+    run_reporting,
 )
 
 logger = logging.getLogger(__name__)
@@ -112,13 +113,14 @@ def missing_prerequisites() -> list[str]:
     return missing
 
 
-def build_node_binaries() -> NodeBinaries:
-    """kubelet, kube-scheduler, kube-proxy and kubectl from ``build.sh node`` (cached)."""
-    proc = subprocess.run(["bash", str(BUILD_SCRIPT), "node"], stdout=subprocess.PIPE,
-                          stderr=None, text=True, check=False, start_new_session=True)
-    if proc.returncode != 0:
-        raise NodeError(f"{BUILD_SCRIPT} node exited with status {proc.returncode}")
-    found = {parts[1]: Path(parts[3]) for line in proc.stdout.splitlines()
+def build_node_binaries(progress: Callable[[str], None] | None = None) -> NodeBinaries:
+    """kubelet, kube-scheduler, kube-proxy and kubectl from ``build.sh node`` (cached;
+    a cold build's steps go to ``progress`` as they run)."""
+    status, output = run_reporting(["bash", str(BUILD_SCRIPT), "node"], progress=progress,
+                                   name="build.sh node")
+    if status != 0:
+        raise NodeError(f"{BUILD_SCRIPT} node exited with status {status}:\n{output[-3000:]}")
+    found = {parts[1]: Path(parts[3]) for line in output.splitlines()
              if len(parts := line.split()) >= 4 and parts[0] in ("built", "reused")}
     missing = set(_NODE_COMPONENTS) - found.keys()
     if missing:
@@ -134,7 +136,9 @@ class Node:
     at ``node.cp.kubeconfig``), ``node.kubectl(...)`` and ``node.load_image(archive)``.
     """
 
-    def __init__(self, *, startup_timeout_s: float = 120.0, keep_workdir: bool = False) -> None:
+    def __init__(self, *, startup_timeout_s: float = 120.0, keep_workdir: bool = False,
+                 progress: Callable[[str], None] | None = None) -> None:
+        self._progress = progress
         self._startup_timeout_s = startup_timeout_s
         self._keep_workdir = keep_workdir
         self._processes: dict[str, subprocess.Popen[bytes]] = {}
@@ -181,11 +185,12 @@ class Node:
                             "locked); one at a time") from None
         self._workdir = Path(tempfile.mkdtemp(prefix="dcr-node-"))
         try:
-            self.binaries = build_node_binaries()
+            self.binaries = build_node_binaries(self._progress)
             _reap_orphans()  # leftovers of a node killed before its stop() (we hold the lock)
             self._cleanup_network()
             self._make_bridge()
-            self.cp = ControlPlane(build_binaries(), controllers=("*",), address=GATEWAY,
+            self.cp = ControlPlane(build_binaries(progress=self._progress), controllers=("*",),
+                                   address=GATEWAY,
                                    workdir_prefix="dcr-node-cp-",
                                    startup_timeout_s=self._startup_timeout_s,
                                    keep_workdir=self._keep_workdir,
