@@ -45,6 +45,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from dcr.errors import ManifestError, first_validation_error
 from dcr.format.names import ATTEMPT_PATTERN, Mode
+from dcr.format.payload import MAGIC as _PAYLOAD_MAGIC
+from dcr.format.payload import decompress_exact
 
 MANIFEST_VERSION = 2
 SCHEMA_PATH = Path(__file__).with_name("manifest.schema.json")
@@ -56,7 +58,6 @@ DIGEST_PERSON = b"dcr-manifest-v2"
 PREAMBLE_SIZE = _PREAMBLE.size + DIGEST_SIZE  # 40
 LEVEL = 1  # writers' zstd level: smaller than 3 or 9 here, within 4% of 19; readers take any
 
-_PAYLOAD_MAGIC = b"\x89DCR\r\n\x1a\n"  # payload.MAGIC, named here only to say what it is
 _HEX32 = r"^[0-9a-f]{32}$"
 _FINGERPRINT = r"^xxh3-128:[0-9a-f]{32}$"
 
@@ -206,7 +207,8 @@ def open_document(data: bytes | memoryview, where: str,
     if raw > limits.max_json_bytes:
         raise ManifestError(f"Manifest {where} declares {raw} bytes of JSON, over the limit "
                             f"of {limits.max_json_bytes} (refused before decompressing).")
-    doc = _decompress_exact(frame, raw, where)
+    doc = decompress_exact(frame, raw, subject=f"Manifest {where}: the document",
+                           sized_by="preamble", error=ManifestError)
     _check_document(f"Manifest {where}", doc, limits)
     return doc
 
@@ -224,26 +226,6 @@ def _what_it_is(magic: bytes) -> str:
     if magic == _PAYLOAD_MAGIC:
         return " (a payload)"
     return ""
-
-
-def _decompress_exact(frame: memoryview, size: int, where: str) -> bytes:
-    """Decompress the one zstd frame that must hold exactly ``size`` bytes."""
-    try:
-        declared = zstandard.frame_content_size(frame)
-    except zstandard.ZstdError as e:
-        raise ManifestError(f"Manifest {where}: the document is not a zstd frame: {e}.") from e
-    if declared != size:
-        raise ManifestError(f"Manifest {where}: the document frame declares {declared} bytes "
-                            f"but the preamble says {size}.")
-    try:
-        out = zstandard.ZstdDecompressor().decompress(frame, max_output_size=size,
-                                                      allow_extra_data=False)
-    except zstandard.ZstdError as e:
-        raise ManifestError(f"Manifest {where}: the document does not decompress: {e}.") from e
-    if len(out) != size:
-        raise ManifestError(f"Manifest {where}: the document decompressed to {len(out)} "
-                            f"bytes, not {size}.")
-    return out
 
 
 def _check_document(what: str, doc: bytes, limits: ManifestLimits) -> None:

@@ -27,6 +27,7 @@ import zstandard
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dcr.errors import (
+    DcrError,
     DigestMismatch,
     LimitExceeded,
     MalformedPayload,
@@ -455,25 +456,33 @@ def check_limits(header: PayloadHeader, limits: DecodeLimits) -> None:
         )
 
 
-def _decompress_exact(frame: memoryview, size: int, what: str) -> bytes:
-    """Decompress one zstd frame that must hold exactly ``size`` bytes and nothing after."""
+def decompress_exact(frame: memoryview, size: int, *, subject: str, sized_by: str,
+                     error: type[DcrError]) -> bytes:
+    """Decompress one zstd frame that must hold exactly ``size`` bytes and nothing after.
+
+    A payload's header and streams and a manifest's document are such frames; ``error``
+    (``subject`` "The header", ``sized_by`` "header") names the part in its messages.
+    """
     try:
         declared = zstandard.frame_content_size(frame)
     except zstandard.ZstdError as e:
-        raise MalformedPayload(f"The {what} is not a zstd frame: {e}.") from e
+        raise error(f"{subject} is not a zstd frame: {e}.") from e
     if declared != size:
-        raise MalformedPayload(
-            f"The {what} frame declares {declared} bytes but the header says {size}."
-        )
+        raise error(f"{subject} frame declares {declared} bytes but the {sized_by} says {size}.")
     try:
         out = zstandard.ZstdDecompressor().decompress(
             frame, max_output_size=size, allow_extra_data=False
         )
     except zstandard.ZstdError as e:
-        raise MalformedPayload(f"The {what} does not decompress: {e}.") from e
+        raise error(f"{subject} does not decompress: {e}.") from e
     if len(out) != size:
-        raise MalformedPayload(f"The {what} decompressed to {len(out)} bytes, not {size}.")
+        raise error(f"{subject} decompressed to {len(out)} bytes, not {size}.")
     return out
+
+
+def _decompress_exact(frame: memoryview, size: int, what: str) -> bytes:
+    return decompress_exact(frame, size, subject=f"The {what}", sized_by="header",
+                            error=MalformedPayload)
 
 
 __all__ = [
