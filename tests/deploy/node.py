@@ -42,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Self
+from typing import IO, Self
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "k8s"))
 
@@ -144,7 +144,7 @@ class Node:
         self._processes: dict[str, subprocess.Popen[bytes]] = {}
         self._lock: IO[str] | None = None
         self._workdir: Path | None = None
-        self.cp: ControlPlane | None = None  # type: ignore[assignment]
+        self.cp: ControlPlane | None = None
         self.binaries: NodeBinaries | None = None
 
     # -- public surface ---------------------------------------------------------------------
@@ -624,8 +624,3 @@ def write_oci_archive(workdir: Path, files: dict[str, Path], ref: str, *,
         for path in sorted(layout.rglob("*")):
             tar.add(str(path), arcname=str(path.relative_to(layout)), recursive=False)
     return archive
-
-
-def kube_object(node: Node, *args: str) -> Any:
-    """``kubectl get ARGS -o json``, decoded."""
-    return json.loads(node.kubectl("get", *args, "-o", "json").stdout)

@@ -34,12 +34,13 @@ from typing import Any, TypeVar
 
 import pytest
 import yaml
+from clusters import CLUSTER_TRAINER
 from controlplane import build_binaries
 from node import Images, Node
 from s3server import S3Server
 
 from dcr.protocol.agent_api import AgentClient
-from dcr.trainer import Trainer, TrainerSettings, reference_fingerprint
+from dcr.trainer import Trainer, reference_fingerprint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -49,10 +50,7 @@ SYSTEM, NS = "dcr-system", "rl"
 RELEASE = "dcr"
 FLEET = "policy-rollout"
 REPLICAS = 2
-# A small model and a fast learning rate: quick steps with enough changes per version.
-TRAINER = TrainerSettings(hidden_size=128, intermediate_size=344, layers=2, heads=4,
-                          kv_heads=2, seq=64, batch=4, lr=1e-5, warmup_steps=0,
-                          corpus=("json", "shutil"), max_shard_size="200KB")
+TRAINER = CLUSTER_TRAINER
 T = TypeVar("T")
 
 

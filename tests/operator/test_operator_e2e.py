@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import pytest
+from clusters import CLUSTER_TRAINER
 from controlplane import ControlPlane
 from k8sutil import REPO, admin_client, apply, eventually, helm_template, install_crds
 from kubelet import FakeKubelet
@@ -47,7 +48,7 @@ from stubs import free_port_on
 
 from dcr.errors import DcrError
 from dcr.receiver.launch import AgentProcess, ServeProcess, free_port
-from dcr.trainer import Trainer, TrainerSettings, reference_fingerprint
+from dcr.trainer import Trainer, reference_fingerprint
 from dcr_operator.jobs import job_name
 from dcr_operator.kube import KubeClient
 
@@ -56,11 +57,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 FLEET = "rollout"
 TOKEN = "e2e-agent-token-0123456789abcdef"
 AGENTS = 3
-# Smaller than the main job's model and a faster learning rate, no warm-up: a cluster
-# test wants quick steps with enough changes per version.
-TRAINER = TrainerSettings(hidden_size=128, intermediate_size=344, layers=2, heads=4,
-                          kv_heads=2, seq=64, batch=4, lr=1e-5, warmup_steps=0,
-                          corpus=("json", "shutil"), max_shard_size="200KB")
+TRAINER = CLUSTER_TRAINER
 
 
 @dataclass
