@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-engines gpu-check lint bench schema crds image clean
+.PHONY: install demo test test-engines gpu-check lint bench evaluate schema crds image clean
 
 install: $(STAMP)
 
@@ -47,6 +47,13 @@ bench: install
 	$(PY) bench/codec.py
 	$(PY) bench/apply.py
 	$(PY) bench/protocol.py
+
+# The evaluation (~20 minutes on 2 cores, ~20 GB of free disk while the 4 GiB runs go):
+# bench/transport.py over sizes, change rates, topologies, owners, fan-outs and nodes, each
+# run side by side with a full-checkpoint sync, into bench/results/evaluation/*.json and the
+# tables and plots of docs/evaluation.md.
+evaluate: install
+	$(PY) bench/evaluate.py
 
 # Regenerate the manifest JSON schema from its pydantic model (a test keeps them in sync).
 schema: install

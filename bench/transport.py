@@ -24,12 +24,24 @@ processes; they import and load version 0 before the clock starts, and for DCR t
 receive (``dcr.transport.receive``) while the trainer is still encoding and sending. Results go to
 bench/results/transport.json.
 
+Besides the three ways, each run measures what each stage needs alone, uncontended, on
+this machine: the owner's encode into memory and a receiver's decode + apply from memory,
+at 1 and 2 threads (per-core rates and the 2-core speed-up). The *limit* of a way is
+``max(encode alone, link time of the payload bytes, apply alone) + one round trip``;
+each DCR way reports its end-to-end time over that limit. Peak resident memory is read
+from every node, relay node and a ``dcr diff`` process encoding the same transition
+(``ru_maxrss``), next to the model's own bytes.
+
     .venv/bin/python bench/transport.py [--nodes 4] [--gib 1] [--mbit 250] [--rtt-ms 20]
+
+``bench/evaluate.py`` (``make evaluate``) runs it over model sizes, change rates,
+topologies, owners, fan-outs and node counts.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -42,6 +54,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -49,14 +62,14 @@ import numpy as np
 
 from dcr.checkpoint import Checkpoint, fingerprint
 from dcr.codec.decode import Target, apply_items, decode
-from dcr.format.payload import Payload
+from dcr.format.payload import Payload, read_payload
 from dcr.owner.diff import diff_checkpoints
 from dcr.owner.settings import EncodeSettings
 from dcr.tokens import write_token_file
 from dcr.transport.receive import Source, StoreSource, receive
 from dcr.transport.relay import RelaySource
 from dcr.transport.relay.publish import RelayPublisher
-from dcr.transport.store import open_store
+from dcr.transport.store import MemoryStore, Store, open_store
 
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
@@ -89,26 +102,68 @@ def wait_http(url: str, deadline_s: float = 20.0) -> None:
 # --- the checkpoint ------------------------------------------------------------------
 
 
-def make_checkpoints(work: Path, gib: float, pct: float) -> tuple[Path, Path]:
+def make_checkpoints(work: Path, gib: float, pct: float, data: str = "synthetic",
+                     cache: Path | None = None) -> tuple[Path, Path]:
+    """Version 0 and 1 of a BF16 checkpoint of ``gib`` GiB, as safetensors files.
+
+    ``synthetic``: 64 equal tensors of N(0, 0.02) with a uniform ``pct`` % of elements moved
+    by one ulp. ``real-adamw``: Llama-shaped tensors trained by ``torch.optim.AdamW`` at
+    lr 1e-6 (``bench/codec.py``'s ``adamw_pair``), the exports before and after one step;
+    ``pct`` is ignored (the optimizer decides what changes). With ``cache``, files made
+    before for the same arguments are reused (version 0 is shared across rates).
+    """
+    where = cache or work
+    where.mkdir(parents=True, exist_ok=True)
+    tag = f"{data}-{gib:g}gib"
+    v0 = where / f"{tag}-v0.safetensors"
+    v1 = where / (f"{tag}-v1.safetensors" if data == "real-adamw"
+                  else f"{tag}-{pct:g}pct-v1.safetensors")
+    if v0.exists() and v1.exists():
+        return v0, v1
+    if data == "real-adamw":
+        _make_adamw(v0, v1, gib)
+    else:
+        _make_synthetic(v0, v1, gib, pct)
+    return v0, v1
+
+
+def _make_synthetic(v0: Path, v1: Path, gib: float, pct: float) -> None:
     import torch
     from safetensors.torch import save_file
 
-    rng = np.random.default_rng(0)
     n_tensors = 64
     per = int(gib * (1 << 30) / 2 / n_tensors)
     base, target = {}, {}
+    rng = np.random.default_rng(0)
+    flip = np.random.default_rng(int(pct * 1000) + 1)
     for i in range(n_tensors):
         f32 = (rng.standard_normal(per, dtype=np.float32) * 0.02).view(np.uint32)
         b = (f32 >> 16).astype(np.uint16)
         t = b.copy()
-        idx = np.flatnonzero(rng.random(per) < pct / 100)
+        idx = np.flatnonzero(flip.random(per, dtype=np.float32) < pct / 100)
         t[idx] += 1
         name = f"model.layers.{i}.weight"
         base[name] = torch.from_numpy(b.view(np.int16)).view(torch.bfloat16)
         target[name] = torch.from_numpy(t.view(np.int16)).view(torch.bfloat16)
-    save_file(base, str(work / "v0.safetensors"))
-    save_file(target, str(work / "v1.safetensors"))
-    return work / "v0.safetensors", work / "v1.safetensors"
+    if not v0.exists():
+        save_file(base, str(v0))
+    save_file(target, str(v1))
+
+
+def _make_adamw(v0: Path, v1: Path, gib: float) -> None:
+    import torch
+
+    sys.path.insert(0, str(HERE))
+    from codec import adamw_pair, model_shapes, save
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    hidden, inter, vocab, kv = 2048, 5632, 32000, 512
+    per_layer = 2 * hidden * hidden + 2 * kv * hidden + 3 * inter * hidden + 2 * hidden
+    layers = max(1, round((gib * (1 << 30) / 2 - 2 * vocab * hidden) / per_layer))
+    shapes = model_shapes(hidden=hidden, inter=inter, vocab=vocab, layers=layers, kv=kv)
+    before, after = adamw_pair(shapes, warmup=5, seed=0)
+    save(before, shapes, v0)
+    save(after, shapes, v1)
 
 
 # --- processes -----------------------------------------------------------------------
@@ -159,14 +214,14 @@ def s3_env(port: int) -> dict[str, str]:
             "AWS_DEFAULT_REGION": "us-east-1"}
 
 
-def start_nodes(procs: Procs, n: int, mode: str, base: Path, endpoints: list[str]
-                ) -> list[subprocess.Popen[str]]:
+def start_nodes(procs: Procs, n: int, mode: str, base: Path, endpoints: list[str],
+                owners: int = 1, threads: int = 2) -> list[subprocess.Popen[str]]:
     nodes = []
     for i in range(n):
         env = s3_env(int(endpoints[i].rsplit(":", 1)[1])) if mode != "dcr-relay" else None
         nodes.append(procs.start(
             [sys.executable, __file__, "node", "--mode", mode, "--base", str(base),
-             "--endpoint", endpoints[i]],
+             "--endpoint", endpoints[i], "--owners", str(owners), "--threads", str(threads)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env))
     for p in nodes:
         assert p.stdout is not None
@@ -188,44 +243,155 @@ def go(nodes: list[subprocess.Popen[str]]) -> list[dict[str, Any]]:
     return results
 
 
+def peak_rss(pid: int) -> int:
+    """A live process's peak resident bytes (VmHWM)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmHWM for pid {pid}")
+
+
 # --- a rollout node ------------------------------------------------------------------
+
+
+def load_targets(base: Path) -> dict[str, Target]:
+    with Checkpoint(base) as ckpt:
+        return {info.name: Target(dtype=info.dtype.name, shape=info.shape,
+                                  bits=np.array(ckpt.bits(info.name))) for info in ckpt}
+
+
+def reset_peak_rss() -> int:
+    """Reset this process's peak resident size to its current one (``clear_refs`` 5);
+    return the current resident bytes."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return peak_rss(os.getpid())
 
 
 def node_main(args: argparse.Namespace) -> None:
     """One rollout node: hold version 0, wait for "go", fetch, apply, verify, report."""
-    targets: dict[str, Target] = {}
-    if args.mode != "full":
-        with Checkpoint(Path(args.base)) as ckpt:
-            for info in ckpt:
-                targets[info.name] = Target(dtype=info.dtype.name, shape=info.shape,
-                                            bits=np.array(ckpt.bits(info.name)))
+    targets = load_targets(Path(args.base)) if args.mode != "full" else {}
+    held = reset_peak_rss()  # the model's copy and the libraries: what the node holds anyway
     print("ready", flush=True)
     sys.stdin.readline()
-    t0 = time.perf_counter()
+    t0 = time.monotonic()  # system-wide: the parent compares it with its own clock
     if args.mode == "full":
         data = open_store(f"s3://{BUCKET}/full").get("v1.safetensors")
+        done = time.monotonic()
         result: dict[str, Any] = {"bytes": len(data), "exact": True}
     else:
         source: Source = (
-            StoreSource(store=open_store(f"s3://{BUCKET}/dcr"), version=1, attempt=ATTEMPT)
+            StoreSource(store=open_store(f"s3://{BUCKET}/dcr"), version=1, attempt=ATTEMPT,
+                        owners=args.owners)
             if args.mode == "dcr-s3"
             else RelaySource(f"http://{args.endpoint}", TOKEN, ATTEMPT)
         )
-        received = 0
+        received, applying = 0, 0.0
 
         def apply(payload: Payload) -> None:  # runs while later payloads still arrive
-            nonlocal received
+            nonlocal received, applying
+            a0 = time.perf_counter()
             received += len(payload.data)
-            apply_items(decode(payload), targets, threads=2)
+            apply_items(decode(payload), targets, threads=args.threads)
+            applying += time.perf_counter() - a0
 
-        manifest = receive(source, ATTEMPT, apply)
+        manifest = receive(source, ATTEMPT, apply, owners=args.owners)
+        done = time.monotonic()  # the check below is the benchmark's, not the refit's
         if isinstance(source, RelaySource):
             source.close()
         want = {t.name: t.target for t in manifest.tensors}
         exact = all(fingerprint(t.bits) == want[n] for n, t in targets.items())
-        result = {"bytes": received, "exact": exact}
-    result["seconds"] = time.perf_counter() - t0
+        result = {"bytes": received, "exact": exact, "apply_s": applying}
+    result["done_monotonic"], result["seconds"] = done, done - t0
+    result["held_rss_bytes"], result["peak_rss_bytes"] = held, peak_rss(os.getpid())
     print(json.dumps(result), flush=True)
+
+
+# --- each stage alone ----------------------------------------------------------------
+
+
+def encode_settings(owner: int, owners: int, threads: int) -> EncodeSettings:
+    return EncodeSettings(version=1, base_version=0, attempt=ATTEMPT, owner=owner,
+                          owners=owners, threads=threads, bucket_bytes=BUCKET_BYTES,
+                          attempt_manifest=owners > 1)
+
+
+def encode(v0: Path, v1: Path, stores: list[Store], threads: int) -> list[Any]:
+    """Every owner's part of the transition into its store, the owners concurrently."""
+    owners = len(stores)
+
+    def one(k: int) -> Any:
+        with Checkpoint(v0) as b, Checkpoint(v1) as t:
+            return diff_checkpoints(b, t, stores[k], encode_settings(k, owners, threads))
+
+    if owners == 1:
+        return [one(0)]
+    with ThreadPoolExecutor(owners) as pool:
+        return list(pool.map(one, range(owners)))
+
+
+def largest_tensor(path: Path) -> int:
+    with Checkpoint(path) as ckpt:
+        return max(i.nbytes for i in ckpt)
+
+
+def stages_alone(v0: Path, v1: Path, owners: int, threads: int) -> dict[str, Any]:
+    """Encode alone (into memory) and decode + apply alone (from memory), at 1 and 2
+    threads per owner or receiver, best of three; checks the apply is bit-exact."""
+    out: dict[str, Any] = {}
+    stores: list[MemoryStore] = []
+    for t in sorted({1, 2, threads}):
+        best = float("inf")
+        for _ in range(3):
+            stores = [MemoryStore() for _ in range(owners)]
+            t0 = time.perf_counter()
+            manifests = encode(v0, v1, list(stores), t)
+            best = min(best, time.perf_counter() - t0)
+        out[f"encode_s_{t}t"] = best
+    out["payload_bytes"] = sum(m.stats.payload_bytes for m in manifests)
+    out["changed_elements"] = sum(m.stats.changed_elements for m in manifests)
+    out["total_elements"] = sum(m.stats.total_elements for m in manifests)
+    blobs = [store.get(e.key) for store, m in zip(stores, manifests, strict=True)
+             for e in m.payloads]
+    want = {t.name: t.target for m in manifests for t in m.tensors}
+    for t in sorted({1, 2, threads}):
+        best = float("inf")
+        for _ in range(3):
+            targets = load_targets(v0)
+            t0 = time.perf_counter()
+            for blob in blobs:
+                apply_items(decode(read_payload(blob)), targets, threads=t)
+            best = min(best, time.perf_counter() - t0)
+            if not all(fingerprint(x.bits) == want[n] for n, x in targets.items()):
+                raise RuntimeError("decode + apply alone is not bit-exact")
+            del targets
+        out[f"apply_s_{t}t"] = best
+    return out
+
+
+def owner_memory(v0: Path, v1: Path, work: Path, threads: int) -> dict[str, int]:
+    """Memory of one ``dcr diff`` process encoding the transition: its peak resident bytes
+    (``ru_maxrss``, which counts the memory-mapped checkpoints' pages it touched) and the
+    largest anonymous resident size seen, sampled every 5 ms (what it allocates)."""
+    store = work / "rss-store"
+    p = subprocess.Popen([str(BIN / "dcr"), "diff", "--store", str(store), "--version", "1",
+                          "--threads", str(threads), "--bucket-mib", str(BUCKET_BYTES >> 20),
+                          "--json", str(v0), str(v1)], stdout=subprocess.DEVNULL)
+    anon = 0
+    status = Path(f"/proc/{p.pid}/status")
+    while True:
+        pid, code, usage = os.wait4(p.pid, os.WNOHANG)
+        if pid:
+            break
+        with contextlib.suppress(OSError):
+            for line in status.read_text().splitlines():
+                if line.startswith("RssAnon:"):
+                    anon = max(anon, int(line.split()[1]) * 1024)
+        time.sleep(0.005)
+    p.returncode = os.waitstatus_to_exitcode(code)
+    shutil.rmtree(store, ignore_errors=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"dcr diff exited {p.returncode}")
+    return {"owner_peak_rss_bytes": usage.ru_maxrss * 1024, "owner_peak_anon_bytes": anon}
 
 
 # --- the three ways ------------------------------------------------------------------
@@ -255,59 +421,79 @@ def run_full(procs: Procs, s3_port: int, v1: Path, n: int, mbit: float, rtt: flo
 
 
 def run_dcr_s3(procs: Procs, s3_port: int, v0: Path, v1: Path, n: int, mbit: float,
-               rtt: float, shared: bool) -> dict[str, Any]:
+               rtt: float, shared: bool, owners: int, threads: int) -> dict[str, Any]:
     links, endpoints = node_links(procs, s3_port, n, mbit, rtt, shared)
-    nodes = start_nodes(procs, n, "dcr-s3", v0, endpoints)
+    nodes = start_nodes(procs, n, "dcr-s3", v0, endpoints, owners, threads)
     os.environ.update(s3_env(s3_port))
     results_box: list[list[dict[str, Any]]] = []
-    t0 = time.perf_counter()
+    stores: list[Store] = [open_store(f"s3://{BUCKET}/dcr") for _ in range(owners)]
+    t0 = time.monotonic()
     waiter = threading.Thread(target=lambda: results_box.append(go(nodes)))
     waiter.start()  # nodes poll the store while the trainer uploads: pipelined
-    with Checkpoint(v0) as b, Checkpoint(v1) as t:
-        m = diff_checkpoints(b, t, open_store(f"s3://{BUCKET}/dcr"),
-                             EncodeSettings(version=1, base_version=0, attempt=ATTEMPT,
-                                          bucket_bytes=BUCKET_BYTES))
-    publish = time.perf_counter() - t0
+    manifests = encode(v0, v1, stores, threads)
+    publish = time.monotonic() - t0
     waiter.join()
-    total = time.perf_counter() - t0
     results = results_box[0]
+    total = max(r["done_monotonic"] for r in results) - t0
     crossed = sum(link_bytes(p)[1] for p in links)
-    return {"publish_s": publish, "payload_bytes": m.stats.payload_bytes, "nodes": results,
-            "total_s": total, "boundary_bytes": crossed}
+    return {"publish_s": publish,
+            "payload_bytes": sum(m.stats.payload_bytes for m in manifests),
+            "nodes": results, "total_s": total, "boundary_bytes": crossed}
 
 
 def run_dcr_relay(procs: Procs, v0: Path, v1: Path, n: int, mbit: float, rtt: float,
-                  fanout: int, work: Path) -> dict[str, Any]:
+                  fanout: int, work: Path, threads: int) -> dict[str, Any]:
     ports = [free_port() for _ in range(n)]
     members = ",".join(f"127.0.0.1:{p}" for p in ports)
     token_file = write_token_file(work / "token", TOKEN)
     publish_file = write_token_file(work / "publish-token", PUBLISH_TOKEN)
+    relays = []
     for i, port in enumerate(ports):
-        procs.start([sys.executable, "-m", "dcr", "relay", "--listen", f"127.0.0.1:{port}",
-                     "--members", members, "--index", str(i), "--fanout", str(fanout),
-                     "--token-file", str(token_file), "--publish-token-file",
-                     str(publish_file)], stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL)
+        relays.append(procs.start(
+            [sys.executable, "-m", "dcr", "relay", "--listen", f"127.0.0.1:{port}",
+             "--members", members, "--index", str(i), "--fanout", str(fanout),
+             "--token-file", str(token_file), "--publish-token-file", str(publish_file)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     for port in ports:
         wait_http(f"http://127.0.0.1:{port}/healthz")
     link, link_port = start_link(procs, ports[0], mbit, rtt)  # trainer -> root: the boundary
-    nodes = start_nodes(procs, n, "dcr-relay", v0, [f"127.0.0.1:{p}" for p in ports])
+    nodes = start_nodes(procs, n, "dcr-relay", v0, [f"127.0.0.1:{p}" for p in ports],
+                        threads=threads)
     push = RelayPublisher(f"relay+http://127.0.0.1:{link_port}", token=PUBLISH_TOKEN)
     results_box: list[list[dict[str, Any]]] = []
-    t0 = time.perf_counter()
+    t0 = time.monotonic()
     waiter = threading.Thread(target=lambda: results_box.append(go(nodes)))
     waiter.start()  # nodes poll their relay while the trainer streams: pipelined
-    with Checkpoint(v0) as b, Checkpoint(v1) as t:
-        settings = EncodeSettings(version=1, base_version=0, attempt=ATTEMPT,
-                                bucket_bytes=BUCKET_BYTES)
-        m = diff_checkpoints(b, t, push, settings)
-    publish = time.perf_counter() - t0
+    (m,) = encode(v0, v1, [push], threads)
+    publish = time.monotonic() - t0
     waiter.join()
-    total = time.perf_counter() - t0
+    total = max(r["done_monotonic"] for r in results_box[0]) - t0
     push.close()
     up, _ = link_bytes(link)
     return {"publish_s": publish, "payload_bytes": m.stats.payload_bytes,
-            "nodes": results_box[0], "total_s": total, "boundary_bytes": up}
+            "nodes": results_box[0], "total_s": total, "boundary_bytes": up,
+            "relay_peak_rss_bytes": [peak_rss(r.pid) for r in relays]}
+
+
+def limit(alone: dict[str, Any], threads: int, mbit: float, rtt_ms: float, nodes: int
+          ) -> dict[str, Any]:
+    """What the slowest stage needs alone, plus one round trip: no way can beat it.
+
+    ``machine_s`` is a second floor that holds only here, where the owner and every node
+    share this machine's cores: their encode and apply work (one thread's seconds) spread
+    over all cores, plus the round trip. Real parties each have their own cores.
+    """
+    stages = {"encode_s": alone[f"encode_s_{threads}t"],
+              "link_s": alone["payload_bytes"] / (mbit * 1e6 / 8),
+              "apply_s": alone[f"apply_s_{threads}t"]}
+    slowest = max(stages, key=lambda k: stages[k])
+    cpu = (alone["encode_s_1t"] + nodes * alone["apply_s_1t"]) / (os.cpu_count() or 1)
+    return {**stages, "rtt_s": rtt_ms / 1000, "slowest": slowest,
+            "limit_s": stages[slowest] + rtt_ms / 1000,
+            "machine_s": max(stages[slowest], cpu) + rtt_ms / 1000}
+
+
+WAYS = ("full", "dcr-s3", "dcr-relay")
 
 
 def main() -> None:
@@ -318,26 +504,53 @@ def main() -> None:
     node.add_argument("--mode", required=True)
     node.add_argument("--base", required=True)
     node.add_argument("--endpoint", required=True)
+    node.add_argument("--owners", type=int, default=1)
+    node.add_argument("--threads", type=int, default=2)
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--pct", type=float, default=3.0)
+    ap.add_argument("--data", choices=["synthetic", "real-adamw"], default="synthetic",
+                    help="synthetic: --pct %% of elements moved by one ulp; real-adamw: one "
+                    "AdamW step (lr 1e-6) of Llama-shaped tensors")
     ap.add_argument("--mbit", type=float, default=250.0)
     ap.add_argument("--rtt-ms", type=float, default=20.0)
     ap.add_argument("--fanout", type=int, default=2)
+    ap.add_argument("--owners", type=int, default=1,
+                    help="encoders splitting the tensors (object store only)")
+    ap.add_argument("--threads", type=int, default=2,
+                    help="threads of each owner and each node's apply")
     ap.add_argument("--bucket-mib", type=int, default=256, help="dense MiB per payload")
     ap.add_argument("--topology", choices=["per-node", "shared"], default="per-node",
                     help="per-node: a link per rollout node; shared: one boundary link")
+    ap.add_argument("--ways", default=",".join(WAYS),
+                    help="which of full, dcr-s3, dcr-relay to run (comma-separated)")
+    ap.add_argument("--cache", type=Path, default=None,
+                    help="keep the generated checkpoints here and reuse them")
     ap.add_argument("--out", default="bench/results/transport.json")
     args = ap.parse_args()
     if args.cmd == "node":
         node_main(args)
         return
+    ways = args.ways.split(",")
+    if not set(ways) <= set(WAYS):
+        ap.error(f"--ways {args.ways!r}: choose from {', '.join(WAYS)}")
+    if args.owners > 1 and "dcr-relay" in ways:
+        ap.error("the relay takes one owner per attempt; --owners > 1 needs --ways dcr-s3")
     global BUCKET_BYTES
     BUCKET_BYTES = args.bucket_mib << 20
     procs = Procs()
     work = Path(tempfile.mkdtemp(prefix="dcr-transport-"))
+    n, mbit, rtt, shared = args.nodes, args.mbit, args.rtt_ms, args.topology == "shared"
+    rows: dict[str, dict[str, Any]] = {}
+    alone: dict[str, Any] = {}
     try:
-        v0, v1 = make_checkpoints(work, args.gib, args.pct)
+        v0, v1 = make_checkpoints(work, args.gib, args.pct, args.data, args.cache)
+        dense = v1.stat().st_size
+        if ways != ["full"]:
+            alone = stages_alone(v0, v1, args.owners, args.threads)
+            alone |= owner_memory(v0, v1, work, args.threads)
+            alone["largest_tensor_bytes"] = largest_tensor(v0)
+            alone["bucket_bytes"] = BUCKET_BYTES
         s3_port = free_port()
         data = work / "s3"
         (data / BUCKET).mkdir(parents=True)
@@ -345,42 +558,62 @@ def main() -> None:
                      "--auth-key", f"{KEY},{SECRET}", str(data)],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_http(f"http://127.0.0.1:{s3_port}/")
-        n, mbit, rtt, shared = args.nodes, args.mbit, args.rtt_ms, args.topology == "shared"
-        rows = {
-            "full": run_full(procs, s3_port, v1, n, mbit, rtt, shared),
-            "dcr-s3": run_dcr_s3(procs, s3_port, v0, v1, n, mbit, rtt, shared),
-            "dcr-relay": run_dcr_relay(procs, v0, v1, n, mbit, rtt, args.fanout, work),
-        }
+        if "full" in ways:
+            rows["full"] = run_full(procs, s3_port, v1, n, mbit, rtt, shared)
+        if "dcr-s3" in ways:
+            rows["dcr-s3"] = run_dcr_s3(procs, s3_port, v0, v1, n, mbit, rtt, shared,
+                                        args.owners, args.threads)
+        if "dcr-relay" in ways:
+            rows["dcr-relay"] = run_dcr_relay(procs, v0, v1, n, mbit, rtt, args.fanout, work,
+                                              args.threads)
     finally:
         procs.stop()
         shutil.rmtree(work, ignore_errors=True)
-    full = rows["full"]["total_s"]
-    dense = int(args.gib * (1 << 30))
     link_bytes_s = mbit * 1e6 / 8
-    doc = {
+    doc: dict[str, Any] = {
         "benchmark": "transport",
         "command": " ".join(["python", "bench/transport.py", *sys.argv[1:]]),
-        "setup": {"nodes": n, "checkpoint_bytes": dense, "changed_pct": args.pct,
+        "setup": {"nodes": n, "checkpoint_bytes": dense, "data": args.data,
+                  "changed_pct": args.pct if args.data == "synthetic" else None,
                   "link_mbit": mbit, "rtt_ms": rtt, "relay_fanout": args.fanout,
+                  "owners": args.owners, "threads": args.threads,
                   "topology": args.topology, "bucket_mib": args.bucket_mib,
                   "s3_server": "rclone serve s3", "cpus": os.cpu_count(),
                   "python": platform.python_version()},
         "results": rows,
-        "speedup_vs_full": {k: full / r["total_s"] for k, r in rows.items()},
-        "relay_vs_s3": rows["dcr-s3"]["total_s"] / rows["dcr-relay"]["total_s"],
-        "full_download_link_efficiency": (
-            rows["full"]["boundary_bytes"] / (rows["full"]["total_s"] - rows["full"]["publish_s"])
-            / (link_bytes_s * (1 if shared else n))),
-        "all_exact": all(r["exact"] for k in ("dcr-s3", "dcr-relay") for r in rows[k]["nodes"]),
     }
+    if alone:
+        alone["changed_pct"] = 100 * alone["changed_elements"] / alone["total_elements"]
+        doc["stages_alone"] = alone
+        doc["limit"] = limit(alone, args.threads, mbit, rtt, n)
+        doc["over_limit"] = {k: r["total_s"] / doc["limit"]["limit_s"]
+                             for k, r in rows.items() if k != "full"}
+        doc["all_exact"] = all(r["exact"] for k, row in rows.items() if k != "full"
+                               for r in row["nodes"])
+    if "full" in rows:
+        full = rows["full"]
+        doc["speedup_vs_full"] = {k: full["total_s"] / r["total_s"] for k, r in rows.items()}
+        doc["full_download_link_efficiency"] = (
+            full["boundary_bytes"] / (full["total_s"] - full["publish_s"])
+            / (link_bytes_s * (1 if shared else n)))
+    if {"dcr-s3", "dcr-relay"} <= set(rows):
+        doc["relay_vs_s3"] = rows["dcr-s3"]["total_s"] / rows["dcr-relay"]["total_s"]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"{'way':<10} {'total s':>8} {'publish s':>9} {'boundary MB':>11} {'vs full':>8}")
+    print(f"{'way':<10} {'total s':>8} {'publish s':>9} {'boundary MB':>11} {'vs full':>8} "
+          f"{'/ limit':>8}")
     for k, r in rows.items():
+        vs = doc.get("speedup_vs_full", {}).get(k)
+        over = doc.get("over_limit", {}).get(k)
         print(f"{k:<10} {r['total_s']:>8.2f} {r['publish_s']:>9.2f} "
-              f"{r['boundary_bytes'] / 1e6:>11.1f} {doc['speedup_vs_full'][k]:>7.1f}x")
-    print(f"relay vs object store: {doc['relay_vs_s3']:.2f}x; full-download link efficiency "
-          f"{100 * doc['full_download_link_efficiency']:.0f}%; all exact: {doc['all_exact']}")
+              f"{r['boundary_bytes'] / 1e6:>11.1f} "
+              f"{f'{vs:.1f}x' if vs else '-':>8} {f'{over:.2f}x' if over else '-':>8}")
+    if alone:
+        lim = doc["limit"]
+        print(f"limit {lim['limit_s']:.3f} s ({lim['slowest']}: encode {lim['encode_s']:.3f}, "
+              f"link {lim['link_s']:.3f}, apply {lim['apply_s']:.3f}, rtt {lim['rtt_s']:.3f}; "
+              f"on this machine's shared cores {lim['machine_s']:.3f}); "
+              f"changed {alone['changed_pct']:.2f}%; all exact: {doc['all_exact']}")
 
 
 if __name__ == "__main__":
