@@ -46,30 +46,37 @@ RATES = (1, 3, 5)
 class Run:
     name: str
     args: list[str]
+    group: str  # sweep (size x rate, per node), real, owners, shared, scale (nodes, fan-out)
 
 
 def runs() -> list[Run]:
     out = []
     for gib, n in NODES.items():
         base = ["--gib", f"{gib:g}", "--nodes", str(n), *PER_NODE]
-        out.append(Run(f"full-{gib:g}g-{n}n", [*base, "--pct", "1", "--ways", "full"]))
+        out.append(Run(f"full-{gib:g}g-{n}n", [*base, "--pct", "1", "--ways", "full"], "sweep"))
         out += [Run(f"dcr-{gib:g}g-{p}pct-{n}n", [*base, "--pct", str(p),
-                                                  "--ways", "dcr-s3,dcr-relay"])
+                                                  "--ways", "dcr-s3,dcr-relay"], "sweep")
                 for p in RATES]
     out.append(Run("real-1g-4n", ["--gib", "1", "--nodes", "4", "--data", "real-adamw",
-                                  *PER_NODE]))
+                                  *PER_NODE], "real"))
     out.append(Run("owners2-1g-3pct-4n", ["--gib", "1", "--nodes", "4", "--pct", "3",
-                                          "--owners", "2", "--ways", "dcr-s3", *PER_NODE]))
+                                          "--owners", "2", "--ways", "dcr-s3", *PER_NODE],
+                   "owners"))
     shared = ["--gib", "1", "--nodes", "4", *SHARED]
-    out.append(Run("full-1g-4n-shared", [*shared, "--pct", "1", "--ways", "full"]))
+    out.append(Run("full-1g-4n-shared", [*shared, "--pct", "1", "--ways", "full"], "shared"))
     out += [Run(f"dcr-1g-{p}pct-4n-shared", [*shared, "--pct", str(p),
-                                             "--ways", "dcr-s3,dcr-relay"]) for p in (1, 3)]
+                                             "--ways", "dcr-s3,dcr-relay"], "shared")
+            for p in (1, 3)]
     eight = ["--gib", "0.25", "--nodes", "8", "--pct", "1", *PER_NODE]
-    out.append(Run("full-0.25g-8n", [*eight, "--ways", "full"]))
-    out.append(Run("dcr-0.25g-1pct-8n", [*eight, "--ways", "dcr-s3,dcr-relay"]))
+    out.append(Run("full-0.25g-8n", [*eight, "--ways", "full"], "scale"))
+    out.append(Run("dcr-0.25g-1pct-8n", [*eight, "--ways", "dcr-s3,dcr-relay"], "scale"))
     out.append(Run("relay-0.25g-1pct-8n-f4", [*eight, "--ways", "dcr-relay",
-                                              "--fanout", "4"]))
+                                              "--fanout", "4"], "scale"))
     return out
+
+
+def group_of(name: str) -> str:
+    return next((r.group for r in runs() if r.name == name), "other")
 
 
 def measure(cache: Path, only: str | None) -> None:
@@ -133,7 +140,8 @@ def main_rows(docs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         full = full_for(docs, name)
         res, lim = d["results"], d["limit"]
-        row: dict[str, Any] = {"name": name, "gib": gib(d), "rate": rate_label(d),
+        row: dict[str, Any] = {"name": name, "group": group_of(name), "gib": gib(d),
+                               "rate": rate_label(d),
                                "nodes": d["setup"]["nodes"], "topology": d["setup"]["topology"],
                                "owners": d["setup"]["owners"], "fanout": d["setup"]["relay_fanout"],
                                "full_s": full["total_s"] if full else None,
@@ -168,12 +176,10 @@ def way_cells(row: dict[str, Any], way: str) -> list[str]:
 
 def report(docs: dict[str, dict[str, Any]]) -> str:
     rows = main_rows(docs)
-    per_node = [r for r in rows if r["topology"] == "per-node" and r["owners"] == 1
-                and r["fanout"] == 2 and r["nodes"] == NODES.get(r["gib"], 4)
-                and "dcr-s3" in r]
+    per_node = [r for r in rows if r["group"] in ("sweep", "real")]
     per_node.sort(key=lambda r: (r["gib"], r["doc"]["stages_alone"]["changed_pct"]))
-    shared = [r for r in rows if r["topology"] == "shared"]
-    parts = [f"Measured on {time.strftime('%Y-%m-%d', time.gmtime(latest(docs)))}, "
+    shared = [r for r in rows if r["group"] == "shared"]
+    parts = [f"Measured on {max(d['measured_at'] for d in docs.values())[:10]}, "
              f"{docs[next(iter(docs))]['setup']['cpus']} cores, by `make evaluate` "
              "(each run's command is in its JSON under `bench/results/evaluation/`). "
              "Every DCR row ended bit-exact on every node: "
@@ -209,7 +215,7 @@ def report(docs: dict[str, dict[str, Any]]) -> str:
     parts.append("\n### Owners, fan-out and nodes\n")
     extra = []
     for r in rows:
-        if r["owners"] > 1 or r["nodes"] == 8:
+        if r["group"] in ("owners", "scale"):
             for way in ("dcr-s3", "dcr-relay"):
                 if way in r:
                     extra.append([r["name"], way, str(r["owners"]), str(r["nodes"]),
@@ -265,10 +271,6 @@ def report(docs: dict[str, dict[str, Any]]) -> str:
                  "![stage breakdown](img/evaluation-stages.png)\n\n"
                  "![bytes across the boundary](img/evaluation-bytes.png)")
     return "\n".join(parts)
-
-
-def latest(docs: dict[str, dict[str, Any]]) -> float:
-    return max((RESULTS / f"{n}.json").stat().st_mtime for n in docs)
 
 
 def targets(rows: list[dict[str, Any]], per_node: list[dict[str, Any]],
@@ -353,9 +355,7 @@ def plots(docs: dict[str, dict[str, Any]]) -> None:
     import matplotlib.pyplot as plt
 
     IMG.mkdir(parents=True, exist_ok=True)
-    rows = [r for r in main_rows(docs) if r["topology"] == "per-node" and r["owners"] == 1
-            and r["fanout"] == 2 and r["nodes"] == NODES.get(r["gib"], 4) and "dcr-s3" in r
-            and r["doc"]["setup"]["data"] == "synthetic"]
+    rows = [r for r in main_rows(docs) if r["group"] == "sweep"]
     sizes = sorted({r["gib"] for r in rows})
 
     fig, grid = plt.subplots(1, len(sizes), figsize=(4 * len(sizes), 3.6), sharey=True,

@@ -573,6 +573,7 @@ def main() -> None:
     doc: dict[str, Any] = {
         "benchmark": "transport",
         "command": " ".join(["python", "bench/transport.py", *sys.argv[1:]]),
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "setup": {"nodes": n, "checkpoint_bytes": dense, "data": args.data,
                   "changed_pct": args.pct if args.data == "synthetic" else None,
                   "link_mbit": mbit, "rtt_ms": rtt, "relay_fanout": args.fanout,
