@@ -1,14 +1,14 @@
-"""The ``dcr`` command line: diff, patch, inspect, relay, encode, agent, serve, refit.
+"""The ``dcr`` command line: diff, patch, inspect, relay, encode, encoder, agent, serve, refit.
 
 Exit status: 0 on success, 1 when DCR refuses or fails (the message names the value),
 2 for usage errors. With ``--json`` a command prints exactly one JSON object on stdout
 and no progress bars.
 
-The options of ``agent``, ``serve``, ``refit`` and ``relay`` are generated from their
-settings classes (``AgentSettings``, ``ServeSettings``, ``RefitSettings`` with
-``TrainerSettings``, ``RelaySettings``); a command's options are built only when that
-command runs (or for ``dcr --help``), so ``dcr encode``, started once per attempt, does
-not import the relay node or the main job.
+The options of ``agent``, ``serve``, ``refit``, ``relay`` and ``encoder`` are generated
+from their settings classes (``AgentSettings``, ``ServeSettings``, ``RefitSettings`` with
+``TrainerSettings``, ``RelaySettings``, ``EncoderServerSettings``); a command's options
+are built only when that command runs (or for ``dcr --help``), so ``dcr encode``,
+started once per attempt, does not import the relay node or the main job.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from dcr.errors import DcrError
 from dcr.files.inspect import describe, render
 from dcr.files.patch import load_manifest, patch_checkpoint
 from dcr.format.profile import load_profile
-from dcr.owner.diff import diff_checkpoints
+from dcr.owner.diff import diff_checkpoints, encode_summary
 from dcr.owner.settings import EncodeSettings
 from dcr.settings import add_options, doc, from_args
 from dcr.transport.store import open_store
@@ -44,6 +44,8 @@ examples:
   dcr refit --kill-receiver-every 2
   dcr relay --listen 0.0.0.0:8470 --members r0:8470,r1:8470,r2:8470 --index 1 \
             --token-file /etc/dcr/read-token --publish-token-file /etc/dcr/publish-token
+  dcr encoder --listen 0.0.0.0:8472 --token-file /etc/dcr/encoder-token \
+              --store s3://rl-weights/policy-a --checkpoint-root /checkpoints
 """
 
 
@@ -105,16 +107,7 @@ def cmd_diff(args: argparse.Namespace) -> None:
             m = diff_checkpoints(base, target, store, settings, bar)
     seconds = time.perf_counter() - t0
     st = m.stats
-    summary = {
-        **st.model_dump(),
-        "seconds": round(seconds, 4),
-        "payloads": len(m.payloads),
-        "attempt": m.attempt,
-        "base_version": m.base_version,
-        "version": m.target_version,
-        "mode": m.mode,
-        "store": store.uri,
-    }
+    summary = encode_summary(m, seconds=seconds, store=store.uri)
     pct = 100 * st.changed_elements / max(1, st.total_elements)
     text = (
         f"version {m.base_version} -> {m.target_version} ({m.mode}, attempt {m.attempt}): "
@@ -209,6 +202,19 @@ def cmd_relay(args: argparse.Namespace) -> None:
     run_relay(settings)
 
 
+def cmd_encoder(args: argparse.Namespace) -> None:
+    from dcr.owner.server import EncoderServerSettings, run
+
+    run(from_args(EncoderServerSettings, args))
+
+
+def _encoder_options(p: argparse.ArgumentParser) -> None:
+    from dcr.owner.server import EncoderServerSettings
+
+    add_options(p, EncoderServerSettings)
+    p.set_defaults(func=cmd_encoder)
+
+
 def _agent_options(p: argparse.ArgumentParser) -> None:
     from dcr.receiver.main import add_arguments
 
@@ -257,6 +263,9 @@ _BUILT_WHEN_RUN: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]
     "refit": ("the main job and the demo: train, refit agent processes after every step, "
               "recover from kills, verify bits, plot", _refit_options),
     "relay": ("run one relay tree node until SIGTERM", _relay_options),
+    "encoder": ("run a warm encoder: an owner endpoint that publishes attempts over HTTP "
+                "(what an encoder Job does per attempt, without a process per attempt)",
+                _encoder_options),
 }
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from dcr.checkpoint import TensorInfo, TensorSource
 from dcr.codec.encode import EncodedItem, diff_range, encode_item, whole_range
@@ -161,4 +162,19 @@ def diff_checkpoints(
                          dense_bytes=sum(i.nbytes for i in mine))
 
 
-__all__ = ["Progress", "check_same_tensors", "diff_checkpoints"]
+def encode_summary(m: Manifest, *, seconds: float, store: str) -> dict[str, Any]:
+    """What ``dcr diff --json`` and ``dcr encode --json`` print, and the warm encoder
+    (``dcr encoder``) answers a publish with: the manifest's stats and where it went."""
+    return {
+        **m.stats.model_dump(),
+        "seconds": round(seconds, 4),
+        "payloads": len(m.payloads),
+        "attempt": m.attempt,
+        "base_version": m.base_version,
+        "version": m.target_version,
+        "mode": m.mode,
+        "store": store,
+    }
+
+
+__all__ = ["Progress", "check_same_tensors", "diff_checkpoints", "encode_summary"]

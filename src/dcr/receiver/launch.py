@@ -1,5 +1,5 @@
-"""Start, kill and restart ``dcr agent`` and ``dcr serve`` processes on loopback (the main
-job, tests, bench).
+"""Start, kill and restart ``dcr agent``, ``dcr serve`` and ``dcr encoder`` processes on
+loopback (the main job, tests, bench).
 
 A rollout pod is two processes: a serving engine (here the reference server, ``dcr
 serve``, :class:`ServeProcess`) and the agent beside it (:class:`AgentProcess`), sharing
@@ -27,6 +27,7 @@ from typing import IO, ClassVar
 from dcr.engines.vllm import VllmEngine
 from dcr.errors import DcrError
 from dcr.protocol.agent_api import AgentClient
+from dcr.protocol.encoder_api import EncoderClient
 from dcr.tokens import write_token_file
 
 START_TIMEOUT_S = 120.0  # a server loads its model before it listens
@@ -166,4 +167,25 @@ class ServeProcess(Process):
         return [*super().argv(), "--api-key-file", str(key_file)]
 
 
-__all__ = ["AgentProcess", "Process", "ServeProcess", "free_port"]
+@dataclass(kw_only=True)
+class EncoderProcess(Process):
+    """``dcr encoder``, a warm owner endpoint: ``args`` after --listen/--token-file (the
+    store and the checkpoint roots); its log and token file in ``workdir``."""
+
+    command: ClassVar[str] = "encoder"
+    workdir: Path
+    token: str
+
+    @property
+    def directory(self) -> Path:
+        return self.workdir
+
+    def client(self) -> EncoderClient:
+        return EncoderClient(self.url, self.token, name=self.name)
+
+    def argv(self) -> list[str]:
+        token_file = write_token_file(self.workdir / "token", self.token)  # 0600 at birth
+        return [*super().argv(), "--token-file", str(token_file)]
+
+
+__all__ = ["AgentProcess", "EncoderProcess", "Process", "ServeProcess", "free_port"]
