@@ -6,13 +6,18 @@ Each rollout pod is two processes sharing a staging directory, as in a real pod:
 ``dcr serve`` reference server holding the model (transformers servers, and one
 vLLM-layout server holding both ranks of tensor-parallel size 2 with an FP8
 ``o_proj``), and a ``dcr agent`` sidecar that drives it through its HTTP API the way it
-drives vLLM. Encoders are ``dcr encode`` processes that split the tensors by name. A
-coordinator in this process drives every refit through the agents' HTTP API and commits
-it by compare-and-set in a SQLite commit record.
+drives vLLM. The owners split the tensors by name; by default (``--owner-form warm``)
+each is a :class:`WarmOwner`, an in-process encoder in this (the trainer's) process
+holding the committed checkpoint memory-mapped, so publishing an attempt starts nothing;
+``--owner-form process`` runs a ``dcr encode`` process per attempt instead, what an
+encoder Job is on Kubernetes. A coordinator in this process drives every refit through
+the agents' HTTP API and commits it by compare-and-set in a SQLite commit record.
 
 ``--kill-receiver-every N`` SIGKILLs one process of a pod in the middle of every N-th
 refit and restarts it on the same port and directories, as a container restart does:
-the first kill, third, ... kill the pod's agent, the second, fourth, ... its server.
+the first kill, third, ... kill the pod's agent, the second, fourth, ... its server. The
+kill lands once the pod is applying, and the owners' publishes wait for it, so it falls
+inside the attempt however quickly a warm owner publishes.
 Either way the attempt fails and the survivors stop. A restarted agent reports an
 unknown version from its journal; a restarted server answers a new instance id, so its
 agent reports unknown weights; either is restored by a dense refit, and the retry in
@@ -20,10 +25,17 @@ overwrite mode commits.
 
 After every step, each pod's fingerprint of every parameter and buffer (xxh3 of integer
 views, every rank of its server) is compared with a dense load of the trainer's export
-through the same loader. The coverage line says which share of the weight bytes travels
-as XOR, overwrite or dense under the agents' merged profile. A table per step,
-``summary.json`` and a plot (``refit.png``) are written. This is the one demo; the
-file-level path (``dcr diff``/``dcr patch`` on checkpoint files) is the command line's.
+through the same loader. Then a full-checkpoint refit of the same version is timed for
+comparison (``full s``): the export's files are put into the file store under
+``full/v<N>/``, and every pod at once downloads them into its own directory and
+dense-loads them through its agent (``rejoin``: the server's own loader, checked against
+the committed manifest's fingerprints where the agent holds them); the fingerprints are
+checked again and the objects and copies deleted. With ``--transport relay`` this
+comparison still goes through the file store, since a relay carries only DCR attempts.
+The coverage line says which share of the weight bytes travels as XOR, overwrite or
+dense under the agents' merged profile. A table per step, ``summary.json`` and a plot
+(``refit.png``) are written. This is the one demo; the file-level path
+(``dcr diff``/``dcr patch`` on checkpoint files) is the command line's.
 """
 
 from __future__ import annotations
@@ -32,31 +44,37 @@ import json
 import logging
 import secrets
 import shutil
+import statistics
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from dcr.checkpoint import Checkpoint
+from dcr.checkpoint import Checkpoint, TensorSource
 from dcr.engines.base import merge_fingerprints
-from dcr.errors import ConfigError, DcrError
+from dcr.errors import BaselineError, ConfigError, DcrError
 from dcr.format.profile import ReceiverProfile, coverage, merge
+from dcr.owner.encoder import Encoder
 from dcr.owner.process import ProcessOwner
+from dcr.protocol.agent_api import AgentError, AgentStatus
 from dcr.protocol.commitstore import SqliteCommitStore
 from dcr.protocol.coordinator import Coordinator, CoordinatorSettings
-from dcr.protocol.records import CommitRecord
+from dcr.protocol.records import Attempt, CommitRecord
 from dcr.receiver.launch import AgentProcess, Process, ServeProcess, free_port
 from dcr.receiver.settings import AgentSettings
 from dcr.serve.settings import ServeSettings
 from dcr.settings import option, to_argv
 from dcr.tokens import write_token_file
 from dcr.trainer import Trainer, TrainerSettings, reference_fingerprint
-from dcr.transport.relay.publish import TOKEN_ENV
+from dcr.transport.relay.publish import TOKEN_ENV, RelayPublisher
 from dcr.transport.relay.settings import RelaySettings
+from dcr.transport.store import FileStore, Store, open_store
 
 log = logging.getLogger(__name__)
 LAUNCHED = ("name", "listen", "state_dir", "token_file")  # AgentProcess passes these itself
@@ -73,8 +91,14 @@ class RefitSettings:
     agents: int = option(3, metavar="N", doc="rollout pods, each a dcr serve server and a "
                          "dcr agent: the last server holds both ranks of a vLLM-layout TP2 "
                          "model, the others a transformers model (so 4 ranks by default)")
-    owners: int | None = option(None, metavar="M", doc="encoder processes (default 2; 1 "
-                                "with the relay, which carries one owner per attempt)")
+    owners: int | None = option(None, metavar="M", doc="owners splitting the tensors "
+                                "(default 2; 1 with the relay, which carries one owner "
+                                "per attempt)")
+    owner_form: Literal["warm", "process"] = option(
+        "warm", doc="warm: each owner an in-process encoder in this (the trainer's) process "
+        "holding the committed checkpoint memory-mapped, so a publish starts no process; "
+        "process: a dcr encode process per attempt, what an encoder Job is on Kubernetes "
+        "(about a second more per publish, mostly the process start)")
     transport: Literal["store", "relay"] = option("store", doc="store: a file store; relay: "
                                                   "a relay tree, one node per agent")
     kill_receiver_every: int = option(0, metavar="N", doc="kill a pod's process mid-refit "
@@ -206,15 +230,72 @@ def _reference(pod: _Pod, ckpt: Path) -> dict[str, str]:
                                                      tp_rank=r, fp8=s.fp8) for r in s.ranks])
 
 
+def _close(source: TensorSource | None) -> None:
+    """Drop a checkpoint's memory maps (their files close once no view is left)."""
+    if isinstance(source, Checkpoint):
+        source.close()
+
+
+@dataclass(kw_only=True)
+class WarmOwner(Encoder):
+    """The warm owner form: an in-process :class:`~dcr.owner.encoder.Encoder` whose
+    baseline is the committed version's checkpoint, memory-mapped, and whose candidate is
+    the attempt's target checkpoint, opened when the first attempt for it is published
+    (as :class:`~dcr.owner.process.ProcessOwner` does with directories).
+
+    The driver deletes a version's directory once the next one is committed, so each
+    checkpoint is closed as soon as it stops being the baseline or the candidate;
+    ``summaries`` holds, per attempt, the numbers ``dcr encode --json`` prints, from the
+    manifest the diff returns.
+    """
+
+    checkpoints: Callable[[int], Path]
+    summaries: dict[str, dict[str, object]] = field(default_factory=dict)  # by attempt
+
+    @classmethod
+    def open(cls, *, checkpoints: Callable[[int], Path], version: int, store: Store,
+             **kw: Any) -> WarmOwner:
+        """An owner whose baseline is ``checkpoints(version)``, committed."""
+        return cls(baseline=Checkpoint(checkpoints(version)), version=version, store=store,
+                   checkpoints=checkpoints, **kw)
+
+    def publish(self, attempt: Attempt) -> None:
+        t = attempt.transition
+        if t.base_version != self.version:
+            raise BaselineError(f"{self.who}: attempt {attempt.id} is for base "
+                                f"{t.base_version}; the committed baseline is {self.version}.")
+        if self.candidate_version != t.target_version:
+            _close(self.candidate)  # a candidate whose refit failed is never published again
+            self.candidate = self.candidate_version = None
+            self.set_candidate(Checkpoint(self.checkpoints(t.target_version)), t.target_version)
+        super().publish(attempt)
+        m = self.manifests[-1]
+        self.summaries[attempt.id] = {
+            **m.stats.model_dump(), "payloads": len(m.payloads), "attempt": m.attempt,
+            "base_version": m.base_version, "version": m.target_version, "mode": m.mode}
+        log.debug("warm owner %s: %s", self.owner, self.summaries[attempt.id])
+
+    def advance_baseline(self, record: CommitRecord) -> None:
+        old = self.baseline
+        super().advance_baseline(record)
+        if self.baseline is not old:
+            _close(old)
+
+    def close(self) -> None:
+        _close(self.baseline)
+        _close(self.candidate)
+
+
 class _Killer(threading.Thread):
     """Waits until the pod's agent is applying an attempt, then SIGKILLs and restarts
-    ``victim`` (the agent, or the server beside it)."""
+    ``victim`` (the agent, or the server beside it); ``killed`` is set once it is dead."""
 
     def __init__(self, pod: _Pod, victim: Process) -> None:
         super().__init__(name=f"kill-{victim.name}", daemon=True)
         self.pod = pod
         self.victim = victim
         self.killed_at: float | None = None
+        self.killed = threading.Event()
         self.done = threading.Event()
 
     def run(self) -> None:
@@ -231,9 +312,59 @@ class _Killer(threading.Thread):
                     break
                 time.sleep(0.005)
             self.killed_at = time.time()
-            self.victim.restart()
+            self.victim.kill()
+            self.killed.set()
+            self.victim.restart()  # the kill again is a no-op; then start, wait until ready
         finally:
+            self.killed.set()
             self.done.set()
+
+
+class _KillPoint:
+    """Where a step's kill lands: every owner's publish waits here for it.
+
+    With the sync gate (the demo's) every admitted receiver is applying, journaled dirty,
+    before the owners publish; holding the publishes until the victim is dead puts the
+    kill inside the attempt however fast the owners are (a warm owner publishes in tens
+    of milliseconds, less than the killer's polling may need to see ``applying``)."""
+
+    HOLD_S = 30.0  # at most: a victim never seen applying is killed at the killer's deadline
+
+    def __init__(self) -> None:
+        self.killer: _Killer | None = None
+
+    def hold(self) -> None:
+        if (k := self.killer) is not None:
+            k.killed.wait(self.HOLD_S)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Held:
+    """An owner (``OwnerHandle``) whose publish first waits at the step's kill point."""
+
+    owner: ProcessOwner | WarmOwner
+    point: _KillPoint
+
+    def publish(self, attempt: Attempt) -> None:
+        self.point.hold()
+        self.owner.publish(attempt)
+
+    def advance_baseline(self, record: CommitRecord) -> None:
+        self.owner.advance_baseline(record)
+
+
+def _status(pod: _Pod, wait_s: float = 120.0) -> AgentStatus:
+    """The pod's agent's status, waiting while it answers 503: a restarted agent (or one
+    beside a restarted server) prewarms its engine before it reports."""
+    client = pod.sidecar.client()
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return client.status()
+        except AgentError as e:
+            if e.status != 503 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
@@ -270,34 +401,41 @@ def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
     profile_path.write_text(json.dumps({"tensors": profile.tensors}))
     with Checkpoint(ckpts / "v0") as v0:
         shares = coverage(profile, {i.name: i.nbytes for i in v0})
-    owners = [ProcessOwner(store_uri=publish_to, checkpoints=lambda v: ckpts / f"v{v}",
-                           version=0, owner=k, owners=s.owner_count, profile_path=profile_path,
-                           env=owner_env)
-              for k in range(s.owner_count)]
+    owners = _owners(s, publish_to, owner_env, ckpts, profile, profile_path)
     commits = SqliteCommitStore(out / "commit.db", CommitRecord(
         committed_version=0, baseline_id=str(ckpts / "v0"), attempt=""))
-    coordinator = Coordinator(commits, owners, clients, settings=s.coordinator,
+    kills = _KillPoint()
+    coordinator = Coordinator(commits, [_Held(owner=o, point=kills) for o in owners], clients,
+                              settings=s.coordinator,
                               dense_checkpoint=lambda v: str(ckpts / f"v{v}"))
     job = _Job(trainer=trainer, ckpts=ckpts, pods=pods, coordinator=coordinator,
-               owners=owners)
+               owners=owners, kills=kills, full_store=FileStore(out / "store"))
     where = (f"relay tree of {s.agents} nodes (fan-out {RelaySettings.fanout}), root "
              f"{publish_to}" if relays else f"store {store}")
     print(f"model: Llama, {trainer.parameters:,} parameters, BF16; AdamW lr={s.trainer.lr}; "
           f"{where}")
     print(f"{s.agents} rollout pods (a dcr serve server and a dcr agent each) up in "
           f"{startup_s:.1f} s ({'; '.join(sorted({p.kind for p in pods}))}); "
-          f"{s.owner_count} encoder processes; commit record {commits.path}")
+          f"{_owners_line(s)}; commit record {commits.path}")
+    print(f"full-checkpoint refits (full s) through {job.full_store.uri}: upload, then "
+          "every pod downloads and dense-loads" + (" (the relay carries only DCR attempts)"
+                                                   if relays else ""))
     print("coverage (share of weight bytes by path): "
           + ", ".join(f"{k} {100 * v:.1f}%" for k, v in shares.items() if v))
     print(f"{'step':>4} {'loss':>7} {'changed':>8} {'payload B':>10} {'% dense':>8} "
-          f"{'prepare':>7} {'publish':>7} {'flush':>6} {'commit':>6} {'total s':>7}  "
-          f"attempts                          bit-exact")
+          f"{'prepare':>7} {'publish':>7} {'flush':>6} {'commit':>6} {'total s':>7} "
+          f"{'full s':>6}  attempts                          bit-exact")
     rows: list[dict[str, Any]] = []
     try:
         for v in range(1, s.steps + 1):
             rows.append(_step(v, s, job))
     finally:
         coordinator.close()
+        for o in owners:
+            if isinstance(o, WarmOwner):
+                o.close()
+                if isinstance(o.store, RelayPublisher):
+                    o.store.close()  # one owner with the relay
         for pod in pods:
             pod.stop()
         for r in relays:
@@ -305,13 +443,42 @@ def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
             r.wait(10)
     (out / "summary.json").write_text(json.dumps(rows, indent=1))
     plot = _plot(rows, out / "refit.png")
-    exact = all(r["bit_exact"] for r in rows)
+    exact = all(r["bit_exact"] and r["full_bit_exact"] for r in rows)
+    ratios = [r["full_s"] / r["total_s"] for r in rows]
+    print(f"full-checkpoint refit / DCR refit time: median {statistics.median(ratios):.2f}x "
+          f"(per step {', '.join(f'{x:.2f}' for x in ratios)})")
     print(f"{'all' if exact else 'NOT all'} {s.steps} refits bit-exact on every live agent; "
           f"record {asdict(commits.read())}; summary {out / 'summary.json'}"
           + (f"; plot {plot}" if plot else ""))
     if not exact:
         raise DcrError("A receiver differs from a dense load of the trainer's export.")
     return rows
+
+
+def _owners(s: RefitSettings, publish_to: str, owner_env: dict[str, str], ckpts: Path,
+            profile: ReceiverProfile, profile_path: Path) -> list[ProcessOwner | WarmOwner]:
+    """The owners, in the form ``s.owner_form`` names; warm ones share one store."""
+    def checkpoints(v: int) -> Path:
+        return ckpts / f"v{v}"
+
+    n = s.owner_count
+    if s.owner_form == "process":
+        return [ProcessOwner(store_uri=publish_to, checkpoints=checkpoints, version=0, owner=k,
+                             owners=n, profile_path=profile_path, env=owner_env)
+                for k in range(n)]
+    token = owner_env.get(TOKEN_ENV)  # the relay's publish token, given, not inherited
+    store = (RelayPublisher(publish_to, token=token.strip()) if token is not None
+             else open_store(publish_to))
+    return [WarmOwner.open(checkpoints=checkpoints, version=0, store=store, owner=k, owners=n,
+                           profile=profile)
+            for k in range(n)]
+
+
+def _owners_line(s: RefitSettings) -> str:
+    n = s.owner_count
+    if s.owner_form == "process":
+        return f"{n} encoder process{'es' if n > 1 else ''} per attempt (dcr encode)"
+    return f"{n} warm encoder{'s' if n > 1 else ''} in this process"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -322,7 +489,9 @@ class _Job:
     ckpts: Path
     pods: list[_Pod]
     coordinator: Coordinator
-    owners: list[ProcessOwner]
+    owners: Sequence[ProcessOwner | WarmOwner]
+    kills: _KillPoint  # the coordinator's owners publish once a step's kill has landed
+    full_store: FileStore  # where full checkpoints travel, for the comparison
 
 
 def _step(v: int, s: RefitSettings, job: _Job) -> dict[str, Any]:
@@ -337,8 +506,12 @@ def _step(v: int, s: RefitSettings, job: _Job) -> dict[str, Any]:
         killer = _Killer(pod, pod.sidecar if nth % 2 else pod.server)
         killer.start()
     first = len(coordinator.history)
+    job.kills.killer = killer
     t0 = time.perf_counter()
-    record = coordinator.refit(v, str(ckpt))
+    try:
+        record = coordinator.refit(v, str(ckpt))
+    finally:
+        job.kills.killer = None
     total_s = time.perf_counter() - t0
     if killer is not None:
         killer.done.wait()
@@ -346,9 +519,8 @@ def _step(v: int, s: RefitSettings, job: _Job) -> dict[str, Any]:
     # A receiver the last attempt could not admit rejoins now, between attempts.
     rejoined_after = []
     for pod in pods:
-        client = pod.sidecar.client()
-        if client.status().version != record.committed_version:
-            client.rejoin(record.committed_version, str(ckpt))
+        if _status(pod).version != record.committed_version:
+            pod.sidecar.client().rejoin(record.committed_version, str(ckpt))
             rejoined_after.append(pod.name)
     refs: dict[str, dict[str, str]] = {}
     exact = True
@@ -356,6 +528,8 @@ def _step(v: int, s: RefitSettings, job: _Job) -> dict[str, Any]:
         if pod.kind not in refs:
             refs[pod.kind] = _reference(pod, ckpt)
         exact &= pod.sidecar.client().fingerprint() == refs[pod.kind]
+    full = _full_refit(v, ckpt, job)
+    full_exact = all(p.sidecar.client().fingerprint() == refs[p.kind] for p in pods)
     last = attempts[-1]
     summaries = [o.summaries[last.attempt] for o in job.owners]
     changed = sum(int(str(x["changed_elements"])) for x in summaries)
@@ -366,6 +540,7 @@ def _step(v: int, s: RefitSettings, job: _Job) -> dict[str, Any]:
         "step": v, "loss": loss, "changed_pct": 100 * changed / total,
         "payload_bytes": payload, "dense_bytes": dense, "dense_pct": 100 * payload / dense,
         "total_s": total_s, "bit_exact": exact, "record": asdict(record),
+        **full, "full_bit_exact": full_exact,
         "killed": killer.victim.name if killer else None,  # agent-N or serve-N
         "rejoined_after": rejoined_after,
         "attempts": [asdict(h) for h in attempts],
@@ -377,12 +552,49 @@ def _step(v: int, s: RefitSettings, job: _Job) -> dict[str, Any]:
     extra += [f"rejoined {n} after" for n in rejoined_after]
     print(f"{v:>4} {loss:>7.4f} {row['changed_pct']:>7.3f}% {payload:>10,} "
           f"{row['dense_pct']:>7.3f}% {st.get('prepare', 0):>7.3f} {st.get('publish', 0):>7.3f} "
-          f"{st.get('flush', 0):>6.3f} {st.get('commit', 0):>6.3f} {total_s:>7.2f}  "
-          f"{label:<33} {'yes' if exact else 'NO'}"
+          f"{st.get('flush', 0):>6.3f} {st.get('commit', 0):>6.3f} {total_s:>7.2f} "
+          f"{full['full_s']:>6.2f}  {label:<33} "
+          f"{'yes' if exact and full_exact else 'NO'}"
           + (f"  ({'; '.join(extra)})" if extra else ""), flush=True)
     if v > 1:  # v0 is what agents (re)start from; a rejoin needs only the committed one
         shutil.rmtree(job.ckpts / f"v{v - 1}")
     return row
+
+
+def _full_refit(v: int, ckpt: Path, job: _Job) -> dict[str, float]:
+    """Refit every pod to version ``v`` with the full checkpoint through the store; seconds.
+
+    The export's files are put under ``full/v<v>/``; then every pod at once downloads them
+    into its own directory under the checkpoint root (where its agent takes dense loads
+    from) and dense-loads them through its agent. ``full_s`` is the upload plus the
+    slowest pod's download and load. The objects and copies are deleted afterwards.
+    """
+    store, prefix = job.full_store, f"full/v{v}/"
+    files = sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file())
+    homes = {pod.name: job.ckpts / "full" / pod.name / f"v{v}" for pod in job.pods}
+
+    def load(pod: _Pod) -> float:
+        t = time.perf_counter()
+        home = homes[pod.name]
+        for name in files:
+            (home / name).parent.mkdir(parents=True, exist_ok=True)
+            (home / name).write_bytes(store.get(prefix + name))
+        pod.sidecar.client().rejoin(v, str(home))
+        return time.perf_counter() - t
+
+    try:
+        t0 = time.perf_counter()
+        for name in files:
+            store.put(prefix + name, (ckpt / name).read_bytes())
+        upload_s = time.perf_counter() - t0
+        with ThreadPoolExecutor(len(job.pods), thread_name_prefix="full") as pool:
+            load_s = max(pool.map(load, job.pods))
+    finally:
+        # The Store seam has no delete; the file store's objects are files under its root.
+        shutil.rmtree(store.root / "full", ignore_errors=True)
+        shutil.rmtree(job.ckpts / "full", ignore_errors=True)
+    return {"full_s": upload_s + load_s, "full_upload_s": upload_s, "full_load_s": load_s,
+            "full_bytes": sum((ckpt / n).stat().st_size for n in files)}
 
 
 def _plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
@@ -394,7 +606,7 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
     except ImportError:
         print("matplotlib is not installed: no plot", file=sys.stderr)
         return None
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4))
     stages = ("prepare", "publish", "flush", "commit", "finish")
     x = 0.0
     ticks = []
@@ -418,10 +630,21 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
     ax2.bar([s - 0.2 for s in steps], [r["dense_bytes"] for r in rows], 0.4, label="dense")
     ax2.bar([s + 0.2 for s in steps], [r["payload_bytes"] for r in rows], 0.4, label="DCR payload")
     ax2.set_yscale("log")
+    ax2.set_xticks(steps)
     ax2.set_xlabel("step")
     ax2.set_ylabel("bytes")
     ax2.set_title("bytes per refit")
     ax2.legend(fontsize=8)
+    ax3.bar([s - 0.2 for s in steps], [r["full_s"] for r in rows], 0.4,
+            label="full checkpoint: upload, then download + dense load")
+    ax3.bar([s + 0.2 for s in steps], [r["total_s"] for r in rows], 0.4,
+            label="DCR refit (all attempts)")
+    ax3.set_xticks(steps)
+    ax3.set_ylim(0, 1.4 * max(max(r["full_s"], r["total_s"]) for r in rows))  # legend room
+    ax3.set_xlabel("step")
+    ax3.set_ylabel("seconds")
+    ax3.set_title("refit time per step, same store")
+    ax3.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

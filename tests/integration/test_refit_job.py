@@ -1,22 +1,61 @@
 """The main job (`dcr refit`, `make demo`): rollout pods of a real ``dcr serve`` server
-and a ``dcr agent`` sidecar, real encoder processes, an agent or a server killed
-mid-refit, recovery by overwrite retry and dense rejoin, bits checked per step through
-the servers' fingerprints.
+and a ``dcr agent`` sidecar, warm in-process owners (or ``dcr encode`` processes with
+``--owner-form process``), an agent or a server killed mid-refit, recovery by overwrite
+retry and dense rejoin, bits checked per step through the servers' fingerprints, and a
+full-checkpoint refit of every pod through the same store timed beside each step.
 
 It is the one demo: every refit it makes is bit-exact on every in-place receiver
 (transformers servers and a vLLM-layout TP2 server), a small share of the weights
 changes per step, and the receivers' merged profile sends most bytes as XOR (the
-coverage line). The file-level path of the earlier demo is checked in
-``test_file_refit.py``."""
+coverage line). The warm owner's own rules (checkpoints closed as the baseline
+advances, its summaries) are checked in process over in-process receivers. The
+file-level path of the earlier demo is checked in ``test_file_refit.py``."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
+import torch
+from safetensors.torch import save_file
+
+from dcr.apply.engine import CanonicalTensor
+from dcr.format.profile import ReceiverProfile, merge
+from dcr.protocol.commitstore import SqliteCommitStore
+from dcr.protocol.coordinator import Coordinator
+from dcr.protocol.records import CommitRecord
+from dcr.receiver.service import AgentService
+from dcr.refit import WarmOwner
+from dcr.runtimes.vllm_reference import (
+    ReferenceConfig,
+    ReferenceModel,
+    dense_state,
+    random_checkpoint,
+)
+from dcr.serve.local import LocalEngine
+from dcr.transport.receive import StoreSource
+from dcr.transport.store import MemoryStore
+
+CFG = ReferenceConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=4, tie_word_embeddings=False, num_experts=4,
+                      moe_intermediate_size=16)
+
+
+def _full_refits_ran(rows: list[dict[str, Any]], stdout: str) -> None:
+    """Every step also refit every pod from the full checkpoint, and the bits held."""
+    assert all(r["full_s"] > 0 and r["full_upload_s"] > 0 and r["full_load_s"] > 0
+               for r in rows)
+    assert all(r["full_bit_exact"] for r in rows)
+    assert all(r["full_bytes"] > r["dense_bytes"] for r in rows)  # the files, headers too
+    assert "total s full s" in stdout
+    assert "full-checkpoint refit / DCR refit time: median" in stdout
 
 
 @pytest.mark.slow
@@ -50,7 +89,11 @@ def test_refit_job_recovers_from_a_killed_agent_and_ends_bit_exact(tmp_path: Pat
     assert all(r["attempts"][-1]["payload_bytes"] > 0 for r in rows)  # applied in place
     assert (out / "refit.png").stat().st_size > 10_000
     assert "coverage (share of weight bytes by path): xor" in proc.stdout
+    assert "2 warm encoders in this process" in proc.stdout
     assert "all 2 refits bit-exact on every live agent" in proc.stdout
+    _full_refits_ran(rows, proc.stdout)
+    assert not (out / "store" / "full").exists()  # the full checkpoints' objects are deleted
+    assert not (out / "checkpoints" / "full").exists()  # and so are the pods' copies
 
 
 @pytest.mark.slow
@@ -79,4 +122,125 @@ def test_refit_job_over_a_relay_tree_recovers_from_a_killed_agent_and_a_killed_s
     else:
         assert rows[1]["rejoined_after"] == ["agent-0"]
     assert "relay tree of 2 nodes" in proc.stdout
+    assert "1 warm encoder in this process" in proc.stdout  # publishes with the token
     assert "all 2 refits bit-exact on every live agent" in proc.stdout
+    _full_refits_ran(rows, proc.stdout)  # through the file store beside the relay
+    assert "(the relay carries only DCR attempts)" in proc.stdout
+
+
+@pytest.mark.slow
+def test_refit_job_with_encoder_processes_ends_bit_exact(tmp_path: Path) -> None:
+    """``--owner-form process``: two ``dcr encode`` processes per attempt, as encoder Jobs."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "dcr", "refit", "--out", "out", "--steps", "1", "--agents", "2",
+         "--owner-form", "process"],
+        capture_output=True, text=True, timeout=600, check=False, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert all(r["bit_exact"] for r in rows)
+    assert [(a["mode"], a["outcome"]) for a in rows[0]["attempts"]] == [("mixed", "committed")]
+    assert all(0 < r["payload_bytes"] < r["dense_bytes"] / 4 for r in rows)
+    assert "2 encoder processes per attempt (dcr encode)" in proc.stdout
+    assert "all 1 refits bit-exact on every live agent" in proc.stdout
+    _full_refits_ran(rows, proc.stdout)
+
+
+def _export(sd: dict[str, torch.Tensor], path: Path) -> Path:
+    path.mkdir(parents=True)
+    save_file({n: t.contiguous() for n, t in sd.items()}, str(path / "model.safetensors"))
+    return path
+
+
+def _held_files(under: Path) -> list[str]:
+    """Files under ``under`` this process still holds open or mapped."""
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            held.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            continue
+    held += [line.split(maxsplit=5)[-1] for line in
+             Path("/proc/self/maps").read_text().splitlines() if line.count(" ") >= 5]
+    return sorted({h for h in held if h.startswith(str(under))})
+
+
+def test_warm_owners_refit_across_a_retry_and_close_each_checkpoint_as_it_is_deleted(
+        tmp_path: Path) -> None:
+    """Two warm owners, three checkpoints on disk: the first attempt dies mid-apply on one
+    rank and is retried by overwrite from the same candidate; each committed version's
+    predecessor is deleted, as the demo does, and no file of it stays open or mapped.
+    Both ranks end bit-exact with a dense load, and the summaries are the manifests'."""
+    torch.manual_seed(0)
+    sds = [random_checkpoint(CFG, 0)]
+    for _ in range(2):
+        sds.append({n: (t.float() + 1e-2 * torch.randn(t.shape)).to(torch.bfloat16)
+                    for n, t in sds[-1].items()})
+    ckpts = tmp_path / "ckpts"
+    for v, sd in enumerate(sds):
+        _export(sd, ckpts / f"v{v}")
+    store = MemoryStore()
+    canonical = [CanonicalTensor(name=n, dtype="BF16", shape=tuple(t.shape))
+                 for n, t in sds[0].items()]
+    ranks, receivers = [], []
+    for r in range(2):
+        model = ReferenceModel(CFG, tp_size=2, tp_rank=r)
+        model.load_weights(sds[0].items())
+        staging = tmp_path / f"rank-{r}"
+        engine = LocalEngine([model], staging_dir=staging, checkpoint_root=tmp_path)
+        ranks.append(model)
+        receivers.append(AgentService(
+            f"rank-{r}", engine, lambda spec: StoreSource(
+                store=store, version=spec.target_version, attempt=spec.attempt,
+                owners=spec.owners), canonical=canonical, staging_dir=staging, version=0))
+    profile = merge(ReceiverProfile(tensors=rx.profile()["tensors"]) for rx in receivers)
+    owners = [WarmOwner.open(checkpoints=lambda v: ckpts / f"v{v}", version=0, store=store,
+                             owner=k, owners=2, profile=profile) for k in range(2)]
+    commits = SqliteCommitStore(tmp_path / "commit.db", CommitRecord(
+        committed_version=0, baseline_id="v0", attempt=""))
+    engine = receivers[1].engine
+    assert isinstance(engine, LocalEngine)
+    victim = engine.ranks[0].engine
+    assert victim is not None
+    real, calls = victim._write_mapped, 0
+
+    def dying(*args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        real(*args, **kwargs)
+        calls += 1
+        if calls == 3:
+            victim._write_mapped = real  # type: ignore[method-assign]
+            raise RuntimeError("rank-1 killed mid-apply")
+
+    victim._write_mapped = dying  # type: ignore[method-assign]
+    coordinator = Coordinator(commits, owners, receivers)
+    try:
+        for v in (1, 2):
+            coordinator.refit(v, f"v{v}")
+            shutil.rmtree(ckpts / f"v{v - 1}")
+            assert _held_files(ckpts / f"v{v - 1}") == []
+            assert all(o.version == v and o.candidate is None for o in owners)
+    finally:
+        coordinator.close()
+    modes = [(h.mode, h.outcome.split(":")[0]) for h in coordinator.history]
+    assert modes == [("mixed", "failed"), ("overwrite", "committed"), ("mixed", "committed")]
+    for r, model in enumerate(ranks):
+        dense = ReferenceModel(CFG, tp_size=2, tp_rank=r)
+        dense.load_weights(sds[2].items())
+        a, b = dense_state(model), dense_state(dense)
+        assert all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a)
+    last = coordinator.history[-1].attempt
+    parts = [o.summaries[last] for o in owners]
+    assert all(p["attempt"] == last and p["mode"] == "mixed" for p in parts)
+    changed = sum(int(np.count_nonzero(sds[2][n].view(torch.int16).numpy()
+                                       != sds[1][n].view(torch.int16).numpy())) for n in sds[2])
+    assert sum(int(str(p["changed_elements"])) for p in parts) == changed
+    assert sum(int(str(p["total_elements"])) for p in parts) == sum(
+        t.numel() for t in sds[2].values())
+    assert sum(int(str(p["dense_bytes"])) for p in parts) == 2 * sum(
+        t.numel() for t in sds[2].values())
+    assert all(int(str(p["payload_bytes"])) > 0 for p in parts)
+    assert all(set(o.summaries) == {h.attempt for h in coordinator.history} for o in owners)
+    for o in owners:
+        o.close()
+    assert _held_files(ckpts) == []

@@ -106,6 +106,7 @@ def test_relay_refuses_an_unreadable_token_file_naming_it(tmp_path: Path) -> Non
 
 def test_refit_owners_default_by_transport_and_the_relay_refuses_two() -> None:
     assert RefitSettings().owners == 2
+    assert RefitSettings().owner_form == "warm"
     assert RefitSettings(transport="relay").owners == 1
     with pytest.raises(ConfigError, match="--owners 2"):
         RefitSettings(transport="relay", owners=2)
@@ -120,6 +121,9 @@ def test_refit_flags_set_the_job_and_its_trainer() -> None:
     assert (s.out, s.steps, s.agents, s.owners, s.transport, s.kill_receiver_every) == (
         Path("o"), 2, 2, 1, "relay", 2)
     assert s.trainer == TrainerSettings(seed=5, lr=1e-5)
+    assert s.owner_form == "warm"
+    ns = parse("refit", "--owner-form", "process")
+    assert from_args(RefitSettings, ns, trainer=TrainerSettings()).owner_form == "process"
 
 
 def test_the_main_job_starts_agents_with_argv_built_from_their_settings() -> None:
