@@ -285,3 +285,111 @@ def test_payloads_of_owners_outside_the_attempt_are_never_fetched(
     manifest = receive(source, "a-1", lambda p: got.append(p.header.owner), release=release)
     assert got == [0] * len(manifest.payloads)
     assert {owner for owner, _ in source.fetched} == {0}
+
+
+# --- what a poll asks the store: LIST decides when to GET ---------------------------
+
+
+class Logged(MemoryStore):
+    """A memory store that logs every LIST (with what it showed) and every GET, as a
+    remote store would count round trips; ``hides`` keeps keys out of LIST results (a
+    LIST that lags behind the writes)."""
+
+    def __init__(self, hides: Callable[[str], bool] = lambda key: False) -> None:
+        super().__init__()
+        self.hides = hides
+        self.log: list[tuple[str, str | frozenset[str]]] = []
+        self.missed: list[str] = []
+
+    def list(self, prefix: str) -> list[str]:
+        keys = [k for k in super().list(prefix) if not self.hides(k)]
+        self.log.append(("LIST", frozenset(keys)))
+        return keys
+
+    def get(self, key: str) -> bytes:
+        self.log.append(("GET", key))
+        if key not in self.objects:
+            self.missed.append(key)
+        return super().get(key)
+
+    def gets_unlisted(self) -> list[str]:
+        """Keys fetched that the LIST before the fetch did not show."""
+        shown: frozenset[str] = frozenset()
+        out = []
+        for op, arg in self.log:
+            if op == "LIST":
+                assert isinstance(arg, frozenset)
+                shown = arg
+            elif arg not in shown:
+                assert isinstance(arg, str)
+                out.append(arg)
+        return out
+
+
+def test_an_idle_poll_gets_no_manifest_that_no_list_showed() -> None:
+    """Over a WAN each request is a round trip: before, every idle poll asked for the
+    owner's part and the version manifest (two misses) besides its LIST. The manifest,
+    written last, is still found, and every object is fetched once."""
+    _, objects = published()
+    live = Logged()
+    sender = trickle(live, objects, delay=0.02)
+    manifest = receive(StoreSource(store=live, version=1, attempt="a-1", probe_s=3600),
+                       "a-1", lambda p: None, release="when_listed", timeout_s=30)
+    sender.join()
+    gets = [arg for op, arg in live.log if op == "GET"]
+    assert live.missed == []
+    assert live.gets_unlisted() == []
+    assert sorted(gets) == sorted([e.key for e in manifest.payloads] + [manifest_key(1)])
+
+
+def test_several_owners_parts_are_fetched_only_once_listed() -> None:
+    rng = np.random.default_rng(2)
+    base = {f"t{i}": rng.integers(0, 2**16, 200_000, dtype=np.uint16) for i in range(6)}
+    target = {n: b ^ 1 for n, b in base.items()}
+    src = {k: ArrayCheckpoint({n: ("BF16", (a.size,), a) for n, a in d.items()})
+           for k, d in (("b", base), ("t", target))}
+    full = MemoryStore()
+    for owner in range(2):
+        diff_checkpoints(src["b"], src["t"], full, EncodeSettings(
+            version=1, base_version=0, attempt="a-2", owner=owner, owners=2,
+            bucket_bytes=1 << 20))
+    live = Logged()
+
+    def send() -> None:
+        for key in [*sorted(k for k in full.objects if k.endswith(".dcrp")),
+                    owner_manifest_key(1, "a-2", 1), owner_manifest_key(1, "a-2", 0)]:
+            time.sleep(0.01)
+            live.put(key, full.objects[key])
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    manifest = receive(StoreSource(store=live, version=1, attempt="a-2", owners=2,
+                                   probe_s=3600),
+                       "a-2", lambda p: None, owners=2, release="when_listed", timeout_s=30)
+    sender.join()
+    assert {e.owner for e in manifest.payloads} == {0, 1}
+    assert live.missed == []
+    assert live.gets_unlisted() == []
+
+
+@pytest.mark.parametrize("lag", ["never-listed", "listed-late"])
+def test_a_manifest_that_list_does_not_show_is_still_found(lag: str) -> None:
+    """A store whose LIST lags behind its writes (S3 itself lists strongly, but not every
+    S3-compatible store need): the manifest is fetched unlisted, at most once per
+    ``probe_s``, so the refit completes instead of waiting for the LIST."""
+    _, objects = published()
+    hidden_lists = 0
+
+    def hides(key: str) -> bool:
+        nonlocal hidden_lists
+        if not key.endswith(".dcrm"):
+            return False
+        hidden_lists += 1
+        return lag == "never-listed" or hidden_lists < 50
+
+    live = Logged(hides)
+    trickle(live, objects, delay=0.0).join()
+    manifest = receive(StoreSource(store=live, version=1, attempt="a-1", probe_s=0.05),
+                       "a-1", lambda p: None, release="when_listed", timeout_s=60)
+    assert manifest == Manifest.parse(objects[manifest_key(1)], "t")
+    assert all(k.endswith(".dcrm") for k in live.gets_unlisted())

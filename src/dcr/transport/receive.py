@@ -36,7 +36,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
@@ -47,6 +47,7 @@ from dcr.format.layout import (
     owner_manifest_key,
     parse_payload_key,
     payload_key,
+    version_prefix,
 )
 from dcr.format.manifest import Manifest, PayloadEntry, merge_manifests
 from dcr.format.names import object_digest
@@ -92,6 +93,29 @@ class PartSource(Source, Protocol):
         ...
 
 
+@dataclass(kw_only=True)
+class _Listing:
+    """What a :class:`StoreSource` learnt from its store: the keys its last LIST showed
+    (None before the first), and when it last asked for manifest keys no LIST showed."""
+
+    keys: frozenset[str] | None = None
+    since: float = field(default_factory=time.monotonic)
+    probed: dict[str, float] = field(default_factory=dict)  # key -> when last fetched unlisted
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def shows(self, key: str, probe_s: float) -> bool:
+        """Whether to GET ``key``: a LIST showed it, no LIST happened yet, or it was last
+        asked for unlisted ``probe_s`` ago (a LIST that lags must not stall forever)."""
+        with self.lock:
+            if self.keys is None or key in self.keys:
+                return True
+            now = time.monotonic()
+            if now - self.probed.get(key, self.since) < probe_s:
+                return False
+            self.probed[key] = now
+            return True
+
+
 @dataclass(frozen=True, kw_only=True)
 class StoreSource:
     """An attempt's objects in a store, at the keys :mod:`dcr.format.layout` gives.
@@ -99,23 +123,43 @@ class StoreSource:
     Protocol owners write their manifest parts under the attempt; the manifest is
     present once every owner wrote its part. A single owner's manifest may also be the
     file-level one at the version (``dcr diff``), if it names this attempt.
+
+    Over a WAN every request costs a round trip, so one LIST per poll decides what to
+    GET: a manifest key is fetched once a LIST shows it, not asked for (and missed) on
+    every idle poll. A single owner's LIST covers the whole version, so that it shows
+    the file-level manifest too; a version holds few attempts, so this stays one page.
+    What is fetched is verified exactly as before; LIST only decides when.
+
+    S3 lists strongly (read-after-write for LIST too: AWS since December 2020; MinIO,
+    ``rclone serve s3`` over a directory, and the file and memory stores always did).
+    A store whose LIST lags behind its writes must still not stall a refit: a manifest
+    key no LIST has shown is fetched anyway, at most once per ``probe_s``.
     """
 
     store: Store
     version: int
     attempt: str
     owners: int = 1
+    probe_s: float = 2.0  # seconds between GETs of manifest keys no LIST has shown
+    _seen: _Listing = field(default_factory=_Listing, init=False, repr=False, compare=False)
 
     @property
     def _prefix(self) -> str:
         return attempt_prefix(self.version, self.attempt)
 
+    @property
+    def _list_prefix(self) -> str:
+        return self._prefix if self.owners > 1 else f"{version_prefix(self.version)}/"
+
     def available(self) -> list[PayloadId]:
+        keys = self.store.list(self._list_prefix)
         out = []
-        for key in self.store.list(self._prefix):
+        for key in keys:
             k = parse_payload_key(key)
             if k is not None and (k.version, k.attempt) == (self.version, self.attempt):
                 out.append((k.owner, k.seq))
+        with self._seen.lock:
+            self._seen.keys = frozenset(keys)
         return out
 
     def fetch(self, pid: PayloadId) -> bytes:
@@ -139,6 +183,8 @@ class StoreSource:
         return m if m is not None and m.attempt == self.attempt else None
 
     def _part(self, key: str) -> Manifest | None:
+        if not self._seen.shows(key, self.probe_s):
+            return None
         try:
             return Manifest.parse(self.store.get(key), f"{self.store.uri}/{key}")
         except ObjectNotFound:
@@ -235,7 +281,9 @@ def receive(
                     f.cancel()
                 raise ReceiveStopped(f"Attempt {attempt}: stopped after {len(staged)} payloads.")
             held_bytes = sum(p.size for p in held.values())
-            for pid in sorted(filter(wanted, set(source.available()))):
+            # A full window is not listed: each LIST is a round trip to a remote store.
+            candidates = source.available() if len(pending) < window else []
+            for pid in sorted(filter(wanted, set(candidates))):
                 if len(pending) >= window:
                     break
                 if held_bytes >= hold_bytes and pid != (pid[0], next_seq[pid[0]]):
@@ -280,7 +328,11 @@ def receive(
                     f"({len(staged)} payloads applied, manifest "
                     f"{'present' if manifest else 'missing'})."
                 )
-            if not progressed:
+            if progressed:
+                continue
+            if pending:  # wake for the first fetch to land, not after a fixed sleep
+                wait(pending.values(), timeout=poll_s, return_when=FIRST_COMPLETED)
+            else:
                 time.sleep(poll_s)
 
 

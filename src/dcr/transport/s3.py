@@ -7,9 +7,11 @@ module is about moving tens of MiB per object reliably:
   above it, parts uploaded in parallel, each with a Content-MD5 the server checks; a
   failed multipart upload is aborted so no parts linger.
 * Every object carries the BLAKE2b-128 hex digest of its bytes in the user metadata
-  ``dcr-blake2b`` (``x-amz-meta-dcr-blake2b``). ``get`` HEADs the object for its size,
-  ETag and digest, fetches it with one GET or with parallel ranged GETs, and checks the
-  length of every piece and the digest of the whole: corrupt bytes are never returned.
+  ``dcr-blake2b`` (``x-amz-meta-dcr-blake2b``). ``get`` asks for the object's first
+  ``range_size`` bytes, whose answer also carries its size, ETag and digest (no HEAD: a
+  round trip saved per object, which over a WAN is most of a small object's cost),
+  fetches any rest with parallel ranged GETs, and checks the length of every piece and
+  the digest of the whole: corrupt bytes are never returned.
   Servers may change the case of metadata keys (rclone does), so they are read
   case-insensitively.
 * Retries are ours, not botocore's (its are set to one attempt, so what happens is
@@ -21,7 +23,7 @@ module is about moving tens of MiB per object reliably:
 * ``put_if_absent`` is a conditional PUT (``If-None-Match: *``) that returns False on
   412. Not every server enforces it: ``rclone serve s3`` ignores the header and
   overwrites (INFRA-NOTES), as it ignores ``If-Match``, which ``get`` sends so that an
-  object replaced between the HEAD and the GETs fails instead of being mixed.
+  object replaced between its first GET and the others fails instead of being mixed.
 
 Endpoint, region and credentials come from the standard AWS chain (``AWS_ENDPOINT_URL``,
 ``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, profiles and
@@ -43,6 +45,7 @@ import hashlib
 import logging
 import random
 import re
+import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -51,7 +54,8 @@ from functools import partial
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
-import boto3
+import botocore.loaders
+import botocore.session
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError, IncompleteReadError
 from botocore.exceptions import ConnectionError as BotoConnectionError
@@ -162,6 +166,12 @@ for _name in ("botocore.endpoint", "botocore.auth", "botocore.httpsession",
     logging.getLogger(_name).addFilter(_REDACT)
 
 
+# Building a client parses botocore's S3 model and endpoint rules (over 0.1 s of CPU);
+# stores share one loader, which caches them, so a store opened per refit costs ~20 ms.
+_LOADER = botocore.loaders.create_loader()
+_LOADER_LOCK = threading.Lock()
+
+
 def _md5(data: bytes) -> str:
     return base64.b64encode(hashlib.md5(data, usedforsecurity=False).digest()).decode()
 
@@ -192,6 +202,21 @@ def _what(e: Exception) -> str:
     if isinstance(e, _BadBody):
         return f"response body: {e}"
     return f"{type(e).__name__}: {e}"
+
+
+def _fill(body: Any, out: memoryview) -> None:
+    """Read exactly ``len(out)`` bytes of ``body`` into ``out``; a body that ends early or
+    runs on is a broken transfer."""
+    n, got = len(out), 0
+    while got < n:
+        k = body.readinto(out[got:])
+        if not k:
+            break
+        got += k
+    extra = len(body.read(1))
+    if got != n or extra:
+        more = " or more" if extra else ""
+        raise _BadBody(f"{got + extra}{more} bytes where {n} were expected")
 
 
 def parse_s3_uri(uri: str) -> tuple[str, str]:
@@ -233,7 +258,10 @@ class S3Store:
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
         )
-        self._client = boto3.session.Session().client("s3", config=config)
+        with _LOADER_LOCK:  # one session per store (credentials), one parsed S3 model
+            session = botocore.session.get_session()
+            session.register_component("data_loader", _LOADER)
+            self._client = session.create_client("s3", config=config)
 
     def close(self) -> None:
         """Close the pooled connections."""
@@ -362,22 +390,24 @@ class S3Store:
             log.warning("Multipart upload of %r in %s not aborted: %s", key, self.uri, e)
 
     def get(self, key: str) -> bytes:
-        """The object's bytes, after checking their length and BLAKE2b digest."""
+        """The object's bytes, after checking their length and BLAKE2b digest.
+
+        The first GET asks for the first ``range_size`` bytes: its answer carries the
+        size, ETag and digest a HEAD would (one round trip, not two, for an object that
+        fits); the rest, if any, comes in parallel ranged GETs pinned to that ETag.
+        """
         okey, s = self._key(key), self.settings
-        head = self._attempt("HEAD", key, partial(
-            self._client.head_object, Bucket=self.bucket, Key=okey))
-        size, etag = int(head["ContentLength"]), head.get("ETag")
-        meta = {k.lower(): v for k, v in head.get("Metadata", {}).items()}
-        expected = meta.get(DIGEST_META)
-        if expected is None and s.require_digest:
-            raise StoreError(f"Object {key!r} in {self.uri} has no {DIGEST_META} metadata, so "
-                             f"its bytes cannot be checked; refusing it.")
-        buf = bytearray(size)
+        first = self._attempt("GET", key, partial(self._first, key, okey))
+        if first is None:  # 416: no byte 0 to range over, so the object is empty
+            first = self._attempt("GET", key, partial(self._first, key, okey, ranged=False))
+            assert first is not None  # an unranged GET is never answered 416
+        buf, got, etag, expected = first
+        size = len(buf)
         view = memoryview(buf)
-        spans = [(lo, min(lo + s.range_size, size)) for lo in range(0, size, s.range_size)]
-        if len(spans) <= 1:
-            self._read(key, okey, etag, view, 0, size)
-        else:
+        spans = [(lo, min(lo + s.range_size, size)) for lo in range(got, size, s.range_size)]
+        if len(spans) == 1:
+            self._read(key, okey, etag, view[spans[0][0]:], spans[0][0], size)
+        elif spans:
             pool = ThreadPoolExecutor(min(s.download_concurrency, len(spans)), "dcr-s3-get")
             try:
                 futures: list[Future[None]] = [
@@ -388,45 +418,72 @@ class S3Store:
                     f.result()
             finally:
                 pool.shutdown(wait=True, cancel_futures=True)
-        got = object_digest(buf)
-        if expected is not None and got != expected.lower():
+        digest = object_digest(buf)
+        if expected is not None and digest != expected.lower():
             raise StoreError(f"Object {key!r} in {self.uri}: digest mismatch (expected "
-                             f"{expected}, got {got}); the stored bytes are corrupt.")
-        log.debug("S3 GET %s/%s: %d bytes in %d requests", self.uri, key, size, len(spans))
+                             f"{expected}, got {digest}); the stored bytes are corrupt.")
+        log.debug("S3 GET %s/%s: %d bytes in %d requests", self.uri, key, size, 1 + len(spans))
         return bytes(buf)
+
+    def _first(self, key: str, okey: str, *, ranged: bool = True
+               ) -> tuple[bytearray, int, str | None, str | None] | None:
+        """One GET of the object's first ``range_size`` bytes (all of it if not
+        ``ranged``): a buffer of the object's size holding them, how many, the ETag and
+        the digest metadata. None if the server answers 416 (an empty object)."""
+        s = self.settings
+        kw: dict[str, Any] = {"Bucket": self.bucket, "Key": okey}
+        if ranged:
+            kw["Range"] = f"bytes=0-{s.range_size - 1}"
+        try:
+            resp = self._client.get_object(**kw)
+        except ClientError as e:
+            if ranged and _status(e) == 416:
+                return None
+            raise
+        body = resp["Body"]
+        try:
+            meta = {k.lower(): v for k, v in resp.get("Metadata", {}).items()}
+            expected = meta.get(DIGEST_META)
+            if expected is None and s.require_digest:
+                raise StoreError(f"Object {key!r} in {self.uri} has no {DIGEST_META} metadata, "
+                                 "so its bytes cannot be checked; refusing it.")
+            content_range = resp.get("ContentRange")
+            if content_range is None:  # the whole object (unranged, or Range ignored)
+                size = length = int(resp["ContentLength"])
+            else:
+                m = re.fullmatch(r"bytes 0-(\d+)/(\d+)", content_range)
+                length, size = (int(m[1]) + 1, int(m[2])) if m else (-1, -1)
+                if length != min(s.range_size, size) or length < 1:
+                    raise _BadBody(f"asked for the first {s.range_size} bytes, got "
+                                   f"{content_range}")
+            buf = bytearray(size)
+            _fill(body, memoryview(buf)[:length])
+            return buf, length, resp.get("ETag"), expected
+        finally:
+            body.close()
 
     def _read(self, key: str, okey: str, etag: str | None, out: memoryview, start: int,
               size: int) -> None:
-        """Fill ``out`` with the object's bytes from ``start`` (all of them if it fits)."""
-        n, whole = len(out), len(out) == size
-        kw: dict[str, Any] = {"Bucket": self.bucket, "Key": okey}
+        """Fill ``out`` with the object's bytes from ``start``, with one ranged GET of the
+        version ``etag`` names (a replaced object fails instead of being mixed)."""
+        n = len(out)
+        kw: dict[str, Any] = {"Bucket": self.bucket, "Key": okey,
+                              "Range": f"bytes={start}-{start + n - 1}"}
         if etag:
             kw["IfMatch"] = etag
         want_range = f"bytes {start}-{start + n - 1}/{size}"
-        if not whole:
-            kw["Range"] = f"bytes={start}-{start + n - 1}"
 
         def once() -> None:
             resp = self._client.get_object(**kw)
             body = resp["Body"]
             try:
-                if not whole and resp.get("ContentRange") != want_range:
+                if resp.get("ContentRange") != want_range:
                     raise _BadBody(f"asked for {want_range}, got {resp.get('ContentRange')}")
-                got = 0
-                while got < n:
-                    k = body.readinto(out[got:])
-                    if not k:
-                        break
-                    got += k
-                extra = len(body.read(1))
-                if got != n or extra:
-                    more = " or more" if extra else ""
-                    raise _BadBody(f"{got + extra}{more} bytes where {n} were expected")
+                _fill(body, out)
             finally:
                 body.close()
 
-        op = "GET" if whole else f"GET {want_range}"
-        self._attempt(op, key, once)
+        self._attempt(f"GET {want_range}", key, once)
 
     def exists(self, key: str) -> bool:
         okey = self._key(key)
