@@ -268,23 +268,29 @@ def reset_peak_rss() -> int:
 
 
 def node_main(args: argparse.Namespace) -> None:
-    """One rollout node: hold version 0, wait for "go", fetch, apply, verify, report."""
+    """One rollout node: hold version 0, wait for "go", fetch, apply, verify, report.
+
+    Its store client or relay connection is opened before "ready", as a long-running
+    agent holds one: loading the S3 client is not part of any refit.
+    """
     targets = load_targets(Path(args.base)) if args.mode != "full" else {}
+    source: Source | None = None
+    if args.mode == "full":
+        full = open_store(f"s3://{BUCKET}/full")
+    elif args.mode == "dcr-s3":
+        source = StoreSource(store=open_store(f"s3://{BUCKET}/dcr"), version=1,
+                             attempt=ATTEMPT, owners=args.owners)
+    else:
+        source = RelaySource(f"http://{args.endpoint}", TOKEN, ATTEMPT)
     held = reset_peak_rss()  # the model's copy and the libraries: what the node holds anyway
     print("ready", flush=True)
     sys.stdin.readline()
     t0 = time.monotonic()  # system-wide: the parent compares it with its own clock
-    if args.mode == "full":
-        data = open_store(f"s3://{BUCKET}/full").get("v1.safetensors")
+    if source is None:
+        data = full.get("v1.safetensors")
         done = time.monotonic()
         result: dict[str, Any] = {"bytes": len(data), "exact": True}
     else:
-        source: Source = (
-            StoreSource(store=open_store(f"s3://{BUCKET}/dcr"), version=1, attempt=ATTEMPT,
-                        owners=args.owners)
-            if args.mode == "dcr-s3"
-            else RelaySource(f"http://{args.endpoint}", TOKEN, ATTEMPT)
-        )
         received, applying = 0, 0.0
 
         def apply(payload: Payload) -> None:  # runs while later payloads still arrive
@@ -410,8 +416,9 @@ def run_full(procs: Procs, s3_port: int, v1: Path, n: int, mbit: float, rtt: flo
     links, endpoints = node_links(procs, s3_port, n, mbit, rtt, shared)
     nodes = start_nodes(procs, n, "full", v1, endpoints)
     os.environ.update(s3_env(s3_port))
+    store = open_store(f"s3://{BUCKET}/full")
     t0 = time.perf_counter()
-    open_store(f"s3://{BUCKET}/full").put("v1.safetensors", v1.read_bytes())
+    store.put("v1.safetensors", v1.read_bytes())
     publish = time.perf_counter() - t0
     results = go(nodes)
     total = publish + max(r["seconds"] for r in results)
