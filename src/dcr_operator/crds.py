@@ -231,6 +231,28 @@ class Toleration(_Spec):
 
 
 DEFAULT_PROFILE = "default"
+MAX_ENDPOINT_URLS = 256  # as a WeightRefit's spec.encoder.owners
+_HTTP_URL = r"^https?://[^\s/?#]+(/[^\s?#]*)?$"
+
+
+class EncoderEndpoint(_Spec):
+    """Warm encoders (``dcr encoder``) that publish a refit's attempts, one per owner.
+
+    With an endpoint, an attempt starts no Job: owner ``k`` is a ``POST /v1/publish`` to
+    ``urls[k]`` with the token from ``tokenSecretRef`` (a Secret labelled
+    dcr.dev/encoder-token=true), and the refit's ``spec.encoder.owners`` must equal the
+    number of URLs. The encoder writes to its own ``--store``, which must be the
+    fleet's, and reads checkpoints only under its own ``--checkpoint-root``.
+    """
+
+    urls: Annotated[list[Annotated[str, Field(max_length=2048, pattern=_HTTP_URL)]], Field(
+        min_length=1, max_length=MAX_ENDPOINT_URLS)] = Field(
+        description="The encoders' base URLs (http:// or https://, no query), one per "
+        "owner index: a WeightRefit using this profile sets spec.encoder.owners to their "
+        "number.")
+    token_secret_ref: SecretKeyRef = Field(
+        description="Secret key holding the encoders' bearer token (at least 16 "
+        "characters); the Secret must be labelled dcr.dev/encoder-token=true.")
 
 
 class EncoderProfile(_Spec):
@@ -258,6 +280,10 @@ class EncoderProfile(_Spec):
         "one holding the checkpoints (dcr encode reads the base and target checkpoints "
         "from a path): each a persistentVolumeClaim, hostPath or nfs, read-only unless "
         "readOnly is false.")
+    endpoint: EncoderEndpoint | None = Field(
+        default=None, description="Warm encoders to call instead of starting an encoder "
+        "Job per attempt (docs/operations.md, \"Warm encoder\"); the pod fields above "
+        "then go unused.")
 
 
 class RolloutFleetSpec(_Spec):
@@ -379,7 +405,10 @@ class AttemptStatus(_Status):
     bytes: int = Field(default=0, description="Payload bytes applied, summed over receivers.")
     receivers: list[str] = []
     rejoined: list[str] = []
-    job: str | None = None
+    job: str | None = Field(default=None, description="The encoder Job that published it.")
+    endpoint: str | None = Field(
+        default=None, description="The encoder profile whose warm endpoint published it "
+        "(no Job ran).")
 
 
 class ReceiverProgress(_Status):

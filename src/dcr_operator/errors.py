@@ -12,6 +12,7 @@ Hierarchy::
     ├── InvalidResource           a RolloutFleet or WeightRefit cannot be acted on as
     │                             written (names the field and the value)
     ├── EncoderJobFailed          an encoder Job failed or vanished during an attempt
+    ├── EncoderEndpointFailed     a warm encoder refused, failed or did not answer a publish
     └── NotYet                    a refit cannot proceed now (base version not committed,
                                   fleet busy, too few receivers): look again later
 
@@ -65,6 +66,11 @@ class InvalidResource(OperatorError):
 
 class EncoderJobFailed(OperatorError):
     """An encoder Job failed, was deleted, or did not finish by the attempt's deadline."""
+
+
+class EncoderEndpointFailed(OperatorError):
+    """A warm encoder (``dcr encoder``) refused or failed a publish, did not answer by the
+    attempt's deadline, or wrote to another store than the fleet's."""
 
 
 class NotYet(OperatorError):

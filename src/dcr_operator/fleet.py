@@ -32,7 +32,7 @@ from dcr.protocol.records import CommitRecord
 from dcr.protocol.state import FINAL
 from dcr.tokens import check_token
 from dcr_operator.commitstore import record_of
-from dcr_operator.crds import FLEET_PLURAL, GROUP, VERSION, RolloutFleetSpec
+from dcr_operator.crds import FLEET_PLURAL, GROUP, VERSION, RolloutFleetSpec, SecretKeyRef
 from dcr_operator.errors import ApiError, InvalidResource, NotFound
 from dcr_operator.kube import KubeClient, api_path
 from dcr_operator.reconcile import (
@@ -69,7 +69,9 @@ AGENT_TOKEN = SecretUse(field="spec.agent.tokenSecretRef", label=f"{GROUP}/agent
 RELAY_TOKEN = SecretUse(field="spec.relay.tokenSecretRef", label=f"{GROUP}/relay-token")
 STORE_CREDENTIALS = SecretUse(field="spec.store.credentialsSecretRef",
                               label=f"{GROUP}/store-credentials")
-SECRET_USES = (AGENT_TOKEN, RELAY_TOKEN, STORE_CREDENTIALS)
+ENCODER_TOKEN = SecretUse(field="spec.encoderProfiles[].endpoint.tokenSecretRef",
+                          label=f"{GROUP}/encoder-token")
+SECRET_USES = (AGENT_TOKEN, RELAY_TOKEN, STORE_CREDENTIALS, ENCODER_TOKEN)
 
 
 def read_secret(kube: KubeClient, namespace: str, name: str, use: SecretUse
@@ -94,17 +96,28 @@ def read_secret(kube: KubeClient, namespace: str, name: str, use: SecretUse
     return {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
 
 
-def agent_token(kube: KubeClient, namespace: str, spec: RolloutFleetSpec) -> str:
-    ref = spec.agent.token_secret_ref
-    data = read_secret(kube, namespace, ref.name, AGENT_TOKEN)
+def bearer_token(kube: KubeClient, namespace: str, ref: SecretKeyRef, use: SecretUse,
+                 what: str) -> str:
+    """The checked bearer token in key ``ref.key`` of a Secret that opted in to ``use``."""
+    data = read_secret(kube, namespace, ref.name, use)
     if ref.key not in data:
         raise InvalidResource(f"Secret {namespace}/{ref.name} has no key {ref.key!r} "
-                              f"({AGENT_TOKEN.field}.key).")
-    try:  # the agents refuse a weak token; refuse it here before sending it anywhere
+                              f"({use.field}.key).")
+    try:  # the peers refuse a weak token; refuse it here before sending it anywhere
         return check_token(data[ref.key].strip(),
-                           f"agent token in Secret {namespace}/{ref.name} key {ref.key!r}")
+                           f"{what} in Secret {namespace}/{ref.name} key {ref.key!r}")
     except ConfigError as e:
         raise InvalidResource(str(e)) from None
+
+
+def agent_token(kube: KubeClient, namespace: str, spec: RolloutFleetSpec) -> str:
+    return bearer_token(kube, namespace, spec.agent.token_secret_ref, AGENT_TOKEN,
+                        "agent token")
+
+
+def encoder_token(kube: KubeClient, namespace: str, ref: SecretKeyRef) -> str:
+    """The warm encoders' token of an encoder profile's endpoint."""
+    return bearer_token(kube, namespace, ref, ENCODER_TOKEN, "encoder token")
 
 
 def store_credentials(kube: KubeClient, namespace: str, spec: RolloutFleetSpec

@@ -2,9 +2,9 @@
 
 The coordinator runs in a thread and knows nothing of Kubernetes. :class:`Recorder`
 is told what happens (by :class:`TrackedReceiver`, which wraps each agent client, by
-the encoder Jobs' callbacks, and by the refit's own steps), keeps the status it
-implies (conditions, attempts, per-receiver progress, totals) and merge-patches it
-into the WeightRefit's status subresource. Writing status is best effort: a failed
+the encoder Jobs' or warm endpoints' callbacks, and by the refit's own steps), keeps
+the status it implies (conditions, attempts, per-receiver progress, totals) and
+merge-patches it into the WeightRefit's status subresource. Writing status is best effort: a failed
 write is logged and the next one carries everything (the commit record in the fleet,
 not this status, is the truth). Events are emitted for transitions only.
 """
@@ -64,6 +64,7 @@ class Recorder:
             if st.get(key):
                 self.extra[key] = st[key]
         self.jobs: dict[str, str] = {}
+        self.endpoints: dict[str, str] = {}  # attempt -> encoder profile with an endpoint
         self.payloads: dict[str, int] = {}
         self._started: set[str] = set()
         self._lock = threading.RLock()
@@ -123,6 +124,28 @@ class Recorder:
                      event="EncoderJobFailed", warning=True)
         self.flush()
 
+    def endpoint_started(self, attempt: Attempt, profile: str) -> None:
+        """The attempt publishes through the warm encoders of ``profile`` (no Job)."""
+        with self._lock:
+            self.endpoints[attempt.id] = profile
+            if attempt.id in self.attempts:
+                self.attempts[attempt.id]["endpoint"] = profile
+        self.set("Encoding", True, "EncoderEndpointRunning",
+                 f"The warm encoders of profile {profile} publish attempt {attempt.id} "
+                 f"({attempt.mode}).", event="EncoderEndpointCalled")
+        self.flush()
+
+    def endpoint_finished(self, attempt: Attempt, profile: str, failure: str | None) -> None:
+        if failure is None:
+            self.set("Encoding", False, "EncoderEndpointSucceeded",
+                     f"The warm encoders of profile {profile} published attempt "
+                     f"{attempt.id}.")
+        else:
+            self.set("Encoding", False, "EncoderEndpointFailed",
+                     f"A warm encoder of profile {profile} failed attempt {attempt.id}: "
+                     f"{failure}", event="EncoderEndpointFailed", warning=True)
+        self.flush()
+
     def receiver(self, name: str, **fields: Any) -> None:
         with self._lock:
             entry = self.receivers.setdefault(name, {"name": name})
@@ -154,7 +177,8 @@ class Recorder:
                     result, start=old.get("startTime") or self.clock(), end=end,
                     payloads=self.payloads.get(result.attempt, 0),
                     job=self.jobs.get(result.attempt, old.get("job")),
-                    mode=self.forced_mode)
+                    mode=self.forced_mode,
+                    endpoint=self.endpoints.get(result.attempt, old.get("endpoint")))
                 if new["outcome"] != "Running" and old.get("outcome") in (None, "Running"):
                     METRICS.attempt_ended(str(new["mode"]), str(new["outcome"]))
                     if new["outcome"] in ("Failed", "Conflict"):

@@ -229,7 +229,8 @@ _OUTCOMES = {"running": "Running", "committed": "Committed", "failed": "Failed",
 
 
 def attempt_status(result: AttemptResult, *, start: str, end: str | None, payloads: int,
-                   job: str | None, mode: str | None = None) -> dict[str, Any]:
+                   job: str | None, mode: str | None = None,
+                   endpoint: str | None = None) -> dict[str, Any]:
     """One coordinator attempt as a WeightRefit ``status.attempts`` entry."""
     word, _, reason = result.outcome.partition(": ")
     out: dict[str, Any] = {
@@ -245,6 +246,8 @@ def attempt_status(result: AttemptResult, *, start: str, end: str | None, payloa
         out["completionTime"] = end
     if job is not None:
         out["job"] = job
+    if endpoint is not None:
+        out["endpoint"] = endpoint
     return out
 
 

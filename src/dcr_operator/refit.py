@@ -10,13 +10,16 @@
    receivers from its pods, fetch their profiles into a ConfigMap for the encoders.
 3. Run :class:`dcr.protocol.coordinator.Coordinator` with the agents (as
    :class:`~dcr_operator.progress.TrackedReceiver`), one :class:`~dcr_operator.jobs.JobOwner`
-   per encoder index, and :class:`~dcr_operator.commitstore.FleetCommitStore`: mixed
-   first (unless ``modePolicy: Overwrite``), overwrite retries, the joint commit by
-   compare-and-set on the fleet's status.
+   per encoder index (or one :class:`~dcr_operator.endpoint.EndpointOwner` per warm
+   encoder URL, when the refit's encoder profile has an endpoint), and
+   :class:`~dcr_operator.commitstore.FleetCommitStore`: mixed first (unless
+   ``modePolicy: Overwrite``), overwrite retries, the joint commit by compare-and-set
+   on the fleet's status.
 4. Record the outcome: ``Committed`` or ``Failed`` with attempts, timings and bytes.
 
 Resuming after an operator restart needs nothing special: attempts the previous
-operator left Running are marked Abandoned, its unfinished encoder Jobs are deleted, and
+operator left Running are marked Abandoned, its unfinished encoder Jobs are deleted (or
+those attempts stopped on the warm encoders), and
 ``Coordinator.refit`` either finishes a transition the record already names or stops
 whatever receivers are still doing and retries. Every attempt after the first one of a
 refit runs in overwrite mode, also across retries and restarts (the coordinator alone
@@ -48,12 +51,19 @@ from dcr.protocol.coordinator import (
     CommitUnknown,
     Coordinator,
     CoordinatorSettings,
+    OwnerHandle,
     RefitAborted,
     RefitFailed,
 )
 from dcr.protocol.records import Attempt, CommitRecord
 from dcr_operator.commitstore import FleetCommitStore, commit_status, record_of
 from dcr_operator.crds import RolloutFleetSpec, WeightRefitSpec
+from dcr_operator.endpoint import (
+    EncoderEndpoints,
+    EndpointOwner,
+    encoder_endpoint,
+    store_of,
+)
 from dcr_operator.errors import (
     ApiError,
     ApiUnreachable,
@@ -66,6 +76,7 @@ from dcr_operator.fleet import (
     check_job_secrets,
     clients,
     discover,
+    encoder_token,
     fleet_path,
     refresh,
     set_active,
@@ -197,8 +208,11 @@ class RefitRun:
         reason = "EncoderProfileRefused"
         try:
             encoder_pod(spec, fleet_spec, spec.fleet, self.settings)
+            endpoint = encoder_endpoint(spec, fleet_spec, spec.fleet)
             reason = "SecretNotOptedIn"
             check_job_secrets(self.kube, self.namespace, fleet_spec)
+            if endpoint is not None:
+                encoder_token(self.kube, self.namespace, endpoint.token_secret_ref)
         except InvalidResource as e:
             rec.set("Validated", False, reason, str(e), event=reason, warning=True)
             rec.flush()
@@ -223,15 +237,7 @@ class RefitRun:
             return self._fail(rec, "RetryLimitReached",
                               f"{rec.previous_attempts()} attempts made; the fleet's "
                               f"retryLimit is {fleet_spec.retry_limit}.")
-        jobs = EncoderJobs(
-            kube=self.kube, refit=self.refit, spec=spec, fleet=fleet_spec,
-            fleet_name=spec.fleet, base_checkpoint=record.baseline_id,
-            settings=self.settings, forced_mode=forced,
-            profile=self._profile(agents, need) if verdict.action == "run" else None,
-            on_created=rec.job_created, on_finished=rec.job_finished)
-        if verdict.action == "run":
-            for job in jobs.delete_unfinished():
-                log.info("%s: deleted encoder Job %s of an obsolete attempt", self.name, job)
+        owners = self._owners(spec, fleet_spec, record, verdict, rec, forced, agents, need)
         store = FleetCommitStore(self.kube, self.namespace, spec.fleet, refit=self.name,
                                  clock=self.clock)
 
@@ -248,8 +254,7 @@ class RefitRun:
         tracked = [TrackedReceiver(a, rec, started, forced_mode=forced) for a in agents]
         policy = fleet_spec.commit_policy
         coordinator = Coordinator(
-            store, [JobOwner(jobs=jobs, index=k) for k in range(spec.encoder.owners)],
-            tracked, dense_checkpoint=dense, settings=CoordinatorSettings(
+            store, owners, tracked, dense_checkpoint=dense, settings=CoordinatorSettings(
                 max_attempts=max(1, remaining), gate="sync" if policy.gate == "Sync" else "async",
                 attempt_timeout_s=float(policy.attempt_timeout_seconds), min_receivers=need))
         self._coordinator = coordinator
@@ -280,6 +285,40 @@ class RefitRun:
             rec.sync(coordinator.history)
             rec.flush()
         return self._committed(rec, spec, committed, fleet)
+
+    def _owners(self, spec: WeightRefitSpec, fleet_spec: RolloutFleetSpec,
+                record: CommitRecord, verdict: Verdict, rec: Recorder, forced: Mode | None,
+                agents: list[AgentClient], need: int) -> list[OwnerHandle]:
+        """One owner handle per encoder index: a warm endpoint's, or an encoder Job's.
+
+        Either way, what a previous operator left running for this refit's attempts
+        stops first (its Job deleted, its publishes stopped): those attempts are obsolete.
+        """
+        run = verdict.action == "run"
+        endpoint = encoder_endpoint(spec, fleet_spec, spec.fleet) if run else None
+        if endpoint is None:
+            jobs = EncoderJobs(
+                kube=self.kube, refit=self.refit, spec=spec, fleet=fleet_spec,
+                fleet_name=spec.fleet, base_checkpoint=record.baseline_id,
+                settings=self.settings, forced_mode=forced,
+                profile=self._profile(agents, need)[0] if run else None,
+                on_created=rec.job_created, on_finished=rec.job_finished)
+            if run:
+                for job in jobs.delete_unfinished():
+                    log.info("%s: deleted encoder Job %s of an obsolete attempt", self.name,
+                             job)
+            return [JobOwner(jobs=jobs, index=k) for k in range(spec.encoder.owners)]
+        endpoints = EncoderEndpoints(
+            profile_name=spec.encoder.profile, endpoint=endpoint,
+            token=encoder_token(self.kube, self.namespace, endpoint.token_secret_ref),
+            spec=spec, base_checkpoint=record.baseline_id, store=store_of(fleet_spec),
+            profile=self._profile(agents, need)[1], forced_mode=forced,
+            on_started=rec.endpoint_started, on_finished=rec.endpoint_finished)
+        left = [a["id"] for a in (self.refit.get("status") or {}).get("attempts") or []
+                if a.get("outcome") == "Running"]
+        endpoints.stop(left)  # a previous operator's attempts: obsolete now
+        return [EndpointOwner(endpoints=endpoints, index=k)
+                for k in range(spec.encoder.owners)]
 
     def _committed(self, rec: Recorder, spec: WeightRefitSpec, record: CommitRecord,
                    fleet: Mapping[str, Any]) -> str:
@@ -313,13 +352,21 @@ class RefitRun:
         METRICS.refit_ended("Failed")
         return "Failed"
 
-    def _profile(self, agents: list[AgentClient], need: int) -> str:
-        """The ConfigMap with the receivers' merged profile (made once per refit)."""
+    def _profile(self, agents: list[AgentClient], need: int) -> tuple[str, ReceiverProfile]:
+        """The ConfigMap with the receivers' merged profile (made once per refit), and
+        that profile (an encoder Job mounts the ConfigMap; a warm encoder gets the
+        profile in its request)."""
         name = profile_name(self.name)
         path = api_path("", "v1", "configmaps", self.namespace)
         with contextlib.suppress(NotFound):
-            self.kube.get(api_path("", "v1", "configmaps", self.namespace, name))
-            return name
+            found = self.kube.get(api_path("", "v1", "configmaps", self.namespace, name))
+            try:
+                return name, ReceiverProfile.model_validate_json(
+                    (found.get("data") or {}).get(PROFILE_KEY, ""))
+            except ValidationError as e:
+                raise InvalidResource(f"ConfigMap {self.namespace}/{name} does not hold a "
+                                      f"receiver profile: {first_validation_error(e)}; "
+                                      "delete it to have it made again.") from e
         profiles, sources, errors = [], [], []
         for a in agents:
             try:
@@ -335,10 +382,10 @@ class RefitRun:
                              "labels": {"app.kubernetes.io/managed-by": "dcr-operator"},
                              "annotations": {"dcr.dev/receivers": ",".join(sources)},
                              "ownerReferences": [owner_reference(self.refit)]},
-                "data": {PROFILE_KEY: dumps(merge(profiles))}}
+                "data": {PROFILE_KEY: dumps(merged := merge(profiles))}}
         with contextlib.suppress(Conflict):
             self.kube.create(path, body)
-        return name
+        return name, merged
 
     def _deadline_timer(self, spec: WeightRefitSpec) -> threading.Timer | None:
         created = self.refit["metadata"].get("creationTimestamp")

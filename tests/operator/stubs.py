@@ -2,9 +2,9 @@
 
 Each :class:`Stub` listens on one address (any of 127.0.0.0/8: Linux routes all of it to
 ``lo``, so pods of a test can have distinct loopback IPs and share the agent port),
-records every request it gets (path and headers, the bearer token among them), and
-answers with :attr:`Stub.answer`: ``(status, headers, body)``, or raw bytes that are not
-HTTP at all.
+records every request it gets (path, headers with the bearer token among them, and
+body), and answers (once :attr:`Stub.hold` is set, if it has one) with
+:attr:`Stub.answer`: ``(status, headers, body)``, or raw bytes that are not HTTP at all.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ class Stub:
     port: int
     answer: Answer = (404, {}, b"")
     seen: list[tuple[str, dict[str, str]]] = field(default_factory=list)
+    bodies: list[bytes] = field(default_factory=list)  # request bodies, in order
+    hold: threading.Event | None = None  # when set: answer only once it is set
 
     @property
     def url(self) -> str:
@@ -55,8 +57,9 @@ def _handler(stub: Stub) -> type[BaseHTTPRequestHandler]:
         def _any(self) -> None:
             stub.seen.append((self.path, dict(self.headers.items())))
             length = int(self.headers.get("Content-Length") or 0)
-            if length:
-                self.rfile.read(length)
+            stub.bodies.append(self.rfile.read(length) if length else b"")
+            if stub.hold is not None:
+                stub.hold.wait(60)
             if isinstance(stub.answer, bytes):
                 self.wfile.write(stub.answer)
                 return

@@ -40,9 +40,9 @@ import urllib.error
 import urllib.request
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from dcr.errors import HttpError
+from dcr.errors import HttpError, first_validation_error
 from dcr.format.names import ATTEMPT_PATTERN, Mode
 from dcr.format.profile import ReceiverProfile
 from dcr.http_direct import OPENER, check_url, read_bounded, unreachable_reason
@@ -128,15 +128,23 @@ class EncoderClient:
     def publish(self, request: PublishRequest, *, timeout_s: float) -> dict[str, Any]:
         """The summary ``dcr encode --json`` prints, once the payloads and the manifest
         part are written; waits at most ``timeout_s``."""
-        answer = json.loads(self._send("/v1/publish", request, timeout_s=timeout_s))
+        raw = self._send("/v1/publish", request, timeout_s=timeout_s)
+        try:
+            answer = json.loads(raw)
+        except ValueError:
+            answer = None
         if not isinstance(answer, dict):
             raise EncoderError(f"Encoder endpoint {self.name} answered a publish with "
-                               f"{type(answer).__name__}, not a summary object.")
+                               "something else than a JSON summary object.")
         return answer
 
     def stop(self, attempt: str, *, timeout_s: float = 60.0) -> StopAnswer:
         raw = self._send("/v1/stop", StopRequest(attempt=attempt), timeout_s=timeout_s)
-        return StopAnswer.model_validate_json(raw)
+        try:
+            return StopAnswer.model_validate_json(raw)
+        except ValidationError as e:
+            raise EncoderError(f"Encoder endpoint {self.name} answered a stop with something "
+                               f"else than a stop answer ({first_validation_error(e)}).") from e
 
     def _send(self, path: str, body: BaseModel, *, timeout_s: float) -> bytes:
         req = urllib.request.Request(
