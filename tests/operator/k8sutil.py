@@ -33,6 +33,8 @@ KINDS: dict[str, tuple[str, str, bool]] = {
     "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles", True),
     "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings", True),
     "Deployment": ("/apis/apps/v1", "deployments", True),
+    "Service": ("/api/v1", "services", True),
+    "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies", True),
     "Job": ("/apis/batch/v1", "jobs", True),
     "ClusterKopfPeering": ("/apis/kopf.dev/v1", "clusterkopfpeerings", False),
     "KopfPeering": ("/apis/kopf.dev/v1", "kopfpeerings", True),

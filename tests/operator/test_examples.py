@@ -44,7 +44,8 @@ def every_example() -> list[str]:
 
 
 def test_the_examples_are_the_fleet_the_refit_and_one_rollout_pod_per_engine() -> None:
-    assert every_example() == sorted(["rolloutfleet.yaml", "weightrefit.yaml", *ROLLOUTS])
+    assert every_example() == sorted(["rolloutfleet.yaml", "weightrefit.yaml",
+                                      "encoder-endpoint.yaml", *ROLLOUTS])
 
 
 @pytest.mark.parametrize("name", every_example())
@@ -183,6 +184,53 @@ def test_every_dcr_command_line_of_a_rollout_pod_parses(name: str) -> None:
             build_parser(argv[0]).parse_args(argv)
         except SystemExit:
             pytest.fail(f"{name}: {c['name']}: dcr does not take: {shlex.join(argv)}")
+
+
+def test_the_warm_encoder_example_is_locked_down_and_serves_the_fleets_warm_profile() -> None:
+    """examples/encoder-endpoint.yaml: ``dcr encoder`` from the dcr image, non-root
+    65532 with a read-only root filesystem, the checkpoint claim read-only, the token a
+    file from the labelled Secret (never an argument), the fleet's store, a checkpoint
+    root holding both checkpoints a refit reads, and the fleet's "warm" profile calling
+    its Service once per owner."""
+    objs = {o["kind"]: o for o in objects("encoder-endpoint.yaml")}
+    spec = objs["Deployment"]["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    assert c["command"] == ["dcr", "encoder"]
+    assert c["image"].startswith("ghcr.io/dcr-dev/dcr:")
+    build_parser("encoder").parse_args([*c["command"][1:], *c["args"]])
+    assert (spec["securityContext"]["runAsUser"], spec["securityContext"]["runAsNonRoot"]) == (
+        65532, True)
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert spec["automountServiceAccountToken"] is False
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    by_path = {m["mountPath"]: m for m in c["volumeMounts"]}
+    token_file = arg(c, "--token-file")
+    (token_mount,) = [m for p, m in by_path.items() if token_file.startswith(p + "/")]
+    assert token_mount["readOnly"] is True
+    secret = objs["Secret"]
+    assert volumes[token_mount["name"]]["secret"]["secretName"] == secret["metadata"]["name"]
+    assert secret["metadata"]["labels"] == {"dcr.dev/encoder-token": "true"}
+    assert not any(secret["stringData"]["token"] in a for a in c["args"])
+    root = arg(c, "--checkpoint-root")
+    (ckpt_mount,) = [m for p, m in by_path.items() if root.startswith(p + "/")]
+    assert ckpt_mount["readOnly"] is True
+    assert volumes[ckpt_mount["name"]]["persistentVolumeClaim"]["readOnly"] is True
+    (fleet,) = [o for o in objects("rolloutfleet.yaml") if o["kind"] == "RolloutFleet"]
+    (refit,) = [o for o in objects("weightrefit.yaml") if o["kind"] == "WeightRefit"]
+    assert arg(c, "--store") == fleet["spec"]["store"]["uri"]
+    for path in (fleet["spec"]["initial"]["checkpoint"], refit["spec"]["source"]["checkpoint"]):
+        assert path.startswith(root + "/")
+    (warm,) = [p for p in RolloutFleetSpec.model_validate(fleet["spec"]).encoder_profiles
+               if p.endpoint is not None]
+    assert warm.endpoint is not None
+    assert warm.endpoint.token_secret_ref.name == secret["metadata"]["name"]
+    service = objs["Service"]
+    (port,) = service["spec"]["ports"]
+    assert set(warm.endpoint.urls) == {
+        f"http://{service['metadata']['name']}.rl.svc:{port['port']}"}
+    assert len(warm.endpoint.urls) <= int(arg(c, "--max-publishes"))
+    assert objs["Deployment"]["spec"]["replicas"] == 1  # a stop reaches the publisher
 
 
 @pytest.mark.e2e

@@ -20,12 +20,14 @@ v1 commits through a two-owner indexed Job; v2 survives an agent killed mid-refi
 survives the working operator being killed mid-attempt (the standby takes over and
 retries in overwrite mode while the dead attempt's encoder still writes); a refit from a
 stale base version is rejected; ``kubectl get`` shows the printer columns; deleting a
-refit cleans its payloads from the store.
+refit cleans its payloads from the store; v4 commits through a warm encoder (``dcr
+encoder`` on loopback, named by a fleet encoder profile's endpoint) with no Job.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import os
 import shutil
 import signal
@@ -47,7 +49,7 @@ from kubelet import FakeKubelet
 from stubs import free_port_on
 
 from dcr.errors import DcrError
-from dcr.receiver.launch import AgentProcess, ServeProcess, free_port
+from dcr.receiver.launch import AgentProcess, EncoderProcess, ServeProcess, free_port
 from dcr.trainer import Trainer, reference_fingerprint
 from dcr_operator.jobs import job_name
 from dcr_operator.kube import KubeClient
@@ -505,3 +507,47 @@ def test_deleting_a_refit_removes_its_payloads_and_its_jobs(scenario: Scenario) 
                                    labelSelector="dcr.dev/refit=policy-v2")["items"] == [],
                timeout_s=60, what="policy-v2's Jobs garbage-collected")
     assert (sc.store / "v0000000003").is_dir()  # other refits' objects stay
+
+
+def test_a_refit_through_a_warm_encoder_endpoint_starts_no_job_and_commits_bit_exact(
+        scenario: Scenario) -> None:
+    """The fleet's owner adds an encoder profile whose endpoint is a ``dcr encoder``
+    process on loopback (both owner indexes at its URL); a WeightRefit naming that
+    profile commits without any Job, bit for bit, and no token shows anywhere."""
+    sc = scenario
+    sc.new_version(4)
+    token = "e2e-encoder-token-0123456789abcdef"
+    encoder = EncoderProcess(name="warm", workdir=sc.tmp / "encoder", token=token,
+                             args=["--store", sc.store.as_uri(),
+                                   "--checkpoint-root", str(sc.tmp / "ckpts")])
+    encoder.start()
+    try:
+        encoder.wait_ready()
+        apply(sc.kube, [{"apiVersion": "v1", "kind": "Secret",
+                         "metadata": {"name": "encoder-token",
+                                      "labels": {"dcr.dev/encoder-token": "true"}},
+                         "data": {"token": base64.b64encode(token.encode()).decode()}}], sc.ns)
+        sc.kube.merge_patch(sc.path("rolloutfleets", FLEET), {"spec": {"encoderProfiles": [
+            {"name": "warm", "endpoint": {"urls": [encoder.url, encoder.url],
+                                          "tokenSecretRef": {"name": "encoder-token"}}}]}})
+        sc.create_refit("policy-v4", 3, 4, profile="warm", owners=2)
+        refit = sc.wait_phase("policy-v4", "Committed")
+        (attempt,) = refit["status"]["attempts"]
+        assert (attempt["mode"], attempt["outcome"]) == ("mixed", "Committed")
+        assert attempt["endpoint"] == "warm"
+        assert "job" not in attempt
+        assert sc.kube.get(sc.path("jobs", group="batch/v1"),
+                           labelSelector="dcr.dev/refit=policy-v4")["items"] == []
+        assert not [p for p in sc.kubelet.started if p.startswith("policy-v4")]
+        parts = sorted(p.name for p in (sc.store / "v0000000004" / attempt["id"]).iterdir()
+                       if p.name.startswith("manifest"))
+        assert parts == ["manifest-o0000.dcrm", "manifest-o0001.dcrm"]
+        reasons = [e[1] for e in sc.events("policy-v4")]
+        assert "EncoderEndpointCalled" in reasons
+        assert "EncoderJobCreated" not in reasons
+        assert sc.exact(4)
+        for text in (sc.primary.tail(10_000), encoder.log_path.read_text(),
+                     json.dumps(refit), json.dumps(sc.events("policy-v4"))):
+            assert token not in text
+    finally:
+        encoder.stop()
