@@ -352,6 +352,49 @@ def test_payload_reaches_a_leaf_before_the_owner_finishes_sending_it(tree7: Tree
     assert 0 < seen_at_leaf[0] <= len(data) // 2 + (64 << 10)
 
 
+def test_a_waiting_listing_answers_when_a_payload_arrives_at_a_leaf(tree7: Tree) -> None:
+    """A receiver's long poll (``wait_s``) at a leaf answers with the payload the root got
+    after the poll began, and a tag that differs; without a change it answers with the
+    same tag."""
+    attempt = "a-longpoll"
+
+    async def scenario() -> None:
+        async with Clients(tree7) as cs, Clients(tree7, READ_TOKEN) as readers:
+            leaf = readers[6]
+            first = await leaf.listing(attempt)
+            assert first["payloads"] == []
+            quiet = await leaf.listing(attempt, wait_s=0.2, known=first["tag"])
+            assert quiet["tag"] == first["tag"]
+            before = (await counters(cs[6]))["list_waits"]
+            poll = asyncio.create_task(leaf.listing(attempt, wait_s=5, known=first["tag"]))
+
+            async def waiting() -> bool:
+                return (await counters(cs[6]))["list_waits"] > before
+            await until(waiting, 10, "the leaf to hold the listing open", tree7)
+            assert not poll.done()
+            await cs[0].put_payload(attempt, 0, 0, make_payload(attempt, 0, 0))
+            answer = await poll
+            assert [(p["owner"], p["seq"]) for p in answer["payloads"]] == [(0, 0)]
+            assert answer["tag"] != first["tag"]
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("query", "named"), [
+    ("wait_s=soon", "'soon'"), ("wait_s=99", "'99'"), ("wait_s=-1", "'-1'"),
+    ("wait_s=1&known=not-hex", "'not-hex'"),
+])
+def test_a_malformed_long_poll_is_a_400_naming_the_value(tree7: Tree, query: str,
+                                                          named: str) -> None:
+    async def scenario() -> None:
+        async with Clients(tree7, READ_TOKEN) as readers:
+            with pytest.raises(RelayError, match=named) as e:
+                await readers[0]._json("GET", f"/v1/attempts/a-bad/payloads?{query}")
+            assert e.value.status == 400
+
+    asyncio.run(scenario())
+
+
 def test_corrupted_payload_is_refused_at_the_root_and_kept_nowhere(tree7: Tree) -> None:
     attempt = "a-corrupt"
     data = bytearray(make_payload(attempt, 0, 0))

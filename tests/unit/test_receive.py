@@ -393,3 +393,36 @@ def test_a_manifest_that_list_does_not_show_is_still_found(lag: str) -> None:
                        "a-1", lambda p: None, release="when_listed", timeout_s=60)
     assert manifest == Manifest.parse(objects[manifest_key(1)], "t")
     assert all(k.endswith(".dcrm") for k in live.gets_unlisted())
+
+
+@dataclass(frozen=True, kw_only=True)
+class Waiting(StoreSource):
+    """A source whose objects arrive only while the receiver waits for a change, as a
+    relay node's long poll sees them: one more object per wait."""
+
+    arrivals: list[tuple[str, bytes]] = field(default_factory=list)
+    waits: list[float] = field(default_factory=list)
+
+    def wait_for_change(self, timeout_s: float) -> None:
+        self.waits.append(timeout_s)
+        if self.arrivals:
+            self.store.put(*self.arrivals.pop(0))
+
+
+def test_an_idle_receiver_waits_on_a_waiting_source_instead_of_polling(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _, objects = published()
+    keys = [*sorted(k for k in objects if k.endswith(".dcrp")), manifest_key(1)]
+    source = Waiting(store=MemoryStore(), version=1, attempt="a-1",
+                     arrivals=[(k, objects[k]) for k in keys])
+
+    def no_sleep(s: float) -> None:
+        raise AssertionError(f"the receive loop slept {s} s instead of waiting for a change")
+
+    monkeypatch.setattr(rx.time, "sleep", no_sleep)
+    seen: list[tuple[int, int]] = []
+    manifest = receive(source, "a-1", lambda p: seen.append((p.header.owner, p.header.seq)),
+                       idle_wait_s=0.5)
+    assert seen == [(e.owner, e.seq) for e in manifest.payloads]
+    assert len(source.waits) >= len(keys)  # every arrival came during a wait
+    assert all(0 < w <= 0.5 for w in source.waits)

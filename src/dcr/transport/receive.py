@@ -84,6 +84,17 @@ class Source(Protocol):
 
 
 @runtime_checkable
+class WaitingSource(Source, Protocol):
+    """A source that can wait for its listing to change (a relay node's long poll), so an
+    idle receiver asks once instead of polling every ``poll_s``."""
+
+    def wait_for_change(self, timeout_s: float) -> None:
+        """Return once what ``available`` or ``manifest`` would answer may have changed,
+        or after ``timeout_s``."""
+        ...
+
+
+@runtime_checkable
 class PartSource(Source, Protocol):
     """A source that serves each owner's manifest part on its own, so one owner's payloads
     can be staged while the others still stream (``"when_listed"``)."""
@@ -244,6 +255,7 @@ def receive(
     hold_bytes: int = GiB,
     window: int = 4,
     poll_s: float = 0.01,
+    idle_wait_s: float = 0.25,
     timeout_s: float = 600.0,
     stop: threading.Event | None = None,
 ) -> Manifest:
@@ -252,7 +264,9 @@ def receive(
     ``stage`` is called with each verified payload, in order (see the module docstring).
     ``window`` bounds the payloads being fetched; ``hold_bytes`` those fetched but not yet
     staged (each owner's next payload is fetched regardless, so order can always make
-    progress); ``stage`` may block to push back further. Raises :class:`ManifestError`
+    progress); ``stage`` may block to push back further. With nothing in flight, the loop
+    waits ``poll_s`` before asking again, or, from a :class:`WaitingSource`, up to
+    ``idle_wait_s`` for a change (so ``stop`` is seen within that). Raises :class:`ManifestError`
     if the manifest disagrees with what arrived (:class:`ForeignPayload` if an object is
     not what its owner wrote), or if ``timeout_s`` passes first, and
     :class:`ReceiveStopped` once ``stop`` is set (between payloads: a ``stage`` call in
@@ -332,6 +346,8 @@ def receive(
                 continue
             if pending:  # wake for the first fetch to land, not after a fixed sleep
                 wait(pending.values(), timeout=poll_s, return_when=FIRST_COMPLETED)
+            elif isinstance(source, WaitingSource):  # wake when something arrives
+                source.wait_for_change(max(0.0, min(idle_wait_s, deadline - time.monotonic())))
             else:
                 time.sleep(poll_s)
 

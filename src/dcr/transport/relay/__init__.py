@@ -93,7 +93,10 @@ the publish token only, else 403; ``R``: either token)::
                                                      | 409 | 410 deleted | 411 | 413 | 503
     GET    /v1/payloads/{attempt}/{owner}/{seq}   R  the bytes (404 if not staged)
     GET    /v1/attempts/{attempt}/payloads        R  {payloads: [{owner, seq, size, digest}],
-                                                      manifest: {size, digest} | null}
+           [?wait_s=S&known=TAG]                      manifest: {size, digest} | null, tag};
+                                                     with wait_s (0-5), answers once the
+                                                     listing's tag differs from TAG, or
+                                                     after S seconds (a long poll)
     DELETE /v1/attempts/{attempt}                 P  drop it here and below: {dropped}
     PUT    /v1/manifests/{attempt}                P  as payloads; checked as a Manifest
     GET    /v1/manifests/{attempt}                R  the manifest bytes

@@ -133,8 +133,18 @@ class RelayClient:
         return str((await self._json("PUT", key.path, data=data, size=size))["status"])
 
     async def list_payloads(self, attempt: str) -> list[StagedPayload]:
-        listing = await self._json("GET", f"/v1/attempts/{attempt}/payloads")
+        listing = await self.listing(attempt)
         return [StagedPayload(attempt=attempt, **p) for p in listing["payloads"]]
+
+    async def listing(self, attempt: str, *, wait_s: float = 0.0, known: str | None = None
+                      ) -> dict[str, Any]:
+        """The attempt's listing (payloads, manifest, tag). With ``wait_s``, the node
+        answers once the tag differs from ``known`` or after ``wait_s`` seconds."""
+        path = f"/v1/attempts/{attempt}/payloads"
+        if not wait_s:
+            return await self._json("GET", path)
+        query = f"?wait_s={wait_s:g}" + (f"&known={known}" if known else "")
+        return await self._json("GET", path + query, timeout_s=wait_s + 30.0)
 
     async def get_payload(self, attempt: str, owner: int, seq: int) -> bytes:
         return await self._call("GET", Key(attempt, "payload", owner, seq).path)

@@ -8,7 +8,11 @@ re-attaching under an ancestor) and the endpoints are described in
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
+import json
 import logging
+import re
 import shutil
 import signal
 import tempfile
@@ -30,6 +34,7 @@ from dcr.transport.relay.settings import MiB, RelaySettings
 from dcr.transport.relay.staging import Blob, Staging, staged_body, verify
 from dcr.transport.relay.tree import ancestors_of, children_of, parent_of, parse_address
 from dcr.transport.relay.wire import (
+    MAX_LIST_WAIT_S,
     Chunk,
     Key,
     QueueChunks,
@@ -44,6 +49,7 @@ Outcome = Literal["ok", "retry", "refused"]
 Role = Literal["read", "publish"]
 WRITES = frozenset({"PUT", "DELETE", "POST"})  # push, drop, subscribe: the publish token
 _Attempt = Annotated[str, Field(pattern=ATTEMPT_PATTERN)]
+_TAG = re.compile(r"[0-9a-f]{1,64}")
 
 
 class _Subscription(BaseModel):
@@ -110,6 +116,7 @@ class RelayNode:
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._spool: Path | None = None
+        self._change = asyncio.Event()  # set (and replaced) whenever a blob is staged
 
     # --- lifecycle ---
 
@@ -310,6 +317,8 @@ class RelayNode:
                 return web.json_response({"error": "body broke off"}, status=400)
             raise
         self.staging.commit(blob, digest)
+        self._change.set()  # wake listings waiting for a change
+        self._change = asyncio.Event()
         self.counters["staged"] += 1
         log.debug("staged %s (%d bytes, %s)", key.label, size, blob.where)
         if not live:
@@ -430,7 +439,21 @@ class RelayNode:
         return resp
 
     async def _list(self, request: web.Request) -> web.Response:
+        """An attempt's staged payloads and manifest; with ``wait_s``, a long poll that
+        answers once the listing's tag differs from ``known`` (a receiver waiting for the
+        next payload asks once instead of polling)."""
         attempt = attempt_from(request)
+        wait_s, known = _long_poll(request)
+        listing = self._listing(attempt)
+        if wait_s > 0 and listing["tag"] == known:
+            self.counters["list_waits"] += 1
+            change = self._change
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(change.wait(), wait_s)
+            listing = self._listing(attempt)
+        return web.json_response(listing)
+
+    def _listing(self, attempt: str) -> dict[str, Any]:
         blobs = self.staging.staged(attempt)
         payloads = [
             {"owner": b.key.owner, "seq": b.key.seq, "size": b.size, "digest": b.digest}
@@ -438,7 +461,9 @@ class RelayNode:
         ]
         manifest = next(({"size": b.size, "digest": b.digest} for b in blobs
                          if b.key.kind == "manifest"), None)
-        return web.json_response({"attempt": attempt, "payloads": payloads, "manifest": manifest})
+        tag = hashlib.blake2b(json.dumps([payloads, manifest], sort_keys=True).encode(),
+                              digest_size=8).hexdigest()
+        return {"attempt": attempt, "payloads": payloads, "manifest": manifest, "tag": tag}
 
     async def _delete(self, request: web.Request) -> web.Response:
         attempt = attempt_from(request)
@@ -646,3 +671,21 @@ async def serve(settings: RelaySettings, stop: asyncio.Event | None = None) -> N
 def run_relay(settings: RelaySettings) -> None:
     """The ``dcr relay`` entry point: serve until SIGTERM."""
     asyncio.run(serve(settings))
+
+
+def _long_poll(request: web.Request) -> tuple[float, str | None]:
+    """A listing request's ``wait_s`` (0 when absent) and ``known`` tag; 400 naming the
+    value if either is malformed."""
+    raw, known = request.query.get("wait_s"), request.query.get("known")
+    wait_s = 0.0
+    if raw is not None:
+        try:
+            wait_s = float(raw)
+        except ValueError:
+            wait_s = -1.0
+        if not 0 <= wait_s <= MAX_LIST_WAIT_S:
+            raise Refused(400, f"wait_s {raw[:40]!r} is not a number of seconds from 0 to "
+                               f"{MAX_LIST_WAIT_S:g}.")
+    if known is not None and not _TAG.fullmatch(known):
+        raise Refused(400, f"known {known[:80]!r} is not a listing tag (1-64 hex digits).")
+    return wait_s, known

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dcr.errors import RelayNotFound
 from dcr.format.manifest import Manifest
 from dcr.transport.relay.client import BlockingRelay
+from dcr.transport.relay.wire import MAX_LIST_WAIT_S
 
 
 class RelaySource:
@@ -17,13 +18,25 @@ class RelaySource:
     def __init__(self, url: str, token: str, attempt: str) -> None:
         self.url, self.attempt = url, attempt
         self._relay = BlockingRelay(url, token, name="relay-source")
+        self._tag: str | None = None  # of the last listing seen
 
     def available(self) -> list[tuple[int, int]]:
+        return [(p["owner"], p["seq"]) for p in self._list()]
+
+    def wait_for_change(self, timeout_s: float) -> None:
+        """Return once the node's listing of the attempt differs from the last one seen
+        (a payload or the manifest arrived), or after ``timeout_s``: one long poll."""
+        self._list(wait_s=min(timeout_s, MAX_LIST_WAIT_S))
+
+    def _list(self, wait_s: float = 0.0) -> list[dict[str, int]]:
         relay = self._relay
         try:
-            return [(p.owner, p.seq) for p in relay.run(relay.client.list_payloads(self.attempt))]
+            listing = relay.run(relay.client.listing(self.attempt, wait_s=wait_s,
+                                                     known=self._tag))
         except RelayNotFound:
             return []
+        self._tag = listing.get("tag")
+        return list(listing["payloads"])
 
     def fetch(self, pid: tuple[int, int]) -> bytes:
         return bytes(self._relay.run(self._relay.client.get_payload(self.attempt, *pid)))

@@ -53,6 +53,9 @@ class Key:
         return f"payload {self.attempt}/o{self.owner}/s{self.seq}"
 
 
+MAX_LIST_WAIT_S = 5.0  # the longest a listing request may wait for a change (a long poll)
+
+
 def attempt_from(request: web.Request) -> str:
     """The URL's attempt id, checked; 400 (the id quoted with ``repr``) otherwise."""
     attempt = request.match_info["attempt"]
