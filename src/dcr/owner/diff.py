@@ -1,10 +1,11 @@
 """The whole-tensor diff: compare two checkpoints and write one owner's payloads and manifest.
 
 Tensors are cut into items of at most ``item_elements`` elements and grouped, in name
-order, into buckets of about ``bucket_bytes`` dense bytes; each bucket becomes one
-payload. Items are diffed on a thread pool (numpy and zstd release the GIL) while the
-previous bucket is sealed and uploaded on another thread, so memory stays near two
-buckets plus the largest item however large the checkpoint is. The
+order, into buckets of about ``bucket_bytes`` dense bytes (less for a small model:
+:func:`bucket_limit`); each bucket becomes one payload. Items are diffed on a thread
+pool (numpy and zstd release the GIL) while the previous bucket is sealed and uploaded on
+another thread, so memory stays near two buckets plus the largest item however large the
+checkpoint is. The
 :class:`~dcr.owner.writer.AttemptWriter` puts the payloads and, last, the manifest.
 
 This is the engine behind ``dcr diff``, ``dcr encode`` and the in-process ``Encoder``,
@@ -27,6 +28,7 @@ from dcr.format.names import new_attempt_id
 from dcr.format.payload import DEFAULT_LIMITS, NAME_RE
 from dcr.owner.settings import EncodeSettings
 from dcr.owner.writer import AttemptWriter
+from dcr.settings import MiB
 from dcr.transport.store import Store
 
 Progress = Callable[[int], None]  # called with dense bytes just processed
@@ -65,14 +67,26 @@ def check_same_tensors(base: TensorSource, target: TensorSource) -> None:
             )
 
 
+PIPELINE_FLOOR = 16 * MiB  # dense bytes below which a bucket is not split further
+
+
+def bucket_limit(total: int, s: EncodeSettings) -> int:
+    """Dense bytes per bucket: ``bucket_bytes``, or less, so that ``total`` bytes make at
+    least ``min_payloads`` buckets of at least ``PIPELINE_FLOOR`` bytes. A receiver starts
+    on the first payload while the owner encodes the next; with one payload nothing
+    overlaps."""
+    return min(s.bucket_bytes, max(PIPELINE_FLOOR, -(-total // s.min_payloads)))
+
+
 def _buckets(infos: list[TensorInfo], s: EncodeSettings) -> Iterator[list[_Range]]:
+    limit = bucket_limit(sum(i.nbytes for i in infos), s)
     bucket: list[_Range] = []
     size = 0
     for info in infos:
         for lo in range(0, info.numel, s.item_elements):
             r = _Range(info=info, start=lo, stop=min(info.numel, lo + s.item_elements))
             # A payload holds at most as many items as a reader accepts.
-            if bucket and (size + r.nbytes > s.bucket_bytes
+            if bucket and (size + r.nbytes > limit
                            or len(bucket) >= DEFAULT_LIMITS.max_items):
                 yield bucket
                 bucket, size = [], 0

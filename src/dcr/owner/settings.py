@@ -37,6 +37,9 @@ class EncodeSettings:
     bucket_bytes: int = option(256 * MiB, unit=MiB, doc="dense bytes of source tensors per "
                                "payload, in MiB; 64-512 MiB amortises per-object costs "
                                "while keeping memory near two buckets")
+    min_payloads: int = option(16, metavar="N", doc="cut the tensors into at least N "
+                               "payloads while each still holds 16 MiB or more, so encoding, "
+                               "transfer and apply overlap even for a small model")
     item_elements: int = option(1 << 24, cli=False, doc="elements in the largest item; "
                                 "bounds encoder memory for huge tensors")
     level: int = option(1, doc="zstd level, 1..22; 1 is fast and within a few percent of "
@@ -73,8 +76,9 @@ class EncodeSettings:
             raise ConfigError(f"zstd level {self.level} is outside 1..22.")
         if not 0 <= self.owner < self.owners:
             raise ConfigError(f"Owner {self.owner} is outside 0..{self.owners - 1}.")
-        if self.threads < 1 or self.item_elements < 1:
-            raise ConfigError(f"threads ({self.threads}) and item_elements must be >= 1.")
+        if self.threads < 1 or self.item_elements < 1 or self.min_payloads < 1:
+            raise ConfigError(f"threads ({self.threads}), min_payloads ({self.min_payloads}) "
+                              "and item_elements must be >= 1.")
         for pattern in self.overwrite:
             try:
                 re.compile(pattern)
