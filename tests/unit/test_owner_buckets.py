@@ -4,9 +4,12 @@ after another); a bucket is never cut below 16 MiB, and never above ``bucket_byt
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from dcr.checkpoint import ArrayCheckpoint
+from dcr.format.layout import manifest_key
 from dcr.owner.diff import PIPELINE_FLOOR, bucket_limit, diff_checkpoints
 from dcr.owner.settings import EncodeSettings
 from dcr.settings import MiB
@@ -39,3 +42,43 @@ def test_a_48_mib_model_travels_as_three_payloads_and_decodes_to_the_target() ->
     manifest = diff_checkpoints(src["b"], src["t"], MemoryStore(), settings())
     assert len(manifest.payloads) == 3  # 6 tensors of 8 MiB in buckets of 16 MiB
     assert manifest.stats.changed_elements == sum(-(-b.size // 97) for b in base.values())
+
+
+class Overlapping(MemoryStore):
+    """A store whose payload puts each wait (up to 5 s) for another put to be in flight,
+    as puts that cost a round trip each would overlap; it records the order of puts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+        self.inflight = 0
+        self.most = 0
+        self.order: list[str] = []
+        self.company = threading.Event()
+
+    def put(self, key: str, data: bytes) -> None:
+        with self.lock:
+            self.inflight += 1
+            self.most = max(self.most, self.inflight)
+            if self.inflight > 1:
+                self.company.set()
+        if key.endswith(".dcrp"):
+            self.company.wait(5)
+        super().put(key, data)
+        with self.lock:
+            self.inflight -= 1
+            self.order.append(key)
+
+
+def test_payload_uploads_overlap_and_the_manifest_goes_last() -> None:
+    rng = np.random.default_rng(1)
+    base = {f"t{i}": rng.integers(0, 2**16, 4 * MiB, dtype=np.uint16) for i in range(8)}
+    target = {n: b ^ (rng.random(b.size) < 0.01).astype(np.uint16) for n, b in base.items()}
+    src = {k: ArrayCheckpoint({n: ("BF16", (a.size,), a) for n, a in d.items()})
+           for k, d in (("b", base), ("t", target))}
+    store = Overlapping()
+    manifest = diff_checkpoints(src["b"], src["t"], store, settings())
+    assert store.most >= 2  # puts overlapped instead of one round trip after another
+    assert store.order[-1] == manifest_key(1)
+    assert [e.seq for e in manifest.payloads] == list(range(4))
+    assert sorted(store.order[:-1]) == sorted(e.key for e in manifest.payloads)

@@ -3,10 +3,11 @@
 Tensors are cut into items of at most ``item_elements`` elements and grouped, in name
 order, into buckets of about ``bucket_bytes`` dense bytes (less for a small model:
 :func:`bucket_limit`); each bucket becomes one payload. Items are diffed on a thread
-pool (numpy and zstd release the GIL) while the previous bucket is sealed and uploaded on
-another thread, so memory stays near two buckets plus the largest item however large the
-checkpoint is. The
-:class:`~dcr.owner.writer.AttemptWriter` puts the payloads and, last, the manifest.
+pool (numpy and zstd release the GIL) while earlier buckets are sealed and uploaded, up
+to ``UPLOAD_WINDOW`` at once (each put is a round trip to the store or the relay root),
+so memory stays near a few buckets plus the largest item however large the checkpoint
+is. The :class:`~dcr.owner.writer.AttemptWriter` puts the payloads and, last, the
+manifest.
 
 This is the engine behind ``dcr diff``, ``dcr encode`` and the in-process ``Encoder``,
 configured by :class:`~dcr.owner.settings.EncodeSettings`.
@@ -14,6 +15,7 @@ configured by :class:`~dcr.owner.settings.EncodeSettings`.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -67,6 +69,7 @@ def check_same_tensors(base: TensorSource, target: TensorSource) -> None:
             )
 
 
+UPLOAD_WINDOW = 4  # payloads sealed and uploaded at once: each put costs a round trip
 PIPELINE_FLOOR = 16 * MiB  # dense bytes below which a bucket is not split further
 
 
@@ -140,12 +143,13 @@ def diff_checkpoints(
         return r, None if delta is None else encode_item(delta)
 
     fingerprints: dict[str, Future[tuple[str, str]]] = {}
-    with ThreadPoolExecutor(s.threads) as pool, ThreadPoolExecutor(1) as uploader:
+    window = UPLOAD_WINDOW
+    with ThreadPoolExecutor(s.threads) as pool, ThreadPoolExecutor(window) as uploader:
         for name in (i.name for i in mine):
             fingerprints[name] = pool.submit(
                 lambda n: (base.fingerprint(n), target.fingerprint(n)), name
             )
-        pending: Future[PayloadEntry] | None = None
+        pending: deque[Future[PayloadEntry]] = deque()
         seq = 0
         for bucket in _buckets(mine, s):
             builder = writer.builder(seq)
@@ -155,14 +159,13 @@ def diff_checkpoints(
                     changed += item.header.count
                 if progress:
                     progress(r.nbytes)
-            if pending is not None:
-                pending.result()
-                pending = None
+            while len(pending) >= window:  # bounded: memory stays near window + 1 payloads
+                pending.popleft().result()
             if builder.items:
-                pending = uploader.submit(writer.seal, builder)
+                pending.append(uploader.submit(writer.seal, builder))
                 seq += 1
-        if pending is not None:
-            pending.result()
+        for f in pending:  # every payload is in the store before the manifest
+            f.result()
         tensors = tuple(
             TensorEntry(
                 name=info.name, dtype=info.dtype.name, shape=info.shape,

@@ -42,7 +42,8 @@ class AttemptWriter:
                               level=self.level)
 
     def seal(self, builder: PayloadBuilder) -> PayloadEntry:
-        """Seal ``builder``, put it in the store and list it. Call in ``seq`` order."""
+        """Seal ``builder``, put it in the store and list it. Several may run at once;
+        the manifest lists them in ``seq`` order."""
         data = builder.seal()
         key = payload_key(self.version, self.attempt, self.owner, builder.seq)
         self.store.put(key, data)
@@ -61,7 +62,8 @@ class AttemptWriter:
         """
         manifest = Manifest(
             base_version=self.base_version, target_version=self.version,
-            attempt=self.attempt, mode=self.mode, payloads=tuple(self.entries),
+            attempt=self.attempt, mode=self.mode,
+            payloads=tuple(sorted(self.entries, key=lambda e: e.seq)),
             tensors=tensors,
             stats=Stats(tensors=tensor_count, changed_elements=changed_elements,
                         total_elements=total_elements, dense_bytes=dense_bytes,
