@@ -20,9 +20,9 @@ What the operator holds to, as for Jobs:
   :data:`dcr.http_direct.OPENER`.
 * A publish waits until the attempt's deadline at most. When one owner fails (refused,
   failed, no answer in time, or payloads written to another store than the fleet's),
-  the attempt is stopped on every endpoint (``POST /v1/stop``), as a failed Job is
-  deleted: no encoder keeps writing for an obsolete attempt. A restarted operator stops
-  the attempts its predecessor left running.
+  the attempt is stopped on every endpoint at once (``POST /v1/stop``, once per
+  attempt), as a failed Job is deleted: no encoder keeps writing for an obsolete
+  attempt. A restarted operator stops the attempts its predecessor left running.
 * ``spec.encoder.owners`` must equal the number of URLs (:func:`encoder_endpoint`).
 
 The store is the encoder's own (its ``--store``, fixed when it starts); the summary of
@@ -36,6 +36,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -101,6 +102,7 @@ class EncoderEndpoints:
                         for k, url in enumerate(self.endpoint.urls)]
         self._lock = threading.Lock()
         self._started: set[str] = set()
+        self._stopped: set[str] = set()
         self._done: dict[str, int] = {}
 
     def attempt_for(self, attempt: Attempt) -> Attempt:
@@ -158,19 +160,28 @@ class EncoderEndpoints:
             self.on_finished(attempt, self.profile_name, failure)
 
     def stop(self, attempts: Iterable[str]) -> None:
-        """Stop ``attempts`` on every endpoint (best effort: one that does not answer is
-        logged; its publishes also stop when their caller has gone)."""
-        for attempt in attempts:
-            for client in self.clients:
-                try:
-                    answer = client.stop(attempt, timeout_s=STOP_TIMEOUT_S)
-                except EncoderError as e:
-                    log.warning("could not stop attempt %s: %s", attempt, e)
-                    continue
-                if answer.stopped or answer.running:
-                    log.info("encoder endpoint %s stopped attempt %s (%d publishes ended, "
-                             "%d still running)", client.name, attempt, answer.stopped,
-                             answer.running)
+        """Stop ``attempts`` on every endpoint at once, each attempt once (best effort: an
+        endpoint that does not answer is logged; its publishes also stop when their
+        caller has gone)."""
+        with self._lock:
+            todo = [a for a in dict.fromkeys(attempts) if a not in self._stopped]
+            self._stopped.update(todo)
+        calls = [(a, c) for a in todo for c in self.clients]
+        if not calls:
+            return
+        with ThreadPoolExecutor(min(16, len(calls)), thread_name_prefix="encoder-stop") as pool:
+            list(pool.map(lambda call: self._stop_one(*call), calls))
+
+    @staticmethod
+    def _stop_one(attempt: str, client: EncoderClient) -> None:
+        try:
+            answer = client.stop(attempt, timeout_s=STOP_TIMEOUT_S)
+        except EncoderError as e:
+            log.warning("could not stop attempt %s: %s", attempt, e)
+            return
+        if answer.stopped or answer.running:
+            log.info("encoder endpoint %s stopped attempt %s (%d publishes ended, %d still "
+                     "running)", client.name, attempt, answer.stopped, answer.running)
 
 
 @dataclass(kw_only=True)

@@ -166,6 +166,8 @@ def test_a_refusal_surfaces_in_its_own_words_and_stops_the_attempt_everywhere() 
             e.value).removeprefix(f"Owner 0 of attempt {a.id}: "))]
         assert posted(e1) == [("/v1/stop", {"attempt": a.id})]  # the other owner stops too
         assert [p for p, _ in e0.seen] == ["/v1/publish", "/v1/stop"]
+        made.stop([a.id, a.id])  # a second failing owner: each endpoint was told once
+        assert len(e0.seen) + len(e1.seen) == 3
 
 
 def test_a_publish_that_wrote_to_another_store_fails_the_attempt_at_once() -> None:
