@@ -7,11 +7,20 @@ Each rollout pod is two processes sharing a staging directory, as in a real pod:
 vLLM-layout server holding both ranks of tensor-parallel size 2 with an FP8
 ``o_proj``), and a ``dcr agent`` sidecar that drives it through its HTTP API the way it
 drives vLLM. The owners split the tensors by name; by default (``--owner-form warm``)
-each is a :class:`WarmOwner`, an in-process encoder in this (the trainer's) process
-holding the committed checkpoint memory-mapped, so publishing an attempt starts nothing;
-``--owner-form process`` runs a ``dcr encode`` process per attempt instead, what an
-encoder Job is on Kubernetes. A coordinator in this process drives every refit through
-the agents' HTTP API and commits it by compare-and-set in a SQLite commit record.
+each is a :class:`~dcr.owner.warm.WarmOwner`, an in-process encoder in this (the
+trainer's) process holding the committed checkpoint memory-mapped, so publishing an
+attempt starts nothing; ``--owner-form process`` runs a ``dcr encode`` process per
+attempt instead, what an encoder Job is on Kubernetes. A coordinator in this process
+drives every refit through the agents' HTTP API and commits it by compare-and-set in a
+SQLite commit record.
+
+The rollout side reaches the training side across an emulated boundary
+(:mod:`dcr.boundary`, ``--store-kind s3``, the default): the store is a real S3 server
+(``rclone serve s3``) on loopback, the owners write to it directly, and each pod's agent
+reads it through its own emulated link (``--link-mbit``, ``--rtt-ms``: a bandwidth cap
+and a delay, :mod:`dcr.linkemu`), as rollout clusters in another region do. With
+``--transport relay`` the link sits between the trainer and the relay tree's root.
+``--store-kind file`` is a directory on this disk and emulates nothing.
 
 ``--kill-receiver-every N`` SIGKILLs one process of a pod in the middle of every N-th
 refit and restarts it on the same port and directories, as a container restart does:
@@ -26,16 +35,16 @@ overwrite mode commits.
 After every step, each pod's fingerprint of every parameter and buffer (xxh3 of integer
 views, every rank of its server) is compared with a dense load of the trainer's export
 through the same loader. Then a full-checkpoint refit of the same version is timed for
-comparison (``full s``): the export's files are put into the file store under
-``full/v<N>/``, and every pod at once downloads them into its own directory and
-dense-loads them through its agent (``rejoin``: the server's own loader, checked against
-the committed manifest's fingerprints where the agent holds them); the fingerprints are
-checked again and the objects and copies deleted. With ``--transport relay`` this
-comparison still goes through the file store, since a relay carries only DCR attempts.
+comparison (``full s``, :mod:`dcr.full_refit`) across the same boundary: the trainer
+uploads the export, every pod downloads it through its own link and dense-loads it
+through its agent, and the fingerprints are checked again. With ``--transport relay``
+this comparison still goes through the store, since a relay carries only DCR attempts.
+A dense rejoin after a kill reads the checkpoint from this disk, not across the link.
 The coverage line says which share of the weight bytes travels as XOR, overwrite or
-dense under the agents' merged profile. A table per step, ``summary.json`` and a plot
-(``refit.png``) are written. This is the one demo; the file-level path
-(``dcr diff``/``dcr patch`` on checkpoint files) is the command line's.
+dense under the agents' merged profile. A table per step, ``summary.json``, a plot
+(``refit.png``, :mod:`dcr.refit_plot`) and ``boundary.json`` (what each link carried)
+are written. This is the one demo; the file-level path (``dcr diff``/``dcr patch`` on
+checkpoint files) is the command line's.
 """
 
 from __future__ import annotations
@@ -47,34 +56,39 @@ import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from dcr.checkpoint import Checkpoint, TensorSource
+from dcr.boundary import Boundary
+from dcr.checkpoint import Checkpoint
 from dcr.engines.base import merge_fingerprints
-from dcr.errors import BaselineError, ConfigError, DcrError
+from dcr.errors import ConfigError, DcrError
 from dcr.format.profile import ReceiverProfile, coverage, merge
-from dcr.owner.encoder import Encoder
+from dcr.full_refit import FullPath, full_refit
+from dcr.kills import Held, Killer, KillPoint
 from dcr.owner.process import ProcessOwner
+from dcr.owner.warm import WarmOwner
 from dcr.protocol.agent_api import AgentError, AgentStatus
 from dcr.protocol.commitstore import SqliteCommitStore
 from dcr.protocol.coordinator import Coordinator, CoordinatorSettings
-from dcr.protocol.records import Attempt, CommitRecord
-from dcr.receiver.launch import AgentProcess, Process, ServeProcess, free_port
+from dcr.protocol.records import CommitRecord
+from dcr.receiver.launch import AgentProcess, ServeProcess, free_port
 from dcr.receiver.settings import AgentSettings
+from dcr.refit_plot import plot_refit
 from dcr.serve.settings import ServeSettings
 from dcr.settings import option, to_argv
 from dcr.tokens import write_token_file
 from dcr.trainer import Trainer, TrainerSettings, reference_fingerprint
 from dcr.transport.relay.publish import TOKEN_ENV, RelayPublisher
 from dcr.transport.relay.settings import RelaySettings
-from dcr.transport.store import FileStore, Store, open_store
+from dcr.transport.store import Store
+
+if TYPE_CHECKING:
+    pass
 
 log = logging.getLogger(__name__)
 LAUNCHED = ("name", "listen", "state_dir", "token_file")  # AgentProcess passes these itself
@@ -104,6 +118,16 @@ class RefitSettings:
     kill_receiver_every: int = option(0, metavar="N", doc="kill a pod's process mid-refit "
                                       "every N steps, its agent the first time, its server "
                                       "the next, and so on (0: never)")
+    store_kind: Literal["s3", "file"] = option(
+        "s3", doc="s3: a real S3 server (rclone serve s3) on loopback, each rollout pod "
+        "reaching it through its own emulated link, as across clusters or regions; file: a "
+        "directory on this disk, no boundary (a full checkpoint then moves as fast as a "
+        "delta)")
+    link_mbit: float = option(200.0, metavar="MBIT", doc="capacity of each emulated link, "
+                              "Mbit/s each way: a pod's to the S3 store, or the trainer's "
+                              "to the relay root (0: no link)")
+    rtt_ms: float = option(20.0, metavar="MS", doc="round-trip delay of each emulated link, "
+                           "in milliseconds (20: nearby regions)")
     trainer: TrainerSettings = option(TrainerSettings(), cli=False,
                                       doc="the trainer (its own options)")
     coordinator: CoordinatorSettings = option(
@@ -120,6 +144,9 @@ class RefitSettings:
         if self.steps < 1 or self.owner_count < 1 or self.kill_receiver_every < 0:
             raise ConfigError(f"steps ({self.steps}) and owners ({self.owners}) must be >= 1, "
                               f"kill_receiver_every ({self.kill_receiver_every}) >= 0.")
+        if self.link_mbit < 0 or self.rtt_ms < 0:
+            raise ConfigError(f"--link-mbit {self.link_mbit} and --rtt-ms {self.rtt_ms} must "
+                              "not be negative.")
         if self.agents < 2:
             raise ConfigError(f"--agents {self.agents}: at least 2 (one transformers pod "
                               "and the vLLM-layout TP2 pod).")
@@ -161,9 +188,10 @@ class _Pod:
 
 
 def _pod(i: int, n: int, out: Path, source: dict[str, Any], ckpts: Path,
-         token: str) -> _Pod:
+         token: str, env: dict[str, str]) -> _Pod:
     """Pod ``i`` of ``n``: the last one serves both ranks of the vLLM-layout TP2 model,
-    the others a transformers model; server and agent share ``staging``."""
+    the others a transformers model; server and agent share ``staging``; the agent's
+    environment adds ``env`` (how it reaches the store)."""
     home = out / "pods" / f"pod-{i}"
     staging = home / "staging"
     staging.mkdir(parents=True, exist_ok=True)
@@ -177,7 +205,7 @@ def _pod(i: int, n: int, out: Path, source: dict[str, Any], ckpts: Path,
                           engine_url=server.url, staging_dir=staging, canonical=ckpts / "v0",
                           checkpoint_root=ckpts, **source)
     sidecar = AgentProcess(name=agent.name, args=to_argv(agent, skip=LAUNCHED),
-                           state_dir=agent.state_dir, token=token)
+                           state_dir=agent.state_dir, token=token, env=env)
     return _Pod(serve=serve, agent=agent, server=server, sidecar=sidecar)
 
 
@@ -230,129 +258,6 @@ def _reference(pod: _Pod, ckpt: Path) -> dict[str, str]:
                                                      tp_rank=r, fp8=s.fp8) for r in s.ranks])
 
 
-def _close(source: TensorSource | None) -> None:
-    """Drop a checkpoint's memory maps (their files close once no view is left)."""
-    if isinstance(source, Checkpoint):
-        source.close()
-
-
-@dataclass(kw_only=True)
-class WarmOwner(Encoder):
-    """The warm owner form: an in-process :class:`~dcr.owner.encoder.Encoder` whose
-    baseline is the committed version's checkpoint, memory-mapped, and whose candidate is
-    the attempt's target checkpoint, opened when the first attempt for it is published
-    (as :class:`~dcr.owner.process.ProcessOwner` does with directories).
-
-    The driver deletes a version's directory once the next one is committed, so each
-    checkpoint is closed as soon as it stops being the baseline or the candidate;
-    ``summaries`` holds, per attempt, the numbers ``dcr encode --json`` prints, from the
-    manifest the diff returns.
-    """
-
-    checkpoints: Callable[[int], Path]
-    summaries: dict[str, dict[str, object]] = field(default_factory=dict)  # by attempt
-
-    @classmethod
-    def open(cls, *, checkpoints: Callable[[int], Path], version: int, store: Store,
-             **kw: Any) -> WarmOwner:
-        """An owner whose baseline is ``checkpoints(version)``, committed."""
-        return cls(baseline=Checkpoint(checkpoints(version)), version=version, store=store,
-                   checkpoints=checkpoints, **kw)
-
-    def publish(self, attempt: Attempt) -> None:
-        t = attempt.transition
-        if t.base_version != self.version:
-            raise BaselineError(f"{self.who}: attempt {attempt.id} is for base "
-                                f"{t.base_version}; the committed baseline is {self.version}.")
-        if self.candidate_version != t.target_version:
-            _close(self.candidate)  # a candidate whose refit failed is never published again
-            self.candidate = self.candidate_version = None
-            self.set_candidate(Checkpoint(self.checkpoints(t.target_version)), t.target_version)
-        super().publish(attempt)
-        m = self.manifests[-1]
-        self.summaries[attempt.id] = {
-            **m.stats.model_dump(), "payloads": len(m.payloads), "attempt": m.attempt,
-            "base_version": m.base_version, "version": m.target_version, "mode": m.mode}
-        log.debug("warm owner %s: %s", self.owner, self.summaries[attempt.id])
-
-    def advance_baseline(self, record: CommitRecord) -> None:
-        old = self.baseline
-        super().advance_baseline(record)
-        if self.baseline is not old:
-            _close(old)
-
-    def close(self) -> None:
-        _close(self.baseline)
-        _close(self.candidate)
-
-
-class _Killer(threading.Thread):
-    """Waits until the pod's agent is applying an attempt, then SIGKILLs and restarts
-    ``victim`` (the agent, or the server beside it); ``killed`` is set once it is dead."""
-
-    def __init__(self, pod: _Pod, victim: Process) -> None:
-        super().__init__(name=f"kill-{victim.name}", daemon=True)
-        self.pod = pod
-        self.victim = victim
-        self.killed_at: float | None = None
-        self.killed = threading.Event()
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        client = self.pod.sidecar.client(timeout_s=5.0)
-        deadline = time.monotonic() + 120
-        try:
-            while time.monotonic() < deadline:
-                try:
-                    st = client.status()
-                except DcrError:  # not up yet
-                    time.sleep(0.01)
-                    continue
-                if st.state == "applying":  # journaled dirty: its bits are now in doubt
-                    break
-                time.sleep(0.005)
-            self.killed_at = time.time()
-            self.victim.kill()
-            self.killed.set()
-            self.victim.restart()  # the kill again is a no-op; then start, wait until ready
-        finally:
-            self.killed.set()
-            self.done.set()
-
-
-class _KillPoint:
-    """Where a step's kill lands: every owner's publish waits here for it.
-
-    With the sync gate (the demo's) every admitted receiver is applying, journaled dirty,
-    before the owners publish; holding the publishes until the victim is dead puts the
-    kill inside the attempt however fast the owners are (a warm owner publishes in tens
-    of milliseconds, less than the killer's polling may need to see ``applying``)."""
-
-    HOLD_S = 30.0  # at most: a victim never seen applying is killed at the killer's deadline
-
-    def __init__(self) -> None:
-        self.killer: _Killer | None = None
-
-    def hold(self) -> None:
-        if (k := self.killer) is not None:
-            k.killed.wait(self.HOLD_S)
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Held:
-    """An owner (``OwnerHandle``) whose publish first waits at the step's kill point."""
-
-    owner: ProcessOwner | WarmOwner
-    point: _KillPoint
-
-    def publish(self, attempt: Attempt) -> None:
-        self.point.hold()
-        self.owner.publish(attempt)
-
-    def advance_baseline(self, record: CommitRecord) -> None:
-        self.owner.advance_baseline(record)
-
-
 def _status(pod: _Pod, wait_s: float = 120.0) -> AgentStatus:
     """The pod's agent's status, waiting while it answers 503: a restarted agent (or one
     beside a restarted server) prewarms its engine before it reports."""
@@ -374,75 +279,82 @@ def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     out = s.out.resolve()
     shutil.rmtree(out, ignore_errors=True)
-    ckpts, store = out / "checkpoints", f"file://{out / 'store'}"
+    ckpts = out / "checkpoints"
     token = secrets.token_hex(16)
 
     trainer = Trainer(s.trainer)
     trainer.export(ckpts / "v0")
+    boundary = Boundary(work=out / "boundary", store_dir=out / "store",
+                        store_kind=s.store_kind, pods=s.agents, link_mbit=s.link_mbit,
+                        rtt_ms=s.rtt_ms)
     relays: list[subprocess.Popen[bytes]] = []
-    sources: list[dict[str, Any]] = [{"store": store}] * s.agents
-    publish_to, owner_env = store, {}
-    if s.transport == "relay":
-        tree = _start_relays(out / "relay", s.agents)
-        relays = tree.procs
-        sources = [{"relay": u, "relay_token_file": tree.read_token_file} for u in tree.urls]
-        publish_to = f"relay+{tree.urls[0]}"
-        owner_env = {TOKEN_ENV: tree.publish_token_file.read_text()}  # owners push
-    pods = [_pod(i, s.agents, out, sources[i], ckpts, token) for i in range(s.agents)]
-    t0 = time.perf_counter()
-    for proc in [p.server for p in pods] + [p.sidecar for p in pods]:
-        proc.start()
-    for proc in [p.server for p in pods] + [p.sidecar for p in pods]:
-        proc.wait_ready()
-    startup_s = time.perf_counter() - t0
-    clients = [p.sidecar.client() for p in pods]
-    profile = merge(ReceiverProfile(tensors=c.profile()["tensors"]) for c in clients)
-    profile_path = out / "profile.json"
-    profile_path.write_text(json.dumps({"tensors": profile.tensors}))
-    with Checkpoint(ckpts / "v0") as v0:
-        shares = coverage(profile, {i.name: i.nbytes for i in v0})
-    owners = _owners(s, publish_to, owner_env, ckpts, profile, profile_path)
-    commits = SqliteCommitStore(out / "commit.db", CommitRecord(
-        committed_version=0, baseline_id=str(ckpts / "v0"), attempt=""))
-    kills = _KillPoint()
-    coordinator = Coordinator(commits, [_Held(owner=o, point=kills) for o in owners], clients,
-                              settings=s.coordinator,
-                              dense_checkpoint=lambda v: str(ckpts / f"v{v}"))
-    job = _Job(trainer=trainer, ckpts=ckpts, pods=pods, coordinator=coordinator,
-               owners=owners, kills=kills, full_store=FileStore(out / "store"))
-    where = (f"relay tree of {s.agents} nodes (fan-out {RelaySettings.fanout}), root "
-             f"{publish_to}" if relays else f"store {store}")
-    print(f"model: Llama, {trainer.parameters:,} parameters, BF16; AdamW lr={s.trainer.lr}; "
-          f"{where}")
-    print(f"{s.agents} rollout pods (a dcr serve server and a dcr agent each) up in "
-          f"{startup_s:.1f} s ({'; '.join(sorted({p.kind for p in pods}))}); "
-          f"{_owners_line(s)}; commit record {commits.path}")
-    print(f"full-checkpoint refits (full s) through {job.full_store.uri}: upload, then "
-          "every pod downloads and dense-loads" + (" (the relay carries only DCR attempts)"
-                                                   if relays else ""))
-    print("coverage (share of weight bytes by path): "
-          + ", ".join(f"{k} {100 * v:.1f}%" for k, v in shares.items() if v))
-    print(f"{'step':>4} {'loss':>7} {'changed':>8} {'payload B':>10} {'% dense':>8} "
-          f"{'prepare':>7} {'publish':>7} {'flush':>6} {'commit':>6} {'total s':>7} "
-          f"{'full s':>6}  attempts                          bit-exact")
-    rows: list[dict[str, Any]] = []
+    pods: list[_Pod] = []
+    coordinator: Coordinator | None = None
+    owners: list[ProcessOwner | WarmOwner] = []
     try:
-        for v in range(1, s.steps + 1):
-            rows.append(_step(v, s, job))
+        boundary.start()
+        store = boundary.store_uri
+        sources: list[dict[str, Any]] = [{"store": store}] * s.agents
+        publish_to, owner_env = store, boundary.direct_env()
+        if s.transport == "relay":
+            tree = _start_relays(out / "relay", s.agents)
+            relays = tree.procs
+            sources = [{"relay": u, "relay_token_file": tree.read_token_file}
+                       for u in tree.urls]
+            root = boundary.relay_root(int(tree.urls[0].rsplit(":", 1)[1]))
+            publish_to = f"relay+http://127.0.0.1:{root}"
+            owner_env = {TOKEN_ENV: tree.publish_token_file.read_text()}  # owners push
+        pods = [_pod(i, s.agents, out, sources[i], ckpts, token, boundary.pod_env(i))
+                for i in range(s.agents)]
+        t0 = time.perf_counter()
+        for proc in [p.server for p in pods] + [p.sidecar for p in pods]:
+            proc.start()
+        for proc in [p.server for p in pods] + [p.sidecar for p in pods]:
+            proc.wait_ready()
+        startup_s = time.perf_counter() - t0
+        clients = [p.sidecar.client() for p in pods]
+        profile = merge(ReceiverProfile(tensors=c.profile()["tensors"]) for c in clients)
+        profile_path = out / "profile.json"
+        profile_path.write_text(json.dumps({"tensors": profile.tensors}))
+        with Checkpoint(ckpts / "v0") as v0:
+            shares = coverage(profile, {i.name: i.nbytes for i in v0})
+        owners = _owners(s, publish_to, owner_env, ckpts, profile, profile_path, boundary)
+        commits = SqliteCommitStore(out / "commit.db", CommitRecord(
+            committed_version=0, baseline_id=str(ckpts / "v0"), attempt=""))
+        kills = KillPoint()
+        coordinator = Coordinator(commits, [Held(owner=o, point=kills) for o in owners],
+                                  clients, settings=s.coordinator,
+                                  dense_checkpoint=lambda v: str(ckpts / f"v{v}"))
+        job = _Job(trainer=trainer, ckpts=ckpts, pods=pods, coordinator=coordinator,
+                   owners=owners, kills=kills, full=_full_stores(boundary))
+        where = (f"relay tree of {s.agents} nodes (fan-out {RelaySettings.fanout}), root "
+                 f"{tree.urls[0]}" if relays else f"store {store}")
+        print(f"model: Llama, {trainer.parameters:,} parameters, "
+              f"{_mb(trainer.parameters * 2)} BF16; AdamW lr={s.trainer.lr}; {where}")
+        print(boundary.describe(relay=bool(relays)))
+        print(f"{s.agents} rollout pods (a dcr serve server and a dcr agent each) up in "
+              f"{startup_s:.1f} s ({'; '.join(sorted({p.kind for p in pods}))}); "
+              f"{_owners_line(s)}; commit record {commits.path}")
+        print(f"full-checkpoint refits (full s) through {store}: the trainer uploads, then "
+              f"every pod downloads{' through its link' if boundary.links else ''} and "
+              "dense-loads" + (" (the relay carries only DCR attempts)" if relays else ""))
+        print("coverage (share of weight bytes by path): "
+              + ", ".join(f"{k} {100 * v:.1f}%" for k, v in shares.items() if v))
+        print(f"{'step':>4} {'loss':>7} {'changed':>8} {'payload B':>10} {'% dense':>8} "
+              f"{'prepare':>7} {'publish':>7} {'flush':>6} {'commit':>6} {'total s':>7} "
+              f"{'full s':>6}  attempts                          bit-exact")
+        rows = [_step(v, s, job) for v in range(1, s.steps + 1)]
     finally:
-        coordinator.close()
-        for o in owners:
-            if isinstance(o, WarmOwner):
-                o.close()
-                if isinstance(o.store, RelayPublisher):
-                    o.store.close()  # one owner with the relay
-        for pod in pods:
-            pod.stop()
-        for r in relays:
-            r.terminate()
-            r.wait(10)
+        _stop(coordinator, owners, pods, relays, boundary)
     (out / "summary.json").write_text(json.dumps(rows, indent=1))
-    plot = _plot(rows, out / "refit.png")
+    (out / "boundary.json").write_text(json.dumps({
+        "store": boundary.store_uri, "link_mbit": s.link_mbit if boundary.linked else None,
+        "rtt_ms": s.rtt_ms if boundary.linked else None, "links": boundary.crossed()},
+        indent=1))
+    if crossed := boundary.crossed():
+        print("bytes across the boundary (DCR and full refits together): " + ", ".join(
+            f"{k} {_mb(v['down'])} down, {_mb(v['up'])} up" for k, v in crossed.items()))
+    plot = plot_refit(rows, out / "refit.png")
     exact = all(r["bit_exact"] and r["full_bit_exact"] for r in rows)
     ratios = [r["full_s"] / r["total_s"] for r in rows]
     print(f"full-checkpoint refit / DCR refit time: median {statistics.median(ratios):.2f}x "
@@ -455,9 +367,34 @@ def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
     return rows
 
 
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.0f} MB" if n >= 10e6 else f"{n / 1e6:.1f} MB"
+
+
+def _stop(coordinator: Coordinator | None, owners: Sequence[ProcessOwner | WarmOwner],
+          pods: Sequence[_Pod], relays: Sequence[subprocess.Popen[bytes]],
+          boundary: Boundary) -> None:
+    """Stop everything the job started, in the order it depends on each other."""
+    if coordinator is not None:
+        coordinator.close()
+    for o in owners:
+        if isinstance(o, WarmOwner):
+            o.close()
+            if isinstance(o.store, RelayPublisher):
+                o.store.close()  # one owner with the relay
+    for pod in pods:
+        pod.stop()
+    for r in relays:
+        r.terminate()
+        r.wait(10)
+    boundary.close()
+
+
 def _owners(s: RefitSettings, publish_to: str, owner_env: dict[str, str], ckpts: Path,
-            profile: ReceiverProfile, profile_path: Path) -> list[ProcessOwner | WarmOwner]:
-    """The owners, in the form ``s.owner_form`` names; warm ones share one store."""
+            profile: ReceiverProfile, profile_path: Path, boundary: Boundary
+            ) -> list[ProcessOwner | WarmOwner]:
+    """The owners, in the form ``s.owner_form`` names; warm ones share one store, which
+    they reach as the training side does (no link)."""
     def checkpoints(v: int) -> Path:
         return ckpts / f"v{v}"
 
@@ -467,8 +404,8 @@ def _owners(s: RefitSettings, publish_to: str, owner_env: dict[str, str], ckpts:
                              owners=n, profile_path=profile_path, env=owner_env)
                 for k in range(n)]
     token = owner_env.get(TOKEN_ENV)  # the relay's publish token, given, not inherited
-    store = (RelayPublisher(publish_to, token=token.strip()) if token is not None
-             else open_store(publish_to))
+    store: Store = (RelayPublisher(publish_to, token=token.strip()) if token is not None
+                    else boundary.direct_store())
     return [WarmOwner.open(checkpoints=checkpoints, version=0, store=store, owner=k, owners=n,
                            profile=profile)
             for k in range(n)]
@@ -481,6 +418,12 @@ def _owners_line(s: RefitSettings) -> str:
     return f"{n} warm encoder{'s' if n > 1 else ''} in this process"
 
 
+def _full_stores(boundary: Boundary) -> FullPath:
+    """Full checkpoints go up as the owners publish, and down through each pod's link."""
+    return FullPath(upload=boundary.direct_store(),
+                     pods=[boundary.pod_store(i) for i in range(boundary.pods)])
+
+
 @dataclass(frozen=True, kw_only=True)
 class _Job:
     """What every step works on: the trainer, its exports and the running processes."""
@@ -490,8 +433,8 @@ class _Job:
     pods: list[_Pod]
     coordinator: Coordinator
     owners: Sequence[ProcessOwner | WarmOwner]
-    kills: _KillPoint  # the coordinator's owners publish once a step's kill has landed
-    full_store: FileStore  # where full checkpoints travel, for the comparison
+    kills: KillPoint  # the coordinator's owners publish once a step's kill has landed
+    full: FullPath  # where full checkpoints travel, for the comparison
 
 
 def _step(v: int, s: RefitSettings, job: _Job) -> dict[str, Any]:
@@ -503,7 +446,7 @@ def _step(v: int, s: RefitSettings, job: _Job) -> dict[str, Any]:
     if s.kill_receiver_every and v % s.kill_receiver_every == 0:
         pod = pods[v % len(pods)]
         nth = v // s.kill_receiver_every  # the agent on odd kills, the server on even ones
-        killer = _Killer(pod, pod.sidecar if nth % 2 else pod.server)
+        killer = Killer(pod.sidecar, pod.sidecar if nth % 2 else pod.server)
         killer.start()
     first = len(coordinator.history)
     job.kills.killer = killer
@@ -528,7 +471,7 @@ def _step(v: int, s: RefitSettings, job: _Job) -> dict[str, Any]:
         if pod.kind not in refs:
             refs[pod.kind] = _reference(pod, ckpt)
         exact &= pod.sidecar.client().fingerprint() == refs[pod.kind]
-    full = _full_refit(v, ckpt, job)
+    full = full_refit(v, ckpt, [p.sidecar for p in pods], job.full, job.ckpts / "full")
     full_exact = all(p.sidecar.client().fingerprint() == refs[p.kind] for p in pods)
     last = attempts[-1]
     summaries = [o.summaries[last.attempt] for o in job.owners]
@@ -559,93 +502,3 @@ def _step(v: int, s: RefitSettings, job: _Job) -> dict[str, Any]:
     if v > 1:  # v0 is what agents (re)start from; a rejoin needs only the committed one
         shutil.rmtree(job.ckpts / f"v{v - 1}")
     return row
-
-
-def _full_refit(v: int, ckpt: Path, job: _Job) -> dict[str, float]:
-    """Refit every pod to version ``v`` with the full checkpoint through the store; seconds.
-
-    The export's files are put under ``full/v<v>/``; then every pod at once downloads them
-    into its own directory under the checkpoint root (where its agent takes dense loads
-    from) and dense-loads them through its agent. ``full_s`` is the upload plus the
-    slowest pod's download and load. The objects and copies are deleted afterwards.
-    """
-    store, prefix = job.full_store, f"full/v{v}/"
-    files = sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file())
-    homes = {pod.name: job.ckpts / "full" / pod.name / f"v{v}" for pod in job.pods}
-
-    def load(pod: _Pod) -> float:
-        t = time.perf_counter()
-        home = homes[pod.name]
-        for name in files:
-            (home / name).parent.mkdir(parents=True, exist_ok=True)
-            (home / name).write_bytes(store.get(prefix + name))
-        pod.sidecar.client().rejoin(v, str(home))
-        return time.perf_counter() - t
-
-    try:
-        t0 = time.perf_counter()
-        for name in files:
-            store.put(prefix + name, (ckpt / name).read_bytes())
-        upload_s = time.perf_counter() - t0
-        with ThreadPoolExecutor(len(job.pods), thread_name_prefix="full") as pool:
-            load_s = max(pool.map(load, job.pods))
-    finally:
-        # The Store seam has no delete; the file store's objects are files under its root.
-        shutil.rmtree(store.root / "full", ignore_errors=True)
-        shutil.rmtree(job.ckpts / "full", ignore_errors=True)
-    return {"full_s": upload_s + load_s, "full_upload_s": upload_s, "full_load_s": load_s,
-            "full_bytes": sum((ckpt / n).stat().st_size for n in files)}
-
-
-def _plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot", file=sys.stderr)
-        return None
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4))
-    stages = ("prepare", "publish", "flush", "commit", "finish")
-    x = 0.0
-    ticks = []
-    for r in rows:
-        for h in r["attempts"]:
-            bottom = 0.0
-            for k, stage in enumerate(stages):
-                sec = h["stages"].get(stage, 0.0)
-                ax1.bar(x, sec, bottom=bottom, color=f"C{k}", label=stage if x == 0 else None,
-                        hatch="//" if h["outcome"] != "committed" else None)
-                bottom += sec
-            ticks.append((x, f"{r['step']}{'' if h['mode'] == 'mixed' else ' ow'}"))
-            x += 1
-        x += 0.5
-    ax1.set_xticks([t[0] for t in ticks], [t[1] for t in ticks], fontsize=8)
-    ax1.set_xlabel("step (attempts; ow = overwrite, hatched = failed)")
-    ax1.set_ylabel("seconds")
-    ax1.set_title("refit timeline by stage")
-    ax1.legend(fontsize=8)
-    steps = [r["step"] for r in rows]
-    ax2.bar([s - 0.2 for s in steps], [r["dense_bytes"] for r in rows], 0.4, label="dense")
-    ax2.bar([s + 0.2 for s in steps], [r["payload_bytes"] for r in rows], 0.4, label="DCR payload")
-    ax2.set_yscale("log")
-    ax2.set_xticks(steps)
-    ax2.set_xlabel("step")
-    ax2.set_ylabel("bytes")
-    ax2.set_title("bytes per refit")
-    ax2.legend(fontsize=8)
-    ax3.bar([s - 0.2 for s in steps], [r["full_s"] for r in rows], 0.4,
-            label="full checkpoint: upload, then download + dense load")
-    ax3.bar([s + 0.2 for s in steps], [r["total_s"] for r in rows], 0.4,
-            label="DCR refit (all attempts)")
-    ax3.set_xticks(steps)
-    ax3.set_ylim(0, 1.4 * max(max(r["full_s"], r["total_s"]) for r in rows))  # legend room
-    ax3.set_xlabel("step")
-    ax3.set_ylabel("seconds")
-    ax3.set_title("refit time per step, same store")
-    ax3.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path

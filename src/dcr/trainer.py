@@ -50,11 +50,13 @@ class TrainerSettings:
                        "most BF16 elements round back to the same bits each step")
     warmup_steps: int = option(3, metavar="K", doc="optimizer steps before the first "
                                "export, leaving Adam's first, sign-like steps behind")
-    hidden_size: int = option(256, doc="model width; small enough to train on a CPU core",
-                              cli=False)
-    intermediate_size: int = option(688, doc="MLP width (about 8/3 of the model width, as "
-                                    "Llama's)", cli=False)
-    layers: int = option(4, doc="decoder layers", cli=False)
+    hidden_size: int = option(512, metavar="N", doc="model width; with the defaults a 23M "
+                              "parameter (47 MB BF16) model: large enough that a full "
+                              "checkpoint's transfer across the main job's emulated link "
+                              "shows, small enough to train on a CPU core")
+    intermediate_size: int = option(1376, metavar="N", doc="MLP width (about 8/3 of the "
+                                    "model width, as Llama's)")
+    layers: int = option(8, metavar="N", doc="decoder layers")
     heads: int = option(8, doc="attention heads; must divide hidden_size", cli=False)
     kv_heads: int = option(4, doc="key/value heads (grouped-query attention, so the "
                            "vLLM-layout qkv fusion sees unequal parts); divides heads",

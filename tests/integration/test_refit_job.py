@@ -4,6 +4,11 @@ and a ``dcr agent`` sidecar, warm in-process owners (or ``dcr encode`` processes
 retry and dense rejoin, bits checked per step through the servers' fingerprints, and a
 full-checkpoint refit of every pod through the same store timed beside each step.
 
+By default the store is a real S3 server (``rclone serve s3``) that each pod reaches
+through its own emulated link, and a relay's root sits behind one; these tests check
+that the bytes really cross those links and that ``--store-kind file`` still works.
+They run the trainer at a smaller shape than the demo's, to stay quick.
+
 It is the one demo: every refit it makes is bit-exact on every in-place receiver
 (transformers servers and a vLLM-layout TP2 server), a small share of the weights
 changes per step, and the receivers' merged profile sends most bytes as XOR (the
@@ -28,11 +33,11 @@ from safetensors.torch import save_file
 
 from dcr.apply.engine import CanonicalTensor
 from dcr.format.profile import ReceiverProfile, merge
+from dcr.owner.warm import WarmOwner
 from dcr.protocol.commitstore import SqliteCommitStore
 from dcr.protocol.coordinator import Coordinator
 from dcr.protocol.records import CommitRecord
 from dcr.receiver.service import AgentService
-from dcr.refit import WarmOwner
 from dcr.runtimes.vllm_reference import (
     ReferenceConfig,
     ReferenceModel,
@@ -48,25 +53,50 @@ CFG = ReferenceConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_
                       moe_intermediate_size=16)
 
 
-def _full_refits_ran(rows: list[dict[str, Any]], stdout: str) -> None:
-    """Every step also refit every pod from the full checkpoint, and the bits held."""
+SMALL = ["--hidden-size", "256", "--intermediate-size", "688", "--layers", "4"]  # 3M
+
+
+def _refit(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "dcr", "refit", "--out", "out", *SMALL, *args],
+        capture_output=True, text=True, timeout=600, check=False, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, tmp_path / "out"
+
+
+def _full_refits_ran(rows: list[dict[str, Any]], stdout: str, out: Path) -> None:
+    """Every step also refit every pod from the full checkpoint, and the bits held; the
+    objects and the pods' copies are gone afterwards."""
     assert all(r["full_s"] > 0 and r["full_upload_s"] > 0 and r["full_load_s"] > 0
                for r in rows)
     assert all(r["full_bit_exact"] for r in rows)
     assert all(r["full_bytes"] > r["dense_bytes"] for r in rows)  # the files, headers too
     assert "total s full s" in stdout
     assert "full-checkpoint refit / DCR refit time: median" in stdout
+    full = [p for p in (out / "store").rglob("full") if any(p.rglob("*.safetensors"))]
+    assert full == []  # the full checkpoints' objects are deleted
+    assert not (out / "checkpoints" / "full").exists()  # and so are the pods' copies
+
+
+def _links_carried(out: Path, rows: list[dict[str, Any]], pods: int) -> dict[str, Any]:
+    """Each pod's link carried at least every full checkpoint it downloaded (and its DCR
+    payloads, unless it was left out): the comparison crossed the emulated boundary."""
+    boundary = json.loads((out / "boundary.json").read_text())
+    assert boundary["store"] == "s3://dcr-demo"
+    assert (boundary["link_mbit"], boundary["rtt_ms"]) == (200.0, 20.0)
+    links = boundary["links"]
+    assert sorted(k for k in links if k.startswith("pod-")) == [f"pod-{i}" for i in range(pods)]
+    full = sum(r["full_bytes"] for r in rows)
+    assert all(links[f"pod-{i}"]["down"] > full for i in range(pods))
+    return dict(links)
 
 
 @pytest.mark.slow
 def test_refit_job_recovers_from_a_killed_agent_and_ends_bit_exact(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "dcr", "refit", "--out", "out", "--steps", "2", "--agents", "2",
-         "--owners", "2", "--kill-receiver-every", "2"],
-        capture_output=True, text=True, timeout=600, check=False, cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = tmp_path / "out"
+    """The default boundary: S3 behind a link per pod; the owners write directly."""
+    proc, out = _refit(tmp_path, "--steps", "2", "--agents", "2", "--owners", "2",
+                       "--kill-receiver-every", "2")
     rows = json.loads((out / "summary.json").read_text())
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["bit_exact"] for r in rows)
@@ -90,10 +120,17 @@ def test_refit_job_recovers_from_a_killed_agent_and_ends_bit_exact(tmp_path: Pat
     assert (out / "refit.png").stat().st_size > 10_000
     assert "coverage (share of weight bytes by path): xor" in proc.stdout
     assert "2 warm encoders in this process" in proc.stdout
+    assert ("boundary: S3 store s3://dcr-demo (rclone serve s3 on loopback); each rollout "
+            "pod reaches it through its own emulated link (200 Mbit/s each way, 20 ms "
+            "RTT), the trainer's owners directly") in proc.stdout
+    assert "every pod downloads through its link and dense-loads" in proc.stdout
+    assert "bytes across the boundary" in proc.stdout
     assert "all 2 refits bit-exact on every live agent" in proc.stdout
-    _full_refits_ran(rows, proc.stdout)
-    assert not (out / "store" / "full").exists()  # the full checkpoints' objects are deleted
-    assert not (out / "checkpoints" / "full").exists()  # and so are the pods' copies
+    _full_refits_ran(rows, proc.stdout, out)
+    links = _links_carried(out, rows, pods=2)
+    assert "relay-root" not in links
+    # The payloads were read from the bucket rclone served.
+    assert any((out / "store" / "dcr-demo").rglob("manifest*"))
 
 
 @pytest.mark.slow
@@ -101,14 +138,11 @@ def test_refit_job_over_a_relay_tree_recovers_from_a_killed_agent_and_a_killed_s
         tmp_path: Path) -> None:
     """Step 1 kills pod 1's agent, step 2 pod 0's server: the restarted server answers a
     new instance id, so its agent reports unknown weights and is restored by a dense
-    refit before the pod counts again; both steps end bit-exact on every pod."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "dcr", "refit", "--out", "out", "--steps", "2", "--agents", "2",
-         "--transport", "relay", "--kill-receiver-every", "1"],
-        capture_output=True, text=True, timeout=600, check=False, cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads((tmp_path / "out" / "summary.json").read_text())
+    refit before the pod counts again; both steps end bit-exact on every pod. The
+    trainer publishes to the root through a link, which carries every payload."""
+    proc, out = _refit(tmp_path, "--steps", "2", "--agents", "2", "--transport", "relay",
+                       "--kill-receiver-every", "1")
+    rows = json.loads((out / "summary.json").read_text())
     assert all(r["bit_exact"] for r in rows)
     assert [r["killed"] for r in rows] == ["agent-1", "serve-0"]
     for r in rows:
@@ -122,28 +156,47 @@ def test_refit_job_over_a_relay_tree_recovers_from_a_killed_agent_and_a_killed_s
     else:
         assert rows[1]["rejoined_after"] == ["agent-0"]
     assert "relay tree of 2 nodes" in proc.stdout
+    assert ("boundary: the trainer reaches the relay root through one emulated link "
+            "(200 Mbit/s each way, 20 ms RTT)") in proc.stdout
     assert "1 warm encoder in this process" in proc.stdout  # publishes with the token
     assert "all 2 refits bit-exact on every live agent" in proc.stdout
-    _full_refits_ran(rows, proc.stdout)  # through the file store beside the relay
+    _full_refits_ran(rows, proc.stdout, out)  # through the store beside the relay
     assert "(the relay carries only DCR attempts)" in proc.stdout
+    links = _links_carried(out, rows, pods=2)
+    committed = sum(r["attempts"][-1]["payload_bytes"] for r in rows)
+    assert links["relay-root"]["up"] > committed > 0  # every payload crossed the root's link
 
 
 @pytest.mark.slow
 def test_refit_job_with_encoder_processes_ends_bit_exact(tmp_path: Path) -> None:
-    """``--owner-form process``: two ``dcr encode`` processes per attempt, as encoder Jobs."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "dcr", "refit", "--out", "out", "--steps", "1", "--agents", "2",
-         "--owner-form", "process"],
-        capture_output=True, text=True, timeout=600, check=False, cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads((tmp_path / "out" / "summary.json").read_text())
+    """``--owner-form process``: two ``dcr encode`` processes per attempt, as encoder Jobs,
+    writing to the S3 store directly (their environment, not the pods' links)."""
+    proc, out = _refit(tmp_path, "--steps", "1", "--agents", "2", "--owner-form", "process")
+    rows = json.loads((out / "summary.json").read_text())
     assert all(r["bit_exact"] for r in rows)
     assert [(a["mode"], a["outcome"]) for a in rows[0]["attempts"]] == [("mixed", "committed")]
     assert all(0 < r["payload_bytes"] < r["dense_bytes"] / 4 for r in rows)
     assert "2 encoder processes per attempt (dcr encode)" in proc.stdout
     assert "all 1 refits bit-exact on every live agent" in proc.stdout
-    _full_refits_ran(rows, proc.stdout)
+    _full_refits_ran(rows, proc.stdout, out)
+    links = _links_carried(out, rows, pods=2)
+    # Uploads did not cross a pod's link: each carried up far less than a checkpoint.
+    assert all(v["up"] < rows[0]["full_bytes"] / 4 for v in links.values())
+
+
+@pytest.mark.slow
+def test_refit_job_over_a_file_store_emulates_no_boundary(tmp_path: Path) -> None:
+    """``--store-kind file``: a directory on this disk, no S3 server, no links."""
+    proc, out = _refit(tmp_path, "--steps", "1", "--agents", "2", "--store-kind", "file")
+    rows = json.loads((out / "summary.json").read_text())
+    assert all(r["bit_exact"] for r in rows)
+    assert [(a["mode"], a["outcome"]) for a in rows[0]["attempts"]] == [("mixed", "committed")]
+    assert f"store file://{out.resolve() / 'store'}" in proc.stdout
+    assert "on this disk: no boundary emulated" in proc.stdout
+    assert "bytes across the boundary" not in proc.stdout
+    assert json.loads((out / "boundary.json").read_text())["links"] == {}
+    assert any((out / "store").rglob("manifest*"))
+    _full_refits_ran(rows, proc.stdout, out)
 
 
 def _export(sd: dict[str, torch.Tensor], path: Path) -> Path:

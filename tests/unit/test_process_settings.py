@@ -126,6 +126,21 @@ def test_refit_flags_set_the_job_and_its_trainer() -> None:
     assert from_args(RefitSettings, ns, trainer=TrainerSettings()).owner_form == "process"
 
 
+def test_refit_emulates_a_boundary_by_default_and_refuses_a_negative_link() -> None:
+    s = RefitSettings()
+    assert (s.store_kind, s.link_mbit, s.rtt_ms) == ("s3", 200.0, 20.0)
+    with pytest.raises(ConfigError, match="--link-mbit -1"):
+        RefitSettings(link_mbit=-1)
+    with pytest.raises(ConfigError, match="--rtt-ms -5"):
+        RefitSettings(rtt_ms=-5)
+    ns = parse("refit", "--store-kind", "file", "--link-mbit", "50", "--rtt-ms", "80",
+               "--hidden-size", "128", "--intermediate-size", "344", "--layers", "2")
+    s = from_args(RefitSettings, ns, trainer=from_args(TrainerSettings, ns))
+    assert (s.store_kind, s.link_mbit, s.rtt_ms) == ("file", 50.0, 80.0)
+    assert (s.trainer.hidden_size, s.trainer.intermediate_size, s.trainer.layers) == (
+        128, 344, 2)
+
+
 def test_the_main_job_starts_agents_with_argv_built_from_their_settings() -> None:
     s = AgentSettings(name="agent-1", state_dir=Path("/s"), store="file:///x",
                       **ENGINE)  # type: ignore[arg-type]

@@ -3,6 +3,8 @@
 * ``state``: the baseline/candidate state and its rules, shared by every owner form.
 * ``encoder``: :class:`Encoder`, the in-process owner a trainer calls.
 * ``process``: :class:`ProcessOwner`, its per-attempt process form (``dcr encode``).
+* ``warm``: :class:`WarmOwner`, an ``Encoder`` over memory-mapped checkpoint directories
+  opened by version, the main job's default owner form.
 * ``shards``: :class:`ShardEncoder`, a trainer rank that projects its TP/EP shards straight
   into canonical coordinates.
 * ``diff``: the engine that diffs canonical tensors bucket by bucket.

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -33,7 +34,32 @@ from dcr.tokens import write_token_file
 START_TIMEOUT_S = 120.0  # a server loads its model before it listens
 
 
+LOW_PORT = 10000  # the lowest port free_port hands out
+
+
+def _ephemeral_floor() -> int:
+    """The first port the kernel hands to outgoing connections (Linux; 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
+    """A free loopback port for a server, below the kernel's ephemeral range when there is
+    room: a port taken from that range (bind to 0) can become an outgoing connection's
+    source port between being chosen and bound, or while a killed process restarts on it,
+    and the main job's agents open many connections to the store meanwhile."""
+    floor = _ephemeral_floor()
+    rng = random.SystemRandom()
+    for _ in range(64 if floor - LOW_PORT >= 1000 else 0):
+        port = rng.randrange(LOW_PORT, floor)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -48,6 +74,7 @@ class Process:
     args: list[str]  # its arguments after those the launcher passes itself (``argv``)
     port: int = field(default_factory=free_port)
     host: str = "127.0.0.1"  # any loopback address: tests give pods 127.0.0.2, .3, ...
+    env: dict[str, str] = field(default_factory=dict)  # added to its environment, every start
     proc: subprocess.Popen[str] | None = None
     restarts: int = 0
 
@@ -74,7 +101,7 @@ class Process:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dcr", self.command, *self.argv(), *self.args],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"},
+            env={**os.environ, **self.env, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"},
         )
         log.close()
 
