@@ -21,10 +21,11 @@ Defences, each with a test (tests/integration/test_encoder_server.py):
 * **One publish per (attempt, owner).** A second one while the first runs is 409; so is
   a publish of an attempt that was stopped. At most ``--max-publishes`` run at once
   (503 beyond).
-* **Stop.** ``POST /v1/stop`` marks an attempt obsolete: its publishes raise at their
-  next item (the payload being uploaded finishes; nothing further is written, and never
-  the manifest part, so no receiver can take the attempt as complete), and the call
-  returns once they have ended. A publish whose caller disconnects stops the same way.
+* **Stop.** ``POST /v1/stop`` marks an attempt obsolete: its publishes diff nothing
+  more after their current item and start no further write (payloads already being
+  written finish; the manifest part, written last, never is, so no receiver can take
+  the attempt as complete), and the call returns once they have ended. A publish whose
+  caller disconnects stops the same way.
 * **Bounded bodies** (:data:`~dcr.protocol.encoder_api.MAX_BODY_BYTES`, 413 beyond),
   validated strictly (pydantic, unknown fields refused), 400 naming the field.
 
@@ -146,6 +147,35 @@ class _Publish:
     why: str = ""
 
 
+class _StopGuard:
+    """The store as one publish sees it: once the publish is stopped, no write starts
+    (a payload already being written finishes; the manifest part, written last, never
+    does). The diff's own threads upload several payloads at once, so a check between
+    items alone would let the last ones and the manifest through."""
+
+    def __init__(self, store: Store, entry: _Publish, what: str) -> None:
+        self._store, self._entry, self._what = store, entry, what
+        self.uri = store.uri
+
+    def check(self) -> None:
+        if self._entry.stop.is_set():
+            raise Stopped(f"{self._what} stopped ({self._entry.why}) before its manifest "
+                          "part was written.")
+
+    def put(self, key: str, data: bytes) -> None:
+        self.check()
+        self._store.put(key, data)
+
+    def get(self, key: str) -> bytes:
+        return self._store.get(key)
+
+    def exists(self, key: str) -> bool:
+        return self._store.exists(key)
+
+    def list(self, prefix: str) -> list[str]:
+        return self._store.list(prefix)
+
+
 class EncoderService:
     """Publishes requests into one store from checkpoints under fixed roots; thread-safe."""
 
@@ -189,18 +219,18 @@ class EncoderService:
         """Encode and write; the summary ``dcr encode --json`` prints. Blocking."""
         try:
             settings = publish_settings(req, threads=self.threads)
+            store = _StopGuard(self.store, entry, f"Owner {req.owner} of attempt "
+                               f"{req.attempt}")
 
-            def progress(_: int) -> None:
-                if entry.stop.is_set():
-                    raise Stopped(f"Owner {req.owner} of attempt {req.attempt} stopped "
-                                  f"({entry.why}) before its manifest part was written.")
+            def progress(_: int) -> None:  # between items: diff nothing more
+                store.check()
 
             log.info("publishing owner %d/%d of attempt %s (%s, %d -> %d): %s -> %s",
                      req.owner, req.owners, req.attempt, req.mode, req.base_version,
                      req.target_version, base, target)
             t0 = time.perf_counter()
             with Checkpoint(base) as b, Checkpoint(target) as t:
-                m = diff_checkpoints(b, t, self.store, settings, progress)
+                m = diff_checkpoints(b, t, store, settings, progress)
             summary = encode_summary(m, seconds=time.perf_counter() - t0, store=self.store.uri)
             log.info("published owner %d of attempt %s: %d payloads, %d bytes, %.2f s",
                      req.owner, req.attempt, summary["payloads"], summary["payload_bytes"],
