@@ -13,8 +13,9 @@ The tests run in order, each on the state the previous one left:
 install -> fleet Ready -> a refit commits bit-exact through a two-owner encoder Job ->
 ``kubectl get`` columns -> a rollout Pod deleted mid-refit is replaced and rejoins ->
 the operator Pod killed mid-refit is replaced and the refit finishes -> deleting a refit
-cleans its Jobs and payloads -> ``helm upgrade`` -> ``helm uninstall`` and namespace
-deletion leave nothing behind.
+cleans its Jobs and payloads -> the warm encoder example deployed and a refit through it
+(after one through Jobs, both latencies recorded) -> ``helm upgrade`` -> ``helm
+uninstall`` and namespace deletion leave nothing behind.
 
 What the commands print is kept under the session's temporary directory
 (``deploy-transcript.txt``): docs/operations.md quotes it.
@@ -22,7 +23,10 @@ What the commands print is kept under the session's temporary directory
 
 from __future__ import annotations
 
+import dataclasses
+import datetime as dt
 import json
+import os
 import secrets
 import subprocess
 import sys
@@ -51,6 +55,7 @@ RELEASE = "dcr"
 FLEET = "policy-rollout"
 REPLICAS = 2
 TRAINER = CLUSTER_TRAINER
+LATENCY = REPO / "bench" / "results" / "operator-latency.json"
 T = TypeVar("T")
 
 
@@ -130,11 +135,14 @@ class Cluster:
         self.trainer.export(self.ckpts / f"v{v}")
         _readable(self.ckpts)
 
-    def create_refit(self, name: str, base: int, target: int) -> None:
+    def create_refit(self, name: str, base: int, target: int, profile: str | None = None
+                     ) -> None:
         refit = _load(EXAMPLES / "weightrefit.yaml")[0]
         refit["metadata"]["name"] = name
         refit["spec"].update(baseVersion=base, targetVersion=target,
                              source={"checkpoint": f"/checkpoints/policy-a/v{target}"})
+        if profile is not None:
+            refit["spec"]["encoder"]["profile"] = profile
         self.apply([refit])
 
     def wait_phase(self, name: str, phase: str, timeout_s: float = 400) -> dict[str, Any]:
@@ -197,14 +205,19 @@ def _conditions(obj: dict[str, Any]) -> dict[str, tuple[str, str]]:
 # -- the chart's examples, adjusted for this cluster ------------------------------------------
 
 
-def fleet_manifests(c: Cluster) -> list[dict[str, Any]]:
+def fleet_manifests(c: Cluster, warm_url: str | None = None) -> list[dict[str, Any]]:
+    """The fleet example; ``warm_url``: where its "warm" profile's owners call (the
+    example names the encoder Service by DNS, which this node does not serve)."""
     token_secret, fleet = _load(EXAMPLES / "rolloutfleet.yaml")
     token_secret["stringData"]["token"] = c.agent_token
     spec = fleet["spec"]
     spec["runtime"] = "hf"
     spec["store"].update(endpoint=c.s3.endpoint, region=c.s3.region)
     spec["commitPolicy"]["attemptTimeoutSeconds"] = 180
-    (profile,) = spec["encoderProfiles"]
+    (warm,) = [p for p in spec["encoderProfiles"] if "endpoint" in p]
+    if warm_url is not None:
+        warm["endpoint"]["urls"] = [warm_url] * len(warm["endpoint"]["urls"])
+    (profile,) = [p for p in spec["encoderProfiles"] if "endpoint" not in p]
     profile.pop("nodeSelector", None)  # one node, unlabelled
     profile["resources"] = {"requests": {"cpu": "100m", "memory": "256Mi"},
                             "limits": {"memory": "2Gi"}}
@@ -239,6 +252,27 @@ def rollout_manifests(c: Cluster) -> list[dict[str, Any]]:
             volume.pop("persistentVolumeClaim")
             volume["hostPath"] = {"path": str(c.ckpts.parent), "type": "Directory"}
     return [key_secret, deployment]
+
+
+def encoder_manifests(c: Cluster) -> list[dict[str, Any]]:
+    """The warm encoder example: this cluster's image, S3 endpoint and checkpoint path."""
+    objs = _load(EXAMPLES / "encoder-endpoint.yaml")
+    by_kind = {o["kind"]: o for o in objs}
+    by_kind["Secret"]["stringData"]["token"] = secrets.token_hex(24)
+    pod = by_kind["Deployment"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    container["image"] = c.images.dcr
+    container["imagePullPolicy"] = "Never"
+    container["resources"] = {"requests": {"cpu": "100m", "memory": "256Mi"},
+                              "limits": {"memory": "2Gi"}}
+    for env in container["env"]:
+        env["value"] = {"AWS_ENDPOINT_URL": c.s3.endpoint,
+                        "AWS_DEFAULT_REGION": c.s3.region}[env["name"]]
+    for volume in pod["volumes"]:
+        if volume["name"] == "checkpoints":
+            volume.pop("persistentVolumeClaim")
+            volume["hostPath"] = {"path": str(c.ckpts.parent), "type": "Directory"}
+    return objs
 
 
 @pytest.fixture(scope="module")
@@ -394,6 +428,80 @@ def test_deleting_a_refit_removes_its_jobs_and_payloads(cluster: Cluster) -> Non
     eventually(lambda: c.get("-n", NS, "jobs", "-l", "dcr.dev/refit=policy-rollout-v2")
                ["items"] == [], timeout_s=120, what="its Jobs garbage-collected")
     assert (c.s3.data_dir / c.s3.bucket / "policy-a" / "v0000000003").is_dir()
+
+
+def _latency(refit: dict[str, Any], observed_s: float) -> dict[str, Any]:
+    """WeightRefit created -> Committed, three ways: the apiserver's timestamps (whole
+    seconds), the attempt's stages (the operator's clock), and this test's clock."""
+    created = refit["metadata"]["creationTimestamp"]
+    committed = next(c["lastTransitionTime"] for c in refit["status"]["conditions"]
+                     if c["type"] == "Committed")
+    (attempt,) = refit["status"]["attempts"]
+    stamps = [dt.datetime.fromisoformat(t.replace("Z", "+00:00")) for t in (created, committed)]
+    return {"refit": refit["metadata"]["name"], "created": created, "committed": committed,
+            "created_to_committed_s": (stamps[1] - stamps[0]).total_seconds(),
+            "observed_s": round(observed_s, 2),
+            "attempt_stages_s": attempt["stages"],
+            "attempt_s": round(sum(attempt["stages"].values()), 3),
+            "encoder": {"job": attempt["job"]} if "job" in attempt
+            else {"endpoint": attempt["endpoint"]}}
+
+
+def test_a_refit_through_the_warm_encoder_example_commits_bit_exact(
+        cluster: Cluster, progress: Callable[[str], None]) -> None:
+    """examples/encoder-endpoint.yaml deployed as written (but for this cluster's image,
+    S3 and checkpoint path), the fleet's "warm" profile pointed at its Service: a refit
+    naming it starts no Job and commits bit-exact. The same run refits once through the
+    Job profile first, and both latencies (created -> Committed) go to
+    bench/results/operator-latency.json (recorded, not asserted)."""
+    c = cluster
+    c.apply(encoder_manifests(c))
+    try:
+        (pod,) = eventually(
+            lambda: [p for p in c.get("-n", NS, "pods", "-l", "app=dcr-encoder")["items"]
+                     if _ready(p)], timeout_s=180, what="the warm encoder Pod Ready")
+    except AssertionError as e:
+        described = c.kubectl("-n", NS, "describe", "pods", "-l", "app=dcr-encoder",
+                              check=False)
+        raise AssertionError(f"{e}\n{described}") from None
+    # The profile names the Pod's IP, as the operator reaches agents: between two Pods
+    # of this node's bridge a Service's ClusterIP does not work (the replies bypass
+    # kube-proxy's NAT; no br_netfilter here), and no DNS serves the Service's name.
+    c.apply(fleet_manifests(c, warm_url=f"http://{pod['status']['podIP']}:8472"))
+    c.kubectl("-n", NS, "get", "deployments,services", "-l", "app=dcr-encoder", record=True)
+    runs = []
+    for v, profile in ((4, "training-pool"), (5, "warm")):
+        c.new_version(v)
+        name = f"policy-rollout-v{v}"
+        started = time.monotonic()
+        c.create_refit(name, v - 1, v, profile=profile)
+        refit = c.wait_phase(name, "Committed")
+        runs.append(_latency(refit, time.monotonic() - started))
+        assert c.exact(v), c.diagnostics(name)
+        progress(f"tests/deploy: {name} through {profile}: created -> Committed "
+                 f"{runs[-1]['created_to_committed_s']:.0f} s (apiserver), "
+                 f"{runs[-1]['observed_s']:.1f} s (observed), attempt "
+                 f"{runs[-1]['attempt_s']:.2f} s {runs[-1]['attempt_stages_s']}")
+    job_run, warm_run = runs
+    assert "job" in job_run["encoder"]
+    assert warm_run["encoder"] == {"endpoint": "warm"}
+    assert c.get("-n", NS, "jobs", "-l", "dcr.dev/refit=policy-rollout-v5")["items"] == []
+    c.kubectl("-n", NS, "get", "weightrefits", record=True)
+    LATENCY.parent.mkdir(parents=True, exist_ok=True)
+    LATENCY.write_text(json.dumps({
+        "what": "WeightRefit created -> Committed on the deploy tier's one-node cluster "
+                "(real kubelet and images), the same model and run: one refit through the "
+                "encoder Job profile, then one through the warm encoder (dcr encoder)",
+        "command": "pytest tests/deploy/test_deploy.py",
+        "test": "tests/deploy/test_deploy.py::"
+                "test_a_refit_through_the_warm_encoder_example_commits_bit_exact",
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "machine": {"cpus": os.cpu_count(), "load_1m": round(os.getloadavg()[0], 2)},
+        "model": {"trainer": dataclasses.asdict(TRAINER),
+                  "checkpoint_bytes": sum(f.stat().st_size
+                                          for f in (c.ckpts / "v5").glob("*.safetensors"))},
+        "owners": 2, "receivers": REPLICAS,
+        "job": job_run, "warm": warm_run}, indent=1) + "\n")
 
 
 def test_helm_upgrade_rolls_the_operator_with_the_new_value(cluster: Cluster) -> None:
