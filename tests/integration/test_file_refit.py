@@ -19,12 +19,15 @@ import numpy as np
 import pytest
 
 from dcr.checkpoint import Checkpoint
-from dcr.trainer import Trainer
+from dcr.trainer import Trainer, TrainerSettings
 
 
 def dcr(*args: object) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "dcr", *map(str, args)], capture_output=True,
                           text=True, timeout=300, check=False)
+
+
+SMALL = TrainerSettings(hidden_size=256, intermediate_size=688, layers=4)  # 3M parameters
 
 
 def bit_exact(a: Path, b: Path) -> bool:
@@ -37,7 +40,7 @@ def bit_exact(a: Path, b: Path) -> bool:
 
 @pytest.mark.slow
 def test_diff_and_patch_follow_the_trainers_exports_bit_exactly(tmp_path: Path) -> None:
-    trainer = Trainer()
+    trainer = Trainer(SMALL)
     base = trainer.export(tmp_path / "trainer" / "v0")
     assert len(list(base.glob("*.safetensors"))) > 1  # a sharded checkpoint
     rollout, store = tmp_path / "rollout", tmp_path / "store"
