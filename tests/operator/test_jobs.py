@@ -76,7 +76,8 @@ def test_the_encoder_job_is_indexed_owned_and_runs_one_owner_per_index() -> None
     assert c["command"] == ["dcr"]
     assert c["args"] == ["encode", "/ckpt/v2", "/ckpt/v3", "--store", "s3://bucket/p",
                          "--version", "3", "--base-version", "2", "--mode", "mixed",
-                         "--bucket-mib", "256", "--level", "1", "--threads", "2",
+                         "--bucket-mib", "256", "--min-payloads", "16", "--level", "1",
+                         "--threads", "2",
                          "--owners", "2", "--attempt", "a-0123456789ab",
                          "--profile", "/etc/dcr/profile/profile.json",
                          "--owner", "$(DCR_OWNER)", "--json"]
