@@ -426,3 +426,20 @@ def test_an_idle_receiver_waits_on_a_waiting_source_instead_of_polling(
     assert seen == [(e.owner, e.seq) for e in manifest.payloads]
     assert len(source.waits) >= len(keys)  # every arrival came during a wait
     assert all(0 < w <= 0.5 for w in source.waits)
+
+
+def test_payloads_listed_once_are_fetched_without_listing_again() -> None:
+    """A LIST showing many payloads is enough to fetch them all, a window at a time:
+    before, the receiver listed again before every fetch, a round trip each, so at most
+    about two fetches were ever in flight over a WAN."""
+    _, objects = published()
+    live = Logged()
+    for key, data in objects.items():  # everything is there before the receiver looks
+        live.put(key, data)
+    payloads = [k for k in objects if k.endswith(".dcrp")]
+    assert len(payloads) >= 6
+    manifest = receive(StoreSource(store=live, version=1, attempt="a-1"), "a-1",
+                       lambda p: None, window=2, timeout_s=30)
+    lists = [arg for op, arg in live.log if op == "LIST"]
+    assert len(manifest.payloads) == len(payloads)
+    assert len(lists) <= 2, f"{len(lists)} LISTs for {len(payloads)} payloads"

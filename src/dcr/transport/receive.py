@@ -280,6 +280,7 @@ def receive(
     staged: set[PayloadId] = set()
     objects: dict[PayloadId, tuple[int, str]] = {}  # size and object digest of what was staged
     next_seq = dict.fromkeys(range(owners), 0)
+    listed_ids: set[PayloadId] = set()  # every id the source has listed so far
 
     def wanted(pid: PayloadId) -> bool:
         owner, seq = pid
@@ -295,9 +296,11 @@ def receive(
                     f.cancel()
                 raise ReceiveStopped(f"Attempt {attempt}: stopped after {len(staged)} payloads.")
             held_bytes = sum(p.size for p in held.values())
-            # A full window is not listed: each LIST is a round trip to a remote store.
-            candidates = source.available() if len(pending) < window else []
-            for pid in sorted(filter(wanted, set(candidates))):
+            # Each LIST is a round trip to a remote store: list only when the window has
+            # room and nothing listed before is still waiting to be fetched.
+            if len(pending) < window and not any(map(wanted, listed_ids)):
+                listed_ids.update(source.available())
+            for pid in sorted(filter(wanted, listed_ids)):
                 if len(pending) >= window:
                     break
                 if held_bytes >= hold_bytes and pid != (pid[0], next_seq[pid[0]]):
