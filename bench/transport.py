@@ -172,6 +172,7 @@ def _make_adamw(v0: Path, v1: Path, gib: float) -> None:
 class Procs:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen[str]] = []
+        self.s3_pid = 0
 
     def start(self, args: list[str], **kw: Any) -> subprocess.Popen[str]:
         p = subprocess.Popen(args, text=True, **kw)
@@ -241,6 +242,28 @@ def go(nodes: list[subprocess.Popen[str]]) -> list[dict[str, Any]]:
         assert p.stdout is not None
         results.append(json.loads(p.stdout.readline()))
     return results
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds a live process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuUse:
+    """CPU seconds each group of processes spends between ``start`` and ``stop``: where
+    this machine's cores went during a refit."""
+
+    def __init__(self, groups: dict[str, list[int]]) -> None:
+        self.groups = groups
+        self.before = self._read()
+
+    def _read(self) -> dict[str, float]:
+        return {k: sum(cpu_seconds(p) for p in pids) for k, pids in self.groups.items()}
+
+    def stop(self) -> dict[str, float]:
+        after = self._read()
+        return {k: round(after[k] - self.before[k], 3) for k in self.groups}
 
 
 def peak_rss(pid: int) -> int:
@@ -434,6 +457,8 @@ def run_dcr_s3(procs: Procs, s3_port: int, v0: Path, v1: Path, n: int, mbit: flo
     os.environ.update(s3_env(s3_port))
     results_box: list[list[dict[str, Any]]] = []
     stores: list[Store] = [open_store(f"s3://{BUCKET}/dcr") for _ in range(owners)]
+    cpu = CpuUse({"owner and harness": [os.getpid()], "nodes": [p.pid for p in nodes],
+                  "S3 server": [procs.s3_pid], "links": [p.pid for p in links]})
     t0 = time.monotonic()
     waiter = threading.Thread(target=lambda: results_box.append(go(nodes)))
     waiter.start()  # nodes poll the store while the trainer uploads: pipelined
@@ -442,10 +467,11 @@ def run_dcr_s3(procs: Procs, s3_port: int, v0: Path, v1: Path, n: int, mbit: flo
     waiter.join()
     results = results_box[0]
     total = max(r["done_monotonic"] for r in results) - t0
+    cpu_s = cpu.stop()
     crossed = sum(link_bytes(p)[1] for p in links)
     return {"publish_s": publish,
             "payload_bytes": sum(m.stats.payload_bytes for m in manifests),
-            "nodes": results, "total_s": total, "boundary_bytes": crossed}
+            "nodes": results, "total_s": total, "boundary_bytes": crossed, "cpu_s": cpu_s}
 
 
 def run_dcr_relay(procs: Procs, v0: Path, v1: Path, n: int, mbit: float, rtt: float,
@@ -468,6 +494,8 @@ def run_dcr_relay(procs: Procs, v0: Path, v1: Path, n: int, mbit: float, rtt: fl
                         threads=threads)
     push = RelayPublisher(f"relay+http://127.0.0.1:{link_port}", token=PUBLISH_TOKEN)
     results_box: list[list[dict[str, Any]]] = []
+    cpu = CpuUse({"owner and harness": [os.getpid()], "nodes": [p.pid for p in nodes],
+                  "relays": [p.pid for p in relays], "links": [link.pid]})
     t0 = time.monotonic()
     waiter = threading.Thread(target=lambda: results_box.append(go(nodes)))
     waiter.start()  # nodes poll their relay while the trainer streams: pipelined
@@ -475,10 +503,11 @@ def run_dcr_relay(procs: Procs, v0: Path, v1: Path, n: int, mbit: float, rtt: fl
     publish = time.monotonic() - t0
     waiter.join()
     total = max(r["done_monotonic"] for r in results_box[0]) - t0
+    cpu_s = cpu.stop()
     push.close()
     up, _ = link_bytes(link)
     return {"publish_s": publish, "payload_bytes": m.stats.payload_bytes,
-            "nodes": results_box[0], "total_s": total, "boundary_bytes": up,
+            "nodes": results_box[0], "total_s": total, "boundary_bytes": up, "cpu_s": cpu_s,
             "relay_peak_rss_bytes": [peak_rss(r.pid) for r in relays]}
 
 
@@ -561,9 +590,10 @@ def main() -> None:
         s3_port = free_port()
         data = work / "s3"
         (data / BUCKET).mkdir(parents=True)
-        procs.start([str(BIN / "rclone"), "serve", "s3", "--addr", f"127.0.0.1:{s3_port}",
-                     "--auth-key", f"{KEY},{SECRET}", str(data)],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        procs.s3_pid = procs.start(
+            [str(BIN / "rclone"), "serve", "s3", "--addr", f"127.0.0.1:{s3_port}",
+             "--auth-key", f"{KEY},{SECRET}", str(data)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid
         wait_http(f"http://127.0.0.1:{s3_port}/")
         if "full" in ways:
             rows["full"] = run_full(procs, s3_port, v1, n, mbit, rtt, shared)
@@ -616,6 +646,9 @@ def main() -> None:
         print(f"{k:<10} {r['total_s']:>8.2f} {r['publish_s']:>9.2f} "
               f"{r['boundary_bytes'] / 1e6:>11.1f} "
               f"{f'{vs:.1f}x' if vs else '-':>8} {f'{over:.2f}x' if over else '-':>8}")
+    for k, r in rows.items():
+        if "cpu_s" in r:
+            print(f"{k} CPU seconds: " + ", ".join(f"{g} {v:.2f}" for g, v in r["cpu_s"].items()))
     if alone:
         lim = doc["limit"]
         print(f"limit {lim['limit_s']:.3f} s ({lim['slowest']}: encode {lim['encode_s']:.3f}, "
