@@ -55,7 +55,8 @@ RELEASE = "dcr"
 FLEET = "policy-rollout"
 REPLICAS = 2
 TRAINER = CLUSTER_TRAINER
-LATENCY = REPO / "bench" / "results" / "operator-latency.json"
+# Where the two refits' latencies go, when asked: they are a measurement, not a check.
+LATENCY_OUT = os.environ.get("DCR_OPERATOR_LATENCY_OUT")
 T = TypeVar("T")
 
 
@@ -452,8 +453,8 @@ def test_a_refit_through_the_warm_encoder_example_commits_bit_exact(
     """examples/encoder-endpoint.yaml deployed as written (but for this cluster's image,
     S3 and checkpoint path), the fleet's "warm" profile pointed at its Service: a refit
     naming it starts no Job and commits bit-exact. The same run refits once through the
-    Job profile first, and both latencies (created -> Committed) go to
-    bench/results/operator-latency.json (recorded, not asserted)."""
+    Job profile first; both latencies (created -> Committed) are printed and, with
+    $DCR_OPERATOR_LATENCY_OUT set, written there as JSON (recorded, never asserted)."""
     c = cluster
     c.apply(encoder_manifests(c))
     try:
@@ -487,12 +488,16 @@ def test_a_refit_through_the_warm_encoder_example_commits_bit_exact(
     assert warm_run["encoder"] == {"endpoint": "warm"}
     assert c.get("-n", NS, "jobs", "-l", "dcr.dev/refit=policy-rollout-v5")["items"] == []
     c.kubectl("-n", NS, "get", "weightrefits", record=True)
-    LATENCY.parent.mkdir(parents=True, exist_ok=True)
-    LATENCY.write_text(json.dumps({
+    if not LATENCY_OUT:
+        return
+    out = Path(LATENCY_OUT)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
         "what": "WeightRefit created -> Committed on the deploy tier's one-node cluster "
                 "(real kubelet and images), the same model and run: one refit through the "
                 "encoder Job profile, then one through the warm encoder (dcr encoder)",
-        "command": "pytest tests/deploy/test_deploy.py",
+        "command": "DCR_OPERATOR_LATENCY_OUT=bench/results/operator-latency.json "
+                   ".venv/bin/python -m pytest tests/deploy/test_deploy.py",
         "test": "tests/deploy/test_deploy.py::"
                 "test_a_refit_through_the_warm_encoder_example_commits_bit_exact",
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
