@@ -183,7 +183,8 @@ def report(docs: dict[str, dict[str, Any]]) -> str:
              f"{docs[next(iter(docs))]['setup']['cpus']} cores, by `make evaluate` "
              "(each run's command is in its JSON under `bench/results/evaluation/`). "
              "Every DCR row ended bit-exact on every node: "
-             f"**{all(r[w]['exact'] for r in rows for w in ('dcr-s3', 'dcr-relay') if w in r)}**."]
+             f"**{all(r[w]['exact'] for r in rows for w in ('dcr-s3', 'dcr-relay') if w in r)}**."
+             "\n"]
 
     parts.append("### Refit time and speedup, a 250 Mbit/s link per node (20 ms RTT)\n\n"
                  "Times are seconds from the trainer's first byte of encoding to the last node "
@@ -234,9 +235,9 @@ def report(docs: dict[str, dict[str, Any]]) -> str:
                  "decode + in-place apply from memory; both best of three, uncontended, GB/s "
                  "of dense checkpoint bytes. Owner memory: a `dcr diff` process for the same "
                  "transition, its largest anonymous resident size (sampled every 5 ms: what it "
-                 "allocates, against the bound of one bucket plus the largest tensor) and its "
-                 "peak resident size, which also counts the pages of both memory-mapped "
-                 "checkpoints it read. Node: peak resident size during the refit beyond what it "
+                 "allocates, against the bound of one bucket plus the largest tensor; the pages "
+                 "of the two memory-mapped checkpoints it reads are the page cache's). "
+                 "Node: peak resident size during the refit beyond what it "
                  "held before (its model copy and libraries). Relay: a relay node's peak "
                  "resident size.\n")
     mem = []
@@ -254,12 +255,11 @@ def report(docs: dict[str, dict[str, Any]]) -> str:
                     f"{a['apply_s_1t'] / a['apply_s_2t']:.2f}x",
                     f"{a['owner_peak_anon_bytes'] / mib:.0f} / "
                     f"{(a['bucket_bytes'] + a['largest_tensor_bytes']) / mib:.0f}",
-                    f"{a['owner_peak_rss_bytes'] / mib:.0f}",
                     f"{extra_node / mib:.0f}",
                     f"{max(relay) / mib:.0f}" if relay else "-"])
     parts.append(table(["GiB", "changed", "encode GB/s/core", "2-core speed-up",
                         "apply GB/s/core", "2-core speed-up",
-                        "owner anon MiB / bucket + largest", "owner peak RSS MiB",
+                        "owner anon MiB / bucket + largest",
                         "node MiB beyond its model", "relay node MiB"], mem))
 
     parts.append("\n### Targets\n")
@@ -282,7 +282,7 @@ def targets(rows: list[dict[str, Any]], per_node: list[dict[str, Any]],
                and r[w]["x"] is not None]
         met = [g for g in got if g[3] >= want]
         lines.append(f"* >= {want}x at {pct}, >= 1 GiB: met in {len(met)} of {len(got)} "
-                     "(" + ", ".join(f"{g[0]:g} GiB {g[1]} {g[2].removeprefix('dcr-')} "
+                     "(" + ", ".join(f"{g[0]:.0f} GiB {g[1]} {g[2].removeprefix('dcr-')} "
                                      f"{g[3]:.1f}x" for g in got) + ").")
     for r in shared:
         x = r["dcr-s3"]["s"] / r["dcr-relay"]["s"]
@@ -370,7 +370,7 @@ def plots(docs: dict[str, dict[str, Any]]) -> None:
         ax.plot(x, [r["dcr-relay"]["s"] for r in rs], marker="^", label="DCR, relay")
         ax.plot(x, [r["limit_s"] for r in rs], ":", color="grey", label="limit")
         ax.set_yscale("log")
-        ax.set_title(f"{g:g} GiB, {rs[0]['nodes']} nodes")
+        ax.set_title(f"{g:.2g} GiB, {rs[0]['nodes']} nodes")
         ax.set_xlabel("changed elements, %")
     axes[0].set_ylabel("refit time, s (log)")
     axes[0].legend(fontsize=7)
@@ -395,12 +395,13 @@ def plots(docs: dict[str, dict[str, Any]]) -> None:
     labels = []
     for i, r in enumerate(rows):
         lim = r["doc"]["limit"]
-        ax.bar(i - 0.3, lim["encode_s"], 0.2, color="C0", label="encode alone" if not i else None)
-        ax.bar(i - 0.1, lim["link_s"], 0.2, color="C1", label="link alone" if not i else None)
-        ax.bar(i + 0.1, lim["apply_s"], 0.2, color="C2", label="apply alone" if not i else None)
-        ax.bar(i + 0.3, r["dcr-relay"]["s"], 0.2, color="C3",
-               label="relay end to end" if not i else None)
-        labels.append(f"{r['gib']:g}G {r['rate']}")
+        for k, (what, sec) in enumerate((("encode alone", lim["encode_s"]),
+                                          ("link alone", lim["link_s"]),
+                                          ("apply alone", lim["apply_s"]),
+                                          ("S3 end to end", r["dcr-s3"]["s"]),
+                                          ("relay end to end", r["dcr-relay"]["s"]))):
+            ax.bar(i + 0.16 * (k - 2), sec, 0.16, color=f"C{k}", label=what if not i else None)
+        labels.append(f"{r['gib']:.2g} GiB {r['rate']}")
     ax.set_xticks(range(len(rows)), labels, fontsize=7)
     ax.set_ylabel("seconds")
     ax.set_yscale("log")

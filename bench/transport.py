@@ -413,29 +413,28 @@ def stages_alone(v0: Path, v1: Path, owners: int, threads: int) -> dict[str, Any
 
 
 def owner_memory(v0: Path, v1: Path, work: Path, threads: int) -> dict[str, int]:
-    """Memory of one ``dcr diff`` process encoding the transition: its peak resident bytes
-    (``ru_maxrss``, which counts the memory-mapped checkpoints' pages it touched) and the
-    largest anonymous resident size seen, sampled every 5 ms (what it allocates)."""
+    """Memory of one ``dcr diff`` process encoding the transition, sampled every 5 ms from
+    /proc: its largest anonymous resident size (what it allocates) and its peak resident
+    size (VmHWM, which also counts the memory-mapped checkpoints' pages it touched). Not
+    ``ru_maxrss``: a child's counts the parent's resident pages at fork."""
     store = work / "rss-store"
     p = subprocess.Popen([str(BIN / "dcr"), "diff", "--store", str(store), "--version", "1",
                           "--threads", str(threads), "--bucket-mib", str(BUCKET_BYTES >> 20),
                           "--json", str(v0), str(v1)], stdout=subprocess.DEVNULL)
-    anon = 0
+    anon = hwm = 0
     status = Path(f"/proc/{p.pid}/status")
-    while True:
-        pid, code, usage = os.wait4(p.pid, os.WNOHANG)
-        if pid:
-            break
+    while p.poll() is None:
         with contextlib.suppress(OSError):
             for line in status.read_text().splitlines():
                 if line.startswith("RssAnon:"):
                     anon = max(anon, int(line.split()[1]) * 1024)
+                elif line.startswith("VmHWM:"):
+                    hwm = max(hwm, int(line.split()[1]) * 1024)
         time.sleep(0.005)
-    p.returncode = os.waitstatus_to_exitcode(code)
     shutil.rmtree(store, ignore_errors=True)
     if p.returncode != 0:
         raise RuntimeError(f"dcr diff exited {p.returncode}")
-    return {"owner_peak_rss_bytes": usage.ru_maxrss * 1024, "owner_peak_anon_bytes": anon}
+    return {"owner_peak_rss_bytes": hwm, "owner_peak_anon_bytes": anon}
 
 
 # --- the three ways ------------------------------------------------------------------
