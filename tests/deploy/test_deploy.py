@@ -56,7 +56,7 @@ FLEET = "policy-rollout"
 REPLICAS = 2
 TRAINER = CLUSTER_TRAINER
 # Where the two refits' latencies go, when asked: they are a measurement, not a check.
-LATENCY_OUT = os.environ.get("DCR_OPERATOR_LATENCY_OUT")
+LATENCY_OUT = os.environ.get("DCR_DEPLOY_LATENCY_OUT")
 T = TypeVar("T")
 
 
@@ -454,7 +454,7 @@ def test_a_refit_through_the_warm_encoder_example_commits_bit_exact(
     S3 and checkpoint path), the fleet's "warm" profile pointed at its Service: a refit
     naming it starts no Job and commits bit-exact. The same run refits once through the
     Job profile first; both latencies (created -> Committed) are printed and, with
-    $DCR_OPERATOR_LATENCY_OUT set, written there as JSON (recorded, never asserted)."""
+    $DCR_DEPLOY_LATENCY_OUT set, written there as JSON (recorded, never asserted)."""
     c = cluster
     c.apply(encoder_manifests(c))
     try:
@@ -496,7 +496,7 @@ def test_a_refit_through_the_warm_encoder_example_commits_bit_exact(
         "what": "WeightRefit created -> Committed on the deploy tier's one-node cluster "
                 "(real kubelet and images), the same model and run: one refit through the "
                 "encoder Job profile, then one through the warm encoder (dcr encoder)",
-        "command": "DCR_OPERATOR_LATENCY_OUT=bench/results/operator-latency.json "
+        "command": "DCR_DEPLOY_LATENCY_OUT=bench/results/operator-latency.json "
                    ".venv/bin/python -m pytest tests/deploy/test_deploy.py",
         "test": "tests/deploy/test_deploy.py::"
                 "test_a_refit_through_the_warm_encoder_example_commits_bit_exact",
