@@ -45,7 +45,7 @@ def test_a_48_mib_model_travels_as_three_payloads_and_decodes_to_the_target() ->
 
 
 class Overlapping(MemoryStore):
-    """A store whose payload puts each wait (up to 5 s) for another put to be in flight,
+    """A store whose payload puts each wait (up to 20 s) for another put to be in flight,
     as puts that cost a round trip each would overlap; it records the order of puts."""
 
     def __init__(self) -> None:
@@ -63,7 +63,7 @@ class Overlapping(MemoryStore):
             if self.inflight > 1:
                 self.company.set()
         if key.endswith(".dcrp"):
-            self.company.wait(5)
+            self.company.wait(20)
         super().put(key, data)
         with self.lock:
             self.inflight -= 1
