@@ -674,15 +674,21 @@ class Reordering(FaultyStore):
         self.held: dict[str, bytes] = {}
         self.fetched_first: list[int] = []  # how often payload 1 was fetched at release
         self.releaser: threading.Thread | None = None
+        self.s1: str | None = None
+        self.lock = threading.Lock()
 
     def put(self, key: str, data: bytes) -> None:
+        # An owner puts several payloads at once, so payload 1 may land before payload 0.
         if is_payload(key, owner=0, seq=0) and not self.fetched_first:
             self.held[key] = data
-            return
-        super().put(key, data)
-        if is_payload(key, owner=0, seq=1) and self.held:
-            self.releaser = threading.Thread(target=self._release, args=(key,))
-            self.releaser.start()
+        else:
+            super().put(key, data)
+            if is_payload(key, owner=0, seq=1):
+                self.s1 = key
+        with self.lock:
+            if self.held and self.s1 is not None and self.releaser is None:
+                self.releaser = threading.Thread(target=self._release, args=(self.s1,))
+                self.releaser.start()
 
     def _release(self, s1: str) -> None:
         self.fetched_first.append(self.wait_gets(s1, self.receivers))
