@@ -73,8 +73,9 @@ def _environment(env: Mapping[str, str]) -> Iterator[None]:
                     os.environ[k] = v
 
 
-def _answers(port: int) -> bool:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
+def answers(host: str, port: int) -> bool:
+    """Whether an HTTP server answers a HEAD on ``host:port`` (any status)."""
+    conn = http.client.HTTPConnection(host, port, timeout=1)
     try:
         conn.request("HEAD", "/")
         conn.getresponse().read()
@@ -186,7 +187,7 @@ class Boundary:
                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
             deadline = time.monotonic() + START_TIMEOUT_S
             while self.server.poll() is None and time.monotonic() < deadline:
-                if _answers(self.port):
+                if answers("127.0.0.1", self.port):
                     return
                 time.sleep(0.05)
             self.server.kill()

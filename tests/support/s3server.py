@@ -8,7 +8,6 @@ the deploy tier runs it on a node's bridge address, where Pods reach it.
 from __future__ import annotations
 
 import contextlib
-import http.client
 import os
 import socket
 import subprocess
@@ -18,6 +17,8 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from dcr.boundary import answers
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,18 +36,6 @@ def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def _answers(host: str, port: int) -> bool:
-    conn = http.client.HTTPConnection(host, port, timeout=1)
-    try:
-        conn.request("HEAD", "/")
-        conn.getresponse().read()
-        return True
-    except OSError:
-        return False
-    finally:
-        conn.close()
 
 
 @contextlib.contextmanager
@@ -71,9 +60,9 @@ def s3_server(root: Path, *, host: str = "127.0.0.1", bucket: str = "dcr-test"
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
             )
         deadline = time.monotonic() + 20
-        while proc.poll() is None and time.monotonic() < deadline and not _answers(host, port):
+        while proc.poll() is None and time.monotonic() < deadline and not answers(host, port):
             time.sleep(0.05)
-        if proc.poll() is None and _answers(host, port):
+        if proc.poll() is None and answers(host, port):
             break
         proc.kill()
         proc.wait()
