@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-engines gpu-check lint bench evaluate schema crds image clean
+.PHONY: install demo test test-fast test-engines gpu-check lint bench evaluate schema crds cli-doc image clean
 
 install: $(STAMP)
 
@@ -39,7 +39,7 @@ gpu-check:
 	"$$py" tools/gpu-check/gpu_check.py --engine $(ENGINE) --model-size $(MODEL_SIZE)
 
 lint: install
-	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff check agent operator tests bench tools
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
@@ -73,3 +73,8 @@ image:
 
 clean:
 	rm -rf $(VENV) refit-out .mypy_cache .ruff_cache .pytest_cache .hypothesis
+
+# Regenerate the option reference in docs/cli.md from the settings classes (a test keeps it
+# in sync).
+cli-doc: install
+	$(PY) -c "from dcr.cli import write_reference; write_reference()"

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
-from dcr.apply.engine import ApplyEngine, CanonicalTensor
+from dcr.apply.applier import Applier, CanonicalTensor
 from dcr.checkpoint import ArrayCheckpoint
 from dcr.format.profile import coverage, merge
 from dcr.owner.diff import diff_checkpoints
@@ -73,7 +73,7 @@ def throughput(cfg: ReferenceConfig, tp: int, reps: int) -> dict[str, Any]:
     dense_bytes = sum(t.numel() * t.element_size() for t in base.values())
     model = ReferenceModel(cfg, tp_size=tp, tp_rank=0)
     model.load_weights(base.items())
-    engine = ApplyEngine(VllmRuntime(model))
+    engine = Applier(VllmRuntime(model))
     profile = engine.prewarm(canonical(base))
     best: dict[str, Any] = {}
     for rep in range(reps):
@@ -117,7 +117,7 @@ def bit_exact_run(cfg: ReferenceConfig, tp: int, ep: bool, mode: str, steps: int
     engines = []
     for model in ranks:
         model.load_weights(old.items())
-        engines.append(ApplyEngine(VllmRuntime(model)))
+        engines.append(Applier(VllmRuntime(model)))
     profile = merge(e.prewarm(canonical(old)) for e in engines)
     store = MemoryStore()
     for v in range(1, steps + 1):
@@ -159,7 +159,7 @@ def hf_bit_exact_run(kind: str, mode: str, steps: int) -> bool:
     receiver = build().to(torch.bfloat16)
     runtime = HFRuntime(receiver)
     runtime.load_weights(old.items())
-    engine = ApplyEngine(runtime)
+    engine = Applier(runtime)
     profile = engine.prewarm(canonical(old))
     store = MemoryStore()
     for v in range(1, steps + 1):
@@ -185,7 +185,7 @@ def coverage_rows(cfgs: dict[str, ReferenceConfig]) -> dict[str, dict[str, float
         ckpt = random_checkpoint(cfg, 0)
         nbytes = {n: t.numel() * t.element_size() for n, t in ckpt.items()}
         tp = 2
-        profiles = [ApplyEngine(VllmRuntime(ReferenceModel(cfg, tp_size=tp, tp_rank=r,
+        profiles = [Applier(VllmRuntime(ReferenceModel(cfg, tp_size=tp, tp_rank=r,
                                                            ep=cfg.num_experts > 0)))
                     .prewarm(canonical(ckpt)) for r in range(tp)]
         rows[f"vllm-reference {label} (TP{tp})"] = coverage(merge(profiles), nbytes)
@@ -193,7 +193,7 @@ def coverage_rows(cfgs: dict[str, ReferenceConfig]) -> dict[str, dict[str, float
                                          num_hidden_layers=2, num_attention_heads=4,
                                          num_key_value_heads=2)).to(torch.bfloat16)
     sd = {n: t.detach() for n, t in llama.state_dict().items()}
-    prof = ApplyEngine(HFRuntime(llama)).prewarm(canonical(sd))
+    prof = Applier(HFRuntime(llama)).prewarm(canonical(sd))
     rows["transformers Llama"] = coverage(prof, {n: t.numel() * 2 for n, t in sd.items()})
     return rows
 

@@ -12,9 +12,9 @@ engine tier builds it) holds version v0, a random model. The new versions are:
 Each new version is applied, on a model of its own starting from v0 every time:
 
 * ``dcr``: payloads from ``diff_checkpoints`` with the receiver's profile, applied in
-  place by ``ApplyEngine`` through the model's ``load_weights`` (deferrable tensors in
+  place by ``Applier`` through the model's ``load_weights`` (deferrable tensors in
   one call, writes after it is checked); wire bytes are the payloads plus the manifest;
-* ``dcr_staged``: the same payloads through ``ApplyEngine(defer=False)``: every tensor
+* ``dcr_staged``: the same payloads through ``Applier(defer=False)``: every tensor
   staged in scratch and loaded one call each, the path every tensor took before;
 * ``vllm_patch``: vLLM's own sparse path, ``load_checkpoint_weight_patches`` with one
   ``CheckpointWeightPatch`` (flat int32 indices, BF16 values) per changed tensor, NaN-
@@ -54,7 +54,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engines"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_CACHE_ROOT", str(Path.home() / ".cache" / "dcr-engines" /
                                              "vllm-cache"))
@@ -64,7 +64,7 @@ import torch
 import vllm_cpu  # the engine tier's helpers: checkpoints, vLLM models on CPU
 from safetensors.torch import load_file
 
-from dcr.apply.engine import ApplyEngine, ApplyReport, CanonicalTensor
+from dcr.apply.applier import Applier, ApplyReport, CanonicalTensor
 from dcr.checkpoint import ArrayCheckpoint, Checkpoint
 from dcr.format.layout import manifest_key
 from dcr.format.profile import ReceiverProfile
@@ -166,7 +166,7 @@ class Bench:
         self.models = {k: vllm_cpu.build_model(v0) for k in METHODS}
         for model in self.models.values():
             self.load(model, old)
-        self.engines = {k: ApplyEngine(VllmRuntime(self.models[k]), defer=(k == "dcr"))
+        self.engines = {k: Applier(VllmRuntime(self.models[k]), defer=(k == "dcr"))
                         for k in ("dcr", "dcr_staged")}
         self.prewarm_s: dict[str, float] = {}
         profiles = []

@@ -46,7 +46,7 @@ from dcr.checkpoint import ArrayCheckpoint, Checkpoint, TensorSource
 from dcr.format.manifest import LEVEL, PREAMBLE_SIZE, Manifest
 from dcr.owner.diff import diff_checkpoints
 from dcr.owner.settings import EncodeSettings
-from dcr.trainer import Trainer, TrainerSettings
+from dcr.refit.trainer import Trainer, TrainerSettings
 from dcr.transport.store import MemoryStore
 
 OUT = Path(__file__).resolve().parent / "results" / "manifest.json"

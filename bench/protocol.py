@@ -47,7 +47,7 @@ from dcr.owner.encoder import Encoder
 from dcr.protocol.commitstore import SqliteCommitStore
 from dcr.protocol.coordinator import Coordinator
 from dcr.protocol.records import CommitRecord
-from dcr.receiver.launch import AgentProcess, Process, ServeProcess
+from dcr.refit.launch import AgentProcess, Process, ServeProcess
 from dcr.transport.store import FileStore
 
 OVERHEAD_STAGES = ("prepare", "flush", "commit", "finish")

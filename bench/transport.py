@@ -63,9 +63,9 @@ import numpy as np
 from dcr.checkpoint import Checkpoint, fingerprint
 from dcr.codec.decode import Target, apply_items, decode
 from dcr.format.payload import Payload, read_payload
+from dcr.http.tokens import write_token_file
 from dcr.owner.diff import diff_checkpoints
 from dcr.owner.settings import EncodeSettings
-from dcr.tokens import write_token_file
 from dcr.transport.receive import Source, StoreSource, receive
 from dcr.transport.relay import RelaySource
 from dcr.transport.relay.publish import RelayPublisher

@@ -16,22 +16,12 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import socket
-import sys
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-
-from dcr.codec.encode import PayloadBuilder, diff_range, encode_item
-from dcr.format.dtypes import DTYPES
-
-# Tests run with --import-mode=importlib and no __init__.py: make the helper importable.
-sys.path.insert(0, str(Path(__file__).resolve().parent / "k8s"))
-sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
-
 from controlplane import (
     Binaries,
     ControlPlane,
@@ -40,11 +30,14 @@ from controlplane import (
     go_available,
 )
 
+from dcr.codec.encode import PayloadBuilder, diff_range, encode_item
+from dcr.format.dtypes import DTYPES
+
 _real_connect = socket.socket.connect
 
 
 # Networks that never leave this machine besides loopback: a deploy-tier node's bridge
-# (tests/deploy/node.py) registers its subnet here while it runs.
+# (tests/support/node.py) registers its subnet here while it runs.
 LOCAL_NETWORKS: list[ipaddress.IPv4Network] = []
 
 

@@ -15,15 +15,11 @@ packages missing); ``.ci/run`` installs the packages, so CI runs the tier.
 from __future__ import annotations
 
 import ipaddress
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from controlplane import run_reporting
 from node import (
     GATEWAY,

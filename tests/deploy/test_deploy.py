@@ -44,7 +44,7 @@ from node import Images, Node
 from s3server import S3Server
 
 from dcr.protocol.agent_api import AgentClient
-from dcr.trainer import Trainer, reference_fingerprint
+from dcr.refit.trainer import Trainer, reference_fingerprint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,7 +27,6 @@ if importlib.util.find_spec("vllm") is not None:  # the main suite's environment
     # the answer here: a warm run skips it.
     os.environ.setdefault("VLLM_CACHE_ROOT",
                           str(Path.home() / ".cache" / "dcr-engines" / "vllm-cache"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 STEPS = 3  # optimizer steps: versions v0..v3
 LR = 1e-5  # AdamW at an RL-like rate: ~10% of BF16 elements change per step

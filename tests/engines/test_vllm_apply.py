@@ -21,7 +21,7 @@ pytest.importorskip("vllm", reason="vLLM does not import in this interpreter: th
 import torch
 import vllm_cpu
 
-from dcr.apply.engine import ApplyEngine, CanonicalTensor
+from dcr.apply.applier import Applier, CanonicalTensor
 from dcr.checkpoint import Checkpoint
 from dcr.format.payload import Mode
 from dcr.owner.diff import diff_checkpoints
@@ -50,8 +50,8 @@ def test_refit_through_vllm_model_classes_matches_a_dense_load_bit_for_bit(
     dirs = versions(family)
     receiver, dense = vllm_cpu.build_model(dirs[0]), vllm_cpu.build_model(dirs[0])
     vllm_cpu.load_dense(receiver, dirs[0])
-    engine = (ApplyEngine(VllmRuntime(receiver)) if path == "deferred" else
-              ApplyEngine(VllmRuntime(receiver), defer=False, verify=True))
+    engine = (Applier(VllmRuntime(receiver)) if path == "deferred" else
+              Applier(VllmRuntime(receiver), defer=False, verify=True))
     with vllm_cpu.current(receiver):
         profile = engine.prewarm(canonical(dirs[0]))
     # Every BF16 tensor reaches storage through same-dtype copies of scratch views.
@@ -102,7 +102,7 @@ def test_padding_rows_stay_zero_after_a_refit(versions: Callable[[str], list[Pat
     dirs = versions("llama-tied")
     receiver = vllm_cpu.build_model(dirs[0])
     vllm_cpu.load_dense(receiver, dirs[0])
-    engine = ApplyEngine(VllmRuntime(receiver))
+    engine = Applier(VllmRuntime(receiver))
     with vllm_cpu.current(receiver):
         profile = engine.prewarm(canonical(dirs[0]))
     store = MemoryStore()

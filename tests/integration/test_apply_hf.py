@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
-from dcr.apply.engine import ApplyEngine, CanonicalTensor, DuplicatePayload
+from dcr.apply.applier import Applier, CanonicalTensor, DuplicatePayload
 from dcr.apply.intercept import LoaderPathError
 from dcr.checkpoint import ArrayCheckpoint
 from dcr.format.payload import Mode
@@ -62,7 +62,7 @@ def test_refits_of_real_adamw_steps_equal_a_dense_load(kind: str, tied: bool, mo
     runtime = HFRuntime(receiver)
     old = export(master, tied)
     runtime.load_weights(old.items())
-    engine = ApplyEngine(runtime, verify=True)
+    engine = Applier(runtime, verify=True)
     profile = engine.prewarm(
         CanonicalTensor(name=n, dtype="BF16", shape=tuple(t.shape)) for n, t in old.items()
     )
@@ -95,7 +95,7 @@ def test_the_same_payload_applied_twice_is_refused() -> None:
     runtime = HFRuntime(receiver)
     old = export(model, False)
     runtime.load_weights(old.items())
-    engine = ApplyEngine(runtime)
+    engine = Applier(runtime)
     engine.prewarm(CanonicalTensor(name=n, dtype="BF16", shape=tuple(t.shape))
                    for n, t in old.items())
     with torch.no_grad():
@@ -120,7 +120,7 @@ def test_a_receiver_that_casts_on_load_is_profiled_overwrite_and_refits_exactly(
     runtime = HFRuntime(receiver)
     old = export(master, False)
     runtime.load_weights(old.items())
-    engine = ApplyEngine(runtime, verify=True)
+    engine = Applier(runtime, verify=True)
     profile = engine.prewarm(
         CanonicalTensor(name=n, dtype="BF16", shape=tuple(t.shape)) for n, t in old.items()
     )
@@ -157,7 +157,7 @@ def test_a_loader_that_replaces_storage_during_apply_fails_loudly() -> None:
     runtime = Rebinding(receiver)
     old = export(master, False)
     runtime.load_weights(old.items())
-    engine = ApplyEngine(runtime)
+    engine = Applier(runtime)
     engine.prewarm(CanonicalTensor(name=n, dtype="BF16", shape=tuple(t.shape))
                    for n, t in old.items())
     with torch.no_grad():

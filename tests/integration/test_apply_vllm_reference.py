@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from dcr.apply.engine import ApplyEngine, CanonicalTensor, DuplicatePayload
+from dcr.apply.applier import Applier, CanonicalTensor, DuplicatePayload
 from dcr.apply.intercept import LoaderPathError
 from dcr.checkpoint import ArrayCheckpoint
 from dcr.errors import TargetMismatch
@@ -82,7 +82,7 @@ def refit_matrix(cfg: ReferenceConfig, tp: int, ep: bool, mode: Mode, steps: int
     engines = []
     for model in ranks:
         model.load_weights(old.items())
-        engines.append(ApplyEngine(VllmRuntime(model), verify=True))
+        engines.append(Applier(VllmRuntime(model), verify=True))
     profile = merge(e.prewarm(canonical(old)) for e in engines)
     store = MemoryStore()
     for version in range(1, steps + 1):
@@ -120,7 +120,7 @@ def test_moe_model_refits_bit_exactly(tp: int, ep: bool, mode: Mode) -> None:
 def test_expert_parallel_ranks_skip_experts_they_do_not_hold() -> None:
     ckpt = random_checkpoint(MOE, 0)
     model = ReferenceModel(MOE, tp_size=2, tp_rank=1, ep=True)
-    profile = ApplyEngine(VllmRuntime(model)).prewarm(canonical(ckpt))
+    profile = Applier(VllmRuntime(model)).prewarm(canonical(ckpt))
     assert profile.tensors["model.layers.0.mlp.experts.0.gate_proj.weight"] == "skip"
     assert profile.tensors["model.layers.0.mlp.experts.3.gate_proj.weight"] == "xor"
 
@@ -130,7 +130,7 @@ def test_fp8_tensor_sent_as_xor_is_refused_before_any_write() -> None:
     old = trainer.export()
     model = ReferenceModel(DENSE)
     model.load_weights(old.items())
-    engine = ApplyEngine(VllmRuntime(model))
+    engine = Applier(VllmRuntime(model))
     engine.prewarm(canonical(old))
     trainer.step()
     store = MemoryStore()
@@ -161,7 +161,7 @@ def test_a_loader_that_bypasses_interception_fails_loudly() -> None:
     ckpt = random_checkpoint(cfg, 0)
     model = Bypassing(cfg)
     with pytest.raises(LoaderPathError, match="bypasses the hook"):
-        ApplyEngine(VllmRuntime(model)).prewarm(canonical(ckpt))
+        Applier(VllmRuntime(model)).prewarm(canonical(ckpt))
 
 
 @pytest.mark.parametrize("crash_after", [1, 7, 20])
@@ -174,7 +174,7 @@ def test_crash_mid_apply_then_overwrite_retry_reaches_dense_bits(crash_after: in
     engines = []
     for model in ranks:
         model.load_weights(old.items())
-        engines.append(ApplyEngine(VllmRuntime(model)))
+        engines.append(Applier(VllmRuntime(model)))
     profile = merge(e.prewarm(canonical(old)) for e in engines)
     trainer.step()
     new = trainer.export()

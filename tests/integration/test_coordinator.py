@@ -1,7 +1,7 @@
 """The coordinator over in-process parties: retry by overwrite, joint commit, conflicts.
 
 Two vLLM-layout TP ranks receive, each an agent over an in-process engine
-(``LocalEngine``) holding its shard; the first attempt's second rank dies mid-apply. The
+(``LocalDriver``) holding its shard; the first attempt's second rank dies mid-apply. The
 coordinator abandons it, retries in overwrite mode, commits by compare-and-set, and
 only then advances the owner's baseline: both ranks end bit-exact with a dense load.
 """
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from dcr.apply.engine import CanonicalTensor
+from dcr.apply.applier import CanonicalTensor
 from dcr.checkpoint import ArrayCheckpoint
 from dcr.format.profile import ReceiverProfile, merge
 from dcr.owner.encoder import Encoder
@@ -28,7 +28,7 @@ from dcr.runtimes.vllm_reference import (
     dense_state,
     random_checkpoint,
 )
-from dcr.serve.local import LocalEngine
+from dcr.serve.local import LocalDriver
 from dcr.transport.receive import StoreSource
 from dcr.transport.store import MemoryStore
 
@@ -56,7 +56,7 @@ def setup(tmp_path: Path):  # type: ignore[no-untyped-def]
         model = ReferenceModel(CFG, tp_size=2, tp_rank=r)
         model.load_weights(old.items())
         staging = tmp_path / f"rank-{r}"
-        engine = LocalEngine([model], staging_dir=staging, checkpoint_root=tmp_path)
+        engine = LocalDriver([model], staging_dir=staging, checkpoint_root=tmp_path)
         ranks.append(model)
         receivers.append(AgentService(
             f"rank-{r}", engine, lambda spec: StoreSource(
@@ -79,7 +79,7 @@ def exact(model: ReferenceModel, rank: int, sd: dict[str, torch.Tensor]) -> bool
 def test_a_receiver_killed_mid_apply_is_repaired_by_an_overwrite_retry(tmp_path: Path) -> None:
     _, new, ranks, receivers, owner, commits = setup(tmp_path)
     engine = receivers[1].engine
-    assert isinstance(engine, LocalEngine)
+    assert isinstance(engine, LocalDriver)
     victim = engine.ranks[0].engine  # the rank's apply engine, made by prewarm
     assert victim is not None
     real, calls = victim._write_mapped, 0

@@ -33,7 +33,7 @@ from dcr.format.profile import ReceiverProfile, dumps
 from dcr.owner.server import EncoderService, make_app, publish_settings
 from dcr.owner.settings import EncodeSettings
 from dcr.protocol.encoder_api import EncoderClient, EncoderError, PublishRequest
-from dcr.receiver.launch import EncoderProcess
+from dcr.refit.launch import EncoderProcess
 from dcr.settings import MiB
 from dcr.transport.store import FileStore
 

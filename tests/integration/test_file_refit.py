@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from dcr.checkpoint import Checkpoint
-from dcr.trainer import Trainer, TrainerSettings
+from dcr.refit.trainer import Trainer, TrainerSettings
 
 
 def dcr(*args: object) -> subprocess.CompletedProcess[str]:

@@ -3,7 +3,7 @@
 Every scenario runs a real fleet: three receivers (two vLLM-layout TP ranks of the
 reference runtime and a transformers ``LlamaForCausalLM``), each an ``AgentService``
 with its own journal (a ``ReceiverHandle`` itself) driving an in-process engine
-(``LocalEngine``: ``dcr serve``'s workers, DCR's plugin in the rank, a staging
+(``LocalDriver``: ``dcr serve``'s workers, DCR's plugin in the rank, a staging
 directory of its own) that holds its model, behind handles that can die and restart;
 two in-process ``Encoder`` owners splitting the tensors (multi-owner manifests); a
 SQLite commit record. Faults are injected only at our own seams: a ``Store`` wrapper
@@ -37,10 +37,10 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dcr.apply.engine import BITS, CanonicalTensor, Loader
+from dcr.apply.applier import BITS, CanonicalTensor, Loader
 from dcr.checkpoint import ArrayCheckpoint, Checkpoint
-from dcr.engines import ApplyOutcome, EngineError
-from dcr.engines.base import staged_name
+from dcr.drivers import ApplyOutcome, EngineError
+from dcr.drivers.base import staged_name
 from dcr.errors import BaselineError, StoreError
 from dcr.format.layout import parse_payload_key, payload_key
 from dcr.format.manifest import Manifest
@@ -63,7 +63,7 @@ from dcr.runtimes.hf import HFRuntime
 from dcr.runtimes.vllm import VllmRuntime
 from dcr.runtimes.vllm_reference import ReferenceConfig, ReferenceModel, random_checkpoint
 from dcr.runtimes.weights import checkpoint_tensors
-from dcr.serve.local import LocalEngine
+from dcr.serve.local import LocalDriver
 from dcr.transport.receive import PayloadId, Source, StoreSource
 from dcr.transport.store import MemoryStore
 
@@ -254,7 +254,7 @@ def fail(key: str, _: bytes) -> bytes:
 class Rank:
     """One receiver: an ``AgentService`` over its engine, as a ``ReceiverHandle``.
 
-    The engine (a ``LocalEngine`` holding the rank's model, loaded densely with v0) lives
+    The engine (a ``LocalDriver`` holding the rank's model, loaded densely with v0) lives
     as long as the rank; the agent can die and restart beside it, as a sidecar does.
     ``kill_after_applies(n)`` kills the agent right after its ``n``-th payload apply:
     from then on every call fails as an unreachable agent's would, and its journal stays
@@ -269,7 +269,7 @@ class Rank:
         self.store = store
         self.journal = Journal(tmp / kind / "journal.json")
         self.staging = tmp / kind / "staging"
-        self.engine = LocalEngine([build_runtime(kind).model], staging_dir=self.staging,
+        self.engine = LocalDriver([build_runtime(kind).model], staging_dir=self.staging,
                                   checkpoint_root=versions.root)
         self.engine.load_dense("v0")
         self.wrap: Callable[[Source], Source] = lambda s: s  # a delivery-fault seam

@@ -1,4 +1,4 @@
-"""Real ``dcr serve`` processes on loopback, driven only through the agent's ``VllmEngine``.
+"""Real ``dcr serve`` processes on loopback, driven only through the agent's ``VllmDriver``.
 
 Each server holds a tiny Llama (``--runtime hf``, or both ranks of the vLLM-layout
 reference at TP 2) with DCR's worker extension in every rank, reads payloads from a
@@ -32,9 +32,9 @@ from typing import Any
 import pytest
 from transformers import LlamaConfig
 
-from dcr.apply.engine import CanonicalTensor
+from dcr.apply.applier import CanonicalTensor
 from dcr.checkpoint import Checkpoint
-from dcr.engines import EngineError, VllmEngine
+from dcr.drivers import EngineError, VllmDriver
 from dcr.errors import ConfigError
 from dcr.format.manifest import Manifest
 from dcr.format.names import Mode
@@ -76,7 +76,7 @@ def canonical(ckpt: Path) -> list[CanonicalTensor]:
 class Server:
     proc: subprocess.Popen[bytes]
     url: str
-    engine: VllmEngine
+    engine: VllmDriver
     log: Path
 
     @property
@@ -116,7 +116,7 @@ class Servers:
             proc.kill()
             pytest.fail(f"dcr serve did not start:\n{log.read_text()[-3000:]}")
         url = json.loads(line)["url"]
-        return Server(proc=proc, url=url, engine=VllmEngine(url, KEY), log=log)
+        return Server(proc=proc, url=url, engine=VllmDriver(url, KEY), log=log)
 
     def stage(self, base: int, target: int, mode: Mode,
               profile: ReceiverProfile | None) -> tuple[list[str], Manifest]:
@@ -353,13 +353,13 @@ def test_a_restarted_server_is_seen_as_a_new_instance_and_calls_need_the_api_key
     assert engine.version() == "0"  # weights and label as the process started
 
     for key in (None, "wrong-key-0123456789abcdef"):
-        stranger = VllmEngine(again.url, key)
+        stranger = VllmDriver(again.url, key)
         assert stranger.health()  # the probe needs no key
         with pytest.raises(EngineError) as e:
             stranger.instance()
         assert e.value.status == 401
     with pytest.raises(ConfigError):
-        VllmEngine(again.url, "kéy")
+        VllmDriver(again.url, "kéy")
     env = {k: v for k, v in os.environ.items() if k != "DCR_SERVE_API_KEY"}
     refused = subprocess.run(
         [sys.executable, "-m", "dcr", "serve", "--model", str(servers.root / "v0"),

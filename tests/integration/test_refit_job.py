@@ -31,7 +31,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dcr.apply.engine import CanonicalTensor
+from dcr.apply.applier import CanonicalTensor
 from dcr.format.profile import ReceiverProfile, merge
 from dcr.owner.warm import WarmOwner
 from dcr.protocol.commitstore import SqliteCommitStore
@@ -44,7 +44,7 @@ from dcr.runtimes.vllm_reference import (
     dense_state,
     random_checkpoint,
 )
-from dcr.serve.local import LocalEngine
+from dcr.serve.local import LocalDriver
 from dcr.transport.receive import StoreSource
 from dcr.transport.store import MemoryStore
 
@@ -240,7 +240,7 @@ def test_warm_owners_refit_across_a_retry_and_close_each_checkpoint_as_it_is_del
         model = ReferenceModel(CFG, tp_size=2, tp_rank=r)
         model.load_weights(sds[0].items())
         staging = tmp_path / f"rank-{r}"
-        engine = LocalEngine([model], staging_dir=staging, checkpoint_root=tmp_path)
+        engine = LocalDriver([model], staging_dir=staging, checkpoint_root=tmp_path)
         ranks.append(model)
         receivers.append(AgentService(
             f"rank-{r}", engine, lambda spec: StoreSource(
@@ -252,7 +252,7 @@ def test_warm_owners_refit_across_a_retry_and_close_each_checkpoint_as_it_is_del
     commits = SqliteCommitStore(tmp_path / "commit.db", CommitRecord(
         committed_version=0, baseline_id="v0", attempt=""))
     engine = receivers[1].engine
-    assert isinstance(engine, LocalEngine)
+    assert isinstance(engine, LocalDriver)
     victim = engine.ranks[0].engine
     assert victim is not None
     real, calls = victim._write_mapped, 0

@@ -665,7 +665,7 @@ def test_refit_through_s3_survives_5xx_slow_truncated_and_corrupted_objects_bit_
     and one payload of the first attempt is corrupted on the server's disk. That
     attempt fails naming the digest mismatch; the overwrite retry commits; every
     receiver ends with the bits of a dense load, and the owner advanced once."""
-    from dcr.apply.engine import CanonicalTensor
+    from dcr.apply.applier import CanonicalTensor
     from dcr.checkpoint import ArrayCheckpoint
     from dcr.owner.encoder import Encoder
     from dcr.protocol.commitstore import SqliteCommitStore
@@ -678,7 +678,7 @@ def test_refit_through_s3_survives_5xx_slow_truncated_and_corrupted_objects_bit_
         dense_state,
         random_checkpoint,
     )
-    from dcr.serve.local import LocalEngine
+    from dcr.serve.local import LocalDriver
     from dcr.transport.receive import StoreSource
 
     cfg = ReferenceConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -722,7 +722,7 @@ def test_refit_through_s3_survives_5xx_slow_truncated_and_corrupted_objects_bit_
         store = make_store(FAST)
         staging = tmp_path / f"rank-{r}"
         receivers.append(AgentService(
-            f"rank-{r}", LocalEngine([model], staging_dir=staging, checkpoint_root=tmp_path),
+            f"rank-{r}", LocalDriver([model], staging_dir=staging, checkpoint_root=tmp_path),
             lambda spec, store=store: StoreSource(store=store, version=spec.target_version,
                                                   attempt=spec.attempt),
             canonical=canonical, staging_dir=staging, version=0))

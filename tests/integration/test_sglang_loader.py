@@ -1,5 +1,5 @@
 """DCR's SGLang loader (``dcr.runtimes.sglang.dcr_weight_loader``) fed exactly what the
-agent's ``SglangEngine`` sends, on model objects shaped like SGLang's.
+agent's ``SglangDriver`` sends, on model objects shaped like SGLang's.
 
 SGLang itself does not run here (it pins its own torch and CUDA packages), so a small
 aiohttp server plays the part of SGLang 0.5.23 that the contract touches, as its source
@@ -36,10 +36,10 @@ import torch
 from aiohttp import web
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dcr.apply.engine import CanonicalTensor
+from dcr.apply.applier import CanonicalTensor
 from dcr.checkpoint import Checkpoint
-from dcr.engines import EngineError, SglangEngine
-from dcr.engines.sglang import LOADER, PICKLE_GLOBALS, call_pickle, result_name
+from dcr.drivers import EngineError, SglangDriver
+from dcr.drivers.sglang import LOADER, PICKLE_GLOBALS, call_pickle, result_name
 from dcr.format.manifest import Manifest
 from dcr.format.names import Mode
 from dcr.format.profile import ReceiverProfile
@@ -226,7 +226,7 @@ def results(staging: Path) -> list[str]:
 
 def test_sglang_loader_refits_both_tp_ranks_bit_exactly_through_the_adapter(
         server: FakeSglang, ckpt_root: Path, staging: Path) -> None:
-    engine = SglangEngine(server.url, staging)
+    engine = SglangDriver(server.url, staging)
     ids = engine.instance().split("-")
     assert len(ids) == WORLD  # one id per rank, each rank saying the world is 2
 
@@ -263,7 +263,7 @@ def test_sglang_loader_refits_both_tp_ranks_bit_exactly_through_the_adapter(
 
 def test_sglang_loader_failures_come_back_as_answers_naming_the_rank(
         server: FakeSglang, ckpt_root: Path, staging: Path) -> None:
-    engine = SglangEngine(server.url, staging)
+    engine = SglangDriver(server.url, staging)
     before = engine.fingerprint()
     with pytest.raises(EngineError, match=r"apply failed on rank 0: ConfigError: dcr_apply "
                                           "before dcr_prewarm"):

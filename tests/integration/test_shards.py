@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from dcr.apply.engine import CanonicalTensor
+from dcr.apply.applier import CanonicalTensor
 from dcr.errors import BaselineError, ConfigError
 from dcr.format.profile import ReceiverProfile, merge
 from dcr.owner.shards import ShardEncoder, ShardMap
@@ -29,7 +29,7 @@ from dcr.runtimes.vllm_reference import (
     dense_state,
     random_checkpoint,
 )
-from dcr.serve.local import LocalEngine
+from dcr.serve.local import LocalDriver
 from dcr.transport.receive import StoreSource
 from dcr.transport.store import MemoryStore
 
@@ -125,7 +125,7 @@ def receivers(cfg: ReferenceConfig, sd: State, store: MemoryStore, tps: tuple[in
             model = ReferenceModel(cfg, tp_size=tp, tp_rank=r)
             model.load_weights(sd.items())
             staging = tmp / f"tp{tp}-rank{r}"
-            engine = LocalEngine([model], staging_dir=staging, checkpoint_root=tmp)
+            engine = LocalDriver([model], staging_dir=staging, checkpoint_root=tmp)
             out.append(AgentService(
                 f"tp{tp}-rank{r}", engine, lambda spec: StoreSource(
                     store=store, version=spec.target_version, attempt=spec.attempt,
@@ -182,7 +182,7 @@ def test_a_failed_first_attempt_of_shard_owners_is_repaired_by_overwrite(tmp_pat
     store = MemoryStore()
     rx, models = receivers(DENSE, old, store, (2,), tmp_path)
     local = rx[1].engine
-    assert isinstance(local, LocalEngine)
+    assert isinstance(local, LocalDriver)
     engine = local.ranks[0].engine  # the rank's apply engine, made by prewarm
     assert engine is not None
     real, calls = engine._write_mapped, 0

@@ -7,13 +7,9 @@ missing and cannot be built (no Go toolchain). Unit tests here need neither.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from controlplane import ControlPlane, build_binaries, go_available
 from k8sutil import admin_client
 

@@ -24,7 +24,7 @@ from controlplane import ControlPlane
 from k8sutil import CHART, install_crds, path_of
 
 from dcr.cli import build_parser
-from dcr.engines.sglang import LOADER
+from dcr.drivers.sglang import LOADER
 from dcr_operator.crds import RolloutFleetSpec, WeightRefitSpec
 from dcr_operator.kube import KubeClient
 

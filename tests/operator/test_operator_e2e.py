@@ -49,8 +49,8 @@ from kubelet import FakeKubelet
 from stubs import free_port_on
 
 from dcr.errors import DcrError
-from dcr.receiver.launch import AgentProcess, EncoderProcess, ServeProcess, free_port
-from dcr.trainer import Trainer, reference_fingerprint
+from dcr.refit.launch import AgentProcess, EncoderProcess, ServeProcess, free_port
+from dcr.refit.trainer import Trainer, reference_fingerprint
 from dcr_operator.jobs import job_name
 from dcr_operator.kube import KubeClient
 

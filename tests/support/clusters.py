@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dcr.trainer import TrainerSettings
+from dcr.refit.trainer import TrainerSettings
 
 # Smaller than the main job's model and a faster learning rate, no warm-up: a cluster
 # test wants quick steps with enough changes per version.

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from dcr.boundary import answers
+from dcr.refit.boundary import answers
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from dcr.apply.engine import ApplyEngine, CanonicalTensor
+from dcr.apply.applier import Applier, CanonicalTensor
 from dcr.errors import DcrError, LimitExceeded, TargetMismatch
 from dcr.format.payload import DecodeLimits, ItemHeader, Payload, pack_payload, read_payload
 
@@ -42,8 +42,8 @@ class Toy:
 
 
 @pytest.fixture
-def engine() -> ApplyEngine:
-    e = ApplyEngine(Toy())
+def engine() -> Applier:
+    e = Applier(Toy())
     e.prewarm([CanonicalTensor(name="w", dtype="BF16", shape=(64, 32))])
     return e
 
@@ -78,7 +78,7 @@ def peak_of(call: Callable[[], object]) -> tuple[BaseException | None, int]:
     ("w", "BF16", [f"Item w[0:{HUGE}]", f"BF16[{HUGE}]", "BF16[64, 32]"]),
 ])
 def test_item_that_does_not_fit_the_model_is_refused_before_any_stream_is_decompressed(
-        engine: ApplyEngine, name: str, dtype: str, needles: list[str]) -> None:
+        engine: Applier, name: str, dtype: str, needles: list[str]) -> None:
     """Fails on 5b0b0ae: the engine decoded every stream (here 256-384 MiB) before it
     compared the items with its tensors."""
     data = overwrite_all(name, dtype, (HUGE,))
@@ -93,7 +93,7 @@ def test_item_that_does_not_fit_the_model_is_refused_before_any_stream_is_decomp
 
 
 def test_payload_bytes_declaring_a_stream_over_the_model_are_refused_by_its_limits(
-        engine: ApplyEngine) -> None:
+        engine: Applier) -> None:
     """Fails on 5b0b0ae: bytes were read under the default limits (8 GiB a stream), so a
     128 MiB stream for a 2048-element model was decompressed before anything refused it."""
     data = overwrite_all("model.layers.9.mlp.missing.weight", "U8", (HUGE,))
@@ -121,12 +121,12 @@ def test_model_limits_bound_streams_by_all_elements_and_never_refuse_an_honest_p
 
 
 def test_an_honest_whole_tensor_overwrite_applies_under_the_model_limits(
-        engine: ApplyEngine) -> None:
+        engine: Applier) -> None:
     engine.apply_payloads([overwrite_all("w", "BF16", (64, 32), value=0x3F)])
     assert torch.all(engine.runtime.p.view(torch.int16) == 0x3F3F)  # type: ignore[attr-defined]
 
 
-def test_engine_limits_come_from_the_prewarmed_tensors(engine: ApplyEngine) -> None:
+def test_engine_limits_come_from_the_prewarmed_tensors(engine: Applier) -> None:
     assert engine.limits == DecodeLimits.for_tensors([("BF16", (64, 32))])
     assert isinstance(read_payload(overwrite_all("w", "BF16", (64, 32)), engine.limits),
                       Payload)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from dcr.apply.engine import ApplyEngine, CanonicalTensor
+from dcr.apply.applier import Applier, CanonicalTensor
 from dcr.apply.intercept import LoaderPathError
 from dcr.checkpoint import ArrayCheckpoint
 from dcr.format.profile import ReceiverProfile
@@ -60,7 +60,7 @@ def refit(load: Loader) -> tuple[str, bool]:
     new.view(-1)[::3] += 1
     toy = Toy(load)
     toy.load_weights([("w", old)])
-    engine = ApplyEngine(toy)
+    engine = Applier(toy)
     cls = engine.prewarm([CanonicalTensor(name="w", dtype="BF16", shape=(8, 4))]).tensors["w"]
     src = {n: ArrayCheckpoint({"w": ("BF16", (8, 4), t.view(torch.int16).numpy()
                                      .view(np.uint16))}) for n, t in (("old", old), ("new", new))}

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from dcr.apply.engine import ApplyEngine, ApplyReport, CanonicalTensor, DuplicatePayload
+from dcr.apply.applier import Applier, ApplyReport, CanonicalTensor, DuplicatePayload
 from dcr.apply.intercept import LoaderPathError
 from dcr.checkpoint import ArrayCheckpoint
 from dcr.format.names import Mode
@@ -77,15 +77,15 @@ def source(state: State) -> ArrayCheckpoint:
                             for n, t in state.items()})
 
 
-def receiver(old: State, **kwargs: bool) -> tuple[Toy, ApplyEngine]:
+def receiver(old: State, **kwargs: bool) -> tuple[Toy, Applier]:
     toy = Toy(**kwargs)
     toy.load_weights(old.items())
-    engine = ApplyEngine(toy)
+    engine = Applier(toy)
     engine.prewarm(CanonicalTensor(name=n, dtype="BF16", shape=SHAPE) for n in old)
     return toy, engine
 
 
-def payloads(old: State, new: State, engine: ApplyEngine, *, mode: Mode = "mixed",
+def payloads(old: State, new: State, engine: Applier, *, mode: Mode = "mixed",
              attempt: str = "a-1") -> list[bytes]:
     store = MemoryStore()
     profile = ReceiverProfile(tensors={n: p.cls for n, p in engine.plans.items()})
@@ -104,7 +104,7 @@ def equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
 
 
-def apply(engine: ApplyEngine, data: list[bytes]) -> ApplyReport:
+def apply(engine: Applier, data: list[bytes]) -> ApplyReport:
     return engine.apply_payloads(data)
 
 

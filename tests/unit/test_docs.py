@@ -32,3 +32,13 @@ def test_every_test_the_security_doc_names_exists() -> None:
                if not (ROOT / f).is_file()
                or not re.search(rf"^\s*(async )?def {t}\(", (ROOT / f).read_text(), re.M)]
     assert not missing, f"docs/security.md names tests that do not exist: {missing}"
+
+
+def test_the_cli_reference_is_what_the_parser_prints() -> None:
+    """docs/cli.md's option reference is generated (``make cli-doc``); a changed option or
+    default that was not regenerated fails here."""
+    from dcr.cli import REFERENCE_MARK, reference
+
+    text = (ROOT / "docs" / "cli.md").read_text()
+    assert REFERENCE_MARK in text
+    assert text[text.index(REFERENCE_MARK):] == reference(), "run `make cli-doc`"

@@ -1,4 +1,4 @@
-"""The WAN link emulator (``python -m dcr.linkemu``, and ``bench/linkemu.py`` as a
+"""The WAN link emulator (``python -m dcr.refit.linkemu``, and ``bench/linkemu.py`` as a
 script): bytes cross it intact both ways and its report counts them."""
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ def _echo_server() -> tuple[socket.socket, threading.Thread]:
     return srv, t
 
 
-@pytest.mark.parametrize("command", [["-m", "dcr.linkemu"], [str(ROOT / "bench" / "linkemu.py")]],
+@pytest.mark.parametrize("command",
+                         [["-m", "dcr.refit.linkemu"], [str(ROOT / "bench" / "linkemu.py")]],
                          ids=["module", "bench-script"])
 def test_bytes_cross_the_link_intact_and_the_report_counts_them(command: list[str]) -> None:
     srv, t = _echo_server()

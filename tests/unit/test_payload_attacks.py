@@ -1,6 +1,6 @@
 """Hostile payloads: every way a payload can be wrong is rejected with the right error.
 
-Covers the reader's whole validation order from ``src/dcr/format/FORMAT.md``: framing (length,
+Covers the reader's whole validation order from ``agent/dcr/format/FORMAT.md``: framing (length,
 magic, version, flags, reserved), the BLAKE2b digest, the compressed JSON header (schema,
 unknown fields, item rules, disjoint items, the stream list the items imply), decode
 limits (header size, item count, elements, dims, stream and total sizes: bomb guards),

@@ -13,9 +13,9 @@ from dcr.cli import build_parser, relay_settings
 from dcr.errors import ConfigError
 from dcr.protocol.coordinator import CoordinatorSettings
 from dcr.receiver.settings import AgentSettings
-from dcr.refit import LAUNCHED, RefitSettings
+from dcr.refit.job import LAUNCHED, RefitSettings
+from dcr.refit.trainer import TrainerSettings
 from dcr.settings import MiB, from_args, to_argv
-from dcr.trainer import TrainerSettings
 from dcr.transport.relay.settings import RelaySettings
 from dcr.transport.s3 import S3Settings
 

@@ -1,7 +1,7 @@
 """Bearer tokens: one strength check for every token, and token files born 0600.
 
 The agent's token, the relay's read and publish tokens and the tokens the main job makes
-go through :mod:`dcr.tokens`. A weak or placeholder token is refused with a sentence that
+go through :mod:`dcr.http.tokens`. A weak or placeholder token is refused with a sentence that
 names where it came from and never the token; a token file is created with mode 0600
 (never written and then ``chmod``-ed) and a link planted at its path is replaced, not
 written through.
@@ -21,9 +21,9 @@ from typing import Any, ClassVar
 import pytest
 
 from dcr.errors import ConfigError
-from dcr.receiver import launch
+from dcr.http.tokens import bearer_matches, check_token, read_token, write_token_file
 from dcr.receiver.main import _token
-from dcr.tokens import bearer_matches, check_token, read_token, write_token_file
+from dcr.refit import launch
 
 GOOD = "0123456789abcdef0123"
 PLACEHOLDER = "change-me-to-a-long-random-token"  # charts/dcr/examples/rolloutfleet.yaml
@@ -198,7 +198,7 @@ def test_the_main_jobs_relay_tree_gets_two_private_token_files(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Fails on 5b0b0ae: one token file, written then chmod-ed, went to every node and
     agent and to the owner alike."""
-    from dcr import refit
+    from dcr.refit import job as refit
 
     monkeypatch.setattr(refit.subprocess, "Popen", _NoProcess)
     monkeypatch.setattr(refit.urllib.request, "urlopen",

@@ -20,7 +20,7 @@ CACHE="${DCR_ENGINES_CACHE:-$HOME/.cache/dcr-engines}"
 VENV="$CACHE/vllm-$VLLM_VERSION"
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 VPY="$VENV/bin/python"
-# What `import dcr.apply.engine, dcr.owner.diff, dcr.runtimes.vllm` needs beyond vLLM's
+# What `import dcr.apply.applier, dcr.owner.diff, dcr.runtimes.vllm` needs beyond vLLM's
 # own dependencies (numpy, pydantic, aiohttp, tqdm, safetensors, transformers), and the
 # test runner.
 DEPS=(numpy zstandard xxhash pydantic aiohttp tqdm boto3 safetensors pytest pytest-timeout)
@@ -57,13 +57,13 @@ fi
 # DCR, editable from this checkout (no dependencies: vLLM's torch and transformers stay).
 where="$("$VPY" -c 'import dcr, pathlib; print(pathlib.Path(dcr.__file__).resolve().parent)' \
     2>/dev/null || true)"
-if [[ "$where" != "$REPO/src/dcr" ]] || ! "$VPY" -c 'import dcr.codec._native' 2>/dev/null; then
+if [[ "$where" != "$REPO/agent/dcr" ]] || ! "$VPY" -c 'import dcr.codec._native' 2>/dev/null; then
     say "installing DCR editable from $REPO (builds the codec's C extension)"
     "$VPY" -m pip install --quiet --no-deps --no-build-isolation -e "$REPO" >&2
 fi
 
 say "checking that vLLM and DCR import"
-"$VPY" -c 'import dcr.apply.engine, dcr.owner.diff, dcr.runtimes.vllm' >&2
+"$VPY" -c 'import dcr.apply.applier, dcr.owner.diff, dcr.runtimes.vllm' >&2
 VLLM_TARGET_DEVICE=cpu "$VPY" -c 'import vllm; print("vllm", vllm.__version__)' >&2
 say "ready: $VENV"
 echo "$VPY"

@@ -405,7 +405,7 @@ def stage(ckpts: Path, staging: Path, base: int, target: int, profile: Any
           ) -> tuple[list[str], dict[str, Any]]:
     """The owner's diff ``base`` -> ``target`` (mixed) staged as files, as the agent does."""
     from dcr.checkpoint import Checkpoint
-    from dcr.engines.base import staged_name
+    from dcr.drivers.base import staged_name
     from dcr.owner.diff import diff_checkpoints
     from dcr.owner.settings import EncodeSettings
     from dcr.transport.store import MemoryStore
@@ -427,7 +427,7 @@ def stage(ckpts: Path, staging: Path, base: int, target: int, profile: Any
 
 def apply_throughput(args: argparse.Namespace, engine: Any, ckpts: Path, staging: Path,
                      engine_url: str, dense_fp: list[dict[str, str]]) -> dict[str, Any]:
-    from dcr.apply.engine import CanonicalTensor
+    from dcr.apply.applier import CanonicalTensor
     from dcr.checkpoint import Checkpoint
 
     with Checkpoint(ckpts / "v0") as c:
@@ -534,7 +534,7 @@ def main() -> int:
     args = p.parse_args()
     if args.request_tokens is None:
         args.request_tokens = 1000 if args.engine == "vllm" else 200
-    sys.path.insert(0, str(REPO / "src"))
+    sys.path.insert(0, str(REPO / "agent"))
     import torch
 
     cuda = torch.cuda.is_available()
@@ -542,8 +542,8 @@ def main() -> int:
         "gpu.json" if args.engine == "vllm" else
         "gpu-reference.json" if cuda else "gpu-dry.json")
 
-    from dcr.engines import VllmEngine
-    from dcr.engines.plugin import EngineTimeouts
+    from dcr.drivers import VllmDriver
+    from dcr.drivers.plugin import EngineTimeouts
 
     if args.engine == "vllm" and not torch.cuda.is_available():
         raise SystemExit("gpu-check: --engine vllm needs a CUDA device; on CPU run the dry "
@@ -569,7 +569,7 @@ def main() -> int:
         agent_proc, agent_url = timed(phases, "agent_start", lambda: start_agent(
             engine_url, ckpts, staging, store, tmp, token, args.pause_mode))
         procs.append(agent_proc)
-        engine = VllmEngine(engine_url, timeouts=EngineTimeouts(call_s=120.0))
+        engine = VllmDriver(engine_url, timeouts=EngineTimeouts(call_s=120.0))
         result["sidecar_refits"] = timed(phases, "sidecar_refits", lambda: sidecar_refits(
             args, engine, agent_url, token, ckpts, store, tmp, engine_url))
         agent_proc.stop()

@@ -211,7 +211,7 @@ build_inputs() {
     {
         echo "version=$version epoch=${SOURCE_DATE_EPOCH:-0}"
         for name in "${BASES[@]}"; do base_ref "$name"; done
-        (cd "$ROOT" && find pyproject.toml README.md .containerignore src images tools/image \
+        (cd "$ROOT" && find pyproject.toml README.md .containerignore agent operator images tools/image \
             -type f ! -path '*/__pycache__/*' ! -name '*.pyc' ! -name '*.so' \
             ! -path '*.egg-info/*' -print0 | LC_ALL=C sort -z | xargs -0 sha256sum)
     } | sha256sum | cut -c1-64

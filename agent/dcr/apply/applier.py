@@ -1,0 +1,751 @@
+"""The apply engine: decoded items -> scratch -> the runtime's own loader -> storage.
+
+For each canonical tensor a payload touches, the engine hands the runtime's native
+loader ``(name, scratch)``, where scratch is a reusable tensor shaped like the canonical
+tensor, and intercepts the loader's final copies into parameter storage
+(:mod:`dcr.apply.intercept`):
+
+* a copy of a scratch view of the same dtype is inverted (:mod:`dcr.apply.geometry`) and
+  only the changed elements are touched: XOR the mask in, or write the value;
+* a converting copy (a cast) writes the positions whose source is not a placeholder;
+* a copy of a tensor classified ``dense`` (whole-tensor quantization) runs as is.
+
+Prewarm runs every tensor once in record mode, classifies it (see
+:mod:`dcr.apply.profile`) and keeps the exact list of writes it made; an apply whose
+writes differ from that list fails. Payloads are deduplicated by id, because XOR is
+not idempotent. The engine takes payloads as bytes or as the verified
+:class:`~dcr.format.payload.Payload` a receiver already holds, which it does not parse
+again.
+
+Nothing is decompressed before every item of every payload is checked against the
+canonical tensors (name, dtype, shape, hence range; entry kind against the path; the
+items disjoint): a stream's size follows from its items, so a small payload naming a
+tensor the model lacks, or a huge shape, is refused while it is still small. Streams
+are then decoded under limits derived from the model (:attr:`Applier.limits`,
+:meth:`DecodeLimits.for_tensors`), a second guard that a receiver can also pass to
+:func:`~dcr.format.payload.read_payload`.
+
+Choices, and why (``docs/apply.md``, "Where apply time goes", has the numbers):
+
+* **One loader call for the whole set, writes deferred.** A tensor whose every write at
+  prewarm was a mapped copy or a constant fill, and whose load read no parameter
+  storage, is *deferrable*: the values the loader copies never matter, only where it
+  copies them. All deferrable tensors of an apply go through one ``load_weights`` call
+  (vLLM's Llama loader spends ~0.7 ms a call before it loads anything); DCR records every
+  write without running it, checks each tensor's writes against prewarm's, the names
+  the loader reports, and that no storage moved, and only then writes the changed
+  elements. A loader that fails or strays mid-way leaves every parameter as it was.
+* **No staging for deferrable tensors.** Their scratch stays all zeros: the changed
+  elements go from the decoded records straight to storage (one scatter per record
+  instead of three: stage, write, reset).
+* **Scatter by shift.** A row-major source view copied into a row-major destination
+  view (fused QKV rows, a whole tensor, a TP row shard) maps canonical position ``p`` to
+  storage index ``p + shift``: the C kernel adds it, so no index array is built.
+* Tensors on other paths (converting, dense, a loader that reads parameters back) are
+  staged and loaded one call each, after the deferred set, as before.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from dcr.apply.geometry import (
+    UnsupportedView,
+    View,
+    check_invertible,
+    is_rowmajor,
+    locate,
+    storage_index,
+)
+from dcr.apply.intercept import LoaderPathError, WriteInterceptor, storage_key
+from dcr.checkpoint import fingerprint
+from dcr.codec import _native  # type: ignore[attr-defined]
+from dcr.codec.decode import DecodedItem, decode
+from dcr.errors import DcrError, MalformedPayload, TargetMismatch
+from dcr.format.dtypes import DTYPES
+from dcr.format.payload import (
+    DEFAULT_LIMITS,
+    DecodeLimits,
+    ItemHeader,
+    Payload,
+    check_disjoint,
+    check_limits,
+    read_payload,
+)
+from dcr.format.profile import ReceiverProfile, TensorClass
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+BITS: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+FLOATS = {"F64", "F32", "F16", "BF16"}  # dtypes whose NaN can mark "no value here"
+
+
+class Loader(Protocol):
+    """What the engine needs of a serving runtime: its native loader and its tensors."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """The runtime's own loader. Returns the names of the tensors it wrote."""
+        ...
+
+    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter and persistent buffer, tied ones under each of their names."""
+        ...
+
+
+class DuplicatePayload(DcrError):
+    """A payload id was applied before: applying XOR masks twice restores the old bits."""
+
+
+class PayloadConflict(DcrError):
+    """A payload id was applied before with different bytes."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CanonicalTensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPES[self.dtype].itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True, kw_only=True)
+class CopySig:
+    """One intercepted write, as geometry: where it lands and what it reads."""
+
+    storage: str
+    dst: View
+    src: View | None  # the scratch view it copies, or None for a converted source
+    dst_dtype: str
+    src_dtype: str  # "fill" for a constant fill
+
+    @property
+    def is_fill(self) -> bool:
+        return self.src_dtype == "fill"
+
+    @property
+    def mapped(self) -> bool:
+        """A same-dtype copy of a scratch view: positions map one to one."""
+        return self.src is not None and self.src_dtype == self.dst_dtype
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorPlan:
+    cls: TensorClass
+    writes: tuple[CopySig, ...]
+    # every write a mapped copy or a fill, and the load reads no parameter storage:
+    # its writes can wait until the whole set's loader call has been checked
+    deferrable: bool = False
+
+
+@dataclass(kw_only=True)
+class ApplyReport:
+    tensors: int = 0
+    records: int = 0
+    writes: int = 0
+    loads: int = 0  # load_weights calls
+    deferred: int = 0  # tensors applied through the one deferred call
+    decode_s: float = 0.0  # verify, check, decompress and validate the payloads
+    scatter_s: float = 0.0  # positions; staging scratch; the deferred writes into storage
+    loader_s: float = 0.0  # the runtime's own loader, less the time in DCR's hook
+    intercept_s: float = 0.0  # DCR's hook in loader calls (on the staged path, its writes)
+    classes: dict[str, int] = field(default_factory=dict)
+    names: set[str] = field(default_factory=set)  # the canonical tensors written
+
+
+@dataclass(kw_only=True)
+class _Records:
+    """One tensor's decoded records: ascending flat positions and their bits (a signed
+    integer view of the element width), as numpy, and as torch on the engine's device
+    once a path needs them there."""
+
+    positions: npt.NDArray[np.int64]
+    values: npt.NDArray[Any]
+    device: torch.device
+    _torch: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def on_device(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._torch is None:
+            self._torch = (torch.from_numpy(self.positions).to(self.device),
+                           torch.from_numpy(self.values).to(self.device))
+        return self._torch
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A flat integer view over the whole storage of ``t`` (same element width)."""
+    return torch.empty(0, dtype=BITS[t.element_size()], device=t.device).set_(
+        t.untyped_storage()
+    )
+
+
+class Applier:
+    """Applies payloads to one runtime (one rank) in place."""
+
+    def __init__(self, runtime: Loader, *, device: str | torch.device = "cpu",
+                 verify: bool = False, defer: bool = True) -> None:
+        """``verify`` reads every mapped write back. ``defer`` (the default) applies the
+        deferrable tensors of a set through one loader call and writes once that call has
+        been checked; ``False`` stages and loads every tensor one call each, as tensors
+        on converting and dense paths always are (slower: to compare, or to watch a
+        loader tensor by tensor)."""
+        self.runtime = runtime
+        self.device = torch.device(device)
+        self.verify = verify
+        self.defer = defer
+        self._storages: dict[tuple[str, int], str] = {}
+        self._key_of: dict[str, tuple[str, int]] = {}
+        for name, t in runtime.named_tensors():
+            self._storages.setdefault(storage_key(t), name)
+            self._key_of[name] = storage_key(t)
+        self._scratch = torch.zeros(0, dtype=torch.uint8, device=self.device)
+        self._scratch_key = storage_key(self._scratch)
+        self.tensors: dict[str, CanonicalTensor] = {}
+        self.plans: dict[str, TensorPlan] = {}
+        self.limits: DecodeLimits = DEFAULT_LIMITS  # narrowed to the model by prewarm
+        self._applied: dict[tuple[str, int, int], bytes] = {}
+        self.readable: set[str] = set()  # canonical bits can be read back (read_canonical)
+        # (storage, destination view) -> the canonical tensors whose plan writes it
+        self._writers: dict[tuple[str, View], list[str]] = {}
+
+    # --- prewarm -------------------------------------------------------------------
+
+    def prewarm(self, tensors: Iterable[CanonicalTensor]) -> ReceiverProfile:
+        """Reserve scratch, run every tensor through the loader in record mode, classify.
+
+        Nothing is written to the runtime's storage.
+        """
+        self.tensors = {t.name: t for t in tensors}
+        self.limits = DecodeLimits.for_tensors((t.dtype, t.shape) for t in self.tensors.values())
+        largest = max((t.nbytes for t in self.tensors.values()), default=0)
+        self._scratch = torch.zeros(largest, dtype=torch.uint8, device=self.device)
+        self._scratch_key = storage_key(self._scratch)
+        touched: dict[str, list[tuple[str, View]]] = defaultdict(list)
+        self._writers = {}
+        for t in self.tensors.values():
+            plan = self._record(t)
+            self.plans[t.name] = plan
+            if plan.cls == "xor" and _covers(t, plan.writes):
+                self.readable.add(t.name)
+            for w in plan.writes:
+                touched[w.storage].append((t.name, w.dst))
+                names = self._writers.setdefault((w.storage, w.dst), [])
+                if t.name not in names:
+                    names.append(t.name)
+        self._check_overlaps(touched)
+        return ReceiverProfile(tensors={n: p.cls for n, p in sorted(self.plans.items())})
+
+    def _scratch_for(self, t: CanonicalTensor) -> torch.Tensor:
+        return self._scratch[: t.nbytes].view(TORCH_DTYPES[t.dtype]).view(t.shape)
+
+    def _record(self, t: CanonicalTensor) -> TensorPlan:
+        scratch = self._scratch_for(t)
+        if t.dtype in FLOATS:  # a probe: finite values with NaN between them
+            flat = scratch.view(-1)
+            flat.fill_(float("nan"))
+            flat[::2] = 0.5
+        sigs: list[CopySig] = []
+        converting_ok = True
+
+        def record(storage: str, dst: torch.Tensor, src: torch.Tensor | None,
+                   run: Callable[[], object]) -> None:
+            nonlocal converting_ok
+            sig = self._signature(storage, dst, src, scratch.dtype)
+            sigs.append(sig)
+            if src is not None and sig.src is None and src.is_floating_point():
+                nan = torch.isnan(src)
+                converting_ok &= bool(nan.any()) and not bool(nan.all())
+
+        mode = WriteInterceptor(self._storages, record)
+        with mode:
+            loaded = self.runtime.load_weights([(t.name, scratch)])
+        self._scratch.zero_()
+        if not sigs:
+            if loaded:
+                raise LoaderPathError(
+                    f"The loader reports {sorted(loaded)[:3]} loaded from {t.name!r} but no "
+                    "write into parameter storage was intercepted: it bypasses the hook."
+                )
+            return TensorPlan(cls="skip", writes=())
+        cls = self._classify(t, sigs, converting_ok)
+        deferrable = (cls in ("xor", "overwrite") and not mode.reads
+                      and all(w.mapped or w.is_fill for w in sigs))
+        return TensorPlan(cls=cls, writes=tuple(sigs), deferrable=deferrable)
+
+    def _classify(self, t: CanonicalTensor, sigs: list[CopySig], converting_ok: bool
+                  ) -> TensorClass:
+        copies = [s for s in sigs if not s.is_fill]
+        fills = [s.dst for s in sigs if s.is_fill]
+        if fills and _overlap([s.dst for s in copies], fills, by=sigs, within=False):
+            return "dense"  # a constant fill under a copy: only a whole load reproduces it
+        mapped = all(s.mapped for s in copies)
+        if mapped and not _overlap([s.dst for s in copies], [], by=copies):
+            return "xor"
+        if mapped:
+            return "overwrite"
+        return "overwrite" if t.dtype in FLOATS and converting_ok else "dense"
+
+    def _signature(self, storage: str, dst: torch.Tensor, src: torch.Tensor | None,
+                   dtype: torch.dtype) -> CopySig:
+        """What a write does, as geometry; ``dtype`` is the canonical tensor's (a source
+        sharing the scratch in that dtype is a view of it). Called once per write, so it
+        reads metadata only and makes no tensor."""
+        if src is None:
+            return CopySig(storage=storage, dst=View.of(dst), src=None,
+                           dst_dtype=str(dst.dtype), src_dtype="fill")
+        shares = storage_key(src) == self._scratch_key
+        if tuple(src.shape) != tuple(dst.shape):
+            raise LoaderPathError(
+                f"The loader copies a {list(src.shape)} source into a {list(dst.shape)} "
+                f"view of {storage!r}; broadcasting copies are not supported."
+            )
+        src_view = View.of(src) if shares and src.dtype == dtype else None
+        try:
+            if src_view is not None:
+                check_invertible(src_view)
+                check_invertible(View.of(dst))
+        except UnsupportedView:
+            src_view = None
+        return CopySig(storage=storage, dst=View.of(dst), src=src_view,
+                       dst_dtype=str(dst.dtype), src_dtype=str(src.dtype))
+
+    def _check_overlaps(self, touched: dict[str, list[tuple[str, View]]]) -> None:
+        """Two canonical tensors writing the same bytes cannot be refit by parts."""
+        tensors = dict(self.runtime.named_tensors())
+        for storage, writes in touched.items():
+            names = sorted({name for name, _ in writes})
+            if len(names) < 2:
+                continue
+            if len(names) > torch.iinfo(torch.int16).max:
+                raise LoaderPathError(f"{len(names)} canonical tensors write {storage!r}.")
+            base = tensors[storage]
+            size = base.untyped_storage().nbytes() // base.element_size()
+            owner = torch.full((size,), -1, dtype=torch.int16, device=base.device)
+            for name, v in writes:
+                me = names.index(name)
+                region = owner.as_strided(v.sizes, v.strides, v.offset)
+                others = region[(region >= 0) & (region != me)]
+                if others.numel():
+                    raise LoaderPathError(
+                        f"Canonical tensors {name!r} and {names[int(others[0])]!r} both write "
+                        f"{storage!r}; a refit by parts cannot reproduce a dense load."
+                    )
+                region.fill_(me)
+
+    # --- apply ---------------------------------------------------------------------
+
+    def apply_payloads(self, payloads: Sequence[bytes | Payload]) -> ApplyReport:
+        """Validate and deduplicate every payload, then apply them as one set, in order.
+
+        Bytes are verified here (:func:`read_payload`, under :attr:`limits`); a
+        :class:`Payload` was verified when it was read and is used as it is. Every item
+        is checked against the canonical tensors before any stream is decompressed, and
+        every record is validated before anything is written. Deferrable tensors then go
+        through one loader call whose writes run only once it has been checked whole;
+        the others are staged and loaded one call each.
+        """
+        t0 = time.perf_counter()
+        verified: list[Payload] = []
+        ids: dict[tuple[str, int, int], bytes] = {}
+        for given in payloads:
+            p = given if isinstance(given, Payload) else read_payload(given, self.limits)
+            h = p.header
+            pid = (h.attempt, h.owner, h.seq)
+            digest = p.digest
+            seen = self._applied.get(pid, ids.get(pid))
+            if seen == digest:
+                raise DuplicatePayload(
+                    f"{h.label} was already applied; XOR masks applied twice restore the "
+                    "old bits, so it is refused."
+                )
+            if seen is not None:
+                raise PayloadConflict(
+                    f"{h.label} was seen before with digest {seen.hex()}; this one is "
+                    f"{digest.hex()}. The attempt must fail."
+                )
+            ids[pid] = digest
+            verified.append(p)
+        headers = [it for p in verified for it in p.header.items]
+        try:
+            check_disjoint(headers)
+        except ValueError as e:
+            raise MalformedPayload(f"Payloads to apply conflict: {e}.") from e
+        self._check_items(headers)  # before a single stream is decompressed
+        for p in verified:
+            check_limits(p.header, self.limits)
+        groups: dict[str, list[DecodedItem]] = defaultdict(list)
+        for p in verified:
+            for item in decode(p):
+                groups[item.header.name].append(item)
+        for group in groups.values():  # disjoint ranges: records ascend across items
+            group.sort(key=lambda i: i.header.start)
+        self._applied.update(ids)  # from here on, these must never be applied again
+        report = ApplyReport(decode_s=time.perf_counter() - t0)
+        live = [n for n in groups if self.plans[n].cls != "skip"]
+        deferred = [n for n in live if self.defer and self.plans[n].deferrable]
+        staged = [n for n in live if not (self.defer and self.plans[n].deferrable)]
+        if deferred:
+            self._apply_deferred(deferred, groups, report)
+        for name in staged:
+            self._apply_tensor(name, groups[name], report)
+        if staged:
+            self._check_moved()
+        return report
+
+    def _check_moved(self) -> None:
+        """No parameter's storage was replaced: a loader that rebinds ``param.data``
+        writes behind the hook, and deferred writes would land in the old storage."""
+        moved = [n for n, t in self.runtime.named_tensors() if storage_key(t) != self._key_of[n]]
+        if moved:
+            raise LoaderPathError(
+                f"The loader replaced the storage of {moved[:3]} instead of writing it in "
+                "place: those writes bypass the hook."
+            )
+
+    def _records(self, group: list[DecodedItem]) -> _Records:
+        """A tensor's records: ascending flat positions and their values (integer bits)."""
+        count = sum(it.header.count for it in group)
+        positions = np.empty(count, dtype=np.int64)
+        lo = 0
+        for it in group:  # sorted by start, disjoint: positions ascend
+            it.positions(positions[lo : lo + it.header.count])
+            lo += it.header.count
+        values = group[0].values if len(group) == 1 else np.concatenate([i.values for i in group])
+        if values.itemsize > 1:  # torch has no unsigned 16/32/64-bit arithmetic: signed view
+            values = values.view(np.dtype(f"<i{values.itemsize}"))
+        return _Records(positions=positions, values=values, device=self.device)
+
+    def _apply_deferred(self, names: list[str], groups: Mapping[str, list[DecodedItem]],
+                        report: ApplyReport) -> None:
+        """Load every deferrable tensor in one call, recording its writes; check them all;
+        then write the changed elements. Nothing is written unless every check passes."""
+        wanted = set(names)
+        observed: dict[str, list[tuple[CopySig, torch.Tensor, Callable[[], object]]]] = {
+            n: [] for n in names}
+        strays: list[str] = []
+        spent = 0.0
+
+        def record(storage: str, dst: torch.Tensor, src: torch.Tensor | None,
+                   run: Callable[[], object]) -> None:
+            nonlocal spent
+            t1 = time.perf_counter()
+            owners = [n for n in self._writers.get((storage, View.of(dst)), ())
+                      if n in wanted]
+            if not owners:
+                strays.append(storage)
+            # Prewarm's overlap check leaves one owner per destination view (empty views
+            # aside): the tensor whose next planned write this is, else the first.
+            chosen: tuple[str, CopySig] | None = None
+            for n in owners:
+                sig = self._signature(storage, dst, src, TORCH_DTYPES[self.tensors[n].dtype])
+                chosen = chosen or (n, sig)
+                plan, k = self.plans[n].writes, len(observed[n])
+                if k < len(plan) and sig == plan[k]:
+                    chosen = (n, sig)
+                    break
+            if chosen is not None:
+                observed[chosen[0]].append((chosen[1], dst, run))
+            spent += time.perf_counter() - t1
+
+        # The scratch stays zeros: only where the loader copies it matters. Views are
+        # made here, before the dispatch mode would see each op that makes them.
+        weights = [(n, self._scratch_for(self.tensors[n])) for n in names]
+
+        t0 = time.perf_counter()
+        mode = WriteInterceptor(self._storages, record)
+        with mode:
+            loaded = self.runtime.load_weights(iter(weights))
+        report.loader_s += time.perf_counter() - t0 - spent
+        report.intercept_s += spent
+        report.loads += 1
+        self._check_moved()
+        if strays:
+            raise LoaderPathError(
+                f"The loader wrote {sorted(set(strays))[:3]} where no tensor of this apply "
+                "wrote at prewarm; the path changed and nothing was written.")
+        for n in names:
+            if tuple(sig for sig, _, _ in observed[n]) != self.plans[n].writes:
+                raise LoaderPathError(
+                    f"Tensor {n!r}: the loader's writes differ from prewarm's "
+                    f"({len(observed[n])} now, {len(self.plans[n].writes)} then); the path "
+                    "changed and nothing was written.")
+        written = {self._key_of[sig.storage] for obs in observed.values() for sig, _, _ in obs}
+        bypass = [n for n in loaded if n in self._key_of and self._key_of[n] not in written]
+        if bypass:
+            raise LoaderPathError(
+                f"The loader reports {bypass[:3]} loaded without an intercepted write: it "
+                "bypasses the hook; nothing was written.")
+        if mode.reads:
+            raise LoaderPathError(
+                f"The loader read parameter storage {sorted(mode.reads)[:3]} while loading "
+                f"{len(names)} tensors that did not at prewarm; nothing was written.")
+        t2 = time.perf_counter()
+        for n in names:
+            records = self._records(groups[n])
+            xor = groups[n][0].header.entry == "xor"
+            for sig, dst, run in observed[n]:
+                if sig.is_fill:
+                    run()  # a constant fill, replayed as the loader meant it
+                else:
+                    self._write_mapped(sig, dst, records, xor)
+            report.tensors += 1
+            report.names.add(n)
+            report.records += len(records.positions)
+            report.writes += len(observed[n])
+            report.classes[self.plans[n].cls] = report.classes.get(self.plans[n].cls, 0) + 1
+        report.deferred += len(names)
+        report.scatter_s += time.perf_counter() - t2
+
+    def _check_items(self, items: list[ItemHeader]) -> None:
+        """Every item fits a canonical tensor of this rank and its path; per tensor, one
+        entry kind and, for a tensor loaded whole, every element."""
+        groups: dict[str, list[ItemHeader]] = defaultdict(list)
+        for h in items:
+            t = self.tensors.get(h.name)
+            if t is None:
+                raise TargetMismatch(f"Item {h.where}: no canonical tensor {h.name!r} was "
+                                     "prewarmed on this rank.")
+            if (t.dtype, t.shape) != (h.dtype, h.shape):
+                raise TargetMismatch(f"Item {h.where}: payload says {h.dtype}{list(h.shape)}, "
+                                     f"the runtime's tensor is {t.dtype}{list(t.shape)}.")
+            cls = self.plans[h.name].cls
+            if h.entry == "xor" and cls not in ("xor", "skip"):
+                raise TargetMismatch(
+                    f"Item {h.where} carries XOR masks, but {h.name!r} reaches storage "
+                    f"through a {cls} path on this rank: the sender must overwrite it."
+                )
+            groups[h.name].append(h)
+        for name, group in groups.items():
+            t = self.tensors[name]
+            if self.plans[name].cls == "dense":
+                count = sum(i.count for i in group)
+                numel = t.nbytes // DTYPES[t.dtype].itemsize
+                if count != numel:
+                    raise TargetMismatch(
+                        f"Tensor {name!r} is quantized as a whole on this rank, so every one "
+                        f"of its {numel} elements must be sent; the payloads carry {count}."
+                    )
+            if len({i.entry for i in group}) > 1:
+                raise MalformedPayload(f"Tensor {name!r} has both XOR and overwrite items.")
+
+    def _apply_tensor(self, name: str, group: list[DecodedItem], report: ApplyReport) -> None:
+        """The staged path, one loader call: the records go into scratch (masks on zeros,
+        or values on NaN placeholders where a write converts), and each intercepted write
+        is honoured as it happens."""
+        plan = self.plans[name]
+        t = self.tensors[name]
+        xor = group[0].header.entry == "xor"
+        t0 = time.perf_counter()
+        scratch = self._scratch_for(t)
+        sbits = scratch.view(BITS[scratch.element_size()]).view(-1)
+        records = self._records(group)
+        positions, values = records.on_device()
+        masked = plan.cls == "overwrite" and not all(w.mapped or w.is_fill for w in plan.writes)
+        if masked:
+            if bool(torch.isnan(values.view(scratch.dtype)).any()):
+                raise TargetMismatch(
+                    f"Tensor {name!r}: a NaN value cannot pass a converting path whose "
+                    "placeholder is NaN; the sender must send it dense."
+                )
+            scratch.view(-1).fill_(float("nan"))
+        _put(sbits, positions, values, xor=False)
+        report.scatter_s += time.perf_counter() - t0
+
+        observed: list[CopySig] = []
+        spent = 0.0
+
+        def write(storage: str, dst: torch.Tensor, src: torch.Tensor | None,
+                  run: Callable[[], object]) -> None:
+            nonlocal spent
+            t1 = time.perf_counter()
+            observed.append(self._signature(storage, dst, src, scratch.dtype))
+            sig = observed[-1]
+            if src is None or plan.cls == "dense":
+                run()  # a constant fill, or a whole-tensor path: as the loader meant it
+            elif sig.mapped:
+                self._write_mapped(sig, dst, records, xor)
+            else:
+                if xor:
+                    raise LoaderPathError(f"A converting write of {name!r} got XOR masks.")
+                keep = torch.isnan(src) if src.is_floating_point() else None  # placeholders
+                if keep is None:
+                    raise LoaderPathError(f"A converting write of {name!r} has no placeholder.")
+                converted = src.to(dst.dtype)
+                dst.copy_(torch.where(keep, dst, converted))
+                if self.verify and not bool(torch.equal(dst[~keep], converted[~keep])):
+                    raise LoaderPathError(f"Post-apply check failed for {storage!r}.")
+            spent += time.perf_counter() - t1
+
+        t2 = time.perf_counter()
+        try:
+            with WriteInterceptor(self._storages, write):
+                loaded = self.runtime.load_weights([(name, scratch)])
+        finally:
+            if masked:
+                scratch.view(torch.uint8).zero_()
+            else:  # back to all zeros, touching only what we set
+                _put(sbits, positions, torch.zeros_like(values), xor=False)
+        report.loader_s += time.perf_counter() - t2 - spent
+        report.intercept_s += spent
+        report.loads += 1
+        if tuple(observed) != plan.writes:
+            raise LoaderPathError(
+                f"Tensor {name!r}: the loader's writes differ from prewarm's "
+                f"({len(observed)} now, {len(plan.writes)} then); the path changed."
+            )
+        written = {self._key_of[w.storage] for w in observed}
+        bypass = [n for n in loaded if n in self._key_of and self._key_of[n] not in written]
+        if bypass:
+            raise LoaderPathError(
+                f"Tensor {name!r}: the loader reports {bypass[:3]} loaded without an "
+                "intercepted write: it bypasses the hook."
+            )
+        report.tensors += 1
+        report.names.add(name)
+        report.records += len(records.positions)
+        report.writes += len(observed)
+        report.classes[plan.cls] = report.classes.get(plan.cls, 0) + 1
+
+    def _write_mapped(self, sig: CopySig, dst: torch.Tensor, records: _Records,
+                      xor: bool) -> None:
+        """XOR (or write) the records that fall in the write's source view into its
+        destination: on the CPU, a row-major view onto a row-major view by a shift in the
+        C kernel; anything else through the inverted geometry."""
+        assert sig.src is not None
+        src = sig.src
+        if dst.device.type == "cpu" and is_rowmajor(src) and is_rowmajor(sig.dst):
+            lo, hi = np.searchsorted(records.positions, (src.offset, src.offset + src.numel))
+            if hi > lo:
+                self._scatter_shifted(sig, dst, records.positions[lo:hi],
+                                      records.values[lo:hi], xor)
+            return
+        positions, values = records.on_device()
+        inside, flat = locate(src, positions)  # positions ascend
+        if flat.numel() == 0:
+            return
+        idx = storage_index(sig.dst, flat)
+        bits = _bits(dst)
+        v = values[inside]
+        if self.verify:
+            expect = bits[idx] ^ v if xor else v
+        _put(bits, idx, v, xor=xor)
+        if self.verify and not bool(torch.equal(bits[idx], expect)):
+            raise LoaderPathError(f"Post-apply check failed for a write into {sig.storage!r}.")
+
+    def _scatter_shifted(self, sig: CopySig, dst: torch.Tensor,
+                         positions: npt.NDArray[np.int64], values: npt.NDArray[Any],
+                         xor: bool) -> None:
+        assert sig.src is not None
+        shift = sig.dst.offset - sig.src.offset
+        bits = _bits(dst).numpy()
+        if self.verify:
+            idx = positions + shift
+            expect = bits[idx] ^ values if xor else values
+        _native.scatter(bits, bits.itemsize, positions, values, xor, shift)
+        if self.verify and not np.array_equal(bits[idx], expect):
+            raise LoaderPathError(f"Post-apply check failed for a write into {sig.storage!r}.")
+
+    # --- post-apply checks -------------------------------------------------------------
+
+    def read_canonical(self, name: str) -> torch.Tensor:
+        """The canonical tensor's bits (flat, integer view) as this rank's storage holds
+        them, for a tensor in :attr:`readable`: each of prewarm's writes is a same-dtype
+        copy of a scratch view into a storage view, which no other write touches, so
+        copying every storage view back into its scratch view inverts the load exactly."""
+        if name not in self.readable:
+            raise LoaderPathError(f"Tensor {name!r} cannot be read back on this rank: its "
+                                  f"path is {self.plans[name].cls}, or the rank holds part.")
+        t = self.tensors[name]
+        size = DTYPES[t.dtype].itemsize
+        held = dict(self.runtime.named_tensors())
+        out = torch.empty(t.nbytes // size, dtype=BITS[size], device=self.device)
+        for w in self.plans[name].writes:
+            if w.src is None:
+                continue  # a constant fill: no canonical element reaches it
+            base = held[w.storage]
+            bits = torch.empty(0, dtype=BITS[size], device=base.device).set_(
+                base.untyped_storage())
+            out.as_strided(w.src.sizes, w.src.strides, w.src.offset).copy_(
+                bits.as_strided(w.dst.sizes, w.dst.strides, w.dst.offset))
+        return out
+
+    def check_targets(self, targets: Mapping[str, str]) -> dict[str, str]:
+        """Compare the fingerprints of the readable tensors among ``targets`` (name ->
+        ``xxh3-128:...`` of the canonical bits, as a manifest lists them) with what
+        storage holds; return those that differ, each with the fingerprint it holds."""
+        held = {name: fingerprint(self.read_canonical(name).cpu().numpy())
+                for name in sorted(targets.keys() & self.readable)}
+        return {name: fp for name, fp in held.items() if fp != targets[name]}
+
+
+def _covers(t: CanonicalTensor, writes: Sequence[CopySig]) -> bool:
+    """Whether the writes' source views cover every element of the canonical tensor (a
+    rank that holds only a shard of it cannot recompute the tensor's fingerprint)."""
+    numel = t.nbytes // DTYPES[t.dtype].itemsize
+    views = [w.src for w in writes if w.src is not None]
+    if any(v.offset == 0 and v.numel == numel and is_rowmajor(v) for v in views):
+        return True
+    if sum(v.numel for v in views) < numel:
+        return False
+    seen = torch.zeros(numel, dtype=torch.bool)
+    for v in views:
+        seen.as_strided(v.sizes, v.strides, v.offset).fill_(True)
+    return bool(seen.all())
+
+
+def _put(bits: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, *, xor: bool) -> None:
+    """``bits[idx] = values`` (or ``^=``); on CPU through the codec's bounds-checked kernel."""
+    if bits.device.type == "cpu":
+        _native.scatter(bits.numpy(), bits.element_size(), idx.contiguous().numpy(),
+                        values.contiguous().numpy(), xor)
+    elif xor:
+        bits[idx] = bits[idx] ^ values
+    else:
+        bits[idx] = values
+
+
+def _overlap(views: list[View], others: list[View], *, by: Sequence[CopySig],
+             within: bool = True) -> bool:
+    """Whether one of ``views`` shares an element with ``others`` or (``within``) with
+    another of ``views``. Views are compared per storage (``by`` gives their storages).
+    """
+    storage_of = {id(s.dst): s.storage for s in by}
+    groups: dict[str, tuple[list[View], list[View]]] = defaultdict(lambda: ([], []))
+    for v in views:
+        groups[storage_of[id(v)]][0].append(v)
+    for v in others:
+        groups[storage_of[id(v)]][1].append(v)
+    for mine, theirs in groups.values():
+        if not mine or len(mine) + len(theirs) < 2:
+            continue
+        seen = torch.zeros(max(1, *(_extent(v) for v in mine + theirs)), dtype=torch.bool)
+        for v in mine:
+            region = seen.as_strided(v.sizes, v.strides, v.offset)
+            if within and bool(region.any()):
+                return True
+            region.fill_(True)
+        for v in theirs:
+            if bool(seen.as_strided(v.sizes, v.strides, v.offset).any()):
+                return True
+    return False
+
+
+def _extent(v: View) -> int:
+    return v.offset + sum((n - 1) * st for n, st in zip(v.sizes, v.strides, strict=True)) + 1

@@ -1,0 +1,345 @@
+"""The ``dcr`` command line: diff, patch, inspect, relay, encode, encoder, agent, serve, refit.
+
+Exit status: 0 on success, 1 when DCR refuses or fails (the message names the value),
+2 for usage errors. With ``--json`` a command prints exactly one JSON object on stdout
+and no progress bars.
+
+The options of ``agent``, ``serve``, ``refit``, ``relay`` and ``encoder`` are generated
+from their settings classes (``AgentSettings``, ``ServeSettings``, ``RefitSettings`` with
+``TrainerSettings``, ``RelaySettings``, ``EncoderServerSettings``); a command's options
+are built only when that command runs (or for ``dcr --help``), so ``dcr encode``,
+started once per attempt, does not import the relay node or the main job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dcr.checkpoint import Checkpoint
+from dcr.errors import DcrError
+from dcr.files.inspect import describe, render
+from dcr.files.patch import load_manifest, patch_checkpoint
+from dcr.format.profile import load_profile
+from dcr.owner.diff import diff_checkpoints, encode_summary
+from dcr.owner.settings import EncodeSettings
+from dcr.settings import add_options, doc, from_args
+from dcr.transport.store import open_store
+
+if TYPE_CHECKING:  # the relay node loads only when ``dcr relay`` runs
+    from dcr.transport.relay import RelaySettings
+
+EPILOG = """\
+examples:
+  dcr diff ckpt/v1 ckpt/v2 --store file:///tmp/deltas --version 2 --json
+  dcr patch rollout/ckpt --store file:///tmp/deltas --version 2
+  dcr inspect --store file:///tmp/deltas --version 2
+  dcr refit --kill-receiver-every 2
+  dcr relay --listen 0.0.0.0:8470 --members r0:8470,r1:8470,r2:8470 --index 1 \
+            --token-file /etc/dcr/read-token --publish-token-file /etc/dcr/publish-token
+  dcr encoder --listen 0.0.0.0:8472 --token-file /etc/dcr/encoder-token \
+              --store s3://rl-weights/policy-a --checkpoint-root /checkpoints
+"""
+
+
+@contextmanager
+def _progress(total: int, desc: str, enabled: bool) -> Iterator[Callable[[int], None] | None]:
+    if not (enabled and sys.stderr.isatty()):
+        yield None
+        return
+    from tqdm import tqdm
+
+    with tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr) as bar:
+        yield bar.update
+
+
+def _emit(args: argparse.Namespace, summary: dict[str, Any], text: str) -> None:
+    print(json.dumps(summary, sort_keys=True) if args.json else text)
+
+
+# ``dcr diff`` and ``dcr encode`` share their options, generated from EncodeSettings:
+# (command, help, settings fields left off, fields required, manifest under the attempt).
+# encode adds the attempt and the owner split and requires the mode and the attempt.
+_ENCODE_COMMANDS: tuple[tuple[str, str, tuple[str, ...], tuple[str, ...], bool], ...] = (
+    ("diff", "write the delta BASE -> TARGET as version N to a store",
+     ("owner", "owners", "attempt"), (), False),
+    ("encode", "publish one owner's part of a refit attempt (an owner process; like diff, "
+     "with the attempt and owner split given)", (), ("mode", "attempt"), True),
+)
+
+
+def _add_encode_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    for name, help_, skip, required, per_attempt in _ENCODE_COMMANDS:
+        d = sub.add_parser(name, help=help_)
+        d.add_argument("base", metavar="BASE", help="HF checkpoint dir or .safetensors file")
+        d.add_argument("target", metavar="TARGET", help="HF checkpoint dir or .safetensors file")
+        d.add_argument("--store", required=True, help="file:///abs/path or a plain path")
+        d.add_argument("--base-version", type=int, metavar="M",
+                       help=f"{doc(EncodeSettings, 'base_version')} (default N-1)")
+        add_options(d, EncodeSettings, skip=("base_version", *skip), required=required)
+        d.add_argument("--json", action="store_true", help="print one JSON summary object")
+        d.set_defaults(func=cmd_diff, attempt_manifest=per_attempt)
+
+
+def encode_settings(args: argparse.Namespace) -> EncodeSettings:
+    """What ``dcr diff`` or ``dcr encode`` was told (the profile file not read yet)."""
+    return from_args(
+        EncodeSettings, args, attempt_manifest=args.attempt_manifest,
+        base_version=args.version - 1 if args.base_version is None else args.base_version)
+
+
+def cmd_diff(args: argparse.Namespace) -> None:
+    settings = encode_settings(args)
+    if settings.profile_path is not None:
+        settings = replace(settings, profile=load_profile(settings.profile_path))
+    store = open_store(args.store)
+    t0 = time.perf_counter()
+    with Checkpoint(Path(args.base)) as base, Checkpoint(Path(args.target)) as target:
+        total = sum(i.nbytes for i in base)
+        with _progress(total, "diff", not args.json) as bar:
+            m = diff_checkpoints(base, target, store, settings, bar)
+    seconds = time.perf_counter() - t0
+    st = m.stats
+    summary = encode_summary(m, seconds=seconds, store=store.uri)
+    pct = 100 * st.changed_elements / max(1, st.total_elements)
+    text = (
+        f"version {m.base_version} -> {m.target_version} ({m.mode}, attempt {m.attempt}): "
+        f"{st.changed_elements:,} of {st.total_elements:,} elements changed ({pct:.3f}%) in "
+        f"{st.tensors} tensors; {len(m.payloads)} payloads, {st.payload_bytes:,} bytes = "
+        f"{100 * st.payload_bytes / max(1, st.dense_bytes):.3f}% of {st.dense_bytes:,} dense "
+        f"bytes; {seconds:.2f} s"
+    )
+    _emit(args, summary, text)
+
+
+def cmd_patch(args: argparse.Namespace) -> None:
+    store = open_store(args.store)
+    root = Path(args.checkpoint)
+    t0 = time.perf_counter()
+    with Checkpoint(root) as c:
+        total = sum(f.stat().st_size for f in c.files)
+    with _progress(total, "patch", not args.json) as bar:
+        r = patch_checkpoint(root, store, args.version, progress=bar)
+    seconds = time.perf_counter() - t0
+    summary = {
+        "version": r.manifest.target_version,
+        "base_version": r.manifest.base_version,
+        "attempt": r.manifest.attempt,
+        "files_patched": r.files_patched,
+        "files_already_at_target": r.files_already_at_target,
+        "records_applied": r.records_applied,
+        "payload_bytes": r.manifest.stats.payload_bytes,
+        "seconds": round(seconds, 4),
+    }
+    text = (
+        f"{root}: version {r.manifest.base_version} -> {r.manifest.target_version}: "
+        f"{r.records_applied:,} records applied to {r.files_patched} files "
+        f"({r.files_already_at_target} already at target); verified; {seconds:.2f} s"
+    )
+    _emit(args, summary, text)
+
+
+def cmd_inspect(args: argparse.Namespace) -> None:
+    store = open_store(args.store)
+    m = load_manifest(store, args.version)
+    report = describe(store, m)
+    _emit(args, report, render(report))
+
+
+def cmd_agent(args: argparse.Namespace) -> None:
+    from dcr.receiver.main import run
+    from dcr.receiver.settings import AgentSettings
+
+    run(from_args(AgentSettings, args))
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    import logging
+
+    from dcr.serve.main import run
+    from dcr.serve.settings import ServeSettings
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    run(from_args(ServeSettings, args))
+
+
+def cmd_refit(args: argparse.Namespace) -> None:
+    from dcr.refit.job import RefitSettings, run_refit
+    from dcr.refit.trainer import TrainerSettings
+
+    run_refit(from_args(RefitSettings, args, trainer=from_args(TrainerSettings, args)))
+
+
+def relay_settings(args: argparse.Namespace) -> RelaySettings:
+    """``dcr relay``'s settings: the generated options, the member list and the tokens."""
+    from dcr.http.tokens import read_token
+    from dcr.transport.relay import RelaySettings
+
+    members = tuple(m.strip() for m in args.members.split(",") if m.strip())
+    return from_args(RelaySettings, args, members=members,
+                     token=read_token("relay read token", args.token_file),
+                     publish_token=read_token("relay publish token", args.publish_token_file))
+
+
+def cmd_relay(args: argparse.Namespace) -> None:
+    import logging
+
+    from dcr.transport.relay import run_relay
+
+    settings = relay_settings(args)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    run_relay(settings)
+
+
+def cmd_encoder(args: argparse.Namespace) -> None:
+    from dcr.owner.server import EncoderServerSettings, run
+
+    run(from_args(EncoderServerSettings, args))
+
+
+def _encoder_options(p: argparse.ArgumentParser) -> None:
+    from dcr.owner.server import EncoderServerSettings
+
+    add_options(p, EncoderServerSettings)
+    p.set_defaults(func=cmd_encoder)
+
+
+def _agent_options(p: argparse.ArgumentParser) -> None:
+    from dcr.receiver.main import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=cmd_agent)
+
+
+def _serve_options(p: argparse.ArgumentParser) -> None:
+    from dcr.serve.main import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def _refit_options(p: argparse.ArgumentParser) -> None:
+    from dcr.refit.job import RefitSettings
+    from dcr.refit.trainer import TrainerSettings
+
+    add_options(p, RefitSettings)
+    add_options(p.add_argument_group("trainer"), TrainerSettings)
+    p.set_defaults(func=cmd_refit)
+
+
+def _relay_options(p: argparse.ArgumentParser) -> None:
+    from dcr.transport.relay import RelaySettings
+    from dcr.transport.relay.settings import EDGE_PARSED
+
+    p.add_argument("--members", required=True, metavar="H:P,H:P,...",
+                   help="comma-separated: " + doc(RelaySettings, "members"))
+    p.add_argument("--token-file", required=True, type=Path, metavar="PATH",
+                   help="file holding the read token: agents' reads (GET)")
+    p.add_argument("--publish-token-file", required=True, type=Path, metavar="PATH",
+                   help="file holding the publish token: owners' pushes, and members' "
+                   "forwards, deletes and subscriptions (PUT, DELETE, POST)")
+    add_options(p, RelaySettings, skip=EDGE_PARSED, required=("listen",))
+    p.add_argument("--verbose", action="store_true", help="log every payload (DEBUG)")
+    p.set_defaults(func=cmd_relay)
+
+
+# Commands whose options come from settings in heavier modules: (name, help, options).
+_BUILT_WHEN_RUN: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
+    "agent": ("run a rollout pod's agent sidecar (HTTP control API) driving a serving engine",
+              _agent_options),
+    "serve": ("run the reference serving engine (vLLM's HTTP dialect, DCR's plugin in "
+              "every rank) for tests and the demo", _serve_options),
+    "refit": ("the main job and the demo: train, refit agent processes after every step, "
+              "recover from kills, verify bits, plot", _refit_options),
+    "relay": ("run one relay tree node until SIGTERM", _relay_options),
+    "encoder": ("run a warm encoder: an owner endpoint that publishes attempts over HTTP "
+                "(what an encoder Job does per attempt, without a process per attempt)",
+                _encoder_options),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; a command of :data:`_BUILT_WHEN_RUN` gets its options only when it is
+    ``command`` (or ``command`` is None)."""
+    p = argparse.ArgumentParser(
+        prog="dcr",
+        description="Delta-Compressed Refit: ship only the changed bits of a checkpoint.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    _add_encode_commands(sub)
+
+    pa = sub.add_parser("patch", help="apply version N in place to a checkpoint at its base")
+    pa.add_argument("checkpoint", metavar="CKPT", help="HF checkpoint dir or .safetensors file")
+    pa.add_argument("--store", required=True)
+    pa.add_argument("--version", type=int, required=True, metavar="N")
+    pa.add_argument("--json", action="store_true")
+    pa.set_defaults(func=cmd_patch)
+
+    i = sub.add_parser("inspect", help="summarise the delta of version N")
+    i.add_argument("--store", required=True)
+    i.add_argument("--version", type=int, required=True, metavar="N")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=cmd_inspect)
+
+    for name, (help_, options) in _BUILT_WHEN_RUN.items():
+        # No abbreviations: a flag that moved elsewhere (the agent's --model is dcr
+        # serve's now) must be refused, not taken for a prefix of another (--model-version).
+        sp = sub.add_parser(name, help=help_, allow_abbrev=False)
+        if command in (None, name):
+            options(sp)
+    return p
+
+
+REFERENCE_MARK = "<!-- generated from the settings classes by `make cli-doc`; edit those, not this -->"
+
+
+def reference() -> str:
+    """Every command's ``--help`` as Markdown, at a fixed width: the generated part of
+    ``docs/cli.md`` (a test keeps the two in sync)."""
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    parts = [REFERENCE_MARK, ""]
+    for name, sp in sub.choices.items():
+        sp.formatter_class = functools.partial(argparse.HelpFormatter, width=100)
+        parts += [f"## `dcr {name}`", "", "```", sp.format_help().rstrip(), "```", ""]
+    return "\n".join(parts)
+
+
+CLI_DOC = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
+
+
+def write_reference(doc: Path = CLI_DOC) -> None:
+    """Replace the generated part of ``doc`` (from :data:`REFERENCE_MARK` on)."""
+    text = doc.read_text()
+    doc.write_text(text[:text.index(REFERENCE_MARK)] + reference())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command).parse_args(argv)
+    try:
+        args.func(args)
+    except DcrError as e:
+        print(f"dcr: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,376 @@
+"""``dcr encoder``: a warm owner, a long-running HTTP endpoint that publishes attempts.
+
+An encoder Job pays for a Pod, a container start and Python's imports on every attempt;
+this process pays them once. ``POST /v1/publish`` (:mod:`dcr.protocol.encoder_api`)
+runs exactly what ``dcr encode`` runs for the same arguments (:func:`publish_settings`
+builds the same :class:`~dcr.owner.settings.EncodeSettings`, with the manifest part
+under the attempt), in process, and answers with the summary ``dcr encode --json``
+prints. Checkpoints are opened per request; between attempts their pages stay in the
+page cache because this process keeps reading them.
+
+Defences, each with a test (tests/integration/test_encoder_server.py):
+
+* **Token.** Every route but ``/healthz`` needs ``Authorization: Bearer <token>``
+  (:func:`dcr.http.tokens.bearer_matches`, constant time), read from ``--token-file`` and
+  checked for strength at start; it is never logged.
+* **A fixed store.** Payloads go to ``--store`` and nowhere else; a request has no
+  field that names a store.
+* **Checkpoint roots.** Both checkpoints of a request must resolve (``realpath``: ``..``
+  and symlinks followed) inside one ``--checkpoint-root``; the resolved path is what is
+  opened, so a link swapped afterwards changes nothing. Else 400 naming the path.
+* **One publish per (attempt, owner).** A second one while the first runs is 409; so is
+  a publish of an attempt that was stopped. At most ``--max-publishes`` run at once
+  (503 beyond).
+* **Stop.** ``POST /v1/stop`` marks an attempt obsolete: its publishes diff nothing
+  more after their current item and start no further write (payloads already being
+  written finish; the manifest part, written last, never is, so no receiver can take
+  the attempt as complete), and the call returns once they have ended. A publish whose
+  caller disconnects stops the same way.
+* **Bounded bodies** (:data:`~dcr.protocol.encoder_api.MAX_BODY_BYTES`, 413 beyond),
+  validated strictly (pydantic, unknown fields refused), 400 naming the field.
+
+Threads, and why: publishes run on their own pool (``--max-publishes`` threads, each
+diffing on ``--threads``), stops on another, so a stop is never queued behind the
+publishes it must end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
+
+from dcr.checkpoint import Checkpoint
+from dcr.errors import CheckpointError, ConfigError, DcrError, first_validation_error
+from dcr.http.tokens import bearer_matches, read_token
+from dcr.owner.diff import diff_checkpoints, encode_summary
+from dcr.owner.settings import EncodeSettings
+from dcr.protocol.encoder_api import MAX_BODY_BYTES, PublishRequest, StopAnswer, StopRequest
+from dcr.settings import MiB, option
+from dcr.transport.store import Store, open_store
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+log = logging.getLogger(__name__)
+
+OPEN_PATHS = frozenset({"/healthz"})
+DISCONNECT_POLL_S = 0.2  # how often a publish looks whether its caller is still there
+_STOPPED_KEPT = 4096  # attempts remembered as stopped (a late publish of one is refused)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EncoderServerSettings:
+    """``dcr encoder``'s options."""
+
+    listen: str = option("127.0.0.1:8472", metavar="HOST:PORT", doc="address to listen on "
+                         "(0.0.0.0:8472 in a pod; port 0 picks a free one)")
+    token_file: Path = option(metavar="PATH", doc="file holding the bearer token callers "
+                              "must present (16+ printable characters)")
+    store: str = option(doc="where every publish writes (s3://bucket/prefix, file:///path "
+                        "or relay+http://root); fixed here, never taken from a request")
+    checkpoint_root: tuple[str, ...] = option(metavar="DIR", doc="directory the checkpoints "
+                                              "of a request must lie under (symlinks "
+                                              "resolved); repeatable")
+    threads: int = option(EncodeSettings.threads, doc="diff threads per publish (numpy and "
+                          "zstd release the GIL); the machine's cores is a good choice")
+    max_publishes: int = option(4, metavar="N", doc="publishes running at once (one per "
+                                "owner of an attempt served here); one more is answered 503")
+    stop_wait_s: float = option(120.0, metavar="S", doc="seconds a stop waits for the "
+                                "attempt's publishes to end (each ends at its next item)")
+
+    def __post_init__(self) -> None:
+        if not self.checkpoint_root:
+            raise ConfigError("dcr encoder needs at least one --checkpoint-root.")
+        if self.threads < 1 or self.max_publishes < 1 or self.stop_wait_s <= 0:
+            raise ConfigError(f"threads ({self.threads}), max_publishes "
+                              f"({self.max_publishes}) and stop_wait_s ({self.stop_wait_s}) "
+                              "must be positive.")
+
+
+class BadRequest(DcrError):
+    """A request names something the server refuses (400)."""
+
+
+class PublishConflict(DcrError):
+    """That owner of that attempt is publishing already, or the attempt was stopped (409)."""
+
+
+class Busy(DcrError):
+    """Every publish slot is taken (503)."""
+
+
+class Stopped(DcrError):
+    """A publish ended early: its attempt was stopped, or its caller went away."""
+
+
+def publish_settings(req: PublishRequest, *, threads: int) -> EncodeSettings:
+    """The settings ``dcr encode`` runs with for this request (the operator's Job builds
+    the same from ``EncodeSettings.argv``): the manifest part goes under the attempt."""
+    return EncodeSettings(
+        version=req.target_version, base_version=req.base_version, mode=req.mode,
+        attempt=req.attempt, owner=req.owner, owners=req.owners, threads=threads,
+        bucket_bytes=(EncodeSettings.bucket_bytes if req.bucket_mib is None
+                      else req.bucket_mib * MiB),
+        attempt_manifest=True, profile=req.profile)
+
+
+def resolve_roots(roots: tuple[str, ...]) -> tuple[Path, ...]:
+    out = []
+    for root in roots:
+        real = Path(os.path.realpath(root))
+        if not real.is_dir():
+            raise ConfigError(f"Checkpoint root {root!r} is not a directory.")
+        out.append(real)
+    return tuple(out)
+
+
+@dataclass
+class _Publish:
+    """One running publish: its stop switch and the moment it ended."""
+
+    stop: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    why: str = ""
+
+
+class _StopGuard:
+    """The store as one publish sees it: once the publish is stopped, no write starts
+    (a payload already being written finishes; the manifest part, written last, never
+    does). The diff's own threads upload several payloads at once, so a check between
+    items alone would let the last ones and the manifest through."""
+
+    def __init__(self, store: Store, entry: _Publish, what: str) -> None:
+        self._store, self._entry, self._what = store, entry, what
+        self.uri = store.uri
+
+    def check(self) -> None:
+        if self._entry.stop.is_set():
+            raise Stopped(f"{self._what} stopped ({self._entry.why}) before its manifest "
+                          "part was written.")
+
+    def put(self, key: str, data: bytes) -> None:
+        self.check()
+        self._store.put(key, data)
+
+    def get(self, key: str) -> bytes:
+        return self._store.get(key)
+
+    def exists(self, key: str) -> bool:
+        return self._store.exists(key)
+
+    def list(self, prefix: str) -> list[str]:
+        return self._store.list(prefix)
+
+
+class EncoderService:
+    """Publishes requests into one store from checkpoints under fixed roots; thread-safe."""
+
+    def __init__(self, store: Store, roots: tuple[Path, ...], *, threads: int = 2,
+                 max_publishes: int = 4, stop_wait_s: float = 120.0) -> None:
+        self.store, self.roots = store, roots
+        self.threads, self.max_publishes, self.stop_wait_s = threads, max_publishes, stop_wait_s
+        self._lock = threading.Lock()
+        self._running: dict[tuple[str, int], _Publish] = {}
+        self._stopped: OrderedDict[str, None] = OrderedDict()
+        self.published = 0  # publishes that completed (for tests and logs)
+
+    def resolve(self, what: str, path: str) -> Path:
+        """``path`` with links resolved, if that lies under a checkpoint root."""
+        real = Path(os.path.realpath(path))
+        if not any(real == root or real.is_relative_to(root) for root in self.roots):
+            raise BadRequest(f"The {what} checkpoint {path!r} is outside every checkpoint "
+                             f"root of this encoder ({', '.join(map(str, self.roots))}), "
+                             "symlinks and '..' resolved.")
+        return real
+
+    def begin(self, req: PublishRequest) -> tuple[_Publish, Path, Path]:
+        """Check and register a publish (fast: run it on the event loop)."""
+        base, target = self.resolve("base", req.base), self.resolve("target", req.target)
+        key = (req.attempt, req.owner)
+        with self._lock:
+            if req.attempt in self._stopped:
+                raise PublishConflict(f"Attempt {req.attempt} was stopped; it publishes "
+                                      "nothing more here.")
+            if key in self._running:
+                raise PublishConflict(f"Owner {req.owner} of attempt {req.attempt} is "
+                                      "publishing already.")
+            if len(self._running) >= self.max_publishes:
+                raise Busy(f"{self.max_publishes} publishes are running; try again when "
+                           "one has ended.")
+            entry = self._running[key] = _Publish()
+        return entry, base, target
+
+    def run(self, req: PublishRequest, entry: _Publish, base: Path, target: Path
+            ) -> dict[str, Any]:
+        """Encode and write; the summary ``dcr encode --json`` prints. Blocking."""
+        try:
+            settings = publish_settings(req, threads=self.threads)
+            store = _StopGuard(self.store, entry, f"Owner {req.owner} of attempt "
+                               f"{req.attempt}")
+
+            def progress(_: int) -> None:  # between items: diff nothing more
+                store.check()
+
+            log.info("publishing owner %d/%d of attempt %s (%s, %d -> %d): %s -> %s",
+                     req.owner, req.owners, req.attempt, req.mode, req.base_version,
+                     req.target_version, base, target)
+            t0 = time.perf_counter()
+            with Checkpoint(base) as b, Checkpoint(target) as t:
+                m = diff_checkpoints(b, t, store, settings, progress)
+            summary = encode_summary(m, seconds=time.perf_counter() - t0, store=self.store.uri)
+            log.info("published owner %d of attempt %s: %d payloads, %d bytes, %.2f s",
+                     req.owner, req.attempt, summary["payloads"], summary["payload_bytes"],
+                     summary["seconds"])
+            with self._lock:
+                self.published += 1
+            return summary
+        finally:
+            with self._lock:
+                self._running.pop((req.attempt, req.owner), None)
+            entry.done.set()
+
+    def stop(self, attempt: str) -> StopAnswer:
+        """Mark ``attempt`` obsolete; return once its publishes ended (or the wait ran out)."""
+        with self._lock:
+            self._stopped[attempt] = None
+            self._stopped.move_to_end(attempt)
+            while len(self._stopped) > _STOPPED_KEPT:
+                self._stopped.popitem(last=False)
+            mine = [e for (a, _), e in self._running.items() if a == attempt]
+        for e in mine:
+            e.why = "the attempt was stopped"
+            e.stop.set()
+        deadline = time.monotonic() + self.stop_wait_s
+        for e in mine:
+            e.done.wait(max(0.0, deadline - time.monotonic()))
+        running = sum(not e.done.is_set() for e in mine)
+        if mine:
+            log.info("stopped attempt %s: %d publishes ended, %d still running",
+                     attempt, len(mine) - running, running)
+        return StopAnswer(attempt=attempt, stopped=len(mine) - running, running=running)
+
+
+Handler = Callable[["web.Request"], Awaitable["web.StreamResponse"]]
+_STATUS: tuple[tuple[type[Exception], int], ...] = (
+    (BadRequest, 400), (CheckpointError, 400), (ConfigError, 400),
+    (PublishConflict, 409), (Stopped, 409), (Busy, 503))
+
+
+def make_app(service: EncoderService, token: str) -> web.Application:
+    from aiohttp import web
+
+    publishes = ThreadPoolExecutor(service.max_publishes, thread_name_prefix="encoder-publish")
+    stops = ThreadPoolExecutor(2, thread_name_prefix="encoder-stop")
+
+    def error(status: int, message: str, kind: str) -> web.Response:
+        return web.json_response({"error": message, "kind": kind}, status=status)
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        authorized = bearer_matches(request.headers.get("Authorization"), token)
+        if request.path not in OPEN_PATHS and not authorized:
+            return error(401, "Missing or wrong bearer token.", "Unauthorized")
+        try:
+            return await handler(request)
+        except web.HTTPException:
+            raise
+        except Exception as e:
+            status = next((s for cls, s in _STATUS if isinstance(e, cls)), 500)
+            if status == 500:
+                log.exception("encoder call %s failed", request.path)
+            return error(status, str(e) if isinstance(e, DcrError)
+                         else f"{type(e).__name__}: {e}", type(e).__name__)
+
+    async def body(request: web.Request, model: type[Any]) -> Any:
+        raw = await request.read()  # aiohttp answers 413 beyond client_max_size
+        try:
+            return model.model_validate_json(raw or b"{}")
+        except ValidationError as e:
+            raise BadRequest(f"{model.__name__}: {first_validation_error(e, 'body')}") from e
+
+    async def publish(request: web.Request) -> web.StreamResponse:
+        req: PublishRequest = await body(request, PublishRequest)
+        entry, base, target = service.begin(req)
+        job = asyncio.get_running_loop().run_in_executor(
+            publishes, service.run, req, entry, base, target)
+        try:
+            while not (await asyncio.wait({job}, timeout=DISCONNECT_POLL_S))[0]:
+                if request.transport is None or request.transport.is_closing():
+                    entry.why = "its caller went away"
+                    entry.stop.set()
+        finally:
+            if not job.done():  # this handler was cancelled: the caller is gone
+                entry.why = "its caller went away"
+                entry.stop.set()
+        return web.json_response(await job)
+
+    async def stop(request: web.Request) -> web.StreamResponse:
+        req: StopRequest = await body(request, StopRequest)
+        answer = await asyncio.get_running_loop().run_in_executor(stops, service.stop,
+                                                                  req.attempt)
+        return web.Response(body=answer.model_dump_json(), content_type="application/json")
+
+    async def healthz(_: web.Request) -> web.StreamResponse:
+        return web.Response(text="ok\n")
+
+    async def shutdown(_: web.Application) -> None:
+        publishes.shutdown(wait=False, cancel_futures=True)
+        stops.shutdown(wait=False, cancel_futures=True)
+
+    app = web.Application(middlewares=[guard], client_max_size=MAX_BODY_BYTES)
+    app.on_cleanup.append(shutdown)
+    app.add_routes([web.post("/v1/publish", publish), web.post("/v1/stop", stop),
+                    web.get("/healthz", healthz)])
+    return app
+
+
+def build_service(s: EncoderServerSettings) -> EncoderService:
+    return EncoderService(open_store(s.store), resolve_roots(s.checkpoint_root),
+                          threads=s.threads, max_publishes=s.max_publishes,
+                          stop_wait_s=s.stop_wait_s)
+
+
+async def _serve(service: EncoderService, token: str, listen: str) -> None:
+    from aiohttp import web
+
+    host, _, port = listen.rpartition(":")
+    runner = web.AppRunner(make_app(service, token), access_log=None,
+                           handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, host or "127.0.0.1", int(port))
+    await site.start()
+    bound = runner.addresses[0][1]
+    print(json.dumps({"url": f"http://{host or '127.0.0.1'}:{bound}",
+                      "store": service.store.uri}), flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
+def run(s: EncoderServerSettings) -> int:
+    """Serve until interrupted. Prints one JSON line ``{"url", "store"}`` once listening."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    token = read_token("encoder token", s.token_file)
+    service = build_service(s)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_serve(service, token, s.listen))
+    return 0
+
+
+__all__ = ["EncoderServerSettings", "EncoderService", "make_app", "publish_settings", "run"]

@@ -1,0 +1,392 @@
+"""The agent's HTTP control API, declared once: one table of calls, bodies and a client.
+
+The agent (``dcr agent``, one per rollout rank) serves these calls; the local
+coordinator and the Kubernetes operator call them through :class:`AgentClient`, which
+is a ``ReceiverHandle``. Torch-free, so the operator can import it.
+
+:class:`AgentApi` is the table: each row (a :class:`Call`) names one call of the
+``ReceiverHandle`` seam (or an inspection call) with its HTTP method, path, request
+body model, response model and client timeout rule, and says how the handle's
+arguments become the body (``encode``) and the body the handle's arguments again
+(``decode``). Everything else is built from it: the aiohttp routes
+(:func:`dcr.receiver.server.make_app` calls the service method of the row's name),
+the methods of :class:`AgentClient`, and the operator's ``TrackedReceiver``. Adding a
+call is one row here plus one method on ``AgentService``.
+
+Choices, and why:
+
+* The table is a class body, each row a descriptor, so mypy sees every generated
+  method with the handle's own signature (a subclass supplies ``_invoke``, the one
+  thing that differs between the client and the tracker).
+* The service takes the handle's arguments, not bodies: in process it *is* the
+  handle. Over HTTP an ``AttemptRef`` decodes to an :class:`AttemptDeadline`, which has
+  what the calls after ``prepare`` read of an ``Attempt`` (its id and deadline), and an
+  ``AttemptSpec`` is taken as it is (the agent needs no receiver list).
+* The client stays on ``urllib``: one blocking call per request is all the coordinator
+  needs, and the operator imports this module without an HTTP library.
+
+Every control call carries ``Authorization: Bearer <token>``. Errors come back as
+``{"error": sentence, "kind": class name}`` with 400 (bad body), 401 (token), 409
+(wrong attempt, state or version), 422 (the attempt failed on this agent) or 500, and
+the client raises :class:`AgentError` with the sentence. ``/healthz``, ``/readyz`` and
+``/metrics`` need no token; ``POST /v1/generate`` (greedy tokens behind the request
+gate) is served beside the table. The table (a test keeps this list equal to
+:meth:`AgentApi.describe`)::
+
+    GET  /v1/status      -            -> AgentStatus    the weights' version, the attempt, the gate
+    POST /v1/prepare     AttemptSpec  -> AgentStatus    learn the attempt, start staging
+    POST /v1/gate/close  -            -> AgentStatus    returns once in-flight requests end
+    POST /v1/gate/open   -            -> AgentStatus    refused on dirty or unknown weights
+    POST /v1/apply       AttemptRef   -> AgentStatus    open_apply: apply in declared order
+    POST /v1/staged      AttemptRef   -> AgentStatus    wait until every payload is staged
+    POST /v1/flush       AttemptRef   -> FlushAck       wait until all applied and checked
+    POST /v1/commit      AttemptRef   -> AgentStatus    the record names the attempt
+    POST /v1/stop        AttemptRef   -> AgentStatus    obsolete; returns once no write can
+    POST /v1/dense       DenseRequest -> AgentStatus    restore a version by a dense load
+    GET  /v1/profile     -            -> dict[str, Any] the loader's classes (ReceiverProfile)
+    GET  /v1/fingerprint -            -> dict[str, str] {tensor: xxh3-128 of its integer view}
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Generic, Literal, ParamSpec, Protocol, TypeVar, overload
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from dcr.errors import HttpError, first_validation_error
+from dcr.format.names import ATTEMPT_PATTERN, Mode
+from dcr.http.direct import OPENER, check_url, read_bounded, unreachable_reason
+from dcr.protocol.records import Attempt
+
+_ATTEMPT = ATTEMPT_PATTERN
+DRAIN_S = 60.0  # how long closing the gate waits for generation requests in flight
+DENSE_S = 600.0  # how long a client waits for a dense load beyond its own timeout
+
+P = ParamSpec("P")
+Q = TypeVar("Q")  # a call's request body (None without one)
+R = TypeVar("R")  # a call's response
+
+
+class AgentError(HttpError):
+    """An agent refused a call or could not be reached; ``status`` is the HTTP status."""
+
+    def __init__(self, message: str, status: int | None = None, kind: str = "") -> None:
+        super().__init__(message, status)
+        self.kind = kind
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+class AttemptKey(Protocol):
+    """What the calls after ``prepare`` read of an attempt; an :class:`Attempt` is one."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def deadline(self) -> float: ...  # time.time() seconds bounding the call's waits
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttemptDeadline:
+    """An :class:`AttemptKey` as a request names it (the deadline from ``timeout_s``).
+
+    ``cancel``, when the server sets it, ends a wait on this key early: its client left.
+    """
+
+    id: str
+    deadline: float
+    cancel: threading.Event | None = field(default=None, compare=False)
+
+
+def seconds_left(attempt: AttemptKey) -> float:
+    """Seconds until the attempt's deadline, at least 0.1 (a wait always looks once)."""
+    return max(0.1, attempt.deadline - time.time())
+
+
+class AttemptSpec(_Body):
+    attempt: Annotated[str, Field(pattern=_ATTEMPT)]
+    base_version: Annotated[int, Field(ge=0)]
+    target_version: Annotated[int, Field(ge=1)]
+    mode: Mode
+    owners: Annotated[int, Field(ge=1, le=4096)] = 1
+    deadline: float  # time.time() seconds
+
+    @classmethod
+    def of(cls, attempt: Attempt | AttemptSpec) -> AttemptSpec:
+        if isinstance(attempt, AttemptSpec):
+            return attempt
+        t = attempt.transition
+        return cls(attempt=attempt.id, base_version=t.base_version,
+                   target_version=t.target_version, mode=attempt.mode, owners=attempt.owners,
+                   deadline=attempt.deadline)
+
+
+class AttemptRef(_Body):
+    attempt: Annotated[str, Field(pattern=_ATTEMPT)]
+    timeout_s: Annotated[float, Field(gt=0, le=86400)] = 600.0
+
+    def key(self) -> AttemptDeadline:
+        return AttemptDeadline(id=self.attempt, deadline=time.time() + self.timeout_s)
+
+
+class DenseRequest(_Body):
+    version: Annotated[int, Field(ge=0)]
+    # The version's safetensors, under the agent's checkpoint root (a relative path is
+    # taken from there); checked against the version's fingerprints where the agent has them.
+    checkpoint: Annotated[str, Field(min_length=1, max_length=4096)]
+
+
+class AgentStatus(_Body):
+    name: str
+    version: int | None  # the version its weights hold; None when unknown
+    dirty: tuple[int, int] | None  # (base, target) whose writes may be partly applied
+    unknown: str | None  # why the version is unknown (e.g. restarted mid-attempt)
+    attempt: str | None
+    state: str | None  # an AttemptState value
+    error: str | None  # why the current attempt failed, if it did
+    gate_open: bool
+    payloads_staged: int
+    payloads_applied: int
+    bytes_staged: int
+
+
+class FlushAck(_Body):
+    attempt: str
+    payloads: int
+    bytes: int
+    apply_s: float  # seconds spent inside the apply engine
+    wait_s: float  # seconds the flush call waited
+
+
+class BadRequest(ValueError):
+    """A request body failed validation (the message names the field)."""
+
+
+def parse_body(model: type[_Body], data: bytes) -> Any:
+    """Validate a JSON request body strictly; :class:`BadRequest` names the bad field."""
+    try:
+        return model.model_validate_json(data or b"{}")
+    except ValidationError as e:
+        raise BadRequest(f"{model.__name__}: {first_validation_error(e, 'body')}") from e
+
+
+# --- the columns: handle arguments <-> bodies, and client timeouts ---------------------
+
+def _no_body() -> None:
+    return None
+
+
+def _spec(attempt: Attempt) -> AttemptSpec:
+    return AttemptSpec.of(attempt)
+
+
+def _ref(attempt: Attempt) -> AttemptRef:
+    return AttemptRef(attempt=attempt.id, timeout_s=seconds_left(attempt))
+
+
+def _ref_by_id(attempt: str) -> AttemptRef:
+    return AttemptRef(attempt=attempt)
+
+
+def _dense(version: int, checkpoint: str) -> DenseRequest:
+    return DenseRequest(version=version, checkpoint=checkpoint)
+
+
+def _as_is(body: Any) -> tuple[Any, ...]:
+    return (body,)
+
+
+def _as_key(body: AttemptRef) -> tuple[AttemptDeadline]:
+    return (body.key(),)
+
+
+def _as_id(body: AttemptRef) -> tuple[str]:
+    return (body.attempt,)
+
+
+def _as_dense(body: DenseRequest) -> tuple[int, str]:
+    return (body.version, body.checkpoint)
+
+
+# Timeout rules: the client's own timeout (seconds) and the body -> how long to wait.
+
+def _own(timeout_s: float, body: object) -> float:
+    return timeout_s
+
+
+def _drain(timeout_s: float, body: object) -> float:  # the agent drains in-flight requests
+    return timeout_s + DRAIN_S
+
+
+def _until_deadline(timeout_s: float, body: AttemptRef) -> float:  # the agent waits as told
+    return timeout_s + body.timeout_s
+
+
+def _twice(timeout_s: float, body: object) -> float:  # an apply in progress ends its payload
+    return 2 * timeout_s
+
+
+def _dense_load(timeout_s: float, body: object) -> float:
+    return timeout_s + DENSE_S
+
+
+class Call(Generic[P, Q, R]):
+    """One row of :class:`AgentApi`; read from an instance, the call itself (``P -> R``).
+
+    ``encode`` turns the handle's arguments into the request body (None: no body);
+    ``decode`` turns a validated body back into the service method's arguments;
+    ``wait`` gives the client's socket timeout from its own timeout and the body.
+    """
+
+    def __init__(self, method: Literal["GET", "POST"], path: str, request: type[Q] | None,
+                 response: type[R], *, encode: Callable[P, Q],
+                 decode: Callable[[Q], tuple[Any, ...]] = _as_is,
+                 wait: Callable[[float, Q], float] = _own, doc: str) -> None:
+        self.method, self.path, self.request, self.response = method, path, request, response
+        self.encode, self.decode, self.wait, self.doc = encode, decode, wait, doc
+        self.adapter: TypeAdapter[R] = TypeAdapter(response)
+        self.name = ""  # the attribute name in the table: the handle's and service's method
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"Call({self.name}: {self.method} {self.path})"
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> Call[P, Q, R]: ...
+
+    @overload
+    def __get__(self, obj: AgentApi, owner: type) -> Callable[P, R]: ...
+
+    def __get__(self, obj: AgentApi | None, owner: type) -> Call[P, Q, R] | Callable[P, R]:
+        if obj is None:
+            return self
+
+        def call(*args: P.args, **kwargs: P.kwargs) -> R:
+            return obj._invoke(self, *args, **kwargs)
+
+        call.__name__ = self.name
+        return call
+
+    def line(self) -> str:
+        """The row as the module docstring lists it."""
+        request = self.request.__name__ if self.request is not None else "-"
+        response = (self.response.__name__ if isinstance(self.response, type)
+                    else repr(self.response).replace("typing.", ""))  # dict[str, str]
+        return f"{self.method:<4} {self.path:<15} {request:<12} -> {response:<14} {self.doc}"
+
+
+class AgentApi:
+    """The agent's calls, one row each; subclasses say how a call is carried out.
+
+    Rows are named after the ``ReceiverHandle`` method they implement (and the
+    ``AgentService`` method that serves them).
+    """
+
+    status = Call("GET", "/v1/status", None, AgentStatus, encode=_no_body,
+                  doc="the weights' version, the attempt, the gate")
+    prepare = Call("POST", "/v1/prepare", AttemptSpec, AgentStatus, encode=_spec,
+                   doc="learn the attempt, start staging")
+    close_gate = Call("POST", "/v1/gate/close", None, AgentStatus, encode=_no_body,
+                      wait=_drain, doc="returns once in-flight requests end")
+    open_gate = Call("POST", "/v1/gate/open", None, AgentStatus, encode=_no_body,
+                     doc="refused on dirty or unknown weights")
+    open_apply = Call("POST", "/v1/apply", AttemptRef, AgentStatus, encode=_ref,
+                      decode=_as_key, doc="open_apply: apply in declared order")
+    wait_staged = Call("POST", "/v1/staged", AttemptRef, AgentStatus, encode=_ref,
+                       decode=_as_key, wait=_until_deadline,
+                       doc="wait until every payload is staged")
+    flush = Call("POST", "/v1/flush", AttemptRef, FlushAck, encode=_ref, decode=_as_key,
+                 wait=_until_deadline, doc="wait until all applied and checked")
+    committed = Call("POST", "/v1/commit", AttemptRef, AgentStatus, encode=_ref_by_id,
+                     decode=_as_id, doc="the record names the attempt")
+    stop_and_wait = Call("POST", "/v1/stop", AttemptRef, AgentStatus, encode=_ref_by_id,
+                         decode=_as_id, wait=_twice, doc="obsolete; returns once no write can")
+    rejoin = Call("POST", "/v1/dense", DenseRequest, AgentStatus, encode=_dense,
+                  decode=_as_dense, wait=_dense_load, doc="restore a version by a dense load")
+    profile = Call("GET", "/v1/profile", None, dict[str, Any], encode=_no_body,
+                   doc="the loader's classes (ReceiverProfile)")
+    fingerprint = Call("GET", "/v1/fingerprint", None, dict[str, str], encode=_no_body,
+                       doc="{tensor: xxh3-128 of its integer view}")
+
+    @staticmethod
+    def calls() -> list[Call[..., Any, Any]]:
+        """The rows, in declaration order."""
+        return [v for v in vars(AgentApi).values() if isinstance(v, Call)]
+
+    @classmethod
+    def describe(cls) -> str:
+        """The table as text, one line per call (the module docstring lists it)."""
+        return "\n".join(c.line() for c in cls.calls())
+
+    def _invoke(self, call: Call[P, Any, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        raise NotImplementedError(f"{type(self).__name__} does not carry out {call!r}.")
+
+
+# The client opens through dcr.http.direct.OPENER: HTTP(S) straight to the agent, no
+# redirect (the token is never sent to a second address), no proxy, no other scheme.
+_MAX_ANSWER = 256 << 20  # bytes of one answer (fingerprints of a large model are MiBs)
+_MAX_ERROR = 64 << 10  # bytes of an error body read for its sentence
+
+
+class AgentClient(AgentApi):
+    """A ``ReceiverHandle`` over one agent's HTTP API; every row of the table is a method."""
+
+    def __init__(self, name: str, url: str, token: str, *, timeout_s: float = 30.0) -> None:
+        self.name = name
+        self.url = check_url(url, f"Agent {name}")
+        self._token = token
+        self.timeout_s = timeout_s
+
+    def __repr__(self) -> str:  # never the token
+        return f"AgentClient({self.name!r}, {self.url!r})"
+
+    def _invoke(self, call: Call[P, Any, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        body = call.encode(*args, **kwargs)
+        raw = self._send(call.method, call.path, body, wait_s=call.wait(self.timeout_s, body))
+        return call.adapter.validate_json(raw)
+
+    def _send(self, method: str, path: str, body: BaseModel | None, *, wait_s: float) -> bytes:
+        data = body.model_dump_json().encode() if body is not None else None
+        req = urllib.request.Request(
+            self.url + path, data=data, method=method,
+            headers={"Authorization": f"Bearer {self._token}",
+                     "Content-Type": "application/json"},
+        )
+        try:
+            with OPENER.open(req, timeout=wait_s) as resp:
+                raw = read_bounded(resp, _MAX_ANSWER)
+        except urllib.error.HTTPError as e:
+            with e:  # closes the connection
+                if 300 <= e.code < 400:  # never followed: the token stays with this agent
+                    raise AgentError(f"Agent {self.name} ({method} {path}) answered HTTP "
+                                     f"{e.code}, a redirect; agent calls follow none.",
+                                     e.code) from None
+                try:
+                    err = json.loads(e.read(_MAX_ERROR))
+                    msg, kind = str(err["error"]), str(err.get("kind", ""))
+                except (ValueError, KeyError, TypeError, OSError):
+                    msg, kind = f"HTTP {e.code}", ""
+            raise AgentError(f"Agent {self.name} ({method} {path}): {msg}", e.code, kind) from e
+        except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
+            # Our side's words only: an exception about a malformed answer (a bad status
+            # line, say) would quote the peer's bytes, so those show by their class name.
+            raise AgentError(f"Agent {self.name} at {self.url} is unreachable ({method} "
+                             f"{path}): {unreachable_reason(e)}.") from e
+        if raw is None:
+            raise AgentError(f"Agent {self.name} ({method} {path}) answered more than "
+                             f"{_MAX_ANSWER} bytes.")
+        return raw

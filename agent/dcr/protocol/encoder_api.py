@@ -1,0 +1,178 @@
+"""The warm encoder's HTTP API (``dcr encoder``), declared once: bodies and a client.
+
+A warm encoder is a long-running owner process: the operator (or any coordinator) asks
+it to publish one owner's part of an attempt, and it does exactly what ``dcr encode``
+does for those arguments, without a process, a Pod or imports per attempt. Torch-free,
+so the operator imports it; the server is :mod:`dcr.owner.server`.
+
+::
+
+    GET  /healthz     -               -> "ok"             liveness; no token
+    POST /v1/publish  PublishRequest  -> the summary      encode and write payloads and
+                                                          this owner's manifest part
+    POST /v1/stop     StopRequest     -> StopAnswer       the attempt is obsolete: its
+                                                          publishes stop between buckets;
+                                                          returns once none still writes
+
+Every call but ``/healthz`` carries ``Authorization: Bearer <token>``. Errors come back
+as ``{"error": sentence, "kind": class name}`` with 400 (bad body, a checkpoint outside
+the server's roots, an unreadable checkpoint), 401 (token), 409 (that owner of that
+attempt is already publishing, or the attempt was stopped), 413 (body too large), 503
+(every publish slot busy) or 500; the client raises :class:`EncoderError` with the
+sentence.
+
+What a caller cannot choose: the store (the server's ``--store``; a request has no
+field for it, so nobody who can reach the endpoint can send payloads elsewhere) and
+which files are read (both checkpoints must lie under one of the server's
+``--checkpoint-root`` directories, symlinks resolved).
+
+Choices, and why: the client opens through :data:`dcr.http.direct.OPENER` (no redirect:
+the token is never sent to a second address; no proxy; HTTP(S) only), as the agent
+client does; a publish waits as long as its attempt may run, so its socket timeout
+comes from the caller.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import urllib.error
+import urllib.request
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from dcr.errors import HttpError, first_validation_error
+from dcr.format.names import ATTEMPT_PATTERN, Mode
+from dcr.format.profile import ReceiverProfile
+from dcr.http.direct import OPENER, check_url, read_bounded, unreachable_reason
+
+MAX_BODY_BYTES = 64 << 20  # a publish body: the merged profile names every tensor
+MAX_PATH_CHARS = 4096
+MAX_OWNERS = 256  # as a WeightRefit's spec.encoder.owners
+_MAX_ANSWER = 1 << 20  # bytes of one answer (a summary is a few hundred)
+_MAX_ERROR = 64 << 10  # bytes of an error body read for its sentence
+
+
+class EncoderError(HttpError):
+    """A warm encoder refused a call or could not be reached; ``status`` is the HTTP
+    status (None without an answer)."""
+
+    def __init__(self, message: str, status: int | None = None, kind: str = "") -> None:
+        super().__init__(message, status)
+        self.kind = kind
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+CheckpointPath = Annotated[str, Field(min_length=1, max_length=MAX_PATH_CHARS)]
+
+
+class PublishRequest(_Body):
+    """One owner's part of one attempt: what ``dcr encode`` is told on its command line.
+
+    ``base`` is the committed version's checkpoint (the baseline), ``target`` the
+    candidate's; both absolute paths the server resolves under its checkpoint roots.
+    ``profile`` is the receivers' merged profile (None: everything XOR where the mode
+    allows). No store: the server's is fixed.
+    """
+
+    attempt: Annotated[str, Field(pattern=ATTEMPT_PATTERN)]
+    mode: Mode
+    base_version: Annotated[int, Field(ge=0)]
+    target_version: Annotated[int, Field(ge=1)]
+    owner: Annotated[int, Field(ge=0)] = 0
+    owners: Annotated[int, Field(ge=1, le=MAX_OWNERS)] = 1
+    base: CheckpointPath
+    target: CheckpointPath
+    bucket_mib: Annotated[int, Field(ge=1, le=4096)] | None = None
+    profile: ReceiverProfile | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PublishRequest:
+        if self.owner >= self.owners:
+            raise ValueError(f"owner {self.owner} is outside 0..{self.owners - 1}")
+        if self.target_version <= self.base_version:
+            raise ValueError(f"target_version {self.target_version} is not greater than "
+                             f"base_version {self.base_version}")
+        for field in ("base", "target"):
+            path = getattr(self, field)
+            if not path.startswith("/") or "\x00" in path:
+                raise ValueError(f"{field} {path!r} is not an absolute path")
+        return self
+
+
+class StopRequest(_Body):
+    attempt: Annotated[str, Field(pattern=ATTEMPT_PATTERN)]
+
+
+class StopAnswer(_Body):
+    attempt: str
+    stopped: int  # publishes of the attempt that were running and have now ended
+    running: int  # publishes of the attempt still running when the wait ran out
+
+
+class EncoderClient:
+    """One warm encoder endpoint, called with a bearer token; never follows a redirect."""
+
+    def __init__(self, url: str, token: str, *, name: str = "encoder") -> None:
+        self.name = name
+        self.url = check_url(url, f"Encoder endpoint {name}")
+        self._token = token
+
+    def __repr__(self) -> str:  # never the token
+        return f"EncoderClient({self.name!r}, {self.url!r})"
+
+    def publish(self, request: PublishRequest, *, timeout_s: float) -> dict[str, Any]:
+        """The summary ``dcr encode --json`` prints, once the payloads and the manifest
+        part are written; waits at most ``timeout_s``."""
+        raw = self._send("/v1/publish", request, timeout_s=timeout_s)
+        try:
+            answer = json.loads(raw)
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):
+            raise EncoderError(f"Encoder endpoint {self.name} answered a publish with "
+                               "something else than a JSON summary object.")
+        return answer
+
+    def stop(self, attempt: str, *, timeout_s: float = 60.0) -> StopAnswer:
+        raw = self._send("/v1/stop", StopRequest(attempt=attempt), timeout_s=timeout_s)
+        try:
+            return StopAnswer.model_validate_json(raw)
+        except ValidationError as e:
+            raise EncoderError(f"Encoder endpoint {self.name} answered a stop with something "
+                               f"else than a stop answer ({first_validation_error(e)}).") from e
+
+    def _send(self, path: str, body: BaseModel, *, timeout_s: float) -> bytes:
+        req = urllib.request.Request(
+            self.url + path, data=body.model_dump_json().encode(), method="POST",
+            headers={"Authorization": f"Bearer {self._token}",
+                     "Content-Type": "application/json"})
+        where = f"Encoder endpoint {self.name} (POST {path})"
+        try:
+            with OPENER.open(req, timeout=timeout_s) as resp:
+                raw = read_bounded(resp, _MAX_ANSWER)
+        except urllib.error.HTTPError as e:
+            with e:  # closes the connection
+                if 300 <= e.code < 400:  # never followed: the token stays with this peer
+                    raise EncoderError(f"{where} answered HTTP {e.code}, a redirect; encoder "
+                                       "calls follow none.", e.code) from None
+                try:
+                    err = json.loads(e.read(_MAX_ERROR))
+                    msg, kind = str(err["error"]), str(err.get("kind", ""))
+                except (ValueError, KeyError, TypeError, OSError):
+                    msg, kind = f"HTTP {e.code}", ""
+            raise EncoderError(f"{where}: {msg}", e.code, kind) from e
+        except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
+            raise EncoderError(f"{where} at {self.url} got no answer: "
+                               f"{unreachable_reason(e)}.") from e
+        if raw is None:
+            raise EncoderError(f"{where} answered more than {_MAX_ANSWER} bytes.")
+        return raw
+
+
+__all__ = ["MAX_BODY_BYTES", "EncoderClient", "EncoderError", "PublishRequest", "StopAnswer",
+           "StopRequest"]

@@ -1,0 +1,176 @@
+"""``dcr agent``: one rollout pod's sidecar as a process, driving a serving engine.
+
+The agent holds no model and imports no torch: it drives the engine beside it through
+the engine's HTTP API (``--engine vllm``: vLLM or ``dcr serve``; ``--engine sglang``)
+and stages verified payloads as files in the directory it shares with the engine
+(``--staging-dir``). Payloads come from an object store (``--store``) or a relay node
+(``--relay``). It listens at once and meets the engine in the background (instance id,
+prewarm), so a slow engine start does not fail the agent's probes; until the engine
+answers, ``/v1/status`` and ``/readyz`` answer 503. Once listening, the process prints
+one JSON line ``{"url": ..., "name": ..., "version": ...}`` on stdout. The options are
+:class:`~dcr.receiver.settings.AgentSettings`, declared there once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dcr.errors import ConfigError
+from dcr.http.tokens import check_token, read_token
+from dcr.receiver.settings import (
+    AGENT_TOKEN_ENV,
+    ENGINE_KEY_ENV,
+    RELAY_TOKEN_ENV,
+    SOURCES,
+    AgentSettings,
+)
+from dcr.settings import add_options, from_args
+
+if TYPE_CHECKING:
+    from dcr.drivers.base import CanonicalSpec, Driver
+    from dcr.receiver.service import AgentService
+
+ATTACH_RETRY_S = 1.0  # how often the agent tries again to meet an engine that is not up
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``dcr agent``'s options, from :class:`AgentSettings`; one payload source required."""
+    add_options(p, AgentSettings, skip=SOURCES)
+    sources = p.add_mutually_exclusive_group(required=True)
+    others = tuple(f.name for f in dataclasses.fields(AgentSettings) if f.name not in SOURCES)
+    add_options(sources, AgentSettings, skip=others)
+
+
+def _token(path: Path | None, env: str) -> str:
+    what = "relay read token" if env == RELAY_TOKEN_ENV else "agent token"
+    return read_token(what, path, env)  # one check for every token: dcr.http.tokens
+
+
+def engine_key(s: AgentSettings) -> str | None:
+    """The engine's API key from ``--engine-api-key-file`` or ``$DCR_ENGINE_API_KEY``;
+    None when neither is given (an engine on loopback may have none)."""
+    if s.engine_api_key_file is not None:
+        return read_token("engine API key", s.engine_api_key_file)
+    value = os.environ.get(ENGINE_KEY_ENV, "").strip()
+    return check_token(value, f"engine API key from ${ENGINE_KEY_ENV}") if value else None
+
+
+def build_engine(s: AgentSettings) -> Driver:
+    """The adapter of ``--engine`` at ``--engine-url``."""
+    from dcr.drivers import EngineTimeouts, SglangDriver, VllmDriver
+    from dcr.protocol.agent_api import DRAIN_S
+
+    timeouts = EngineTimeouts(drain_s=DRAIN_S)  # a drain ends before the client gives up
+    if s.engine == "sglang":
+        return SglangDriver(s.engine_url, s.staging_dir, engine_key(s), timeouts=timeouts)
+    return VllmDriver(s.engine_url, engine_key(s), timeouts=timeouts)
+
+
+def canonical_tensors(checkpoint: Path) -> list[CanonicalSpec]:
+    """The tensors a checkpoint directory's safetensors headers name (no data read)."""
+    from dcr.checkpoint import Checkpoint
+    from dcr.drivers.base import CanonicalSpec
+
+    with Checkpoint(checkpoint) as ckpt:
+        return [CanonicalSpec(name=i.name, dtype=i.dtype.name, shape=tuple(i.shape))
+                for i in ckpt]
+
+
+def build_service(s: AgentSettings, engine: Driver | None = None) -> AgentService:
+    from dcr.protocol.agent_api import AttemptSpec
+    from dcr.receiver.journal import Journal
+    from dcr.receiver.service import AgentService, SourceFor
+    from dcr.transport.receive import Source, StoreSource
+    from dcr.transport.store import open_store
+
+    source_for: SourceFor
+    if s.store:
+        store = open_store(s.store)
+
+        def source_for(spec: AttemptSpec) -> Source:
+            return StoreSource(store=store, version=spec.target_version, attempt=spec.attempt,
+                               owners=spec.owners)
+    else:
+        from dcr.transport.relay.source import RelaySource
+
+        relay, relay_token = s.relay, _token(s.relay_token_file, RELAY_TOKEN_ENV)
+        assert relay is not None  # AgentSettings holds exactly one source
+
+        def source_for(spec: AttemptSpec) -> Source:
+            if spec.owners != 1:
+                raise ConfigError(f"The relay carries one owner's manifest; attempt "
+                                  f"{spec.attempt} has {spec.owners} owners.")
+            return RelaySource(relay, relay_token, spec.attempt)
+
+    return AgentService(s.name, engine or build_engine(s), source_for,
+                        canonical=canonical_tensors(s.canonical), staging_dir=s.staging_dir,
+                        version=s.model_version, journal=Journal(s.state_dir / "journal.json"),
+                        staging_bytes=s.staging_bytes, checkpoint_root=s.dense_root,
+                        max_wait_s=s.max_wait_s, pause_mode=s.pause_mode)
+
+
+def attach_in_background(service: AgentService) -> threading.Thread:
+    """Meet the engine (instance id, prewarm) as soon as it answers, on a thread."""
+    def attach() -> None:
+        while True:
+            try:
+                service.attach()
+                return
+            except Exception as e:  # not up yet, or restarting: try again
+                log.info("%s: engine not ready: %s", service.name, e)
+                time.sleep(ATTACH_RETRY_S)
+
+    t = threading.Thread(target=attach, name="attach", daemon=True)
+    t.start()
+    return t
+
+
+async def _serve(service: AgentService, token: str, s: AgentSettings) -> None:
+    from aiohttp import web
+
+    from dcr.receiver.server import make_app
+
+    host, _, port = s.listen.rpartition(":")
+    app = make_app(service, token, max_waits=s.max_waits,
+                   liveness_timeout_s=s.liveness_timeout_s)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, host or "127.0.0.1", int(port))
+    await site.start()
+    bound = runner.addresses[0][1]
+    print(json.dumps({"url": f"http://{host or '127.0.0.1'}:{bound}", "name": service.name,
+                      "version": service.snapshot().version}), flush=True)
+    attach_in_background(service)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
+def run(s: AgentSettings) -> int:
+    token = _token(s.token_file, AGENT_TOKEN_ENV)
+    service = build_service(s)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_serve(service, token, s))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="dcr agent", description=__doc__)
+    add_arguments(p)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return run(from_args(AgentSettings, p.parse_args(argv)))

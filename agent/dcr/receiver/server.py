@@ -1,0 +1,193 @@
+"""The agent's HTTP control API (:mod:`dcr.protocol.agent_api`) on aiohttp.
+
+One route per row of :class:`~dcr.protocol.agent_api.AgentApi`: the handler validates
+the JSON body strictly with the row's model, decodes it into the arguments of the
+service method of the row's name, runs that blocking call on a thread and serialises
+the row's response model. Errors map to statuses: 400 bad body, 401 token, 409 attempt,
+state or version conflict, 422 the attempt failed here, 503 too many waits or an engine
+that failed or did not answer, 500 anything else. Health, readiness and metrics are
+served beside the table. Generation is the engine's (``/v1/completions`` on vLLM, SGLang
+or ``dcr serve``), not the agent's: the agent holds no model.
+
+Threads, and why: blocking calls never run on the event loop, and never on one shared
+pool, where six long waits once took every thread and ``status`` and ``stop`` timed out
+behind them. Each kind of call has its own pool (:data:`POOLS`): ``status`` (also
+readiness, metrics and the liveness probe), ``stop``, ``wait`` (``/v1/staged`` and
+``/v1/flush``, at most ``max_waits`` at once: one more is answered 503 at once), and
+``control`` for the rest. A wait ends at the agent's ``max_wait_s``
+whatever it asks, and as soon as its client disconnects (its ``cancel`` event is set and
+the service woken). ``/healthz`` answers 503 when the state lock cannot be taken within
+``liveness_timeout_s`` or the status pool does not run the probe: a wedged control loop
+makes the pod unhealthy instead of silently deaf.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from dcr.drivers.errors import EngineError
+from dcr.http.prometheus import Family, render
+from dcr.http.tokens import bearer_matches
+from dcr.protocol.agent_api import AgentApi, AttemptDeadline, BadRequest, Call, parse_body
+from dcr.protocol.state import IllegalTransition
+from dcr.receiver.service import AgentConflict, AgentService, AttemptFailed
+from dcr.receiver.settings import AgentSettings
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+# Which pool runs a call (by its row's name; "control" otherwise), and each pool's threads.
+POOLS = {"status": "status", "stop_and_wait": "stop", "wait_staged": "wait", "flush": "wait"}
+POOL_THREADS = {"status": 2, "stop": 2, "control": 4}  # "wait": max_waits
+DISCONNECT_POLL_S = 0.2  # how often a wait looks whether its client is still there
+
+
+if TYPE_CHECKING:
+    from dcr.protocol.coordinator import ReceiverHandle
+
+    def _in_process(service: AgentService) -> ReceiverHandle:
+        """mypy holds the service to the seam that these routes serve over HTTP."""
+        return service
+
+
+def _error(status: int, message: str, kind: str) -> web.Response:
+    return web.json_response({"error": message, "kind": kind}, status=status)
+
+
+def make_app(service: AgentService, token: str, *, max_waits: int = AgentSettings.max_waits,
+             liveness_timeout_s: float = AgentSettings.liveness_timeout_s) -> web.Application:
+    sizes = {**POOL_THREADS, "wait": max_waits}
+    pools: dict[str, Executor] = {
+        name: ThreadPoolExecutor(n, thread_name_prefix=f"agent-{name}")
+        for name, n in sizes.items()}
+    waits = asyncio.Semaphore(max_waits)
+
+    async def run(pool: str, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(pools[pool], fn, *args)
+
+    async def wait(request: web.Request, fn: Callable[..., Any], key: AttemptDeadline) -> Any:
+        """Run a waiting call; set its key's ``cancel`` when the client goes away."""
+        if waits.locked():
+            raise web.HTTPServiceUnavailable(
+                text=json.dumps({"error": f"{service.name}: {max_waits} waits are in "
+                                 "progress; try again when one has ended.", "kind": "Busy"}),
+                content_type="application/json")
+        cancel = threading.Event()
+        async with waits:
+            job = asyncio.ensure_future(run("wait", fn, dataclasses.replace(key,
+                                                                            cancel=cancel)))
+            try:
+                while not (await asyncio.wait({job}, timeout=DISCONNECT_POLL_S))[0]:
+                    if request.transport is None or request.transport.is_closing():
+                        break
+            finally:
+                if not job.done():  # the client left, or this handler was cancelled
+                    cancel.set()
+                    pools["stop"].submit(service.wake)
+            return await job
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        authorized = bearer_matches(request.headers.get("Authorization"), token)  # total
+        if request.path not in OPEN_PATHS and not authorized:
+            return _error(401, "Missing or wrong bearer token.", "Unauthorized")
+        try:
+            return await handler(request)
+        except BadRequest as e:
+            return _error(400, str(e), "BadRequest")
+        except (AgentConflict, IllegalTransition) as e:
+            return _error(409, str(e), type(e).__name__)
+        except AttemptFailed as e:
+            return _error(422, str(e), type(e).__name__)
+        except EngineError as e:  # the engine failed the call or did not answer
+            return _error(503, str(e), type(e).__name__)
+        except web.HTTPException:
+            raise
+        except Exception as e:  # the message names the value; the stack goes to the log
+            log.exception("agent call %s failed", request.path)
+            return _error(500, f"{type(e).__name__}: {e}", type(e).__name__)
+
+    def route(call: Call[..., Any, Any]) -> web.RouteDef:
+        fn: Callable[..., Any] = getattr(service, call.name)
+        pool = POOLS.get(call.name, "control")
+
+        async def handler(request: web.Request) -> web.StreamResponse:
+            args: tuple[Any, ...] = ()
+            if call.request is not None:
+                args = call.decode(parse_body(call.request, await request.read()))
+            result = await (wait(request, fn, *args) if pool == "wait"
+                            else run(pool, fn, *args))
+            return web.Response(body=call.adapter.dump_json(result),
+                                content_type="application/json")
+
+        return web.route(call.method, call.path, handler)
+
+    async def healthz(_: web.Request) -> web.StreamResponse:
+        try:
+            alive = await asyncio.wait_for(run("status", service.alive, liveness_timeout_s),
+                                           liveness_timeout_s + 1.0)
+        except TimeoutError:
+            alive = False
+        if not alive:
+            return web.Response(status=503, text="wedged: the agent's state has been locked "
+                                f"for more than {liveness_timeout_s} s\n")
+        return web.Response(text="ok\n")
+
+    async def readyz(_: web.Request) -> web.StreamResponse:
+        st = await run("status", service.status)
+        if st.version is None:
+            return web.Response(status=503, text=f"no version: {st.unknown or st.dirty}\n")
+        return web.Response(text=f"version {st.version}\n")
+
+    async def metrics(_: web.Request) -> web.StreamResponse:
+        text = await run("status", render_metrics, service)
+        return web.Response(text=text, content_type="text/plain")
+
+    async def shutdown(_: web.Application) -> None:
+        for pool in pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    app = web.Application(middlewares=[guard], client_max_size=1 << 20)
+    app.on_cleanup.append(shutdown)
+    app.add_routes([
+        *(route(call) for call in AgentApi.calls()),
+        web.get("/healthz", healthz),
+        web.get("/readyz", readyz),
+        web.get("/metrics", metrics),
+    ])
+    return app
+
+
+def render_metrics(service: AgentService) -> str:
+    """Prometheus text exposition of the agent's counters and gauges."""
+    st, c = service.snapshot(), service.counters
+    return render([
+        Family("dcr_agent_version", "gauge", "Version the weights hold (-1: none).",
+               [("", -1 if st.version is None else st.version)]),
+        Family("dcr_agent_gate_open", "gauge", "1 while generation requests may pass.",
+               [("", int(st.gate_open))]),
+        Family("dcr_agent_staged_bytes", "gauge", "Payload bytes staged and not yet applied.",
+               [("", st.bytes_staged)]),
+        Family("dcr_agent_payloads_applied_total", "counter", "Payloads applied in place.",
+               [("", c.payloads_applied)]),
+        Family("dcr_agent_payload_bytes_applied_total", "counter", "Payload bytes applied.",
+               [("", c.payload_bytes_applied)]),
+        Family("dcr_agent_apply_seconds_total", "counter", "Seconds inside the apply engine.",
+               [("", round(c.apply_seconds, 6))]),
+        Family("dcr_agent_attempts_total", "counter", "Attempts ended, by outcome.",
+               [(f'{{outcome="{k}"}}', v) for k, v in sorted(c.attempts.items())]),
+        Family("dcr_agent_dense_loads_total", "counter", "Dense refits (rejoins).",
+               [("", c.dense_loads)]),
+        Family("dcr_agent_waits", "gauge", "Staged and flush waits in progress.",
+               [("", service.waits)]),
+    ])

@@ -1,0 +1,785 @@
+"""The agent's protocol logic (docs/protocol.md), one attempt at a time, over an engine.
+
+The agent holds no model: it drives a serving engine through the
+:class:`~dcr.drivers.base.Driver` seam (vLLM, SGLang or ``dcr serve`` over HTTP; a
+:class:`~dcr.serve.local.LocalDriver` in process) and shares a staging directory with it.
+
+``prepare`` admits an attempt and starts a receive thread that pulls the attempt's
+payloads from the source (object store or relay node), verifies them and stages each
+as a file in the staging directory (:mod:`dcr.receiver.staging`), so a server in
+asynchronous RL keeps serving the old version meanwhile. ``open_apply`` (only with the
+request gate closed) starts the apply thread, which has the engine apply the staged
+files one at a time in the attempt's declared order while later payloads still arrive.
+``flush`` waits until every payload the manifest lists has been applied, the engine's
+devices are synchronized and the targets checked; ``committed`` then moves the held
+version forward and sets the engine's version label. ``stop_and_wait`` makes the
+attempt obsolete and returns only after both threads have ended, so no write of it can
+still happen. The gate is the engine's: closing it is ``engine.pause`` (``wait`` by
+default: requests in flight finish), opening it ``engine.resume``.
+
+What the weights hold is tracked exactly: ``version`` while they hold one, ``dirty =
+(base, target)`` from just before the first write of an attempt until a commit or a
+dense load settles it. Dirty weights only accept an overwrite attempt of the same
+transition (absolute values repair any mix of old and new bits) or a dense load, and
+the gate will not reopen on them. The journal records all of it before it happens,
+with the engine's instance id: a version is vouched for only under the engine instance
+that reached it. An engine that answers a new instance id (its process restarted) holds
+whatever it loaded at start, so the weights become ``unknown`` and need a dense load,
+exactly as when the agent itself restarts mid-attempt. The agent reads the id at every
+admission (``status`` between attempts), at ``prepare``, after a failed engine call and
+before an attempt's flush completes; a new instance is prewarmed before it is used.
+
+What reaches the weights is vouched for, and checked after:
+
+* Only payloads the attempt's manifest lists, with their size and digest, are staged:
+  the receive thread holds each owner's payloads until that owner's manifest part (which
+  it writes last) has arrived and lists them (:func:`~dcr.transport.receive.receive`,
+  ``release="when_listed"``); payloads of owners outside the attempt are never fetched.
+  The engine's ranks refuse a payload id applied before (XOR is not idempotent).
+* Once everything is applied, the apply thread synchronizes the engine and has every
+  rank read back each tensor the attempt wrote whose path preserves bits (the ``xor``
+  class, on a rank that holds the whole tensor) and compare its fingerprint with the
+  target the manifest lists (:meth:`~dcr.drivers.base.Driver.check_targets`); ``flush``
+  answers only after that.
+* A foreign object under the attempt's prefix (:class:`~dcr.transport.receive.
+  ForeignPayload`) or a fingerprint that differs (:class:`FingerprintMismatch`) fails
+  the attempt and, if it had begun writing, makes the weights ``unknown``: a dense load
+  restores them, never an overwrite retry, which rewrites only the changed set.
+
+A dense load is checked by every rank before anything is written
+(:meth:`~dcr.drivers.base.Driver.check_dense`): a refusal leaves weights, version and
+gate as they were; a load that fails after that leaves the weights unknown.
+
+Calls that race are ordered by the state they need: ``open_apply`` needs the gate
+closed *and drained* (``close_gate`` returned), so no generation request still reads
+the weights; a dense load holds ``loading`` from its first check to its last write, and
+``prepare`` and ``open_apply`` refuse meanwhile; ``stop_and_wait`` is idempotent, so two
+concurrent stops both answer with the stopped attempt. Waits (``wait_staged``,
+``flush``) are capped (``max_wait_s``) and end early when their key's ``cancel`` event
+is set (the HTTP server sets it when the client goes away). The state lock is never held
+across an engine call: gate calls are ordered by a lock of their own, prewarm by
+another.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dcr.drivers.base import Driver, PauseMode, TensorSpec, merge_fingerprints
+from dcr.drivers.errors import EngineError
+from dcr.errors import DcrError
+from dcr.format.manifest import Manifest
+from dcr.format.payload import Payload
+from dcr.format.profile import ReceiverProfile
+from dcr.protocol.agent_api import (
+    AgentStatus,
+    AttemptKey,
+    AttemptSpec,
+    FlushAck,
+    seconds_left,
+)
+from dcr.protocol.records import Attempt
+from dcr.protocol.state import FINAL, AttemptState, advance
+from dcr.receiver.journal import Journal, JournalEntry
+from dcr.receiver.settings import AgentSettings
+from dcr.receiver.staging import StagingDir
+from dcr.transport.receive import ForeignPayload, ReceiveStopped, Source, receive
+
+log = logging.getLogger(__name__)
+S = AttemptState
+
+
+class AgentConflict(DcrError):
+    """The call does not fit the agent's state (wrong attempt, version or gate)."""
+
+
+class AttemptFailed(DcrError):
+    """The current attempt failed on this agent; the cause is in the message."""
+
+
+class FingerprintMismatch(DcrError):
+    """After an attempt's payloads were applied, a tensor's bits differ from the target
+    fingerprint its manifest lists."""
+
+
+@dataclass(kw_only=True)
+class Counters:
+    """What ``/metrics`` exports (monotonic counts and seconds)."""
+
+    payloads_applied: int = 0
+    payload_bytes_applied: int = 0
+    apply_seconds: float = 0.0
+    attempts: dict[str, int] = field(default_factory=dict)  # by final outcome
+    dense_loads: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Staged:
+    name: str  # the file in the staging directory
+    size: int  # bytes, as the manifest lists them
+
+
+@dataclass(eq=False, kw_only=True)
+class _Run:
+    spec: AttemptSpec
+    instance: str  # the engine instance the attempt writes to
+    state: AttemptState = S.PREPARED
+    stop: threading.Event = field(default_factory=threading.Event)
+    apply_open: threading.Event = field(default_factory=threading.Event)
+    staged: list[_Staged | None] = field(default_factory=list)  # verified, as files
+    staged_bytes: int = 0  # staged, not yet applied
+    received: bool = False  # the manifest closed the attempt: nothing more will be staged
+    manifest: Manifest | None = None
+    applied: int = 0
+    applied_bytes: int = 0
+    apply_s: float = 0.0
+    touched: set[str] = field(default_factory=set)  # canonical tensors the payloads wrote
+    checked: bool = False  # all applied, the engine synchronized, fingerprints compared
+    error: str | None = None
+    threads: list[threading.Thread] = field(default_factory=list)
+
+
+SourceFor = Callable[[AttemptSpec], Source]
+
+
+def _short(instance: str | None) -> str:
+    return "none" if instance is None else instance[:12]
+
+
+class AgentService:
+    """A ``ReceiverHandle`` in process; the HTTP server serves its methods, one per row
+    of :class:`~dcr.protocol.agent_api.AgentApi`, under the same names."""
+
+    def __init__(self, name: str, engine: Driver, source_for: SourceFor, *,
+                 canonical: Sequence[TensorSpec], staging_dir: Path, version: int,
+                 journal: Journal | None = None,
+                 staging_bytes: int = AgentSettings.staging_bytes,
+                 checkpoint_root: Path | None = None,
+                 max_wait_s: float = AgentSettings.max_wait_s,
+                 pause_mode: PauseMode = AgentSettings.pause_mode) -> None:
+        """``canonical``: the tensors the engine's ranks are prewarmed with.
+        ``staging_dir``: the directory shared with the engine, as this process sees it.
+        ``checkpoint_root``: dense loads only from under it, passed to the engine
+        relative to it (the engine resolves them under its own checkpoint root)."""
+        self.name = name
+        self.engine = engine
+        self.source_for = source_for
+        self.canonical = list(canonical)
+        self.staging = StagingDir(staging_dir)
+        self.journal = journal
+        self.staging_bytes = staging_bytes
+        self.checkpoint_root = checkpoint_root.resolve() if checkpoint_root else None
+        self.max_wait_s = max_wait_s
+        self.pause_mode = pause_mode
+        self.counters = Counters()
+        self._cond = threading.Condition()
+        self._gate_lock = threading.Lock()  # orders pause and resume calls to the engine
+        self._engine_lock = threading.Lock()  # orders instance reads and prewarms
+        self._run: _Run | None = None
+        self._obsolete: set[str] = set()
+        self.version: int | None = version
+        self.dirty: tuple[int, int] | None = None
+        self.unknown: str | None = None
+        self.instance: str | None = None  # the engine instance ``version`` holds under
+        self._prewarmed: tuple[str, ReceiverProfile] | None = None  # instance, profile
+        self._prewarming = False
+        self._gate_open = True  # the engine serves until the agent first pauses it
+        self._drained = False  # the gate closed and no request in flight since (apply needs it)
+        self._gate_opens = 0  # counts openings: a drain counts only if none came between
+        self._loading: int | None = None  # the version a dense load is restoring
+        self._known: tuple[int, dict[str, str]] | None = None  # a version's target fingerprints
+        self.waits = 0  # waits in progress (metrics)
+        last = journal.load() if journal else None
+        if last is not None:
+            self.instance = last.instance
+        if last is not None and (last.dirty is not None or last.state in ("applying", "flushed")
+                                 or last.version is None):
+            # Unknown stays unknown across restarts (the journal says version None) until
+            # a dense load settles it.
+            self.version = None
+            self.unknown = (f"restarted while attempt {last.attempt} was {last.state} with "
+                            f"writes of {last.dirty} unsettled" if last.version is not None
+                            or last.dirty is not None else
+                            "restarted while the version was unknown")
+            self._gate_open = False  # the engine may still be paused; a dense load opens it
+            log.warning("%s: %s; a dense refit must restore a version", name, self.unknown)
+        elif last is not None:
+            self.version = last.version
+        removed = self.staging.clear()
+        if removed:
+            log.info("%s: removed %d staged files an earlier run left", name, removed)
+        self._journal()
+
+    # --- state ---------------------------------------------------------------------
+
+    def _journal(self) -> None:
+        if self.journal is None:
+            return
+        run = self._run
+        self.journal.save(JournalEntry(
+            version=self.version, dirty=self.dirty,
+            attempt=run.spec.attempt if run else None,
+            state=run.state.value if run else None, instance=self.instance,
+        ))
+
+    def _move(self, run: _Run, to: AttemptState) -> None:
+        run.state = advance(run.spec.attempt, run.state, to)
+        if to in FINAL:
+            outcome = to.value
+            self.counters.attempts[outcome] = self.counters.attempts.get(outcome, 0) + 1
+        self._journal()
+        log.info("%s: attempt %s -> %s", self.name, run.spec.attempt, to.value)
+
+    def _current(self, attempt: str) -> _Run:
+        run = self._run
+        if run is None or run.spec.attempt != attempt:
+            have = f"{run.spec.attempt} ({run.state.value})" if run else "none"
+            raise AgentConflict(f"{self.name}: attempt {attempt} is not current; current: {have}.")
+        return run
+
+    def _busy(self) -> bool:
+        """An attempt has not ended, or a dense load runs; hold the lock."""
+        run = self._run
+        return (run is not None and run.state not in FINAL) or self._loading is not None
+
+    def status(self) -> AgentStatus:
+        """The agent's state; between attempts it first reads the engine's instance id
+        (admission happens there), so a restarted engine shows as unknown weights.
+        Raises :class:`~dcr.drivers.errors.EngineError` while the engine does not
+        answer, or is being prewarmed: such a receiver is not admitted. Never waits for
+        a prewarm, so the status threads stay free for the liveness probe."""
+        with self._cond:
+            busy, prewarming = self._busy(), self._prewarming
+        if prewarming:
+            raise EngineError(f"{self.name}: the engine is being prewarmed; not ready yet.",
+                              503, call="prewarm")
+        if not busy:
+            self.attach(prewarm=False)
+        return self.snapshot()
+
+    def snapshot(self) -> AgentStatus:
+        """The agent's state as it knows it, without asking the engine."""
+        with self._cond:
+            run = self._run
+            return AgentStatus(
+                name=self.name, version=None if self.dirty else self.version, dirty=self.dirty,
+                unknown=self.unknown, attempt=run.spec.attempt if run else None,
+                state=run.state.value if run else None, error=run.error if run else None,
+                gate_open=self._gate_open,
+                payloads_staged=len(run.staged) if run else 0,
+                payloads_applied=run.applied if run else 0,
+                bytes_staged=run.staged_bytes if run else 0,
+            )
+
+    @property
+    def gate_open(self) -> bool:
+        return self._gate_open
+
+    # --- the engine ----------------------------------------------------------------
+
+    def attach(self, *, prewarm: bool = True) -> str:
+        """Read the engine's instance id and take note of a restart; with ``prewarm``,
+        prewarm an instance not prewarmed yet (never during an attempt or a dense load).
+        The id."""
+        with self._engine_lock:
+            instance = self.engine.instance()
+            with self._cond:
+                self._seen(instance)
+                fresh = self._prewarmed is None or self._prewarmed[0] != instance
+                if not (prewarm and fresh) or self._busy():
+                    return instance
+                self._prewarming = True
+            try:
+                profile = self.engine.prewarm(self.canonical)
+            finally:
+                with self._cond:
+                    self._prewarming = False
+            with self._cond:
+                self._prewarmed = (instance, profile)
+            log.info("%s: engine %s prewarmed (%d tensors)", self.name, _short(instance),
+                     len(profile.tensors))
+            return instance
+
+    def _seen(self, instance: str) -> None:
+        """The engine answered ``instance``; hold the lock. A first id is adopted: the
+        engine holds what the agent was started at. Another id means the engine restarted:
+        its weights are unknown, and an attempt in progress fails."""
+        if instance == self.instance:
+            return
+        old, self.instance = self.instance, instance
+        if old is not None:
+            self.version, self.dirty = None, None
+            self.unknown = (f"the engine restarted (instance {_short(old)} -> "
+                            f"{_short(instance)}): its weights are what it loaded at start")
+            run = self._run
+            if run is not None and run.state not in FINAL and run.error is None:
+                run.error = (f"{self.name}: attempt {run.spec.attempt}: the engine "
+                             "restarted during the attempt.")
+            log.warning("%s: %s; a dense refit must restore a version", self.name,
+                        self.unknown)
+            self._cond.notify_all()
+        self._journal()
+
+    def _pause(self) -> None:
+        """Close the engine's gate (``pause_mode``); returns once it is closed."""
+        with self._gate_lock:
+            with self._cond:
+                self._gate_open = False
+            self.engine.pause(self.pause_mode)
+
+    def _resume(self) -> None:
+        with self._gate_lock:
+            with self._cond:  # under the lock: open_apply cannot start writes meanwhile
+                if self.dirty is not None or self.unknown is not None:
+                    raise AgentConflict(f"{self.name}: will not serve weights that hold no "
+                                        f"version (dirty {self.dirty}, unknown "
+                                        f"{self.unknown}).")
+                run = self._run
+                if run is not None and run.state not in FINAL and run.apply_open.is_set():
+                    raise AgentConflict(f"{self.name}: attempt {run.spec.attempt} is "
+                                        "applying; the gate opens after its commit or stop.")
+                self._drained = False
+                self._gate_opens += 1
+                self._gate_open = True  # clean weights hold ``version``: safe to serve
+            try:
+                self.engine.resume()
+            except BaseException:
+                with self._cond:
+                    self._gate_open = False
+                raise
+
+    # --- protocol calls ------------------------------------------------------------
+
+    def _between_attempts(self, what: str) -> None:
+        """Raise unless the last attempt has ended (committed or stopped); hold the lock."""
+        run = self._run
+        if run is not None and run.state not in FINAL:
+            raise AgentConflict(f"{self.name}: attempt {run.spec.attempt} is "
+                                f"{run.state.value}; {what} happens between attempts "
+                                "(stop it first).")
+
+    def _not_loading(self, what: str) -> None:
+        """Raise while a dense load runs; hold the lock."""
+        if self._loading is not None:
+            raise AgentConflict(f"{self.name}: a dense load of version {self._loading} is in "
+                                f"progress; {what} waits until it has ended.")
+
+    def _wait(self, ready: Callable[[], bool], wait_s: float, attempt: AttemptKey) -> bool:
+        """Wait (holding the lock) until ``ready()``; False after ``wait_s``. Raises
+        :class:`AgentConflict` once the key's ``cancel`` is set (an
+        :class:`~dcr.protocol.agent_api.AttemptDeadline` from the server; see :meth:`wake`)."""
+        cancel: threading.Event | None = getattr(attempt, "cancel", None)
+        self.waits += 1
+        try:
+            done = self._cond.wait_for(
+                lambda: ready() or (cancel is not None and cancel.is_set()), wait_s)
+        finally:
+            self.waits -= 1
+        if cancel is not None and cancel.is_set() and not ready():
+            raise AgentConflict(f"{self.name}: the wait was cancelled (its caller left).")
+        return done
+
+    def wake(self) -> None:
+        """Let every wait look at its condition again (after its ``cancel`` was set)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def alive(self, timeout_s: float) -> bool:
+        """Whether the state lock can be taken within ``timeout_s``: no call holds it longer
+        than a journal write, so failing means the control loop is wedged."""
+        if not self._cond.acquire(timeout=timeout_s):
+            return False
+        self._cond.release()
+        return True
+
+    def prepare(self, attempt: Attempt | AttemptSpec) -> AgentStatus:
+        spec = AttemptSpec.of(attempt)
+        with self._cond:
+            self._between_attempts("a new attempt")
+            self._not_loading("a new attempt")
+        instance = self.attach()  # a restarted engine makes the weights unknown first
+        with self._cond:
+            self._between_attempts("a new attempt")
+            if spec.attempt in self._obsolete:
+                raise AgentConflict(f"{self.name}: attempt {spec.attempt} is obsolete.")
+            self._not_loading("a new attempt")
+            transition = (spec.base_version, spec.target_version)
+            if self.unknown is not None:
+                raise AgentConflict(f"{self.name}: version unknown ({self.unknown}); a dense "
+                                    "refit must restore the committed version first.")
+            if self.dirty is not None and (self.dirty != transition or spec.mode != "overwrite"):
+                raise AgentConflict(
+                    f"{self.name}: weights hold a mix of {self.dirty[0]} and {self.dirty[1]}; "
+                    f"only an overwrite attempt of {self.dirty[0]} -> {self.dirty[1]} or a "
+                    f"dense refit can repair them, not {spec.mode} {transition}."
+                )
+            if self.dirty is None and self.version != spec.base_version:
+                raise AgentConflict(f"{self.name}: holds version {self.version}; attempt "
+                                    f"{spec.attempt} is for base {spec.base_version}.")
+            if self.instance != instance:  # it restarted again since attach read it
+                raise AgentConflict(f"{self.name}: the engine restarted while attempt "
+                                    f"{spec.attempt} was being prepared.")
+            run = _Run(spec=spec, instance=instance)
+            self._run = run
+            self._journal()
+            self._move(run, S.STREAMING)
+            self._start(run, self._receive, "receive")
+            return self.snapshot()
+
+    def close_gate(self) -> AgentStatus:
+        """Pause the engine (``pause_mode``: ``wait`` lets requests in flight finish);
+        returns once it has."""
+        with self._cond:
+            opens = self._gate_opens
+        self._pause()
+        with self._cond:
+            self._drained = opens == self._gate_opens and not self._gate_open
+            run = self._run
+            if run is not None and run.state in (S.PREPARED, S.STREAMING, S.STAGED):
+                self._move(run, S.GATE_CLOSED)
+        return self.snapshot()
+
+    def open_gate(self) -> AgentStatus:
+        self._resume()
+        return self.snapshot()
+
+    def open_apply(self, attempt: AttemptKey) -> AgentStatus:
+        with self._cond:
+            run = self._current(attempt.id)
+            if run.state in FINAL:
+                raise AgentConflict(f"{self.name}: attempt {attempt.id} is {run.state.value}.")
+            if self._gate_open:
+                raise AgentConflict(f"{self.name}: close the request gate before applying "
+                                    f"attempt {attempt.id}.")
+            self._not_loading("an apply")
+            if not self._drained:
+                raise AgentConflict(f"{self.name}: the request gate is closed but requests "
+                                    "may still be in flight; apply starts once close_gate "
+                                    "has returned.")
+            if run.error:
+                raise AttemptFailed(run.error)
+            if run.stop.is_set():
+                raise AgentConflict(f"{self.name}: attempt {attempt.id} is being stopped.")
+            if not run.apply_open.is_set():
+                if run.state in (S.STREAMING, S.STAGED):  # the gate closed before prepare
+                    self._move(run, S.GATE_CLOSED)
+                self.dirty = (run.spec.base_version, run.spec.target_version)
+                self._move(run, S.APPLYING)  # journaled dirty before the first write
+                run.apply_open.set()
+                self._start(run, self._apply, "apply")
+            return self.snapshot()
+
+    def wait_staged(self, attempt: AttemptKey) -> AgentStatus:
+        wait_s = min(seconds_left(attempt), self.max_wait_s)
+        with self._cond:
+            run = self._current(attempt.id)
+            if not self._wait(lambda: run.received or run.error is not None
+                              or run.stop.is_set(), wait_s, attempt):
+                raise AttemptFailed(f"{self.name}: attempt {attempt.id} not staged after "
+                                    f"{wait_s:.1f} s ({len(run.staged)} payloads).")
+            if run.error:
+                raise AttemptFailed(run.error)
+            if run.stop.is_set():
+                raise AgentConflict(f"{self.name}: attempt {attempt.id} was stopped.")
+        return self.snapshot()
+
+    def flush(self, attempt: AttemptKey) -> FlushAck:
+        t0, wait_s = time.perf_counter(), min(seconds_left(attempt), self.max_wait_s)
+        with self._cond:
+            run = self._current(attempt.id)
+            if not run.apply_open.is_set():
+                raise AgentConflict(f"{self.name}: flush before open_apply of {attempt.id}.")
+            done = self._wait(lambda: run.error is not None or run.stop.is_set()
+                              or run.checked, wait_s, attempt)
+            if run.error:
+                raise AttemptFailed(run.error)
+            if run.stop.is_set() or run.state is S.OBSOLETE:
+                raise AgentConflict(f"{self.name}: attempt {attempt.id} was stopped.")
+            if not done:
+                raise AttemptFailed(
+                    f"{self.name}: attempt {attempt.id} not flushed after {wait_s:.1f} s "
+                    f"({run.applied}/{len(run.staged)} staged payloads applied, manifest "
+                    f"{'in' if run.received else 'not in'}).")
+            if run.state is S.APPLYING:  # else already flushed (or committed): idempotent
+                self._move(run, S.FLUSHED)  # the apply thread synchronized and checked
+            return FlushAck(attempt=attempt.id, payloads=run.applied, bytes=run.applied_bytes,
+                            apply_s=run.apply_s, wait_s=time.perf_counter() - t0)
+
+    def committed(self, attempt: str) -> AgentStatus:
+        with self._cond:
+            run = self._current(attempt)
+            if run.state is S.COMMITTED:
+                return self.snapshot()
+            if run.state is not S.FLUSHED:
+                raise AgentConflict(f"{self.name}: attempt {attempt} is "
+                                    f"{run.state.value}, not flushed; it cannot be committed.")
+            self.version, self.dirty = run.spec.target_version, None
+            if run.manifest is not None and run.manifest.tensors:  # checks later dense loads
+                self._known = (self.version, {t.name: t.target for t in run.manifest.tensors})
+            self._move(run, S.COMMITTED)
+            version = self.version
+        self.staging.clear(attempt)
+        now = self._instance_now()  # a restart since the flush: the label must not lie
+        with self._cond:
+            if now is not None:
+                self._seen(now)
+        if now == run.instance:
+            self._label(version)
+        return self.snapshot()
+
+    def _label(self, version: int) -> None:
+        """The engine's weight-version label: what it reports with its outputs. Best
+        effort: the weights hold ``version`` whether or not the label follows."""
+        try:
+            self.engine.set_version(str(version))
+        except EngineError as e:
+            log.warning("%s: the engine's version label stays behind %s: %s", self.name,
+                        version, e)
+
+    def stop_and_wait(self, attempt: str) -> AgentStatus:
+        with self._cond:
+            self._obsolete.add(attempt)
+            run = self._run
+            if run is None or run.spec.attempt != attempt or run.state in FINAL:
+                return self.snapshot()
+            run.stop.set()
+            self._cond.notify_all()
+            threads = list(run.threads)
+        for t in threads:  # an apply in progress finishes its payload, then nothing more
+            t.join()
+        with self._cond:
+            if run.state not in FINAL:  # else a concurrent stop has finished it: idempotent
+                run.staged.clear()
+                run.staged_bytes = 0
+                self._move(run, S.OBSOLETE)
+        self.staging.clear(attempt)
+        return self.snapshot()
+
+    def rejoin(self, version: int, checkpoint: str) -> AgentStatus:
+        """Restore ``version`` from a full checkpoint through the engine's loader.
+
+        The checkpoint must lie under ``checkpoint_root``; where this agent knows the
+        version's target fingerprints (from the manifest of the attempt it committed to
+        it), the checkpoint must have them. Every rank checks both, reading the whole
+        checkpoint, before anything is written (:meth:`Driver.check_dense`): a refused
+        load leaves the weights and the gate as they were. Errors name the check that
+        failed, never bytes of the file (the engine's sentences do not quote files).
+        """
+        relative = self._dense_path(checkpoint)
+        with self._cond:
+            self._between_attempts("a dense refit")
+            self._not_loading("another dense refit")
+        instance = self.attach()  # a restarted engine is prewarmed before it loads
+        with self._cond:
+            self._between_attempts("a dense refit")
+            self._not_loading("another dense refit")
+            self._loading, was_open = version, self._gate_open
+        known = self._known
+        expect = known[1] if known is not None and known[0] == version else None
+        try:
+            self._pause()
+            self.engine.check_dense(relative, expect)
+        except BaseException as e:
+            with self._cond:
+                self._loading = None
+                reopen = was_open and not self._gate_open
+            if reopen:
+                self._resume()  # nothing was written: serve as before
+            if isinstance(e, EngineError) and e.status is not None:
+                raise AgentConflict(f"{self.name}: dense load of version {version} refused: "
+                                    f"{e}") from e
+            raise
+        try:
+            with self._cond:
+                self.version, self.dirty, self.unknown = None, None, f"dense load of {version}"
+                self._journal()
+            self.engine.load_dense(relative, expect)
+            self.engine.sync()
+            differ = self.engine.check_targets(expect) if expect else {}
+            if differ:
+                raise FingerprintMismatch(f"{self.name}: after a dense load of version "
+                                          f"{version}, {len(differ)} tensors differ from its "
+                                          f"manifest's targets: {sorted(differ)[:3]}.")
+            now = self.engine.instance()
+            with self._cond:
+                self._seen(now)
+                if now != instance:
+                    raise AgentConflict(f"{self.name}: the engine restarted during the dense "
+                                        f"load of version {version}.")
+                self.version, self.unknown = version, None
+                self.counters.dense_loads += 1
+                self._journal()
+        finally:
+            with self._cond:
+                self._loading = None
+        log.info("%s: restored version %s by a dense load of %s", self.name, version,
+                 relative)
+        self._label(version)
+        return self.open_gate()
+
+    def _dense_path(self, checkpoint: str) -> str:
+        """``checkpoint`` relative to the checkpoint root, if it lies under it (links
+        resolved); the engine resolves it under its own root."""
+        root = self.checkpoint_root
+        if root is None:
+            raise AgentConflict(f"{self.name}: no checkpoint root is configured; dense loads "
+                                "are refused.")
+        path = (root / checkpoint).resolve()  # an absolute ``checkpoint`` replaces ``root``
+        if not path.is_relative_to(root) or path == root:
+            raise AgentConflict(f"{self.name}: dense loads come from under {root}; "
+                                f"{checkpoint!r} is not there.")
+        return path.relative_to(root).as_posix()
+
+    # --- inspection ----------------------------------------------------------------
+
+    def profile(self) -> dict[str, Any]:
+        """The engine's class of every canonical tensor, its ranks' merged (what the
+        sender encodes for)."""
+        self.attach()
+        with self._cond:
+            prewarmed = self._prewarmed
+        if prewarmed is None:
+            raise AgentConflict(f"{self.name}: the engine has not been prewarmed yet (an "
+                                "attempt or a dense load is in progress).")
+        return {"tensors": prewarmed[1].tensors}
+
+    def fingerprint(self) -> dict[str, str]:
+        """xxh3-128 of every parameter and buffer's integer view, per rank of the engine
+        (:func:`~dcr.drivers.base.merge_fingerprints`), for bit-exact checks."""
+        return merge_fingerprints(self.engine.fingerprint())
+
+    # --- threads -------------------------------------------------------------------
+
+    def _start(self, run: _Run, target: Callable[[_Run], None], what: str) -> None:
+        t = threading.Thread(target=self._guard, args=(run, target),
+                             name=f"{what}-{run.spec.attempt}", daemon=True)
+        run.threads.append(t)
+        t.start()
+
+    def _guard(self, run: _Run, target: Callable[[_Run], None]) -> None:
+        try:
+            target(run)
+        except ReceiveStopped:
+            pass
+        except Exception as e:  # the attempt fails; the coordinator retries by overwrite
+            instance = self._instance_now() if isinstance(e, EngineError) else None
+            with self._cond:
+                if run.error is None and not run.stop.is_set():
+                    run.error = f"{self.name}: attempt {run.spec.attempt}: {e}"
+                    log.warning("%s", run.error)
+                if isinstance(e, ForeignPayload | FingerprintMismatch) and self.dirty:
+                    # Bits no manifest vouches for may be in the weights, or ones that differ
+                    # from its targets: an overwrite of the changed set would not repair them.
+                    self.version, self.dirty = None, None
+                    self.unknown = (f"attempt {run.spec.attempt} found {type(e).__name__} "
+                                    "after writing; a dense load must restore a version")
+                    log.warning("%s: %s", self.name, self.unknown)
+                    self._journal()
+                if instance is not None:
+                    self._seen(instance)
+                self._cond.notify_all()
+
+    def _instance_now(self) -> str | None:
+        """The engine's instance id after a failed call, or None if it does not answer."""
+        try:
+            return self.engine.instance()
+        except Exception:  # down or restarting: the next admission reads it again
+            return None
+
+    def _receive(self, run: _Run) -> None:
+        spec = run.spec
+        source = self.source_for(spec)
+        try:
+            manifest = receive(source, spec.attempt, lambda p: self._stage(run, p),
+                               owners=spec.owners, release="when_listed",
+                               hold_bytes=self.staging_bytes,
+                               timeout_s=max(0.1, spec.deadline - time.time()), stop=run.stop)
+        finally:
+            close = getattr(source, "close", None)
+            if close is not None:  # a relay source holds a loop thread and a session
+                close()
+        with self._cond:
+            run.manifest, run.received = manifest, True
+            if run.state is S.STREAMING:
+                self._move(run, S.STAGED)
+            self._cond.notify_all()
+
+    def _stage(self, run: _Run, payload: Payload) -> None:
+        size = payload.size
+        with self._cond:  # back-pressure: staged but unapplied bytes stay bounded
+            def fits() -> bool:
+                return run.staged_bytes == 0 or (
+                    run.staged_bytes + size <= self.staging_bytes)
+
+            if not fits() and not run.apply_open.is_set():
+                # Staging before the gate closes (asynchronous RL) must hold the whole
+                # attempt: waiting for space nobody frees would only run into the deadline.
+                raise AttemptFailed(
+                    f"staging it needs more than the budget of {self.staging_bytes} bytes "
+                    "before apply opens; raise --staging-mib or close the gate at the start "
+                    "(sync RL).")
+            self._cond.wait_for(lambda: run.stop.is_set() or fits())
+            if run.stop.is_set():
+                raise ReceiveStopped(f"attempt {run.spec.attempt} stopped")
+            run.staged_bytes += size  # reserved before the file is written
+        name = self.staging.write(payload)  # a stop joins this thread, then clears the files
+        with self._cond:
+            run.staged.append(_Staged(name=name, size=size))
+            self._cond.notify_all()
+
+    def _apply(self, run: _Run) -> None:
+        while True:
+            i = run.applied
+            with self._cond:
+                self._cond.wait_for(lambda: run.stop.is_set() or run.error is not None
+                                    or run.applied < len(run.staged) or run.received)
+                if run.stop.is_set() or run.error is not None:
+                    return
+                if i >= len(run.staged):
+                    break  # received and all applied: check, then flush finishes the attempt
+                staged = run.staged[i]
+            assert staged is not None
+            t0 = time.perf_counter()
+            outcome = self.engine.apply([staged.name])  # every rank reads the file
+            seconds = time.perf_counter() - t0
+            self.staging.remove(staged.name)
+            with self._cond:
+                run.staged[i] = None
+                run.staged_bytes -= staged.size
+                run.applied += 1
+                run.applied_bytes += staged.size
+                run.apply_s += seconds
+                run.touched |= outcome.names
+                self.counters.payloads_applied += 1
+                self.counters.payload_bytes_applied += staged.size
+                self.counters.apply_seconds += seconds
+                self._cond.notify_all()
+        self._check(run)
+
+    def _check(self, run: _Run) -> None:
+        """Synchronize, then compare the fingerprints of what the attempt wrote, on the
+        engine instance the attempt began with."""
+        self.engine.sync()
+        assert run.manifest is not None
+        targets = {t.name: t.target for t in run.manifest.tensors if t.name in run.touched}
+        differ = self.engine.check_targets(targets) if targets else {}
+        if differ:
+            said = "; ".join(f"{n!r} holds {fp}, the manifest says {targets[n]}"
+                             for n, fp in list(differ.items())[:3])
+            raise FingerprintMismatch(f"{len(differ)} tensors differ from the manifest's "
+                                      f"target after apply: {said}.")
+        instance = self.engine.instance()
+        if instance != run.instance:
+            with self._cond:
+                self._seen(instance)
+            raise AttemptFailed(f"the engine restarted during the attempt (instance "
+                                f"{_short(run.instance)} -> {_short(instance)}).")
+        with self._cond:
+            run.checked = True
+            self._cond.notify_all()

@@ -1,0 +1,66 @@
+"""The staging directory the agent shares with its serving engine.
+
+Verified payloads wait here as files until the engine applies them: the agent writes,
+the engine's ranks read by file name (``docs/engines.md``, "The staging volume"). The
+agent's side of that contract:
+
+* a file appears whole or not at all: written under a dot-prefixed temporary name,
+  flushed, then renamed into place (a dot-prefixed name is never a valid staged name,
+  so the engine can never be asked for half a file);
+* names come from the payload's ids (:func:`~dcr.drivers.base.staged_name`), never from
+  anything else a peer sent;
+* a file is removed once applied, and whatever an attempt left is removed when it
+  commits or is stopped; a restarted agent removes what an earlier run left.
+
+Only files whose names have the staged shape are ever removed: the directory may hold
+the engine's own files (SGLang's answers, ``.dcr-result-*``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from pathlib import Path
+
+from dcr.drivers.base import staged_name
+from dcr.format.payload import Payload
+
+STAGED_FILE = re.compile(r"\.?(?P<attempt>[A-Za-z0-9][A-Za-z0-9._-]*)-o\d{4,}-s\d{6,}\.dcrp"
+                         r"(\.tmp)?")
+
+
+class StagingDir:
+    """Payload files in one directory, written atomically."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.mkdir(parents=True, exist_ok=True)
+
+    def write(self, payload: Payload) -> str:
+        """Write a verified payload; its file name."""
+        h = payload.header
+        name = staged_name(h.attempt, h.owner, h.seq)
+        tmp = self.path / f".{name}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(payload.data)
+            f.flush()
+        os.replace(tmp, self.path / name)
+        return name
+
+    def remove(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            (self.path / name).unlink()
+
+    def clear(self, attempt: str | None = None) -> int:
+        """Remove every staged file (of ``attempt`` only, when given); how many."""
+        removed = 0
+        for p in self.path.iterdir():
+            m = STAGED_FILE.fullmatch(p.name)
+            if m and (attempt is None or m["attempt"] == attempt) and not p.is_dir():
+                self.remove(p.name)
+                removed += 1
+        return removed
+
+
+__all__ = ["STAGED_FILE", "StagingDir"]

@@ -1,0 +1,86 @@
+"""The full-checkpoint refit the main job times beside each DCR refit (``full s``).
+
+Issue 14 asks the main job to show DCR's win against the alternative it replaces: every
+rollout pod fetching the whole new checkpoint and loading it densely. So after each
+step the driver refits every pod to the same version that way, through the same store
+and across the same boundary (:mod:`dcr.refit.boundary`): the trainer uploads the export's
+files directly, as its owners publish, and every pod at once downloads them through its
+own link, ``FULL_STREAMS`` files at a time (as ``aws s3 cp --recursive`` does, so a
+sharded checkpoint does not pay a round trip per file in turn), into its own directory
+under the checkpoint root, and dense-loads them through its agent (``rejoin``: the
+server's own loader). ``full_s`` is the upload plus the slowest pod's download and load.
+The objects and the pods' copies are deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dcr.refit.launch import AgentProcess
+from dcr.transport.store import FileStore
+
+if TYPE_CHECKING:
+    from dcr.transport.s3 import S3Store
+
+FULL_STREAMS = 8  # files one transfer moves at once, as aws s3 cp does
+
+
+@dataclass(frozen=True, kw_only=True)
+class FullPath:
+    """Where full checkpoints travel: the store as the trainer reaches it (uploads) and as
+    each pod does (downloads, through the pod's link)."""
+
+    upload: FileStore | S3Store
+    pods: list[FileStore | S3Store]  # by pod index
+
+    def delete(self, prefix: str) -> None:
+        """Remove the objects under ``prefix`` (the Store seam has no delete)."""
+        if isinstance(self.upload, FileStore):  # its objects are files under its root
+            shutil.rmtree(self.upload.root / prefix, ignore_errors=True)
+            return
+        for key in self.upload.list(prefix):
+            self.upload.delete(key)
+
+
+def full_refit(v: int, ckpt: Path, agents: Sequence[AgentProcess], path: FullPath,
+               copies: Path) -> dict[str, float]:
+    """Refit every agent's server to version ``v`` from the full checkpoint ``ckpt``
+    through ``path``, each into its own directory under ``copies``; seconds and bytes."""
+    prefix = f"full/v{v}/"
+    files = sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file())
+
+    def load(i: int) -> float:
+        t = time.perf_counter()
+        agent, store = agents[i], path.pods[i]
+        home = copies / agent.name / f"v{v}"
+
+        def fetch(name: str) -> None:
+            (home / name).parent.mkdir(parents=True, exist_ok=True)
+            (home / name).write_bytes(store.get(prefix + name))
+
+        with ThreadPoolExecutor(FULL_STREAMS, thread_name_prefix=f"full-{i}") as pool:
+            list(pool.map(fetch, files))
+        agent.client().rejoin(v, str(home))
+        return time.perf_counter() - t
+
+    def put(name: str) -> None:
+        path.upload.put(prefix + name, (ckpt / name).read_bytes())
+
+    try:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(FULL_STREAMS, thread_name_prefix="full-up") as pool:
+            list(pool.map(put, files))
+        upload_s = time.perf_counter() - t0
+        with ThreadPoolExecutor(len(agents), thread_name_prefix="full") as pool:
+            load_s = max(pool.map(load, range(len(agents))))
+    finally:
+        path.delete(prefix)
+        shutil.rmtree(copies, ignore_errors=True)
+    return {"full_s": upload_s + load_s, "full_upload_s": upload_s, "full_load_s": load_s,
+            "full_bytes": sum((ckpt / n).stat().st_size for n in files)}

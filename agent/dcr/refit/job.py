@@ -1,0 +1,504 @@
+"""``dcr refit`` / ``make demo``: the main job, every part a real process on one machine.
+
+The trainer (:mod:`dcr.refit.trainer`) trains a small Llama-architecture model with AdamW at an
+RL learning rate and exports a BF16 Hugging Face checkpoint after every optimizer step.
+Each rollout pod is two processes sharing a staging directory, as in a real pod: a
+``dcr serve`` reference server holding the model (transformers servers, and one
+vLLM-layout server holding both ranks of tensor-parallel size 2 with an FP8
+``o_proj``), and a ``dcr agent`` sidecar that drives it through its HTTP API the way it
+drives vLLM. The owners split the tensors by name; by default (``--owner-form warm``)
+each is a :class:`~dcr.owner.warm.WarmOwner`, an in-process encoder in this (the
+trainer's) process holding the committed checkpoint memory-mapped, so publishing an
+attempt starts nothing; ``--owner-form process`` runs a ``dcr encode`` process per
+attempt instead, what an encoder Job is on Kubernetes. A coordinator in this process
+drives every refit through the agents' HTTP API and commits it by compare-and-set in a
+SQLite commit record.
+
+The rollout side reaches the training side across an emulated boundary
+(:mod:`dcr.refit.boundary`, ``--store-kind s3``, the default): the store is a real S3 server
+(``rclone serve s3``) on loopback, the owners write to it directly, and each pod's agent
+reads it through its own emulated link (``--link-mbit``, ``--rtt-ms``: a bandwidth cap
+and a delay, :mod:`dcr.refit.linkemu`), as rollout clusters in another region do. With
+``--transport relay`` the link sits between the trainer and the relay tree's root.
+``--store-kind file`` is a directory on this disk and emulates nothing.
+
+``--kill-receiver-every N`` SIGKILLs one process of a pod in the middle of every N-th
+refit and restarts it on the same port and directories, as a container restart does:
+the first kill, third, ... kill the pod's agent, the second, fourth, ... its server. The
+kill lands once the pod is applying, and the owners' publishes wait for it, so it falls
+inside the attempt however quickly a warm owner publishes.
+Either way the attempt fails and the survivors stop. A restarted agent reports an
+unknown version from its journal; a restarted server answers a new instance id, so its
+agent reports unknown weights; either is restored by a dense refit, and the retry in
+overwrite mode commits.
+
+After every step, each pod's fingerprint of every parameter and buffer (xxh3 of integer
+views, every rank of its server) is compared with a dense load of the trainer's export
+through the same loader. Then a full-checkpoint refit of the same version is timed for
+comparison (``full s``, :mod:`dcr.refit.full`) across the same boundary: the trainer
+uploads the export, every pod downloads it through its own link and dense-loads it
+through its agent, and the fingerprints are checked again. With ``--transport relay``
+this comparison still goes through the store, since a relay carries only DCR attempts.
+A dense rejoin after a kill reads the checkpoint from this disk, not across the link.
+The coverage line says which share of the weight bytes travels as XOR, overwrite or
+dense under the agents' merged profile. A table per step, ``summary.json``, a plot
+(``refit.png``, :mod:`dcr.refit.plot`) and ``boundary.json`` (what each link carried)
+are written. This is the one demo; the file-level path (``dcr diff``/``dcr patch`` on
+checkpoint files) is the command line's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from dcr.checkpoint import Checkpoint
+from dcr.drivers.base import merge_fingerprints
+from dcr.errors import ConfigError, DcrError
+from dcr.format.profile import ReceiverProfile, coverage, merge
+from dcr.http.tokens import write_token_file
+from dcr.owner.process import ProcessOwner
+from dcr.owner.warm import WarmOwner
+from dcr.protocol.agent_api import AgentError, AgentStatus
+from dcr.protocol.commitstore import SqliteCommitStore
+from dcr.protocol.coordinator import Coordinator, CoordinatorSettings
+from dcr.protocol.records import CommitRecord
+from dcr.receiver.settings import AgentSettings
+from dcr.refit.boundary import Boundary
+from dcr.refit.full import FullPath, full_refit
+from dcr.refit.kills import Held, Killer, KillPoint
+from dcr.refit.launch import AgentProcess, ServeProcess, free_port
+from dcr.refit.plot import plot_refit
+from dcr.refit.trainer import Trainer, TrainerSettings, reference_fingerprint
+from dcr.serve.settings import ServeSettings
+from dcr.settings import option, to_argv
+from dcr.transport.relay.publish import TOKEN_ENV, RelayPublisher
+from dcr.transport.relay.settings import RelaySettings
+from dcr.transport.store import Store
+
+if TYPE_CHECKING:
+    pass
+
+log = logging.getLogger(__name__)
+LAUNCHED = ("name", "listen", "state_dir", "token_file")  # AgentProcess passes these itself
+SERVED = ("listen", "api_key_file")  # and ServeProcess these
+
+
+@dataclass(frozen=True, kw_only=True)
+class RefitSettings:
+    """The main job: how long it runs, how many processes, which transport, what breaks."""
+
+    out: Path = option(Path("refit-out"), metavar="DIR", doc="working directory, emptied "
+                       "first: checkpoints, store, agents' state, summary.json, refit.png")
+    steps: int = option(4, metavar="K", doc="optimizer steps, each refit to every agent")
+    agents: int = option(3, metavar="N", doc="rollout pods, each a dcr serve server and a "
+                         "dcr agent: the last server holds both ranks of a vLLM-layout TP2 "
+                         "model, the others a transformers model (so 4 ranks by default)")
+    owners: int | None = option(None, metavar="M", doc="owners splitting the tensors "
+                                "(default 2; 1 with the relay, which carries one owner "
+                                "per attempt)")
+    owner_form: Literal["warm", "process"] = option(
+        "warm", doc="warm: each owner an in-process encoder in this (the trainer's) process "
+        "holding the committed checkpoint memory-mapped, so a publish starts no process; "
+        "process: a dcr encode process per attempt, what an encoder Job is on Kubernetes "
+        "(about a second more per publish, mostly the process start)")
+    transport: Literal["store", "relay"] = option("store", doc="store: a file store; relay: "
+                                                  "a relay tree, one node per agent")
+    kill_receiver_every: int = option(0, metavar="N", doc="kill a pod's process mid-refit "
+                                      "every N steps, its agent the first time, its server "
+                                      "the next, and so on (0: never)")
+    store_kind: Literal["s3", "file"] = option(
+        "s3", doc="s3: a real S3 server (rclone serve s3) on loopback, each rollout pod "
+        "reaching it through its own emulated link, as across clusters or regions; file: a "
+        "directory on this disk, no boundary (a full checkpoint then moves as fast as a "
+        "delta)")
+    link_mbit: float = option(200.0, metavar="MBIT", doc="capacity of each emulated link, "
+                              "Mbit/s each way: a pod's to the S3 store, or the trainer's "
+                              "to the relay root (0: no link)")
+    rtt_ms: float = option(20.0, metavar="MS", doc="round-trip delay of each emulated link, "
+                           "in milliseconds (20: nearby regions)")
+    trainer: TrainerSettings = option(TrainerSettings(), cli=False,
+                                      doc="the trainer (its own options)")
+    coordinator: CoordinatorSettings = option(
+        CoordinatorSettings(attempt_timeout_s=300.0), cli=False,
+        doc="the coordinator; on one machine an attempt takes seconds, so a stuck one "
+        "fails after 5 minutes rather than a cluster's 10")
+
+    def __post_init__(self) -> None:
+        if self.owners is None:  # the default depends on the transport
+            object.__setattr__(self, "owners", 1 if self.transport == "relay" else 2)
+        if self.transport == "relay" and self.owners != 1:
+            raise ConfigError(f"--transport relay carries one owner per attempt; got --owners "
+                              f"{self.owners} (use --owners 1, or the store).")
+        if self.steps < 1 or self.owner_count < 1 or self.kill_receiver_every < 0:
+            raise ConfigError(f"steps ({self.steps}) and owners ({self.owners}) must be >= 1, "
+                              f"kill_receiver_every ({self.kill_receiver_every}) >= 0.")
+        if self.link_mbit < 0 or self.rtt_ms < 0:
+            raise ConfigError(f"--link-mbit {self.link_mbit} and --rtt-ms {self.rtt_ms} must "
+                              "not be negative.")
+        if self.agents < 2:
+            raise ConfigError(f"--agents {self.agents}: at least 2 (one transformers pod "
+                              "and the vLLM-layout TP2 pod).")
+
+    @property
+    def owner_count(self) -> int:
+        assert self.owners is not None  # set in __post_init__
+        return self.owners
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Pod:
+    """One rollout pod: its server and its agent, and their settings."""
+
+    serve: ServeSettings
+    agent: AgentSettings
+    server: ServeProcess
+    sidecar: AgentProcess
+
+    @property
+    def name(self) -> str:
+        return self.agent.name
+
+    @property
+    def kind(self) -> str:
+        s = self.serve
+        if s.runtime == "hf":
+            return s.runtime
+        return f"{s.runtime} TP{s.tp_size}, FP8 {', '.join(s.fp8) or 'none'}"
+
+    def start(self) -> None:
+        self.server.start()
+        self.server.wait_ready()
+        self.sidecar.start()
+
+    def stop(self) -> None:
+        self.sidecar.stop()
+        self.server.stop()
+
+
+def _pod(i: int, n: int, out: Path, source: dict[str, Any], ckpts: Path,
+         token: str, env: dict[str, str]) -> _Pod:
+    """Pod ``i`` of ``n``: the last one serves both ranks of the vLLM-layout TP2 model,
+    the others a transformers model; server and agent share ``staging``; the agent's
+    environment adds ``env`` (how it reaches the store)."""
+    home = out / "pods" / f"pod-{i}"
+    staging = home / "staging"
+    staging.mkdir(parents=True, exist_ok=True)
+    tp: dict[str, Any] = {} if i < n - 1 else {
+        "runtime": "vllm-ref", "tp_size": 2, "fp8": ("self_attn.o_proj",)}
+    serve = ServeSettings(model=ckpts / "v0", staging_dir=staging, checkpoint_root=ckpts,
+                          weight_version="0", **tp)
+    server = ServeProcess(name=f"serve-{i}", args=to_argv(serve, skip=SERVED),
+                          workdir=home / "serve")
+    agent = AgentSettings(name=f"agent-{i}", state_dir=home / "agent",
+                          engine_url=server.url, staging_dir=staging, canonical=ckpts / "v0",
+                          checkpoint_root=ckpts, **source)
+    sidecar = AgentProcess(name=agent.name, args=to_argv(agent, skip=LAUNCHED),
+                           state_dir=agent.state_dir, token=token, env=env)
+    return _Pod(serve=serve, agent=agent, server=server, sidecar=sidecar)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _RelayTree:
+    """The running ``dcr relay`` nodes: processes, URLs (the first is the root), and the
+    two token files: agents get the read token, the owner the publish token."""
+
+    procs: list[subprocess.Popen[bytes]]
+    urls: list[str]
+    read_token_file: Path
+    publish_token_file: Path
+
+
+def _start_relays(work: Path, n: int) -> _RelayTree:
+    """``dcr relay`` nodes, one per agent, in one tree."""
+    work.mkdir(parents=True, exist_ok=True)
+    read_file = write_token_file(work / "read-token", secrets.token_hex(16))
+    publish_file = write_token_file(work / "publish-token", secrets.token_hex(16))
+    ports = [free_port() for _ in range(n)]
+    members = ",".join(f"127.0.0.1:{p}" for p in ports)
+    procs = []
+    for i, p in enumerate(ports):
+        with open(work / f"relay-{i}.log", "ab") as log_file:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "dcr", "relay", "--listen", f"127.0.0.1:{p}",
+                 "--members", members, "--index", str(i), "--token-file", str(read_file),
+                 "--publish-token-file", str(publish_file)],
+                stdout=subprocess.DEVNULL, stderr=log_file))
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    deadline = time.monotonic() + 60
+    for url, proc in zip(urls, procs, strict=True):
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/healthz", timeout=2):
+                    break
+            except OSError as e:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise DcrError(f"Relay node {url} did not start: {e}.") from e
+                time.sleep(0.05)
+    return _RelayTree(procs=procs, urls=urls, read_token_file=read_file,
+                      publish_token_file=publish_file)
+
+
+def _reference(pod: _Pod, ckpt: Path) -> dict[str, str]:
+    """What a dense load of ``ckpt`` through the pod's server's own loader holds, every
+    rank of it, as its agent's fingerprint says it."""
+    s = pod.serve
+    return merge_fingerprints([reference_fingerprint(ckpt, s.runtime, tp_size=s.tp_size,
+                                                     tp_rank=r, fp8=s.fp8) for r in s.ranks])
+
+
+def _status(pod: _Pod, wait_s: float = 120.0) -> AgentStatus:
+    """The pod's agent's status, waiting while it answers 503: a restarted agent (or one
+    beside a restarted server) prewarms its engine before it reports."""
+    client = pod.sidecar.client()
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return client.status()
+        except AgentError as e:
+            if e.status != 503 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    out = s.out.resolve()
+    shutil.rmtree(out, ignore_errors=True)
+    ckpts = out / "checkpoints"
+    token = secrets.token_hex(16)
+
+    trainer = Trainer(s.trainer)
+    trainer.export(ckpts / "v0")
+    boundary = Boundary(work=out / "boundary", store_dir=out / "store",
+                        store_kind=s.store_kind, pods=s.agents, link_mbit=s.link_mbit,
+                        rtt_ms=s.rtt_ms)
+    relays: list[subprocess.Popen[bytes]] = []
+    pods: list[_Pod] = []
+    coordinator: Coordinator | None = None
+    owners: list[ProcessOwner | WarmOwner] = []
+    try:
+        boundary.start()
+        store = boundary.store_uri
+        sources: list[dict[str, Any]] = [{"store": store}] * s.agents
+        publish_to, owner_env = store, boundary.direct_env()
+        if s.transport == "relay":
+            tree = _start_relays(out / "relay", s.agents)
+            relays = tree.procs
+            sources = [{"relay": u, "relay_token_file": tree.read_token_file}
+                       for u in tree.urls]
+            root = boundary.relay_root(int(tree.urls[0].rsplit(":", 1)[1]))
+            publish_to = f"relay+http://127.0.0.1:{root}"
+            owner_env = {TOKEN_ENV: tree.publish_token_file.read_text()}  # owners push
+        pods = [_pod(i, s.agents, out, sources[i], ckpts, token, boundary.pod_env(i))
+                for i in range(s.agents)]
+        t0 = time.perf_counter()
+        for proc in [p.server for p in pods] + [p.sidecar for p in pods]:
+            proc.start()
+        for proc in [p.server for p in pods] + [p.sidecar for p in pods]:
+            proc.wait_ready()
+        startup_s = time.perf_counter() - t0
+        clients = [p.sidecar.client() for p in pods]
+        profile = merge(ReceiverProfile(tensors=c.profile()["tensors"]) for c in clients)
+        profile_path = out / "profile.json"
+        profile_path.write_text(json.dumps({"tensors": profile.tensors}))
+        with Checkpoint(ckpts / "v0") as v0:
+            shares = coverage(profile, {i.name: i.nbytes for i in v0})
+        owners = _owners(s, publish_to, owner_env, ckpts, profile, profile_path, boundary)
+        commits = SqliteCommitStore(out / "commit.db", CommitRecord(
+            committed_version=0, baseline_id=str(ckpts / "v0"), attempt=""))
+        kills = KillPoint()
+        coordinator = Coordinator(commits, [Held(owner=o, point=kills) for o in owners],
+                                  clients, settings=s.coordinator,
+                                  dense_checkpoint=lambda v: str(ckpts / f"v{v}"))
+        job = _Job(trainer=trainer, ckpts=ckpts, pods=pods, coordinator=coordinator,
+                   owners=owners, kills=kills, full=_full_stores(boundary))
+        where = (f"relay tree of {s.agents} nodes (fan-out {RelaySettings.fanout}), root "
+                 f"{tree.urls[0]}" if relays else f"store {store}")
+        print(f"model: Llama, {trainer.parameters:,} parameters, "
+              f"{_mb(trainer.parameters * 2)} BF16; AdamW lr={s.trainer.lr}; {where}")
+        print(boundary.describe(relay=bool(relays)))
+        print(f"{s.agents} rollout pods (a dcr serve server and a dcr agent each) up in "
+              f"{startup_s:.1f} s ({'; '.join(sorted({p.kind for p in pods}))}); "
+              f"{_owners_line(s)}; commit record {commits.path}")
+        print(f"full-checkpoint refits (full s) through {store}: the trainer uploads, then "
+              f"every pod downloads{' through its link' if boundary.links else ''} and "
+              "dense-loads" + (" (the relay carries only DCR attempts)" if relays else ""))
+        print("coverage (share of weight bytes by path): "
+              + ", ".join(f"{k} {100 * v:.1f}%" for k, v in shares.items() if v))
+        print(f"{'step':>4} {'loss':>7} {'changed':>8} {'payload B':>10} {'% dense':>8} "
+              f"{'prepare':>7} {'publish':>7} {'flush':>6} {'commit':>6} {'total s':>7} "
+              f"{'full s':>6}  attempts                          bit-exact")
+        rows = [_step(v, s, job) for v in range(1, s.steps + 1)]
+    finally:
+        _stop(coordinator, owners, pods, relays, boundary)
+    (out / "summary.json").write_text(json.dumps(rows, indent=1))
+    (out / "boundary.json").write_text(json.dumps({
+        "store": boundary.store_uri, "link_mbit": s.link_mbit if boundary.linked else None,
+        "rtt_ms": s.rtt_ms if boundary.linked else None, "links": boundary.crossed()},
+        indent=1))
+    if crossed := boundary.crossed():
+        print("bytes across the boundary (DCR and full refits together): " + ", ".join(
+            f"{k} {_mb(v['down'])} down, {_mb(v['up'])} up" for k, v in crossed.items()))
+    plot = plot_refit(rows, out / "refit.png")
+    exact = all(r["bit_exact"] and r["full_bit_exact"] for r in rows)
+    ratios = [r["full_s"] / r["total_s"] for r in rows]
+    print(f"full-checkpoint refit / DCR refit time: median {statistics.median(ratios):.2f}x "
+          f"(per step {', '.join(f'{x:.2f}' for x in ratios)})")
+    print(f"{'all' if exact else 'NOT all'} {s.steps} refits bit-exact on every live agent; "
+          f"record {asdict(commits.read())}; summary {out / 'summary.json'}"
+          + (f"; plot {plot}" if plot else ""))
+    if not exact:
+        raise DcrError("A receiver differs from a dense load of the trainer's export.")
+    return rows
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.0f} MB" if n >= 10e6 else f"{n / 1e6:.1f} MB"
+
+
+def _stop(coordinator: Coordinator | None, owners: Sequence[ProcessOwner | WarmOwner],
+          pods: Sequence[_Pod], relays: Sequence[subprocess.Popen[bytes]],
+          boundary: Boundary) -> None:
+    """Stop everything the job started, in the order it depends on each other."""
+    if coordinator is not None:
+        coordinator.close()
+    for o in owners:
+        if isinstance(o, WarmOwner):
+            o.close()
+            if isinstance(o.store, RelayPublisher):
+                o.store.close()  # one owner with the relay
+    for pod in pods:
+        pod.stop()
+    for r in relays:
+        r.terminate()
+        r.wait(10)
+    boundary.close()
+
+
+def _owners(s: RefitSettings, publish_to: str, owner_env: dict[str, str], ckpts: Path,
+            profile: ReceiverProfile, profile_path: Path, boundary: Boundary
+            ) -> list[ProcessOwner | WarmOwner]:
+    """The owners, in the form ``s.owner_form`` names; warm ones share one store, which
+    they reach as the training side does (no link)."""
+    def checkpoints(v: int) -> Path:
+        return ckpts / f"v{v}"
+
+    n = s.owner_count
+    if s.owner_form == "process":
+        return [ProcessOwner(store_uri=publish_to, checkpoints=checkpoints, version=0, owner=k,
+                             owners=n, profile_path=profile_path, env=owner_env)
+                for k in range(n)]
+    token = owner_env.get(TOKEN_ENV)  # the relay's publish token, given, not inherited
+    store: Store = (RelayPublisher(publish_to, token=token.strip()) if token is not None
+                    else boundary.direct_store())
+    return [WarmOwner.open(checkpoints=checkpoints, version=0, store=store, owner=k, owners=n,
+                           profile=profile)
+            for k in range(n)]
+
+
+def _owners_line(s: RefitSettings) -> str:
+    n = s.owner_count
+    if s.owner_form == "process":
+        return f"{n} encoder process{'es' if n > 1 else ''} per attempt (dcr encode)"
+    return f"{n} warm encoder{'s' if n > 1 else ''} in this process"
+
+
+def _full_stores(boundary: Boundary) -> FullPath:
+    """Full checkpoints go up as the owners publish, and down through each pod's link."""
+    return FullPath(upload=boundary.direct_store(),
+                     pods=[boundary.pod_store(i) for i in range(boundary.pods)])
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Job:
+    """What every step works on: the trainer, its exports and the running processes."""
+
+    trainer: Trainer
+    ckpts: Path
+    pods: list[_Pod]
+    coordinator: Coordinator
+    owners: Sequence[ProcessOwner | WarmOwner]
+    kills: KillPoint  # the coordinator's owners publish once a step's kill has landed
+    full: FullPath  # where full checkpoints travel, for the comparison
+
+
+def _step(v: int, s: RefitSettings, job: _Job) -> dict[str, Any]:
+    loss = job.trainer.step()
+    ckpt = job.ckpts / f"v{v}"
+    job.trainer.export(ckpt)
+    pods, coordinator = job.pods, job.coordinator
+    killer = None
+    if s.kill_receiver_every and v % s.kill_receiver_every == 0:
+        pod = pods[v % len(pods)]
+        nth = v // s.kill_receiver_every  # the agent on odd kills, the server on even ones
+        killer = Killer(pod.sidecar, pod.sidecar if nth % 2 else pod.server)
+        killer.start()
+    first = len(coordinator.history)
+    job.kills.killer = killer
+    t0 = time.perf_counter()
+    try:
+        record = coordinator.refit(v, str(ckpt))
+    finally:
+        job.kills.killer = None
+    total_s = time.perf_counter() - t0
+    if killer is not None:
+        killer.done.wait()
+    attempts = coordinator.history[first:]
+    # A receiver the last attempt could not admit rejoins now, between attempts.
+    rejoined_after = []
+    for pod in pods:
+        if _status(pod).version != record.committed_version:
+            pod.sidecar.client().rejoin(record.committed_version, str(ckpt))
+            rejoined_after.append(pod.name)
+    refs: dict[str, dict[str, str]] = {}
+    exact = True
+    for pod in pods:
+        if pod.kind not in refs:
+            refs[pod.kind] = _reference(pod, ckpt)
+        exact &= pod.sidecar.client().fingerprint() == refs[pod.kind]
+    full = full_refit(v, ckpt, [p.sidecar for p in pods], job.full, job.ckpts / "full")
+    full_exact = all(p.sidecar.client().fingerprint() == refs[p.kind] for p in pods)
+    last = attempts[-1]
+    summaries = [o.summaries[last.attempt] for o in job.owners]
+    changed = sum(int(str(x["changed_elements"])) for x in summaries)
+    total = sum(int(str(x["total_elements"])) for x in summaries)
+    payload = sum(int(str(x["payload_bytes"])) for x in summaries)
+    dense = sum(int(str(x["dense_bytes"])) for x in summaries)
+    row: dict[str, Any] = {
+        "step": v, "loss": loss, "changed_pct": 100 * changed / total,
+        "payload_bytes": payload, "dense_bytes": dense, "dense_pct": 100 * payload / dense,
+        "total_s": total_s, "bit_exact": exact, "record": asdict(record),
+        **full, "full_bit_exact": full_exact,
+        "killed": killer.victim.name if killer else None,  # agent-N or serve-N
+        "rejoined_after": rejoined_after,
+        "attempts": [asdict(h) for h in attempts],
+    }
+    st = last.stages
+    label = ", ".join(f"{h.mode} {h.outcome.split(':')[0]}" for h in attempts)
+    extra = [f"killed {row['killed']}"] if killer else []
+    extra += [f"rejoined {', '.join(h.rejoined)}" for h in attempts if h.rejoined]
+    extra += [f"rejoined {n} after" for n in rejoined_after]
+    print(f"{v:>4} {loss:>7.4f} {row['changed_pct']:>7.3f}% {payload:>10,} "
+          f"{row['dense_pct']:>7.3f}% {st.get('prepare', 0):>7.3f} {st.get('publish', 0):>7.3f} "
+          f"{st.get('flush', 0):>6.3f} {st.get('commit', 0):>6.3f} {total_s:>7.2f} "
+          f"{full['full_s']:>6.2f}  {label:<33} "
+          f"{'yes' if exact and full_exact else 'NO'}"
+          + (f"  ({'; '.join(extra)})" if extra else ""), flush=True)
+    if v > 1:  # v0 is what agents (re)start from; a rejoin needs only the committed one
+        shutil.rmtree(job.ckpts / f"v{v - 1}")
+    return row

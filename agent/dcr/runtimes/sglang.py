@@ -1,0 +1,246 @@
+"""DCR's plugin inside an SGLang server: the custom weight loader every TP rank runs.
+
+SGLang has no HTTP route that runs a method on every worker (vLLM's
+``/collective_rpc``); its hook into every TP rank is the custom weight loader. The
+server is started with ``--custom-weight-loader dcr.runtimes.sglang.dcr_weight_loader``,
+and the agent's adapter (:class:`dcr.drivers.sglang.SglangDriver`) sends each plugin call
+as ``POST /update_weights_from_tensor`` with that ``load_format``, between
+``/begin_weight_update`` and ``/end_weight_update``. SGLang 0.5.23 then does, on every
+TP rank (``model_executor/model_runner_components/weight_updater.py``)::
+
+    named_tensors = [(name, tensor.to(device)) for name, tensor in <this rank's entry>]
+    dynamic_import(load_format)(model, named_tensors)
+
+The one named tensor carries the call in its **name**, ``dcr:`` + JSON ``{"call": id,
+"method", "args": [json]}``, the same method and argument as through vLLM (the tensor is
+empty). :func:`dcr_weight_loader` decodes it, runs it on this rank through the
+engine-neutral :class:`~dcr.runtimes.vllm.EngineRank` (the code vLLM's worker extension
+runs), and writes this rank's answer to ``.dcr-result-<call>-<rank>.json`` in
+``$DCR_STAGING_DIR``, since SGLang answers a weight update with one ``{"success",
+"message"}`` for the whole server.
+
+Choices, and why:
+
+* **Never raise into SGLang's scheduler.** An exception in the loader would take the
+  scheduler's update path down (SGLang catches only some); every failure, a bad call
+  included, becomes an answer ``{"rank", "error"}`` that the adapter raises as
+  ``EngineError`` naming the rank. Only a call that names no usable id or staging
+  directory has nowhere to answer: it is logged, and the adapter reports that the rank
+  left no answer.
+* **Answers are written atomically**: a dot-prefixed temporary file created exclusively,
+  without following links, then renamed over the answer's name (a rename replaces a
+  planted link, it does not follow it), all relative to one descriptor of the staging
+  directory.
+* **The rank is SGLang's TP rank** (``get_parallel().tp_rank``, the index of this rank's
+  entry in the request), the world its ``tp_size``. Pipeline parallelism is refused:
+  every stage would run the call and answer under the same TP ranks.
+* **State per model object**, as in the vLLM extension: a new model object (a reload
+  replaced it) is a rank that must be prewarmed again.
+* **SGLang's ``load_weights`` returns None** for most models (vLLM's returns the names
+  written): :class:`SglangRuntime` reports no names then, so the apply engine relies on
+  the writes it intercepts alone; a loader that writes without a hook still fails the
+  post-apply checks and the fingerprints.
+
+Nothing here imports SGLang at module level (the project's venv has none): its rank is
+read from ``sglang.srt.runtime_context`` when the loader runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import logging
+import os
+import re
+import secrets
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
+
+from dcr.errors import ConfigError, first_validation_error
+from dcr.runtimes.vllm import (
+    STAGING_ENV,
+    ApplyRequest,
+    CheckTargetsRequest,
+    DenseLoadRequest,
+    EngineRank,
+    PrewarmRequest,
+    VllmRuntime,
+    engine_dir,
+    parse_request,
+)
+
+log = logging.getLogger(__name__)
+
+CALL_PREFIX = "dcr:"  # as dcr.drivers.sglang sends it
+CALL_ID = re.compile(r"[0-9a-f]{1,64}")  # becomes part of a file name
+MAX_CALL = 64 << 20  # characters of a call's name (a prewarm lists every tensor)
+MAX_ERROR = 2000  # characters of an error answer (the agent keeps 240)
+
+Method = Literal["dcr_instance", "dcr_prewarm", "dcr_apply", "dcr_fingerprint",
+                 "dcr_load_dense", "dcr_check_targets", "dcr_sync"]
+
+
+class SglangCall(BaseModel):
+    """One plugin call as it arrives in the tensor's name."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    call: str = Field(pattern=CALL_ID.pattern)
+    method: Method
+    args: list[StrictStr] = Field(max_length=1)
+
+
+class SglangRuntime(VllmRuntime):
+    """An SGLang model: vLLM's loader contract, except that ``load_weights`` may
+    return None instead of the names it wrote."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded = self.model.load_weights(weights)
+        return set() if loaded is None else set(loaded)
+
+
+# method -> (takes an argument, what it runs on the rank)
+CALLS: dict[str, tuple[bool, Callable[[EngineRank, str], dict[str, Any]]]] = {
+    "dcr_instance": (False, lambda r, _: r.instance()),
+    "dcr_prewarm": (True, lambda r, a: r.prewarm(parse_request(PrewarmRequest, a))),
+    "dcr_apply": (True, lambda r, a: r.apply(parse_request(ApplyRequest, a))),
+    "dcr_fingerprint": (False, lambda r, _: r.fingerprint()),
+    "dcr_load_dense": (True, lambda r, a: r.load_dense(parse_request(DenseLoadRequest, a))),
+    "dcr_check_targets": (True,
+                          lambda r, a: r.check_targets(parse_request(CheckTargetsRequest, a))),
+    "dcr_sync": (False, lambda r, _: r.sync()),
+}
+
+_RANKS: weakref.WeakKeyDictionary[Any, EngineRank] = weakref.WeakKeyDictionary()
+
+
+def tp_rank_and_world() -> tuple[int, int]:
+    """This process's TP rank and TP size, as SGLang's runtime context records them
+    (or the default process group's, where SGLang's context cannot be read)."""
+    try:
+        parallel = importlib.import_module("sglang.srt.runtime_context").get_parallel()
+        rank, world, pp = parallel.tp_rank, parallel.tp_size, parallel.pp_size
+    except Exception:  # not inside SGLang, or another version's context
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+    if pp != 1:
+        raise ConfigError(f"The SGLang server runs {pp} pipeline stages; DCR's loader "
+                          "supports tensor parallelism only (pp_size 1).")
+    return int(rank), int(world)
+
+
+def parse_call(named_tensors: Sequence[tuple[str, Any]]) -> SglangCall:
+    """The call carried by the one named tensor, or :class:`ConfigError`."""
+    if len(named_tensors) != 1:
+        raise ConfigError(f"DCR's loader takes one named tensor carrying a call, not "
+                          f"{len(named_tensors)}; send weights with another load_format.")
+    name = named_tensors[0][0]
+    if not isinstance(name, str) or not name.startswith(CALL_PREFIX):
+        raise ConfigError(f"The tensor's name does not start with {CALL_PREFIX!r}: it is "
+                          "not a DCR call.")
+    if len(name) > MAX_CALL:
+        raise ConfigError(f"The call is over {MAX_CALL} characters.")
+    try:
+        return SglangCall.model_validate_json(name[len(CALL_PREFIX):])
+    except ValidationError as e:
+        raise ConfigError(f"SglangCall: {first_validation_error(e, 'call')}") from e
+
+
+def call_id(named_tensors: Sequence[tuple[str, Any]]) -> str | None:
+    """The call's id, if one can be read where the call as a whole cannot."""
+    with contextlib.suppress(Exception):
+        cid = json.loads(named_tensors[0][0][len(CALL_PREFIX):]).get("call")
+        if isinstance(cid, str) and CALL_ID.fullmatch(cid):
+            return cid
+    return None
+
+
+def engine_rank(model: Any, rank: int, world: int) -> EngineRank:
+    """The rank state for ``model``: made once per model object."""
+    held = _RANKS.get(model)
+    if held is None or (held.rank, held.world) != (rank, world):
+        held = EngineRank(SglangRuntime(model), rank=rank, world=world,
+                          device=next(model.parameters()).device)
+        _RANKS[model] = held
+    return held
+
+
+def run_call(model: Any, call: SglangCall, rank: int, world: int) -> dict[str, Any]:
+    takes_arg, run = CALLS[call.method]
+    if len(call.args) != int(takes_arg):
+        raise ConfigError(f"{call.method} takes {int(takes_arg)} argument(s), not "
+                          f"{len(call.args)}.")
+    with torch.no_grad():
+        return run(engine_rank(model, rank, world), call.args[0] if takes_arg else "")
+
+
+def write_answer(call: str, rank: int, answer: dict[str, Any]) -> None:
+    """``answer`` as ``.dcr-result-<call>-<rank>.json`` in the staging directory, written
+    under a temporary name and renamed into place, never through a link."""
+    raw = json.dumps(answer, separators=(",", ":")).encode()
+    final = f".dcr-result-{call}-{rank}.json"
+    tmp = f".dcr-tmp-{secrets.token_hex(8)}"
+    directory = os.open(engine_dir(STAGING_ENV), os.O_RDONLY | os.O_DIRECTORY
+                        | getattr(os, "O_CLOEXEC", 0))
+    try:
+        flags = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+                 | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(tmp, flags, 0o600, dir_fd=directory)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(raw)
+            os.rename(tmp, final, src_dir_fd=directory, dst_dir_fd=directory)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=directory)
+            raise
+    finally:
+        os.close(directory)
+
+
+def dcr_weight_loader(model: Any, named_tensors: list[tuple[str, Any]]) -> None:
+    """SGLang's custom weight loader: run the DCR call named by ``named_tensors`` on this
+    rank and leave the answer in the staging directory. Never raises."""
+    rank = 0
+    try:
+        rank, world = tp_rank_and_world()
+        call = parse_call(named_tensors)
+    except Exception as e:
+        cid = call_id(named_tensors)
+        log.warning("DCR loader on rank %s refused a call %s: %s", rank, cid, e)
+        _answer(cid, rank, _error(rank, e))
+        return
+    try:
+        answer = run_call(model, call, rank, world)
+        json.dumps(answer)  # an answer that cannot be sent is an error, here
+    except Exception as e:
+        log.warning("DCR loader on rank %s: %s failed: %s", rank, call.method, e)
+        answer = _error(rank, e)
+    _answer(call.call, rank, answer)
+
+
+def _error(rank: int, e: Exception) -> dict[str, Any]:
+    return {"rank": rank, "error": f"{type(e).__name__}: {e}"[:MAX_ERROR]}
+
+
+def _answer(cid: str | None, rank: int, answer: dict[str, Any]) -> None:
+    if cid is None:
+        log.error("DCR loader on rank %s: the call has no usable id; no answer written.",
+                  rank)
+        return
+    try:
+        write_answer(cid, rank, answer)
+    except Exception as e:  # nowhere to answer: the agent sees no answer from this rank
+        log.error("DCR loader on rank %s: cannot write its answer to call %s: %s",
+                  rank, cid, e)
+
+
+__all__ = ["CALLS", "SglangCall", "SglangRuntime", "dcr_weight_loader", "parse_call",
+           "tp_rank_and_world", "write_answer"]

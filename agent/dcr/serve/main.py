@@ -1,0 +1,78 @@
+"""``dcr serve``: the reference serving engine as a process of its own.
+
+It loads a Hugging Face checkpoint directory through a runtime's own loader (``hf``, or
+every rank of the vLLM-layout ``vllm-ref``), gives each rank a worker carrying DCR's
+plugin, and serves vLLM's HTTP dialect (:mod:`dcr.serve.server`), so the agent drives it
+with the same adapter as a real vLLM server (:class:`dcr.drivers.VllmDriver`). Once
+listening it prints one JSON line ``{"url": ...}`` on stdout. The options are
+:class:`~dcr.serve.settings.ServeSettings`, declared there once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+
+from dcr.errors import ConfigError
+from dcr.http.tokens import check_token, read_token
+from dcr.serve.settings import API_KEY_ENV, ServeSettings
+from dcr.settings import add_options
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``dcr serve``'s options, from :class:`ServeSettings`."""
+    add_options(p, ServeSettings)
+
+
+def api_key(s: ServeSettings) -> str | None:
+    """The checked API key from ``--api-key-file`` or ``$DCR_SERVE_API_KEY``; None when
+    neither is given, which only a loopback address accepts."""
+    if s.api_key_file is not None:
+        key: str | None = read_token("serve API key", s.api_key_file)
+    elif os.environ.get(API_KEY_ENV, "").strip():
+        key = check_token(os.environ[API_KEY_ENV].strip(), f"serve API key from ${API_KEY_ENV}")
+    else:
+        key = None
+    if key is None and not s.loopback:
+        raise ConfigError(f"--listen {s.listen}: beyond loopback the server needs an API key "
+                          f"(--api-key-file or ${API_KEY_ENV}); whoever reaches it can change "
+                          "its weights.")
+    return key
+
+
+async def _serve(s: ServeSettings, key: str | None) -> None:
+    from aiohttp import web
+
+    from dcr.serve.server import make_app, new_workers
+
+    workers = new_workers(s)
+    runner = web.AppRunner(make_app(s, workers, key), access_log=None,
+                           handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, s.host.strip("[]"), s.port)
+    await site.start()
+    bound = runner.addresses[0][1]
+    print(json.dumps({"url": f"http://{s.host}:{bound}", "runtime": s.runtime,
+                      "ranks": s.ranks}), flush=True)
+    log.info("serving %s (%s, ranks %s) on %s:%s", s.model, s.runtime, s.ranks, s.host, bound)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
+def run(s: ServeSettings) -> int:
+    key = api_key(s)
+    os.environ.update(s.plugin_environment())  # what every worker's plugin reads
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_serve(s, key))
+    return 0
+
+
+__all__ = ["add_arguments", "api_key", "run"]

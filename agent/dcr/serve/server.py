@@ -1,0 +1,233 @@
+"""The reference server's HTTP API on aiohttp, in vLLM's dialect.
+
+The endpoints, bodies and answers are vLLM 0.33's (``docs/engines.md`` has the table):
+
+    POST /collective_rpc        {"method", "args": [str], "kwargs", "timeout"}
+                                -> {"results": [one per rank]}   DCR's plugin methods only
+    POST /pause?mode=abort|wait|keep -> {"status": "paused"}  (see dcr.serve.gate)
+    POST /resume                -> {"status": "resumed"}
+    GET  /is_paused             -> {"is_paused": bool}
+    POST /update_weight_version {"new_version": str} -> {"success": true, "new_version"}
+    GET  /weight_info           -> {"weight_version": str}
+    GET  /health                -> 200
+    GET  /metrics               vllm:num_requests_running and _waiting (Prometheus text)
+    POST /v1/completions        token-id prompt, greedy (dcr.serve.completions)
+
+Errors have vLLM's shape, ``{"error": {"message", "type", "param", "code"}}``, with 400
+for a refused body or plugin argument, 501 for completions on a runtime without a
+forward pass, 503 while paused or busy, 500 otherwise; a 401 is vLLM's
+``{"error": "Unauthorized"}``. Messages are bounded and printable.
+
+Stricter than vLLM, on purpose: with an API key every path but ``/health`` and
+``/metrics`` needs it (vLLM guards only ``/v1``-style paths), compared in constant time
+(:func:`dcr.http.tokens.bearer_matches`, so a non-ASCII header is a 401, not a 500);
+``/collective_rpc`` runs only the plugin's methods.
+
+Threads: plugin calls run one at a time on their own thread, and take the model lock
+that every generation step takes; completions run on a pool of ``max_running`` threads
+(one more is answered 503); a pause blocks a thread of its own until generation is out
+of the way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
+from typing import Annotated, Any
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dcr.errors import DcrError, first_validation_error
+from dcr.http.direct import excerpt
+from dcr.http.prometheus import Family, render
+from dcr.http.tokens import bearer_matches
+from dcr.serve.completions import BadCompletion, greedy, parse_completion, response
+from dcr.serve.gate import Mode, Paused, PauseGate
+from dcr.serve.settings import ServeSettings
+from dcr.serve.workers import Workers
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers carry no secret
+MODES: tuple[Mode, ...] = ("abort", "wait", "keep")
+MESSAGE_CHARS = 500  # characters of an error message
+
+
+class RpcBody(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    method: Annotated[str, Field(min_length=1, max_length=128)]
+    args: list[str] = []
+    kwargs: dict[str, str] = {}
+    timeout: Annotated[float, Field(gt=0)] | None = None
+
+
+class VersionBody(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    new_version: Annotated[str, Field(max_length=256)]
+
+
+class Refused(ValueError):
+    """A request the server refuses (400)."""
+
+
+class Unavailable(Exception):
+    """Not now (503): busy."""
+
+
+def _error(status: int, message: str, kind: str) -> web.Response:
+    return web.json_response({"error": {"message": excerpt(message, MESSAGE_CHARS),
+                                        "type": kind, "param": None, "code": status}},
+                             status=status)
+
+
+def _parse(model: type[BaseModel], raw: bytes) -> Any:
+    try:
+        return model.model_validate_json(raw or b"{}")
+    except ValidationError as e:
+        raise Refused(f"{model.__name__}: {first_validation_error(e, 'body')}") from None
+
+
+class State:
+    """What the handlers share: the workers, the gate, the label, the thread pools."""
+
+    def __init__(self, s: ServeSettings, workers: Workers) -> None:
+        self.settings = s
+        self.workers = workers
+        self.gate = PauseGate()
+        self.label: str = s.weight_version
+        self.running = 0
+        self.pools: dict[str, Executor] = {
+            "rpc": ThreadPoolExecutor(1, thread_name_prefix="serve-rpc"),
+            "pause": ThreadPoolExecutor(2, thread_name_prefix="serve-pause"),
+            "generate": ThreadPoolExecutor(s.max_running, thread_name_prefix="serve-gen"),
+        }
+
+    async def run(self, pool: str, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.pools[pool], fn, *args)
+
+
+def make_app(s: ServeSettings, workers: Workers, api_key: str | None) -> web.Application:
+    st = State(s, workers)
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if (api_key is not None and request.path not in OPEN_PATHS
+                and not bearer_matches(request.headers.get("Authorization"), api_key)):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        try:
+            return await handler(request)
+        except (Refused, BadCompletion, DcrError, ValueError) as e:
+            return _error(400, str(e), "BadRequestError")
+        except (Paused, Unavailable) as e:
+            return _error(503, str(e), "ServiceUnavailableError")
+        except NotImplementedError as e:
+            return _error(501, str(e), "NotImplementedError")
+        except web.HTTPException:
+            raise
+        except Exception as e:  # the sentence names the value; the stack goes to the log
+            log.exception("%s %s failed", request.method, request.path)
+            return _error(500, f"{type(e).__name__}: {e}", "InternalServerError")
+
+    async def collective_rpc(request: web.Request) -> web.StreamResponse:
+        body: RpcBody = _parse(RpcBody, await request.read())
+        job = st.run("rpc", workers.call, body.method, body.args, body.kwargs)
+        try:
+            results = await asyncio.wait_for(job, body.timeout)
+        except TimeoutError:
+            raise TimeoutError(f"{body.method} did not finish within {body.timeout} s; it "
+                               "goes on, and later calls wait for it.") from None
+        return web.json_response({"results": [
+            r if r is None or isinstance(r, dict | list) else str(r) for r in results]})
+
+    async def pause(request: web.Request) -> web.StreamResponse:
+        mode = request.query.get("mode", "abort")
+        if mode not in MODES:
+            raise Refused(f"pause: mode {mode[:32]!r} is not one of {list(MODES)}.")
+        await st.run("pause", st.gate.pause, mode)
+        log.info("paused (%s)", mode)
+        return web.json_response({"status": "paused"})
+
+    async def resume(_: web.Request) -> web.StreamResponse:
+        st.gate.resume()
+        log.info("resumed")
+        return web.json_response({"status": "resumed"})
+
+    async def is_paused(_: web.Request) -> web.StreamResponse:
+        return web.json_response({"is_paused": st.gate.paused})
+
+    async def update_weight_version(request: web.Request) -> web.StreamResponse:
+        body: VersionBody = _parse(VersionBody, await request.read())
+        st.label = body.new_version
+        log.info("weight version %s", body.new_version)
+        return web.json_response({"success": True, "new_version": body.new_version})
+
+    async def weight_info(_: web.Request) -> web.StreamResponse:
+        return web.json_response({"weight_version": st.label})
+
+    async def health(_: web.Request) -> web.StreamResponse:
+        return web.Response(status=200)
+
+    async def metrics(_: web.Request) -> web.StreamResponse:
+        label = f'{{model_name="{s.model.name}"}}'
+        text = render([
+            Family("vllm:num_requests_running", "gauge", "Completions in flight.",
+                   [(label, st.gate.running)]),
+            Family("vllm:num_requests_waiting", "gauge", "Completions held by a pause (keep).",
+                   [(label, st.gate.waiting)]),
+        ])
+        return web.Response(text=text, content_type="text/plain")
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        forward = workers.forward
+        if forward is None:
+            raise NotImplementedError(f"Runtime {s.runtime} has no forward pass; completions "
+                                      "need --runtime hf.")
+        body = parse_completion(await request.read(), vocab=workers.vocab,
+                                max_input=s.max_input_tokens, max_tokens=s.max_tokens)
+        if st.running >= s.max_running:
+            raise Unavailable(f"{s.max_running} completions are running; retry later.")
+        st.running += 1
+        try:
+            done = await st.run("generate", lambda: greedy(
+                forward, body.prompt, body.max_tokens, gate=st.gate, lock=workers.lock,
+                label=lambda: st.label, min_step_s=s.min_step_s))
+        finally:
+            st.running -= 1
+        return web.json_response(response(body, done, s.model.name))
+
+    async def shutdown(_: web.Application) -> None:
+        st.gate.resume()  # parked completions end instead of holding their threads
+        for pool in st.pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    app = web.Application(middlewares=[guard], client_max_size=s.max_body_bytes)
+    app.on_cleanup.append(shutdown)
+    app.add_routes([
+        web.post("/collective_rpc", collective_rpc),
+        web.post("/pause", pause),
+        web.post("/resume", resume),
+        web.get("/is_paused", is_paused),
+        web.post("/update_weight_version", update_weight_version),
+        web.get("/weight_info", weight_info),
+        web.get("/health", health),
+        web.get("/metrics", metrics),
+        web.post("/v1/completions", completions),
+    ])
+    return app
+
+
+def new_workers(s: ServeSettings) -> Workers:
+    """The workers of ``s``, loaded, behind one model lock."""
+    from dcr.serve.workers import build_workers
+
+    return Workers(build_workers(s), threading.Lock())
+
+
+__all__ = ["make_app", "new_workers"]

@@ -1,0 +1,392 @@
+"""Receiving an attempt while it is still being sent: fetch, verify, stage, in order.
+
+A receiver knows the attempt it is in (the protocol's ``prepare`` tells it) and how many
+owners write it. It polls its source (an object store prefix, or its relay node) for
+payloads of that attempt, fetches a bounded window of them concurrently, verifies each
+(digest and header ids) as it lands, and hands verified payloads to ``stage`` one at a
+time, each owner's payloads in ``seq`` order, while later payloads are still arriving.
+``stage`` gets the verified :class:`~dcr.format.payload.Payload` itself, so whoever
+applies it later (the receiver's apply thread, through
+:meth:`dcr.apply.applier.Applier.apply_payloads`) does not parse it again. The
+manifest, written last, closes the attempt: once it is present and every payload it
+lists has been staged (and none it does not list), the call returns it. Payload items
+are disjoint, so the interleaving of owners does not change the result. Payloads of
+owners outside the attempt (an owner index at or above ``owners``) are never fetched.
+
+When a payload may be staged (``release``):
+
+* ``"when_listed"`` (what an agent uses): only once its owner's manifest part lists it,
+  with the same size and object digest. Each owner writes its part after all of its
+  payloads, so a payload fetched earlier waits here (at most ``hold_bytes`` of them,
+  besides each owner's next one) and is staged the moment its owner's part arrives,
+  while the other owners still stream. An object the part does not list is dropped
+  unapplied; one whose bytes differ from what the part lists, or whose header names
+  another attempt, owner or seq than its key, raises :class:`ForeignPayload`: someone
+  other than the owner wrote under the attempt's prefix.
+* ``"on_arrival"``: as soon as it is verified and in order, before any manifest exists;
+  the manifest is compared with what was staged at the end. For callers that apply at
+  once and check the result against the manifest's target fingerprints afterwards (the
+  transport benchmark, the relay tests): a foreign payload may have been applied by the
+  time the comparison fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+from dcr.errors import DcrError, ManifestError, ObjectNotFound
+from dcr.format.layout import (
+    attempt_prefix,
+    manifest_key,
+    owner_manifest_key,
+    parse_payload_key,
+    payload_key,
+    version_prefix,
+)
+from dcr.format.manifest import Manifest, PayloadEntry, merge_manifests
+from dcr.format.names import object_digest
+from dcr.format.payload import Payload, read_payload
+from dcr.settings import GiB
+from dcr.transport.store import Store
+
+log = logging.getLogger(__name__)
+
+PayloadId = tuple[int, int]  # (owner, seq)
+Release = Literal["when_listed", "on_arrival"]
+
+
+class ReceiveStopped(DcrError):
+    """The receiver was told to stop (its attempt became obsolete)."""
+
+
+class ForeignPayload(ManifestError):
+    """An object under the attempt's prefix is not what its owner wrote: its bytes differ
+    from the manifest's size and digest for it, or its header names other ids than its
+    key. Someone else can write the store; nothing of the object was staged."""
+
+
+class Source(Protocol):
+    def available(self) -> list[PayloadId]:
+        """Ids of the attempt's payloads that can be fetched now."""
+        ...
+
+    def fetch(self, pid: PayloadId) -> bytes: ...
+
+    def manifest(self) -> Manifest | None:
+        """The attempt's manifest, or None while it has not been written."""
+        ...
+
+
+@runtime_checkable
+class WaitingSource(Source, Protocol):
+    """A source that can wait for its listing to change (a relay node's long poll), so an
+    idle receiver asks once instead of polling every ``poll_s``."""
+
+    def wait_for_change(self, timeout_s: float) -> None:
+        """Return once what ``available`` or ``manifest`` would answer may have changed,
+        or after ``timeout_s``."""
+        ...
+
+
+@runtime_checkable
+class PartSource(Source, Protocol):
+    """A source that serves each owner's manifest part on its own, so one owner's payloads
+    can be staged while the others still stream (``"when_listed"``)."""
+
+    def manifest_part(self, owner: int) -> Manifest | None:
+        """Owner ``owner``'s part of the attempt's manifest, or None while not written."""
+        ...
+
+
+@dataclass(kw_only=True)
+class _Listing:
+    """What a :class:`StoreSource` learnt from its store: the keys its last LIST showed
+    (None before the first), and when it last asked for manifest keys no LIST showed."""
+
+    keys: frozenset[str] | None = None
+    since: float = field(default_factory=time.monotonic)
+    probed: dict[str, float] = field(default_factory=dict)  # key -> when last fetched unlisted
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def shows(self, key: str, probe_s: float) -> bool:
+        """Whether to GET ``key``: a LIST showed it, no LIST happened yet, or it was last
+        asked for unlisted ``probe_s`` ago (a LIST that lags must not stall forever)."""
+        with self.lock:
+            if self.keys is None or key in self.keys:
+                return True
+            now = time.monotonic()
+            if now - self.probed.get(key, self.since) < probe_s:
+                return False
+            self.probed[key] = now
+            return True
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreSource:
+    """An attempt's objects in a store, at the keys :mod:`dcr.format.layout` gives.
+
+    Protocol owners write their manifest parts under the attempt; the manifest is
+    present once every owner wrote its part. A single owner's manifest may also be the
+    file-level one at the version (``dcr diff``), if it names this attempt.
+
+    Over a WAN every request costs a round trip, so one LIST per poll decides what to
+    GET: a manifest key is fetched once a LIST shows it, not asked for (and missed) on
+    every idle poll. A single owner's LIST covers the whole version, so that it shows
+    the file-level manifest too; a version holds few attempts, so this stays one page.
+    What is fetched is verified exactly as before; LIST only decides when.
+
+    S3 lists strongly (read-after-write for LIST too: AWS since December 2020; MinIO,
+    ``rclone serve s3`` over a directory, and the file and memory stores always did).
+    A store whose LIST lags behind its writes must still not stall a refit: a manifest
+    key no LIST has shown is fetched anyway, at most once per ``probe_s``.
+    """
+
+    store: Store
+    version: int
+    attempt: str
+    owners: int = 1
+    probe_s: float = 2.0  # seconds between GETs of manifest keys no LIST has shown
+    _seen: _Listing = field(default_factory=_Listing, init=False, repr=False, compare=False)
+
+    @property
+    def _prefix(self) -> str:
+        return attempt_prefix(self.version, self.attempt)
+
+    @property
+    def _list_prefix(self) -> str:
+        return self._prefix if self.owners > 1 else f"{version_prefix(self.version)}/"
+
+    def available(self) -> list[PayloadId]:
+        keys = self.store.list(self._list_prefix)
+        out = []
+        for key in keys:
+            k = parse_payload_key(key)
+            if k is not None and (k.version, k.attempt) == (self.version, self.attempt):
+                out.append((k.owner, k.seq))
+        with self._seen.lock:
+            self._seen.keys = frozenset(keys)
+        return out
+
+    def fetch(self, pid: PayloadId) -> bytes:
+        return self.store.get(payload_key(self.version, self.attempt, *pid))
+
+    def manifest(self) -> Manifest | None:
+        parts = []
+        for owner in range(self.owners):
+            part = self.manifest_part(owner)
+            if part is None:
+                return None
+            parts.append(part)
+        if self.owners == 1:
+            return parts[0]
+        return merge_manifests(parts, f"{self.store.uri}/{self._prefix}")
+
+    def manifest_part(self, owner: int) -> Manifest | None:
+        m = self._part(owner_manifest_key(self.version, self.attempt, owner))
+        if m is None and self.owners == 1:  # a single owner's file-level version manifest
+            m = self._part(manifest_key(self.version))
+        return m if m is not None and m.attempt == self.attempt else None
+
+    def _part(self, key: str) -> Manifest | None:
+        if not self._seen.shows(key, self.probe_s):
+            return None
+        try:
+            return Manifest.parse(self.store.get(key), f"{self.store.uri}/{key}")
+        except ObjectNotFound:
+            return None
+
+
+@dataclass(kw_only=True)
+class _Parts:
+    """The manifest parts read so far, and what each lists, by owner. A source without
+    parts of its own (:class:`PartSource`) gives them all at once, in its whole manifest."""
+
+    source: Source
+    attempt: str
+    owners: int
+    got: dict[int, Manifest] = field(default_factory=dict)
+    listed: dict[int, dict[int, PayloadEntry]] = field(default_factory=dict)  # owner -> seq
+
+    def poll(self) -> None:
+        missing = [o for o in range(self.owners) if o not in self.got]
+        if not missing:
+            return
+        if not isinstance(self.source, PartSource):
+            whole = self.source.manifest()
+            if whole is not None:
+                for owner in missing:
+                    self.got[owner] = whole
+                    self.listed[owner] = {e.seq: e for e in whole.payloads if e.owner == owner}
+            return
+        for owner in missing:
+            part = self.source.manifest_part(owner)
+            if part is None:
+                continue
+            if any(e.owner != owner for e in part.payloads):
+                raise ForeignPayload(f"Attempt {self.attempt}: owner {owner}'s manifest part "
+                                     "lists payloads of another owner.")
+            self.got[owner] = part
+            self.listed[owner] = {e.seq: e for e in part.payloads}
+
+    @property
+    def complete(self) -> bool:
+        return len(self.got) == self.owners
+
+    def manifest(self) -> Manifest:
+        parts = [self.got[o] for o in range(self.owners)]
+        if self.owners == 1 or not isinstance(self.source, PartSource):
+            return parts[0]
+        return merge_manifests(parts, f"attempt {self.attempt}")
+
+
+def receive(
+    source: Source,
+    attempt: str,
+    stage: Callable[[Payload], None],
+    *,
+    owners: int = 1,
+    release: Release = "on_arrival",
+    hold_bytes: int = GiB,
+    window: int = 4,
+    poll_s: float = 0.01,
+    idle_wait_s: float = 0.25,
+    timeout_s: float = 600.0,
+    stop: threading.Event | None = None,
+) -> Manifest:
+    """Stage every payload of ``attempt`` as ``release`` allows; return the manifest.
+
+    ``stage`` is called with each verified payload, in order (see the module docstring).
+    ``window`` bounds the payloads being fetched; ``hold_bytes`` those fetched but not yet
+    staged (each owner's next payload is fetched regardless, so order can always make
+    progress); ``stage`` may block to push back further. With nothing in flight, the loop
+    waits ``poll_s`` before asking again, or, from a :class:`WaitingSource`, up to
+    ``idle_wait_s`` for a change (so ``stop`` is seen within that). Raises :class:`ManifestError`
+    if the manifest disagrees with what arrived (:class:`ForeignPayload` if an object is
+    not what its owner wrote), or if ``timeout_s`` passes first, and
+    :class:`ReceiveStopped` once ``stop`` is set (between payloads: a ``stage`` call in
+    progress always finishes).
+    """
+    deadline = time.monotonic() + timeout_s
+    listed_only = release == "when_listed"
+    parts = _Parts(source=source, attempt=attempt, owners=owners)
+    pending: dict[PayloadId, Future[Payload]] = {}
+    held: dict[PayloadId, Payload] = {}
+    staged: set[PayloadId] = set()
+    objects: dict[PayloadId, tuple[int, str]] = {}  # size and object digest of what was staged
+    next_seq = dict.fromkeys(range(owners), 0)
+    listed_ids: set[PayloadId] = set()  # every id the source has listed so far
+
+    def wanted(pid: PayloadId) -> bool:
+        owner, seq = pid
+        if owner >= owners or seq < next_seq[owner] or pid in pending or pid in held:
+            return False
+        listed = parts.listed.get(owner)
+        return listed is None or seq in listed or not listed_only
+
+    with ThreadPoolExecutor(window) as pool:
+        while True:
+            if stop is not None and stop.is_set():
+                for f in pending.values():
+                    f.cancel()
+                raise ReceiveStopped(f"Attempt {attempt}: stopped after {len(staged)} payloads.")
+            held_bytes = sum(p.size for p in held.values())
+            # Each LIST is a round trip to a remote store: list only when the window has
+            # room and nothing listed before is still waiting to be fetched.
+            if len(pending) < window and not any(map(wanted, listed_ids)):
+                listed_ids.update(source.available())
+            for pid in sorted(filter(wanted, listed_ids)):
+                if len(pending) >= window:
+                    break
+                if held_bytes >= hold_bytes and pid != (pid[0], next_seq[pid[0]]):
+                    continue
+                pending[pid] = pool.submit(_fetch_verified, source, pid, attempt)
+            for pid in [p for p, f in pending.items() if f.done()]:
+                held[pid] = pending.pop(pid).result()
+            progressed = False
+            for owner in range(owners):
+                vouched = parts.listed.get(owner, {}) if listed_only else None
+                while (pid := (owner, next_seq[owner])) in held:
+                    if vouched is not None and pid[1] not in vouched:
+                        break  # its owner's part has not vouched for it (yet)
+                    payload = held.pop(pid)
+                    got = (payload.size, object_digest(payload.data))
+                    entry = vouched[pid[1]] if vouched is not None else None
+                    if entry is not None and got != (entry.size, entry.digest):
+                        raise ForeignPayload(_differs(attempt, pid, got, entry, "arrived"))
+                    stage(payload)
+                    staged.add(pid)
+                    objects[pid] = got
+                    next_seq[owner] += 1
+                    progressed = True
+            manifest: Manifest | None = None
+            if not pending:
+                parts.poll()
+                _drop_unlisted(parts, held, listed_only)
+                if parts.complete:
+                    manifest = parts.manifest()
+                    listed = {(e.owner, e.seq) for e in manifest.payloads}
+                    if listed <= staged:
+                        if staged != listed:
+                            raise ManifestError(
+                                f"Attempt {attempt}: applied payloads "
+                                f"{sorted(staged - listed)} that its manifest does not list."
+                            )
+                        _check_objects(attempt, manifest, objects)
+                        return manifest
+            if time.monotonic() > deadline:
+                raise ManifestError(
+                    f"Attempt {attempt}: not complete after {timeout_s} s "
+                    f"({len(staged)} payloads applied, manifest "
+                    f"{'present' if manifest else 'missing'})."
+                )
+            if progressed:
+                continue
+            if pending:  # wake for the first fetch to land, not after a fixed sleep
+                wait(pending.values(), timeout=poll_s, return_when=FIRST_COMPLETED)
+            elif isinstance(source, WaitingSource):  # wake when something arrives
+                source.wait_for_change(max(0.0, min(idle_wait_s, deadline - time.monotonic())))
+            else:
+                time.sleep(poll_s)
+
+
+def _drop_unlisted(parts: _Parts, held: dict[PayloadId, Payload], listed_only: bool) -> None:
+    """Forget held objects that their owner's part does not list: never staged."""
+    if not listed_only:
+        return
+    for pid in [p for p in held if p[0] in parts.listed and p[1] not in parts.listed[p[0]]]:
+        log.warning("Attempt %s: ignoring payload o%d/s%d, which its owner's manifest part "
+                    "does not list.", parts.attempt, *pid)
+        del held[pid]
+
+
+def _differs(attempt: str, pid: PayloadId, got: tuple[int, str], entry: PayloadEntry,
+             how: str) -> str:
+    return (f"Attempt {attempt}: payload o{pid[0]}/s{pid[1]} {how} as {got[0]} bytes, "
+            f"digest {got[1]}; the manifest lists {entry.size} bytes, digest {entry.digest}.")
+
+
+def _check_objects(attempt: str, manifest: Manifest,
+                   objects: dict[PayloadId, tuple[int, str]]) -> None:
+    """Every applied object is the one the manifest lists (size and digest), not merely one
+    with the same id (an owner that published the same attempt twice, differently)."""
+    for e in manifest.payloads:
+        got = objects[(e.owner, e.seq)]
+        if got != (e.size, e.digest):
+            raise ManifestError(_differs(attempt, (e.owner, e.seq), got, e, "applied"))
+
+
+def _fetch_verified(source: Source, pid: PayloadId, attempt: str) -> Payload:
+    payload = read_payload(source.fetch(pid))
+    h = payload.header
+    if (h.attempt, h.owner, h.seq) != (attempt, *pid):
+        raise ForeignPayload(
+            f"Payload {pid} of {attempt} says attempt {h.attempt}, owner {h.owner}, "
+            f"seq {h.seq}."
+        )
+    return payload

@@ -1,0 +1,75 @@
+"""The relay root as a write-only ``Store``: what an owner publishes goes to the tree.
+
+``open_store("relay+http://host:port")`` gives this store; the relay's publish token
+comes from ``$DCR_RELAY_TOKEN`` (never from the URI, so it stays out of logs and process
+lists) and is checked like every token (:func:`dcr.http.tokens.check_token`); the read token
+agents hold cannot push.
+Payload keys ``v<N>/<attempt>/o<K>-s<S>.dcrp`` become ``PUT /v1/payloads/...`` of that
+attempt and a manifest key becomes ``PUT /v1/manifests/<attempt>``; each ``put``
+returns once the root acknowledged it as queued (the relay's hop acknowledgement).
+
+A relay carries one manifest per attempt, so an attempt published through it has one
+owner; a second owner's manifest part is refused with a :class:`ConfigError`. The
+file-level version manifest (``v<N>/manifest.dcrm``) names no attempt in its key; its
+attempt is read from its body, which is checked as a receiver checks it. Keys are parsed
+by :mod:`dcr.format.layout`.
+"""
+
+from __future__ import annotations
+
+import os
+
+from dcr.errors import ConfigError, ManifestError
+from dcr.format.layout import parse_manifest_key, parse_manifest_part_key, parse_payload_key
+from dcr.format.manifest import Manifest
+from dcr.http.tokens import check_token
+from dcr.transport.relay.client import BlockingRelay
+
+TOKEN_ENV = "DCR_RELAY_TOKEN"
+
+
+class RelayPublisher:
+    """A ``Store`` whose ``put`` streams to the relay root; reads are not offered."""
+
+    def __init__(self, url: str, token: str | None = None) -> None:
+        source = "relay publish token" if token is not None else (
+            f"relay publish token from ${TOKEN_ENV}")
+        token = token if token is not None else os.environ.get(TOKEN_ENV, "").strip()
+        if not token:
+            raise ConfigError(f"Publishing to the relay at {url} needs its bearer token in "
+                              f"${TOKEN_ENV} (the relay's publish token).")
+        check_token(token, source)
+        self.uri = url
+        self._relay = BlockingRelay(url.replace("relay+", "", 1), token, name="relay-publish")
+        self._run, self._client = self._relay.run, self._relay.client
+
+    def put(self, key: str, data: bytes) -> None:
+        if (p := parse_payload_key(key)) is not None:
+            self._run(self._client.put_payload(p.attempt, p.owner, p.seq, data))
+        elif (part := parse_manifest_part_key(key)) is not None:
+            if part.owner != 0:
+                raise ConfigError(f"{key}: a relay carries one manifest per attempt; publish "
+                                  "attempts with several owners to an object store.")
+            self._run(self._client.put_manifest(part.attempt, data))
+        elif parse_manifest_key(key) is not None:
+            try:
+                attempt = Manifest.parse(data, key).attempt
+            except ManifestError as e:
+                raise ConfigError(f"{key} is not a manifest naming its attempt: {e}") from e
+            self._run(self._client.put_manifest(attempt, data))
+        else:
+            raise ConfigError(f"{key!r} is neither a payload nor a manifest key; the relay "
+                              "carries only those.")
+
+    def get(self, key: str) -> bytes:
+        raise ConfigError(f"The relay publisher {self.uri} is write-only; read {key!r} from a "
+                          "relay node (RelaySource).")
+
+    def exists(self, key: str) -> bool:
+        return False  # nothing is ever known to exist: every put goes to the root
+
+    def list(self, prefix: str) -> list[str]:
+        return []
+
+    def close(self) -> None:
+        self._relay.close()

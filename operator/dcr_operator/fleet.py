@@ -1,0 +1,231 @@
+"""A RolloutFleet's receivers: found from its pods, reached through their agents.
+
+Receivers are the pods the fleet's selector matches that are Running and not being
+deleted (:func:`dcr_operator.reconcile.receivers_of`), each reached at
+``<agent.scheme>://<podIP>:<agent.port>`` and nowhere else: the agent is a sidecar
+listening on the pod IP. The bearer token comes from the Secret key
+``agent.tokenSecretRef``.
+
+Secrets opt in. The operator may read Secrets, but a fleet's author should not thereby
+be able to have any Secret of the namespace sent to pods of their choosing, or to an
+S3 endpoint of their choosing: a Secret a fleet names is used only if it carries the
+label of that use (:data:`SECRET_USES`), which only someone who may write that Secret
+can set. A fleet naming one without it is refused (InvalidResource, naming the label).
+
+:func:`refresh` asks every receiver's agent for its status and writes
+``status.receivers``, the counts and the Ready / Progressing / Degraded conditions, in
+the operator's own words (:func:`~dcr_operator.reconcile.agent_failure`).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from dcr.errors import ConfigError
+from dcr.http.tokens import check_token
+from dcr.protocol.agent_api import AgentApi, AgentClient, AgentStatus, Call
+from dcr.protocol.records import CommitRecord
+from dcr.protocol.state import FINAL
+from dcr_operator.commitstore import record_of
+from dcr_operator.crds import FLEET_PLURAL, GROUP, VERSION, RolloutFleetSpec, SecretKeyRef
+from dcr_operator.errors import ApiError, InvalidResource, NotFound
+from dcr_operator.kube import KubeClient, api_path
+from dcr_operator.reconcile import (
+    Receiver,
+    agent_failure,
+    agent_report,
+    fleet_conditions,
+    receivers_of,
+    selector_query,
+)
+
+log = logging.getLogger(__name__)
+
+
+def fleet_path(namespace: str, name: str, sub: str = "") -> str:
+    return api_path(GROUP, VERSION, FLEET_PLURAL, namespace, name, sub)
+
+
+def discover(kube: KubeClient, namespace: str, spec: RolloutFleetSpec) -> list[Receiver]:
+    pods = kube.get(api_path("", "v1", "pods", namespace),
+                    labelSelector=selector_query(spec.selector))
+    return receivers_of(pods.get("items", []), spec.agent)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SecretUse:
+    """One use of a Secret a fleet names: the field that names it, the label it needs."""
+
+    field: str  # where the fleet names it, for messages
+    label: str  # "<label>: true" on the Secret opts it in to this use
+
+
+AGENT_TOKEN = SecretUse(field="spec.agent.tokenSecretRef", label=f"{GROUP}/agent-token")
+RELAY_TOKEN = SecretUse(field="spec.relay.tokenSecretRef", label=f"{GROUP}/relay-token")
+STORE_CREDENTIALS = SecretUse(field="spec.store.credentialsSecretRef",
+                              label=f"{GROUP}/store-credentials")
+ENCODER_TOKEN = SecretUse(field="spec.encoderProfiles[].endpoint.tokenSecretRef",
+                          label=f"{GROUP}/encoder-token")
+SECRET_USES = (AGENT_TOKEN, RELAY_TOKEN, STORE_CREDENTIALS, ENCODER_TOKEN)
+
+
+def read_secret(kube: KubeClient, namespace: str, name: str, use: SecretUse
+                ) -> dict[str, str]:
+    """The data of Secret ``name``, if it opted in to ``use``; else InvalidResource."""
+    where = f"Secret {namespace}/{name} ({use.field})"
+    try:
+        secret = kube.get(api_path("", "v1", "secrets", namespace, name))
+    except NotFound:
+        raise InvalidResource(f"{where} does not exist.") from None
+    except ApiError as e:
+        if e.status != 403:
+            raise
+        raise InvalidResource(f"{where}: the operator may not read Secrets in namespace "
+                              f"{namespace} (bind the chart's workloads ClusterRole there: "
+                              "Helm rbac.workloadNamespaces).") from None
+    labels = (secret.get("metadata") or {}).get("labels") or {}
+    if labels.get(use.label) != "true":
+        raise InvalidResource(f"{where} is not labelled {use.label}=true: the operator uses "
+                              "a Secret only for what its label opts it in to "
+                              "(docs/operations.md).")
+    return {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
+
+
+def bearer_token(kube: KubeClient, namespace: str, ref: SecretKeyRef, use: SecretUse,
+                 what: str) -> str:
+    """The checked bearer token in key ``ref.key`` of a Secret that opted in to ``use``."""
+    data = read_secret(kube, namespace, ref.name, use)
+    if ref.key not in data:
+        raise InvalidResource(f"Secret {namespace}/{ref.name} has no key {ref.key!r} "
+                              f"({use.field}.key).")
+    try:  # the peers refuse a weak token; refuse it here before sending it anywhere
+        return check_token(data[ref.key].strip(),
+                           f"{what} in Secret {namespace}/{ref.name} key {ref.key!r}")
+    except ConfigError as e:
+        raise InvalidResource(str(e)) from None
+
+
+def agent_token(kube: KubeClient, namespace: str, spec: RolloutFleetSpec) -> str:
+    return bearer_token(kube, namespace, spec.agent.token_secret_ref, AGENT_TOKEN,
+                        "agent token")
+
+
+def encoder_token(kube: KubeClient, namespace: str, ref: SecretKeyRef) -> str:
+    """The warm encoders' token of an encoder profile's endpoint."""
+    return bearer_token(kube, namespace, ref, ENCODER_TOKEN, "encoder token")
+
+
+def store_credentials(kube: KubeClient, namespace: str, spec: RolloutFleetSpec
+                      ) -> dict[str, str] | None:
+    """The store's credentials Secret, if the fleet names one (for the finalizer)."""
+    ref = spec.store.credentials_secret_ref if spec.store is not None else None
+    return read_secret(kube, namespace, ref.name, STORE_CREDENTIALS) if ref else None
+
+
+def check_job_secrets(kube: KubeClient, namespace: str, spec: RolloutFleetSpec) -> None:
+    """InvalidResource unless the Secrets encoder Jobs get (by reference) opted in."""
+    store_credentials(kube, namespace, spec)
+    if spec.relay is not None:
+        read_secret(kube, namespace, spec.relay.token_secret_ref.name, RELAY_TOKEN)
+
+
+def clients(kube: KubeClient, namespace: str, spec: RolloutFleetSpec,
+            receivers: list[Receiver]) -> list[AgentClient]:
+    token = agent_token(kube, namespace, spec)
+    return [AgentClient(r.name, r.url, token, timeout_s=spec.agent.timeout_seconds)
+            for r in receivers]
+
+
+def behind(st: AgentStatus, record: CommitRecord) -> bool:
+    """Whether an agent outside any attempt holds other bits than the committed version's:
+    a pod that started from an older checkpoint (a replacement, a scale-up) or one whose
+    weights are unknown or partly written."""
+    idle = st.attempt is None or st.state in {s.value for s in FINAL}
+    return idle and (st.dirty is not None or st.version != record.committed_version)
+
+
+def _report(client: AgentClient, url: str, at: str, catch_up: CommitRecord | None
+            ) -> dict[str, Any]:
+    """One receiver's status entry; with ``catch_up`` (no refit running on the fleet), an
+    agent that is :func:`behind` is first brought to the committed version by a dense
+    load of its checkpoint, as a refit's admission would."""
+    entry: dict[str, Any] = {"name": client.name, "url": url}
+    call: Call[..., Any, AgentStatus] = AgentApi.status
+    try:
+        st = client.status()
+        if catch_up is not None and behind(st, catch_up):
+            log.info("%s holds %s (dirty %s): dense refit to the committed version %d",
+                     client.name, st.version, st.dirty, catch_up.committed_version)
+            call = AgentApi.rejoin
+            st = client.rejoin(catch_up.committed_version, catch_up.baseline_id)
+    except Exception as e:  # any failure: the receiver is reported unreachable
+        entry["error"] = agent_failure(client.name, call, e)[:1024]
+        return entry
+    entry.update(agent_report(st), lastSeen=at)
+    return {k: v for k, v in entry.items() if v is not None}
+
+
+def refresh(kube: KubeClient, fleet: Mapping[str, Any], *, clock: Callable[[], str],
+            active: str | None, acks: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Poll the fleet's agents and write its status (not the commit record); the status.
+
+    ``active`` is the WeightRefit running on the fleet (None: none); with none running,
+    an agent behind the committed version rejoins it now rather than at the next refit,
+    so a replaced or added pod serves the committed weights. ``acks`` are flush
+    acknowledgment times to record as ``lastAck``.
+    """
+    meta = fleet["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    spec = RolloutFleetSpec.model_validate(fleet["spec"])
+    current = kube.get(fleet_path(namespace, name))
+    status = current.get("status") or {}
+    at = clock()
+    found = discover(kube, namespace, spec)
+    no_agents = "no agent token"
+    try:
+        agents = clients(kube, namespace, spec, found)
+    except InvalidResource as e:
+        log.warning("fleet %s/%s: %s", namespace, name, e)
+        agents, no_agents = [], f"No agent token: {e}"
+    previous = {r["name"]: r for r in status.get("receivers") or []}
+    record = record_of(current)
+    catch_up = record if active is None and record.baseline_id else None
+    if agents:
+        with ThreadPoolExecutor(min(16, len(agents))) as pool:
+            reports = list(pool.map(lambda p: _report(p[0], p[1].url, at, catch_up),
+                                    zip(agents, found, strict=True)))
+    else:
+        reports = [{"name": r.name, "url": r.url, "error": no_agents} for r in found]
+    for r in reports:
+        ack = (acks or {}).get(r["name"]) or previous.get(r["name"], {}).get("lastAck")
+        if ack:
+            r["lastAck"] = ack
+    patch: dict[str, Any] = {
+        "observedGeneration": meta.get("generation"),
+        "receivers": reports,
+        "receiverCount": len(reports),
+        "readyReceivers": sum(1 for r in reports
+                              if r.get("version") == record.committed_version
+                              and not r.get("error")),
+        "activeRefit": active,
+        "conditions": fleet_conditions(status.get("conditions") or [], record=record,
+                                       receivers=reports, active=active, at=at,
+                                       generation=meta.get("generation")),
+    }
+    # A merge patch without resourceVersion: it never touches status.commit, so it cannot
+    # undo a commit that lands in between.
+    kube.merge_patch(fleet_path(namespace, name, "status"), {"status": patch})
+    return patch
+
+
+def set_active(kube: KubeClient, namespace: str, name: str, refit: str | None) -> None:
+    try:
+        kube.merge_patch(fleet_path(namespace, name, "status"),
+                         {"status": {"activeRefit": refit}})
+    except ApiError as e:
+        log.warning("fleet %s/%s: cannot set activeRefit=%s: %s", namespace, name, refit, e)
