@@ -20,6 +20,10 @@ test: install
 	@tools/controlplane/packages.sh
 	$(PY) -m pytest
 
+# The unit and integration tiers: no control plane, no images.
+test-fast: install
+	$(PY) -m pytest tests/unit tests/integration
+
 # The engine tier (opt-in): DCR's apply through vLLM's real model classes on CPU, run from
 # vLLM's own venv, which tools/engines/setup.sh makes (7-15 min and ~9.4 GB the first time,
 # seconds after) under ~/.cache/dcr-engines.

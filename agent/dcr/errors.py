@@ -29,8 +29,8 @@ Hierarchy::
     ├── LoaderPathError        (apply.intercept) the runtime's loader wrote storage in a
     │                          way DCR cannot honour exactly, or bypassed the hook
     ├── UnsupportedView        (apply.geometry) a copy's view cannot be inverted exactly
-    ├── DuplicatePayload       (apply.engine) a payload id was applied before
-    ├── PayloadConflict        (apply.engine) a payload id was seen with other bytes
+    ├── DuplicatePayload       (apply.applier) a payload id was applied before
+    ├── PayloadConflict        (apply.applier) a payload id was seen with other bytes
     ├── IllegalTransition      (protocol.state) an attempt cannot move to that state
     ├── CommitStoreError       (protocol.commitstore) the commit record is unreadable
     ├── CommitConflict         (protocol.coordinator) the record moved under the coordinator
@@ -39,17 +39,34 @@ Hierarchy::
     ├── RefitAborted           (protocol.coordinator) an operator aborted between attempts
     ├── CommitUnknown          (protocol.coordinator) a commit's outcome could not be
     │                          learned; nothing was abandoned, the record decides later
-    ├── EngineError            (engines.errors) a serving engine refused or failed a call,
+    ├── EngineError            (drivers.errors) a serving engine refused or failed a call,
     │   │                      or is unreachable (an HttpError)
     │   └── BadAnswer          a 2xx answer that breaks the plugin contract
     ├── AgentError             (protocol.agent_api) an agent refused a call or is
     │                          unreachable (an HttpError)
+    ├── EncoderError           (protocol.encoder_api) a warm encoder refused or failed a
+    │                          publish or stop, or is unreachable (an HttpError)
+    ├── BadRequest             (protocol.agent_api) an agent call's body failed validation
+    │                          (also a ValueError; 400)
+    ├── RelayRefused           (transport.relay.wire) a relay node refuses a request;
+    │                          ``status`` is the HTTP status it answers
     ├── ReceiveStopped         (transport.receive) the receiver was told to stop
     ├── AgentConflict          (receiver.service) a call does not fit the agent's state
     ├── AttemptFailed          (receiver.service) the current attempt failed on this agent
     ├── JournalError           (receiver.journal) the agent's journal is unreadable
     ├── FingerprintMismatch    (receiver.service) after apply, a tensor's bits differ from
     │                          the target fingerprint its manifest lists
+    ├── BadPublish             (owner.server) a warm encoder refuses what a publish names (400)
+    ├── PublishConflict        (owner.server) that owner of that attempt publishes already,
+    │                          or the attempt was stopped (409)
+    ├── Busy                   (owner.server) every publish slot is taken (503)
+    ├── Stopped                (owner.server) a publish ended early: stopped, or its caller left
+    ├── ServeRefused           (serve.server) dcr serve refuses a request body (400)
+    ├── Unavailable            (serve.server) dcr serve cannot answer now (503)
+    ├── BadCompletion          (serve.completions) a completion request it cannot serve (400)
+    ├── UnknownMethod          (serve.workers) a collective_rpc method that is not the plugin's
+    ├── Paused                 (serve.gate) the request gate is closed to new requests (503)
+    ├── Aborted                (serve.gate) a request the gate aborted while it paused
     │
     └── BaselineError          an owner cannot vouch for that baseline version (owner/)
 

@@ -101,7 +101,7 @@ class EncoderServerSettings:
                               "must be positive.")
 
 
-class BadRequest(DcrError):
+class BadPublish(DcrError):
     """A request names something the server refuses (400)."""
 
 
@@ -192,7 +192,7 @@ class EncoderService:
         """``path`` with links resolved, if that lies under a checkpoint root."""
         real = Path(os.path.realpath(path))
         if not any(real == root or real.is_relative_to(root) for root in self.roots):
-            raise BadRequest(f"The {what} checkpoint {path!r} is outside every checkpoint "
+            raise BadPublish(f"The {what} checkpoint {path!r} is outside every checkpoint "
                              f"root of this encoder ({', '.join(map(str, self.roots))}), "
                              "symlinks and '..' resolved.")
         return real
@@ -266,7 +266,7 @@ class EncoderService:
 
 Handler = Callable[["web.Request"], Awaitable["web.StreamResponse"]]
 _STATUS: tuple[tuple[type[Exception], int], ...] = (
-    (BadRequest, 400), (CheckpointError, 400), (ConfigError, 400),
+    (BadPublish, 400), (CheckpointError, 400), (ConfigError, 400),
     (PublishConflict, 409), (Stopped, 409), (Busy, 503))
 
 
@@ -300,7 +300,7 @@ def make_app(service: EncoderService, token: str) -> web.Application:
         try:
             return model.model_validate_json(raw or b"{}")
         except ValidationError as e:
-            raise BadRequest(f"{model.__name__}: {first_validation_error(e, 'body')}") from e
+            raise BadPublish(f"{model.__name__}: {first_validation_error(e, 'body')}") from e
 
     async def publish(request: web.Request) -> web.StreamResponse:
         req: PublishRequest = await body(request, PublishRequest)

@@ -1,7 +1,7 @@
 """The full-checkpoint refit the main job times beside each DCR refit (``full s``).
 
-Issue 14 asks the main job to show DCR's win against the alternative it replaces: every
-rollout pod fetching the whole new checkpoint and loading it densely. So after each
+The main job shows DCR against the alternative it replaces: every rollout pod
+fetching the whole new checkpoint and loading it densely. After each
 step the driver refits every pod to the same version that way, through the same store
 and across the same boundary (:mod:`dcr.refit.boundary`): the trainer uploads the export's
 files directly, as its owners publish, and every pod at once downloads them through its

@@ -46,7 +46,7 @@ class TrainerSettings:
     """The model's shape, the data and the optimizer. Defaults: the main job's trainer."""
 
     seed: int = option(0, metavar="N", doc="seed of the initial weights and of the batch sampler")
-    lr: float = option(1e-6, doc="AdamW learning rate: an RL fine-tuning rate, at which "
+    lr: float = option(5e-7, doc="AdamW learning rate: an RL fine-tuning rate, at which "
                        "most BF16 elements round back to the same bits each step")
     warmup_steps: int = option(3, metavar="K", doc="optimizer steps before the first "
                                "export, leaving Adam's first, sign-like steps behind")

@@ -24,11 +24,11 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dcr.errors import first_validation_error
+from dcr.errors import DcrError, first_validation_error
 from dcr.serve.gate import Aborted, PauseGate
 
 
-class BadCompletion(ValueError):
+class BadCompletion(DcrError, ValueError):
     """A completion body the server refuses (the message names the field or value)."""
 
 

@@ -24,14 +24,16 @@ import threading
 from dataclasses import dataclass
 from typing import Literal
 
+from dcr.errors import DcrError
+
 Mode = Literal["abort", "wait", "keep"]
 
 
-class Paused(Exception):
+class Paused(DcrError):
     """The gate refuses new completions (vLLM answers 503 until /resume)."""
 
 
-class Aborted(Exception):
+class Aborted(DcrError):
     """A pause in ``abort`` mode ended this completion."""
 
 

@@ -45,7 +45,7 @@ from dcr.errors import DcrError, first_validation_error
 from dcr.http.direct import excerpt
 from dcr.http.prometheus import Family, render
 from dcr.http.tokens import bearer_matches
-from dcr.serve.completions import BadCompletion, greedy, parse_completion, response
+from dcr.serve.completions import greedy, parse_completion, response
 from dcr.serve.gate import Mode, Paused, PauseGate
 from dcr.serve.settings import ServeSettings
 from dcr.serve.workers import Workers
@@ -73,11 +73,11 @@ class VersionBody(BaseModel):
     new_version: Annotated[str, Field(max_length=256)]
 
 
-class Refused(ValueError):
+class ServeRefused(DcrError, ValueError):
     """A request the server refuses (400)."""
 
 
-class Unavailable(Exception):
+class Unavailable(DcrError):
     """Not now (503): busy."""
 
 
@@ -91,7 +91,7 @@ def _parse(model: type[BaseModel], raw: bytes) -> Any:
     try:
         return model.model_validate_json(raw or b"{}")
     except ValidationError as e:
-        raise Refused(f"{model.__name__}: {first_validation_error(e, 'body')}") from None
+        raise ServeRefused(f"{model.__name__}: {first_validation_error(e, 'body')}") from None
 
 
 class State:
@@ -123,10 +123,10 @@ def make_app(s: ServeSettings, workers: Workers, api_key: str | None) -> web.App
             return web.json_response({"error": "Unauthorized"}, status=401)
         try:
             return await handler(request)
-        except (Refused, BadCompletion, DcrError, ValueError) as e:
-            return _error(400, str(e), "BadRequestError")
         except (Paused, Unavailable) as e:
             return _error(503, str(e), "ServiceUnavailableError")
+        except (DcrError, ValueError) as e:
+            return _error(400, str(e), "BadRequestError")
         except NotImplementedError as e:
             return _error(501, str(e), "NotImplementedError")
         except web.HTTPException:
@@ -149,7 +149,7 @@ def make_app(s: ServeSettings, workers: Workers, api_key: str | None) -> web.App
     async def pause(request: web.Request) -> web.StreamResponse:
         mode = request.query.get("mode", "abort")
         if mode not in MODES:
-            raise Refused(f"pause: mode {mode[:32]!r} is not one of {list(MODES)}.")
+            raise ServeRefused(f"pause: mode {mode[:32]!r} is not one of {list(MODES)}.")
         await st.run("pause", st.gate.pause, mode)
         log.info("paused (%s)", mode)
         return web.json_response({"status": "paused"})

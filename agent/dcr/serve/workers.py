@@ -33,6 +33,7 @@ from transformers import PreTrainedModel
 
 from dcr.apply.applier import Loader
 from dcr.checkpoint import Checkpoint
+from dcr.errors import DcrError
 from dcr.runtimes import build_runtime
 from dcr.runtimes.hf import HFRuntime
 from dcr.runtimes.vllm import DcrWorkerExtension, VllmRuntime
@@ -99,7 +100,7 @@ def build_workers(s: ServeSettings, rank_options: dict[str, Any] | None = None
     return workers
 
 
-class UnknownMethod(ValueError):
+class UnknownMethod(DcrError, ValueError):
     """``/collective_rpc`` named a method that is not one of the plugin's."""
 
 

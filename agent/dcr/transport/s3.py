@@ -130,7 +130,7 @@ _RETRY_CODES = frozenset({
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
 
 
-class _BadBody(Exception):
+class _BadBody(StoreError):
     """A response body of the wrong length or range: the transfer broke, try again."""
 
 

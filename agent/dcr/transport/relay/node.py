@@ -38,7 +38,7 @@ from dcr.transport.relay.wire import (
     Chunk,
     Key,
     QueueChunks,
-    Refused,
+    RelayRefused,
     attempt_from,
     key_from,
 )
@@ -228,7 +228,7 @@ class RelayNode:
                 )
         try:
             return await handler(request)
-        except Refused as e:
+        except RelayRefused as e:
             return web.json_response({"error": str(e)}, status=e.status)
 
     def _role(self, header: str | None) -> Role | None:
@@ -280,12 +280,12 @@ class RelayNode:
     async def _receive(self, request: web.Request, key: Key) -> web.Response:
         size = request.content_length
         if size is None:
-            raise Refused(411, f"{key.label}: the PUT needs a Content-Length.")
+            raise RelayRefused(411, f"{key.label}: the PUT needs a Content-Length.")
         if size < (PREAMBLE_SIZE if key.kind == "payload" else 1):
-            raise Refused(400, f"{key.label}: {size} bytes is too short.")
+            raise RelayRefused(400, f"{key.label}: {size} bytes is too short.")
         too_big = key.kind == "manifest" and size > self.settings.max_manifest_bytes
         if too_big or not self.staging.can_ever_hold(size):
-            raise Refused(413, f"{key.label}: {size} bytes can never be staged here "
+            raise RelayRefused(413, f"{key.label}: {size} bytes can never be staged here "
                                 f"(budget {self.staging.budget_bytes} bytes in memory, "
                                 f"{self.staging.spool_budget_bytes} on disk).")
         blob = await self._admit(key, size)
@@ -298,8 +298,8 @@ class RelayNode:
             await self._stream_in(request, blob, forwards)
             digest = await asyncio.to_thread(verify, blob)
             if blob.dropped:
-                raise Refused(410, f"{key.label}: its attempt was deleted while it arrived.")
-        except Refused as e:
+                raise RelayRefused(410, f"{key.label}: its attempt was deleted while it arrived.")
+        except RelayRefused as e:
             for f in forwards:
                 f.abort()
             self.staging.discard(blob)
@@ -344,7 +344,7 @@ class RelayNode:
                     where = await self.staging.reserve(size, deadline)
             except TimeoutError:
                 self.counters["busy"] += 1
-                raise Refused(
+                raise RelayRefused(
                     503, f"{key.label}: no staging space for {size} bytes within "
                          f"{self.settings.admit_timeout_s} s (budget {self.staging.budget_bytes} "
                          f"bytes in memory, {self.staging.spool_budget_bytes} on disk)."
@@ -370,7 +370,7 @@ class RelayNode:
                         async with asyncio.timeout(s.stall_timeout_s):
                             chunk = await content.readany()
                     except TimeoutError:
-                        raise Refused(408, f"{blob.key.label}: no bytes for "
+                        raise RelayRefused(408, f"{blob.key.label}: no bytes for "
                                            f"{s.stall_timeout_s} s.") from None
                     if not chunk:
                         raise ConnectionResetError(f"body ended after {blob.received} bytes")
@@ -378,11 +378,11 @@ class RelayNode:
                     for f in forwards:
                         await f.feed(chunk)
                     if blob.dropped:
-                        raise Refused(410, f"{blob.key.label}: its attempt was deleted while "
+                        raise RelayRefused(410, f"{blob.key.label}: its attempt was deleted while "
                                            "it arrived.")
         except TimeoutError:
             self.counters["too_slow"] += 1
-            raise Refused(408, f"{blob.key.label}: {blob.received} of {blob.size} bytes in "
+            raise RelayRefused(408, f"{blob.key.label}: {blob.received} of {blob.size} bytes in "
                                f"{allowed_s:.1f} s, slower than the minimum of "
                                f"{s.min_upload_bytes_per_s} bytes/s.") from None
         self.staging.finish_writing(blob)
@@ -408,7 +408,7 @@ class RelayNode:
             log.warning("refused %s: already held with other bytes (%d bytes, digest %s); the "
                         "first upload stays, receivers check it against the manifest",
                         blob.key.label, blob.size, blob.digest)
-            raise Refused(409, f"{blob.key.label} is already held with other bytes "
+            raise RelayRefused(409, f"{blob.key.label} is already held with other bytes "
                                 f"({blob.size} bytes, digest {blob.digest}).")
         self.counters["duplicates"] += 1
         return web.json_response({"status": "duplicate", "size": blob.size,
@@ -425,7 +425,7 @@ class RelayNode:
     async def _serve(self, request: web.Request, key: Key) -> web.StreamResponse:
         blob = self.staging.get(key)
         if blob is None or blob.state != "staged":
-            raise Refused(404, f"No {key.label} is staged at member {self.index}.")
+            raise RelayRefused(404, f"No {key.label} is staged at member {self.index}.")
         headers = {"Content-Type": "application/octet-stream", "X-Dcr-Digest": blob.digest}
         if blob.path is not None:
             return web.FileResponse(blob.path, headers=headers)
@@ -563,10 +563,10 @@ class RelayNode:
         try:
             sub = _Subscription.model_validate_json(await request.read())
         except ValidationError as e:
-            raise Refused(400, f"Subscription body is invalid: {e.errors()[0]['msg']}.") from e
+            raise RelayRefused(400, f"Subscription body is invalid: {e.errors()[0]['msg']}.") from e
         i, n = sub.index, len(self.settings.members)
         if not 0 <= i < n or self.index not in ancestors_of(i, self.settings.fanout):
-            raise Refused(400, f"Member {i} is not below member {self.index} in the tree "
+            raise RelayRefused(400, f"Member {i} is not below member {self.index} in the tree "
                                 f"of {n} members with fan-out {self.settings.fanout}.")
         adopted = i not in self.children
         if adopted:
@@ -684,8 +684,8 @@ def _long_poll(request: web.Request) -> tuple[float, str | None]:
         except ValueError:
             wait_s = -1.0
         if not 0 <= wait_s <= MAX_LIST_WAIT_S:
-            raise Refused(400, f"wait_s {raw[:40]!r} is not a number of seconds from 0 to "
+            raise RelayRefused(400, f"wait_s {raw[:40]!r} is not a number of seconds from 0 to "
                                f"{MAX_LIST_WAIT_S:g}.")
     if known is not None and not _TAG.fullmatch(known):
-        raise Refused(400, f"known {known[:80]!r} is not a listing tag (1-64 hex digits).")
+        raise RelayRefused(400, f"known {known[:80]!r} is not a listing tag (1-64 hex digits).")
     return wait_s, known

@@ -22,7 +22,7 @@ from dcr.errors import DcrError
 from dcr.format.manifest import Manifest
 from dcr.format.names import object_digest
 from dcr.format.payload import read_payload
-from dcr.transport.relay.wire import Chunk, Key, Pieces, Refused
+from dcr.transport.relay.wire import Chunk, Key, Pieces, RelayRefused
 
 Where = Literal["memory", "spool"]
 
@@ -206,10 +206,10 @@ def verify(blob: Blob) -> str:
             try:
                 header = read_payload(view).header
             except DcrError as e:
-                raise Refused(400, f"{key.label}: {e}") from e
+                raise RelayRefused(400, f"{key.label}: {e}") from e
             got = (header.attempt, header.owner, header.seq)
             if got != (key.attempt, key.owner, key.seq):
-                raise Refused(
+                raise RelayRefused(
                     400,
                     f"{key.label}: the URL names it but its header says attempt "
                     f"{got[0]}, owner {got[1]}, seq {got[2]}.",
@@ -218,9 +218,9 @@ def verify(blob: Blob) -> str:
             try:
                 manifest = Manifest.parse(bytes(view), key.label)
             except DcrError as e:
-                raise Refused(400, str(e)) from e
+                raise RelayRefused(400, str(e)) from e
             if manifest.attempt != key.attempt:
-                raise Refused(
+                raise RelayRefused(
                     400, f"{key.label}: the manifest is for attempt {manifest.attempt}."
                 )
         return object_digest(view)

@@ -2,7 +2,7 @@
 
 A node stages payloads ``(attempt, owner, seq)`` and one manifest per attempt, each
 under a :class:`Key` whose ``path`` is its URL. A handler refuses a request by raising
-:class:`Refused` with the HTTP status. Bodies travel as async iterables of chunks.
+:class:`RelayRefused` with the HTTP status. Bodies travel as async iterables of chunks.
 
 Ids come from URLs, which a client spells: :func:`attempt_from` and :func:`key_from`
 check them against the attempt-id pattern and the owner and seq ranges before anything
@@ -17,13 +17,14 @@ from typing import Literal
 
 from aiohttp import web
 
+from dcr.errors import DcrError
 from dcr.format.names import ATTEMPT_RE
 
 MAX_ID = 2**31 - 1  # largest owner or seq (FORMAT.md)
 Chunk = bytes | memoryview
 
 
-class Refused(Exception):
+class RelayRefused(DcrError):
     """Raised inside a handler; the middleware answers ``status`` with the message."""
 
     def __init__(self, status: int, message: str) -> None:
@@ -60,7 +61,7 @@ def attempt_from(request: web.Request) -> str:
     """The URL's attempt id, checked; 400 (the id quoted with ``repr``) otherwise."""
     attempt = request.match_info["attempt"]
     if not ATTEMPT_RE.fullmatch(attempt):
-        raise Refused(400, f"Attempt id {attempt!r} does not match {ATTEMPT_RE.pattern}.")
+        raise RelayRefused(400, f"Attempt id {attempt!r} does not match {ATTEMPT_RE.pattern}.")
     return attempt
 
 
@@ -71,7 +72,7 @@ def key_from(request: web.Request, kind: Literal["payload", "manifest"]) -> Key:
         return Key(attempt, "manifest")
     owner, seq = int(info["owner"]), int(info["seq"])
     if owner > MAX_ID or seq > MAX_ID:
-        raise Refused(400, f"Owner {owner} or seq {seq} is over {MAX_ID}.")
+        raise RelayRefused(400, f"Owner {owner} or seq {seq} is over {MAX_ID}.")
     return Key(attempt, "payload", owner, seq)
 
 
