@@ -66,7 +66,7 @@ schema: install
 # Regenerate crds/ and charts/dcr/crds/ from the operator's pydantic models (a test keeps
 # them in sync).
 crds: install
-	$(PY) -m dcr_operator.crds
+	$(PY) -m dcr_operator.api.generate
 
 # The container images, offline: localhost/dcr:<version> (operator, agent, encoder, relay) and
 # localhost/dcr-serve:<version> (dcr serve on Debian's CPU torch), from Debian trixie packages

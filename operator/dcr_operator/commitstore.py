@@ -27,7 +27,8 @@ from typing import Any
 
 from dcr.protocol.commitstore import CommitStoreError
 from dcr.protocol.records import CommitOutcome, CommitRecord
-from dcr_operator.crds import FLEET_PLURAL, GROUP, VERSION
+from dcr_operator.api.common import GROUP, VERSION
+from dcr_operator.api.rolloutfleet import PLURAL as FLEET_PLURAL
 from dcr_operator.errors import ApiError, ApiUnreachable, Conflict, NotFound
 from dcr_operator.kube import KubeClient, api_path
 from dcr_operator.reconcile import now

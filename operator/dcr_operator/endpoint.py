@@ -44,7 +44,8 @@ from dcr.format.payload import Mode
 from dcr.format.profile import ReceiverProfile
 from dcr.protocol.encoder_api import EncoderClient, EncoderError, PublishRequest
 from dcr.protocol.records import Attempt, CommitRecord
-from dcr_operator.crds import EncoderEndpoint, RolloutFleetSpec, WeightRefitSpec
+from dcr_operator.api.rolloutfleet import EncoderEndpoint, RolloutFleetSpec
+from dcr_operator.api.weightrefit import WeightRefitSpec
 from dcr_operator.errors import EncoderEndpointFailed, InvalidResource
 
 log = logging.getLogger(__name__)

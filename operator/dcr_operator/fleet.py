@@ -31,8 +31,10 @@ from dcr.http.tokens import check_token
 from dcr.protocol.agent_api import AgentApi, AgentClient, AgentStatus, Call
 from dcr.protocol.records import CommitRecord
 from dcr.protocol.state import FINAL
+from dcr_operator.api.common import GROUP, VERSION, SecretKeyRef
+from dcr_operator.api.rolloutfleet import PLURAL as FLEET_PLURAL
+from dcr_operator.api.rolloutfleet import RolloutFleetSpec
 from dcr_operator.commitstore import record_of
-from dcr_operator.crds import FLEET_PLURAL, GROUP, VERSION, RolloutFleetSpec, SecretKeyRef
 from dcr_operator.errors import ApiError, InvalidResource, NotFound
 from dcr_operator.kube import KubeClient, api_path
 from dcr_operator.reconcile import (

@@ -53,9 +53,12 @@ from typing import Any, cast
 import kopf
 
 from dcr_operator import metrics
+from dcr_operator.api.common import GROUP, VERSION
+from dcr_operator.api.rolloutfleet import PLURAL as FLEET_PLURAL
+from dcr_operator.api.rolloutfleet import RolloutFleetSpec
+from dcr_operator.api.weightrefit import PLURAL as REFIT_PLURAL
 from dcr_operator.cleanup import clean_store
 from dcr_operator.commitstore import FleetCommitStore
-from dcr_operator.crds import FLEET_PLURAL, GROUP, REFIT_PLURAL, VERSION, RolloutFleetSpec
 from dcr_operator.errors import ApiError, ApiUnreachable, InvalidResource, NotFound, NotYet
 from dcr_operator.fleet import fleet_path, refresh, store_credentials
 from dcr_operator.jobs import REFIT_LABEL, short_name

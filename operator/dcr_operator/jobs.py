@@ -43,14 +43,10 @@ from dcr.format.payload import Mode
 from dcr.owner.settings import EncodeSettings
 from dcr.protocol.records import Attempt, CommitRecord
 from dcr.settings import MiB
-from dcr_operator.crds import (
-    API_VERSION,
-    DEFAULT_PROFILE,
-    GROUP,
-    EncoderProfile,
-    RolloutFleetSpec,
-    WeightRefitSpec,
-)
+from dcr_operator.api.common import API_VERSION, GROUP
+from dcr_operator.api.rolloutfleet import DEFAULT_PROFILE, EncoderProfile, RolloutFleetSpec
+from dcr_operator.api.volumes import PROFILE_DIR, PROFILE_VOLUME
+from dcr_operator.api.weightrefit import WeightRefitSpec
 from dcr_operator.errors import (
     ApiError,
     ApiUnreachable,
@@ -61,7 +57,6 @@ from dcr_operator.errors import (
 )
 from dcr_operator.kube import KubeClient, api_path
 from dcr_operator.settings import OperatorSettings
-from dcr_operator.volumes import PROFILE_DIR, PROFILE_VOLUME
 
 log = logging.getLogger(__name__)
 

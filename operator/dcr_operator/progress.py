@@ -21,7 +21,8 @@ from dcr.format.payload import Mode
 from dcr.protocol.agent_api import AgentApi, AgentError, Call, FlushAck
 from dcr.protocol.coordinator import AttemptResult, ReceiverHandle
 from dcr.protocol.records import Attempt
-from dcr_operator.crds import GROUP, REFIT_PLURAL, VERSION
+from dcr_operator.api.common import GROUP, VERSION
+from dcr_operator.api.weightrefit import PLURAL as REFIT_PLURAL
 from dcr_operator.errors import ApiError, ApiUnreachable
 from dcr_operator.kube import KubeClient, api_path
 from dcr_operator.metrics import METRICS

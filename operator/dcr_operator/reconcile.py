@@ -32,7 +32,8 @@ from dcr.protocol.agent_api import AgentError, AgentStatus, Call
 from dcr.protocol.coordinator import AttemptResult
 from dcr.protocol.records import CommitRecord
 from dcr.protocol.state import AttemptState
-from dcr_operator.crds import AgentSpec, LabelSelector, Phase, WeightRefitSpec
+from dcr_operator.api.rolloutfleet import AgentSpec, LabelSelector
+from dcr_operator.api.weightrefit import Phase, WeightRefitSpec
 
 
 def now() -> str:

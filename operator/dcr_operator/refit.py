@@ -56,8 +56,9 @@ from dcr.protocol.coordinator import (
     RefitFailed,
 )
 from dcr.protocol.records import Attempt, CommitRecord
+from dcr_operator.api.rolloutfleet import RolloutFleetSpec
+from dcr_operator.api.weightrefit import WeightRefitSpec
 from dcr_operator.commitstore import FleetCommitStore, commit_status, record_of
-from dcr_operator.crds import RolloutFleetSpec, WeightRefitSpec
 from dcr_operator.endpoint import (
     EncoderEndpoints,
     EndpointOwner,

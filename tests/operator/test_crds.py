@@ -10,16 +10,17 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from dcr_operator.crds import (
+from dcr_operator.api.generate import (
+    ENTRY_POINT,
     OUTPUT_DIRS,
     REPO_ROOT,
-    RolloutFleetSpec,
-    WeightRefitSpec,
     crd_manifests,
     main,
     render,
 )
-from dcr_operator.schema import check_structural, structural
+from dcr_operator.api.rolloutfleet import RolloutFleetSpec
+from dcr_operator.api.schema import check_structural, structural
+from dcr_operator.api.weightrefit import WeightRefitSpec
 
 EXAMPLES = REPO_ROOT / "charts" / "dcr" / "examples"
 
@@ -33,9 +34,9 @@ def _schema(crd: dict[str, Any]) -> dict[str, Any]:
 def test_checked_in_crds_equal_the_generated_ones(out: Path) -> None:
     for name, crd in crd_manifests().items():
         path = out / name
-        assert path.exists(), f"{path} is missing: run `python -m dcr_operator.crds`"
+        assert path.exists(), f"{path} is missing: run `{ENTRY_POINT}`"
         assert path.read_text() == render(crd), (
-            f"{path} is stale: run `python -m dcr_operator.crds`")
+            f"{path} is stale: run `{ENTRY_POINT}`")
     extra = {p.name for p in out.glob("*.yaml")} - set(crd_manifests())
     assert not extra, f"{out} holds CRDs no model generates: {sorted(extra)}"
 

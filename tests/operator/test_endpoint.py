@@ -20,7 +20,9 @@ from stubs import Stub, stubs
 
 from dcr.format.profile import ReceiverProfile
 from dcr.protocol.records import Attempt, Transition
-from dcr_operator.crds import EncoderEndpoint, RolloutFleetSpec, WeightRefitSpec, fleet_crd
+from dcr_operator.api.generate import fleet_crd
+from dcr_operator.api.rolloutfleet import EncoderEndpoint, RolloutFleetSpec
+from dcr_operator.api.weightrefit import WeightRefitSpec
 from dcr_operator.endpoint import EncoderEndpoints, EndpointOwner, encoder_endpoint
 from dcr_operator.errors import EncoderEndpointFailed, InvalidResource
 

@@ -25,7 +25,8 @@ from k8sutil import CHART, install_crds, path_of
 
 from dcr.cli import build_parser
 from dcr.drivers.sglang import LOADER
-from dcr_operator.crds import RolloutFleetSpec, WeightRefitSpec
+from dcr_operator.api.rolloutfleet import RolloutFleetSpec
+from dcr_operator.api.weightrefit import WeightRefitSpec
 from dcr_operator.kube import KubeClient
 
 KUBE_VERSION = "1.37.0"  # as test_chart.py: the control plane's release line

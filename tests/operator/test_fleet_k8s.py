@@ -16,7 +16,7 @@ import pytest
 from k8sutil import apply, install_crds
 from stubs import Stub, stubs
 
-from dcr_operator.crds import RolloutFleetSpec
+from dcr_operator.api.rolloutfleet import RolloutFleetSpec
 from dcr_operator.errors import InvalidResource
 from dcr_operator.fleet import clients, discover, refresh
 from dcr_operator.kube import KubeClient

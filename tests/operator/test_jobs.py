@@ -10,11 +10,12 @@ import pytest
 from pydantic import ValidationError
 
 from dcr.protocol.records import Attempt, Transition
-from dcr_operator.crds import RolloutFleetSpec, WeightRefitSpec
+from dcr_operator.api.rolloutfleet import RolloutFleetSpec
+from dcr_operator.api.volumes import ABSOLUTE_PATH, MOUNT_PATH, PROFILE_DIR
+from dcr_operator.api.weightrefit import WeightRefitSpec
 from dcr_operator.errors import InvalidResource
 from dcr_operator.jobs import encoder_pod, job_manifest, job_name, job_state, parse_indexes
 from dcr_operator.settings import OperatorSettings
-from dcr_operator.volumes import ABSOLUTE_PATH, MOUNT_PATH, PROFILE_DIR
 
 FLEET_SPEC: dict[str, Any] = {
     "selector": {"matchLabels": {"app": "r"}}, "runtime": "hf",

@@ -8,7 +8,9 @@ import pytest
 
 from dcr.protocol.coordinator import AttemptResult
 from dcr.protocol.records import CommitRecord
-from dcr_operator.crds import AgentSpec, LabelSelector, SecretKeyRef, WeightRefitSpec
+from dcr_operator.api.common import SecretKeyRef
+from dcr_operator.api.rolloutfleet import AgentSpec, LabelSelector
+from dcr_operator.api.weightrefit import WeightRefitSpec
 from dcr_operator.reconcile import (
     abandoned,
     attempt_status,

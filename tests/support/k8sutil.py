@@ -11,7 +11,7 @@ from typing import Any, TypeVar, cast
 import yaml
 from kubernetes.client import Configuration
 
-from dcr_operator.crds import crd_manifests
+from dcr_operator.api.generate import crd_manifests
 from dcr_operator.errors import Conflict, NotFound
 from dcr_operator.kube import KubeClient
 

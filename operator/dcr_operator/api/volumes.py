@@ -28,8 +28,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
+
+from dcr_operator.api.common import SpecModel
 
 PROFILE_DIR = "/etc/dcr/profile"
 """Where encoder pods mount the ConfigMap of the merged receiver profile."""
@@ -87,14 +89,7 @@ MountPath = Annotated[str, AfterValidator(_mount_path), Field(
 """Where a profile volume is mounted: canonical, absolute, and off :data:`PROFILE_DIR`."""
 
 
-class _Spec(BaseModel):
-    """As crds._Spec: what users write; unknown keys are errors, values are frozen."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel,
-                              populate_by_name=True)
-
-
-class PersistentVolumeClaimSource(_Spec):
+class PersistentVolumeClaimSource(SpecModel):
     """A PersistentVolumeClaim of the fleet's namespace (e.g. the rollout pods' checkpoints)."""
 
     claim_name: Annotated[str, Field(min_length=1, max_length=253,
@@ -105,7 +100,7 @@ HostPathType = Literal["DirectoryOrCreate", "Directory", "FileOrCreate", "File",
                        "CharDevice", "BlockDevice"]
 
 
-class HostPathSource(_Spec):
+class HostPathSource(SpecModel):
     """A path on the node the encoder pod runs on (pin the nodes with nodeSelector)."""
 
     path: AbsolutePath
@@ -113,7 +108,7 @@ class HostPathSource(_Spec):
         default=None, description="What must be at the path; default: no check.")
 
 
-class NfsSource(_Spec):
+class NfsSource(SpecModel):
     """An NFS export."""
 
     server: Annotated[str, Field(min_length=1, max_length=253,
@@ -126,7 +121,7 @@ _SOURCES = ("persistent_volume_claim", "host_path", "nfs")
 _ONE_SOURCE = "set exactly one of persistentVolumeClaim, hostPath and nfs"
 
 
-class ProfileVolume(_Spec):
+class ProfileVolume(SpecModel):
     """One volume of an encoder profile, and where the encoder container mounts it."""
 
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{

@@ -1,0 +1,283 @@
+"""The RolloutFleet kind: a set of rollout pods refit together, and its commit record.
+
+A fleet names its pods by a label selector, says how to reach their agents, where
+encoders publish (an object store or a relay tree), the version the pods start with,
+and which encoder pods its WeightRefits may ask for (docs/operations.md).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import ConfigDict, Field, model_validator
+
+from dcr_operator.api.common import (
+    AGE,
+    CONDITIONS_LIST,
+    IMMUTABLE,
+    RFC3339,
+    CommitRecordStatus,
+    Condition,
+    DnsLabel,
+    DnsSubdomain,
+    SecretKeyRef,
+    SecretRef,
+    SpecModel,
+    StatusModel,
+    column,
+    condition_column,
+    list_map,
+)
+from dcr_operator.api.volumes import ProfileVolumes
+
+KIND = "RolloutFleet"
+PLURAL = "rolloutfleets"
+SHORT_NAMES = ["fleet"]
+DESCRIPTION = ("A set of rollout pods (label selector) refit together; its status holds the "
+               "commit record.")
+
+class LabelSelectorRequirement(SpecModel):
+    key: Annotated[str, Field(min_length=1, max_length=317)]
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
+    values: Annotated[list[Annotated[str, Field(max_length=63)]] | None,
+                      Field(max_length=64)] = None
+
+
+_NARROWING = ("In", "Exists")  # operators that select only pods carrying a label
+_SELECTS_SOME = ("(has(self.matchLabels) && size(self.matchLabels) > 0) || "
+                 "(has(self.matchExpressions) && self.matchExpressions.exists(e, "
+                 + " || ".join(f"e.operator == '{o}'" for o in _NARROWING) + "))")
+_EMPTY_SELECTOR = ("selector needs a matchLabels entry or an In or Exists expression: an "
+                   "empty selector (or NotIn / DoesNotExist alone) makes every pod of the "
+                   "namespace a receiver, and every receiver gets the agent token")
+
+
+class LabelSelector(SpecModel):
+    """Which pods of the namespace are the fleet's rollout ranks (metav1.LabelSelector).
+
+    Never one that selects (nearly) every pod: each receiver is sent the agent token.
+    """
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{
+        "rule": _SELECTS_SOME, "message": _EMPTY_SELECTOR}]})
+
+    match_labels: Annotated[dict[str, Annotated[str, Field(max_length=63)]] | None,
+                            Field(max_length=64)] = None
+    match_expressions: Annotated[list[LabelSelectorRequirement] | None,
+                                 Field(max_length=64)] = None
+
+    @model_validator(mode="after")
+    def _selects_some(self) -> LabelSelector:
+        if not self.match_labels and not any(
+                e.operator in _NARROWING for e in self.match_expressions or []):
+            raise ValueError(_EMPTY_SELECTOR)
+        return self
+
+
+class AgentSpec(SpecModel):
+    """How the operator reaches each pod's agent sidecar."""
+
+    port: Annotated[int, Field(ge=1, le=65535)] = 8471
+    scheme: Literal["http", "https"] = "http"
+    token_secret_ref: SecretKeyRef = Field(
+        description="Secret key holding the agents' bearer token (at least 16 characters).")
+    timeout_seconds: Annotated[float, Field(gt=0, le=600)] = Field(
+        default=30.0, description="Seconds per agent call that does not wait for staging.")
+
+
+class StoreSpec(SpecModel):
+    """The object store encoder Jobs publish to and agents read from."""
+
+    uri: Annotated[str, Field(pattern=r"^(s3|file)://.+")] = Field(
+        description="s3://bucket/prefix, or file:///path on a volume every party mounts.")
+    endpoint: str | None = Field(default=None, description="S3 endpoint URL (S3-compatible).")
+    region: str | None = None
+    credentials_secret_ref: SecretRef | None = Field(
+        default=None, description="Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+        "passed to encoder Jobs as environment and used by the finalizer's cleanup.")
+
+
+class RelaySpec(SpecModel):
+    """The root of a relay tree encoder Jobs publish to (agents read from their own node).
+
+    The relay nodes run beside the agents (``dcr relay``, see docs/operations.md); each
+    payload crosses from the training side once. A relay carries one manifest per
+    attempt, so refits of a relay fleet run one encoder owner.
+    """
+
+    url: Annotated[str, Field(pattern=r"^https?://.+")] = Field(
+        description="The root node's URL, as encoder pods reach it.")
+    token_secret_ref: SecretKeyRef = Field(
+        description="Secret key holding the relay tree's bearer token.")
+
+
+class InitialVersion(SpecModel):
+    """The version the fleet's pods start with: the commit record before any refit."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{
+        "rule": IMMUTABLE, "message": "initial is immutable: it seeds the commit record"}]})
+
+    version: Annotated[int, Field(ge=0)] = 0
+    checkpoint: Annotated[str, Field(min_length=1)] = Field(
+        description="That version's checkpoint, as encoder Jobs and agents read it.")
+
+
+class CommitPolicy(SpecModel):
+    """When a refit may commit, and how long an attempt may take."""
+
+    min_receivers: Annotated[int, Field(ge=1)] | None = Field(
+        default=None, description="Receivers that must take part in an attempt; default: "
+        "every pod the selector matches when the refit starts.")
+    attempt_timeout_seconds: Annotated[int, Field(ge=1, le=86400)] = 600
+    gate: Literal["Sync", "Async"] = Field(
+        default="Sync", description="Sync: close request gates first; Async: after staging.")
+
+
+class Resources(SpecModel):
+    """Container resources (quantities as Kubernetes writes them: 2, "500m", "4Gi")."""
+
+    requests: dict[str, Annotated[int | str, Field(
+        json_schema_extra={"x-kubernetes-int-or-string": True})]] | None = None
+    limits: dict[str, Annotated[int | str, Field(
+        json_schema_extra={"x-kubernetes-int-or-string": True})]] | None = None
+
+
+class Toleration(SpecModel):
+    """One toleration of encoder pods (core/v1 Toleration)."""
+
+    key: Annotated[str, Field(max_length=317)] | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: Annotated[str, Field(max_length=63)] | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+DEFAULT_PROFILE = "default"
+MAX_ENDPOINT_URLS = 256  # as a WeightRefit's spec.encoder.owners
+_HTTP_URL = r"^https?://[^\s/?#]+(/[^\s?#]*)?$"
+
+
+class EncoderEndpoint(SpecModel):
+    """Warm encoders (``dcr encoder``) that publish a refit's attempts, one per owner.
+
+    With an endpoint, an attempt starts no Job: owner ``k`` is a ``POST /v1/publish`` to
+    ``urls[k]`` with the token from ``tokenSecretRef`` (a Secret labelled
+    dcr.dev/encoder-token=true), and the refit's ``spec.encoder.owners`` must equal the
+    number of URLs. The encoder writes to its own ``--store``, which must be the
+    fleet's, and reads checkpoints only under its own ``--checkpoint-root``.
+    """
+
+    urls: Annotated[list[Annotated[str, Field(max_length=2048, pattern=_HTTP_URL)]], Field(
+        min_length=1, max_length=MAX_ENDPOINT_URLS)] = Field(
+        description="The encoders' base URLs (http:// or https://, no query), one per "
+        "owner index: a WeightRefit using this profile sets spec.encoder.owners to their "
+        "number.")
+    token_secret_ref: SecretKeyRef = Field(
+        description="Secret key holding the encoders' bearer token (at least 16 "
+        "characters); the Secret must be labelled dcr.dev/encoder-token=true.")
+
+
+class EncoderProfile(SpecModel):
+    """How one kind of encoder pod runs; a WeightRefit picks one by name.
+
+    Everything that shapes the pod lives here, in the fleet (which its admin owns), and
+    never in a WeightRefit: whoever may write this may run that image, as that
+    ServiceAccount, on those nodes, with those volumes (docs/operations.md, "Who may do
+    what"). Unset fields take the operator's defaults (Helm ``encoder.*``).
+    """
+
+    name: DnsLabel = Field(description="What WeightRefits name in spec.encoder.profile.")
+    image: Annotated[str, Field(min_length=1, max_length=512)] | None = Field(
+        default=None, description="The image (it must provide `dcr`); one the operator "
+        "allows (Helm encoder.image and encoder.allowedImages). Default: encoder.image.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    service_account_name: DnsSubdomain | None = Field(
+        default=None, description="Default: the operator's encoder.serviceAccount.")
+    resources: Resources | None = None
+    node_selector: Annotated[dict[str, Annotated[str, Field(max_length=63)]] | None,
+                             Field(max_length=64)] = None
+    tolerations: Annotated[list[Toleration] | None, Field(max_length=64)] = None
+    volumes: ProfileVolumes | None = Field(
+        default=None, description="Volumes the encoder container mounts, such as the "
+        "one holding the checkpoints (dcr encode reads the base and target checkpoints "
+        "from a path): each a persistentVolumeClaim, hostPath or nfs, read-only unless "
+        "readOnly is false.")
+    endpoint: EncoderEndpoint | None = Field(
+        default=None, description="Warm encoders to call instead of starting an encoder "
+        "Job per attempt (docs/operations.md, \"Warm encoder\"); the pod fields above "
+        "then go unused.")
+
+
+class RolloutFleetSpec(SpecModel):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{
+        "rule": "has(self.store) != has(self.relay)",
+        "message": "set exactly one of store and relay: where encoder Jobs publish"}]})
+
+    selector: LabelSelector
+    # Documentation only. The agent, not the operator, talks to the serving engine, and
+    # each pod's agent picks its adapter from its own --engine flag: the engine is a
+    # property of the pod template, which may change in a rolling update. Kept (not
+    # removed) so v1alpha1 manifests that set it still pass strict field validation,
+    # and shown by `kubectl get rolloutfleets -o wide`.
+    runtime: Literal["vllm", "sglang", "hf", "vllm-ref"] | None = Field(
+        default=None, description="What the fleet's pods serve with, for whoever reads "
+        "the fleet (kubectl get -o wide): vllm, sglang, or the reference engine (dcr "
+        "serve --runtime hf|vllm-ref). Documentation only: the operator never reads it; "
+        "each pod's agent drives its engine as its --engine flag says.")
+    agent: AgentSpec
+    store: StoreSpec | None = None
+    relay: RelaySpec | None = None
+    initial: InitialVersion
+    commit_policy: CommitPolicy = Field(default_factory=CommitPolicy)
+    retry_limit: Annotated[int, Field(ge=1, le=32)] = Field(
+        default=4, description="Attempts per transition before the refit fails.")
+    encoder_profiles: Annotated[list[EncoderProfile], Field(max_length=16, json_schema_extra={
+        "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})] = Field(
+        default=[], description="The encoder pods WeightRefits of this fleet may ask for, "
+        f"by name; without one named {DEFAULT_PROFILE!r}, that one is the operator's "
+        "defaults.")
+
+    @model_validator(mode="after")
+    def _one_destination(self) -> RolloutFleetSpec:
+        if (self.store is None) == (self.relay is None):
+            raise ValueError("set exactly one of store and relay: where encoder Jobs publish")
+        return self
+
+
+class ReceiverState(StatusModel):
+    """One rollout rank as its agent last reported it."""
+
+    name: str
+    url: str | None = None
+    version: int | None = None
+    state: str | None = None
+    attempt: str | None = None
+    error: str | None = None
+    last_ack: Annotated[str | None, Field(json_schema_extra=RFC3339)] = Field(
+        default=None, description="When it last acknowledged a flush.")
+    last_seen: Annotated[str | None, Field(json_schema_extra=RFC3339)] = None
+
+
+class RolloutFleetStatus(StatusModel):
+    observed_generation: int | None = None
+    commit: CommitRecordStatus | None = None
+    active_refit: str | None = None
+    receivers: list[ReceiverState] = Field(default_factory=list, json_schema_extra=list_map("name"))
+    receiver_count: int | None = None
+    ready_receivers: int | None = Field(
+        default=None, description="Receivers reporting the committed version.")
+    conditions: list[Condition] = Field(default_factory=list,
+                                      json_schema_extra=CONDITIONS_LIST)
+
+
+
+PRINTER_COLUMNS = [
+    column("Version", ".status.commit.committedVersion", "integer"),
+    column("Ready", ".status.readyReceivers", "integer"),
+    column("Receivers", ".status.receiverCount", "integer"),
+    column("Refit", ".status.activeRefit"),
+    condition_column("Status", "Ready", "status"),
+    AGE,
+    column("Runtime", ".spec.runtime", priority=1),
+    condition_column("Message", "Ready", "message", priority=1),
+]
