@@ -22,6 +22,7 @@ from dcr.protocol.agent_api import AgentApi, AgentError, Call, FlushAck
 from dcr.protocol.coordinator import AttemptResult, ReceiverHandle
 from dcr.protocol.records import Attempt
 from dcr_operator.api.common import GROUP, VERSION
+from dcr_operator.api.conditions import RefitCondition, RefitReason
 from dcr_operator.api.weightrefit import PLURAL as REFIT_PLURAL
 from dcr_operator.errors import ApiError, ApiUnreachable
 from dcr_operator.kube import KubeClient, api_path
@@ -99,7 +100,7 @@ class Recorder:
                 "id": attempt.id, "mode": mode, "outcome": "Running",
                 "startTime": self.clock(), "receivers": list(attempt.receivers)}
         self.sync(history)
-        self.set("Applying", True, "AttemptRunning",
+        self.set(RefitCondition.APPLYING, True, RefitReason.ATTEMPT_RUNNING,
                  f"Attempt {attempt.id} ({mode}) of {attempt.transition.base_version} -> "
                  f"{attempt.transition.target_version} on {len(attempt.receivers)} receivers: "
                  f"{', '.join(attempt.receivers)}.", event="AttemptStarted")
@@ -110,19 +111,19 @@ class Recorder:
             self.jobs[attempt.id] = job
             if attempt.id in self.attempts:
                 self.attempts[attempt.id]["job"] = job
-        self.set("Encoding", True, "EncoderJobRunning",
+        self.set(RefitCondition.ENCODING, True, RefitReason.ENCODER_JOB_RUNNING,
                  f"Encoder Job {job} publishes attempt {attempt.id} ({attempt.mode}).",
                  event="EncoderJobCreated")
         self.flush()
 
     def job_finished(self, attempt: Attempt, job: str, failure: str | None) -> None:
         if failure is None:
-            self.set("Encoding", False, "EncoderJobSucceeded",
+            self.set(RefitCondition.ENCODING, False, RefitReason.ENCODER_JOB_SUCCEEDED,
                      f"Encoder Job {job} published attempt {attempt.id}.")
         else:
-            self.set("Encoding", False, "EncoderJobFailed",
+            self.set(RefitCondition.ENCODING, False, RefitReason.ENCODER_JOB_FAILED,
                      f"Encoder Job {job} of attempt {attempt.id} failed: {failure}.",
-                     event="EncoderJobFailed", warning=True)
+                     event=RefitReason.ENCODER_JOB_FAILED, warning=True)
         self.flush()
 
     def endpoint_started(self, attempt: Attempt, profile: str) -> None:
@@ -131,20 +132,20 @@ class Recorder:
             self.endpoints[attempt.id] = profile
             if attempt.id in self.attempts:
                 self.attempts[attempt.id]["endpoint"] = profile
-        self.set("Encoding", True, "EncoderEndpointRunning",
+        self.set(RefitCondition.ENCODING, True, RefitReason.ENCODER_ENDPOINT_RUNNING,
                  f"The warm encoders of profile {profile} publish attempt {attempt.id} "
                  f"({attempt.mode}).", event="EncoderEndpointCalled")
         self.flush()
 
     def endpoint_finished(self, attempt: Attempt, profile: str, failure: str | None) -> None:
         if failure is None:
-            self.set("Encoding", False, "EncoderEndpointSucceeded",
+            self.set(RefitCondition.ENCODING, False, RefitReason.ENCODER_ENDPOINT_SUCCEEDED,
                      f"The warm encoders of profile {profile} published attempt "
                      f"{attempt.id}.")
         else:
-            self.set("Encoding", False, "EncoderEndpointFailed",
+            self.set(RefitCondition.ENCODING, False, RefitReason.ENCODER_ENDPOINT_FAILED,
                      f"A warm encoder of profile {profile} failed attempt {attempt.id}: "
-                     f"{failure}", event="EncoderEndpointFailed", warning=True)
+                     f"{failure}", event=RefitReason.ENCODER_ENDPOINT_FAILED, warning=True)
         self.flush()
 
     def receiver(self, name: str, **fields: Any) -> None:

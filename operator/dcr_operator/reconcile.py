@@ -32,6 +32,7 @@ from dcr.protocol.agent_api import AgentError, AgentStatus, Call
 from dcr.protocol.coordinator import AttemptResult
 from dcr.protocol.records import CommitRecord
 from dcr.protocol.state import AttemptState
+from dcr_operator.api.conditions import FleetCondition, FleetReason, RefitCondition, RefitReason
 from dcr_operator.api.rolloutfleet import AgentSpec, LabelSelector
 from dcr_operator.api.weightrefit import Phase, WeightRefitSpec
 
@@ -78,8 +79,8 @@ def set_condition(conditions: Sequence[Mapping[str, Any]], type_: str, status: b
 # The order decides: the first true condition names the phase. Receivers apply while the
 # encoders still publish, so the phase reads Encoding until the encoder Job is done.
 _PHASES: tuple[tuple[str, Phase], ...] = (
-    ("Committed", "Committed"), ("Failed", "Failed"), ("Encoding", "Encoding"),
-    ("Applying", "Applying"),
+    (RefitCondition.COMMITTED, "Committed"), (RefitCondition.FAILED, "Failed"),
+    (RefitCondition.ENCODING, "Encoding"), (RefitCondition.APPLYING, "Applying"),
 )
 
 
@@ -111,7 +112,7 @@ def validate(name: str, spec: WeightRefitSpec, fleet: str, record: CommitRecord,
     """Check a WeightRefit against the fleet's commit record (and its deadline)."""
     target, base = spec.target_version, spec.base_version
     if relay and spec.encoder.owners > 1:
-        return Verdict(action="reject", reason="RelayCarriesOneOwner",
+        return Verdict(action="reject", reason=RefitReason.RELAY_CARRIES_ONE_OWNER,
                        message=f"WeightRefit {name} asks for {spec.encoder.owners} encoder "
                                f"owners, but RolloutFleet {fleet} publishes through a relay "
                                "tree, which carries one manifest per attempt: use owners: 1.")
@@ -119,28 +120,28 @@ def validate(name: str, spec: WeightRefitSpec, fleet: str, record: CommitRecord,
             f"(checkpoint {record.baseline_id}"
             + (f", attempt {record.attempt})" if record.attempt else ")"))
     if record.committed_version == target and record.baseline_id == spec.source.checkpoint:
-        return Verdict(action="finish", reason="AlreadyCommitted",
+        return Verdict(action="finish", reason=RefitReason.ALREADY_COMMITTED,
                        message=f"{held}: this refit's target is committed.")
     if created is not None and spec.deadline_seconds is not None and at is not None:
         age = (parse_time(at) - parse_time(created)).total_seconds()
         if age > spec.deadline_seconds:
-            return Verdict(action="reject", reason="DeadlineExceeded",
+            return Verdict(action="reject", reason=RefitReason.DEADLINE_EXCEEDED,
                            message=f"WeightRefit {name} is {age:.0f} s old, past its deadline "
                                    f"of {spec.deadline_seconds} s; no attempt starts.")
     if record.committed_version == base:
-        return Verdict(action="run", reason="BaseVersionCommitted",
+        return Verdict(action="run", reason=RefitReason.BASE_VERSION_COMMITTED,
                        message=f"{held}: refitting {base} -> {target} from "
                                f"{spec.source.checkpoint}.")
     if record.committed_version < base:
-        return Verdict(action="wait", reason="WaitingForBaseVersion",
+        return Verdict(action="wait", reason=RefitReason.WAITING_FOR_BASE_VERSION,
                        message=f"WeightRefit {name} refits {base} -> {target}, but {held}; "
                                f"waiting until version {base} is committed.")
     if record.committed_version == target:
-        return Verdict(action="reject", reason="TargetCommittedElsewhere",
+        return Verdict(action="reject", reason=RefitReason.TARGET_COMMITTED_ELSEWHERE,
                        message=f"WeightRefit {name} refits {base} -> {target} from "
                                f"{spec.source.checkpoint}, but {held}: version {target} was "
                                "committed from another checkpoint.")
-    return Verdict(action="reject", reason="BaseVersionMismatch",
+    return Verdict(action="reject", reason=RefitReason.BASE_VERSION_MISMATCH,
                    message=f"WeightRefit {name} refits {base} -> {target}, but {held}; a "
                            f"refit must start from the committed version "
                            f"(baseVersion {record.committed_version}).")
@@ -273,23 +274,24 @@ def fleet_conditions(conditions: Sequence[Mapping[str, Any]], *, record: CommitR
     count = len(receivers)
     out: list[dict[str, Any]] = [dict(c) for c in conditions]
     if not count:
-        out = set_condition(out, "Ready", False, "NoReceivers",
+        out = set_condition(out, FleetCondition.READY, False, FleetReason.NO_RECEIVERS,
                             "The selector matches no Running pod.", at=at, generation=generation)
     elif behind:
-        out = set_condition(out, "Ready", False, "ReceiversBehind",
+        out = set_condition(out, FleetCondition.READY, False, FleetReason.RECEIVERS_BEHIND,
                             f"{len(behind)} of {count} receivers do not report version {v}: "
                             f"{', '.join(behind)}.", at=at, generation=generation)
     else:
-        out = set_condition(out, "Ready", True, "AllReceiversCommitted",
+        out = set_condition(out, FleetCondition.READY, True, FleetReason.ALL_RECEIVERS_COMMITTED,
                             f"All {count} receivers report version {v}.", at=at,
                             generation=generation)
-    out = set_condition(out, "Progressing", active is not None,
-                        "RefitRunning" if active else "Idle",
+    out = set_condition(out, FleetCondition.PROGRESSING, active is not None,
+                        FleetReason.REFIT_RUNNING if active else FleetReason.IDLE,
                         f"WeightRefit {active} is running." if active else "No refit is running.",
                         at=at, generation=generation)
     unreachable = sorted(r["name"] for r in receivers if r.get("error"))
-    out = set_condition(out, "Degraded", bool(unreachable),
-                        "ReceiversUnreachable" if unreachable else "AllReceiversReachable",
+    out = set_condition(out, FleetCondition.DEGRADED, bool(unreachable),
+                        (FleetReason.RECEIVERS_UNREACHABLE if unreachable
+                         else FleetReason.ALL_RECEIVERS_REACHABLE),
                         (f"Agents not answering: {', '.join(unreachable)}." if unreachable
                          else "Every receiver's agent answers."), at=at, generation=generation)
     return out

@@ -56,6 +56,7 @@ from dcr.protocol.coordinator import (
     RefitFailed,
 )
 from dcr.protocol.records import Attempt, CommitRecord
+from dcr_operator.api.conditions import RefitCondition, RefitReason
 from dcr_operator.api.rolloutfleet import RolloutFleetSpec
 from dcr_operator.api.weightrefit import WeightRefitSpec
 from dcr_operator.commitstore import FleetCommitStore, commit_status, record_of
@@ -172,7 +173,8 @@ class RefitRun:
             fleet = self.kube.get(fleet_path(self.namespace, spec.fleet))
         except NotFound:
             msg = f"RolloutFleet {self.namespace}/{spec.fleet} does not exist (yet)."
-            rec.set("Validated", False, "FleetNotFound", msg, event="Waiting")
+            rec.set(RefitCondition.VALIDATED, False, RefitReason.FLEET_NOT_FOUND, msg,
+                    event="Waiting")
             rec.flush()
             raise NotYet(msg) from None
         fleet_spec: RolloutFleetSpec = _parse(RolloutFleetSpec, fleet.get("spec"),
@@ -184,12 +186,13 @@ class RefitRun:
         if verdict.action == "reject":
             return self._fail(rec, verdict.reason, verdict.message, validated=False)
         if verdict.action == "wait":
-            rec.set("Validated", False, verdict.reason, verdict.message, event="Waiting")
+            rec.set(RefitCondition.VALIDATED, False, verdict.reason, verdict.message,
+                    event="Waiting")
             rec.flush()
             raise NotYet(verdict.message)
         if verdict.action == "run":
             self._admit_encoder(spec, fleet_spec, rec)
-        rec.set("Validated", True, verdict.reason, verdict.message, event="Validated")
+        rec.set(RefitCondition.VALIDATED, True, verdict.reason, verdict.message, event="Validated")
         rec.flush()
         with claim(self.namespace, spec.fleet, self.name):
             set_active(self.kube, self.namespace, spec.fleet, self.name)
@@ -206,16 +209,16 @@ class RefitRun:
         (Secrets that opted in) is the fleet's and the operator's to say, never the
         WeightRefit's; either can be fixed without touching the refit.
         """
-        reason = "EncoderProfileRefused"
+        reason = RefitReason.ENCODER_PROFILE_REFUSED
         try:
             encoder_pod(spec, fleet_spec, spec.fleet, self.settings)
             endpoint = encoder_endpoint(spec, fleet_spec, spec.fleet)
-            reason = "SecretNotOptedIn"
+            reason = RefitReason.SECRET_NOT_OPTED_IN
             check_job_secrets(self.kube, self.namespace, fleet_spec)
             if endpoint is not None:
                 encoder_token(self.kube, self.namespace, endpoint.token_secret_ref)
         except InvalidResource as e:
-            rec.set("Validated", False, reason, str(e), event=reason, warning=True)
+            rec.set(RefitCondition.VALIDATED, False, reason, str(e), event=reason, warning=True)
             rec.flush()
             raise
 
@@ -229,13 +232,14 @@ class RefitRun:
         if not found or len(found) < need:
             msg = (f"RolloutFleet {spec.fleet} has {len(found)} Running receivers; "
                    f"{max(need, 1)} are required.")
-            rec.set("Applying", False, "WaitingForReceivers", msg, event="Waiting")
+            rec.set(RefitCondition.APPLYING, False, RefitReason.WAITING_FOR_RECEIVERS, msg,
+                    event="Waiting")
             rec.flush()
             raise NotYet(msg)
         agents = clients(self.kube, self.namespace, fleet_spec, found)
         remaining = fleet_spec.retry_limit - rec.previous_attempts()
         if verdict.action == "run" and remaining < 1:
-            return self._fail(rec, "RetryLimitReached",
+            return self._fail(rec, RefitReason.RETRY_LIMIT_REACHED,
                               f"{rec.previous_attempts()} attempts made; the fleet's "
                               f"retryLimit is {fleet_spec.retry_limit}.")
         owners = self._owners(spec, fleet_spec, record, verdict, rec, forced, agents, need)
@@ -266,16 +270,17 @@ class RefitRun:
         try:
             committed = coordinator.refit(spec.target_version, spec.source.checkpoint)
         except CommitConflict as e:
-            return self._fail(rec, "CommitConflict", str(e))
+            return self._fail(rec, RefitReason.COMMIT_CONFLICT, str(e))
         except RefitAborted as e:
             if self.stop_reason == "deadline":
-                return self._fail(rec, "DeadlineExceeded", str(e))
+                return self._fail(rec, RefitReason.DEADLINE_EXCEEDED, str(e))
             raise NotYet(f"Refit stopped ({self.stop_reason}): {e}") from e
         except RefitFailed as e:
             if len(coordinator.history) < coordinator.settings.max_attempts:
-                rec.set("Applying", False, "WaitingForReceivers", str(e), event="Waiting")
+                rec.set(RefitCondition.APPLYING, False, RefitReason.WAITING_FOR_RECEIVERS, str(e),
+                        event="Waiting")
                 raise NotYet(str(e)) from e  # admission: too few receivers took part
-            return self._fail(rec, "RetryLimitReached", str(e))
+            return self._fail(rec, RefitReason.RETRY_LIMIT_REACHED, str(e))
         except (CommitStoreError, CommitUnknown, ApiError, ApiUnreachable) as e:
             raise NotYet(f"Kubernetes API: {e}") from e
         finally:
@@ -327,10 +332,11 @@ class RefitRun:
         msg = (f"RolloutFleet {spec.fleet} committed version {record.committed_version} "
                f"(attempt {record.attempt}) after {st['attemptCount']} attempts; "
                f"{st['bytes']} payload bytes applied.")
-        rec.set("Applying", False, "Committed", msg)
-        rec.set("Encoding", False, "Committed", msg)
-        rec.set("Failed", False, "Committed", msg)
-        rec.set("Committed", True, "Committed", msg, event="Committed")
+        rec.set(RefitCondition.APPLYING, False, RefitReason.COMMITTED, msg)
+        rec.set(RefitCondition.ENCODING, False, RefitReason.COMMITTED, msg)
+        rec.set(RefitCondition.FAILED, False, RefitReason.COMMITTED, msg)
+        rec.set(RefitCondition.COMMITTED, True, RefitReason.COMMITTED, msg,
+                event=RefitReason.COMMITTED)
         rec.finish(committed=commit_status(record, refit=self.name),
                    completionTime=self.clock())
         rec.flush()
@@ -344,10 +350,10 @@ class RefitRun:
     def _fail(self, rec: Recorder, reason: str, message: str, *,
               validated: bool = True) -> str:
         if not validated:
-            rec.set("Validated", False, reason, message)
-        rec.set("Applying", False, reason, message)
-        rec.set("Encoding", False, reason, message)
-        rec.set("Failed", True, reason, message, event="RefitFailed", warning=True)
+            rec.set(RefitCondition.VALIDATED, False, reason, message)
+        rec.set(RefitCondition.APPLYING, False, reason, message)
+        rec.set(RefitCondition.ENCODING, False, reason, message)
+        rec.set(RefitCondition.FAILED, True, reason, message, event="RefitFailed", warning=True)
         rec.finish(completionTime=self.clock())
         rec.flush()
         METRICS.refit_ended("Failed")

@@ -28,6 +28,7 @@ from dcr_operator.api.common import (
     condition_column,
     list_map,
 )
+from dcr_operator.api.conditions import FleetCondition
 from dcr_operator.api.volumes import ProfileVolumes
 
 KIND = "RolloutFleet"
@@ -276,8 +277,8 @@ PRINTER_COLUMNS = [
     column("Ready", ".status.readyReceivers", "integer"),
     column("Receivers", ".status.receiverCount", "integer"),
     column("Refit", ".status.activeRefit"),
-    condition_column("Status", "Ready", "status"),
+    condition_column("Status", FleetCondition.READY, "status"),
     AGE,
     column("Runtime", ".spec.runtime", priority=1),
-    condition_column("Message", "Ready", "message", priority=1),
+    condition_column("Message", FleetCondition.READY, "message", priority=1),
 ]

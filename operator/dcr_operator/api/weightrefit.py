@@ -25,6 +25,7 @@ from dcr_operator.api.common import (
     condition_column,
     list_map,
 )
+from dcr_operator.api.conditions import RefitCondition
 from dcr_operator.api.rolloutfleet import DEFAULT_PROFILE
 
 KIND = "WeightRefit"
@@ -127,5 +128,5 @@ PRINTER_COLUMNS = [
     column("Bytes", ".status.bytes", "integer"),
     AGE,
     column("Base", ".spec.baseVersion", "integer", priority=1),
-    condition_column("Message", "Failed", "message", priority=1),
+    condition_column("Message", RefitCondition.FAILED, "message", priority=1),
 ]
