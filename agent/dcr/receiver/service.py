@@ -1,64 +1,15 @@
-"""The agent's protocol logic (docs/protocol.md), one attempt at a time, over an engine.
+"""The agent's protocol logic, one attempt at a time, over an engine it drives.
 
 The agent holds no model: it drives a serving engine through the
 :class:`~dcr.drivers.base.Driver` seam (vLLM, SGLang or ``dcr serve`` over HTTP; a
 :class:`~dcr.serve.local.LocalDriver` in process) and shares a staging directory with it.
-
-``prepare`` admits an attempt and starts a receive thread that pulls the attempt's
-payloads from the source (object store or relay node), verifies them and stages each
-as a file in the staging directory (:mod:`dcr.receiver.staging`), so a server in
-asynchronous RL keeps serving the old version meanwhile. ``open_apply`` (only with the
-request gate closed) starts the apply thread, which has the engine apply the staged
-files one at a time in the attempt's declared order while later payloads still arrive.
-``flush`` waits until every payload the manifest lists has been applied, the engine's
-devices are synchronized and the targets checked; ``committed`` then moves the held
-version forward and sets the engine's version label. ``stop_and_wait`` makes the
-attempt obsolete and returns only after both threads have ended, so no write of it can
-still happen. The gate is the engine's: closing it is ``engine.pause`` (``wait`` by
-default: requests in flight finish), opening it ``engine.resume``.
-
-What the weights hold is tracked exactly: ``version`` while they hold one, ``dirty =
-(base, target)`` from just before the first write of an attempt until a commit or a
-dense load settles it. Dirty weights only accept an overwrite attempt of the same
-transition (absolute values repair any mix of old and new bits) or a dense load, and
-the gate will not reopen on them. The journal records all of it before it happens,
-with the engine's instance id: a version is vouched for only under the engine instance
-that reached it. An engine that answers a new instance id (its process restarted) holds
-whatever it loaded at start, so the weights become ``unknown`` and need a dense load,
-exactly as when the agent itself restarts mid-attempt. The agent reads the id at every
-admission (``status`` between attempts), at ``prepare``, after a failed engine call and
-before an attempt's flush completes; a new instance is prewarmed before it is used.
-
-What reaches the weights is vouched for, and checked after:
-
-* Only payloads the attempt's manifest lists, with their size and digest, are staged:
-  the receive thread holds each owner's payloads until that owner's manifest part (which
-  it writes last) has arrived and lists them (:func:`~dcr.transport.receive.receive`,
-  ``release="when_listed"``); payloads of owners outside the attempt are never fetched.
-  The engine's ranks refuse a payload id applied before (XOR is not idempotent).
-* Once everything is applied, the apply thread synchronizes the engine and has every
-  rank read back each tensor the attempt wrote whose path preserves bits (the ``xor``
-  class, on a rank that holds the whole tensor) and compare its fingerprint with the
-  target the manifest lists (:meth:`~dcr.drivers.base.Driver.check_targets`); ``flush``
-  answers only after that.
-* A foreign object under the attempt's prefix (:class:`~dcr.transport.receive.
-  ForeignPayload`) or a fingerprint that differs (:class:`FingerprintMismatch`) fails
-  the attempt and, if it had begun writing, makes the weights ``unknown``: a dense load
-  restores them, never an overwrite retry, which rewrites only the changed set.
-
-A dense load is checked by every rank before anything is written
-(:meth:`~dcr.drivers.base.Driver.check_dense`): a refusal leaves weights, version and
-gate as they were; a load that fails after that leaves the weights unknown.
-
-Calls that race are ordered by the state they need: ``open_apply`` needs the gate
-closed *and drained* (``close_gate`` returned), so no generation request still reads
-the weights; a dense load holds ``loading`` from its first check to its last write, and
-``prepare`` and ``open_apply`` refuse meanwhile; ``stop_and_wait`` is idempotent, so two
-concurrent stops both answer with the stopped attempt. Waits (``wait_staged``,
-``flush``) are capped (``max_wait_s``) and end early when their key's ``cancel`` event
-is set (the HTTP server sets it when the client goes away). The state lock is never held
-across an engine call: gate calls are ordered by a lock of their own, prewarm by
-another.
+``prepare`` starts a receive thread that stages verified, manifest-listed payloads as
+files; ``open_apply`` (gate closed and drained) starts an apply thread that has the
+engine apply them in the attempt's order; ``flush`` waits for every listed payload and
+the fingerprint check; ``committed`` advances the journaled version. The state lock is
+never held across an engine call. docs/protocol.md argues the design: the life of an
+attempt, what the weights hold (``version``, ``dirty``, ``unknown``, the engine's
+instance id), what is checked before and after apply, and how racing calls are ordered.
 """
 
 from __future__ import annotations
