@@ -25,7 +25,7 @@ V1 = CommitRecord(committed_version=1, baseline_id="/ckpt/v1", attempt="a-000000
 def fleet(name: str = "fleet") -> dict[str, Any]:
     return {"apiVersion": "dcr.dev/v1alpha1", "kind": "RolloutFleet",
             "metadata": {"name": name},
-            "spec": {"selector": {"matchLabels": {"app": "x"}}, "runtime": "hf",
+            "spec": {"selector": {"matchLabels": {"app": "x"}},
                      "agent": {"tokenSecretRef": {"name": "tok"}},
                      "store": {"uri": "file:///tmp/store"},
                      "initial": {"version": 0, "checkpoint": "/ckpt/v0"}}}

@@ -90,17 +90,6 @@ def test_immutable_fields_carry_cel_transition_rules() -> None:
         fleet_spec["properties"]["initial"]["x-kubernetes-validations"][0].items())
 
 
-def test_fleet_runtime_is_optional_documentation_that_may_change() -> None:
-    """The agent picks its engine adapter from its own flags; the fleet's runtime only
-    describes the pods, which a rolling update may move to another engine."""
-    spec = _schema(crd_manifests()["dcr.dev_rolloutfleets.yaml"])["properties"]["spec"]
-    runtime = spec["properties"]["runtime"]
-    assert "runtime" not in spec["required"]
-    assert "x-kubernetes-validations" not in runtime
-    assert runtime["enum"] == ["vllm", "sglang", "hf", "vllm-ref"]
-    assert "Documentation only" in runtime["description"]
-
-
 def test_status_schemas_carry_no_defaults_and_specs_do() -> None:
     schema = _schema(crd_manifests()["dcr.dev_rolloutfleets.yaml"])
     assert "default: " not in yaml.safe_dump(schema["properties"]["status"])
@@ -152,7 +141,7 @@ def test_a_spec_with_an_unknown_key_names_it() -> None:
 
 
 FLEET_SPEC: dict[str, Any] = {
-    "selector": {"matchLabels": {"app": "r"}}, "runtime": "hf",
+    "selector": {"matchLabels": {"app": "r"}},
     "agent": {"tokenSecretRef": {"name": "tok"}}, "store": {"uri": "file:///s"},
     "initial": {"checkpoint": "/c"}}
 REFIT_SPEC: dict[str, Any] = {"fleet": "f", "baseVersion": 0, "targetVersion": 1,

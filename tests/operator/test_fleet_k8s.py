@@ -40,7 +40,7 @@ def _secret(name: str, *uses: str, key: str = "token", value: str = TOKEN) -> di
 def _fleet(port: int, token_secret: str, **more: Any) -> dict[str, Any]:
     return {"apiVersion": "dcr.dev/v1alpha1", "kind": "RolloutFleet",
             "metadata": {"name": "fleet"},
-            "spec": {"selector": {"matchLabels": {"app": "r"}}, "runtime": "hf",
+            "spec": {"selector": {"matchLabels": {"app": "r"}},
                      "agent": {"port": port, "tokenSecretRef": {"name": token_secret}},
                      "initial": {"version": 0, "checkpoint": "/ckpt/v0"},
                      **(more or {"store": {"uri": "file:///tmp/store"}})}}

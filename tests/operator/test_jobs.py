@@ -18,7 +18,7 @@ from dcr_operator.jobs import encoder_pod, job_manifest, job_name, job_state, pa
 from dcr_operator.settings import OperatorSettings
 
 FLEET_SPEC: dict[str, Any] = {
-    "selector": {"matchLabels": {"app": "r"}}, "runtime": "hf",
+    "selector": {"matchLabels": {"app": "r"}},
     "agent": {"tokenSecretRef": {"name": "tok"}},
     "store": {"uri": "s3://bucket/p", "endpoint": "http://s3:9000", "region": "eu-1",
               "credentialsSecretRef": {"name": "creds"}},
@@ -170,7 +170,7 @@ def test_job_state_reads_indexes_and_failure() -> None:
 
 def test_a_relay_fleet_publishes_to_the_root_with_the_token_from_its_secret() -> None:
     fleet = RolloutFleetSpec.model_validate({
-        "selector": {"matchLabels": {"app": "r"}}, "runtime": "hf",
+        "selector": {"matchLabels": {"app": "r"}},
         "agent": {"tokenSecretRef": {"name": "tok"}},
         "relay": {"url": "http://relay-0.rollout:8470", "tokenSecretRef": {"name": "relay-tok"}},
         "initial": {"checkpoint": "/ckpt/v0"}})
@@ -199,7 +199,7 @@ def test_a_fleet_names_exactly_one_of_store_and_relay(where: dict[str, Any]) -> 
 
     with pytest.raises(ValidationError, match="exactly one of store and relay"):
         RolloutFleetSpec.model_validate({
-            "selector": {"matchLabels": {"app": "r"}}, "runtime": "hf",
+            "selector": {"matchLabels": {"app": "r"}},
             "agent": {"tokenSecretRef": {"name": "tok"}}, "initial": {"checkpoint": "/c"},
             **where})
 

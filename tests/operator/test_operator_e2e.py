@@ -251,7 +251,6 @@ def scenario(control_plane: ControlPlane, helm: Path, tmp_path_factory: pytest.T
         apply(kube, [{"apiVersion": "dcr.dev/v1alpha1", "kind": "RolloutFleet",
                       "metadata": {"name": FLEET},
                       "spec": {"selector": {"matchLabels": {"app": "rollout"}},
-                               "runtime": "hf",
                                "agent": {"port": port,
                                          "tokenSecretRef": {"name": "agent-token"}},
                                "store": {"uri": store.as_uri()},

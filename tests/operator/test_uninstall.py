@@ -88,7 +88,6 @@ def test_after_the_operator_stops_its_namespace_deletes_with_nothing_waiting_for
         apply(kube, [{"apiVersion": "dcr.dev/v1alpha1", "kind": "RolloutFleet",
                       "metadata": {"name": "rollout"},
                       "spec": {"selector": {"matchLabels": {"app": "rollout"}},
-                               "runtime": "hf",
                                "agent": {"port": 8471,
                                          "tokenSecretRef": {"name": "agent-token"}},
                                "store": {"uri": (tmp_path / "store").as_uri()},

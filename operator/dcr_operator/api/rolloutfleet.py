@@ -215,16 +215,6 @@ class RolloutFleetSpec(SpecModel):
         "message": "set exactly one of store and relay: where encoder Jobs publish"}]})
 
     selector: LabelSelector
-    # Documentation only. The agent, not the operator, talks to the serving engine, and
-    # each pod's agent picks its adapter from its own --engine flag: the engine is a
-    # property of the pod template, which may change in a rolling update. Kept (not
-    # removed) so v1alpha1 manifests that set it still pass strict field validation,
-    # and shown by `kubectl get rolloutfleets -o wide`.
-    runtime: Literal["vllm", "sglang", "hf", "vllm-ref"] | None = Field(
-        default=None, description="What the fleet's pods serve with, for whoever reads "
-        "the fleet (kubectl get -o wide): vllm, sglang, or the reference engine (dcr "
-        "serve --runtime hf|vllm-ref). Documentation only: the operator never reads it; "
-        "each pod's agent drives its engine as its --engine flag says.")
     agent: AgentSpec
     store: StoreSpec | None = None
     relay: RelaySpec | None = None
@@ -279,6 +269,5 @@ PRINTER_COLUMNS = [
     column("Refit", ".status.activeRefit"),
     condition_column("Status", FleetCondition.READY, "status"),
     AGE,
-    column("Runtime", ".spec.runtime", priority=1),
     condition_column("Message", FleetCondition.READY, "message", priority=1),
 ]
