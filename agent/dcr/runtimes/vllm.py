@@ -1,65 +1,16 @@
 """Running the apply engine inside vLLM's worker processes.
 
 vLLM loads weights with each model's own ``load_weights(iter[(hf_name, tensor)])``,
-which fuses, shards and pads canonical tensors into the worker's storage. DCR calls
-exactly that method, so the adapter is small:
+which fuses, shards and pads canonical tensors into the worker's storage; DCR calls
+exactly that method. :class:`VllmRuntime` adapts any module with that contract to the
+:class:`~dcr.runtimes.base.Runtime` protocol. :class:`DcrWorkerExtension` is DCR's
+plugin in every vLLM worker (``vllm serve --worker-extension-cls
+dcr.runtimes.vllm.DcrWorkerExtension``), reached through ``POST /collective_rpc``; its
+``dcr_*`` methods take one JSON string and answer a dict with the rank.
 
-* :class:`VllmRuntime` adapts any module with a vLLM-style ``load_weights`` (vLLM's
-  model classes, tested in ``tests/engines``; :mod:`dcr.runtimes.vllm_reference`) to
-  the :class:`~dcr.runtimes.base.Runtime` protocol.
-* :class:`DcrWorkerExtension` is DCR's plugin in every vLLM worker (one per TP/EP
-  rank): ``vllm serve --worker-extension-cls dcr.runtimes.vllm.DcrWorkerExtension``
-  mixes it into the worker class, and the agent sidecar reaches its methods through
-  ``POST /collective_rpc`` (a dev-mode route: ``VLLM_SERVER_DEV_MODE=1``), which runs a
-  method on every worker and answers one result per worker.
-
-The contract (``docs/engines.md``; the agent's side is ``dcr.drivers.plugin``)::
-
-    dcr_instance()                -> {"instance": hex, "rank", "world"}
-    dcr_prewarm(request)          -> {"rank", "profile": {name: class}}
-        request = {"tensors": [[name, dtype, [shape...]], ...]}
-    dcr_apply(request)            -> {"rank", ...the apply report's fields}
-        request = {"payloads": [file name in $DCR_STAGING_DIR, ...]}
-    dcr_fingerprint()             -> {"rank", "tensors": {name: "xxh3-128:..."}}
-    dcr_load_dense(request)       -> {"rank"}
-        request = {"checkpoint": path under $DCR_CHECKPOINT_ROOT,
-                   "expect": {name: fingerprint} | null, "check_only": bool}
-    dcr_check_targets(request)    -> {"rank", "differ": {name: fingerprint held}}
-        request = {"expect": {name: fingerprint of the canonical bits}}
-    dcr_sync()                    -> {"rank"}
-
-Choices, and why:
-
-* **Arguments are JSON strings, answers are dicts.** ``/collective_rpc`` passes only
-  strings (vLLM's rule, for safety) and turns any answer that is not a dict, list or
-  None into its ``str``. A request is parsed strictly (unknown keys are refused); a
-  Python caller (``LLM.collective_rpc``) may pass the dict itself.
-* **Directories come from the engine, never from the caller.** Payloads are read from
-  the staging directory the engine process was started with (``DCR_STAGING_DIR``, a
-  memory-backed volume shared with the sidecar) by plain file name; a dense checkpoint
-  is a relative path under ``DCR_CHECKPOINT_ROOT`` whose files must all resolve inside
-  it. ``/collective_rpc`` is reachable by whoever reaches the server, so a name with a
-  separator, ``..``, or an absolute path is refused, and files are opened without
-  following a final symlink.
-* **Instance id.** A random hex string drawn once per process: a restarted engine
-  answers a new one, so the agent knows its weights are unknown and rejoins densely.
-* **A dense load can be checked without loading** (``check_only``): every rank runs
-  every check (confinement, this rank's canonical tensors, the expected fingerprints)
-  and writes nothing, so the agent learns that a checkpoint is refused while the weights
-  are certainly untouched; the load itself checks again.
-* **Targets are checked where they can be recomputed exactly** (``dcr_check_targets``):
-  the tensors prewarm found readable on this rank (whole, bit-preserving), read back
-  through prewarm's exact views; the rest are not this rank's to vouch for.
-* **Storage identity is checked before every apply.** The apply engine intercepts
-  writes by storage address; if vLLM reallocated the weights since prewarm (sleep mode,
-  a reload), the loader's copies would land unintercepted, so the apply is refused up
-  front and the caller must prewarm again.
-* **vLLM's config is made current around loads**, as the worker itself does around its
-  own weight updates, when the worker carries one.
-
-Nothing here imports vLLM at module level (the project's own venv has none, and mypy
-checks this file there); the extension relies only on the worker's ``model_runner``
-(``get_model()`` or ``.model``) and, if present, its ``vllm_config``.
+docs/engines.md holds the contract (each call, its request and answer, what is refused)
+and argues the choices: a worker extension, directories from the engine's environment,
+the storage identity checked before every apply. Nothing here imports vLLM at module level.
 """
 
 from __future__ import annotations
