@@ -271,7 +271,7 @@ def test_bad_fields_are_400s_that_name_the_field(pair: Pair, encoder: EncoderPro
                                                  change: dict[str, Any], field: str) -> None:
     body = {**json.loads(request(pair, attempt="a-badfield0001").model_dump_json()), **change}
     status, answer = post(encoder.url, "/v1/publish", body)
-    assert (status, answer["kind"]) == (400, "BadRequest"), answer
+    assert (status, answer["kind"]) == (400, "BadPublish"), answer
     assert field in answer["error"], answer
     status, answer = post(encoder.url, "/v1/publish", b"{not json")
     assert status == 400, answer
