@@ -90,6 +90,31 @@ def test_immutable_fields_carry_cel_transition_rules() -> None:
         fleet_spec["properties"]["initial"]["x-kubernetes-validations"][0].items())
 
 
+def _undescribed(node: dict[str, Any], path: str) -> list[str]:
+    """Paths of the properties under ``node``, at every depth, that have no description."""
+    out: list[str] = []
+    for name, sub in node.get("properties", {}).items():
+        if not sub.get("description"):
+            out.append(f"{path}.{name}")
+        out += _undescribed(sub, f"{path}.{name}")
+    if "items" in node:
+        out += _undescribed(node["items"], f"{path}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        out += _undescribed(node["additionalProperties"], f"{path}.*")
+    return out
+
+
+@pytest.mark.parametrize("name", ["dcr.dev_rolloutfleets.yaml", "dcr.dev_weightrefits.yaml"])
+def test_every_field_has_a_description_for_kubectl_explain(name: str) -> None:
+    """Every property, at every depth, but metadata: the API server refuses anything but
+    its type there, and ``kubectl explain`` describes ObjectMeta itself."""
+    crd = crd_manifests()[name]
+    kind = crd["spec"]["names"]["kind"]
+    missing = _undescribed(_schema(crd), kind)
+    missing = [p for p in missing if p != f"{kind}.metadata"]
+    assert not missing, f"fields without a description: {missing}"
+
+
 def test_status_schemas_carry_no_defaults_and_specs_do() -> None:
     schema = _schema(crd_manifests()["dcr.dev_rolloutfleets.yaml"])
     assert "default: " not in yaml.safe_dump(schema["properties"]["status"])

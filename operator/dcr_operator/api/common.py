@@ -55,13 +55,18 @@ ConditionStatus = Literal["True", "False", "Unknown"]
 class Condition(StatusModel):
     """One condition, following the Kubernetes API conventions (metav1.Condition)."""
 
-    type: Annotated[str, Field(min_length=1, max_length=316)]
-    status: ConditionStatus
+    type: Annotated[str, Field(min_length=1, max_length=316)] = Field(
+        description="The condition's type, such as Ready or Committed (api/conditions.py).")
+    status: ConditionStatus = Field(description="True, False or Unknown.")
     reason: Annotated[str, Field(min_length=1, max_length=1024,
-                                 pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")]
-    message: Annotated[str, Field(max_length=32768)] = ""
-    last_transition_time: Annotated[str, Field(json_schema_extra=RFC3339)]
-    observed_generation: Annotated[int, Field(ge=0)] | None = None
+                                 pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")] = Field(
+        description="Why the condition has its status: a CamelCase identifier.")
+    message: Annotated[str, Field(max_length=32768)] = Field(
+        default="", description="A sentence for people, with the values; default empty.")
+    last_transition_time: Annotated[str, Field(json_schema_extra=RFC3339)] = Field(
+        description="When the status last changed (RFC 3339, UTC).")
+    observed_generation: Annotated[int, Field(ge=0)] | None = Field(
+        default=None, description="The metadata.generation the condition was set for.")
 
 
 def list_map(*keys: str) -> dict[str, Any]:
@@ -76,24 +81,27 @@ CONDITIONS_LIST = list_map("type")
 class SecretKeyRef(SpecModel):
     """A key of a Secret in the resource's namespace (labelled for its use: see fleet.py)."""
 
-    name: DnsSubdomain
-    key: SecretKey = "token"
+    name: DnsSubdomain = Field(description="The Secret's name, in the resource's namespace.")
+    key: SecretKey = Field(default="token", description="The key of the Secret's data that "
+                           "holds the value; default token.")
 
 
 class SecretRef(SpecModel):
     """A Secret in the resource's namespace (labelled for its use: see fleet.py)."""
 
-    name: DnsSubdomain
+    name: DnsSubdomain = Field(description="The Secret's name, in the resource's namespace.")
 
 
 class CommitRecordStatus(StatusModel):
     """The fleet's commit record: the one durable fact of a refit (docs/protocol.md)."""
 
-    committed_version: Annotated[int, Field(ge=0)]
+    committed_version: Annotated[int, Field(ge=0)] = Field(
+        description="The version every receiver holds once it has applied the commit.")
     baseline_id: str = Field(description="The committed version's checkpoint (its source).")
     attempt: str = Field(description="The attempt that committed it; empty initially.")
     refit: str | None = Field(default=None, description="The WeightRefit that committed it.")
-    committed_at: Annotated[str | None, Field(json_schema_extra=RFC3339)] = None
+    committed_at: Annotated[str | None, Field(json_schema_extra=RFC3339)] = Field(
+        default=None, description="When it was committed (RFC 3339, UTC).")
 
 
 def column(name: str, path: str, kind: str = "string", *,

@@ -28,6 +28,11 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 OUTPUT_DIRS = (REPO_ROOT / "crds", REPO_ROOT / "charts" / "dcr" / "crds")
 ENTRY_POINT = "python -m dcr_operator.api.generate"
 
+# As the Kubernetes API (and kubebuilder's generated CRDs) describe them.
+_API_VERSION = ("APIVersion defines the versioned schema of this representation of an "
+                "object: dcr.dev/v1alpha1.")
+_KIND = "Kind is the REST resource this object represents, in CamelCase."
+
 
 def _crd(kind: str, plural: str, short: list[str], spec: type[BaseModel],
          status: type[BaseModel], columns: list[dict[str, Any]],
@@ -37,9 +42,9 @@ def _crd(kind: str, plural: str, short: list[str], spec: type[BaseModel],
         "description": description,
         "required": ["spec"],
         "properties": {
-            "apiVersion": {"type": "string"},
-            "kind": {"type": "string"},
-            "metadata": {"type": "object"},
+            "apiVersion": {"type": "string", "description": _API_VERSION},
+            "kind": {"type": "string", "description": _KIND},
+            "metadata": {"type": "object"},  # the API server allows no more here
             "spec": structural(spec.model_json_schema(by_alias=True)),
             "status": structural(status.model_json_schema(by_alias=True), defaults=False),
         },

@@ -38,10 +38,17 @@ DESCRIPTION = ("A set of rollout pods (label selector) refit together; its statu
                "commit record.")
 
 class LabelSelectorRequirement(SpecModel):
-    key: Annotated[str, Field(min_length=1, max_length=317)]
-    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
+    """One term of a label selector: a key, an operator and values."""
+
+    key: Annotated[str, Field(min_length=1, max_length=317)] = Field(
+        description="The label key the term applies to.")
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"] = Field(
+        description="How the label's value relates to values: In, NotIn, Exists or "
+        "DoesNotExist.")
     values: Annotated[list[Annotated[str, Field(max_length=63)]] | None,
-                      Field(max_length=64)] = None
+                      Field(max_length=64)] = Field(
+        default=None, description="The values for In and NotIn; empty for Exists and "
+        "DoesNotExist.")
 
 
 _NARROWING = ("In", "Exists")  # operators that select only pods carrying a label
@@ -63,9 +70,11 @@ class LabelSelector(SpecModel):
         "rule": _SELECTS_SOME, "message": _EMPTY_SELECTOR}]})
 
     match_labels: Annotated[dict[str, Annotated[str, Field(max_length=63)]] | None,
-                            Field(max_length=64)] = None
+                            Field(max_length=64)] = Field(
+        default=None, description="Labels a pod must carry, key to value (all of them).")
     match_expressions: Annotated[list[LabelSelectorRequirement] | None,
-                                 Field(max_length=64)] = None
+                                 Field(max_length=64)] = Field(
+        default=None, description="Terms a pod's labels must meet (all of them).")
 
     @model_validator(mode="after")
     def _selects_some(self) -> LabelSelector:
@@ -78,8 +87,10 @@ class LabelSelector(SpecModel):
 class AgentSpec(SpecModel):
     """How the operator reaches each pod's agent sidecar."""
 
-    port: Annotated[int, Field(ge=1, le=65535)] = 8471
-    scheme: Literal["http", "https"] = "http"
+    port: Annotated[int, Field(ge=1, le=65535)] = Field(
+        default=8471, description="The agent sidecar's port on the pod IP; default 8471.")
+    scheme: Literal["http", "https"] = Field(
+        default="http", description="http or https; default http.")
     token_secret_ref: SecretKeyRef = Field(
         description="Secret key holding the agents' bearer token (at least 16 characters).")
     timeout_seconds: Annotated[float, Field(gt=0, le=600)] = Field(
@@ -92,7 +103,8 @@ class StoreSpec(SpecModel):
     uri: Annotated[str, Field(pattern=r"^(s3|file)://.+")] = Field(
         description="s3://bucket/prefix, or file:///path on a volume every party mounts.")
     endpoint: str | None = Field(default=None, description="S3 endpoint URL (S3-compatible).")
-    region: str | None = None
+    region: str | None = Field(default=None, description="S3 region; default: the S3 "
+                               "client's (AWS_REGION).")
     credentials_secret_ref: SecretRef | None = Field(
         default=None, description="Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
         "passed to encoder Jobs as environment and used by the finalizer's cleanup.")
@@ -118,7 +130,8 @@ class InitialVersion(SpecModel):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{
         "rule": IMMUTABLE, "message": "initial is immutable: it seeds the commit record"}]})
 
-    version: Annotated[int, Field(ge=0)] = 0
+    version: Annotated[int, Field(ge=0)] = Field(
+        default=0, description="The version number the pods start with; default 0.")
     checkpoint: Annotated[str, Field(min_length=1)] = Field(
         description="That version's checkpoint, as encoder Jobs and agents read it.")
 
@@ -129,7 +142,9 @@ class CommitPolicy(SpecModel):
     min_receivers: Annotated[int, Field(ge=1)] | None = Field(
         default=None, description="Receivers that must take part in an attempt; default: "
         "every pod the selector matches when the refit starts.")
-    attempt_timeout_seconds: Annotated[int, Field(ge=1, le=86400)] = 600
+    attempt_timeout_seconds: Annotated[int, Field(ge=1, le=86400)] = Field(
+        default=600, description="Seconds an attempt may take before it is abandoned; "
+        "default 600.")
     gate: Literal["Sync", "Async"] = Field(
         default="Sync", description="Sync: close request gates first; Async: after staging.")
 
@@ -138,19 +153,27 @@ class Resources(SpecModel):
     """Container resources (quantities as Kubernetes writes them: 2, "500m", "4Gi")."""
 
     requests: dict[str, Annotated[int | str, Field(
-        json_schema_extra={"x-kubernetes-int-or-string": True})]] | None = None
+        json_schema_extra={"x-kubernetes-int-or-string": True})]] | None = Field(
+        default=None, description="Resources the encoder container is guaranteed, by name "
+        "(cpu, memory, ...).")
     limits: dict[str, Annotated[int | str, Field(
-        json_schema_extra={"x-kubernetes-int-or-string": True})]] | None = None
+        json_schema_extra={"x-kubernetes-int-or-string": True})]] | None = Field(
+        default=None, description="The most the encoder container may use, by name.")
 
 
 class Toleration(SpecModel):
     """One toleration of encoder pods (core/v1 Toleration)."""
 
-    key: Annotated[str, Field(max_length=317)] | None = None
-    operator: Literal["Exists", "Equal"] | None = None
-    value: Annotated[str, Field(max_length=63)] | None = None
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    toleration_seconds: int | None = None
+    key: Annotated[str, Field(max_length=317)] | None = Field(
+        default=None, description="The taint key tolerated; empty with Exists: every taint.")
+    operator: Literal["Exists", "Equal"] | None = Field(
+        default=None, description="Exists or Equal (to value); default Equal.")
+    value: Annotated[str, Field(max_length=63)] | None = Field(
+        default=None, description="The taint value tolerated, with Equal.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="The taint effect tolerated; default: every effect.")
+    toleration_seconds: int | None = Field(
+        default=None, description="Seconds a NoExecute taint is tolerated; default: forever.")
 
 
 DEFAULT_PROFILE = "default"
@@ -191,13 +214,19 @@ class EncoderProfile(SpecModel):
     image: Annotated[str, Field(min_length=1, max_length=512)] | None = Field(
         default=None, description="The image (it must provide `dcr`); one the operator "
         "allows (Helm encoder.image and encoder.allowedImages). Default: encoder.image.")
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
+        default=None, description="Always, IfNotPresent or Never; default: Kubernetes' "
+        "(IfNotPresent unless the tag is latest).")
     service_account_name: DnsSubdomain | None = Field(
         default=None, description="Default: the operator's encoder.serviceAccount.")
-    resources: Resources | None = None
+    resources: Resources | None = Field(
+        default=None, description="The encoder container's resource requests and limits; "
+        "default: the operator's encoder.resources.")
     node_selector: Annotated[dict[str, Annotated[str, Field(max_length=63)]] | None,
-                             Field(max_length=64)] = None
-    tolerations: Annotated[list[Toleration] | None, Field(max_length=64)] = None
+                             Field(max_length=64)] = Field(
+        default=None, description="Node labels the encoder pod's node must carry.")
+    tolerations: Annotated[list[Toleration] | None, Field(max_length=64)] = Field(
+        default=None, description="Taints the encoder pod tolerates.")
     volumes: ProfileVolumes | None = Field(
         default=None, description="Volumes the encoder container mounts, such as the "
         "one holding the checkpoints (dcr encode reads the base and target checkpoints "
@@ -210,16 +239,22 @@ class EncoderProfile(SpecModel):
 
 
 class RolloutFleetSpec(SpecModel):
+    """Which pods are the fleet, how to reach them, and how their refits run."""
+
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{
         "rule": "has(self.store) != has(self.relay)",
         "message": "set exactly one of store and relay: where encoder Jobs publish"}]})
 
     selector: LabelSelector
     agent: AgentSpec
-    store: StoreSpec | None = None
-    relay: RelaySpec | None = None
+    store: StoreSpec | None = Field(
+        default=None, description="The object store encoders publish to (or relay).")
+    relay: RelaySpec | None = Field(
+        default=None, description="The relay tree encoders publish to (or store).")
     initial: InitialVersion
-    commit_policy: CommitPolicy = Field(default_factory=CommitPolicy)
+    commit_policy: CommitPolicy = Field(
+        default_factory=CommitPolicy, description="When a refit may commit, and how long an "
+        "attempt may take; defaults as its fields say.")
     retry_limit: Annotated[int, Field(ge=1, le=32)] = Field(
         default=4, description="Attempts per transition before the refit fails.")
     encoder_profiles: Annotated[list[EncoderProfile], Field(max_length=16, json_schema_extra={
@@ -238,27 +273,38 @@ class RolloutFleetSpec(SpecModel):
 class ReceiverState(StatusModel):
     """One rollout rank as its agent last reported it."""
 
-    name: str
-    url: str | None = None
-    version: int | None = None
-    state: str | None = None
-    attempt: str | None = None
-    error: str | None = None
+    name: str = Field(description="The pod's name.")
+    url: str | None = Field(default=None, description="The agent's address (pod IP, port).")
+    version: int | None = Field(default=None, description="The version the pod serves.")
+    state: str | None = Field(default=None, description="The agent's state (idle, staging, "
+                              "staged, flushed, ...).")
+    attempt: str | None = Field(default=None, description="The attempt it takes part in.")
+    error: str | None = Field(default=None, description="Why its agent did not answer, if "
+                              "it did not.")
     last_ack: Annotated[str | None, Field(json_schema_extra=RFC3339)] = Field(
         default=None, description="When it last acknowledged a flush.")
-    last_seen: Annotated[str | None, Field(json_schema_extra=RFC3339)] = None
+    last_seen: Annotated[str | None, Field(json_schema_extra=RFC3339)] = Field(
+        default=None, description="When its agent last answered (RFC 3339, UTC).")
 
 
 class RolloutFleetStatus(StatusModel):
-    observed_generation: int | None = None
+    """The fleet's commit record, its receivers and its conditions, as the operator saw them."""
+
+    observed_generation: int | None = Field(
+        default=None, description="The metadata.generation this status was written for.")
     commit: CommitRecordStatus | None = None
-    active_refit: str | None = None
-    receivers: list[ReceiverState] = Field(default_factory=list, json_schema_extra=list_map("name"))
-    receiver_count: int | None = None
+    active_refit: str | None = Field(
+        default=None, description="The WeightRefit that holds the fleet now, if one does.")
+    receivers: list[ReceiverState] = Field(
+        default_factory=list, json_schema_extra=list_map("name"),
+        description="Each receiver (selected Running pod) as its agent last reported it.")
+    receiver_count: int | None = Field(
+        default=None, description="Receivers: Running pods the selector matches.")
     ready_receivers: int | None = Field(
         default=None, description="Receivers reporting the committed version.")
-    conditions: list[Condition] = Field(default_factory=list,
-                                      json_schema_extra=CONDITIONS_LIST)
+    conditions: list[Condition] = Field(
+        default_factory=list, json_schema_extra=CONDITIONS_LIST,
+        description="Ready, Progressing and Degraded (api/conditions.py).")
 
 
 

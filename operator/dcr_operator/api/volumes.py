@@ -93,7 +93,8 @@ class PersistentVolumeClaimSource(SpecModel):
     """A PersistentVolumeClaim of the fleet's namespace (e.g. the rollout pods' checkpoints)."""
 
     claim_name: Annotated[str, Field(min_length=1, max_length=253,
-                                     pattern=rf"^{_LABEL}(\.{_LABEL})*$")]
+                                     pattern=rf"^{_LABEL}(\.{_LABEL})*$")] = Field(
+        description="The PersistentVolumeClaim's name, in the fleet's namespace.")
 
 
 HostPathType = Literal["DirectoryOrCreate", "Directory", "FileOrCreate", "File", "Socket",
@@ -103,7 +104,7 @@ HostPathType = Literal["DirectoryOrCreate", "Directory", "FileOrCreate", "File",
 class HostPathSource(SpecModel):
     """A path on the node the encoder pod runs on (pin the nodes with nodeSelector)."""
 
-    path: AbsolutePath
+    path: AbsolutePath = Field(description="The absolute path on the node, without '..'.")
     type: HostPathType | None = Field(
         default=None, description="What must be at the path; default: no check.")
 
@@ -139,9 +140,12 @@ class ProfileVolume(SpecModel):
         "directory the refits' checkpoints are under.")
     read_only: bool = Field(default=True, description="Mount read-only (the default: an "
                             "encoder only reads checkpoints).")
-    persistent_volume_claim: PersistentVolumeClaimSource | None = None
-    host_path: HostPathSource | None = None
-    nfs: NfsSource | None = None
+    persistent_volume_claim: PersistentVolumeClaimSource | None = Field(
+        default=None, description="A PersistentVolumeClaim (exactly one source is set).")
+    host_path: HostPathSource | None = Field(
+        default=None, description="A path on the node (exactly one source is set).")
+    nfs: NfsSource | None = Field(
+        default=None, description="An NFS export (exactly one source is set).")
 
     @model_validator(mode="after")
     def _one_source(self) -> ProfileVolume:

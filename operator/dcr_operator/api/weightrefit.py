@@ -44,15 +44,20 @@ class RefitEncoder(SpecModel):
         default=DEFAULT_PROFILE, description="One of the fleet's spec.encoderProfiles.")
     owners: Annotated[int, Field(ge=1, le=256)] = Field(
         default=1, description="Parallel owners: Job completions, tensors split by name.")
-    bucket_mib: Annotated[int | None, Field(ge=1, le=4096, alias="bucketMiB")] = None
+    bucket_mib: Annotated[int | None, Field(ge=1, le=4096, alias="bucketMiB")] = Field(
+        default=None, description="MiB of tensors per payload; default: the encoder's own.")
 
 
 class SourceSpec(SpecModel):
+    """Where the target version's weights come from."""
+
     checkpoint: Annotated[str, Field(min_length=1)] = Field(
         description="The target version's Hugging Face checkpoint (training side).")
 
 
 class WeightRefitSpec(SpecModel):
+    """Which fleet to refit, from which version to which; immutable."""
+
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
         {"rule": IMMUTABLE, "message": "a WeightRefit's spec is immutable: create another"},
         {"rule": "self.targetVersion > self.baseVersion",
@@ -60,10 +65,14 @@ class WeightRefitSpec(SpecModel):
     ]})
 
     fleet: DnsSubdomain = Field(description="The RolloutFleet (same namespace) to refit.")
-    target_version: Annotated[int, Field(ge=1)]
-    base_version: Annotated[int, Field(ge=0)]
+    target_version: Annotated[int, Field(ge=1)] = Field(
+        description="The version number the fleet holds once this refit commits.")
+    base_version: Annotated[int, Field(ge=0)] = Field(
+        description="The version the fleet must hold (committed) for this refit to run.")
     source: SourceSpec
-    encoder: RefitEncoder = Field(default_factory=RefitEncoder)
+    encoder: RefitEncoder = Field(
+        default_factory=RefitEncoder, description="Which encoder profile publishes the "
+        "attempts, and how many owners split them; defaults as its fields say.")
     mode_policy: Literal["MixedThenOverwrite", "Overwrite"] = Field(
         default="MixedThenOverwrite", description="MixedThenOverwrite: XOR where the "
         "loaders allow, overwrite on retries; Overwrite: absolute values every attempt.")
@@ -76,17 +85,25 @@ AttemptOutcome = Literal["Running", "Committed", "Failed", "Conflict", "Abandone
 
 
 class AttemptStatus(StatusModel):
-    id: str
-    mode: Literal["mixed", "overwrite"]
-    outcome: AttemptOutcome
-    reason: str | None = None
-    start_time: Annotated[str, Field(json_schema_extra=RFC3339)]
-    completion_time: Annotated[str | None, Field(json_schema_extra=RFC3339)] = None
+    """One attempt of the refit: its mode, outcome and numbers."""
+
+    id: str = Field(description="The attempt's id (a-<hex>), unique to the refit.")
+    mode: Literal["mixed", "overwrite"] = Field(
+        description="mixed: XOR where the loaders allow; overwrite: absolute values.")
+    outcome: AttemptOutcome = Field(
+        description="Running, Committed, Failed, Conflict or Abandoned.")
+    reason: str | None = Field(default=None, description="Why it did not commit, if not.")
+    start_time: Annotated[str, Field(json_schema_extra=RFC3339)] = Field(
+        description="When it started (RFC 3339, UTC).")
+    completion_time: Annotated[str | None, Field(json_schema_extra=RFC3339)] = Field(
+        default=None, description="When it ended (RFC 3339, UTC).")
     stages: dict[str, float] = Field(default={}, description="Wall seconds per stage.")
     payloads: int = Field(default=0, description="Payloads each receiver applied.")
     bytes: int = Field(default=0, description="Payload bytes applied, summed over receivers.")
-    receivers: list[str] = Field(default_factory=list)
-    rejoined: list[str] = Field(default_factory=list)
+    receivers: list[str] = Field(default_factory=list,
+                                 description="The receivers (pods) that took part.")
+    rejoined: list[str] = Field(default_factory=list, description="Receivers that restored "
+                                "the committed version from the store instead.")
     job: str | None = Field(default=None, description="The encoder Job that published it.")
     endpoint: str | None = Field(
         default=None, description="The encoder profile whose warm endpoint published it "
@@ -94,29 +111,47 @@ class AttemptStatus(StatusModel):
 
 
 class ReceiverProgress(StatusModel):
-    name: str
-    attempt: str | None = None
-    state: str | None = None
-    payloads: int = 0
-    bytes: int = 0
-    apply_seconds: float | None = None
-    last_ack: Annotated[str | None, Field(json_schema_extra=RFC3339)] = None
-    error: str | None = None
+    """One receiver's progress in the refit's latest attempt."""
+
+    name: str = Field(description="The pod's name.")
+    attempt: str | None = Field(default=None, description="The attempt it reported on.")
+    state: str | None = Field(default=None, description="Its agent's state (staging, "
+                              "staged, flushed, ...).")
+    payloads: int = Field(default=0, description="Payloads it applied; default 0.")
+    bytes: int = Field(default=0, description="Payload bytes it applied; default 0.")
+    apply_seconds: float | None = Field(
+        default=None, description="Wall seconds it took to apply the payloads.")
+    last_ack: Annotated[str | None, Field(json_schema_extra=RFC3339)] = Field(
+        default=None, description="When it last acknowledged a flush (RFC 3339, UTC).")
+    error: str | None = Field(default=None, description="Its last error, if any.")
 
 
 class WeightRefitStatus(StatusModel):
-    observed_generation: int | None = None
-    phase: Phase | None = None
-    attempts: list[AttemptStatus] = Field(default_factory=list, json_schema_extra=list_map("id"))
-    attempt_count: int = 0
+    """The refit's phase, conditions, attempts and per-receiver progress."""
+
+    observed_generation: int | None = Field(
+        default=None, description="The metadata.generation this status was written for.")
+    phase: Phase | None = Field(
+        default=None, description="Pending, Encoding, Applying, Committed or Failed: the "
+        "first true of the Committed, Failed, Encoding and Applying conditions.")
+    attempts: list[AttemptStatus] = Field(
+        default_factory=list, json_schema_extra=list_map("id"),
+        description="Every attempt, oldest first.")
+    attempt_count: int = Field(default=0, description="Attempts made; default 0.")
     bytes: int = Field(default=0, description="Payload bytes over all attempts and receivers.")
-    receivers: list[ReceiverProgress] = Field(default_factory=list,
-                                              json_schema_extra=list_map("name"))
-    committed: CommitRecordStatus | None = None
-    start_time: Annotated[str | None, Field(json_schema_extra=RFC3339)] = None
-    completion_time: Annotated[str | None, Field(json_schema_extra=RFC3339)] = None
-    conditions: list[Condition] = Field(default_factory=list,
-                                      json_schema_extra=CONDITIONS_LIST)
+    receivers: list[ReceiverProgress] = Field(
+        default_factory=list, json_schema_extra=list_map("name"),
+        description="Each receiver's progress in the latest attempt.")
+    committed: CommitRecordStatus | None = Field(
+        default=None, description="The commit record this refit wrote, once committed.")
+    start_time: Annotated[str | None, Field(json_schema_extra=RFC3339)] = Field(
+        default=None, description="When the first attempt started (RFC 3339, UTC).")
+    completion_time: Annotated[str | None, Field(json_schema_extra=RFC3339)] = Field(
+        default=None, description="When it committed or failed (RFC 3339, UTC).")
+    conditions: list[Condition] = Field(
+        default_factory=list, json_schema_extra=CONDITIONS_LIST,
+        description="Validated, Encoding, Applying, Committed and Failed "
+        "(api/conditions.py).")
 
 
 
