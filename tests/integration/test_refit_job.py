@@ -115,7 +115,7 @@ def test_refit_job_recovers_from_a_killed_agent_and_ends_bit_exact(tmp_path: Pat
     assert rows[1]["record"] == {"committed_version": 2, "baseline_id": rows[1]["record"][
         "baseline_id"], "attempt": second[1]["attempt"]}
     assert all(0 < r["payload_bytes"] < r["dense_bytes"] / 4 for r in rows)
-    assert all(0 < r["changed_pct"] < 20 for r in rows)
+    assert all(0 < r["changed_pct"] <= r["sent_pct"] for r in rows)  # every change is sent
     assert all(r["attempts"][-1]["payload_bytes"] > 0 for r in rows)  # applied in place
     assert (out / "refit.png").stat().st_size > 10_000
     assert "coverage (share of weight bytes by path): xor" in proc.stdout

@@ -63,6 +63,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
+
 from dcr.checkpoint import Checkpoint
 from dcr.drivers.base import merge_fingerprints
 from dcr.errors import ConfigError, DcrError
@@ -340,7 +342,8 @@ def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
               "dense-loads" + (" (the relay carries only DCR attempts)" if relays else ""))
         print("coverage (share of weight bytes by path): "
               + ", ".join(f"{k} {100 * v:.1f}%" for k, v in shares.items() if v))
-        print(f"{'step':>4} {'loss':>7} {'changed':>8} {'payload B':>10} {'% dense':>8} "
+        print(f"{'step':>4} {'loss':>7} {'changed':>8} {'sent':>8} {'payload B':>10} "
+              f"{'% dense':>8} "
               f"{'prepare':>7} {'publish':>7} {'flush':>6} {'commit':>6} {'total s':>7} "
               f"{'full s':>6}  attempts                          bit-exact")
         rows = [_step(v, s, job) for v in range(1, s.steps + 1)]
@@ -437,6 +440,19 @@ class _Job:
     full: FullPath  # where full checkpoints travel, for the comparison
 
 
+def _changed_pct(old: Path, new: Path) -> float:
+    """Share of elements whose stored bits differ between two exports: the step's real
+    change rate. The owners' record count (``sent``) is larger where a receiver path takes
+    whole tensors (the FP8 pod's quantized ``o_proj``, whose scale depends on every element)."""
+    with Checkpoint(old) as a, Checkpoint(new) as b:
+        changed = total = 0
+        for name in b.names():
+            x, y = a.bits(name), b.bits(name)
+            changed += int(np.count_nonzero(x != y))
+            total += y.size
+    return 100 * changed / total
+
+
 def _step(v: int, s: RefitSettings, job: _Job) -> dict[str, Any]:
     loss = job.trainer.step()
     ckpt = job.ckpts / f"v{v}"
@@ -480,7 +496,8 @@ def _step(v: int, s: RefitSettings, job: _Job) -> dict[str, Any]:
     payload = sum(int(str(x["payload_bytes"])) for x in summaries)
     dense = sum(int(str(x["dense_bytes"])) for x in summaries)
     row: dict[str, Any] = {
-        "step": v, "loss": loss, "changed_pct": 100 * changed / total,
+        "step": v, "loss": loss, "changed_pct": _changed_pct(job.ckpts / f"v{v - 1}", ckpt),
+        "sent_pct": 100 * changed / total,
         "payload_bytes": payload, "dense_bytes": dense, "dense_pct": 100 * payload / dense,
         "total_s": total_s, "bit_exact": exact, "record": asdict(record),
         **full, "full_bit_exact": full_exact,
@@ -493,7 +510,8 @@ def _step(v: int, s: RefitSettings, job: _Job) -> dict[str, Any]:
     extra = [f"killed {row['killed']}"] if killer else []
     extra += [f"rejoined {', '.join(h.rejoined)}" for h in attempts if h.rejoined]
     extra += [f"rejoined {n} after" for n in rejoined_after]
-    print(f"{v:>4} {loss:>7.4f} {row['changed_pct']:>7.3f}% {payload:>10,} "
+    print(f"{v:>4} {loss:>7.4f} {row['changed_pct']:>7.3f}% {row['sent_pct']:>7.3f}% "
+          f"{payload:>10,} "
           f"{row['dense_pct']:>7.3f}% {st.get('prepare', 0):>7.3f} {st.get('publish', 0):>7.3f} "
           f"{st.get('flush', 0):>6.3f} {st.get('commit', 0):>6.3f} {total_s:>7.2f} "
           f"{full['full_s']:>6.2f}  {label:<33} "
