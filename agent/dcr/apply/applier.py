@@ -1,4 +1,4 @@
-"""The apply engine: decoded items -> scratch -> the runtime's own loader -> storage.
+"""The applier: decoded items -> scratch -> the runtime's own loader -> storage.
 
 For each canonical tensor a payload touches, the engine hands the runtime's native
 loader ``(name, scratch)``, where scratch is a reusable tensor shaped like the canonical

@@ -166,7 +166,7 @@ class FlushAck(_Body):
     attempt: str
     payloads: int
     bytes: int
-    apply_s: float  # seconds spent inside the apply engine
+    apply_s: float  # seconds spent inside the applier
     wait_s: float  # seconds the flush call waited
 
 

@@ -182,7 +182,7 @@ def render_metrics(service: AgentService) -> str:
                [("", c.payloads_applied)]),
         Family("dcr_agent_payload_bytes_applied_total", "counter", "Payload bytes applied.",
                [("", c.payload_bytes_applied)]),
-        Family("dcr_agent_apply_seconds_total", "counter", "Seconds inside the apply engine.",
+        Family("dcr_agent_apply_seconds_total", "counter", "Seconds inside the applier.",
                [("", round(c.apply_seconds, 6))]),
         Family("dcr_agent_attempts_total", "counter", "Attempts ended, by outcome.",
                [(f'{{outcome="{k}"}}', v) for k, v in sorted(c.attempts.items())]),

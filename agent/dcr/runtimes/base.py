@@ -13,7 +13,7 @@ from dcr.apply.applier import Loader
 
 
 class Runtime(Loader, Protocol):
-    """A serving runtime: its native loader (what the apply engine needs) and its gate."""
+    """A serving runtime: its native loader (what the applier needs) and its gate."""
 
     def close_gate(self) -> None:
         """Stop admitting new generation requests and wait for running ones."""

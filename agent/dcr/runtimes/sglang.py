@@ -37,7 +37,7 @@ Choices, and why:
 * **State per model object**, as in the vLLM extension: a new model object (a reload
   replaced it) is a rank that must be prewarmed again.
 * **SGLang's ``load_weights`` returns None** for most models (vLLM's returns the names
-  written): :class:`SglangRuntime` reports no names then, so the apply engine relies on
+  written): :class:`SglangRuntime` reports no names then, so the applier relies on
   the writes it intercepts alone; a loader that writes without a hook still fails the
   post-apply checks and the fingerprints.
 

@@ -1,4 +1,4 @@
-"""Running the apply engine inside vLLM's worker processes.
+"""Running the applier inside vLLM's worker processes.
 
 vLLM loads weights with each model's own ``load_weights(iter[(hf_name, tensor)])``,
 which fuses, shards and pads canonical tensors into the worker's storage; DCR calls
@@ -177,7 +177,7 @@ def confined_checkpoint(root: Path, relative: str) -> Path:
 # --- one rank, as the agent drives it -------------------------------------------------------
 
 class EngineRank:
-    """One rank of a serving engine: its runtime, the apply engine prewarm made, and the
+    """One rank of a serving engine: its runtime, the applier prewarm made, and the
     calls of the plugin contract as plain methods returning JSON-ready dicts.
 
     Engine-neutral: vLLM's worker extension wraps it, and any engine whose workers hold

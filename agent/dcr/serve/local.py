@@ -70,7 +70,7 @@ class LocalDriver(PluginDriver):
 
     @property
     def ranks(self) -> list[EngineRank]:
-        """Each rank as the plugin holds it (its loader, and its apply engine once
+        """Each rank as the plugin holds it (its loader, and its applier once
         prewarmed): for tests that look inside."""
         return [cast(DcrWorkerExtension, w)._dcr_rank() for w in self.workers.workers]
 
