@@ -1,37 +1,11 @@
 """The agent's HTTP control API, declared once: one table of calls, bodies and a client.
 
-The agent (``dcr agent``, one per rollout rank) serves these calls; the local
-coordinator and the Kubernetes operator call them through :class:`AgentClient`, which
-is a ``ReceiverHandle``. Torch-free, so the operator can import it.
-
-:class:`AgentApi` is the table: each row (a :class:`Call`) names one call of the
-``ReceiverHandle`` seam (or an inspection call) with its HTTP method, path, request
-body model, response model and client timeout rule, and says how the handle's
-arguments become the body (``encode``) and the body the handle's arguments again
-(``decode``). Everything else is built from it: the aiohttp routes
-(:func:`dcr.receiver.server.make_app` calls the service method of the row's name),
-the methods of :class:`AgentClient`, and the operator's ``TrackedReceiver``. Adding a
-call is one row here plus one method on ``AgentService``.
-
-Choices, and why:
-
-* The table is a class body, each row a descriptor, so mypy sees every generated
-  method with the handle's own signature (a subclass supplies ``_invoke``, the one
-  thing that differs between the client and the tracker).
-* The service takes the handle's arguments, not bodies: in process it *is* the
-  handle. Over HTTP an ``AttemptRef`` decodes to an :class:`AttemptDeadline`, which has
-  what the calls after ``prepare`` read of an ``Attempt`` (its id and deadline), and an
-  ``AttemptSpec`` is taken as it is (the agent needs no receiver list).
-* The client stays on ``urllib``: one blocking call per request is all the coordinator
-  needs, and the operator imports this module without an HTTP library.
-
-Every control call carries ``Authorization: Bearer <token>``. Errors come back as
-``{"error": sentence, "kind": class name}`` with 400 (bad body), 401 (token), 409
-(wrong attempt, state or version), 422 (the attempt failed on this agent) or 500, and
-the client raises :class:`AgentError` with the sentence. ``/healthz``, ``/readyz`` and
-``/metrics`` need no token; ``POST /v1/generate`` (greedy tokens behind the request
-gate) is served beside the table. The table (a test keeps this list equal to
-:meth:`AgentApi.describe`)::
+:class:`AgentApi` is the table (one :class:`Call` per ``ReceiverHandle`` or inspection
+call); the aiohttp routes, :class:`AgentClient` (a ``ReceiverHandle`` on ``urllib``) and
+the operator's ``TrackedReceiver`` are built from it. Torch-free, so the operator can
+import it. Adding a call is one row here plus one method on ``AgentService``. Why it is
+declared this way, the bodies and the errors: docs/protocol.md, "The agent's HTTP API".
+The table (a test keeps this list equal to :meth:`AgentApi.describe`)::
 
     GET  /v1/status      -            -> AgentStatus    the weights' version, the attempt, the gate
     POST /v1/prepare     AttemptSpec  -> AgentStatus    learn the attempt, start staging
