@@ -1,50 +1,13 @@
 """``dcr refit`` / ``make demo``: the main job, every part a real process on one machine.
 
-The trainer (:mod:`dcr.refit.trainer`) trains a small Llama-architecture model with AdamW at an
-RL learning rate and exports a BF16 Hugging Face checkpoint after every optimizer step.
-Each rollout pod is two processes sharing a staging directory, as in a real pod: a
-``dcr serve`` reference server holding the model (transformers servers, and one
-vLLM-layout server holding both ranks of tensor-parallel size 2 with an FP8
-``o_proj``), and a ``dcr agent`` sidecar that drives it through its HTTP API the way it
-drives vLLM. The owners split the tensors by name; by default (``--owner-form warm``)
-each is a :class:`~dcr.owner.warm.WarmOwner`, an in-process encoder in this (the
-trainer's) process holding the committed checkpoint memory-mapped, so publishing an
-attempt starts nothing; ``--owner-form process`` runs a ``dcr encode`` process per
-attempt instead, what an encoder Job is on Kubernetes. A coordinator in this process
-drives every refit through the agents' HTTP API and commits it by compare-and-set in a
-SQLite commit record.
-
-The rollout side reaches the training side across an emulated boundary
-(:mod:`dcr.refit.boundary`, ``--store-kind s3``, the default): the store is a real S3 server
-(``rclone serve s3``) on loopback, the owners write to it directly, and each pod's agent
-reads it through its own emulated link (``--link-mbit``, ``--rtt-ms``: a bandwidth cap
-and a delay, :mod:`dcr.refit.linkemu`), as rollout clusters in another region do. With
-``--transport relay`` the link sits between the trainer and the relay tree's root.
-``--store-kind file`` is a directory on this disk and emulates nothing.
-
-``--kill-receiver-every N`` SIGKILLs one process of a pod in the middle of every N-th
-refit and restarts it on the same port and directories, as a container restart does:
-the first kill, third, ... kill the pod's agent, the second, fourth, ... its server. The
-kill lands once the pod is applying, and the owners' publishes wait for it, so it falls
-inside the attempt however quickly a warm owner publishes.
-Either way the attempt fails and the survivors stop. A restarted agent reports an
-unknown version from its journal; a restarted server answers a new instance id, so its
-agent reports unknown weights; either is restored by a dense refit, and the retry in
-overwrite mode commits.
-
-After every step, each pod's fingerprint of every parameter and buffer (xxh3 of integer
-views, every rank of its server) is compared with a dense load of the trainer's export
-through the same loader. Then a full-checkpoint refit of the same version is timed for
-comparison (``full s``, :mod:`dcr.refit.full`) across the same boundary: the trainer
-uploads the export, every pod downloads it through its own link and dense-loads it
-through its agent, and the fingerprints are checked again. With ``--transport relay``
-this comparison still goes through the store, since a relay carries only DCR attempts.
-A dense rejoin after a kill reads the checkpoint from this disk, not across the link.
-The coverage line says which share of the weight bytes travels as XOR, overwrite or
-dense under the agents' merged profile. A table per step, ``summary.json``, a plot
-(``refit.png``, :mod:`dcr.refit.plot`) and ``boundary.json`` (what each link carried)
-are written. This is the one demo; the file-level path (``dcr diff``/``dcr patch`` on
-checkpoint files) is the command line's.
+The trainer (:mod:`dcr.refit.trainer`) trains a small Llama and exports a BF16 checkpoint
+after every optimizer step; rollout pods (a ``dcr serve`` server and a ``dcr agent``
+sidecar each) are refit across an emulated boundary (:mod:`dcr.refit.boundary`) by a
+coordinator in this process, with kills landed mid-refit (``--kill-receiver-every``) and
+every pod's bits checked against a dense load, a full-checkpoint refit timed beside each
+step. Writes a table per step, ``summary.json``, ``refit.png`` (:mod:`dcr.refit.plot`)
+and ``boundary.json``. What it runs and checks, and why: docs/architecture.md, "The main
+job"; the flags: docs/cli.md.
 """
 
 from __future__ import annotations
