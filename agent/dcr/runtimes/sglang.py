@@ -1,48 +1,15 @@
 """DCR's plugin inside an SGLang server: the custom weight loader every TP rank runs.
 
-SGLang has no HTTP route that runs a method on every worker (vLLM's
-``/collective_rpc``); its hook into every TP rank is the custom weight loader. The
-server is started with ``--custom-weight-loader dcr.runtimes.sglang.dcr_weight_loader``,
-and the agent's adapter (:class:`dcr.drivers.sglang.SglangDriver`) sends each plugin call
-as ``POST /update_weights_from_tensor`` with that ``load_format``, between
-``/begin_weight_update`` and ``/end_weight_update``. SGLang 0.5.23 then does, on every
-TP rank (``model_executor/model_runner_components/weight_updater.py``)::
-
-    named_tensors = [(name, tensor.to(device)) for name, tensor in <this rank's entry>]
-    dynamic_import(load_format)(model, named_tensors)
-
-The one named tensor carries the call in its **name**, ``dcr:`` + JSON ``{"call": id,
-"method", "args": [json]}``, the same method and argument as through vLLM (the tensor is
-empty). :func:`dcr_weight_loader` decodes it, runs it on this rank through the
-engine-neutral :class:`~dcr.runtimes.vllm.EngineRank` (the code vLLM's worker extension
-runs), and writes this rank's answer to ``.dcr-result-<call>-<rank>.json`` in
-``$DCR_STAGING_DIR``, since SGLang answers a weight update with one ``{"success",
-"message"}`` for the whole server.
-
-Choices, and why:
-
-* **Never raise into SGLang's scheduler.** An exception in the loader would take the
-  scheduler's update path down (SGLang catches only some); every failure, a bad call
-  included, becomes an answer ``{"rank", "error"}`` that the adapter raises as
-  ``EngineError`` naming the rank. Only a call that names no usable id or staging
-  directory has nowhere to answer: it is logged, and the adapter reports that the rank
-  left no answer.
-* **Answers are written atomically**: a dot-prefixed temporary file created exclusively,
-  without following links, then renamed over the answer's name (a rename replaces a
-  planted link, it does not follow it), all relative to one descriptor of the staging
-  directory.
-* **The rank is SGLang's TP rank** (``get_parallel().tp_rank``, the index of this rank's
-  entry in the request), the world its ``tp_size``. Pipeline parallelism is refused:
-  every stage would run the call and answer under the same TP ranks.
-* **State per model object**, as in the vLLM extension: a new model object (a reload
-  replaced it) is a rank that must be prewarmed again.
-* **SGLang's ``load_weights`` returns None** for most models (vLLM's returns the names
-  written): :class:`SglangRuntime` reports no names then, so the applier relies on
-  the writes it intercepts alone; a loader that writes without a hook still fails the
-  post-apply checks and the fingerprints.
-
-Nothing here imports SGLang at module level (the project's venv has none): its rank is
-read from ``sglang.srt.runtime_context`` when the loader runs.
+SGLang's hook into every TP rank is the custom weight loader (it has no HTTP
+``/collective_rpc``): the server is started with ``--custom-weight-loader
+dcr.runtimes.sglang.dcr_weight_loader``, and :class:`dcr.drivers.sglang.SglangDriver`
+sends each plugin call as one empty tensor whose name is ``dcr:`` + JSON. Exports
+:func:`dcr_weight_loader`, which runs the call on this rank through
+:class:`~dcr.runtimes.vllm.EngineRank` and writes the rank's answer to
+``.dcr-result-<call>-<rank>.json`` in ``$DCR_STAGING_DIR``, never raising into SGLang's
+scheduler, and :class:`SglangRuntime`. Nothing here imports SGLang at module level (the
+project's venv has none). The contract and its choices: docs/engines.md, "SGLang: the
+custom weight loader".
 """
 
 from __future__ import annotations
