@@ -1,48 +1,15 @@
 """The applier: decoded items -> scratch -> the runtime's own loader -> storage.
 
-For each canonical tensor a payload touches, the engine hands the runtime's native
-loader ``(name, scratch)``, where scratch is a reusable tensor shaped like the canonical
-tensor, and intercepts the loader's final copies into parameter storage
-(:mod:`dcr.apply.intercept`):
-
-* a copy of a scratch view of the same dtype is inverted (:mod:`dcr.apply.geometry`) and
-  only the changed elements are touched: XOR the mask in, or write the value;
-* a converting copy (a cast) writes the positions whose source is not a placeholder;
-* a copy of a tensor classified ``dense`` (whole-tensor quantization) runs as is.
-
-Prewarm runs every tensor once in record mode, classifies it (see
-:mod:`dcr.apply.profile`) and keeps the exact list of writes it made; an apply whose
-writes differ from that list fails. Payloads are deduplicated by id, because XOR is
-not idempotent. The engine takes payloads as bytes or as the verified
-:class:`~dcr.format.payload.Payload` a receiver already holds, which it does not parse
-again.
-
-Nothing is decompressed before every item of every payload is checked against the
-canonical tensors (name, dtype, shape, hence range; entry kind against the path; the
-items disjoint): a stream's size follows from its items, so a small payload naming a
-tensor the model lacks, or a huge shape, is refused while it is still small. Streams
-are then decoded under limits derived from the model (:attr:`Applier.limits`,
-:meth:`DecodeLimits.for_tensors`), a second guard that a receiver can also pass to
-:func:`~dcr.format.payload.read_payload`.
-
-Choices, and why (``docs/apply.md``, "Where apply time goes", has the numbers):
-
-* **One loader call for the whole set, writes deferred.** A tensor whose every write at
-  prewarm was a mapped copy or a constant fill, and whose load read no parameter
-  storage, is *deferrable*: the values the loader copies never matter, only where it
-  copies them. All deferrable tensors of an apply go through one ``load_weights`` call
-  (vLLM's Llama loader spends ~0.7 ms a call before it loads anything); DCR records every
-  write without running it, checks each tensor's writes against prewarm's, the names
-  the loader reports, and that no storage moved, and only then writes the changed
-  elements. A loader that fails or strays mid-way leaves every parameter as it was.
-* **No staging for deferrable tensors.** Their scratch stays all zeros: the changed
-  elements go from the decoded records straight to storage (one scatter per record
-  instead of three: stage, write, reset).
-* **Scatter by shift.** A row-major source view copied into a row-major destination
-  view (fused QKV rows, a whole tensor, a TP row shard) maps canonical position ``p`` to
-  storage index ``p + shift``: the C kernel adds it, so no index array is built.
-* Tensors on other paths (converting, dense, a loader that reads parameters back) are
-  staged and loaded one call each, after the deferred set, as before.
+:class:`Applier` applies a set of payloads (bytes, or the verified
+:class:`~dcr.format.payload.Payload` a receiver holds) in place through the runtime's
+native loader, intercepting the loader's final copies into parameter storage
+(:mod:`dcr.apply.intercept`, :mod:`dcr.apply.geometry`) so only changed elements are
+touched. Prewarm records each tensor's writes and classifies it
+(:mod:`dcr.apply.profile`); an apply whose writes differ fails. Every item is checked
+against the canonical tensors before any stream is decompressed, then decoded under
+:attr:`Applier.limits`. Deferrable tensors go through one loader call with writes
+deferred until it is checked; the rest are staged one call each. Why, and the numbers:
+docs/apply.md, "How a set of payloads is applied" and "Where apply time goes".
 """
 
 from __future__ import annotations
