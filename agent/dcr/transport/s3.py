@@ -1,41 +1,13 @@
 """S3 and S3-compatible object storage behind the ``Store`` seam.
 
-Owners upload each payload once and receivers download it (docs/architecture.md), so this
-module is about moving tens of MiB per object reliably:
-
-* ``put`` sends one PUT below ``multipart_threshold`` and a multipart upload at or
-  above it, parts uploaded in parallel, each with a Content-MD5 the server checks; a
-  failed multipart upload is aborted so no parts linger.
-* Every object carries the BLAKE2b-128 hex digest of its bytes in the user metadata
-  ``dcr-blake2b`` (``x-amz-meta-dcr-blake2b``). ``get`` asks for the object's first
-  ``range_size`` bytes, whose answer also carries its size, ETag and digest (no HEAD: a
-  round trip saved per object, which over a WAN is most of a small object's cost),
-  fetches any rest with parallel ranged GETs, and checks the length of every piece and
-  the digest of the whole: corrupt bytes are never returned.
-  Servers may change the case of metadata keys (rclone does), so they are read
-  case-insensitively.
-* Retries are ours, not botocore's (its are set to one attempt, so what happens is
-  what this module says and the tests can count it): throttling (SlowDown, 429, 503),
-  other 5xx, refused or reset connections, timeouts and bodies cut short are retried
-  up to ``max_attempts`` tries with exponential backoff and full jitter; any other 4xx
-  fails at once. Failures are wrapped in ``StoreError`` (``ObjectNotFound`` for a
-  missing key) naming the store, key, HTTP status and S3 error code.
-* ``put_if_absent`` is a conditional PUT (``If-None-Match: *``) that returns False on
-  412. Not every server enforces it: ``rclone serve s3`` ignores the header and
-  overwrites (INFRA-NOTES), as it ignores ``If-Match``, which ``get`` sends so that an
-  object replaced between its first GET and the others fails instead of being mixed.
-
-Endpoint, region and credentials come from the standard AWS chain (``AWS_ENDPOINT_URL``,
-``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, profiles and
-config files); addressing is path-style, which every S3-compatible server on a
-host:port understands. Credentials never reach a message or a log line: errors carry
-only status, code and the server's message, and this module adds a filter to the
-botocore and urllib3 loggers that log requests, redacting credential scopes,
-signatures and session tokens from their DEBUG output.
-
-rclone serve s3 keeps user metadata in memory only: it is lost on a restart and
-forgotten for a file changed behind the server's back, and ``get`` then refuses the
-object (``require_digest``) rather than return bytes it cannot check.
+Owners upload each payload once and receivers download it, tens of MiB per object, so
+this module is about moving them reliably: multipart uploads with Content-MD5, a
+BLAKE2b-128 digest in each object's ``dcr-blake2b`` metadata checked on every ``get``
+(first range then parallel ranged GETs, no HEAD), retries of its own with backoff and
+jitter, ``put_if_absent`` as a conditional PUT, credentials from the AWS chain and
+redacted from botocore's logs. Failures are ``StoreError`` (``ObjectNotFound`` for a
+missing key). The choices, and what ``rclone serve s3`` does not enforce:
+docs/architecture.md, "The S3 store".
 """
 
 from __future__ import annotations
