@@ -1,40 +1,13 @@
 """The kopf handlers: what the operator does when RolloutFleets and WeightRefits change.
 
-RolloutFleet
-    ``create`` / ``resume`` / ``update``: write the initial commit record (if none) and
-    the receivers' status. One task of the operator (not a kopf timer per fleet) refreshes
-    ``status.receivers`` and the Ready, Progressing and Degraded conditions of every fleet
-    in the ``fleets`` index every ``fleet_status_seconds``.
-
-WeightRefit
-    A **daemon** per WeightRefit that is not Committed or Failed runs
-    :class:`~dcr_operator.refit.RefitRun` in a thread. A daemon, not a create handler,
-    because a refit takes minutes: kopf starts daemons for every matching object when
-    the operator starts (so a restarted operator, or a peer taking over, resumes every
-    unfinished refit), stops them when the object is deleted (so the finalizer never
-    waits behind a running refit), and retries them after ``kopf.TemporaryError``.
-    ``NotYet`` (waiting for a base version, receivers, a busy fleet, the API server)
-    becomes ``TemporaryError(delay=retry_seconds)``; every step is idempotent.
-    ``delete``: the finalizer stops the run, deletes unfinished encoder Jobs (owner
-    references collect the rest) and removes the refit's objects from the store.
-
-Finalizers, and why so few. kopf puts its finalizer (``dcr.dev/cleanup``) on every object
-a daemon or timer serves and on every object a non-optional ``delete`` handler matches,
-and only a running operator removes it: after ``helm uninstall`` (or with the operator's
-pod gone first when a namespace is deleted) such an object, and so its namespace, hangs
-in Terminating. So only a WeightRefit the operator still has work for carries it: one
-that is unfinished (the daemon; its run to stop) or that recorded attempts whose
-payloads the store may hold (``_has_cleanup``). A RolloutFleet never does, which is why
-its status is polled by an operator-wide task over a kopf index rather than a timer; a
-refit that ended with nothing in the store loses the finalizer. docs/operations.md says
-what to do before uninstalling.
-
-Credentials: a ServiceAccount token in a pod, else the kubeconfig (``$KUBECONFIG``),
-tried in that order by kopf's login and by the coordinator's synchronous client
-(:mod:`.kube`, through the ``kubernetes`` package's loaders).
-kopf keeps its own bookkeeping in ``dcr.dev/*`` annotations, never in status (the
-structural schemas would prune it), and posts only warnings as Events by itself; the
-operator's own Events name the refit's transitions.
+RolloutFleet ``create``/``resume``/``update`` write the initial commit record and the
+receivers' status; one operator-wide task (not a timer per fleet) refreshes every
+fleet's status. Each unfinished WeightRefit is a kopf daemon running
+:class:`~dcr_operator.refit.RefitRun` in a thread (``NotYet`` becomes
+``kopf.TemporaryError``); its ``delete`` finalizer stops the run, deletes unfinished
+encoder Jobs and removes the refit's objects from the store, and only refits the operator
+still has work for carry it. Why daemons, why so few finalizers, and kopf's bookkeeping:
+docs/operations.md, "Inside the operator"; before uninstalling: its "Uninstall".
 """
 
 from __future__ import annotations

@@ -1,39 +1,13 @@
 """A small synchronous Kubernetes API client for the coordinator's thread.
 
-kopf talks to the API server asynchronously from its event loop; the coordinator
-(:class:`dcr.protocol.coordinator.Coordinator`) is synchronous and runs in a thread, and
-its commit store, owner handles and progress recorder need plain blocking calls on REST
-paths, with JSON in and out. :class:`KubeClient` is that, on the official ``kubernetes``
-package.
-
-What the library does: finding the API server and the credentials (in a pod,
-``KUBERNETES_SERVICE_HOST``/``_PORT`` and the ServiceAccount's CA and token; else the
-kubeconfig at ``$KUBECONFIG``, with its client certificates, tokens and exec plugins),
-re-reading the ServiceAccount token once a minute has passed since it last did (so a
-token the kubelet rotated is in use within a minute), TLS, the Authorization header,
-connection pooling, quoting the query, and urllib3's retries of requests that never
-reached the server (a PATCH or POST is not resent after a read error, so a retry never
-applies a compare-and-set twice).
-
-What stays here, because the library lacks it:
-
-* JSON on a path. The typed APIs turn core objects into model classes (and
-  ``DynamicClient`` needs discovery calls first); the coordinator, its stores and the
-  tests work on plain dicts and on the paths :func:`api_path` builds, so
-  :meth:`KubeClient.request` sends through the library's ``ApiClient.call_api`` and
-  decodes the answer itself.
-* Our error tree. A refusal raises :class:`ApiError` (``NotFound`` for 404, ``Conflict``
-  for 409) carrying the server's message; no answer at all (or no credentials to ask
-  with) raises :class:`ApiUnreachable`, after which the fate of a write is unknown.
-* No redirects. urllib3 follows them by default (dropping the Authorization header only
-  when the host changes, and presenting the client certificate to wherever they lead);
-  no call here has a reason to be redirected, so the client follows none and a 3xx is an
-  :class:`ApiError`.
-* :func:`api_path` quotes each segment as the typed APIs quote path parameters, and also
-  refuses ``.`` and ``..``, which urllib3 would resolve as dot segments.
-
-Secrets: the token lives in the library's ``Configuration`` only; nothing here logs it or
-puts it in an exception message, and ``repr`` shows the server alone.
+kopf talks to the API server asynchronously; the coordinator
+(:class:`dcr.protocol.coordinator.Coordinator`) runs in a thread and needs blocking
+calls on REST paths, JSON in and out. :class:`KubeClient` is that, on the official
+``kubernetes`` package (which finds the server and credentials, pools and retries),
+plus what the library lacks: plain dicts on the paths :func:`api_path` builds, the
+error tree (:class:`ApiError`, ``NotFound``, ``Conflict``, :class:`ApiUnreachable`), and
+no redirects. The token lives in the library's ``Configuration`` only, in no log line,
+message or ``repr``. Why: docs/operations.md, "Inside the operator"; docs/security.md.
 """
 
 from __future__ import annotations
