@@ -21,7 +21,8 @@ pytest.importorskip("vllm", reason="vLLM does not import in this interpreter: th
 import torch
 import vllm_cpu
 
-from dcr.apply.applier import Applier, CanonicalTensor
+from dcr.apply.applier import Applier
+from dcr.apply.plan import CanonicalTensor
 from dcr.checkpoint import Checkpoint
 from dcr.format.payload import Mode
 from dcr.owner.diff import diff_checkpoints

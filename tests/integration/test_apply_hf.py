@@ -14,8 +14,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
-from dcr.apply.applier import Applier, CanonicalTensor, DuplicatePayload
+from dcr.apply.applier import Applier, DuplicatePayload
 from dcr.apply.intercept import LoaderPathError
+from dcr.apply.plan import CanonicalTensor
 from dcr.checkpoint import ArrayCheckpoint
 from dcr.format.payload import Mode
 from dcr.owner.diff import diff_checkpoints

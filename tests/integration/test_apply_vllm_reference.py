@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from dcr.apply.applier import Applier, CanonicalTensor, DuplicatePayload
+from dcr.apply.applier import Applier, DuplicatePayload
 from dcr.apply.intercept import LoaderPathError
+from dcr.apply.plan import CanonicalTensor
 from dcr.checkpoint import ArrayCheckpoint
 from dcr.errors import TargetMismatch
 from dcr.format.payload import Mode

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from dcr.apply.applier import CanonicalTensor
+from dcr.apply.plan import CanonicalTensor
 from dcr.checkpoint import ArrayCheckpoint
 from dcr.format.profile import ReceiverProfile, merge
 from dcr.owner.encoder import Encoder

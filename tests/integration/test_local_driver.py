@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dcr.apply.applier import CanonicalTensor
+from dcr.apply.plan import CanonicalTensor
 from dcr.checkpoint import Checkpoint
 from dcr.drivers import EngineError
 from dcr.format.manifest import Manifest

@@ -37,7 +37,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dcr.apply.applier import BITS, CanonicalTensor, Loader
+from dcr.apply.applier import BITS, Loader
+from dcr.apply.plan import CanonicalTensor
 from dcr.checkpoint import ArrayCheckpoint, Checkpoint
 from dcr.drivers import ApplyOutcome, EngineError
 from dcr.drivers.base import staged_name

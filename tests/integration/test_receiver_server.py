@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from dcr.apply.applier import CanonicalTensor
+from dcr.apply.plan import CanonicalTensor
 from dcr.protocol.agent_api import AgentStatus, AttemptSpec
 from dcr.protocol.records import Attempt, Transition
 from dcr.receiver.server import make_app

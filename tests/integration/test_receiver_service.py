@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dcr.apply.applier import CanonicalTensor
+from dcr.apply.plan import CanonicalTensor
 from dcr.checkpoint import ArrayCheckpoint
 from dcr.drivers.base import PauseMode
 from dcr.format.manifest import Manifest

@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 from transformers import LlamaConfig
 
-from dcr.apply.applier import CanonicalTensor
+from dcr.apply.plan import CanonicalTensor
 from dcr.checkpoint import Checkpoint
 from dcr.drivers import EngineError, VllmDriver
 from dcr.errors import ConfigError

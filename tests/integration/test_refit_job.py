@@ -31,7 +31,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dcr.apply.applier import CanonicalTensor
+from dcr.apply.plan import CanonicalTensor
 from dcr.format.profile import ReceiverProfile, merge
 from dcr.owner.warm import WarmOwner
 from dcr.protocol.commitstore import SqliteCommitStore

@@ -665,7 +665,7 @@ def test_refit_through_s3_survives_5xx_slow_truncated_and_corrupted_objects_bit_
     and one payload of the first attempt is corrupted on the server's disk. That
     attempt fails naming the digest mismatch; the overwrite retry commits; every
     receiver ends with the bits of a dense load, and the owner advanced once."""
-    from dcr.apply.applier import CanonicalTensor
+    from dcr.apply.plan import CanonicalTensor
     from dcr.checkpoint import ArrayCheckpoint
     from dcr.owner.encoder import Encoder
     from dcr.protocol.commitstore import SqliteCommitStore

@@ -36,7 +36,7 @@ import torch
 from aiohttp import web
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dcr.apply.applier import CanonicalTensor
+from dcr.apply.plan import CanonicalTensor
 from dcr.checkpoint import Checkpoint
 from dcr.drivers import EngineError, SglangDriver
 from dcr.drivers.sglang import LOADER, PICKLE_GLOBALS, call_pickle, result_name

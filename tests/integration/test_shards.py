@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from dcr.apply.applier import CanonicalTensor
+from dcr.apply.plan import CanonicalTensor
 from dcr.errors import BaselineError, ConfigError
 from dcr.format.profile import ReceiverProfile, merge
 from dcr.owner.shards import ShardEncoder, ShardMap

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from dcr.apply.applier import Applier, CanonicalTensor
+from dcr.apply.applier import Applier
+from dcr.apply.plan import CanonicalTensor
 from dcr.errors import DcrError, LimitExceeded, TargetMismatch
 from dcr.format.payload import DecodeLimits, ItemHeader, Payload, pack_payload, read_payload
 

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from dcr.apply.applier import Applier, CanonicalTensor
+from dcr.apply.applier import Applier
 from dcr.apply.intercept import LoaderPathError
+from dcr.apply.plan import CanonicalTensor
 from dcr.checkpoint import ArrayCheckpoint
 from dcr.format.profile import ReceiverProfile
 from dcr.owner.diff import diff_checkpoints

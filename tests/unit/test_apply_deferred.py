@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from dcr.apply.applier import Applier, ApplyReport, CanonicalTensor, DuplicatePayload
+from dcr.apply.applier import Applier, ApplyReport, DuplicatePayload
 from dcr.apply.intercept import LoaderPathError
+from dcr.apply.plan import CanonicalTensor
 from dcr.checkpoint import ArrayCheckpoint
 from dcr.format.names import Mode
 from dcr.format.profile import ReceiverProfile

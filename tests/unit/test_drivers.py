@@ -28,7 +28,7 @@ import pytest
 import torch
 from aiohttp import web
 
-from dcr.apply.applier import CanonicalTensor
+from dcr.apply.plan import CanonicalTensor
 from dcr.drivers import BadAnswer, EngineError, SglangDriver, VllmDriver
 from dcr.drivers.sglang import LOADER, PICKLE_GLOBALS, call_pickle, result_name
 from dcr.errors import ConfigError

@@ -25,14 +25,22 @@ import numpy.typing as npt
 import torch
 
 from dcr.apply.geometry import (
-    UnsupportedView,
     View,
-    check_invertible,
     is_rowmajor,
     locate,
     storage_index,
 )
 from dcr.apply.intercept import LoaderPathError, WriteInterceptor, storage_key
+from dcr.apply.plan import (
+    FLOATS,
+    CanonicalTensor,
+    CopySig,
+    TensorPlan,
+    check_overlaps,
+    classify,
+    covers,
+    signature,
+)
 from dcr.checkpoint import fingerprint
 from dcr.codec import _native  # type: ignore[attr-defined]
 from dcr.codec.decode import DecodedItem, decode
@@ -47,7 +55,7 @@ from dcr.format.payload import (
     check_limits,
     read_payload,
 )
-from dcr.format.profile import ReceiverProfile, TensorClass
+from dcr.format.profile import ReceiverProfile
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -57,7 +65,6 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
 }
 BITS: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-FLOATS = {"F64", "F32", "F16", "BF16"}  # dtypes whose NaN can mark "no value here"
 
 
 class Loader(Protocol):
@@ -78,49 +85,6 @@ class DuplicatePayload(DcrError):
 
 class PayloadConflict(DcrError):
     """A payload id was applied before with different bytes."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class CanonicalTensor:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        n = DTYPES[self.dtype].itemsize
-        for d in self.shape:
-            n *= d
-        return n
-
-
-@dataclass(frozen=True, kw_only=True)
-class CopySig:
-    """One intercepted write, as geometry: where it lands and what it reads."""
-
-    storage: str
-    dst: View
-    src: View | None  # the scratch view it copies, or None for a converted source
-    dst_dtype: str
-    src_dtype: str  # "fill" for a constant fill
-
-    @property
-    def is_fill(self) -> bool:
-        return self.src_dtype == "fill"
-
-    @property
-    def mapped(self) -> bool:
-        """A same-dtype copy of a scratch view: positions map one to one."""
-        return self.src is not None and self.src_dtype == self.dst_dtype
-
-
-@dataclass(frozen=True, kw_only=True)
-class TensorPlan:
-    cls: TensorClass
-    writes: tuple[CopySig, ...]
-    # every write a mapped copy or a fill, and the load reads no parameter storage:
-    # its writes can wait until the whole set's loader call has been checked
-    deferrable: bool = False
 
 
 @dataclass(kw_only=True)
@@ -209,14 +173,14 @@ class Applier:
         for t in self.tensors.values():
             plan = self._record(t)
             self.plans[t.name] = plan
-            if plan.cls == "xor" and _covers(t, plan.writes):
+            if plan.cls == "xor" and covers(t, plan.writes):
                 self.readable.add(t.name)
             for w in plan.writes:
                 touched[w.storage].append((t.name, w.dst))
                 names = self._writers.setdefault((w.storage, w.dst), [])
                 if t.name not in names:
                     names.append(t.name)
-        self._check_overlaps(touched)
+        check_overlaps(dict(self.runtime.named_tensors()), touched)
         return ReceiverProfile(tensors={n: p.cls for n, p in sorted(self.plans.items())})
 
     def _scratch_for(self, t: CanonicalTensor) -> torch.Tensor:
@@ -234,7 +198,7 @@ class Applier:
         def record(storage: str, dst: torch.Tensor, src: torch.Tensor | None,
                    run: Callable[[], object]) -> None:
             nonlocal converting_ok
-            sig = self._signature(storage, dst, src, scratch.dtype)
+            sig = signature(storage, dst, src, scratch.dtype, self._scratch_key)
             sigs.append(sig)
             if src is not None and sig.src is None and src.is_floating_point():
                 nan = torch.isnan(src)
@@ -251,70 +215,10 @@ class Applier:
                     "write into parameter storage was intercepted: it bypasses the hook."
                 )
             return TensorPlan(cls="skip", writes=())
-        cls = self._classify(t, sigs, converting_ok)
+        cls = classify(t, sigs, converting_ok)
         deferrable = (cls in ("xor", "overwrite") and not mode.reads
                       and all(w.mapped or w.is_fill for w in sigs))
         return TensorPlan(cls=cls, writes=tuple(sigs), deferrable=deferrable)
-
-    def _classify(self, t: CanonicalTensor, sigs: list[CopySig], converting_ok: bool
-                  ) -> TensorClass:
-        copies = [s for s in sigs if not s.is_fill]
-        fills = [s.dst for s in sigs if s.is_fill]
-        if fills and _overlap([s.dst for s in copies], fills, by=sigs, within=False):
-            return "dense"  # a constant fill under a copy: only a whole load reproduces it
-        mapped = all(s.mapped for s in copies)
-        if mapped and not _overlap([s.dst for s in copies], [], by=copies):
-            return "xor"
-        if mapped:
-            return "overwrite"
-        return "overwrite" if t.dtype in FLOATS and converting_ok else "dense"
-
-    def _signature(self, storage: str, dst: torch.Tensor, src: torch.Tensor | None,
-                   dtype: torch.dtype) -> CopySig:
-        """What a write does, as geometry; ``dtype`` is the canonical tensor's (a source
-        sharing the scratch in that dtype is a view of it). Called once per write, so it
-        reads metadata only and makes no tensor."""
-        if src is None:
-            return CopySig(storage=storage, dst=View.of(dst), src=None,
-                           dst_dtype=str(dst.dtype), src_dtype="fill")
-        shares = storage_key(src) == self._scratch_key
-        if tuple(src.shape) != tuple(dst.shape):
-            raise LoaderPathError(
-                f"The loader copies a {list(src.shape)} source into a {list(dst.shape)} "
-                f"view of {storage!r}; broadcasting copies are not supported."
-            )
-        src_view = View.of(src) if shares and src.dtype == dtype else None
-        try:
-            if src_view is not None:
-                check_invertible(src_view)
-                check_invertible(View.of(dst))
-        except UnsupportedView:
-            src_view = None
-        return CopySig(storage=storage, dst=View.of(dst), src=src_view,
-                       dst_dtype=str(dst.dtype), src_dtype=str(src.dtype))
-
-    def _check_overlaps(self, touched: dict[str, list[tuple[str, View]]]) -> None:
-        """Two canonical tensors writing the same bytes cannot be refit by parts."""
-        tensors = dict(self.runtime.named_tensors())
-        for storage, writes in touched.items():
-            names = sorted({name for name, _ in writes})
-            if len(names) < 2:
-                continue
-            if len(names) > torch.iinfo(torch.int16).max:
-                raise LoaderPathError(f"{len(names)} canonical tensors write {storage!r}.")
-            base = tensors[storage]
-            size = base.untyped_storage().nbytes() // base.element_size()
-            owner = torch.full((size,), -1, dtype=torch.int16, device=base.device)
-            for name, v in writes:
-                me = names.index(name)
-                region = owner.as_strided(v.sizes, v.strides, v.offset)
-                others = region[(region >= 0) & (region != me)]
-                if others.numel():
-                    raise LoaderPathError(
-                        f"Canonical tensors {name!r} and {names[int(others[0])]!r} both write "
-                        f"{storage!r}; a refit by parts cannot reproduce a dense load."
-                    )
-                region.fill_(me)
 
     # --- apply ---------------------------------------------------------------------
 
@@ -421,7 +325,8 @@ class Applier:
             # aside): the tensor whose next planned write this is, else the first.
             chosen: tuple[str, CopySig] | None = None
             for n in owners:
-                sig = self._signature(storage, dst, src, TORCH_DTYPES[self.tensors[n].dtype])
+                sig = signature(storage, dst, src, TORCH_DTYPES[self.tensors[n].dtype],
+                                self._scratch_key)
                 chosen = chosen or (n, sig)
                 plan, k = self.plans[n].writes, len(observed[n])
                 if k < len(plan) and sig == plan[k]:
@@ -542,7 +447,7 @@ class Applier:
                   run: Callable[[], object]) -> None:
             nonlocal spent
             t1 = time.perf_counter()
-            observed.append(self._signature(storage, dst, src, scratch.dtype))
+            observed.append(signature(storage, dst, src, scratch.dtype, self._scratch_key))
             sig = observed[-1]
             if src is None or plan.cls == "dense":
                 run()  # a constant fill, or a whole-tensor path: as the loader meant it
@@ -662,21 +567,6 @@ class Applier:
         return {name: fp for name, fp in held.items() if fp != targets[name]}
 
 
-def _covers(t: CanonicalTensor, writes: Sequence[CopySig]) -> bool:
-    """Whether the writes' source views cover every element of the canonical tensor (a
-    rank that holds only a shard of it cannot recompute the tensor's fingerprint)."""
-    numel = t.nbytes // DTYPES[t.dtype].itemsize
-    views = [w.src for w in writes if w.src is not None]
-    if any(v.offset == 0 and v.numel == numel and is_rowmajor(v) for v in views):
-        return True
-    if sum(v.numel for v in views) < numel:
-        return False
-    seen = torch.zeros(numel, dtype=torch.bool)
-    for v in views:
-        seen.as_strided(v.sizes, v.strides, v.offset).fill_(True)
-    return bool(seen.all())
-
-
 def _put(bits: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, *, xor: bool) -> None:
     """``bits[idx] = values`` (or ``^=``); on CPU through the codec's bounds-checked kernel."""
     if bits.device.type == "cpu":
@@ -686,33 +576,3 @@ def _put(bits: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, *, xor: bo
         bits[idx] = bits[idx] ^ values
     else:
         bits[idx] = values
-
-
-def _overlap(views: list[View], others: list[View], *, by: Sequence[CopySig],
-             within: bool = True) -> bool:
-    """Whether one of ``views`` shares an element with ``others`` or (``within``) with
-    another of ``views``. Views are compared per storage (``by`` gives their storages).
-    """
-    storage_of = {id(s.dst): s.storage for s in by}
-    groups: dict[str, tuple[list[View], list[View]]] = defaultdict(lambda: ([], []))
-    for v in views:
-        groups[storage_of[id(v)]][0].append(v)
-    for v in others:
-        groups[storage_of[id(v)]][1].append(v)
-    for mine, theirs in groups.values():
-        if not mine or len(mine) + len(theirs) < 2:
-            continue
-        seen = torch.zeros(max(1, *(_extent(v) for v in mine + theirs)), dtype=torch.bool)
-        for v in mine:
-            region = seen.as_strided(v.sizes, v.strides, v.offset)
-            if within and bool(region.any()):
-                return True
-            region.fill_(True)
-        for v in theirs:
-            if bool(seen.as_strided(v.sizes, v.strides, v.offset).any()):
-                return True
-    return False
-
-
-def _extent(v: View) -> int:
-    return v.offset + sum((n - 1) * st for n, st in zip(v.sizes, v.strides, strict=True)) + 1

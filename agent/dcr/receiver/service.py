@@ -37,9 +37,10 @@ from dcr.protocol.agent_api import (
 )
 from dcr.protocol.records import Attempt
 from dcr.protocol.state import FINAL, AttemptState, advance
-from dcr.receiver.journal import Journal, JournalEntry
+from dcr.receiver.journal import Journal
 from dcr.receiver.settings import AgentSettings
 from dcr.receiver.staging import StagingDir
+from dcr.receiver.weights import Weights, short
 from dcr.transport.receive import ForeignPayload, ReceiveStopped, Source, receive
 
 log = logging.getLogger(__name__)
@@ -99,10 +100,6 @@ class _Run:
 SourceFor = Callable[[AttemptSpec], Source]
 
 
-def _short(instance: str | None) -> str:
-    return "none" if instance is None else instance[:12]
-
-
 class AgentService:
     """A ``ReceiverHandle`` in process; the HTTP server serves its methods, one per row
     of :class:`~dcr.protocol.agent_api.AgentApi`, under the same names."""
@@ -134,34 +131,16 @@ class AgentService:
         self._engine_lock = threading.Lock()  # orders instance reads and prewarms
         self._run: _Run | None = None
         self._obsolete: set[str] = set()
-        self.version: int | None = version
-        self.dirty: tuple[int, int] | None = None
-        self.unknown: str | None = None
-        self.instance: str | None = None  # the engine instance ``version`` holds under
+        self.weights = Weights(name, version, journal, AgentConflict)
         self._prewarmed: tuple[str, ReceiverProfile] | None = None  # instance, profile
         self._prewarming = False
-        self._gate_open = True  # the engine serves until the agent first pauses it
+        # The engine serves until the agent first pauses it; after a restart with unsettled
+        # writes it may still be paused, and a dense load opens it.
+        self._gate_open = not self.weights.restarted_unsettled
         self._drained = False  # the gate closed and no request in flight since (apply needs it)
         self._gate_opens = 0  # counts openings: a drain counts only if none came between
         self._loading: int | None = None  # the version a dense load is restoring
-        self._known: tuple[int, dict[str, str]] | None = None  # a version's target fingerprints
         self.waits = 0  # waits in progress (metrics)
-        last = journal.load() if journal else None
-        if last is not None:
-            self.instance = last.instance
-        if last is not None and (last.dirty is not None or last.state in ("applying", "flushed")
-                                 or last.version is None):
-            # Unknown stays unknown across restarts (the journal says version None) until
-            # a dense load settles it.
-            self.version = None
-            self.unknown = (f"restarted while attempt {last.attempt} was {last.state} with "
-                            f"writes of {last.dirty} unsettled" if last.version is not None
-                            or last.dirty is not None else
-                            "restarted while the version was unknown")
-            self._gate_open = False  # the engine may still be paused; a dense load opens it
-            log.warning("%s: %s; a dense refit must restore a version", name, self.unknown)
-        elif last is not None:
-            self.version = last.version
         removed = self.staging.clear()
         if removed:
             log.info("%s: removed %d staged files an earlier run left", name, removed)
@@ -170,14 +149,8 @@ class AgentService:
     # --- state ---------------------------------------------------------------------
 
     def _journal(self) -> None:
-        if self.journal is None:
-            return
         run = self._run
-        self.journal.save(JournalEntry(
-            version=self.version, dirty=self.dirty,
-            attempt=run.spec.attempt if run else None,
-            state=run.state.value if run else None, instance=self.instance,
-        ))
+        self.weights.save(run.spec.attempt if run else None, run.state.value if run else None)
 
     def _move(self, run: _Run, to: AttemptState) -> None:
         run.state = advance(run.spec.attempt, run.state, to)
@@ -219,8 +192,8 @@ class AgentService:
         with self._cond:
             run = self._run
             return AgentStatus(
-                name=self.name, version=None if self.dirty else self.version, dirty=self.dirty,
-                unknown=self.unknown, attempt=run.spec.attempt if run else None,
+                name=self.name, version=self.weights.held, dirty=self.weights.dirty,
+                unknown=self.weights.unknown, attempt=run.spec.attempt if run else None,
                 state=run.state.value if run else None, error=run.error if run else None,
                 gate_open=self._gate_open,
                 payloads_staged=len(run.staged) if run else 0,
@@ -253,27 +226,20 @@ class AgentService:
                     self._prewarming = False
             with self._cond:
                 self._prewarmed = (instance, profile)
-            log.info("%s: engine %s prewarmed (%d tensors)", self.name, _short(instance),
+            log.info("%s: engine %s prewarmed (%d tensors)", self.name, short(instance),
                      len(profile.tensors))
             return instance
 
     def _seen(self, instance: str) -> None:
-        """The engine answered ``instance``; hold the lock. A first id is adopted: the
-        engine holds what the agent was started at. Another id means the engine restarted:
-        its weights are unknown, and an attempt in progress fails."""
-        if instance == self.instance:
+        """The engine answered ``instance``; hold the lock. Another id than before means
+        the engine restarted: its weights are unknown, and an attempt in progress fails."""
+        if instance == self.weights.instance:
             return
-        old, self.instance = self.instance, instance
-        if old is not None:
-            self.version, self.dirty = None, None
-            self.unknown = (f"the engine restarted (instance {_short(old)} -> "
-                            f"{_short(instance)}): its weights are what it loaded at start")
+        if self.weights.seen(instance) is not None:
             run = self._run
             if run is not None and run.state not in FINAL and run.error is None:
                 run.error = (f"{self.name}: attempt {run.spec.attempt}: the engine "
                              "restarted during the attempt.")
-            log.warning("%s: %s; a dense refit must restore a version", self.name,
-                        self.unknown)
             self._cond.notify_all()
         self._journal()
 
@@ -287,10 +253,10 @@ class AgentService:
     def _resume(self) -> None:
         with self._gate_lock:
             with self._cond:  # under the lock: open_apply cannot start writes meanwhile
-                if self.dirty is not None or self.unknown is not None:
+                w = self.weights
+                if not w.servable:
                     raise AgentConflict(f"{self.name}: will not serve weights that hold no "
-                                        f"version (dirty {self.dirty}, unknown "
-                                        f"{self.unknown}).")
+                                        f"version (dirty {w.dirty}, unknown {w.unknown}).")
                 run = self._run
                 if run is not None and run.state not in FINAL and run.apply_open.is_set():
                     raise AgentConflict(f"{self.name}: attempt {run.spec.attempt} is "
@@ -360,20 +326,8 @@ class AgentService:
             if spec.attempt in self._obsolete:
                 raise AgentConflict(f"{self.name}: attempt {spec.attempt} is obsolete.")
             self._not_loading("a new attempt")
-            transition = (spec.base_version, spec.target_version)
-            if self.unknown is not None:
-                raise AgentConflict(f"{self.name}: version unknown ({self.unknown}); a dense "
-                                    "refit must restore the committed version first.")
-            if self.dirty is not None and (self.dirty != transition or spec.mode != "overwrite"):
-                raise AgentConflict(
-                    f"{self.name}: weights hold a mix of {self.dirty[0]} and {self.dirty[1]}; "
-                    f"only an overwrite attempt of {self.dirty[0]} -> {self.dirty[1]} or a "
-                    f"dense refit can repair them, not {spec.mode} {transition}."
-                )
-            if self.dirty is None and self.version != spec.base_version:
-                raise AgentConflict(f"{self.name}: holds version {self.version}; attempt "
-                                    f"{spec.attempt} is for base {spec.base_version}.")
-            if self.instance != instance:  # it restarted again since attach read it
+            self.weights.admit(spec)
+            if self.weights.instance != instance:  # it restarted again since attach read it
                 raise AgentConflict(f"{self.name}: the engine restarted while attempt "
                                     f"{spec.attempt} was being prepared.")
             run = _Run(spec=spec, instance=instance)
@@ -420,7 +374,7 @@ class AgentService:
             if not run.apply_open.is_set():
                 if run.state in (S.STREAMING, S.STAGED):  # the gate closed before prepare
                     self._move(run, S.GATE_CLOSED)
-                self.dirty = (run.spec.base_version, run.spec.target_version)
+                self.weights.writing(run.spec)
                 self._move(run, S.APPLYING)  # journaled dirty before the first write
                 run.apply_open.set()
                 self._start(run, self._apply, "apply")
@@ -470,11 +424,11 @@ class AgentService:
             if run.state is not S.FLUSHED:
                 raise AgentConflict(f"{self.name}: attempt {attempt} is "
                                     f"{run.state.value}, not flushed; it cannot be committed.")
-            self.version, self.dirty = run.spec.target_version, None
-            if run.manifest is not None and run.manifest.tensors:  # checks later dense loads
-                self._known = (self.version, {t.name: t.target for t in run.manifest.tensors})
+            version = run.spec.target_version
+            manifest = run.manifest  # its targets check later dense loads of ``version``
+            self.weights.committed(version, {t.name: t.target for t in manifest.tensors}
+                                   if manifest is not None else {})
             self._move(run, S.COMMITTED)
-            version = self.version
         self.staging.clear(attempt)
         now = self._instance_now()  # a restart since the flush: the label must not lie
         with self._cond:
@@ -531,8 +485,7 @@ class AgentService:
             self._between_attempts("a dense refit")
             self._not_loading("another dense refit")
             self._loading, was_open = version, self._gate_open
-        known = self._known
-        expect = known[1] if known is not None and known[0] == version else None
+        expect = self.weights.expected(version)
         try:
             self._pause()
             self.engine.check_dense(relative, expect)
@@ -548,7 +501,7 @@ class AgentService:
             raise
         try:
             with self._cond:
-                self.version, self.dirty, self.unknown = None, None, f"dense load of {version}"
+                self.weights.loading(version)
                 self._journal()
             self.engine.load_dense(relative, expect)
             self.engine.sync()
@@ -563,7 +516,7 @@ class AgentService:
                 if now != instance:
                     raise AgentConflict(f"{self.name}: the engine restarted during the dense "
                                         f"load of version {version}.")
-                self.version, self.unknown = version, None
+                self.weights.loaded(version)
                 self.counters.dense_loads += 1
                 self._journal()
         finally:
@@ -624,13 +577,11 @@ class AgentService:
                 if run.error is None and not run.stop.is_set():
                     run.error = f"{self.name}: attempt {run.spec.attempt}: {e}"
                     log.warning("%s", run.error)
-                if isinstance(e, ForeignPayload | FingerprintMismatch) and self.dirty:
-                    # Bits no manifest vouches for may be in the weights, or ones that differ
-                    # from its targets: an overwrite of the changed set would not repair them.
-                    self.version, self.dirty = None, None
-                    self.unknown = (f"attempt {run.spec.attempt} found {type(e).__name__} "
-                                    "after writing; a dense load must restore a version")
-                    log.warning("%s: %s", self.name, self.unknown)
+                # Bits no manifest vouches for may be in the weights, or ones that differ
+                # from its targets: an overwrite of the changed set would not repair them.
+                if isinstance(e, ForeignPayload | FingerprintMismatch) and self.weights.foreign(
+                        f"attempt {run.spec.attempt} found {type(e).__name__} after writing; "
+                        "a dense load must restore a version"):
                     self._journal()
                 if instance is not None:
                     self._seen(instance)
@@ -730,7 +681,7 @@ class AgentService:
             with self._cond:
                 self._seen(instance)
             raise AttemptFailed(f"the engine restarted during the attempt (instance "
-                                f"{_short(run.instance)} -> {_short(instance)}).")
+                                f"{short(run.instance)} -> {short(instance)}).")
         with self._cond:
             run.checked = True
             self._cond.notify_all()

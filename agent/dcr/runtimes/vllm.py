@@ -36,8 +36,9 @@ from pydantic import (
     ValidationError,
 )
 
-from dcr.apply.applier import Applier, CanonicalTensor, Loader
+from dcr.apply.applier import Applier, Loader
 from dcr.apply.intercept import LoaderPathError, storage_key
+from dcr.apply.plan import CanonicalTensor
 from dcr.checkpoint import Checkpoint
 from dcr.drivers.base import check_checkpoint_path, check_staged_name
 from dcr.errors import CheckpointError, ConfigError, first_validation_error
