@@ -212,7 +212,6 @@ def fleet_manifests(c: Cluster, warm_url: str | None = None) -> list[dict[str, A
     token_secret, fleet = _load(EXAMPLES / "rolloutfleet.yaml")
     token_secret["stringData"]["token"] = c.agent_token
     spec = fleet["spec"]
-    spec["runtime"] = "hf"
     spec["store"].update(endpoint=c.s3.endpoint, region=c.s3.region)
     spec["commitPolicy"]["attemptTimeoutSeconds"] = 180
     (warm,) = [p for p in spec["encoderProfiles"] if "endpoint" in p]
