@@ -25,7 +25,7 @@ def spec(base: int, target: int, mode: str = "mixed") -> AttemptSpec:
 
 def test_a_new_agent_holds_the_version_it_was_started_at() -> None:
     w = Weights("a", 3, None, Refused)
-    assert (w.held, w.servable, w.restarted_unsettled) == (3, True, False)
+    assert (w.held, w.servable) == (3, True)
     w.admit(spec(3, 4))
     with pytest.raises(Refused, match=r"holds version 3; attempt .* is for base 2"):
         w.admit(spec(2, 3))
@@ -48,7 +48,7 @@ def test_a_restart_with_unsettled_writes_leaves_the_version_unknown(tmp_path: Pa
     w.writing(spec(3, 4))
     w.save("a-1", "applying")
     again = Weights("a", 3, journal, Refused)
-    assert (again.held, again.servable, again.restarted_unsettled) == (None, False, True)
+    assert (again.held, again.dirty, again.servable) == (None, None, False)
     assert again.instance == "engine-1"
     with pytest.raises(Refused, match=r"version unknown .*restarted while attempt a-1"):
         again.admit(spec(3, 4, "overwrite"))

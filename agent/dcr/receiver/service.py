@@ -120,7 +120,6 @@ class AgentService:
         self.source_for = source_for
         self.canonical = list(canonical)
         self.staging = StagingDir(staging_dir)
-        self.journal = journal
         self.staging_bytes = staging_bytes
         self.checkpoint_root = checkpoint_root.resolve() if checkpoint_root else None
         self.max_wait_s = max_wait_s
@@ -136,7 +135,7 @@ class AgentService:
         self._prewarming = False
         # The engine serves until the agent first pauses it; after a restart with unsettled
         # writes it may still be paused, and a dense load opens it.
-        self._gate_open = not self.weights.restarted_unsettled
+        self._gate_open = self.weights.unknown is None
         self._drained = False  # the gate closed and no request in flight since (apply needs it)
         self._gate_opens = 0  # counts openings: a drain counts only if none came between
         self._loading: int | None = None  # the version a dense load is restoring

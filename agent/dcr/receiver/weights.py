@@ -36,7 +36,6 @@ class Weights:
         self.unknown: str | None = None  # why no version is known, if none is
         self.instance: str | None = None  # the engine instance ``version`` holds under
         self._known: tuple[int, dict[str, str]] | None = None  # a version's targets
-        self.restarted_unsettled = False  # the journal said writes may be unsettled
         last = journal.load() if journal else None
         if last is None:
             return
@@ -49,7 +48,6 @@ class Weights:
                             f"writes of {last.dirty} unsettled" if last.version is not None
                             or last.dirty is not None else
                             "restarted while the version was unknown")
-            self.restarted_unsettled = True
             log.warning("%s: %s; a dense refit must restore a version", name, self.unknown)
         else:
             self.version = last.version
