@@ -52,9 +52,9 @@ Hierarchy::
     │                          ``status`` is the HTTP status it answers
     ├── ReceiveStopped         (transport.receive) the receiver was told to stop
     ├── AgentConflict          (receiver.service) a call does not fit the agent's state
-    ├── AttemptFailed          (receiver.service) the current attempt failed on this agent
+    ├── AttemptFailed          (receiver.attempt) the current attempt failed on this agent
     ├── JournalError           (receiver.journal) the agent's journal is unreadable
-    ├── FingerprintMismatch    (receiver.service) after apply, a tensor's bits differ from
+    ├── FingerprintMismatch    (receiver.attempt) after apply, a tensor's bits differ from
     │                          the target fingerprint its manifest lists
     ├── BadPublish             (owner.server) a warm encoder refuses what a publish names (400)
     ├── PublishConflict        (owner.server) that owner of that attempt publishes already,

@@ -1,15 +1,13 @@
-"""The agent's protocol logic, one attempt at a time, over an engine it drives.
+"""The agent's protocol calls, one attempt at a time, over an engine it drives.
 
 The agent holds no model: it drives a serving engine through the
 :class:`~dcr.drivers.base.Driver` seam (vLLM, SGLang or ``dcr serve`` over HTTP; a
 :class:`~dcr.serve.local.LocalDriver` in process) and shares a staging directory with it.
-``prepare`` starts a receive thread that stages verified, manifest-listed payloads as
-files; ``open_apply`` (gate closed and drained) starts an apply thread that has the
-engine apply them in the attempt's order; ``flush`` waits for every listed payload and
-the fingerprint check; ``committed`` advances the journaled version. The state lock is
-never held across an engine call. docs/protocol.md argues the design: the life of an
-attempt, what the weights hold (``version``, ``dirty``, ``unknown``, the engine's
-instance id), what is checked before and after apply, and how racing calls are ordered.
+``prepare`` starts an attempt's :class:`~dcr.receiver.attempt.Run` (its receive thread
+stages payloads); ``open_apply`` (gate closed and drained) lets it apply them; ``flush``
+waits for every listed payload and the fingerprint check; ``committed`` advances the
+version :class:`~dcr.receiver.weights.Weights` journals. The state lock is never held
+across an engine call. docs/protocol.md argues the design.
 """
 
 from __future__ import annotations
@@ -18,15 +16,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dcr.drivers.base import Driver, PauseMode, TensorSpec, merge_fingerprints
 from dcr.drivers.errors import EngineError
 from dcr.errors import DcrError
-from dcr.format.manifest import Manifest
-from dcr.format.payload import Payload
 from dcr.format.profile import ReceiverProfile
 from dcr.protocol.agent_api import (
     AgentStatus,
@@ -37,11 +32,15 @@ from dcr.protocol.agent_api import (
 )
 from dcr.protocol.records import Attempt
 from dcr.protocol.state import FINAL, AttemptState, advance
+from dcr.receiver.attempt import AttemptFailed, Counters, FingerprintMismatch, Run
 from dcr.receiver.journal import Journal
 from dcr.receiver.settings import AgentSettings
 from dcr.receiver.staging import StagingDir
 from dcr.receiver.weights import Weights, short
-from dcr.transport.receive import ForeignPayload, ReceiveStopped, Source, receive
+from dcr.transport.receive import ForeignPayload, Source
+
+__all__ = ["AgentConflict", "AgentService", "AttemptFailed", "Counters",
+           "FingerprintMismatch", "SourceFor"]
 
 log = logging.getLogger(__name__)
 S = AttemptState
@@ -49,52 +48,6 @@ S = AttemptState
 
 class AgentConflict(DcrError):
     """The call does not fit the agent's state (wrong attempt, version or gate)."""
-
-
-class AttemptFailed(DcrError):
-    """The current attempt failed on this agent; the cause is in the message."""
-
-
-class FingerprintMismatch(DcrError):
-    """After an attempt's payloads were applied, a tensor's bits differ from the target
-    fingerprint its manifest lists."""
-
-
-@dataclass(kw_only=True)
-class Counters:
-    """What ``/metrics`` exports (monotonic counts and seconds)."""
-
-    payloads_applied: int = 0
-    payload_bytes_applied: int = 0
-    apply_seconds: float = 0.0
-    attempts: dict[str, int] = field(default_factory=dict)  # by final outcome
-    dense_loads: int = 0
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Staged:
-    name: str  # the file in the staging directory
-    size: int  # bytes, as the manifest lists them
-
-
-@dataclass(eq=False, kw_only=True)
-class _Run:
-    spec: AttemptSpec
-    instance: str  # the engine instance the attempt writes to
-    state: AttemptState = S.PREPARED
-    stop: threading.Event = field(default_factory=threading.Event)
-    apply_open: threading.Event = field(default_factory=threading.Event)
-    staged: list[_Staged | None] = field(default_factory=list)  # verified, as files
-    staged_bytes: int = 0  # staged, not yet applied
-    received: bool = False  # the manifest closed the attempt: nothing more will be staged
-    manifest: Manifest | None = None
-    applied: int = 0
-    applied_bytes: int = 0
-    apply_s: float = 0.0
-    touched: set[str] = field(default_factory=set)  # canonical tensors the payloads wrote
-    checked: bool = False  # all applied, the engine synchronized, fingerprints compared
-    error: str | None = None
-    threads: list[threading.Thread] = field(default_factory=list)
 
 
 SourceFor = Callable[[AttemptSpec], Source]
@@ -128,7 +81,7 @@ class AgentService:
         self._cond = threading.Condition()
         self._gate_lock = threading.Lock()  # orders pause and resume calls to the engine
         self._engine_lock = threading.Lock()  # orders instance reads and prewarms
-        self._run: _Run | None = None
+        self._run: Run | None = None
         self._obsolete: set[str] = set()
         self.weights = Weights(name, version, journal, AgentConflict)
         self._prewarmed: tuple[str, ReceiverProfile] | None = None  # instance, profile
@@ -151,7 +104,7 @@ class AgentService:
         run = self._run
         self.weights.save(run.spec.attempt if run else None, run.state.value if run else None)
 
-    def _move(self, run: _Run, to: AttemptState) -> None:
+    def move(self, run: Run, to: AttemptState) -> None:
         run.state = advance(run.spec.attempt, run.state, to)
         if to in FINAL:
             outcome = to.value
@@ -159,7 +112,7 @@ class AgentService:
         self._journal()
         log.info("%s: attempt %s -> %s", self.name, run.spec.attempt, to.value)
 
-    def _current(self, attempt: str) -> _Run:
+    def _current(self, attempt: str) -> Run:
         run = self._run
         if run is None or run.spec.attempt != attempt:
             have = f"{run.spec.attempt} ({run.state.value})" if run else "none"
@@ -213,7 +166,7 @@ class AgentService:
         with self._engine_lock:
             instance = self.engine.instance()
             with self._cond:
-                self._seen(instance)
+                self.seen(instance)
                 fresh = self._prewarmed is None or self._prewarmed[0] != instance
                 if not (prewarm and fresh) or self._busy():
                     return instance
@@ -229,7 +182,7 @@ class AgentService:
                      len(profile.tensors))
             return instance
 
-    def _seen(self, instance: str) -> None:
+    def seen(self, instance: str) -> None:
         """The engine answered ``instance``; hold the lock. Another id than before means
         the engine restarted: its weights are unknown, and an attempt in progress fails."""
         if instance == self.weights.instance:
@@ -329,11 +282,11 @@ class AgentService:
             if self.weights.instance != instance:  # it restarted again since attach read it
                 raise AgentConflict(f"{self.name}: the engine restarted while attempt "
                                     f"{spec.attempt} was being prepared.")
-            run = _Run(spec=spec, instance=instance)
+            run = Run(spec=spec, instance=instance, agent=self, cond=self._cond)
             self._run = run
             self._journal()
-            self._move(run, S.STREAMING)
-            self._start(run, self._receive, "receive")
+            self.move(run, S.STREAMING)
+            run.start_receive(self.source_for)
             return self.snapshot()
 
     def close_gate(self) -> AgentStatus:
@@ -346,7 +299,7 @@ class AgentService:
             self._drained = opens == self._gate_opens and not self._gate_open
             run = self._run
             if run is not None and run.state in (S.PREPARED, S.STREAMING, S.STAGED):
-                self._move(run, S.GATE_CLOSED)
+                self.move(run, S.GATE_CLOSED)
         return self.snapshot()
 
     def open_gate(self) -> AgentStatus:
@@ -372,11 +325,10 @@ class AgentService:
                 raise AgentConflict(f"{self.name}: attempt {attempt.id} is being stopped.")
             if not run.apply_open.is_set():
                 if run.state in (S.STREAMING, S.STAGED):  # the gate closed before prepare
-                    self._move(run, S.GATE_CLOSED)
+                    self.move(run, S.GATE_CLOSED)
                 self.weights.writing(run.spec)
-                self._move(run, S.APPLYING)  # journaled dirty before the first write
-                run.apply_open.set()
-                self._start(run, self._apply, "apply")
+                self.move(run, S.APPLYING)  # journaled dirty before the first write
+                run.start_apply()
             return self.snapshot()
 
     def wait_staged(self, attempt: AttemptKey) -> AgentStatus:
@@ -411,7 +363,7 @@ class AgentService:
                     f"({run.applied}/{len(run.staged)} staged payloads applied, manifest "
                     f"{'in' if run.received else 'not in'}).")
             if run.state is S.APPLYING:  # else already flushed (or committed): idempotent
-                self._move(run, S.FLUSHED)  # the apply thread synchronized and checked
+                self.move(run, S.FLUSHED)  # the apply thread synchronized and checked
             return FlushAck(attempt=attempt.id, payloads=run.applied, bytes=run.applied_bytes,
                             apply_s=run.apply_s, wait_s=time.perf_counter() - t0)
 
@@ -427,12 +379,12 @@ class AgentService:
             manifest = run.manifest  # its targets check later dense loads of ``version``
             self.weights.committed(version, {t.name: t.target for t in manifest.tensors}
                                    if manifest is not None else {})
-            self._move(run, S.COMMITTED)
+            self.move(run, S.COMMITTED)
         self.staging.clear(attempt)
         now = self._instance_now()  # a restart since the flush: the label must not lie
         with self._cond:
             if now is not None:
-                self._seen(now)
+                self.seen(now)
         if now == run.instance:
             self._label(version)
         return self.snapshot()
@@ -452,16 +404,12 @@ class AgentService:
             run = self._run
             if run is None or run.spec.attempt != attempt or run.state in FINAL:
                 return self.snapshot()
-            run.stop.set()
-            self._cond.notify_all()
-            threads = list(run.threads)
-        for t in threads:  # an apply in progress finishes its payload, then nothing more
-            t.join()
+        run.stop_and_join()  # an apply in progress finishes its payload, then nothing more
         with self._cond:
             if run.state not in FINAL:  # else a concurrent stop has finished it: idempotent
                 run.staged.clear()
                 run.staged_bytes = 0
-                self._move(run, S.OBSOLETE)
+                self.move(run, S.OBSOLETE)
         self.staging.clear(attempt)
         return self.snapshot()
 
@@ -511,7 +459,7 @@ class AgentService:
                                           f"manifest's targets: {sorted(differ)[:3]}.")
             now = self.engine.instance()
             with self._cond:
-                self._seen(now)
+                self.seen(now)
                 if now != instance:
                     raise AgentConflict(f"{self.name}: the engine restarted during the dense "
                                         f"load of version {version}.")
@@ -557,34 +505,25 @@ class AgentService:
         (:func:`~dcr.drivers.base.merge_fingerprints`), for bit-exact checks."""
         return merge_fingerprints(self.engine.fingerprint())
 
-    # --- threads -------------------------------------------------------------------
+    # --- what runs report -----------------------------------------------------------
 
-    def _start(self, run: _Run, target: Callable[[_Run], None], what: str) -> None:
-        t = threading.Thread(target=self._guard, args=(run, target),
-                             name=f"{what}-{run.spec.attempt}", daemon=True)
-        run.threads.append(t)
-        t.start()
-
-    def _guard(self, run: _Run, target: Callable[[_Run], None]) -> None:
-        try:
-            target(run)
-        except ReceiveStopped:
-            pass
-        except Exception as e:  # the attempt fails; the coordinator retries by overwrite
-            instance = self._instance_now() if isinstance(e, EngineError) else None
-            with self._cond:
-                if run.error is None and not run.stop.is_set():
-                    run.error = f"{self.name}: attempt {run.spec.attempt}: {e}"
-                    log.warning("%s", run.error)
-                # Bits no manifest vouches for may be in the weights, or ones that differ
-                # from its targets: an overwrite of the changed set would not repair them.
-                if isinstance(e, ForeignPayload | FingerprintMismatch) and self.weights.foreign(
-                        f"attempt {run.spec.attempt} found {type(e).__name__} after writing; "
-                        "a dense load must restore a version"):
-                    self._journal()
-                if instance is not None:
-                    self._seen(instance)
-                self._cond.notify_all()
+    def failed(self, run: Run, error: Exception) -> None:
+        """A thread of ``run`` raised ``error``: the attempt fails (the coordinator retries
+        by overwrite), and bits a manifest does not vouch for make the weights unknown."""
+        instance = self._instance_now() if isinstance(error, EngineError) else None
+        with self._cond:
+            if run.error is None and not run.stop.is_set():
+                run.error = f"{self.name}: attempt {run.attempt}: {error}"
+                log.warning("%s", run.error)
+            # Bits no manifest vouches for may be in the weights, or ones that differ
+            # from its targets: an overwrite of the changed set would not repair them.
+            if isinstance(error, ForeignPayload | FingerprintMismatch) and self.weights.foreign(
+                    f"attempt {run.attempt} found {type(error).__name__} after writing; "
+                    "a dense load must restore a version"):
+                self._journal()
+            if instance is not None:
+                self.seen(instance)
+            self._cond.notify_all()
 
     def _instance_now(self) -> str | None:
         """The engine's instance id after a failed call, or None if it does not answer."""
@@ -592,95 +531,3 @@ class AgentService:
             return self.engine.instance()
         except Exception:  # down or restarting: the next admission reads it again
             return None
-
-    def _receive(self, run: _Run) -> None:
-        spec = run.spec
-        source = self.source_for(spec)
-        try:
-            manifest = receive(source, spec.attempt, lambda p: self._stage(run, p),
-                               owners=spec.owners, release="when_listed",
-                               hold_bytes=self.staging_bytes,
-                               timeout_s=max(0.1, spec.deadline - time.time()), stop=run.stop)
-        finally:
-            close = getattr(source, "close", None)
-            if close is not None:  # a relay source holds a loop thread and a session
-                close()
-        with self._cond:
-            run.manifest, run.received = manifest, True
-            if run.state is S.STREAMING:
-                self._move(run, S.STAGED)
-            self._cond.notify_all()
-
-    def _stage(self, run: _Run, payload: Payload) -> None:
-        size = payload.size
-        with self._cond:  # back-pressure: staged but unapplied bytes stay bounded
-            def fits() -> bool:
-                return run.staged_bytes == 0 or (
-                    run.staged_bytes + size <= self.staging_bytes)
-
-            if not fits() and not run.apply_open.is_set():
-                # Staging before the gate closes (asynchronous RL) must hold the whole
-                # attempt: waiting for space nobody frees would only run into the deadline.
-                raise AttemptFailed(
-                    f"staging it needs more than the budget of {self.staging_bytes} bytes "
-                    "before apply opens; raise --staging-mib or close the gate at the start "
-                    "(sync RL).")
-            self._cond.wait_for(lambda: run.stop.is_set() or fits())
-            if run.stop.is_set():
-                raise ReceiveStopped(f"attempt {run.spec.attempt} stopped")
-            run.staged_bytes += size  # reserved before the file is written
-        name = self.staging.write(payload)  # a stop joins this thread, then clears the files
-        with self._cond:
-            run.staged.append(_Staged(name=name, size=size))
-            self._cond.notify_all()
-
-    def _apply(self, run: _Run) -> None:
-        while True:
-            i = run.applied
-            with self._cond:
-                self._cond.wait_for(lambda: run.stop.is_set() or run.error is not None
-                                    or run.applied < len(run.staged) or run.received)
-                if run.stop.is_set() or run.error is not None:
-                    return
-                if i >= len(run.staged):
-                    break  # received and all applied: check, then flush finishes the attempt
-                staged = run.staged[i]
-            assert staged is not None
-            t0 = time.perf_counter()
-            outcome = self.engine.apply([staged.name])  # every rank reads the file
-            seconds = time.perf_counter() - t0
-            self.staging.remove(staged.name)
-            with self._cond:
-                run.staged[i] = None
-                run.staged_bytes -= staged.size
-                run.applied += 1
-                run.applied_bytes += staged.size
-                run.apply_s += seconds
-                run.touched |= outcome.names
-                self.counters.payloads_applied += 1
-                self.counters.payload_bytes_applied += staged.size
-                self.counters.apply_seconds += seconds
-                self._cond.notify_all()
-        self._check(run)
-
-    def _check(self, run: _Run) -> None:
-        """Synchronize, then compare the fingerprints of what the attempt wrote, on the
-        engine instance the attempt began with."""
-        self.engine.sync()
-        assert run.manifest is not None
-        targets = {t.name: t.target for t in run.manifest.tensors if t.name in run.touched}
-        differ = self.engine.check_targets(targets) if targets else {}
-        if differ:
-            said = "; ".join(f"{n!r} holds {fp}, the manifest says {targets[n]}"
-                             for n, fp in list(differ.items())[:3])
-            raise FingerprintMismatch(f"{len(differ)} tensors differ from the manifest's "
-                                      f"target after apply: {said}.")
-        instance = self.engine.instance()
-        if instance != run.instance:
-            with self._cond:
-                self._seen(instance)
-            raise AttemptFailed(f"the engine restarted during the attempt (instance "
-                                f"{short(run.instance)} -> {short(instance)}).")
-        with self._cond:
-            run.checked = True
-            self._cond.notify_all()
