@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tables import table  # bench/tables.py: the tables of the other benchmark docs
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "evaluation"
 DOC = ROOT / "docs" / "evaluation.md"
@@ -158,13 +160,6 @@ def main_rows(docs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                             "exact": all(n["exact"] for n in r["nodes"])}
         rows.append(row)
     return rows
-
-
-def table(head: list[str], body: list[list[str]]) -> str:
-    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---:" if i else "---"
-                                                       for i in range(len(head))) + "|"]
-    out += ["| " + " | ".join(r) + " |" for r in body]
-    return "\n".join(out)
 
 
 def way_cells(row: dict[str, Any], way: str) -> list[str]:

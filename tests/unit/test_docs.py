@@ -1,9 +1,12 @@
-"""The security doc's tables name tests that exist, so a defence never loses its test
-silently when a test is renamed or moved."""
+"""The docs stay true to what they are made from: the security doc's tables name tests
+that exist (a defence never loses its test silently when a test is renamed or moved), and
+the generated references and number tables match their sources."""
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,3 +45,12 @@ def test_the_cli_reference_is_what_the_parser_prints() -> None:
     text = (ROOT / "docs" / "cli.md").read_text()
     assert REFERENCE_MARK in text
     assert text[text.index(REFERENCE_MARK):] == reference(), "run `make cli-doc`"
+
+
+def test_the_number_tables_are_what_the_benchmark_results_say() -> None:
+    """The tables of docs/benchmarks.md and docs/apply.md are written from
+    bench/results/*.json (``make tables``); a hand edit or a new result that was not
+    written into the doc fails here."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "tables.py"), "--check"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
