@@ -1,8 +1,7 @@
 """DCR: Delta-Compressed Refit.
 
-Ships only the changed bits of a policy from training to rollout: XOR masks where the
-receiver's storage keeps the checkpoint's bits, absolute overwrites elsewhere, addressed
-in Hugging Face canonical coordinates (tensor name plus flat element index).
+Ships only the changed bits of a policy from training to rollout, addressed in Hugging Face
+canonical coordinates (docs/architecture.md).
 """
 
 __version__ = "0.1.0"

@@ -1,10 +1,7 @@
 """Hugging Face safetensors checkpoints, read memory-mapped, tensor by tensor.
 
-A checkpoint is a single ``.safetensors`` file or a directory holding either one
-``model.safetensors`` or shards listed by ``model.safetensors.index.json``. Tensors are
-exposed as raw bits (the unsigned integer type of the element width) over a read-only
-memory map, so nothing is copied until a caller touches it, and float values are never
-interpreted. Headers are validated like any untrusted input.
+Tensors are raw bits (unsigned integers of the element width) over a read-only memory map,
+never read as floats; headers are validated like any untrusted input.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
 """The ``dcr`` command line: diff, patch, inspect, relay, encode, encoder, agent, serve, refit.
 
-Exit status: 0 on success, 1 when DCR refuses or fails (the message names the value),
-2 for usage errors. With ``--json`` a command prints exactly one JSON object on stdout
-and no progress bars.
-
-The options of ``agent``, ``serve``, ``refit``, ``relay`` and ``encoder`` are generated
-from their settings classes (``AgentSettings``, ``ServeSettings``, ``RefitSettings`` with
-``TrainerSettings``, ``RelaySettings``, ``EncoderServerSettings``); a command's options
-are built only when that command runs (or for ``dcr --help``), so ``dcr encode``,
-started once per attempt, does not import the relay node or the main job.
+A command's options are built only when it runs, so ``dcr encode``, started once per
+attempt, imports neither the relay node nor the main job (docs/cli.md).
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
-"""Settings as the single source of defaults: one declaration gives the field, its doc,
-its command-line option, and the argv that reproduces it.
+"""Settings declared once: a field's default, doc, command-line option and argv in one place.
 
-A settings class is a frozen, keyword-only dataclass whose fields are declared with
-:func:`option`: the default, a one-line doc with the unit (it is the ``--help`` text), and,
-for byte counts, the unit the command line speaks (``bucket_bytes`` in MiB becomes
-``--bucket-mib``). :func:`add_options` adds a class's options to an ``argparse`` parser,
-:func:`from_args` builds the settings from the parsed namespace, and :func:`to_argv` turns
-settings back into the flags, so a process that starts another (``ProcessOwner``, the
-operator's Job builder) never spells a flag or a default itself.
-
-Types the generator understands: ``int``, ``float``, ``str``, ``Path``, ``bool`` (a
-``--flag``/``--no-flag`` pair), ``Literal[...]`` (choices), ``tuple[str, ...]``
-(a repeatable option) and ``X | None`` of those (absent means ``None``). Fields declared
-without :func:`option` are not on the command line.
-
-Choices, and why: dataclasses rather than pydantic because these settings are built in
-process far more often than parsed, and a dataclass with ``__post_init__`` checks gives
-the same "reject contradictions, name the value" behaviour without a second model per
-class; pydantic stays at the edges where untrusted JSON arrives.
+Fields of frozen, keyword-only dataclasses are declared with :func:`option`;
+:func:`add_options`, :func:`from_args` and :func:`to_argv` turn them into ``argparse``
+options, back into settings, and into flags. Types understood: ``int``, ``float``, ``str``,
+``Path``, ``bool`` (``--flag``/``--no-flag``), ``Literal[...]``, ``tuple[str, ...]``
+(repeatable) and ``X | None`` of those. Dataclasses, not pydantic: settings are built in
+process far more often than parsed.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """``python -m dcr_operator``: run the operator (what the Helm chart's Deployment runs).
 
-Scope: ``--namespace`` (repeatable) watches those namespaces, otherwise every
-namespace. Peering: by default operators of one deployment find each other through the
-``kopf.dev`` peering resources and only the one with the highest ``--priority`` works
-(the chart ships the peering CRDs); ``--standalone`` skips peering (one replica).
+``--namespace`` (repeatable) watches only those namespaces; ``--standalone`` skips peering
+(docs/operations.md, "One operator at a time").
 """
 
 from __future__ import annotations

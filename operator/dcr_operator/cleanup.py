@@ -1,22 +1,9 @@
 """What the WeightRefit finalizer removes from the object store.
 
-A refit's attempts leave objects under ``v<target>/<attempt>/`` (payloads and, with
-several owners, their manifest parts; :mod:`dcr.format.layout`) and, with one owner,
-the version manifest ``v<target>/manifest.dcrm``. Once a WeightRefit is deleted none of
-them is needed any more: receivers applied the committed attempt, and a receiver that
-missed it rejoins by a dense load of the committed checkpoint. The finalizer deletes
-the objects of every attempt the refit recorded, and the version manifest if it names
-one of them (a manifest written by another refit of the same version stays).
-
-``file://`` stores are cleaned when the operator sees the same path (single-node
-setups, the tests); ``s3://`` stores through boto3 with the fleet's endpoint, region
-and credentials Secret.
-
-The attempt ids come from the WeightRefit's status, which more than the operator may
-be able to write: an id that is not an attempt id (:data:`dcr.format.names.ATTEMPT_RE`:
-no ``/``, no leading ``.``) is never made into a key or a path, only reported back
-(``Cleaned.rejected``), and a file store's directory is removed only if it resolves to
-a place under the store's root.
+The objects of every attempt the refit recorded, and the version manifest only if it names
+one of them. Attempt ids come from status, which others may write: one that is not an
+attempt id (:data:`dcr.format.names.ATTEMPT_RE`) is never made into a key or a path, only
+reported (``Cleaned.rejected``), and a file store's directory is removed only under its root.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """The commit record in a RolloutFleet's status, changed only by compare-and-set.
 
-``FleetCommitStore`` is the operator's :class:`dcr.protocol.commitstore.CommitStore`.
-``status.commit`` holds ``(committedVersion, baselineId, attempt)`` (plus, for people,
-the WeightRefit that committed it and when); before the first refit the record is the
-fleet's ``spec.initial`` version and checkpoint with an empty attempt.
-
-``compare_and_set(expected, new)`` reads the fleet, compares its record with
-``expected`` (CONFLICT if it differs), then merge-patches the status subresource with
-``metadata.resourceVersion`` set to the version it read: the API server applies the
-patch only if the object is still that version, so nothing written in between can be
-overwritten. A 409 means *something* changed the fleet since the read; other writers
-(the receivers' status, conditions) touch the fleet too, so a 409 is settled by reading
-again: if the record itself moved the answer is CONFLICT, otherwise the CAS is tried
-again with the new resourceVersion. No answer from the API server (or a 5xx, after
-which the write may or may not have landed) is UNKNOWN, and the coordinator then reads
-the record to learn what happened. A success counts only if the API server's answer
-carries the record written: a patch that reached anything but this fleet's status (the
-main resource ignores ``status`` and answers 200) is UNKNOWN, never SUCCESS.
+:class:`FleetCommitStore` keeps ``(committedVersion, baselineId, attempt)`` in
+``status.commit``. A CAS patches the status subresource under the ``resourceVersion`` it
+read, and succeeds only if the answer carries the record written; a 409 is settled by
+reading again.
+Why: docs/operations.md, "Inside the operator".
 """
 
 from __future__ import annotations

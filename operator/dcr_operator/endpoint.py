@@ -1,33 +1,9 @@
 """Warm encoders: owner handles that call a long-running ``dcr encoder`` per attempt.
 
-An encoder Job (:mod:`.jobs`) pays, on every attempt, for scheduling a Pod, starting
-its container and importing Python. When the encoder profile a WeightRefit names has
-an ``endpoint`` (set by the fleet's owner, never by a WeightRefit), the attempt starts
-no Job: owner ``k`` is :class:`EndpointOwner`, which asks the warm encoder at
-``urls[k]`` to publish its share (``POST /v1/publish``,
-:mod:`dcr.protocol.encoder_api`) with exactly the arguments a Job's ``dcr encode``
-gets: the committed baseline as the base checkpoint, ``spec.source.checkpoint`` as the
-target, the attempt's id, mode and versions, the owner split and the bucket size, and
-the receivers' merged profile in the body (the Job reads it from a ConfigMap).
-
-What the operator holds to, as for Jobs:
-
-* The token comes from the Secret ``endpoint.tokenSecretRef`` names, which must opt in
-  (label ``dcr.dev/encoder-token=true``, :mod:`.fleet`); it goes in the Authorization
-  header only: never in status, Events, logs or exceptions.
-* No redirect is followed (a 3xx fails the publish, and the token never reaches a
-  second address): :class:`~dcr.protocol.encoder_api.EncoderClient` opens through
-  :data:`dcr.http.direct.OPENER`.
-* A publish waits until the attempt's deadline at most. When one owner fails (refused,
-  failed, no answer in time, or payloads written to another store than the fleet's),
-  the attempt is stopped on every endpoint at once (``POST /v1/stop``, once per
-  attempt), as a failed Job is deleted: no encoder keeps writing for an obsolete
-  attempt. A restarted operator stops the attempts its predecessor left running.
-* ``spec.encoder.owners`` must equal the number of URLs (:func:`encoder_endpoint`).
-
-The store is the encoder's own (its ``--store``, fixed when it starts); the summary of
-every publish names it, and one that is not the fleet's fails the attempt at once
-instead of at the receivers' deadline.
+When a refit's encoder profile has an ``endpoint``, owner ``k`` is :class:`EndpointOwner`,
+which asks ``urls[k]`` to publish with a Job's arguments (:mod:`dcr.protocol.encoder_api`).
+The token goes in the Authorization header only, no redirect is followed, and one owner's
+failure stops the attempt on every endpoint. docs/operations.md, "Warm encoder".
 """
 
 from __future__ import annotations

@@ -1,32 +1,17 @@
-"""Every error the operator raises, under one root.
+"""Every error the operator raises, under one root::
 
-Hierarchy::
+    OperatorError             root (a dcr.errors.DcrError)
+    ├── ApiError              the API server answered an error status (a dcr.errors.HttpError;
+    │   │                     ``status`` is the HTTP status, ``reason`` its Reason)
+    │   ├── NotFound          404
+    │   └── Conflict          409: resourceVersion precondition or AlreadyExists
+    ├── ApiUnreachable        no answer from the API server (connection, timeout)
+    ├── InvalidResource       a RolloutFleet or WeightRefit cannot be acted on as written
+    ├── EncoderJobFailed      an encoder Job failed or vanished during an attempt
+    ├── EncoderEndpointFailed a warm encoder refused, failed or did not answer a publish
+    └── NotYet                a refit cannot proceed now: look again later
 
-    OperatorError                 root (a DcrError, so callers may catch DCR as a whole)
-    ├── ApiError                  the Kubernetes API answered with an error status (also
-    │   │                         a dcr.errors.HttpError, like AgentError and RelayError);
-    │   │                         ``status`` is the HTTP status, ``reason`` its Reason
-    │   ├── NotFound              404
-    │   └── Conflict              409: resourceVersion precondition or AlreadyExists
-    ├── ApiUnreachable            no answer from the API server (connection, timeout)
-    ├── InvalidResource           a RolloutFleet or WeightRefit cannot be acted on as
-    │                             written (names the field and the value)
-    ├── EncoderJobFailed          an encoder Job failed or vanished during an attempt
-    ├── EncoderEndpointFailed     a warm encoder refused, failed or did not answer a publish
-    └── NotYet                    a refit cannot proceed now (base version not committed,
-                                  fleet busy, too few receivers): look again later
-
-In kopf handlers (``handlers.py``):
-
-* a RolloutFleet whose own spec fails validation is a ``kopf.PermanentError`` (and a
-  Warning Event): nothing but an edit of that spec can cure it, and an edit re-runs the
-  handler;
-* ``NotYet``, ``ApiUnreachable`` and other ``ApiError`` are ``kopf.TemporaryError`` after
-  the operator's retry delay;
-* ``InvalidResource`` is a ``kopf.TemporaryError`` after three retry delays, not a
-  permanent one: what it names is usually another object (the fleet a refit points at,
-  the agent token's Secret, the store URI in the fleet) that its owner can fix without
-  touching the WeightRefit, and the refit should then proceed by itself.
+How the handlers map them to kopf's errors: docs/operations.md, "Inside the operator".
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """A RolloutFleet's receivers: found from its pods, reached through their agents.
 
-Receivers are the pods the fleet's selector matches that are Running and not being
-deleted (:func:`dcr_operator.reconcile.receivers_of`), each reached at
-``<agent.scheme>://<podIP>:<agent.port>`` and nowhere else: the agent is a sidecar
-listening on the pod IP. The bearer token comes from the Secret key
-``agent.tokenSecretRef``.
-
-Secrets opt in. The operator may read Secrets, but a fleet's author should not thereby
-be able to have any Secret of the namespace sent to pods of their choosing, or to an
-S3 endpoint of their choosing: a Secret a fleet names is used only if it carries the
-label of that use (:data:`SECRET_USES`), which only someone who may write that Secret
-can set. A fleet naming one without it is refused (InvalidResource, naming the label).
-
-:func:`refresh` asks every receiver's agent for its status and writes
-``status.receivers``, the counts and the Ready / Progressing / Degraded conditions, in
-the operator's own words (:func:`~dcr_operator.reconcile.agent_failure`).
+Each is reached at ``<agent.scheme>://<podIP>:<agent.port>`` and nowhere else, and a Secret
+the fleet names is used only if it carries the label of that use (:data:`SECRET_USES`)
+(docs/operations.md, "Add the agent to rollout pods"). :func:`refresh` writes the fleet's
+receivers and conditions.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """The kopf handlers: what the operator does when RolloutFleets and WeightRefits change.
 
-RolloutFleet ``create``/``resume``/``update`` write the initial commit record and the
-receivers' status; one operator-wide task (not a timer per fleet) refreshes every
-fleet's status. Each unfinished WeightRefit is a kopf daemon running
-:class:`~dcr_operator.refit.RefitRun` in a thread (``NotYet`` becomes
-``kopf.TemporaryError``); its ``delete`` finalizer stops the run, deletes unfinished
-encoder Jobs and removes the refit's objects from the store, and only refits the operator
-still has work for carry it. Why daemons, why so few finalizers, and kopf's bookkeeping:
+Each unfinished WeightRefit is a daemon running :class:`~dcr_operator.refit.RefitRun`; one
+operator-wide task refreshes every fleet. Why daemons, why so few finalizers:
 docs/operations.md, "Inside the operator"; before uninstalling: its "Uninstall".
 """
 

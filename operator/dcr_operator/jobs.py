@@ -1,30 +1,10 @@
 """Encoder Jobs: one indexed Job per attempt, and the owner handles that wait for it.
 
-An attempt's owners are the indexes of one indexed Job (``completions = parallelism =
-owners``); index ``k`` runs ``dcr encode ... --owner k --owners N`` and publishes its
-share of the tensors (split by a stable hash of their names). The Job's name is a
-function of the WeightRefit and the attempt id (:func:`job_name`), so creating it again
-(after an operator restart, or by two owner handles) finds the same Job instead of a
-duplicate; a new attempt (fresh id) always gets a new Job, and Jobs of obsolete
-attempts are deleted. Jobs carry an owner reference to their WeightRefit, so deleting
-the refit garbage-collects them.
-
-The merged receiver profile (which tensors each loader can take as XOR, overwrite or
-dense) reaches the encoder through a ConfigMap mounted at :data:`PROFILE_DIR`.
-
-What shapes the encoder pods (image, ServiceAccount, resources, node selector,
-tolerations, volumes) is never the WeightRefit's to say: :func:`encoder_pod` takes it
-from the fleet's encoder profile the refit names (the fleet's admin wrote it) over the
-operator's defaults, and refuses an image the operator does not allow. A WeightRefit
-chooses only the profile, the number of owners and the bucket size. ``dcr encode``
-reads both checkpoints from paths, so the profile's volumes (:mod:`.volumes`) must hold
-them; the default profile has none.
-
-:class:`JobOwner` is the coordinator's ``OwnerHandle`` for index ``k``: ``publish``
-makes sure the attempt's Job exists and waits until index ``k`` completed (the Job's
-``status.completedIndexes``), failing the attempt if the Job fails, disappears, or
-outlives the attempt's deadline. ``advance_baseline`` has nothing to do: the next
-refit's encoder reads its baseline from the commit record itself.
+Index ``k`` runs ``dcr encode ... --owner k --owners N``. The Job's name is a function of
+the refit and the attempt (:func:`job_name`), so creating it again finds the same Job; what
+shapes its pods comes from the fleet's encoder profile, never the WeightRefit
+(:func:`encoder_pod`). :class:`JobOwner` waits for index ``k`` to complete.
+docs/operations.md, "What happens, and when things go wrong".
 """
 
 from __future__ import annotations

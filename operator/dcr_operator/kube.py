@@ -1,13 +1,9 @@
 """A small synchronous Kubernetes API client for the coordinator's thread.
 
-kopf talks to the API server asynchronously; the coordinator
-(:class:`dcr.protocol.coordinator.Coordinator`) runs in a thread and needs blocking
-calls on REST paths, JSON in and out. :class:`KubeClient` is that, on the official
-``kubernetes`` package (which finds the server and credentials, pools and retries),
-plus what the library lacks: plain dicts on the paths :func:`api_path` builds, the
-error tree (:class:`ApiError`, ``NotFound``, ``Conflict``, :class:`ApiUnreachable`), and
-no redirects. The token lives in the library's ``Configuration`` only, in no log line,
-message or ``repr``. Why: docs/operations.md, "Inside the operator"; docs/security.md.
+:class:`KubeClient`: JSON on the paths :func:`api_path` builds, on the official
+``kubernetes`` package, with the operator's error tree and no redirects. The token lives in
+the library's ``Configuration`` only, never in a log line, message or ``repr``. Why:
+docs/operations.md, "Inside the operator"; docs/security.md.
 """
 
 from __future__ import annotations

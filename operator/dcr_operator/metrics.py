@@ -1,10 +1,6 @@
 """The operator's Prometheus metrics: refits, attempts, bytes and the committed versions.
 
-One process-wide registry, fed by the refit runs (any thread) and served as text
-exposition on ``GET /metrics`` by a small aiohttp server the operator starts beside
-kopf (``DCR_OPERATOR_METRICS_PORT``, 0 turns it off). Counters count what this process
-saw; after a restart or a takeover they start again from zero, as Prometheus expects
-of counters.
+One process-wide registry, fed by refit runs on any thread (docs/operations.md, "Metrics").
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """A refit's progress as WeightRefit status and Kubernetes Events, as it happens.
 
-The coordinator runs in a thread and knows nothing of Kubernetes. :class:`Recorder`
-is told what happens (by :class:`TrackedReceiver`, which wraps each agent client, by
-the encoder Jobs' or warm endpoints' callbacks, and by the refit's own steps), keeps
-the status it implies (conditions, attempts, per-receiver progress, totals) and
-merge-patches it into the WeightRefit's status subresource. Writing status is best effort: a failed
-write is logged and the next one carries everything (the commit record in the fleet,
-not this status, is the truth). Events are emitted for transitions only.
+:class:`Recorder` is told what happens and merge-patches the status it implies. Writing it is
+best effort: a failed write is logged and the next carries everything (the fleet's commit
+record, not this status, is the truth). Events mark transitions only.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """The operator's decisions as pure functions: testable without a cluster.
 
-* :func:`validate`: may this WeightRefit run against the fleet's commit record now, and
-  if not, why (a condition reason and a sentence with the values)?
-* :func:`set_condition`: Kubernetes condition bookkeeping (``lastTransitionTime``
-  changes only when ``status`` does); :func:`phase_of` derives the printer-column phase
-  from the conditions.
-* :func:`receivers_of`: the fleet's receivers from its pods: every selected pod that is
-  Running and not being deleted, addressed only as ``<scheme>://<podIP>:<agent.port>``
-  (the pod's status, which its kubelet writes; nothing a pod's author sets, such as an
-  annotation, can send the agent token elsewhere).
-* :func:`agent_failure`, :func:`agent_report`: what status says about an agent, in
-  sentences of our own: the call, the HTTP status, an error kind that is an identifier;
-  never text the agent (or whatever answers at its address) sent.
-* :func:`attempt_status`: a coordinator ``AttemptResult`` as WeightRefit status.
-* :func:`fleet_conditions`: Ready / Progressing / Degraded from the receivers' reports.
+* :func:`validate`: may this WeightRefit run against the fleet's commit record now, and if
+  not, why (a condition reason and a sentence with the values)?
+* :func:`set_condition`, :func:`phase_of`: condition bookkeeping; the printer's phase.
+* :func:`receivers_of`: the selected pods that are Running, addressed only by pod IP.
+* :func:`agent_failure`, :func:`agent_report`: status about an agent in our own words,
+  never text the agent sent.
+* :func:`attempt_status`, :func:`fleet_conditions`: attempts and fleet conditions as status.
 """
 
 from __future__ import annotations

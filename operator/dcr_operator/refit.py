@@ -1,33 +1,10 @@
 """One WeightRefit, driven to its end: the coordinator over Kubernetes parties.
 
-:class:`RefitRun` is what the WeightRefit daemon runs in a thread:
-
-1. Read the fleet's commit record and :func:`~dcr_operator.reconcile.validate` the
-   refit against it: run it, finish an already committed transition, wait (its base
-   version is not committed yet), or reject it (a wrong base version, a passed
-   deadline) with a ``Failed`` condition that says why.
-2. Take the fleet (one refit per fleet at a time in this operator), discover the
-   receivers from its pods, fetch their profiles into a ConfigMap for the encoders.
-3. Run :class:`dcr.protocol.coordinator.Coordinator` with the agents (as
-   :class:`~dcr_operator.progress.TrackedReceiver`), one :class:`~dcr_operator.jobs.JobOwner`
-   per encoder index (or one :class:`~dcr_operator.endpoint.EndpointOwner` per warm
-   encoder URL, when the refit's encoder profile has an endpoint), and
-   :class:`~dcr_operator.commitstore.FleetCommitStore`: mixed first (unless
-   ``modePolicy: Overwrite``), overwrite retries, the joint commit by compare-and-set
-   on the fleet's status.
-4. Record the outcome: ``Committed`` or ``Failed`` with attempts, timings and bytes.
-
-Resuming after an operator restart needs nothing special: attempts the previous
-operator left Running are marked Abandoned, its unfinished encoder Jobs are deleted (or
-those attempts stopped on the warm encoders), and
-``Coordinator.refit`` either finishes a transition the record already names or stops
-whatever receivers are still doing and retries. Every attempt after the first one of a
-refit runs in overwrite mode, also across retries and restarts (the coordinator alone
-would start a new run mixed unless a receiver reports mixed bits). Attempts count
-against ``retryLimit`` across restarts.
-
-Failures that may pass (API server unreachable, too few receivers, fleet busy) raise
-:class:`~dcr_operator.errors.NotYet`; the daemon turns them into ``kopf.TemporaryError``.
+:class:`RefitRun` (the WeightRefit daemon's thread) validates the refit against the commit
+record, takes the fleet, runs :class:`dcr.protocol.coordinator.Coordinator` with the agents,
+the encoder owners and :class:`~dcr_operator.commitstore.FleetCommitStore`, and records the
+outcome. Every attempt after a refit's first runs in overwrite mode, across operator restarts
+too. docs/operations.md, "What happens, and when things go wrong".
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The operator's settings: one tree, parsed once from the environment at startup.
 
-Every field is an environment variable ``DCR_OPERATOR_<FIELD>`` (upper case), which the
-Helm chart sets from ``values.yaml``. An unknown ``DCR_OPERATOR_*`` variable or a value
-that does not parse is an error naming it, so a typo never silently falls back to a
-default.
+Each field is ``DCR_OPERATOR_<FIELD>``, set by the Helm chart; an unknown ``DCR_OPERATOR_*``
+variable or a value that does not parse is an error naming it.
 """
 
 from __future__ import annotations

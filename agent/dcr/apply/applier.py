@@ -1,15 +1,9 @@
 """The applier: decoded items -> scratch -> the runtime's own loader -> storage.
 
-:class:`Applier` applies a set of payloads (bytes, or the verified
-:class:`~dcr.format.payload.Payload` a receiver holds) in place through the runtime's
-native loader, intercepting the loader's final copies into parameter storage
-(:mod:`dcr.apply.intercept`, :mod:`dcr.apply.geometry`) so only changed elements are
-touched. Prewarm records each tensor's writes and classifies it
-(:mod:`dcr.apply.profile`); an apply whose writes differ fails. Every item is checked
-against the canonical tensors before any stream is decompressed, then decoded under
-:attr:`Applier.limits`. Deferrable tensors go through one loader call with writes
-deferred until it is checked; the rest are staged one call each. Why, and the numbers:
-docs/apply.md, "How a set of payloads is applied" and "Where apply time goes".
+:class:`Applier` applies a set of payloads in place through the runtime's native loader,
+touching only changed elements. Nothing is written before every item is checked against the
+canonical tensors, and an apply whose writes differ from prewarm's fails. Why, and the
+numbers: docs/apply.md, "How a set of payloads is applied".
 """
 
 from __future__ import annotations

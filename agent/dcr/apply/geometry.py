@@ -1,12 +1,8 @@
 """Where a loader's copy puts each changed element: strided views, inverted.
 
-A loader hands ``copy_`` a view of the scratch tensor (the whole of it, or a row or
-column block, an expert's slice, a transposed view) and a view of parameter storage of
-the same shape. To touch only changed elements, each changed canonical position is
-mapped to its coordinates in the source view and from there to the destination's
-storage index. That inversion is exact for views whose strides nest (each larger stride
-a multiple of the next, no overlap), which is what slicing, narrowing, selecting and
-transposing a contiguous tensor produce; anything else is reported as unsupported.
+Each changed canonical position maps through the copy's source view to the destination's
+storage index. This is exact for views whose strides nest (each a multiple of the next, no
+overlap), as slicing, narrowing, selecting and transposing make; others are unsupported.
 """
 
 from __future__ import annotations

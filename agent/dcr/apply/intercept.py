@@ -1,19 +1,9 @@
 """Catching the loader's writes into parameter storage.
 
-While the native loader runs, a ``TorchDispatchMode`` sees every aten op. A ``copy_``
-whose destination lies in a registered storage (a parameter or persistent buffer) is
-handed to a handler instead of running; the handler decides what the write means (XOR a
-mask in, write only active positions, copy as is, or just record it during prewarm).
-A ``fill_`` with a constant (vLLM zeroes vocabulary padding rows on every load) goes to
-the handler too, as a source of ``None``: it writes the same bytes on every load, so it
-is replayed as is. Any other op that would write a registered storage (``index_put_``,
-an ``out=`` variant, ...) fails the apply: DCR only knows how to honour these two.
-Writes to other tensors (the loader's temporaries) run normally.
-
-The interceptor also notes which registered storages an op *reads* (any op but a view,
-or a copy out of one): a loader that reads a parameter back while it loads sees what
-was written before, so the engine may defer its writes only for a loader that never
-does (:attr:`WriteInterceptor.reads`).
+A ``TorchDispatchMode`` hands every ``copy_`` and constant ``fill_`` into a registered
+storage to a handler instead of running it; any other op writing one fails the apply. It
+also notes the registered storages an op reads (:attr:`WriteInterceptor.reads`): writes are
+deferred only for a loader that reads none (docs/apply.md).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Change detection on stored bit patterns.
 
-Both sides are integer views of the same width, so ``-0.0 -> +0.0`` and NaN payload
-changes count. The scan is a small C kernel (``_native.c``) that compares, finds and
-gathers in one pass, without the GIL; it runs over chunks so its output buffers stay
-bounded whatever the tensor size.
+Both sides are integer views of one width, so ``-0.0 -> +0.0`` and NaN payload changes
+count. A C kernel (``_native.c``) compares, finds and gathers in one pass without the GIL,
+chunk by chunk so its buffers stay bounded.
 """
 
 from __future__ import annotations

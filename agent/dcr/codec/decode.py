@@ -1,13 +1,8 @@
 """Decoding and in-place apply to tensors held in canonical layout.
 
-``decode`` turns a verified :class:`~dcr.format.payload.Payload` into per-item views of
-its streams and checks every record: positions inside the item's range, run lengths
-consistent, XOR masks nonzero. ``apply_items`` then checks every item against the
-target tensors (name, dtype, shape, writable) before it writes a single element, so a
-payload that fails any check leaves the targets untouched.
-
-XOR entries flip bits (``old ^ mask``) and must be applied exactly once; overwrite
-entries set bits and are idempotent.
+``decode`` checks every record; ``apply_items`` checks every item against the targets before
+it writes an element, so a payload that fails a check leaves them untouched. XOR entries must
+be applied exactly once; overwrites are idempotent.
 """
 
 from __future__ import annotations

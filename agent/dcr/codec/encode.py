@@ -1,10 +1,7 @@
 """Encoding: records of changed elements -> items -> a sealed payload.
 
-An owner compares its source range against the baseline, turns the changed positions
-into :class:`ItemDelta` records (XOR masks or new bits), and a :class:`PayloadBuilder`
-groups items into one payload: every item's location values and values go into shared
-byte-plane streams, so hundreds of small tensors cost one set of zstd frames, not one
-each.
+A :class:`PayloadBuilder` puts every item's locations and values into shared byte-plane
+streams, so hundreds of small tensors cost one set of zstd frames, not one each.
 """
 
 from __future__ import annotations

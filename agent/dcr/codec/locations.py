@@ -1,15 +1,7 @@
 """Location coding: where in an item's element range the records sit.
 
-Two codings, chosen per item by which is smaller:
-
-* ``gaps``: for each record, the number of unchanged elements skipped since the
-  previous record (or since the range start). Sparse, scattered changes.
-* ``runs``: for each maximal run of consecutive records, the gap since the previous
-  run's end and the run length minus one. Dense or clustered changes; a whole-tensor
-  overwrite is a single run.
-
-Location values travel as one byte each with 255 escaping to a wider side stream, and
-run lengths as byte planes (see :mod:`dcr.codec.planes`).
+``gaps`` for scattered changes, ``runs`` for clustered ones (a whole-tensor overwrite is one
+run), chosen per item by which is smaller (agent/dcr/format/FORMAT.md, "Records").
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""Byte planes: the shuffle that lets zstd's entropy coder see one byte position at a time.
+"""Byte planes: each byte position of a value stream coded as its own stream, so zstd's
+Huffman stage fits each distribution alone (agent/dcr/format/FORMAT.md, "Streams").
 
-A stream of 16-bit XOR masks of small updates has a low byte full of ``0b1, 0b11, ...``
-and a high byte that is almost always zero; gaps between changed positions have a
-near-uniform low byte and a geometric high byte. Coding each byte position as its own
-stream lets zstd's Huffman stage fit each distribution separately, and for geometric
-gaps the byte planes are nearly independent, so little is lost against the joint
-entropy. Everything here is little-endian and vectorised.
+Everything here is little-endian and vectorised.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """The seam between the DCR agent and a serving engine: what the agent needs of one.
 
-The agent (a sidecar in the rollout pod) holds no model. It stages verified payloads as
-files in a volume it shares with the engine's container and drives the engine through
-the engine's own HTTP API; every tensor-parallel rank of the engine applies the same
-staged files through its own loader with DCR's plugin. :class:`Driver` is that
-conversation, one method per thing the protocol needs; ``docs/engines.md`` maps each
-onto vLLM, SGLang and the reference server (``dcr serve``).
-
-Values that cross the seam are plain and torch-free: tensors are named by
-:class:`TensorSpec` (name, dtype, shape), staged payloads by file name
-(:func:`check_staged_name`), checkpoints by a path relative to the engine's checkpoint
-root (:func:`check_checkpoint_path`), and an apply comes back as each rank's report
-(:class:`ApplyOutcome`).
+:class:`Driver` has one method per thing the protocol needs (docs/engines.md, "The calls").
+What crosses it is plain and torch-free: tensors as :class:`TensorSpec`, staged payloads by
+file name (:func:`check_staged_name`), checkpoints by a path under the engine's checkpoint
+root (:func:`check_checkpoint_path`), an apply as each rank's :class:`ApplyOutcome`.
 """
 
 from __future__ import annotations

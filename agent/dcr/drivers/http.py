@@ -1,12 +1,9 @@
 """One JSON-over-HTTP conversation with a serving engine, for both engine adapters.
 
-:class:`JsonHttp` sends a call's JSON body with the engine's API key and returns the
-parsed answer, through :data:`dcr.http.direct.OPENER` (no redirects, no proxies, HTTP(S)
-only). Every failure becomes an :class:`~dcr.drivers.errors.EngineError` sentence that
-names the engine, the call and the endpoint; what the engine said is quoted as a
-bounded, printable excerpt of its message (vLLM's ``{"error": {"message": ...}}``, its
-``{"error": "..."}`` and FastAPI's ``{"detail": ...}``, SGLang's ``{"message": ...}``),
-never as a body.
+:class:`JsonHttp` sends a call's body with the engine's API key through
+:data:`dcr.http.direct.OPENER` and returns the parsed answer. Every failure is an
+:class:`~dcr.drivers.errors.EngineError` sentence quoting the engine's own message (vLLM's,
+FastAPI's or SGLang's shape) as a bounded excerpt, never its body.
 """
 
 from __future__ import annotations

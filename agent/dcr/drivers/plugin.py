@@ -1,28 +1,9 @@
 """DCR's plugin inside the engine, as the agent calls it: seven methods, one answer per rank.
 
-The plugin runs in every worker (rank) of the serving engine: in vLLM the worker
-extension ``dcr.runtimes.vllm.DcrWorkerExtension`` (``--worker-extension-cls``), in the
-reference server (``dcr serve``) the same class on in-process workers. A call names a
-method and at most one argument, a JSON string (vLLM's ``/collective_rpc`` passes only
-strings), and every rank answers with a JSON object carrying its ``rank``::
-
-    dcr_instance()                       -> {"instance": hex, "rank", "world"}
-    dcr_prewarm({"tensors": [[name, dtype, [shape]], ...]})
-                                         -> {"rank", "profile": {name: class}}
-    dcr_apply({"payloads": [file name in DCR_STAGING_DIR, ...]})
-                                         -> {"rank", ...apply report}
-    dcr_fingerprint()                    -> {"rank", "tensors": {name: "xxh3-128:..."}}
-    dcr_load_dense({"checkpoint": path under DCR_CHECKPOINT_ROOT,
-                    "expect": {name: fingerprint} | null, "check_only": bool})
-                                         -> {"rank"}
-    dcr_check_targets({"expect": {name: fingerprint}})
-                                         -> {"rank", "differ": {name: fingerprint held}}
-    dcr_sync()                           -> {"rank"}
-
-:class:`PluginDriver` implements those calls of :class:`~dcr.drivers.base.Driver` on
-top of one primitive each adapter supplies (``_plugin``: carry a call to every rank and
-return the answers), and checks the answers like any input from a peer: each a JSON
-object of the documented shape, one per rank, ranks exactly ``0..world-1``.
+:class:`PluginDriver` implements those calls of :class:`~dcr.drivers.base.Driver` on one
+primitive each adapter supplies (``_plugin``: carry a call to every rank, return the
+answers) and checks the answers like any input from a peer: one JSON object of the
+documented shape per rank, ranks exactly ``0..world-1``. docs/engines.md, "The plugin".
 """
 
 from __future__ import annotations

@@ -1,36 +1,10 @@
 """The agent's adapter to an SGLang server, through SGLang's own HTTP API.
 
-Mapped against SGLang 0.5.23's source (``sglang/srt/entrypoints/http_server.py``,
-``managers/io_struct.py``, ``model_executor/model_runner_components/weight_updater.py``);
-``docs/engines.md`` says what was run and what was only read.
-
-* **The plugin's calls** ride SGLang's custom weight-loader hook. The server is started
-  with ``--custom-weight-loader dcr.runtimes.sglang.dcr_weight_loader``; then
-  ``POST /update_weights_from_tensor {"serialized_named_tensors": [one per TP rank],
-  "load_format": "dcr.runtimes.sglang.dcr_weight_loader"}`` makes every TP rank call
-  ``dcr_weight_loader(model, named_tensors)``. The named tensors carry the call: one
-  entry whose *name* is ``dcr:`` + JSON ``{"call", "method", "args"}`` (the same
-  method and JSON-string argument as vLLM's ``/collective_rpc``) and whose tensor is
-  empty. SGLang unpickles each rank's entry with an allow-list of globals, so the entry
-  is a pickle built here without torch (:func:`call_pickle`) from globals on that list.
-  Since 0.5.x the call must sit between ``POST /begin_weight_update`` and
-  ``POST /end_weight_update``.
-* **Answers come back as files.** SGLang answers a weight update with one
-  ``{"success", "message"}`` for the whole server, so each rank writes its answer (the
-  same JSON as through vLLM) to ``.dcr-result-<call>-<rank>.json`` in the staging
-  directory both containers mount, and this adapter reads and removes them. The plugin
-  never raises into SGLang's scheduler: a failure is an ``{"rank", "error"}`` answer.
-* **The gate**: ``POST /pause_generation {"mode"}`` and ``POST /continue_generation``.
-  SGLang has no mode that lets requests in flight finish: ``abort`` maps to ``abort``,
-  ``keep`` to ``in_place``, and ``wait`` is refused (:class:`EngineError`) rather than
-  silently becoming a mode with other semantics.
-* **The version label**: ``POST /update_weight_version {"new_version",
-  "abort_all_requests": false}`` (SGLang's default aborts every request) and the
-  ``weight_version`` of ``GET /model_info``. Health: ``GET /health``.
-
-Dense rejoin goes through the plugin (``dcr_load_dense``), not SGLang's
-``/update_weights_from_disk``: the plugin checks the expected fingerprints before it
-writes and loads through the same ``load_weights`` as every refit.
+Plugin calls ride ``POST /update_weights_from_tensor`` to the custom weight loader
+(:mod:`dcr.runtimes.sglang`) inside a ``begin``/``end_weight_update`` session: one empty
+tensor per rank whose name carries the call, pickled without torch (:func:`call_pickle`)
+from globals on SGLang's allow-list. Each rank answers with a file in the staging directory,
+which this adapter reads and removes. docs/engines.md, "SGLang: the custom weight loader".
 """
 
 from __future__ import annotations

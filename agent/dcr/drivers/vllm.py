@@ -1,21 +1,9 @@
 """The agent's adapter to a vLLM server (and to ``dcr serve``, which speaks its dialect).
 
-Every call is one request to an endpoint of vLLM's own HTTP server (read in vLLM 0.33's
-source; ``docs/engines.md`` has the table and the reasons):
-
-* the plugin's calls go to ``POST /collective_rpc {"method", "args": [json], "timeout"}``
-  (``vllm/entrypoints/serve/dev/rpc/api_router.py``), which runs the method on every
-  worker and answers ``{"results": [one per worker]}``; the workers carry DCR's plugin
-  through ``--worker-extension-cls dcr.runtimes.vllm.DcrWorkerExtension``;
-* the gate is ``POST /pause?mode=abort|wait|keep`` and ``POST /resume``, the state
-  ``GET /is_paused``; the version label ``POST /update_weight_version {"new_version"}``
-  and ``GET /weight_info`` (``vllm/entrypoints/rl/online/api_router.py``);
-* health is ``GET /health`` (200, or 503 once the engine core died).
-
-``/collective_rpc`` and the RL routes exist only when the server runs with
-``VLLM_SERVER_DEV_MODE=1``; vLLM's ``--api-key`` guards only ``/v1``-style paths, so the
-rest must not be reachable from outside the pod (``docs/engines.md``). The adapter sends
-the key on every call anyway: ``dcr serve`` checks it everywhere but ``/health``.
+Every call is one request to vLLM's own HTTP server (docs/engines.md, "The calls"): plugin
+calls to ``POST /collective_rpc``, the gate to ``/pause`` and ``/resume``, the label to the
+weight-version routes. The adapter sends the API key on every call, though vLLM checks it
+only on ``/v1`` paths: ``dcr serve`` checks it on all but ``/health``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Where a version's objects live in a store: key building, parsing and checking.
 
-``FORMAT.md`` ("Keys") defines the layout; this module is its one spelling in code.
-Writers build keys here and readers that learn ids from a key (a receiver listing an
-attempt's payloads, the relay publisher routing a ``put``) parse them here, so the two
-cannot drift apart. A parser accepts only the canonical spelling its builder produces
-(``o0001``, not ``o001`` or ``o00001``) and returns None for any other key.
+The one spelling in code of the keys ``FORMAT.md`` defines: writers build keys here and
+readers that learn ids from a key parse them here, so the two cannot drift. A parser
+accepts only the spelling its builder produces (``o0001``, not ``o001``), else None.
 """
 
 from __future__ import annotations

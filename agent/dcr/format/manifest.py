@@ -1,34 +1,10 @@
 """The per-attempt manifest, version 2: the payloads a receiver must apply, written last.
 
-A manifest names the transition, the attempt, every payload with its size and BLAKE2b-128
-digest in apply order, and the fingerprint of every tensor at the base and the target
-version, so a file-level receiver can refuse a checkpoint that is not at the base version
-and can prove it reached the target. Its content is a JSON document (schema:
-``manifest.schema.json`` beside this module, generated from the model below); on the wire
-and in stores that document travels compressed, in a small sealed container
-(``FORMAT.md``, "Manifest"): a preamble with a magic, the version and both lengths, a
-BLAKE2b-128 digest, and one zstd frame.
-
-Choices, and why (numbers: ``bench/results/manifest.json``, ``docs/benchmarks.md``):
-
-* **zstd over the same JSON, not a binary layout.** Version 1 wrote the document as
-  indented JSON, 235-255 bytes per tensor: 9% of the main job's payload, more for models
-  of many small tensors. The two hex fingerprints are 35-37% of those bytes, and they are
-  the only part with real entropy: 16 random bytes each. zstd's Huffman stage codes their
-  hex digits at about 4 bits, so compressed JSON (36-37 bytes per tensor) comes within
-  12-18% of an ideal binary layout (raw fingerprint bytes, the rest compressed at level
-  19) while the document, its schema, its strict validation and every reader's view of
-  it stay as they were. Names, keys, punctuation, a target fingerprint that repeats the
-  base (an unchanged tensor) and payload keys that repeat the attempt fall to zstd's
-  matches.
-* **A sealed container rather than a bare frame.** The magic tells a manifest from a
-  payload and from a version 1 JSON manifest by its first bytes; the digest is checked
-  before anything is decompressed, as a payload's is; the declared JSON size is checked
-  against a limit before decompression, and the frame must hold exactly that many bytes.
-* **Limits before parsing.** The object's size, then the declared JSON size (a bound on
-  decompression), then a count of ``{`` bytes (every payload and tensor is one JSON
-  object, so the count bounds them from above) are checked before the document is parsed
-  into models.
+It names the transition, the attempt, every payload with its size and digest in apply
+order, and every tensor's base and target fingerprints: JSON (``manifest.schema.json``,
+generated from the model below) sealed in a small zstd container, whose size, digest and
+entry count are checked before anything is decompressed or parsed. ``FORMAT.md``,
+"Manifest", has the bytes, the limits and why.
 """
 
 from __future__ import annotations

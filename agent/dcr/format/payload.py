@@ -1,15 +1,9 @@
 """The payload container, version 1: preamble, compressed JSON header, compressed streams.
 
-A payload is one owner's bucket of items for one attempt. ``agent/dcr/format/FORMAT.md`` documents
-every byte; this module is the only code that reads or writes that layout. Reading is
-defensive: lengths and the digest are checked before anything is decompressed, the
-header's size and a cheap count of its objects are checked before it is parsed into
-models, every declared size is checked against limits and against what the items imply,
-and each zstd frame must decompress to exactly its declared size with no bytes left over.
-A receiver that knows its tensors reads with :meth:`DecodeLimits.for_tensors`, limits no
-honest payload for those tensors can exceed, and checks items against its tensors before
-it decompresses a stream (:mod:`dcr.apply.applier`). The writer refuses to seal what the
-default limits would refuse to read.
+``FORMAT.md`` documents every byte; this is the only code that reads or writes it. Reading
+checks lengths, digest and limits before anything is decompressed or parsed, and each zstd
+frame must decompress to exactly its declared size (``FORMAT.md``, "Validation order"); the
+writer refuses to seal what the default limits would refuse to read.
 """
 
 from __future__ import annotations

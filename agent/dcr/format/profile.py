@@ -1,18 +1,8 @@
 """The receiver profile: how each canonical tensor reaches this rank's storage.
 
-Prewarm runs the loader once per tensor in record mode and classifies it:
-
-* ``xor``: every write copies a view of the scratch tensor, same dtype, into a view of
-  parameter storage that no other write touches. XOR masks apply exactly, and only the
-  changed elements are touched.
-* ``overwrite``: some write converts element by element (a cast), or writes the same
-  bytes twice. Absolute values apply exactly; XOR would not.
-* ``dense``: a write depends on the whole tensor (a per-tensor quantization scale): one
-  changed element can change every stored byte, so the sender sends the whole tensor.
-* ``skip``: this rank does not hold the tensor (an expert on another rank, a tied head).
-
-The sender merges the profiles of all ranks (the most demanding class wins) and encodes
-each tensor accordingly.
+Prewarm classifies every tensor ``xor``, ``overwrite``, ``dense`` or ``skip``; the sender
+merges the ranks' profiles (the most demanding class wins) and encodes each tensor
+accordingly. docs/apply.md, "Prewarm and the receiver profile".
 """
 
 from __future__ import annotations

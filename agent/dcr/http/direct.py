@@ -1,20 +1,9 @@
 """HTTP(S) straight to one peer: the opener every DCR client that carries a credential uses.
 
-A bearer token or API key must reach the peer it was given for and nothing else, and
-what the peer answers must not flood a log or the caller's memory. :data:`OPENER` has
-no redirect handler (a 3xx is an error: the credential is never sent to a second
-address), no proxy handler (no environment variable reroutes calls that carry it) and
-no ``file:``, ``ftp:`` or ``data:`` handlers (any other scheme reaches
-``UnknownHandler``: "unknown url type"). :func:`check_url` refuses anything but an
-``http://`` or ``https://`` URL with a host before a client is built;
-:func:`read_bounded` reads at most a limit; :func:`excerpt` turns a peer's bytes into a
-short printable string a sentence may quote; :func:`unreachable_reason` says why a call
-got no answer in our own words (an exception about a malformed answer would quote the
-peer's bytes).
-
-Torch-free and stdlib-only, at the bottom layer, so the engine adapters
-(:mod:`dcr.drivers`) and the agent client (:class:`dcr.protocol.agent_api.AgentClient`)
-use it.
+:data:`OPENER` follows no redirect (a credential never reaches a second address), uses no
+proxy and has no ``file:``, ``ftp:`` or ``data:`` handler; :func:`check_url` admits only
+``http(s)://host``. A peer's answer is read bounded and quoted only as a short printable
+:func:`excerpt`. Stdlib-only, at the bottom layer.
 """
 
 from __future__ import annotations

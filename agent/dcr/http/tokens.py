@@ -1,31 +1,9 @@
 """Bearer tokens: one strength check, one way to read them, one way to write a token file,
 one way to compare an ``Authorization`` header.
 
-The agent's control API and the relay's two credentials (read and publish) are bearer
-tokens, read from files or the environment (never from the command line, where ``ps``
-shows them). This module sits at the bottom layer and imports nothing heavy, so the
-agent, the relay, the main job and the operator (torch-free) use the same rules.
-
-Choices, and why:
-
-* **Strength: at least 16 characters of printable ASCII, not a placeholder.** 16
-  random hex characters are 64 bits; an HTTP header carries ASCII, so a token with a
-  space, a control byte or a non-ASCII character could never be sent back as it was
-  read. The examples in the chart and the docs spell tokens ``change-me-...``; such a
-  token is long enough to pass a length check, so anything starting with
-  :data:`PLACEHOLDER_PREFIX` is refused: a copied example never becomes a live secret.
-* **Errors name the source, never the token.** "The relay read token from
-  /etc/dcr/read-token is 9 characters; ..." says where to look without printing the
-  secret into a log.
-* **Token files are created 0600 and never written through a link.** A file written
-  and then ``chmod``-ed is readable by others in between; :func:`write_token_file`
-  creates a fresh file with ``mkstemp`` (``O_CREAT | O_EXCL``, mode 0600) beside the
-  target and renames it over the target, so the token is never in a file with wider
-  permissions and a symlink planted at the target is replaced, not followed.
-* **Header comparison in constant time, and total.** :func:`bearer_matches` compares
-  bytes with :func:`hmac.compare_digest`; a header that is not ASCII (aiohttp hands
-  undecodable bytes over as surrogates) cannot match a checked token and answers
-  ``False`` instead of raising, so a hostile header gets the usual 401, not a 500.
+Bottom layer, so the agent, the relay, the main job and the operator share the rules
+(docs/security.md, "Parties and credentials"). Errors name a token's source, never the
+token; :func:`bearer_matches` never raises, so a hostile header is a 401, not a 500.
 """
 
 from __future__ import annotations

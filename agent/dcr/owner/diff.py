@@ -1,16 +1,9 @@
 """The whole-tensor diff: compare two checkpoints and write one owner's payloads and manifest.
 
-Tensors are cut into items of at most ``item_elements`` elements and grouped, in name
-order, into buckets of about ``bucket_bytes`` dense bytes (less for a small model:
-:func:`bucket_limit`); each bucket becomes one payload. Items are diffed on a thread
-pool (numpy and zstd release the GIL) while earlier buckets are sealed and uploaded, up
-to ``UPLOAD_WINDOW`` at once (each put is a round trip to the store or the relay root),
-so memory stays near a few buckets plus the largest item however large the checkpoint
-is. The :class:`~dcr.owner.writer.AttemptWriter` puts the payloads and, last, the
-manifest.
-
-This is the engine behind ``dcr diff``, ``dcr encode`` and the in-process ``Encoder``,
-configured by :class:`~dcr.owner.settings.EncodeSettings`.
+Items are grouped in name order into buckets of about ``bucket_bytes``, one payload each,
+and diffed on a thread pool while earlier buckets are sealed and uploaded (at most
+``UPLOAD_WINDOW`` at once), so memory stays near a few buckets plus the largest item however
+large the checkpoint. The engine behind ``dcr diff``, ``dcr encode`` and ``Encoder``.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
 """The in-process owner a trainer calls: holds the committed baseline, publishes, advances.
 
-:class:`Encoder` is an ``OwnerHandle`` whose baseline and candidate are canonical tensors
-in memory (``ArrayCheckpoint``) or memory-mapped checkpoints. Its process form, which runs
-``dcr encode`` per attempt, is :class:`dcr.owner.process.ProcessOwner`.
-
-Every owner compares the candidate with the committed baseline only. A retry recomputes
-the complete changed set from the same candidate and the unchanged baseline as absolute
-overwrites (``mode="overwrite"``). The baseline advances only for a commit record that
-names the candidate's version and an attempt this owner published
-(:class:`~dcr.owner.state.OwnerState`). Several owners split the tensors by a stable hash
-of their names (``dcr.format.layout.owner_of``).
+:class:`Encoder` is an ``OwnerHandle`` over canonical tensors in memory or memory-mapped
+checkpoints; when it may publish and advance is :class:`~dcr.owner.state.OwnerState`'s.
 """
 
 from __future__ import annotations

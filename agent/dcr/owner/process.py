@@ -1,13 +1,9 @@
 """The owner as a process per attempt: ``dcr encode``, what an encoder Job is on Kubernetes.
 
-:class:`ProcessOwner` is an ``OwnerHandle`` whose baseline is the committed version's
-checkpoint directory; each ``publish`` runs ``python -m dcr encode`` on the attempt's
-base and target checkpoints and waits for its JSON summary. It obeys the same baseline
-rules as the in-process :class:`~dcr.owner.encoder.Encoder`
-(:class:`~dcr.owner.state.OwnerState`); its candidate is the attempt's target
-checkpoint, offered when the first attempt for it is published. The command line comes
-from :meth:`EncodeSettings.argv <dcr.owner.settings.EncodeSettings.argv>`, as the
-operator's encoder Jobs' does.
+Each ``publish`` of :class:`ProcessOwner` runs ``python -m dcr encode`` on the attempt's base
+and target checkpoints, with the command line of
+:meth:`EncodeSettings.argv <dcr.owner.settings.EncodeSettings.argv>`, and waits for its JSON
+summary; its rules are :class:`~dcr.owner.state.OwnerState`'s.
 """
 
 from __future__ import annotations

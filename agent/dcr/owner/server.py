@@ -1,37 +1,10 @@
 """``dcr encoder``: a warm owner, a long-running HTTP endpoint that publishes attempts.
 
-An encoder Job pays for a Pod, a container start and Python's imports on every attempt;
-this process pays them once. ``POST /v1/publish`` (:mod:`dcr.protocol.encoder_api`)
-runs exactly what ``dcr encode`` runs for the same arguments (:func:`publish_settings`
-builds the same :class:`~dcr.owner.settings.EncodeSettings`, with the manifest part
-under the attempt), in process, and answers with the summary ``dcr encode --json``
-prints. Checkpoints are opened per request; between attempts their pages stay in the
-page cache because this process keeps reading them.
-
-Defences, each with a test (tests/integration/test_encoder_server.py):
-
-* **Token.** Every route but ``/healthz`` needs ``Authorization: Bearer <token>``
-  (:func:`dcr.http.tokens.bearer_matches`, constant time), read from ``--token-file`` and
-  checked for strength at start; it is never logged.
-* **A fixed store.** Payloads go to ``--store`` and nowhere else; a request has no
-  field that names a store.
-* **Checkpoint roots.** Both checkpoints of a request must resolve (``realpath``: ``..``
-  and symlinks followed) inside one ``--checkpoint-root``; the resolved path is what is
-  opened, so a link swapped afterwards changes nothing. Else 400 naming the path.
-* **One publish per (attempt, owner).** A second one while the first runs is 409; so is
-  a publish of an attempt that was stopped. At most ``--max-publishes`` run at once
-  (503 beyond).
-* **Stop.** ``POST /v1/stop`` marks an attempt obsolete: its publishes diff nothing
-  more after their current item and start no further write (payloads already being
-  written finish; the manifest part, written last, never is, so no receiver can take
-  the attempt as complete), and the call returns once they have ended. A publish whose
-  caller disconnects stops the same way.
-* **Bounded bodies** (:data:`~dcr.protocol.encoder_api.MAX_BODY_BYTES`, 413 beyond),
-  validated strictly (pydantic, unknown fields refused), 400 naming the field.
-
-Threads, and why: publishes run on their own pool (``--max-publishes`` threads, each
-diffing on ``--threads``), stops on another, so a stop is never queued behind the
-publishes it must end.
+``POST /v1/publish`` (:mod:`dcr.protocol.encoder_api`) runs in process what ``dcr encode``
+runs for the same arguments (:func:`publish_settings`) and answers its summary. A request
+cannot name the store and reads only checkpoints that resolve under a ``--checkpoint-root``;
+a stop ends an attempt's publishes before their manifest part. Stops run on a pool of their
+own, never queued behind the publishes they end. docs/operations.md, "Warm encoder".
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """How an owner encodes an attempt: the settings of ``dcr diff``, ``dcr encode`` and ``Encoder``.
 
-:class:`EncodeSettings` is the one declaration of what an owner can be told: each field
-carries its default and a doc with its unit, and ``dcr.settings`` derives the command-line
-options of ``dcr diff``/``dcr encode`` from it. :meth:`EncodeSettings.argv` builds the
-``dcr encode`` command line, so the two places that start an encoder process
-(``ProcessOwner`` and the operator's encoder Job) never spell a flag or a default.
-
-Choices, and why: this module imports only the standard library, ``dcr.settings``,
-``dcr.format`` and ``dcr.errors``, because the operator (which never imports torch or the
-codec) builds encoder command lines from it. The in-process receiver profile is a field
-off the command line; the command line names a profile file instead (``--profile``),
-which the command reads into it.
+:class:`EncodeSettings` is the one declaration: ``dcr.settings`` derives the options from it
+and :meth:`EncodeSettings.argv` the ``dcr encode`` command line, so no starter of an encoder
+spells a flag or a default. The operator builds those command lines too, so this module
+imports only the standard library, ``dcr.settings``, ``dcr.format`` and ``dcr.errors``.
 """
 
 from __future__ import annotations

@@ -1,29 +1,9 @@
 """Direct projection: a trainer rank's shards, encoded in canonical coordinates.
 
-A trainer under tensor or expert parallelism holds shards, not Hugging Face tensors.
-Gathering them to canonical tensors before diffing would move every byte again; an
-affine shard map instead says where each element of a local shard lives in the
-canonical tensors, so each rank diffs its own shard against its own baseline shard
-and emits items addressed in canonical coordinates directly. Ranks are owners: their
-items never overlap, and every receiver applies them through its own loader as usual.
-
-Shard kinds (canonical shape ``[R, C, ...]``, ``ranks`` equal parts, this rank ``k``):
-
-* ``replicated``: every rank holds the whole tensor; rank 0 alone sends it.
-* ``rows``: rows ``[k R/ranks, (k+1) R/ranks)`` (column-parallel linears, vocab
-  splits): one contiguous element range.
-* ``columns``: columns ``[k C/ranks, (k+1) C/ranks)`` of a 2-D tensor (row-parallel
-  linears): one item per row that changed, since a payload item is a contiguous range
-  of the canonical tensor. Costs an item header per changed row.
-* ``gate_up``: a fused ``[2 I/ranks, H]`` shard whose first half is rank ``k``'s rows of
-  the canonical gate projection and whose second half is its rows of the up projection
-  (``canonical = (gate, up)``).
-* ``expert``: one expert ``expert`` of a local stack ``[E_local, ...]`` is the whole
-  canonical tensor (expert-parallel MoE layers).
-
-Tensors whose receivers need them whole (the ``dense`` class: converting paths where
-one change moves every stored bit) cannot travel by parts; send them from one owner
-that holds them whole.
+A :class:`ShardMap` says where each element of a local TP/EP shard lives in the canonical
+tensors, so a rank diffs its own shards against its baseline shards and emits items in
+canonical coordinates, with no gather. Ranks are owners whose items never overlap. The
+shard kinds: docs/protocol.md, "Parties".
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """An owner's baseline and candidate: the one rule for what it may publish and when it advances.
 
-Every owner form (:class:`~dcr.owner.encoder.Encoder` in process,
-:class:`~dcr.owner.process.ProcessOwner` per attempt process,
-:class:`~dcr.owner.shards.ShardEncoder` per trainer rank) holds the same state and obeys
-the same rules, so they inherit them from :class:`OwnerState`:
-
-* ``set_candidate``: the candidate's version must be after the committed baseline's.
-* ``check_publish``: an attempt may be published only for the transition baseline ->
-  candidate; its id is recorded.
-* ``advance_baseline``: only for a commit record that names the candidate's version and an
-  attempt this owner published; the candidate becomes the baseline. Calling it again with
-  the same record (a coordinator finishing after failover) does nothing.
-
-Choices, and why: a generic base dataclass rather than a held object, because every form
-exposes ``baseline``, ``version`` and ``candidate`` to its callers as attributes, and the
-bits are whatever the form diffs (a ``TensorSource``, a rank's shards, a checkpoint
-directory).
+Every owner form inherits :class:`OwnerState`: the candidate comes after the baseline, an
+attempt is published only for baseline -> candidate, and the baseline advances only for a
+commit record naming the candidate and an attempt this owner published (a second call with
+the same record, after a coordinator's failover, does nothing).
 """
 
 from __future__ import annotations

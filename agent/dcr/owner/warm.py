@@ -1,24 +1,10 @@
 """The warm owner form: an in-process encoder over memory-mapped checkpoint directories.
 
-A trainer that exports a checkpoint per step can own its tensors without starting a
-process per attempt (:class:`~dcr.owner.process.ProcessOwner`, ``dcr encode``, what an
-encoder Job is on Kubernetes): :class:`WarmOwner` is an
-:class:`~dcr.owner.encoder.Encoder` whose baseline is the committed version's
-checkpoint, memory-mapped, and whose candidate is the attempt's target checkpoint. The
-main job (``dcr refit --owner-form warm``, its default) runs its owners this way, and
-``dcr encoder``'s endpoint publishes the same bytes over HTTP.
-
-Choices, and why:
-
-* **Checkpoints by version, opened late.** ``checkpoints(v)`` names version ``v``'s
-  directory; the candidate is opened when the first attempt for it is published, as
-  :class:`~dcr.owner.process.ProcessOwner` does with directories, so a retry reuses it.
-* **Closed as soon as unused.** A driver deletes a version's directory once the next one
-  is committed, so each checkpoint's maps are dropped as soon as it stops being the
-  baseline or the candidate: no deleted file stays mapped.
-* **Summaries like ``dcr encode --json``.** ``summaries`` holds, per attempt, the numbers
-  the process form prints, from the manifest the diff returns, so a driver reads both
-  forms alike.
+:class:`WarmOwner` is an :class:`~dcr.owner.encoder.Encoder` over checkpoints named by
+version, the candidate opened at its first publish (a retry reuses it); ``dcr refit`` runs
+its owners this way by default. A checkpoint's maps are dropped once it is neither baseline
+nor candidate, since drivers delete old versions: no deleted file stays mapped.
+``summaries`` holds what ``dcr encode --json`` prints, so drivers read both forms alike.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """One owner's part of one attempt in a store: sealed payloads, then its manifest part.
 
-Both ways of finding changes (whole canonical tensors in :mod:`dcr.owner.diff`, a trainer
-rank's shards in :mod:`dcr.owner.shards`) fill :class:`~dcr.codec.encode.PayloadBuilder`
-buckets and hand them here. :class:`AttemptWriter` seals each bucket, puts it under its
-payload key, lists it with its size and object digest, and, once every payload is in the
-store, writes the manifest: under the attempt (``owner_manifest_key``, what protocol
-owners and several owners write) or at the version (``manifest_key``, the file-level
-layout ``dcr patch`` reads). The manifest goes last, so a reader that finds it finds every
-payload it lists.
+:class:`AttemptWriter` seals the buckets :mod:`dcr.owner.diff` and :mod:`dcr.owner.shards`
+fill and puts each under its payload key. The manifest goes last (under the attempt, or at
+the version for ``dcr patch``), so a reader that finds it finds every payload it lists.
 """
 
 from __future__ import annotations

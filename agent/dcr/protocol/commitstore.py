@@ -1,10 +1,8 @@
 """Where the commit record lives, changed only by compare-and-set.
 
-``CommitStore`` is the seam: the operator keeps the record in the RolloutFleet's status
-(resourceVersion precondition); locally, ``SqliteCommitStore`` keeps it in one SQLite
-file, where ``BEGIN IMMEDIATE`` takes the write lock before the comparison, so
-concurrent coordinators in separate processes cannot both win, and a crash leaves the
-old record or the new one (SQLite's journal), never a mix.
+``CommitStore`` is the seam. ``SqliteCommitStore`` takes SQLite's write lock before it
+compares (``BEGIN IMMEDIATE``), so coordinators in separate processes cannot both win, and
+a crash leaves the old record or the new one.
 """
 
 from __future__ import annotations

@@ -1,35 +1,10 @@
 """The warm encoder's HTTP API (``dcr encoder``), declared once: bodies and a client.
 
-A warm encoder is a long-running owner process: the operator (or any coordinator) asks
-it to publish one owner's part of an attempt, and it does exactly what ``dcr encode``
-does for those arguments, without a process, a Pod or imports per attempt. Torch-free,
-so the operator imports it; the server is :mod:`dcr.owner.server`.
-
-::
-
-    GET  /healthz     -               -> "ok"             liveness; no token
-    POST /v1/publish  PublishRequest  -> the summary      encode and write payloads and
-                                                          this owner's manifest part
-    POST /v1/stop     StopRequest     -> StopAnswer       the attempt is obsolete: its
-                                                          publishes stop between buckets;
-                                                          returns once none still writes
-
-Every call but ``/healthz`` carries ``Authorization: Bearer <token>``. Errors come back
-as ``{"error": sentence, "kind": class name}`` with 400 (bad body, a checkpoint outside
-the server's roots, an unreadable checkpoint), 401 (token), 409 (that owner of that
-attempt is already publishing, or the attempt was stopped), 413 (body too large), 503
-(every publish slot busy) or 500; the client raises :class:`EncoderError` with the
-sentence.
-
-What a caller cannot choose: the store (the server's ``--store``; a request has no
-field for it, so nobody who can reach the endpoint can send payloads elsewhere) and
-which files are read (both checkpoints must lie under one of the server's
-``--checkpoint-root`` directories, symlinks resolved).
-
-Choices, and why: the client opens through :data:`dcr.http.direct.OPENER` (no redirect:
-the token is never sent to a second address; no proxy; HTTP(S) only), as the agent
-client does; a publish waits as long as its attempt may run, so its socket timeout
-comes from the caller.
+``POST /v1/publish`` has :mod:`dcr.owner.server` do what ``dcr encode`` does for those
+arguments; ``POST /v1/stop`` ends an attempt's publishes; every call but ``GET /healthz``
+needs the bearer token. Errors are ``{"error", "kind"}``; :class:`EncoderError` carries the
+sentence. Torch-free, for the operator. A publish's socket timeout comes from the caller,
+since it lasts as long as its attempt may. docs/operations.md, "Warm encoder".
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Transitions, attempts, and the commit record that binds a version to its baseline.
 
-The commit record ``(committed_version, baseline_id, attempt)`` is the one durable fact
-of a refit: a policy version counts as delivered exactly when the record names it, and
-owners advance their baselines only after reading it. It changes only by
-compare-and-set (:mod:`dcr.protocol.commitstore`).
+The record ``(committed_version, baseline_id, attempt)`` is the one durable fact of a
+refit: a version counts as delivered exactly when the record names it, and the record
+changes only by compare-and-set (:mod:`dcr.protocol.commitstore`).
 """
 
 from __future__ import annotations

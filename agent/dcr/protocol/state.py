@@ -1,18 +1,8 @@
 """The life of an attempt, as a table of allowed transitions (docs/protocol.md).
 
-::
-
-    prepared -> streaming -> staged -> gate_closed -> applying -> flushed -> committed
-        \\            \\          \\           \\             \\          \\
-         `------------`----------`-----------`-------------`----------`--> obsolete
-
-Synchronous RL closes the gate while payloads still stream (``streaming ->
-gate_closed``) and applies them as they arrive; asynchronous RL stages everything
-first (``staged -> gate_closed``) and keeps serving the old version meanwhile.
-
-Any state before ``committed`` may become ``obsolete`` (a failure after admission, a
-timeout, an operator abort); an obsolete attempt never comes back, and the next attempt
-of the transition runs in overwrite mode. ``committed`` and ``obsolete`` are final.
+Synchronous RL closes the gate while payloads stream (``streaming -> gate_closed``),
+asynchronous RL once all are staged (``staged -> gate_closed``). Any state before
+``committed`` may become ``obsolete``; both are final.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""The agent's local journal: which attempt it was in, whether it had written, and under
-which engine instance its version holds.
+"""The agent's local journal: its attempt, whether it wrote, and its engine instance.
 
-One small JSON file, replaced atomically (write, fsync, rename, fsync the directory)
-before every step that matters: before the first write of an attempt (``dirty``), at
-flush, at commit, at stop and after a dense load. An agent that restarts reads it and
-reports an unknown version instead of guessing when the journal says writes may have
-happened that no commit or dense load settled.
+One small JSON file, replaced atomically (write, fsync, rename, fsync the directory) before
+every step that matters (docs/protocol.md, "What the weights hold").
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """``dcr agent``: one rollout pod's sidecar as a process, driving a serving engine.
 
-The agent holds no model and imports no torch: it drives the engine beside it through
-the engine's HTTP API (``--engine vllm``: vLLM or ``dcr serve``; ``--engine sglang``)
-and stages verified payloads as files in the directory it shares with the engine
-(``--staging-dir``). Payloads come from an object store (``--store``) or a relay node
-(``--relay``). It listens at once and meets the engine in the background (instance id,
-prewarm), so a slow engine start does not fail the agent's probes; until the engine
-answers, ``/v1/status`` and ``/readyz`` answer 503. Once listening, the process prints
-one JSON line ``{"url": ..., "name": ..., "version": ...}`` on stdout. The options are
-:class:`~dcr.receiver.settings.AgentSettings`, declared there once.
+It listens at once and meets the engine in the background, so a slow engine start does not
+fail its probes; once listening it prints one JSON line. Options:
+:class:`~dcr.receiver.settings.AgentSettings`.
 """
 
 from __future__ import annotations

@@ -1,24 +1,8 @@
 """The agent's HTTP control API (:mod:`dcr.protocol.agent_api`) on aiohttp.
 
-One route per row of :class:`~dcr.protocol.agent_api.AgentApi`: the handler validates
-the JSON body strictly with the row's model, decodes it into the arguments of the
-service method of the row's name, runs that blocking call on a thread and serialises
-the row's response model. Errors map to statuses: 400 bad body, 401 token, 409 attempt,
-state or version conflict, 422 the attempt failed here, 503 too many waits or an engine
-that failed or did not answer, 500 anything else. Health, readiness and metrics are
-served beside the table. Generation is the engine's (``/v1/completions`` on vLLM, SGLang
-or ``dcr serve``), not the agent's: the agent holds no model.
-
-Threads, and why: blocking calls never run on the event loop, and never on one shared
-pool, where six long waits once took every thread and ``status`` and ``stop`` timed out
-behind them. Each kind of call has its own pool (:data:`POOLS`): ``status`` (also
-readiness, metrics and the liveness probe), ``stop``, ``wait`` (``/v1/staged`` and
-``/v1/flush``, at most ``max_waits`` at once: one more is answered 503 at once), and
-``control`` for the rest. A wait ends at the agent's ``max_wait_s``
-whatever it asks, and as soon as its client disconnects (its ``cancel`` event is set and
-the service woken). ``/healthz`` answers 503 when the state lock cannot be taken within
-``liveness_timeout_s`` or the status pool does not run the probe: a wedged control loop
-makes the pod unhealthy instead of silently deaf.
+One route per row of :class:`~dcr.protocol.agent_api.AgentApi`. Blocking calls never run on
+the event loop, and each kind of call has its own pool (:data:`POOLS`), so waits cannot
+starve ``status`` or ``stop`` (docs/protocol.md, "The agent's HTTP API").
 """
 
 from __future__ import annotations

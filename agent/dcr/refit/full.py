@@ -1,15 +1,7 @@
 """The full-checkpoint refit the main job times beside each DCR refit (``full s``).
 
-The main job shows DCR against the alternative it replaces: every rollout pod
-fetching the whole new checkpoint and loading it densely. After each
-step the driver refits every pod to the same version that way, through the same store
-and across the same boundary (:mod:`dcr.refit.boundary`): the trainer uploads the export's
-files directly, as its owners publish, and every pod at once downloads them through its
-own link, ``FULL_STREAMS`` files at a time (as ``aws s3 cp --recursive`` does, so a
-sharded checkpoint does not pay a round trip per file in turn), into its own directory
-under the checkpoint root, and dense-loads them through its agent (``rejoin``: the
-server's own loader). ``full_s`` is the upload plus the slowest pod's download and load.
-The objects and the pods' copies are deleted afterwards.
+``full_s`` is the trainer's upload plus the slowest pod's download through its own link
+(``FULL_STREAMS`` files at a time, as ``aws s3 cp --recursive``) and dense load.
 """
 
 from __future__ import annotations

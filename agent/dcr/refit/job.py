@@ -1,13 +1,7 @@
 """``dcr refit`` / ``make demo``: the main job, every part a real process on one machine.
 
-The trainer (:mod:`dcr.refit.trainer`) trains a small Llama and exports a BF16 checkpoint
-after every optimizer step; rollout pods (a ``dcr serve`` server and a ``dcr agent``
-sidecar each) are refit across an emulated boundary (:mod:`dcr.refit.boundary`) by a
-coordinator in this process, with kills landed mid-refit (``--kill-receiver-every``) and
-every pod's bits checked against a dense load, a full-checkpoint refit timed beside each
-step. Writes a table per step, ``summary.json``, ``refit.png`` (:mod:`dcr.refit.plot`)
-and ``boundary.json``. What it runs and checks, and why: docs/architecture.md, "The main
-job"; the flags: docs/cli.md.
+It writes a table per step, ``summary.json``, ``refit.png`` and ``boundary.json``. What it
+runs and checks: docs/architecture.md, "The main job"; the flags: docs/cli.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """Kills in the middle of a refit: the main job's fault injection (``--kill-receiver-every``).
 
-A :class:`Killer` thread SIGKILLs a pod's agent or server once the agent is applying an
-attempt (journaled dirty, its bits in doubt) and restarts it on the same port and
-directories, as a container restart does. The owners' publishes wait at a
-:class:`KillPoint` (through :class:`Held`) until the kill has landed, so it falls inside
-the attempt however quickly an in-process owner publishes.
+The owners' publishes wait at a :class:`KillPoint` until the kill has landed, so it falls
+inside the attempt however fast an owner publishes.
 """
 
 from __future__ import annotations

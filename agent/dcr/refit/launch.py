@@ -1,14 +1,7 @@
-"""Start, kill and restart ``dcr agent``, ``dcr serve`` and ``dcr encoder`` processes on
-loopback (the main job, tests, bench).
+"""Start, kill and restart ``dcr agent``, ``dcr serve`` and ``dcr encoder`` on loopback.
 
-A rollout pod is two processes: a serving engine (here the reference server, ``dcr
-serve``, :class:`ServeProcess`) and the agent beside it (:class:`AgentProcess`), sharing
-a staging directory. Each process keeps its port and directory across restarts, as a
-pod keeps its address and volumes, so a restarted agent finds its journal, a restarted
-server is where its agent looks for it, and the coordinator finds both.
-
-Both are a :class:`Process`: a ``dcr`` subcommand that prints one JSON line once it
-listens, logs to a file in its directory, and dies by SIGKILL when a test says so.
+Each :class:`Process` keeps its port and directory across restarts, as a pod keeps its
+address and volumes, and prints one JSON line once it listens.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """A WAN link on loopback: a TCP proxy with a bandwidth limit and a propagation delay.
 
-Network namespaces with ``tc tbf`` can cap bandwidth here, but ``tc netem`` (delay) is
-not available, so DCR emulates the link between the training and rollout
-sides in user space: every byte through one link (each direction a :class:`Direction`
-shared by all connections) passes a token bucket (serialisation at ``mbit``) and then a delay line
-(``rtt_ms / 2`` each way), so bandwidth and latency behave like a real path: a window
-of bytes is in flight, and many connections share one capacity.
-
-It is the boundary of the main job (``dcr refit``: one link per rollout pod to the
-object store, or one from the trainer to the relay tree's root) and of the transport
-benchmark (``bench/transport.py``, through ``bench/linkemu.py``). Run one per emulated
-link, as its own process, so that the link's event loop shares no interpreter with
-either end::
+Each direction (:class:`Direction`, shared by all connections) is a token bucket at ``mbit``,
+then a delay line of ``rtt_ms / 2``. Run one process per link::
 
     python -m dcr.refit.linkemu --listen 127.0.0.1:9100 --to 127.0.0.1:9000 --mbit 250 --rtt-ms 20
 
-It prints ``listening HOST:PORT`` once it accepts connections and, when stopped by
-SIGTERM or SIGINT, ``bytes up N down M``: what crossed the link each way.
+It prints ``listening HOST:PORT``, and ``bytes up N down M`` when stopped.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""The main job's plot (``refit.png``): where each refit's time goes, bytes, and DCR's
-time beside a full-checkpoint refit's across the same boundary.
-
-Three panels from the rows ``dcr refit`` writes to ``summary.json``: each attempt's
-stages stacked (failed attempts hatched), dense and DCR payload bytes per step (log
-scale), and per step the full-checkpoint refit's seconds next to DCR's. matplotlib is
-optional: without it there is no plot and a line says so.
+"""The main job's plot, ``refit.png``: each attempt's stages, bytes per step, and the
+full-checkpoint refit's seconds beside DCR's. Without matplotlib there is no plot.
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
 """The trainer every refit in this repository starts from: real optimizer steps, HF exports.
 
-A small Llama-architecture model (transformers, random init) learns byte tokens of real
-text, the Python standard library's own source, with AdamW at an RL learning rate, and
-exports a BF16 Hugging Face checkpoint (sharded safetensors) after each optimizer step,
-as a trainer hands a policy version to rollout. :func:`reference_fingerprint` is what a
-receiver must hold afterwards: a dense load of an export through a runtime's own loader.
-
-The main job (``dcr refit``, ``make demo``) and the operator's end-to-end test use it,
-with their own :class:`TrainerSettings`; nothing else in ``dcr`` imports it.
-
-Choices, and why:
-
-* **Real steps, not synthetic noise.** Which BF16 elements change, and by how much, is
-  what the codec is built for; at ``lr=1e-6`` most elements round back to the same bits
-  and about 1-2% change, as in RL fine-tuning.
-* **Warm-up steps before the first export.** Adam's first updates are sign-like (every
-  element moves by about ``lr``); the main job leaves them behind so its steps look like
-  the middle of a run.
-* **torch loads lazily**, so ``dcr --help`` (which reads these settings for
-  ``dcr refit``'s options) does not import it.
+A small Llama learns byte tokens of real text with AdamW and exports a BF16 checkpoint after
+each step; :func:`reference_fingerprint` is what a receiver must hold then. torch loads
+lazily, so ``dcr --help`` does not import it. Why real steps: docs/architecture.md, "The main
+job".
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Serving runtimes DCR applies refits through, and the factory that builds them.
 
-``base`` is the seam (:class:`~dcr.runtimes.base.Runtime`: a native loader, its tensors
-and a request gate); ``hf`` is a transformers model; ``vllm`` adapts a model with vLLM's
-loaders and carries the worker extension a vLLM server runs; ``vllm_reference`` is a
-model with vLLM's layout and loaders for tests and the demo. :func:`build_runtime` makes
-one from a Hugging Face checkpoint directory, one builder per kind (the table
-:data:`RUNTIMES`), so a new runtime is one function and one row.
+:class:`~dcr.runtimes.base.Runtime` is the seam. :func:`build_runtime` makes one from a
+Hugging Face checkpoint directory, one builder per kind in :data:`RUNTIMES`, so a new
+runtime is one function and one row (docs/apply.md, "Runtimes").
 """
 
 from __future__ import annotations

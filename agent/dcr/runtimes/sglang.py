@@ -1,15 +1,9 @@
 """DCR's plugin inside an SGLang server: the custom weight loader every TP rank runs.
 
-SGLang's hook into every TP rank is the custom weight loader (it has no HTTP
-``/collective_rpc``): the server is started with ``--custom-weight-loader
-dcr.runtimes.sglang.dcr_weight_loader``, and :class:`dcr.drivers.sglang.SglangDriver`
-sends each plugin call as one empty tensor whose name is ``dcr:`` + JSON. Exports
-:func:`dcr_weight_loader`, which runs the call on this rank through
-:class:`~dcr.runtimes.vllm.EngineRank` and writes the rank's answer to
-``.dcr-result-<call>-<rank>.json`` in ``$DCR_STAGING_DIR``, never raising into SGLang's
-scheduler, and :class:`SglangRuntime`. Nothing here imports SGLang at module level (the
-project's venv has none). The contract and its choices: docs/engines.md, "SGLang: the
-custom weight loader".
+:func:`dcr_weight_loader` decodes the call carried by one tensor's name, runs it through
+:class:`~dcr.runtimes.vllm.EngineRank` and writes the rank's answer as a file in
+``$DCR_STAGING_DIR``; it never raises into SGLang's scheduler. Nothing here imports SGLang
+at module level. docs/engines.md, "SGLang: the custom weight loader".
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Running the applier inside vLLM's worker processes.
 
-vLLM loads weights with each model's own ``load_weights(iter[(hf_name, tensor)])``,
-which fuses, shards and pads canonical tensors into the worker's storage; DCR calls
-exactly that method. :class:`VllmRuntime` adapts any module with that contract to the
-:class:`~dcr.runtimes.base.Runtime` protocol. :class:`DcrWorkerExtension` is DCR's
-plugin in every vLLM worker (``vllm serve --worker-extension-cls
-dcr.runtimes.vllm.DcrWorkerExtension``), reached through ``POST /collective_rpc``; its
-``dcr_*`` methods take one JSON string and answer a dict with the rank.
-
-docs/engines.md holds the contract (each call, its request and answer, what is refused)
-and argues the choices: a worker extension, directories from the engine's environment,
-the storage identity checked before every apply. Nothing here imports vLLM at module level.
+:class:`VllmRuntime` adapts any module with vLLM's ``load_weights`` to the
+:class:`~dcr.runtimes.base.Runtime` protocol; :class:`EngineRank` is the engine-neutral code
+of one rank; :class:`DcrWorkerExtension` carries it into every vLLM worker, reached through
+``POST /collective_rpc`` (``dcr_*`` methods: one JSON string in, a dict with the rank out).
+Nothing here imports vLLM at module level. The contract and its choices: docs/engines.md.
 """
 
 from __future__ import annotations

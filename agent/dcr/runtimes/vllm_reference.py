@@ -1,38 +1,10 @@
 """A vLLM-layout reference runtime: weights held, named and loaded the way vLLM does it.
 
-DCR applies a refit by calling a serving runtime's own ``load_weights`` with canonical
-(Hugging Face checkpoint layout) tensors and intercepting the loader's final in-place
-writes into parameter storage. vLLM cannot be installed here, so tests, benchmarks and
-the demo use this stand-in. It holds no forward pass: only the parameters and the loader,
-which mimic vLLM's behaviour for Llama and Qwen2-MoE models on one tensor-parallel rank:
-
-- Runtime names and layout: ``qkv_proj`` and ``gate_up_proj`` fuse the checkpoint's
-  q/k/v and gate/up projections (``stacked_params_mapping``); experts are stacked into
-  ``experts.w13_weight`` ``[E_local, 2*I_e, H]`` and ``experts.w2_weight``
-  ``[E_local, H, I_e]``; the router ``mlp.gate.weight`` is replicated.
-- Sharding (``QKVParallelLinear``, ``MergedColumnParallelLinear``, ``RowParallelLinear``,
-  ``VocabParallelEmbedding``): column-parallel layers keep this rank's rows of each
-  logical shard, row-parallel ones its columns. With fewer KV heads than ranks each KV
-  head is replicated on ``tp / num_kv_heads`` consecutive ranks. The vocabulary is padded
-  up to a multiple of ``vocab_pad_to`` and split by rows; on every load the embedding
-  loader fills this rank's padding rows with zeros (``aten.fill_``), as vLLM does.
-- Experts (``FusedMoE``): without expert parallelism every rank holds every expert,
-  TP-sharded; with ``ep=True`` the TP ranks split the experts into contiguous blocks
-  (the first ``E % tp`` ranks take one more, vLLM's linear placement) and experts are
-  not TP-sharded. A tensor of an expert held elsewhere is skipped: not written and not
-  reported as loaded.
-- Tied embeddings: ``lm_head.weight`` is the same ``Parameter`` as
-  ``model.embed_tokens.weight`` and the loader skips a checkpoint ``lm_head.weight``.
-- Every parameter carries a ``weight_loader(param, loaded_weight, shard_id, expert_id)``
-  that writes in place through ``copy_`` (and ``fill_`` for vocab padding) on views of
-  ``param.data``, never rebinding it; ``load_weights`` returns the runtime names written.
-
-FP8 modules are a deliberately simple converting path, not vLLM's quantization code:
-the loader quantizes the whole canonical tensor with one fp32 scale
-``amax(|w|) / 448`` per logical shard (stored in ``weight_scale``) and writes this
-rank's slice of ``w / scale`` as ``float8_e4m3fn``, so changing any element may change
-every stored byte. Not modelled: pipeline parallelism, fused-checkpoint shard ids,
-shared experts, biases, LoRA vocabulary.
+The stand-in for vLLM where it cannot be installed (tests, benchmarks, the demo): one TP
+rank of a Llama or Qwen2-MoE model, parameters and loader only, no forward pass. Every
+``weight_loader`` writes in place on views of ``param.data`` and never rebinds it, since DCR
+intercepts exactly those writes. What it models and what not: docs/engines.md, "Without
+vLLM: the vLLM-layout reference runtime".
 """
 
 from __future__ import annotations

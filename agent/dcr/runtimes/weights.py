@@ -1,17 +1,9 @@
 """Tensors over a checkpoint's stored bits, and the bit fingerprint of a runtime.
 
-Two torch-side helpers that every host of a model needs, whether DCR's agent hosts it
-or a serving engine does (the vLLM worker extension, :mod:`dcr.runtimes.vllm`):
-
-* a dense load hands the runtime's own loader exactly the stored bits of a checkpoint
-  (:func:`checkpoint_tensors`), optionally checked against the fingerprints a manifest
-  lists for that version first, so the bits checked are the bits loaded;
-* a bit-exact check compares, per parameter and buffer, the xxh3-128 of its integer
-  view (:func:`runtime_fingerprint`): floats are never compared as floats, so ``-0.0``
-  against ``+0.0`` and NaN payloads count.
-
-They live here, below the receiver, because an engine process must not import the
-agent to use them.
+:func:`checkpoint_tensors` hands a loader exactly a checkpoint's stored bits, optionally
+checked first against a manifest's fingerprints; :func:`runtime_fingerprint` hashes every
+parameter's and buffer's integer view, never comparing floats. Below the receiver, so an
+engine process uses them without importing the agent.
 """
 
 from __future__ import annotations

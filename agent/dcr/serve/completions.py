@@ -1,16 +1,8 @@
 """``POST /v1/completions`` of the reference server: greedy tokens from token-id prompts.
 
-The body is the part of vLLM's ``CompletionRequest`` a refit test needs: ``prompt`` as
-token ids, ``max_tokens``, greedy sampling (``temperature`` absent or 0), and
-``return_weight_versions``. Anything else is refused with 400 naming the field, as is a
-token id outside the vocabulary or a prompt or ``max_tokens`` over the server's limits.
-The answer has vLLM's ``CompletionResponse`` shape; each choice carries ``token_ids``
-(there is no tokenizer, so ``text`` is empty) and, when asked, ``weight_versions``: the
-spans of output tokens each weight-version label produced.
-
-:func:`greedy` runs in a worker thread: one forward per token under the model lock,
-and the pause gate's :meth:`~dcr.serve.gate.PauseGate.step` before each, so a pause can
-drain, abort or park it between tokens.
+Only the part of vLLM's request a refit test needs; anything else is a 400 naming the field.
+:func:`greedy` passes the pause gate's :meth:`~dcr.serve.gate.PauseGate.step` before each
+token.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """The reference server's request gate: vLLM's ``/pause`` modes, between greedy steps.
 
-A completion takes a :class:`Ticket` when it starts (:meth:`PauseGate.admit`), passes
-:meth:`PauseGate.step` before every token and gives the ticket back when it ends
-(:meth:`PauseGate.leave`). A pause (:meth:`PauseGate.pause`) closes the gate in one of
-vLLM's three modes and returns once generation is out of the way:
-
-* ``wait``: new completions are refused; those in flight run to their end; returns
-  when none is left (the sync-RL gate: every rollout ends on the old weights);
-* ``abort``: new completions are refused; those in flight stop at their next step with
-  ``finish_reason: "abort"``; returns when none is left;
-* ``keep``: new completions wait for :meth:`PauseGate.resume`; those in flight park at
-  their next step and continue after it (partial rollouts); returns when every one in
-  flight is parked.
-
-Threads, not coroutines: completions and pauses block in worker threads, and a
-:class:`threading.Condition` orders them. A step never holds the gate's lock while the
-model runs.
+A completion is admitted, passes :meth:`PauseGate.step` before every token, and leaves.
+:meth:`PauseGate.pause` returns once generation is out of the way: ``wait`` drains those in
+flight, ``abort`` stops them at their next step (both refuse new ones), ``keep`` parks them
+and holds new ones until :meth:`PauseGate.resume`. A step never holds the gate's lock while
+the model runs.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """An engine in process: ``dcr serve``'s workers called directly, for tests and benchmarks.
 
-The agent drives a serving engine only through :class:`~dcr.drivers.base.Driver`. Over
-HTTP that is :class:`~dcr.drivers.VllmDriver` in front of ``dcr serve`` or vLLM; in
-process it is :class:`LocalDriver`: the same worker objects ``dcr serve`` builds (a
-worker per rank with DCR's plugin mixed in, :func:`~dcr.serve.workers.make_worker`), the
-same pause gate (:class:`~dcr.serve.gate.PauseGate`) and version label. A plugin call
-goes to every worker's ``dcr_*`` method with the JSON-string argument
-``/collective_rpc`` would carry, and the answers, made JSON and back, are checked by the
-same code as a remote engine's (:class:`~dcr.drivers.plugin.PluginDriver`). A worker's
-exception comes back as an :class:`~dcr.drivers.errors.EngineError` naming the call, as
-a server's refusal does.
-
-Each engine has its own instance id, staging directory and checkpoint root, so several
-stand side by side in one process, each for a server of its own; :meth:`restart` draws a
-new id and forgets the prewarm, as a restarted server would (the weights stay, which a
-restarted server would not keep: the agent must not trust them either way).
+:class:`LocalDriver` drives the same workers, pause gate and version label as ``dcr serve``,
+and checks their answers as a remote engine's; :meth:`restart` draws a new instance id, as a
+restarted server would.
 """
 
 from __future__ import annotations

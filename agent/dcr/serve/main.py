@@ -1,11 +1,6 @@
 """``dcr serve``: the reference serving engine as a process of its own.
 
-It loads a Hugging Face checkpoint directory through a runtime's own loader (``hf``, or
-every rank of the vLLM-layout ``vllm-ref``), gives each rank a worker carrying DCR's
-plugin, and serves vLLM's HTTP dialect (:mod:`dcr.serve.server`), so the agent drives it
-with the same adapter as a real vLLM server (:class:`dcr.drivers.VllmDriver`). Once
-listening it prints one JSON line ``{"url": ...}`` on stdout. The options are
-:class:`~dcr.serve.settings.ServeSettings`, declared there once.
+Options: :class:`~dcr.serve.settings.ServeSettings`; once listening it prints one JSON line.
 """
 
 from __future__ import annotations

@@ -1,32 +1,8 @@
 """The reference server's HTTP API on aiohttp, in vLLM's dialect.
 
-The endpoints, bodies and answers are vLLM 0.33's (``docs/engines.md`` has the table):
-
-    POST /collective_rpc        {"method", "args": [str], "kwargs", "timeout"}
-                                -> {"results": [one per rank]}   DCR's plugin methods only
-    POST /pause?mode=abort|wait|keep -> {"status": "paused"}  (see dcr.serve.gate)
-    POST /resume                -> {"status": "resumed"}
-    GET  /is_paused             -> {"is_paused": bool}
-    POST /update_weight_version {"new_version": str} -> {"success": true, "new_version"}
-    GET  /weight_info           -> {"weight_version": str}
-    GET  /health                -> 200
-    GET  /metrics               vllm:num_requests_running and _waiting (Prometheus text)
-    POST /v1/completions        token-id prompt, greedy (dcr.serve.completions)
-
-Errors have vLLM's shape, ``{"error": {"message", "type", "param", "code"}}``, with 400
-for a refused body or plugin argument, 501 for completions on a runtime without a
-forward pass, 503 while paused or busy, 500 otherwise; a 401 is vLLM's
-``{"error": "Unauthorized"}``. Messages are bounded and printable.
-
-Stricter than vLLM, on purpose: with an API key every path but ``/health`` and
-``/metrics`` needs it (vLLM guards only ``/v1``-style paths), compared in constant time
-(:func:`dcr.http.tokens.bearer_matches`, so a non-ASCII header is a 401, not a 500);
-``/collective_rpc`` runs only the plugin's methods.
-
-Threads: plugin calls run one at a time on their own thread, and take the model lock
-that every generation step takes; completions run on a pool of ``max_running`` threads
-(one more is answered 503); a pause blocks a thread of its own until generation is out
-of the way.
+The endpoints, bodies and errors are vLLM's (docs/engines.md, "The reference engine"), but
+stricter: every path but ``/health`` and ``/metrics`` needs the API key, and
+``/collective_rpc`` runs only the plugin's methods, one at a time under the model lock.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """``dcr serve``'s settings: the reference serving engine, declared once.
 
-The options of ``dcr serve`` are generated from :class:`ServeSettings`
-(:func:`dcr.settings.add_options`), and a process that starts servers (tests, the demo)
-builds their argv from the same class (:func:`dcr.settings.to_argv`). The API key is
-read from a file or the environment, never taken on the command line.
-
-The staging directory and the checkpoint root are what DCR's plugin reads from
-``$DCR_STAGING_DIR`` and ``$DCR_CHECKPOINT_ROOT`` in every worker, exactly as in a vLLM
-server's workers; the options, when given, set those variables for this process.
+``--staging-dir`` and ``--checkpoint-root`` set ``$DCR_STAGING_DIR`` and
+``$DCR_CHECKPOINT_ROOT``, which the plugin reads in every worker, as in vLLM's.
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """The reference server's workers: one per tensor-parallel rank, each carrying DCR's plugin.
 
-A vLLM server runs one worker process per rank and mixes the worker extension named by
-``--worker-extension-cls`` into the worker class (vLLM appends it to the class's bases);
-``/collective_rpc`` then calls a method of that name on every worker. The reference
-server does the same in one process: :func:`build_workers` makes a worker per rank it
-holds, of a class whose bases are :class:`ServeWorker` and
-:class:`~dcr.runtimes.vllm.DcrWorkerExtension`, with the attributes vLLM's workers have
-and the extension reads (``rank``, ``local_rank``, ``parallel_config.world_size``,
-``device``, ``model_runner.model``).
-
-The ``vllm-ref`` model loads through a vLLM-style ``load_weights``, as a vLLM model
-does. A transformers model loads through ``load_state_dict`` instead: its worker
-(:class:`HfServeWorker`) answers the extension's ``_dcr_loader`` hook with
-:class:`~dcr.runtimes.hf.HFRuntime`, whose tensors are the state dict's (tied weights
-under each name, persistent buffers), the set the agent's embedded ``hf`` runtime
-fingerprints.
-
-:class:`Workers` calls a plugin method on every worker, in rank order, under the model
-lock that generation steps also take, so weights never change under a forward.
+As vLLM mixes its worker extension into the worker class, :func:`build_workers` makes each
+worker of a class based on :class:`ServeWorker` and
+:class:`~dcr.runtimes.vllm.DcrWorkerExtension`. :class:`Workers` calls the plugin on every
+rank in order under the model lock, so weights never change under a forward.
 """
 
 from __future__ import annotations

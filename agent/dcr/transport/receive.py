@@ -1,33 +1,12 @@
 """Receiving an attempt while it is still being sent: fetch, verify, stage, in order.
 
-A receiver knows the attempt it is in (the protocol's ``prepare`` tells it) and how many
-owners write it. It polls its source (an object store prefix, or its relay node) for
-payloads of that attempt, fetches a bounded window of them concurrently, verifies each
-(digest and header ids) as it lands, and hands verified payloads to ``stage`` one at a
-time, each owner's payloads in ``seq`` order, while later payloads are still arriving.
-``stage`` gets the verified :class:`~dcr.format.payload.Payload` itself, so whoever
-applies it later (the receiver's apply thread, through
-:meth:`dcr.apply.applier.Applier.apply_payloads`) does not parse it again. The
-manifest, written last, closes the attempt: once it is present and every payload it
-lists has been staged (and none it does not list), the call returns it. Payload items
-are disjoint, so the interleaving of owners does not change the result. Payloads of
-owners outside the attempt (an owner index at or above ``owners``) are never fetched.
-
-When a payload may be staged (``release``):
-
-* ``"when_listed"`` (what an agent uses): only once its owner's manifest part lists it,
-  with the same size and object digest. Each owner writes its part after all of its
-  payloads, so a payload fetched earlier waits here (at most ``hold_bytes`` of them,
-  besides each owner's next one) and is staged the moment its owner's part arrives,
-  while the other owners still stream. An object the part does not list is dropped
-  unapplied; one whose bytes differ from what the part lists, or whose header names
-  another attempt, owner or seq than its key, raises :class:`ForeignPayload`: someone
-  other than the owner wrote under the attempt's prefix.
-* ``"on_arrival"``: as soon as it is verified and in order, before any manifest exists;
-  the manifest is compared with what was staged at the end. For callers that apply at
-  once and check the result against the manifest's target fingerprints afterwards (the
-  transport benchmark, the relay tests): a foreign payload may have been applied by the
-  time the comparison fails.
+A bounded window of payloads is fetched from the source and verified as it lands; ``stage``
+gets each verified :class:`~dcr.format.payload.Payload` in its owner's ``seq`` order, and the
+call returns the manifest once exactly the payloads it lists are staged; owners outside the
+attempt are never fetched. ``release="when_listed"`` (the agent's) stages a payload only once
+its owner's manifest part lists it (docs/protocol.md, "The life of an attempt");
+``"on_arrival"`` stages at once and compares at the end, when a foreign payload may already
+have been applied.
 """
 
 from __future__ import annotations

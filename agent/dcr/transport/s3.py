@@ -1,13 +1,8 @@
 """S3 and S3-compatible object storage behind the ``Store`` seam.
 
-Owners upload each payload once and receivers download it, tens of MiB per object, so
-this module is about moving them reliably: multipart uploads with Content-MD5, a
-BLAKE2b-128 digest in each object's ``dcr-blake2b`` metadata checked on every ``get``
-(first range then parallel ranged GETs, no HEAD), retries of its own with backoff and
-jitter, ``put_if_absent`` as a conditional PUT, credentials from the AWS chain and
-redacted from botocore's logs. Failures are ``StoreError`` (``ObjectNotFound`` for a
-missing key). The choices, and what ``rclone serve s3`` does not enforce:
-docs/architecture.md, "The S3 store".
+Multipart uploads with Content-MD5, a BLAKE2b-128 digest in ``dcr-blake2b`` metadata checked
+on every ``get``, retries of its own, ``put_if_absent`` as a conditional PUT; credentials
+from the AWS chain, redacted from botocore's logs. docs/architecture.md, "The S3 store".
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Object stores: where owners put payloads and manifests and receivers get them.
 
-``Store`` is the seam. ``FileStore`` (a local directory, the embedded default) makes
-every write atomic: bytes go to a temporary file in the same directory, are flushed
-and fsynced, then renamed over the key, so a reader sees a whole object or none. Every
-store checks keys with :func:`dcr.format.layout.check_key`.
+``Store`` is the seam. ``FileStore`` writes to a fsynced temporary file renamed over the key,
+so a reader sees a whole object or none. Every store checks keys with
+:func:`dcr.format.layout.check_key`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """What both kinds share: the group and version, the model bases, names, conditions.
 
-Specs are parsed strictly (unknown keys are errors) and statuses leniently (another
-writer may add fields); both take the camelCase keys Kubernetes writes. Timestamps in
-status are RFC 3339 strings in UTC (``2025-01-31T12:00:00Z``), as the API server writes
-them.
+Specs are parsed strictly (unknown keys are errors), statuses leniently (another writer may
+add fields); both take Kubernetes' camelCase keys, and status times are RFC 3339 in UTC.
 """
 
 from __future__ import annotations

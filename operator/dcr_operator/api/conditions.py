@@ -1,9 +1,7 @@
-"""Condition types and reasons of both kinds: one constant each, said once.
+"""Condition types and reasons of both kinds: one documented constant each, said once.
 
-The reconcilers set conditions with these (:mod:`dcr_operator.reconcile`,
-:mod:`dcr_operator.progress`, :mod:`dcr_operator.refit`) and the printer columns read
-them; a reason is also the reason of the event a condition change emits where they
-coincide. Condition semantics follow the Kubernetes API conventions (metav1.Condition).
+The reconcilers set conditions with them and the printer columns read them; an Event of a
+condition change shares its reason where they coincide.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """The CustomResourceDefinitions, generated from the kinds' pydantic models.
 
-:func:`crd_manifests` builds each CRD from its kind's module (:mod:`.rolloutfleet`,
-:mod:`.weightrefit`): a structural schema (:mod:`.schema`), CEL rules for the immutable
-fields, conditions as a list-map keyed by ``type``, the status subresource and the
-printer columns. kopf's peering CRDs ship beside them. ``python -m
-dcr_operator.api.generate`` (``make crds``) writes every CRD into ``crds/`` and
-``charts/dcr/crds/``; a test keeps the checked-in files equal to the generated ones.
+``python -m dcr_operator.api.generate`` (``make crds``) writes them, kopf's peering CRDs
+beside them, into ``crds/`` and ``charts/dcr/crds/``; a test keeps the checked-in files
+equal to what :func:`crd_manifests` builds.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """The RolloutFleet kind: a set of rollout pods refit together, and its commit record.
 
-A fleet names its pods by a label selector, says how to reach their agents, where
-encoders publish (an object store or a relay tree), the version the pods start with,
-and which encoder pods its WeightRefits may ask for (docs/operations.md).
+Its fields: docs/operations.md, "Describe a fleet and refit it".
 """
 
 from __future__ import annotations

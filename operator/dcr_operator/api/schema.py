@@ -1,25 +1,12 @@
-"""Pydantic's JSON schema, rewritten as a structural OpenAPI v3 schema for a CRD.
+"""Pydantic's JSON schema, rewritten as the structural OpenAPI v3.0 schema a CRD needs.
 
-The API server accepts only *structural* schemas (every node typed, no ``$ref``, no
-``additionalProperties: false``), and OpenAPI v3.0
-keywords rather than JSON Schema 2020's. :func:`structural` rewrites what pydantic
-emits for our models:
-
-=================================  =============================================
-pydantic emits                     the CRD gets
-=================================  =============================================
-``$ref`` into ``$defs``            the definition, inlined (siblings overlaid)
-``anyOf: [X, {type: null}]``       ``X`` (the API server prunes nulls before defaulting)
-``additionalProperties: false``    dropped (the API server prunes unknown fields)
-``additionalProperties: true``     ``x-kubernetes-preserve-unknown-fields: true``
-``const: v``                       ``enum: [v]``
-``exclusiveMinimum: n``            ``minimum: n, exclusiveMinimum: true``
-``title``                          dropped
-``default`` (with ``defaults``)    kept; otherwise dropped (status has none)
-=================================  =============================================
-
-Kubernetes extensions (``x-kubernetes-*``) come through ``json_schema_extra`` on fields
-and models and are kept as written.
+The API server accepts only structural schemas (every node typed, no ``$ref``, no
+``additionalProperties: false``). :func:`structural` inlines ``$ref`` (siblings overlaid),
+turns ``anyOf: [X, null]`` into ``X``, ``additionalProperties: true`` into
+``x-kubernetes-preserve-unknown-fields``, ``const`` into ``enum`` and ``exclusiveMinimum: n``
+into v3.0's boolean form; it drops ``title`` and ``additionalProperties: false`` (the API
+server prunes unknown fields), and ``default`` unless ``defaults``. ``x-kubernetes-*``
+extensions from ``json_schema_extra`` pass as written.
 """
 
 from __future__ import annotations

@@ -1,27 +1,9 @@
 """Volumes of encoder pods: what an encoder profile mounts, typed and checked.
 
-``dcr encode`` reads the base and the target checkpoint from a filesystem path
-(``WeightRefit.spec.source.checkpoint`` and the fleet's committed baseline, such as
-``/checkpoints/policy-a/v1``), so its pod must mount the volume that holds them: the
-same PersistentVolumeClaim the rollout pods mount, a host path on training nodes, or an
-NFS export. A RolloutFleet's encoder profile lists them (:class:`ProfileVolume`); the
-operator adds each to the Job's pod and mounts it in the encoder container
-(:meth:`ProfileVolume.pod_volume`, :meth:`ProfileVolume.volume_mount`).
-
-Choices, and why:
-
-* Three sources, not core/v1's thirty: each entry is a small model with strict keys, so
-  a profile cannot smuggle a Secret, a projected ServiceAccount token or an inline CSI
-  driver into the pod by way of a free-form volume. Exactly one source per entry, in
-  pydantic and as a CEL rule in the CRD (the API server refuses the same specs).
-* Paths are absolute and free of ``..`` segments; a mount path is canonical (no ``.``,
-  ``..`` or empty segments, no trailing ``/``, not ``/``), so that a string comparison
-  is enough to keep it off :data:`PROFILE_DIR`, where the operator mounts the merged
-  receiver profile: a volume at, above or below it would hide or shadow that file.
-* Mounts are read-only unless the profile says otherwise: an encoder only reads
-  checkpoints (it publishes to the store or relay, never to a volume).
-* Only the fleet's admin writes profiles; a WeightRefit names one and cannot add a
-  volume (its schema has no such field, and unknown fields are refused or pruned).
+A :class:`ProfileVolume` is a claim, a host path or an NFS export (exactly one), mounted
+read-only unless the profile says otherwise. Mount paths are canonical, so that a string
+comparison keeps them off :data:`PROFILE_DIR`. Why: docs/operations.md, "Describe a fleet
+and refit it".
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
 """The relay tree: owners stream payloads to one root, which forwards them down a tree.
 
-Each payload crosses the cluster boundary once (owner -> root); every further copy
-travels over local links inside the rollout cluster. One concern per module: the tree
-math (:mod:`.tree`), a node's settings (:mod:`.settings`), what members say to each
-other (:mod:`.wire`), the bounded staging area (:mod:`.staging`), the client
-(:mod:`.client`), publishing (:mod:`.publish`), the receivers' source (:mod:`.source`),
-and the node, an HTTP server behind ``dcr relay`` (:mod:`.node`). Errors are
-:class:`dcr.errors.RelayError` and :class:`dcr.errors.RelayNotFound`.
-
-docs/relay.md argues the design (cut-through forwarding, verification at every hop, the
-two credentials, the staging budget, re-attachment) and lists the endpoints.
+One concern per module: ``tree``, ``settings``, ``wire``, ``staging``, ``client``,
+``publish``, ``source`` and ``node`` (``dcr relay``). docs/relay.md argues the design.
 """
 
 from dcr.errors import RelayError, RelayNotFound

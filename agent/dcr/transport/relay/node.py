@@ -1,8 +1,6 @@
 """One member of the relay tree, an aiohttp server, and the ``dcr relay`` entry point.
 
-The design (cut-through forwarding, verification at every hop, the staging budget,
-re-attaching under an ancestor) and the endpoints are described in
-:mod:`dcr.transport.relay`.
+The design and the endpoints: docs/relay.md.
 """
 
 from __future__ import annotations
@@ -43,7 +41,7 @@ from dcr.transport.relay.wire import (
     key_from,
 )
 
-log = logging.getLogger(__package__)  # "dcr.transport.relay", as before the split
+log = logging.getLogger(__package__)  # "dcr.transport.relay": one logger for the tree
 
 Outcome = Literal["ok", "retry", "refused"]
 Role = Literal["read", "publish"]

@@ -1,18 +1,9 @@
 """The relay root as a write-only ``Store``: what an owner publishes goes to the tree.
 
-``open_store("relay+http://host:port")`` gives this store; the relay's publish token
-comes from ``$DCR_RELAY_TOKEN`` (never from the URI, so it stays out of logs and process
-lists) and is checked like every token (:func:`dcr.http.tokens.check_token`); the read token
-agents hold cannot push.
-Payload keys ``v<N>/<attempt>/o<K>-s<S>.dcrp`` become ``PUT /v1/payloads/...`` of that
-attempt and a manifest key becomes ``PUT /v1/manifests/<attempt>``; each ``put``
-returns once the root acknowledged it as queued (the relay's hop acknowledgement).
-
-A relay carries one manifest per attempt, so an attempt published through it has one
-owner; a second owner's manifest part is refused with a :class:`ConfigError`. The
-file-level version manifest (``v<N>/manifest.dcrm``) names no attempt in its key; its
-attempt is read from its body, which is checked as a receiver checks it. Keys are parsed
-by :mod:`dcr.format.layout`.
+``open_store("relay+http://host:port")`` gives it; the publish token comes from
+``$DCR_RELAY_TOKEN``, never the URI. Each key (parsed by :mod:`dcr.format.layout`) becomes a
+``PUT`` that returns once the root has queued it. A relay carries one manifest per attempt,
+so a second owner's part is refused; the version manifest's attempt is read from its body.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """One relay node's settings: the member list, its place in it, budgets and timings.
 
-Declared once with :func:`dcr.settings.option`: ``dcr relay``'s options are generated
-from :class:`RelaySettings`, except the three the command line spells differently
-(:data:`EDGE_PARSED`): ``--members`` is a comma list and the two tokens come from
-``--token-file`` (read) and ``--publish-token-file``, never from the command line.
+``dcr relay``'s options are generated from :class:`RelaySettings`, except those in
+:data:`EDGE_PARSED`: ``--members`` is a comma list, and the two tokens come from files.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """A node's staging area: the payloads and manifests it holds, under a byte budget.
 
-Blobs take memory up to ``budget_bytes``, then spool files up to ``spool_budget_bytes``;
-an upload that fits neither waits for space. Here too: how a fully received blob is
-verified (framing, digest, header against its URL) and how staged bytes are read back
-out as a body.
+Memory up to ``budget_bytes``, then spool files up to ``spool_budget_bytes``; an upload that
+fits neither waits. Also how a received blob is verified and read back out as a body.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """The relay tree's shape: who is whose parent among ``members`` in order, and addresses.
 
-Members in order, fan-out K: ``parent(i) = (i-1)//K``, ``children(i) = K*i+1 .. K*i+K``
-within range; index 0 is the root. Every node derives the same tree from the same list.
+Every node derives the same tree from the same list (docs/relay.md, "Choices, and why").
 """
 
 from __future__ import annotations

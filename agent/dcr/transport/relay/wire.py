@@ -1,12 +1,8 @@
 """What members say to each other: ids and their URLs, request refusals, body streams.
 
-A node stages payloads ``(attempt, owner, seq)`` and one manifest per attempt, each
-under a :class:`Key` whose ``path`` is its URL. A handler refuses a request by raising
-:class:`RelayRefused` with the HTTP status. Bodies travel as async iterables of chunks.
-
-Ids come from URLs, which a client spells: :func:`attempt_from` and :func:`key_from`
-check them against the attempt-id pattern and the owner and seq ranges before anything
-uses or logs them (a ``%0A`` in a URL must not become a forged log line).
+A handler refuses a request by raising :class:`RelayRefused` with the HTTP status. Ids come
+from URLs a client spells: :func:`attempt_from` and :func:`key_from` check them before
+anything uses or logs them.
 """
 
 from __future__ import annotations
