@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dcr.checkpoint import Checkpoint
-from dcr.errors import DcrError
+from dcr.errors import DcrError, ManifestError
 from dcr.files.inspect import describe, render
 from dcr.files.patch import load_manifest, patch_checkpoint
 from dcr.format.profile import load_profile
@@ -263,6 +263,46 @@ _BUILT_WHEN_RUN: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]
 }
 
 
+def cmd_materialize(args: argparse.Namespace) -> None:
+    from dcr.files.materialize import materialize
+
+    out = Path(args.out)
+    t0 = time.perf_counter()
+    done = materialize(open_store(args.store), out, version=args.version, held=args.held,
+                       digest=args.history_digest)
+    seconds = time.perf_counter() - t0
+    p = done.plan
+    summary = {"version": p.target, "route": p.route, "from": p.start, "deltas": p.steps,
+               "fetched_bytes": done.fetched_bytes, "out": str(out),
+               "seconds": round(seconds, 4)}
+    via = {"held": "already held", "replay": f"{p.steps} deltas replayed from version "
+           f"{p.start}", "snapshot": f"the snapshot of version {p.start} and {p.steps} "
+           "deltas"}[p.route]
+    _emit(args, summary, f"{out}: version {p.target} from {via}; {done.fetched_bytes:,} "
+                         f"bytes fetched; every file checked; {seconds:.2f} s")
+
+
+def cmd_snapshot(args: argparse.Namespace) -> None:
+    from dcr.files.history import HistoryStore
+    from dcr.files.snapshot import differing, write_snapshot
+
+    store, root = open_store(args.store), Path(args.checkpoint)
+    hs = HistoryStore(store)
+    want = hs.fingerprints(hs.read(), args.version)  # only versions the history vouches for
+    with Checkpoint(root) as c:
+        wrong = differing({n: c.fingerprint(n) for n in c.names()}, want)
+    if wrong:
+        raise ManifestError(f"{root} is not version {args.version}: {len(wrong)} tensors "
+                            f"differ from the history's fingerprints, first {wrong[:3]}. "
+                            "Nothing was written.")
+    snap = write_snapshot(store, root, args.version)
+    digest = hs.snapshot(snap)
+    _emit(args, {"version": args.version, "bytes": snap.bytes, "index": snap.index.key,
+                 "history_digest": digest},
+          f"snapshot of version {args.version}: {snap.bytes:,} bytes under "
+          f"{snap.index.key.rsplit('/', 1)[0]}/; recorded in the history")
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; a command of :data:`_BUILT_WHEN_RUN` gets its options only when it is
     ``command`` (or ``command`` is None)."""
@@ -282,6 +322,32 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     pa.add_argument("--version", type=int, required=True, metavar="N")
     pa.add_argument("--json", action="store_true")
     pa.set_defaults(func=cmd_patch)
+
+    ma = sub.add_parser("materialize", help="build a committed version's checkpoint from "
+                        "the store alone (snapshot plus deltas, every file checked)")
+    ma.add_argument("--store", required=True, metavar="URI",
+                    help="the store the history is in (file://, s3://)")
+    ma.add_argument("--out", required=True, metavar="DIR",
+                    help="the checkpoint directory to write or advance")
+    ma.add_argument("--version", type=int, metavar="N",
+                    help="the version to build (default: the newest committed)")
+    ma.add_argument("--held", type=int, metavar="N", help="DIR already holds version N "
+                    "(checked by fingerprints first): replay the deltas after it if cheaper")
+    ma.add_argument("--history-digest", metavar="HEX",
+                    help="BLAKE2b-128 the history object must have (else the store's is "
+                    "trusted)")
+    ma.add_argument("--json", action="store_true", help="print the summary as JSON")
+    ma.set_defaults(func=cmd_materialize)
+
+    sn = sub.add_parser("snapshot", help="put a committed version's checkpoint in the store "
+                        "as a snapshot and record it in the history")
+    sn.add_argument("checkpoint", metavar="CKPT", help="the version's checkpoint directory")
+    sn.add_argument("--store", required=True, metavar="URI",
+                    help="the store the history is in (file://, s3://)")
+    sn.add_argument("--version", type=int, required=True, metavar="N",
+                    help="a version the history vouches for")
+    sn.add_argument("--json", action="store_true", help="print the summary as JSON")
+    sn.set_defaults(func=cmd_snapshot)
 
     i = sub.add_parser("inspect", help="summarise the delta of version N")
     i.add_argument("--store", required=True)

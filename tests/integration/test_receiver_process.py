@@ -251,7 +251,7 @@ def test_the_agent_api_needs_a_token_names_a_bad_field_and_refuses_a_wrong_base_
         ("/v1/prepare", {**spec, "attempt": "../escape"}, "AttemptSpec: attempt:"),
         ("/v1/prepare", {**spec, "surprise": 1}, "AttemptSpec: surprise:"),
         ("/v1/flush", {"attempt": "a-api1", "timeout_s": -1}, "AttemptRef: timeout_s:"),
-        ("/v1/dense", {"version": 0}, "DenseRequest: checkpoint:"),
+        ("/v1/dense", {"version": 0, "checkpoint": ""}, "DenseRequest: checkpoint:"),
     ]
     for path, body, named in bad:
         code, text = http(agent.url + path, method="POST", token=TOKEN,

@@ -1,20 +1,9 @@
 """``dcr patch``: bring a checkpoint from the base version to the target version in place.
 
-Nothing is written until all inputs are verified: the checkpoint must hold exactly the
-manifest's tensors, every payload is fetched and checked (size, BLAKE2b digest, header
-fields against the manifest, every item against the manifest's tensors before a stream
-is decompressed, under limits derived from those tensors), every item is decoded and
-validated, and every tensor of the checkpoint is fingerprinted and
-must be at the base version or, for a whole file, already at the target (a re-run
-after a crash). Each file to change is then copied to a temporary file beside it (mode
-bits kept), patched there, checked against the target fingerprints, fsynced and renamed
-over the original: a file is always wholly old or wholly new. The temporary file is
-made by ``mkstemp`` (a fresh name, ``O_CREAT | O_EXCL``, so a link planted beside the
-checkpoint is never written through) and removed when anything fails; a leftover of a
-killed run (``.<file>.*dcr-patch``) is unlinked, not followed, by the next run. Should a
-later file fail its target check (a manifest whose fingerprints disagree with its
-payloads), the files renamed before it stay at the target and the command fails naming
-the file; a re-run with a correct manifest finishes the rest.
+Nothing is written until every input is verified (docs/cli.md). Each file is then patched in
+a ``mkstemp`` copy beside it, checked against the target fingerprints, fsynced and renamed
+over the original, so a file is always wholly old or wholly new; a file failing its target
+check leaves those renamed before it at the target, and a re-run finishes the rest.
 """
 
 from __future__ import annotations
@@ -221,7 +210,20 @@ def patch_checkpoint(
     limits: DecodeLimits = DEFAULT_LIMITS,
     progress: Progress | None = None,
 ) -> PatchResult:
-    manifest = load_manifest(store, version)
+    return patch_to(root, store, load_manifest(store, version), limits=limits,
+                    progress=progress)
+
+
+def patch_to(
+    root: Path,
+    store: Store,
+    manifest: Manifest,
+    *,
+    limits: DecodeLimits = DEFAULT_LIMITS,
+    progress: Progress | None = None,
+) -> PatchResult:
+    """Patch ``root`` by ``manifest``'s payloads, fetched from ``store`` (what
+    :func:`patch_checkpoint` does once it has read the version's manifest)."""
     with Checkpoint(root) as ckpt:
         _check_layout(ckpt, manifest)
         items = fetch_items(store, manifest, limits)

@@ -1,11 +1,9 @@
 """The agent's HTTP control API, declared once: one table of calls, bodies and a client.
 
-:class:`AgentApi` is the table (one :class:`Call` per ``ReceiverHandle`` or inspection
-call); the aiohttp routes, :class:`AgentClient` (a ``ReceiverHandle`` on ``urllib``) and
-the operator's ``TrackedReceiver`` are built from it. Torch-free, so the operator can
-import it. Adding a call is one row here plus one method on ``AgentService``. Why it is
-declared this way, the bodies and the errors: docs/protocol.md, "The agent's HTTP API".
-The table (a test keeps this list equal to :meth:`AgentApi.describe`)::
+:class:`AgentApi` is the table; the aiohttp routes, :class:`AgentClient` and the operator's
+``TrackedReceiver`` are built from it (docs/protocol.md, "The agent's HTTP API"). A new call
+is one row here and one ``AgentService`` method. A test keeps this list equal to
+:meth:`AgentApi.describe`::
 
     GET  /v1/status      -            -> AgentStatus    the weights' version, the attempt, the gate
     POST /v1/prepare     AttemptSpec  -> AgentStatus    learn the attempt, start staging
@@ -119,7 +117,8 @@ class DenseRequest(_Body):
     version: Annotated[int, Field(ge=0)]
     # The version's safetensors, under the agent's checkpoint root (a relative path is
     # taken from there); checked against the version's fingerprints where the agent has them.
-    checkpoint: Annotated[str, Field(min_length=1, max_length=4096)]
+    # None: the agent builds the version from its store's history, checked throughout.
+    checkpoint: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
 
 
 class AgentStatus(_Body):
@@ -174,7 +173,7 @@ def _ref_by_id(attempt: str) -> AttemptRef:
     return AttemptRef(attempt=attempt)
 
 
-def _dense(version: int, checkpoint: str) -> DenseRequest:
+def _dense(version: int, checkpoint: str | None = None) -> DenseRequest:
     return DenseRequest(version=version, checkpoint=checkpoint)
 
 
@@ -190,7 +189,7 @@ def _as_id(body: AttemptRef) -> tuple[str]:
     return (body.attempt,)
 
 
-def _as_dense(body: DenseRequest) -> tuple[int, str]:
+def _as_dense(body: DenseRequest) -> tuple[int, str | None]:
     return (body.version, body.checkpoint)
 
 

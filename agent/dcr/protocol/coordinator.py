@@ -1,31 +1,10 @@
-"""The coordinator: attempts until commit (docs/protocol.md), over abstract parties.
+"""The coordinator: attempts of one transition ``v -> v+1`` until commit, over abstract parties.
 
-One transition ``v -> v+1``. Every attempt starts with **admission**: each receiver
-reports its status; one still inside an earlier attempt is stopped first (a coordinator
-that took over finds them so); a receiver at ``v`` takes part; one holding a mix of
-``v`` and ``v+1`` takes part only in overwrite mode; any other (restarted, new, behind)
-first restores ``v`` by a dense refit, between attempts; an unreachable one is left
-out and rejoins the same way later. The first attempt runs mixed (XOR where the
-loader allows), unless admission found mixed bits.
-
-An attempt: prepare -> (sync RL) close gates, open_apply -> owners publish while
-receivers stage and apply -> (async RL: wait staged, then close gates and open_apply)
--> flush -> commit, a compare-and-set of the commit record from the record the
-refit started from. Only after a success do owners advance their baselines, receivers
-learn the commit, and gates reopen. On any failure after admission the attempt is
-marked obsolete, every receiver stops and waits until none of its writes can still
-happen, and the next attempt runs in overwrite mode (absolute values repair any mix of
-old and new bits). An unknown commit outcome is settled by reading the record; a
-conflict (someone else moved it) ends the refit without touching baselines.
-
-Failover: a new coordinator calling ``refit`` for a transition the record already
-names finishes it (owners advance, receivers that flushed that attempt learn the
-commit, gates open); otherwise admission stops whatever the old one left running
-and the refit continues in overwrite mode.
-
-Receivers and owners are seams: in process for trainers that host rollout ranks and
-for tests (an ``AgentService`` is itself a ``ReceiverHandle``), and the agent's HTTP API
-(``AgentClient``) and encoder processes behind the same calls.
+The algorithm is docs/protocol.md ("The life of an attempt", "Admission and rejoin",
+"Coordinator failover"). Its invariants: the record moves only by compare-and-set from the
+one the refit started from; owners advance, receivers learn the commit and gates reopen only
+after that succeeded; after a failure every receiver has stopped before the next attempt,
+which runs in overwrite mode.
 """
 
 from __future__ import annotations
@@ -97,8 +76,9 @@ class ReceiverHandle(Protocol):
 
     def open_gate(self) -> AgentStatus: ...
 
-    def rejoin(self, version: int, checkpoint: str) -> AgentStatus:
-        """Restore ``version`` by a dense load of ``checkpoint`` (between attempts)."""
+    def rejoin(self, version: int, checkpoint: str | None = None) -> AgentStatus:
+        """Restore ``version`` (between attempts): a dense load of ``checkpoint``, or
+        without one, from the store's history, checked by its fingerprints."""
         ...
 
 
@@ -147,13 +127,19 @@ class Coordinator:
     def __init__(self, commits: CommitStore, owners: Sequence[OwnerHandle],
                  receivers: Sequence[ReceiverHandle], *,
                  settings: CoordinatorSettings | None = None,
-                 dense_checkpoint: Callable[[int], str] | None = None) -> None:
-        """``dense_checkpoint(v)`` names a full checkpoint of version ``v`` for rejoins."""
+                 dense_checkpoint: Callable[[int], str] | None = None,
+                 on_commit: Callable[[CommitRecord, int], None] | None = None) -> None:
+        """``dense_checkpoint(v)`` names a full checkpoint of version ``v`` for rejoins;
+        without it a receiver rejoins from its store's history. ``on_commit(record,
+        owners)`` runs once the record names a new version, before anyone advances (the
+        store's history is written there); it must be idempotent, as a refit that
+        finishes a committed transition again calls it again."""
         self.commits = commits
         self.owners = owners
         self.receivers = receivers
         self.settings = settings or CoordinatorSettings()
         self.dense_checkpoint = dense_checkpoint
+        self.on_commit = on_commit
         self.abort = threading.Event()  # set by an operator: no further attempt starts
         self.history: list[AttemptResult] = []
         self._pool = ThreadPoolExecutor(max(4, len(receivers) + len(owners)),
@@ -244,12 +230,10 @@ class Coordinator:
                 return r, "ready"
             if st.dirty == (t.base_version, t.target_version):
                 return r, "mixed"
-            if self.dense_checkpoint is None:
-                raise DcrError(f"{r.name} holds {st.version} (dirty {st.dirty}, "
-                               f"{st.unknown}) and no dense checkpoint is configured.")
-            log.info("%s holds %s (dirty %s, %s): dense refit to %s", r.name, st.version,
+            log.info("%s holds %s (dirty %s, %s): rejoins at %s", r.name, st.version,
                      st.dirty, st.unknown, t.base_version)
-            r.rejoin(t.base_version, self.dense_checkpoint(t.base_version))
+            dense = self.dense_checkpoint
+            r.rejoin(t.base_version, dense(t.base_version) if dense else None)
             return r, "rejoined"
 
         live: list[ReceiverHandle] = []
@@ -334,6 +318,8 @@ class Coordinator:
         one that flushed the committed attempt, or another attempt of this coordinator
         (``ours``) of the same transition, holds the target's bits and learns the commit.
         """
+        if self.on_commit is not None and record.attempt:
+            self.on_commit(record, len(self.owners))
         for o in self.owners:  # only now, with the record naming the new version
             o.advance_baseline(record)
         settled = {record.attempt} | (ours or set())

@@ -1,10 +1,7 @@
 """One attempt's run on an agent: what it staged and applied, and the threads that do it.
 
-A receive thread stages verified, manifest-listed payloads as files; once the gate is
-closed and drained, an apply thread has the engine apply them in the attempt's order,
-then synchronizes and compares the target fingerprints of what was written. The run
-shares the agent's state lock and reports back through :class:`Agent`: its moves, its
-failure, an engine instance it saw. docs/protocol.md tells the life of an attempt.
+A receive thread stages payloads; once the gate is closed and drained, an apply thread has the
+engine apply them in order and checks the target fingerprints (docs/protocol.md).
 """
 
 from __future__ import annotations
@@ -46,6 +43,7 @@ class Counters:
     apply_seconds: float = 0.0
     attempts: dict[str, int] = field(default_factory=dict)  # by final outcome
     dense_loads: int = 0
+    store_bytes_fetched: int = 0  # by dense loads built from the store's history
 
 
 class Agent(Protocol):

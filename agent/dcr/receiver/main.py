@@ -84,6 +84,7 @@ def canonical_tensors(checkpoint: Path) -> list[CanonicalSpec]:
 
 
 def build_service(s: AgentSettings, engine: Driver | None = None) -> AgentService:
+    from dcr.files.history import HistoryStore
     from dcr.protocol.agent_api import AttemptSpec
     from dcr.receiver.journal import Journal
     from dcr.receiver.service import AgentService, SourceFor
@@ -91,8 +92,10 @@ def build_service(s: AgentSettings, engine: Driver | None = None) -> AgentServic
     from dcr.transport.store import open_store
 
     source_for: SourceFor
+    history = None
     if s.store:
         store = open_store(s.store)
+        history = HistoryStore(store)
 
         def source_for(spec: AttemptSpec) -> Source:
             return StoreSource(store=store, version=spec.target_version, attempt=spec.attempt,
@@ -113,6 +116,7 @@ def build_service(s: AgentSettings, engine: Driver | None = None) -> AgentServic
                         canonical=canonical_tensors(s.canonical), staging_dir=s.staging_dir,
                         version=s.model_version, journal=Journal(s.state_dir / "journal.json"),
                         staging_bytes=s.staging_bytes, checkpoint_root=s.dense_root,
+                        history=history, seed=(s.model_version, s.canonical),
                         max_wait_s=s.max_wait_s, pause_mode=s.pause_mode)
 
 

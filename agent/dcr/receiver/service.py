@@ -1,18 +1,13 @@
 """The agent's protocol calls, one attempt at a time, over an engine it drives.
 
-The agent holds no model: it drives a serving engine through the
-:class:`~dcr.drivers.base.Driver` seam (vLLM, SGLang or ``dcr serve`` over HTTP; a
-:class:`~dcr.serve.local.LocalDriver` in process) and shares a staging directory with it.
-``prepare`` starts an attempt's :class:`~dcr.receiver.attempt.Run` (its receive thread
-stages payloads); ``open_apply`` (gate closed and drained) lets it apply them; ``flush``
-waits for every listed payload and the fingerprint check; ``committed`` advances the
-version :class:`~dcr.receiver.weights.Weights` journals. The state lock is never held
-across an engine call. docs/protocol.md argues the design.
+The engine is behind :class:`~dcr.drivers.base.Driver`; the state lock is never held across
+an engine call. docs/protocol.md argues the design.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -21,7 +16,9 @@ from typing import Any
 
 from dcr.drivers.base import Driver, PauseMode, TensorSpec, merge_fingerprints
 from dcr.drivers.errors import EngineError
-from dcr.errors import DcrError
+from dcr.errors import DcrError, ManifestError, StoreError
+from dcr.files.history import HistoryStore
+from dcr.files.materialize import materialize
 from dcr.format.profile import ReceiverProfile
 from dcr.protocol.agent_api import (
     AgentStatus,
@@ -44,6 +41,7 @@ __all__ = ["AgentConflict", "AgentService", "AttemptFailed", "Counters",
 
 log = logging.getLogger(__name__)
 S = AttemptState
+FROM_STORE = "dcr-from-store"  # under the checkpoint root: the version built from the store
 
 
 class AgentConflict(DcrError):
@@ -62,12 +60,19 @@ class AgentService:
                  journal: Journal | None = None,
                  staging_bytes: int = AgentSettings.staging_bytes,
                  checkpoint_root: Path | None = None,
+                 history: HistoryStore | None = None,
+                 seed: tuple[int, Path] | None = None,
                  max_wait_s: float = AgentSettings.max_wait_s,
                  pause_mode: PauseMode = AgentSettings.pause_mode) -> None:
         """``canonical``: the tensors the engine's ranks are prewarmed with.
         ``staging_dir``: the directory shared with the engine, as this process sees it.
         ``checkpoint_root``: dense loads only from under it, passed to the engine
-        relative to it (the engine resolves them under its own checkpoint root)."""
+        relative to it (the engine resolves them under its own checkpoint root).
+        ``history``: the store's history; with it every dense load is checked against
+        the fingerprints it vouches for, and a rejoin needs no checkpoint path (the
+        version is built under ``checkpoint_root`` from the store). ``seed``: a version
+        and a checkpoint of it this pod holds (the model the engine started from), where
+        that first build may start instead of a snapshot."""
         self.name = name
         self.engine = engine
         self.source_for = source_for
@@ -75,6 +80,9 @@ class AgentService:
         self.staging = StagingDir(staging_dir)
         self.staging_bytes = staging_bytes
         self.checkpoint_root = checkpoint_root.resolve() if checkpoint_root else None
+        self.history = history
+        self.seed = seed
+        self._copy: int | None = None  # the version FROM_STORE holds, if it is whole
         self.max_wait_s = max_wait_s
         self.pause_mode = pause_mode
         self.counters = Counters()
@@ -413,16 +421,22 @@ class AgentService:
         self.staging.clear(attempt)
         return self.snapshot()
 
-    def rejoin(self, version: int, checkpoint: str) -> AgentStatus:
+    def rejoin(self, version: int, checkpoint: str | None = None) -> AgentStatus:
         """Restore ``version`` from a full checkpoint through the engine's loader.
 
-        The checkpoint must lie under ``checkpoint_root``; where this agent knows the
-        version's target fingerprints (from the manifest of the attempt it committed to
-        it), the checkpoint must have them. Every rank checks both, reading the whole
+        Without ``checkpoint`` the agent builds the version from the store's history
+        under ``checkpoint_root`` (:func:`~dcr.files.materialize.materialize`: its last
+        copy advanced by the committed deltas, or a snapshot and the deltas after it).
+        The checkpoint must lie under ``checkpoint_root`` and hold the fingerprints the
+        history vouches for at ``version`` (without a history: those of the attempt this
+        agent committed to it, where it did). Every rank checks both, reading the whole
         checkpoint, before anything is written (:meth:`Driver.check_dense`): a refused
         load leaves the weights and the gate as they were. Errors name the check that
         failed, never bytes of the file (the engine's sentences do not quote files).
         """
+        expect = self._vouched(version)
+        if checkpoint is None:
+            checkpoint = self._from_store(version)
         relative = self._dense_path(checkpoint)
         with self._cond:
             self._between_attempts("a dense refit")
@@ -432,7 +446,6 @@ class AgentService:
             self._between_attempts("a dense refit")
             self._not_loading("another dense refit")
             self._loading, was_open = version, self._gate_open
-        expect = self.weights.expected(version)
         try:
             self._pause()
             self.engine.check_dense(relative, expect)
@@ -473,6 +486,57 @@ class AgentService:
                  relative)
         self._label(version)
         return self.open_gate()
+
+    def _vouched(self, version: int) -> dict[str, str] | None:
+        """The fingerprints a dense load of ``version`` must have: the history's, or
+        without one, those of an attempt this agent committed to it (else none)."""
+        if self.history is None:
+            return self.weights.expected(version)
+        try:
+            hs = self.history
+            history = hs.read()
+            if not history.versions:  # nothing committed yet: only what this agent knows
+                return self.weights.expected(version)
+            return hs.fingerprints(history, version)
+        except (ManifestError, StoreError) as e:
+            raise AgentConflict(f"{self.name}: dense load of version {version} refused: the "
+                                f"store's history does not vouch for it: {e}") from e
+
+    def _from_store(self, version: int) -> str:
+        """Build ``version`` under the checkpoint root from the store's history; the
+        directory, relative to the root."""
+        if self.history is None or self.checkpoint_root is None:
+            raise AgentConflict(f"{self.name}: a dense load without a checkpoint path needs "
+                                "the store's history and a checkpoint root.")
+        out = self.checkpoint_root / FROM_STORE
+        with self._cond:
+            held, self._copy = self._copy, None  # whole again only once the build succeeded
+        if held is None or not out.exists():
+            held = self._seeded(out)
+        try:
+            done = materialize(self.history.store, out, version=version, held=held,
+                               digest=self.history.digest)
+        except (ManifestError, StoreError, DcrError) as e:
+            shutil.rmtree(out, ignore_errors=True)  # the next build starts over
+            raise AgentConflict(f"{self.name}: version {version} could not be built from "
+                                f"the store: {e}") from e
+        with self._cond:
+            self._copy = version
+            self.counters.store_bytes_fetched += done.fetched_bytes
+        log.info("%s: built version %s from the store by %s from %s (%d deltas), fetching "
+                 "%d bytes", self.name, version, done.plan.route, done.plan.start,
+                 done.plan.steps, done.fetched_bytes)
+        return FROM_STORE
+
+    def _seeded(self, out: Path) -> int | None:
+        """Copy the seed checkpoint to ``out`` (replacing what is there); its version, or
+        None without a seed. ``materialize`` checks it before it relies on it."""
+        shutil.rmtree(out, ignore_errors=True)
+        if self.seed is None:
+            return None
+        version, path = self.seed
+        shutil.copytree(path, out, symlinks=False)
+        return version
 
     def _dense_path(self, checkpoint: str) -> str:
         """``checkpoint`` relative to the checkpoint root, if it lies under it (links

@@ -1,0 +1,135 @@
+"""The history in a store: the coordinator records each commit and snapshot there, and
+receivers read it back, with the committed manifests and every version's fingerprints.
+
+Only the coordinator writes it, after the commit record moved (:meth:`HistoryStore.commit`
+is idempotent, so a coordinator that finishes a refit again writes nothing twice). A
+reader given the history's digest trusts nothing else: manifest parts are checked by size
+and digest, and the fingerprints they list check the bits (``dcr.format.history``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from dcr.errors import ManifestError, ObjectNotFound
+from dcr.format.history import HISTORY_KEY, Committed, History, ObjectRef, Snapshot
+from dcr.format.layout import owner_manifest_key
+from dcr.format.manifest import Manifest, merge_manifests
+from dcr.format.names import object_digest
+from dcr.transport.store import Store
+
+log = logging.getLogger(__name__)
+
+
+def get_checked(store: Store, ref: ObjectRef, what: str) -> bytes:
+    """The object ``ref`` names, refused unless it has the size and digest it names."""
+    data = store.get(ref.key)
+    if len(data) != ref.size:
+        raise ManifestError(f"{what} {ref.key} is {len(data)} bytes; the history says "
+                            f"{ref.size}.")
+    got = object_digest(data)
+    if got != ref.digest:
+        raise ManifestError(f"{what} {ref.key}: digest mismatch (expected {ref.digest}, got "
+                            f"{got}).")
+    return data
+
+
+@dataclass
+class HistoryStore:
+    """One store's history. ``digest``: what the history object must hash to (a reader
+    told it by the coordinator); None trusts the store's writers."""
+
+    store: Store
+    digest: str | None = None
+    _manifests: dict[int, Manifest] = field(default_factory=dict, repr=False)
+
+    def read(self) -> History:
+        where = f"{self.store.uri}/{HISTORY_KEY}"
+        try:
+            data = self.store.get(HISTORY_KEY)
+        except ObjectNotFound:
+            if self.digest is not None:
+                raise ManifestError(f"History {where} does not exist, but the caller "
+                                    f"vouches for one with digest {self.digest}.") from None
+            return History()
+        if self.digest is not None and object_digest(data) != self.digest:
+            raise ManifestError(f"History {where}: digest {object_digest(data)} is not the "
+                                f"{self.digest} the caller vouches for.")
+        return History.parse(data, where)
+
+    def _write(self, history: History) -> str:
+        data = history.pack()
+        self.store.put(HISTORY_KEY, data)
+        self.digest = object_digest(data)
+        return self.digest
+
+    # --- the coordinator's side ----------------------------------------------------------
+
+    def commit(self, version: int, attempt: str, owners: int) -> str:
+        """Record that ``attempt`` committed ``version``; the history's new digest. Reads
+        the attempt's manifest parts, which must name that version and follow the history's
+        last version."""
+        history = self.read()
+        if any(c.version == version for c in history.versions):
+            done = history.entry(version)
+            if done.attempt != attempt:
+                raise ManifestError(f"The history says attempt {done.attempt} committed "
+                                    f"version {version}, not {attempt}.")
+            return object_digest(history.pack())
+        refs, parts = [], []
+        for k in range(owners):
+            key = owner_manifest_key(version, attempt, k)
+            data = self.store.get(key)
+            refs.append(ObjectRef(key=key, size=len(data), digest=object_digest(data)))
+            parts.append(Manifest.parse(data, f"{self.store.uri}/{key}"))
+        m = merge_manifests(parts, f"attempt {attempt}")
+        if m.target_version != version or (history.versions
+                                           and m.base_version != history.committed):
+            raise ManifestError(f"Attempt {attempt} takes {m.base_version} -> "
+                                f"{m.target_version}; the history holds {history.span()} "
+                                f"and records version {version}.")
+        entry = Committed(version=version, base_version=m.base_version, attempt=attempt,
+                          parts=tuple(refs), payload_bytes=m.stats.payload_bytes)
+        digest = self._write(history.model_copy(update={"versions": (*history.versions,
+                                                                     entry)}))
+        log.info("history: version %s committed by %s (%d payload bytes)", version, attempt,
+                 entry.payload_bytes)
+        return digest
+
+    def snapshot(self, snap: Snapshot) -> str:
+        """Record a snapshot the store now holds; the history's new digest."""
+        history = self.read()
+        kept = [s for s in history.snapshots if s.version != snap.version]
+        snaps = tuple(sorted([*kept, snap], key=lambda s: s.version))
+        return self._write(history.model_copy(update={"snapshots": snaps}))
+
+    # --- the receivers' side -------------------------------------------------------------
+
+    def manifest(self, entry: Committed) -> Manifest:
+        """The committed attempt's manifest, its parts checked against the history."""
+        if entry.version not in self._manifests:
+            parts = [Manifest.parse(get_checked(self.store, ref, "Manifest part"),
+                                    f"{self.store.uri}/{ref.key}") for ref in entry.parts]
+            m = merge_manifests(parts, f"version {entry.version}")
+            if (m.base_version, m.target_version, m.attempt) != (
+                    entry.base_version, entry.version, entry.attempt):
+                raise ManifestError(f"The manifest of version {entry.version} names "
+                                    f"{m.base_version} -> {m.target_version} ({m.attempt}); "
+                                    f"the history says {entry.base_version} -> "
+                                    f"{entry.version} ({entry.attempt}).")
+            self._manifests[entry.version] = m
+        return self._manifests[entry.version]
+
+    def fingerprints(self, history: History, version: int) -> dict[str, str]:
+        """Every tensor's fingerprint at ``version``, as the committed manifests list them:
+        the targets of the attempt that committed it, or for the first base, the bases of
+        the attempt that left it."""
+        for c in history.versions:
+            if c.version == version:
+                return {t.name: t.target for t in self.manifest(c).tensors}
+        for c in history.versions:
+            if c.base_version == version:
+                return {t.name: t.base for t in self.manifest(c).tensors}
+        raise ManifestError(f"The history vouches for no fingerprints of version {version} "
+                            f"(it holds {history.span()}).")

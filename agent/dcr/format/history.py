@@ -1,0 +1,175 @@
+"""What a receiver reads from the store alone to reach any committed version.
+
+The **history** names every committed version (its base, the attempt that committed it,
+and that attempt's manifest parts by size and digest) and the **snapshots** kept (each an
+index object by size and digest). A **snapshot index** names the files of one version's
+checkpoint, each in pieces by size and digest, and every tensor's fingerprint. So one
+digest of the history vouches for everything a catch-up fetches: parts name payloads by
+digest, and fingerprints check the bits before and after every step (docs/protocol.md,
+"Catch-up from the store").
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from dcr.errors import ManifestError, first_validation_error
+from dcr.format.names import ATTEMPT_PATTERN, object_digest
+
+HISTORY_KEY = "history.dcrh"
+MAX_HISTORY_BYTES = 64 << 20  # ~250 B per version: a few hundred thousand versions
+MAX_INDEX_BYTES = 64 << 20  # ~100 B per piece or tensor
+PIECE_BYTES = 64 << 20  # snapshot files are stored in pieces of this size
+
+_HEX32 = r"^[0-9a-f]{32}$"
+_FINGERPRINT = r"^xxh3-128:[0-9a-f]{32}$"
+_FILE_NAME = r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}$"  # one level, no leading dot
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ObjectRef(_Model):
+    key: Annotated[str, Field(min_length=1, description="Object key relative to the store root")]
+    size: Annotated[int, Field(ge=0)]
+    digest: Annotated[str, Field(pattern=_HEX32, description="BLAKE2b-128 of the object")]
+
+
+class Committed(_Model):
+    """One committed version and the attempt whose payloads produce it from its base."""
+
+    version: Annotated[int, Field(ge=1)]
+    base_version: Annotated[int, Field(ge=0)]
+    attempt: Annotated[str, Field(pattern=ATTEMPT_PATTERN)]
+    parts: tuple[ObjectRef, ...]  # the attempt's manifest parts, one per owner, in order
+    payload_bytes: Annotated[int, Field(ge=0)]
+
+    @model_validator(mode="after")
+    def _forward(self) -> Committed:
+        if self.version <= self.base_version or not self.parts:
+            raise ValueError(f"version {self.version} must follow its base "
+                             f"{self.base_version} and name its manifest parts")
+        return self
+
+
+class Snapshot(_Model):
+    version: Annotated[int, Field(ge=0)]
+    index: ObjectRef
+    bytes: Annotated[int, Field(ge=0, description="the checkpoint's bytes, all pieces")]
+
+
+class History(_Model):
+    format: Literal["dcr-history"] = "dcr-history"
+    format_version: Literal[1] = 1
+    versions: tuple[Committed, ...] = ()  # ascending; each one's base is the one before
+    snapshots: tuple[Snapshot, ...] = ()  # ascending by version
+
+    @model_validator(mode="after")
+    def _a_chain(self) -> History:
+        for a, b in zip(self.versions, self.versions[1:], strict=False):
+            if b.base_version != a.version:
+                raise ValueError(f"version {b.version} has base {b.base_version}, but the "
+                                 f"version before it is {a.version}")
+        kept = [s.version for s in self.snapshots]
+        if kept != sorted(set(kept)):
+            raise ValueError(f"snapshots must ascend without repeats: {kept}")
+        return self
+
+    @property
+    def committed(self) -> int:
+        """The newest committed version (the first base if none is)."""
+        return self.versions[-1].version if self.versions else 0
+
+    def entry(self, version: int) -> Committed:
+        for c in self.versions:
+            if c.version == version:
+                return c
+        raise ManifestError(f"The history holds no committed version {version} (it holds "
+                            f"{self.span()}).")
+
+    def chain(self, start: int, end: int) -> list[Committed]:
+        """The committed versions that take ``start`` to ``end``, in order."""
+        steps = [c for c in self.versions if start < c.version <= end]
+        if start != end and (not steps or steps[0].base_version != start
+                             or steps[-1].version != end):
+            raise ManifestError(f"The history holds no chain of committed versions from "
+                                f"{start} to {end} (it holds {self.span()}).")
+        return steps
+
+    def span(self) -> str:
+        if not self.versions:
+            return "no committed version"
+        return f"versions {self.versions[0].version}-{self.versions[-1].version}"
+
+    def pack(self) -> bytes:
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def parse(cls, data: bytes, where: str) -> History:
+        return _parse(cls, data, where, MAX_HISTORY_BYTES, "History")
+
+
+class Piece(_Model):
+    key: Annotated[str, Field(min_length=1)]
+    size: Annotated[int, Field(ge=1, le=PIECE_BYTES)]
+    digest: Annotated[str, Field(pattern=_HEX32)]
+
+
+class SnapshotFile(_Model):
+    name: Annotated[str, Field(pattern=_FILE_NAME)]
+    size: Annotated[int, Field(ge=0)]
+    pieces: tuple[Piece, ...]
+
+    @model_validator(mode="after")
+    def _whole(self) -> SnapshotFile:
+        if sum(p.size for p in self.pieces) != self.size:
+            raise ValueError(f"the pieces of {self.name} do not add up to {self.size} bytes")
+        return self
+
+
+class SnapshotIndex(_Model):
+    format: Literal["dcr-snapshot"] = "dcr-snapshot"
+    format_version: Literal[1] = 1
+    version: Annotated[int, Field(ge=0)]
+    files: tuple[SnapshotFile, ...]
+    tensors: dict[str, Annotated[str, Field(pattern=_FINGERPRINT)]]  # name -> fingerprint
+
+    @model_validator(mode="after")
+    def _distinct(self) -> SnapshotIndex:
+        names = [f.name for f in self.files]
+        if len(set(names)) != len(names):
+            raise ValueError(f"a file is listed twice: {sorted(names)}")
+        return self
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def pack(self) -> bytes:
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def parse(cls, data: bytes, where: str) -> SnapshotIndex:
+        return _parse(cls, data, where, MAX_INDEX_BYTES, "Snapshot index")
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _parse(cls: type[M], data: bytes, where: str, limit: int, what: str) -> M:
+    if len(data) > limit:
+        raise ManifestError(f"{what} {where} is {len(data)} bytes, over the limit of {limit}.")
+    try:
+        return cls.model_validate_json(data, strict=True)
+    except ValidationError as e:
+        raise ManifestError(f"{what} {where} is invalid: {first_validation_error(e)}.") from e
+
+
+def history_digest_ok(data: bytes, digest: str | None, where: str) -> None:
+    """Refuse a history object whose digest is not ``digest`` (when one is given)."""
+    if digest is not None and object_digest(data) != digest:
+        raise ManifestError(f"History {where}: digest {object_digest(data)} is not the "
+                            f"{digest} the caller vouches for.")

@@ -1,0 +1,265 @@
+"""The rollout side reaches any committed version from the store alone.
+
+The training side refits v0 -> v1 -> v2 -> v3 through the coordinator, which records each
+commit in the store's history; it writes a snapshot of v2. The rollout side holds only the
+run's starting model (v0, as a public base model would be) under its own checkpoint root:
+no training-side checkpoint is reachable from it. A receiver added after v3 rejoins from
+the store, and a rollout pod's volume is filled by ``materialize``; both end bit-exact
+with a dense load of the training side's v3. Hostile stores and wrong labels are refused
+with nothing written.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from dcr.apply.plan import CanonicalTensor
+from dcr.checkpoint import ArrayCheckpoint, Checkpoint
+from dcr.drivers.base import merge_fingerprints
+from dcr.errors import CheckpointError, ManifestError
+from dcr.files.history import HistoryStore
+from dcr.files.materialize import materialize, plan
+from dcr.files.snapshot import write_snapshot
+from dcr.format.history import HISTORY_KEY, History
+from dcr.format.names import object_digest
+from dcr.format.profile import ReceiverProfile
+from dcr.owner.encoder import Encoder
+from dcr.protocol.commitstore import SqliteCommitStore
+from dcr.protocol.coordinator import Coordinator
+from dcr.protocol.records import CommitRecord
+from dcr.receiver.service import FROM_STORE, AgentConflict, AgentService
+from dcr.runtimes.vllm_reference import ReferenceConfig, ReferenceModel, random_checkpoint
+from dcr.serve.local import LocalDriver
+from dcr.transport.receive import StoreSource
+from dcr.transport.store import FileStore
+
+pytestmark = pytest.mark.timeout(120)
+
+CFG = ReferenceConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=4, tie_word_embeddings=False)
+LAST = 3
+
+
+def bits_of(path: Path) -> dict[str, bytes]:
+    with Checkpoint(path) as ckpt:
+        return {n: ckpt.bits(n).tobytes() for n in ckpt.names()}
+
+
+@dataclass
+class Run:
+    """The training side after v3: its checkpoints, the store, the history."""
+
+    train: Path  # the training side's checkpoints, v0..v3 (never mounted by the rollout side)
+    store: FileStore
+    history: HistoryStore
+    states: dict[int, dict[str, torch.Tensor]]
+
+    def rollout_root(self, name: str) -> Path:
+        """A rollout pod's own volume, holding only the starting model."""
+        root = self.train.parent / name
+        (root / "v0").mkdir(parents=True)
+        shutil.copy(self.train / "v0" / "model.safetensors", root / "v0")
+        return root
+
+    def agent(self, name: str, *, history: bool = True, seed: bool = False,
+              store: FileStore | None = None) -> AgentService:
+        root = self.rollout_root(name)
+        staging = root.parent / f"{name}-staging"
+        engine = LocalDriver([ReferenceModel(CFG, tp_size=1, tp_rank=0)], staging_dir=staging,
+                             checkpoint_root=root)
+        engine.load_dense("v0")
+        canonical = [CanonicalTensor(name=n, dtype="BF16", shape=tuple(t.shape))
+                     for n, t in self.states[0].items()]
+        store = store or self.store
+        return AgentService(
+            name, engine, lambda spec: StoreSource(store=store, version=spec.target_version,
+                                                   attempt=spec.attempt, owners=spec.owners),
+            canonical=canonical, staging_dir=staging, version=0, checkpoint_root=root,
+            history=HistoryStore(store) if history else None,
+            seed=(0, root / "v0") if seed else None)
+
+
+def source(state: dict[str, torch.Tensor]) -> ArrayCheckpoint:
+    return ArrayCheckpoint({n: ("BF16", tuple(t.shape), t.view(torch.int16).numpy()
+                                .view(np.uint16)) for n, t in state.items()})
+
+
+def step(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """About 2% of the elements move, as an optimizer step moves a BF16 export."""
+    moved = torch.rand(t.shape, generator=gen) < 0.02
+    new = (t.float() + 1e-2 * torch.randn(t.shape, generator=gen)).to(torch.bfloat16)
+    return torch.where(moved, new, t)
+
+
+def record(history: HistoryStore, rec: CommitRecord, owners: int) -> None:
+    history.commit(rec.committed_version, rec.attempt, owners)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    tmp = tmp_path_factory.mktemp("two-clusters")
+    train, states = tmp / "train", {0: random_checkpoint(CFG, 0)}
+    for v in range(1, LAST + 1):
+        gen = torch.Generator().manual_seed(v)
+        states[v] = {n: step(t, gen) for n, t in states[v - 1].items()}
+    for v, state in states.items():
+        (train / f"v{v}").mkdir(parents=True)
+        save_file(state, str(train / f"v{v}" / "model.safetensors"))
+    store = FileStore(tmp / "store")
+    r = Run(train=train, store=store, history=HistoryStore(store), states=states)
+    rx = r.agent("refitted")
+    owner = Encoder(store=store, baseline=source(states[0]), version=0,
+                    profile=ReceiverProfile(tensors=rx.profile()["tensors"]))
+    coord = Coordinator(
+        SqliteCommitStore(tmp / "commit.db", CommitRecord(committed_version=0,
+                                                          baseline_id="v0", attempt="")),
+        [owner], [rx],
+        on_commit=lambda rec, owners: record(r.history, rec, owners))
+    try:
+        for v in range(1, LAST + 1):
+            owner.set_candidate(source(states[v]), v)
+            coord.refit(v, f"v{v}")
+            if v == 2:
+                r.history.snapshot(write_snapshot(store, train / "v2", 2, piece_bytes=4096))
+    finally:
+        coord.close()
+    assert rx.status().version == LAST
+    return r
+
+
+def test_the_history_names_every_commit_and_the_snapshot(run: Run) -> None:
+    h = run.history.read()
+    assert [(c.base_version, c.version) for c in h.versions] == [(0, 1), (1, 2), (2, 3)]
+    assert [s.version for s in h.snapshots] == [2]
+    want = {n: Checkpoint(run.train / "v3").fingerprint(n) for n in run.states[3]}
+    assert run.history.fingerprints(h, 3) == want
+    assert run.history.fingerprints(h, 0) == {
+        n: Checkpoint(run.train / "v0").fingerprint(n) for n in run.states[0]}
+
+
+def test_a_receiver_added_after_v3_rejoins_from_the_store_bit_exact(run: Run) -> None:
+    """Its root holds v0 only; ``rejoin(3)`` without a path builds v3 from the store (the
+    snapshot of v2 and one delta) and loads it, checked against the history."""
+    rx = run.agent("added")
+    st = rx.rejoin(LAST)
+    assert (st.version, st.unknown, st.gate_open) == (LAST, None, True)
+    dense = LocalDriver([ReferenceModel(CFG, tp_size=1, tp_rank=0)],
+                        staging_dir=run.train.parent / "oracle-staging",
+                        checkpoint_root=run.train)
+    dense.load_dense(f"v{LAST}")
+    assert rx.fingerprint() == merge_fingerprints(dense.fingerprint())  # every param, buffer
+    assert rx.counters.store_bytes_fetched > 0
+    assert bits_of(rx.checkpoint_root / FROM_STORE) == bits_of(run.train / f"v{LAST}")
+
+
+def test_materialize_replays_from_a_held_version_or_fetches_the_snapshot(
+        run: Run, tmp_path: Path) -> None:
+    h = run.history.read()
+    # A pod volume holding v0: replaying three deltas is cheaper than the snapshot.
+    held = tmp_path / "held"
+    shutil.copytree(run.train / "v0", held)
+    done = materialize(run.store, held, held=0)
+    assert (done.plan.route, done.plan.start, done.plan.steps) == ("replay", 0, 3)
+    assert bits_of(held) == bits_of(run.train / "v3")
+    # An empty volume: the snapshot of v2, then one delta.
+    fresh = tmp_path / "fresh"
+    done = materialize(run.store, fresh)
+    assert (done.plan.route, done.plan.start, done.plan.steps) == ("snapshot", 2, 1)
+    assert bits_of(fresh) == bits_of(run.train / "v3")
+    assert done.fetched_bytes >= done.plan.fetch_bytes
+    # Asked for v1 with nothing held: no snapshot at or below it.
+    with pytest.raises(ManifestError, match="No way to version 1 from the store"):
+        plan(h, 1, None)
+
+
+def test_a_rejoin_offered_another_versions_checkpoint_under_the_right_label_is_refused(
+        run: Run) -> None:
+    """A fresh agent knows no attempt of its own, yet the history vouches for v3: v2's
+    checkpoint offered as "version 3" is refused before anything is written. Without the
+    history (``history=None``), the same call loads v2 and reports version 3."""
+    rx = run.agent("offered")
+    shutil.copytree(run.train / "v2", rx.checkpoint_root / "v3")
+    before = rx.engine.fingerprint()
+    with pytest.raises(AgentConflict, match="dense load of version 3 refused"):
+        rx.rejoin(3, "v3")
+    assert rx.engine.fingerprint() == before
+    assert (rx.status().version, rx.status().gate_open) == (0, True)
+
+
+def test_a_held_copy_that_is_not_the_version_it_claims_is_refused_before_fetching(
+        run: Run, tmp_path: Path) -> None:
+    held = tmp_path / "claims-v1"
+    shutil.copytree(run.train / "v0", held)
+    before = bits_of(held)
+    with pytest.raises(ManifestError, match="does not hold version 1"):
+        materialize(run.store, held, held=1)
+    assert bits_of(held) == before
+
+
+def corrupt_copy(run: Run, tmp_path: Path, key_of: str) -> FileStore:
+    """A copy of the store with one byte of the first object under ``key_of`` flipped."""
+    copy = tmp_path / "store"
+    shutil.copytree(run.store.root, copy)
+    target = sorted(p for p in copy.rglob("*") if p.is_file()
+                    and p.relative_to(copy).as_posix().startswith(key_of))[0]
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    target.write_bytes(bytes(data))
+    return FileStore(copy)
+
+
+@pytest.mark.parametrize("key_of", ["snapshots/v0000000002/model.safetensors.",
+                                    "snapshots/v0000000002/index.dcrs",
+                                    "v0000000003/"])
+def test_a_corrupted_object_in_the_store_is_refused_and_nothing_is_written(
+        run: Run, tmp_path: Path, key_of: str) -> None:
+    store = corrupt_copy(run, tmp_path, key_of)
+    out = tmp_path / "out"
+    with pytest.raises((ManifestError, CheckpointError), match="digest mismatch"):
+        materialize(store, out)
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+
+
+def test_a_history_other_than_the_one_vouched_for_is_refused(run: Run, tmp_path: Path) -> None:
+    good = run.store.get(HISTORY_KEY)
+    shutil.copytree(run.store.root, tmp_path / "store")
+    store = FileStore(tmp_path / "store")
+    h = History.parse(good, "test")
+    store.put(HISTORY_KEY, h.model_copy(update={"snapshots": ()}).pack())
+    with pytest.raises(ManifestError, match="is not the .* the caller vouches for"):
+        materialize(store, tmp_path / "out", digest=object_digest(good))
+    assert not (tmp_path / "out").exists()
+    done = materialize(run.store, tmp_path / "out", digest=object_digest(good))
+    assert done.plan.target == LAST
+
+
+def test_a_receiver_without_a_history_cannot_rejoin_without_a_path(run: Run) -> None:
+    rx = run.agent("no-history", history=False)
+    with pytest.raises(AgentConflict, match="needs the store's history"):
+        rx.rejoin(LAST)
+    assert rx.status().version == 0
+
+
+def test_without_snapshots_a_receiver_replays_from_the_model_it_started_from(
+        run: Run, tmp_path: Path) -> None:
+    """The store keeps no snapshot; the agent's seed (v0, the public base model on its
+    own volume, checked by the history's fingerprints) and three deltas make v3."""
+    shutil.copytree(run.store.root, tmp_path / "store")
+    store = FileStore(tmp_path / "store")
+    hs = HistoryStore(store)
+    store.put(HISTORY_KEY, hs.read().model_copy(update={"snapshots": ()}).pack())
+    rx = run.agent("seeded", seed=True, store=store)
+    assert rx.rejoin(LAST).version == LAST
+    assert bits_of(rx.checkpoint_root / FROM_STORE) == bits_of(run.train / f"v{LAST}")
+    payloads = sum(c.payload_bytes for c in hs.read().versions)
+    assert payloads <= rx.counters.store_bytes_fetched < payloads + 64 * 1024  # no snapshot
+    with pytest.raises(AgentConflict, match="No way to version 3 from the store"):
+        run.agent("unseeded-2", store=store).rejoin(LAST)
