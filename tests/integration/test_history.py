@@ -234,7 +234,7 @@ def test_a_history_other_than_the_one_vouched_for_is_refused(run: Run, tmp_path:
     store = FileStore(tmp_path / "store")
     h = History.parse(good, "test")
     store.put(HISTORY_KEY, h.model_copy(update={"snapshots": ()}).pack())
-    with pytest.raises(ManifestError, match="is not the .* the caller vouches for"):
+    with pytest.raises(ManifestError, match=r"is not the .* the caller vouches for"):
         materialize(store, tmp_path / "out", digest=object_digest(good))
     assert not (tmp_path / "out").exists()
     done = materialize(run.store, tmp_path / "out", digest=object_digest(good))
