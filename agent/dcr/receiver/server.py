@@ -172,6 +172,9 @@ def render_metrics(service: AgentService) -> str:
                [(f'{{outcome="{k}"}}', v) for k, v in sorted(c.attempts.items())]),
         Family("dcr_agent_dense_loads_total", "counter", "Dense refits (rejoins).",
                [("", c.dense_loads)]),
+        Family("dcr_agent_store_bytes_fetched_total", "counter", "Bytes read from the store "
+               "to build versions for dense refits (history, manifests, payloads, snapshots).",
+               [("", c.store_bytes_fetched)]),
         Family("dcr_agent_waits", "gauge", "Staged and flush waits in progress.",
                [("", service.waits)]),
     ])

@@ -41,16 +41,17 @@ class FullPath:
 
 
 def full_refit(v: int, ckpt: Path, agents: Sequence[AgentProcess], path: FullPath,
-               copies: Path) -> dict[str, float]:
+               copies: Sequence[Path]) -> dict[str, float]:
     """Refit every agent's server to version ``v`` from the full checkpoint ``ckpt``
-    through ``path``, each into its own directory under ``copies``; seconds and bytes."""
+    through ``path``, each into its own directory (``copies``, by agent, on the pod's
+    volume); seconds and bytes."""
     prefix = f"full/v{v}/"
     files = sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file())
 
     def load(i: int) -> float:
         t = time.perf_counter()
         agent, store = agents[i], path.pods[i]
-        home = copies / agent.name / f"v{v}"
+        home = copies[i] / f"v{v}"
 
         def fetch(name: str) -> None:
             (home / name).parent.mkdir(parents=True, exist_ok=True)
@@ -73,6 +74,7 @@ def full_refit(v: int, ckpt: Path, agents: Sequence[AgentProcess], path: FullPat
             load_s = max(pool.map(load, range(len(agents))))
     finally:
         path.delete(prefix)
-        shutil.rmtree(copies, ignore_errors=True)
+        for home in copies:
+            shutil.rmtree(home, ignore_errors=True)
     return {"full_s": upload_s + load_s, "full_upload_s": upload_s, "full_load_s": load_s,
             "full_bytes": sum((ckpt / n).stat().st_size for n in files)}

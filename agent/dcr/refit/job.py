@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import secrets
 import shutil
 import statistics
@@ -16,7 +17,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -25,6 +26,7 @@ import numpy as np
 from dcr.checkpoint import Checkpoint
 from dcr.drivers.base import merge_fingerprints
 from dcr.errors import ConfigError, DcrError
+from dcr.files.history import HistoryStore
 from dcr.format.profile import ReceiverProfile, coverage, merge
 from dcr.http.tokens import write_token_file
 from dcr.owner.process import ProcessOwner
@@ -154,15 +156,19 @@ def _pod(i: int, n: int, out: Path, source: dict[str, Any], ckpts: Path,
     home = out / "pods" / f"pod-{i}"
     staging = home / "staging"
     staging.mkdir(parents=True, exist_ok=True)
+    # The pod's own volume: the run's starting model (as a public base model would be),
+    # and later what it builds from the store; never the training side's checkpoints.
+    weights = home / "weights"
+    shutil.copytree(ckpts / "v0", weights / "v0")
     tp: dict[str, Any] = {} if i < n - 1 else {
         "runtime": "vllm-ref", "tp_size": 2, "fp8": ("self_attn.o_proj",)}
-    serve = ServeSettings(model=ckpts / "v0", staging_dir=staging, checkpoint_root=ckpts,
+    serve = ServeSettings(model=weights / "v0", staging_dir=staging, checkpoint_root=weights,
                           weight_version="0", **tp)
     server = ServeProcess(name=f"serve-{i}", args=to_argv(serve, skip=SERVED),
                           workdir=home / "serve")
     agent = AgentSettings(name=f"agent-{i}", state_dir=home / "agent",
-                          engine_url=server.url, staging_dir=staging, canonical=ckpts / "v0",
-                          checkpoint_root=ckpts, **source)
+                          engine_url=server.url, staging_dir=staging,
+                          canonical=weights / "v0", checkpoint_root=weights, **source)
     sidecar = AgentProcess(name=agent.name, args=to_argv(agent, skip=LAUNCHED),
                            state_dir=agent.state_dir, token=token, env=env)
     return _Pod(serve=serve, agent=agent, server=server, sidecar=sidecar)
@@ -281,11 +287,17 @@ def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
         commits = SqliteCommitStore(out / "commit.db", CommitRecord(
             committed_version=0, baseline_id=str(ckpts / "v0"), attempt=""))
         kills = KillPoint()
-        coordinator = Coordinator(commits, [Held(owner=o, point=kills) for o in owners],
-                                  clients, settings=s.coordinator,
-                                  dense_checkpoint=lambda v: str(ckpts / f"v{v}"))
+        # Through the store, receivers rejoin from its history alone (through their links);
+        # the relay keeps no history, so there they dense-load the trainer's checkpoint.
+        history = HistoryStore(boundary.direct_store()) if s.transport == "store" else None
+        coordinator = Coordinator(
+            commits, [Held(owner=o, point=kills) for o in owners], clients,
+            settings=s.coordinator,
+            dense_checkpoint=None if history else lambda v: str(ckpts / f"v{v}"),
+            on_commit=(lambda rec, n: _record(history, rec, n)) if history else None)
         job = _Job(trainer=trainer, ckpts=ckpts, pods=pods, coordinator=coordinator,
-                   owners=owners, kills=kills, full=_full_stores(boundary))
+                   owners=owners, kills=kills, full=_full_stores(boundary),
+                   from_store=history is not None)
         where = (f"relay tree of {s.agents} nodes (fan-out {RelaySettings.fanout}), root "
                  f"{tree.urls[0]}" if relays else f"store {store}")
         print(f"model: Llama, {trainer.parameters:,} parameters, "
@@ -325,6 +337,19 @@ def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
     if not exact:
         raise DcrError("A receiver differs from a dense load of the trainer's export.")
     return rows
+
+
+def _record(history: HistoryStore, record: CommitRecord, owners: int) -> None:
+    """The coordinator's ``on_commit``: the store's history names the new version."""
+    history.commit(record.committed_version, record.attempt, owners)
+
+
+def _store_bytes_fetched(pod: _Pod) -> int:
+    """What the pod's agent has read from the store to build versions for rejoins."""
+    with urllib.request.urlopen(f"{pod.sidecar.url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    m = re.search(r"^dcr_agent_store_bytes_fetched_total (\d+)$", text, re.M)
+    return int(m[1]) if m else 0
 
 
 def _mb(n: int) -> str:
@@ -395,6 +420,8 @@ class _Job:
     owners: Sequence[ProcessOwner | WarmOwner]
     kills: KillPoint  # the coordinator's owners publish once a step's kill has landed
     full: FullPath  # where full checkpoints travel, for the comparison
+    from_store: bool  # receivers rejoin from the store's history (else a checkpoint path)
+    fetched: dict[str, int] = field(default_factory=dict)  # each agent's counter, last read
 
 
 def _changed_pct(old: Path, new: Path) -> float:
@@ -436,15 +463,22 @@ def _step(v: int, s: RefitSettings, job: _Job) -> dict[str, Any]:
     rejoined_after = []
     for pod in pods:
         if _status(pod).version != record.committed_version:
-            pod.sidecar.client().rejoin(record.committed_version, str(ckpt))
+            pod.sidecar.client().rejoin(record.committed_version,
+                                        None if job.from_store else str(ckpt))
             rejoined_after.append(pod.name)
+    fetched = 0
+    for pod in pods:  # a restarted agent counts from zero again
+        now, seen = _store_bytes_fetched(pod), job.fetched.get(pod.name, 0)
+        fetched += now - seen if now >= seen else now
+        job.fetched[pod.name] = now
     refs: dict[str, dict[str, str]] = {}
     exact = True
     for pod in pods:
         if pod.kind not in refs:
             refs[pod.kind] = _reference(pod, ckpt)
         exact &= pod.sidecar.client().fingerprint() == refs[pod.kind]
-    full = full_refit(v, ckpt, [p.sidecar for p in pods], job.full, job.ckpts / "full")
+    full = full_refit(v, ckpt, [p.sidecar for p in pods], job.full,
+                      [p.agent.dense_root / "full" for p in pods])
     full_exact = all(p.sidecar.client().fingerprint() == refs[p.kind] for p in pods)
     last = attempts[-1]
     summaries = [o.summaries[last.attempt] for o in job.owners]
@@ -460,6 +494,7 @@ def _step(v: int, s: RefitSettings, job: _Job) -> dict[str, Any]:
         **full, "full_bit_exact": full_exact,
         "killed": killer.victim.name if killer else None,  # agent-N or serve-N
         "rejoined_after": rejoined_after,
+        "rejoin_fetched_bytes": fetched,  # from the store, through the pods' links
         "attempts": [asdict(h) for h in attempts],
     }
     st = last.stages
@@ -467,6 +502,7 @@ def _step(v: int, s: RefitSettings, job: _Job) -> dict[str, Any]:
     extra = [f"killed {row['killed']}"] if killer else []
     extra += [f"rejoined {', '.join(h.rejoined)}" for h in attempts if h.rejoined]
     extra += [f"rejoined {n} after" for n in rejoined_after]
+    extra += [f"rejoins fetched {_mb(fetched)} from the store"] if fetched else []
     print(f"{v:>4} {loss:>7.4f} {row['changed_pct']:>7.3f}% {row['sent_pct']:>7.3f}% "
           f"{payload:>10,} "
           f"{row['dense_pct']:>7.3f}% {st.get('prepare', 0):>7.3f} {st.get('publish', 0):>7.3f} "
