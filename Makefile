@@ -51,12 +51,12 @@ bench: install
 	$(PY) bench/codec.py
 	$(PY) bench/apply.py
 	$(PY) bench/protocol.py
-	$(PY) bench/tables.py
+	$(PY) bench/doctables.py
 
 # Rewrite the number tables of docs/benchmarks.md and docs/apply.md from bench/results
 # (a test keeps them in sync).
 tables: install
-	$(PY) bench/tables.py
+	$(PY) bench/doctables.py
 
 # The evaluation (~20 minutes on 2 cores, ~20 GB of free disk while the 4 GiB runs go):
 # bench/transport.py over sizes, change rates, topologies, owners, fan-outs and nodes, each

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tables import table  # bench/tables.py: the tables of the other benchmark docs
+from doctables import table  # bench/doctables.py: the tables of the other benchmark docs
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "evaluation"

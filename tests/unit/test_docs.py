@@ -51,6 +51,6 @@ def test_the_number_tables_are_what_the_benchmark_results_say() -> None:
     """The tables of docs/benchmarks.md and docs/apply.md are written from
     bench/results/*.json (``make tables``); a hand edit or a new result that was not
     written into the doc fails here."""
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "tables.py"), "--check"],
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "doctables.py"), "--check"],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

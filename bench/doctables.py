@@ -3,8 +3,8 @@
 Each table sits between ``<!-- table NAME -->`` and ``<!-- /table -->`` in its doc and is
 written from the JSON a benchmark left; the prose around the markers is written by hand.
 
-    .venv/bin/python bench/tables.py           # rewrite the tables (make tables)
-    .venv/bin/python bench/tables.py --check   # exit 1 if a doc differs from its JSON
+    .venv/bin/python bench/doctables.py           # rewrite the tables (make tables)
+    .venv/bin/python bench/doctables.py --check   # exit 1 if a doc differs from its JSON
 """
 
 from __future__ import annotations
