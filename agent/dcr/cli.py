@@ -296,11 +296,13 @@ def cmd_snapshot(args: argparse.Namespace) -> None:
                             f"differ from the history's fingerprints, first {wrong[:3]}. "
                             "Nothing was written.")
     snap = write_snapshot(store, root, args.version)
-    digest = hs.snapshot(snap)
+    digest = hs.snapshot(snap) if args.record else None
     _emit(args, {"version": args.version, "bytes": snap.bytes, "index": snap.index.key,
                  "history_digest": digest},
           f"snapshot of version {args.version}: {snap.bytes:,} bytes under "
-          f"{snap.index.key.rsplit('/', 1)[0]}/; recorded in the history")
+          f"{snap.index.key.rsplit('/', 1)[0]}/; "
+          + ("recorded in the history" if args.record
+             else "the coordinator's next commit adopts it into the history"))
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -340,12 +342,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     ma.set_defaults(func=cmd_materialize)
 
     sn = sub.add_parser("snapshot", help="put a committed version's checkpoint in the store "
-                        "as a snapshot and record it in the history")
+                        "as a snapshot (checked against the history's fingerprints)")
     sn.add_argument("checkpoint", metavar="CKPT", help="the version's checkpoint directory")
     sn.add_argument("--store", required=True, metavar="URI",
                     help="the store the history is in (file://, s3://)")
     sn.add_argument("--version", type=int, required=True, metavar="N",
                     help="a version the history vouches for")
+    sn.add_argument("--record", action="store_true",
+                    help="record it in the history now: only where no coordinator writes "
+                    "the history (one that does adopts snapshots at its next commit)")
     sn.add_argument("--json", action="store_true", help="print the summary as JSON")
     sn.set_defaults(func=cmd_snapshot)
 

@@ -140,11 +140,12 @@ def behind(st: AgentStatus, record: CommitRecord) -> bool:
     return idle and (st.dirty is not None or st.version != record.committed_version)
 
 
-def _report(client: AgentClient, url: str, at: str, catch_up: CommitRecord | None
-            ) -> dict[str, Any]:
+def _report(client: AgentClient, url: str, at: str, catch_up: CommitRecord | None,
+            from_store: bool) -> dict[str, Any]:
     """One receiver's status entry; with ``catch_up`` (no refit running on the fleet), an
     agent that is :func:`behind` is first brought to the committed version by a dense
-    load of its checkpoint, as a refit's admission would."""
+    load, as a refit's admission would: built from the store's history (``from_store``),
+    else of the committed checkpoint."""
     entry: dict[str, Any] = {"name": client.name, "url": url}
     call: Call[..., Any, AgentStatus] = AgentApi.status
     try:
@@ -153,7 +154,8 @@ def _report(client: AgentClient, url: str, at: str, catch_up: CommitRecord | Non
             log.info("%s holds %s (dirty %s): dense refit to the committed version %d",
                      client.name, st.version, st.dirty, catch_up.committed_version)
             call = AgentApi.rejoin
-            st = client.rejoin(catch_up.committed_version, catch_up.baseline_id)
+            st = client.rejoin(catch_up.committed_version,
+                               None if from_store else catch_up.baseline_id)
     except Exception as e:  # any failure: the receiver is reported unreachable
         entry["error"] = agent_failure(client.name, call, e)[:1024]
         return entry
@@ -188,8 +190,9 @@ def refresh(kube: KubeClient, fleet: Mapping[str, Any], *, clock: Callable[[], s
     catch_up = record if active is None and record.baseline_id else None
     if agents:
         with ThreadPoolExecutor(min(16, len(agents))) as pool:
-            reports = list(pool.map(lambda p: _report(p[0], p[1].url, at, catch_up),
-                                    zip(agents, found, strict=True)))
+            reports = list(pool.map(
+                lambda p: _report(p[0], p[1].url, at, catch_up, spec.store is not None),
+                zip(agents, found, strict=True)))
     else:
         reports = [{"name": r.name, "url": r.url, "error": no_agents} for r in found]
     for r in reports:

@@ -60,6 +60,7 @@ from dcr_operator.fleet import (
     refresh,
     set_active,
 )
+from dcr_operator.history import fleet_history
 from dcr_operator.jobs import (
     PROFILE_KEY,
     EncoderJobs,
@@ -229,6 +230,14 @@ class RefitRun:
                                   f"committed one is {record.committed_version}.")
             return record.baseline_id
 
+        # A store fleet's receivers rejoin from the store's history, which this coordinator
+        # writes after each commit; a relay fleet's dense-load the committed checkpoint.
+        history = fleet_history(self.kube, self.namespace, fleet_spec)
+
+        def recorded(committed: CommitRecord, owner_count: int) -> None:
+            assert history is not None
+            history.commit(committed.committed_version, committed.attempt, owner_count)
+
         def started(attempt: Attempt) -> None:
             assert self._coordinator is not None
             rec.attempt_started(attempt, self._coordinator.history)
@@ -236,7 +245,8 @@ class RefitRun:
         tracked = [TrackedReceiver(a, rec, started, forced_mode=forced) for a in agents]
         policy = fleet_spec.commit_policy
         coordinator = Coordinator(
-            store, owners, tracked, dense_checkpoint=dense, settings=CoordinatorSettings(
+            store, owners, tracked, dense_checkpoint=None if history else dense,
+            on_commit=recorded if history else None, settings=CoordinatorSettings(
                 max_attempts=max(1, remaining), gate="sync" if policy.gate == "Sync" else "async",
                 attempt_timeout_s=float(policy.attempt_timeout_seconds), min_receivers=need))
         self._coordinator = coordinator

@@ -126,8 +126,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
         for v in range(1, LAST + 1):
             owner.set_candidate(source(states[v]), v)
             coord.refit(v, f"v{v}")
-            if v == 2:
-                r.history.snapshot(write_snapshot(store, train / "v2", 2, piece_bytes=4096))
+            if v == 2:  # the training side writes it; the commit of v3 adopts it
+                write_snapshot(store, train / "v2", 2, piece_bytes=4096)
+                assert not r.history.read().snapshots
     finally:
         coord.close()
     assert rx.status().version == LAST
@@ -263,3 +264,16 @@ def test_without_snapshots_a_receiver_replays_from_the_model_it_started_from(
     assert payloads <= rx.counters.store_bytes_fetched < payloads + 64 * 1024  # no snapshot
     with pytest.raises(AgentConflict, match="No way to version 3 from the store"):
         run.agent("unseeded-2", store=store).rejoin(LAST)
+
+
+def test_a_snapshot_is_adopted_only_if_it_holds_the_committed_bits(
+        run: Run, tmp_path: Path) -> None:
+    """Whoever may write snapshot objects cannot make the history name other bits: v2's
+    checkpoint written as "snapshot 3" is not adopted; the real v3 is."""
+    shutil.copytree(run.store.root, tmp_path / "store")
+    store = FileStore(tmp_path / "store")
+    hs = HistoryStore(store)
+    write_snapshot(store, run.train / "v2", 3, piece_bytes=4096)
+    assert [s.version for s in hs.adopt(hs.read()).snapshots] == [2]
+    write_snapshot(store, run.train / "v3", 3, piece_bytes=4096)
+    assert [s.version for s in hs.adopt(hs.read()).snapshots] == [2, 3]

@@ -10,16 +10,26 @@ and digest, and the fingerprints they list check the bits (``dcr.format.history`
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 
 from dcr.errors import ManifestError, ObjectNotFound
-from dcr.format.history import HISTORY_KEY, Committed, History, ObjectRef, Snapshot
+from dcr.format.history import (
+    HISTORY_KEY,
+    Committed,
+    History,
+    ObjectRef,
+    Snapshot,
+    SnapshotIndex,
+)
 from dcr.format.layout import owner_manifest_key
 from dcr.format.manifest import Manifest, merge_manifests
 from dcr.format.names import object_digest
 from dcr.transport.store import Store
 
 log = logging.getLogger(__name__)
+SNAPSHOTS = "snapshots/"
+_INDEX_KEY = re.compile(r"snapshots/v(\d{10})/index\.dcrs")
 
 
 def get_checked(store: Store, ref: ObjectRef, what: str) -> bytes:
@@ -91,14 +101,45 @@ class HistoryStore:
                                 f"and records version {version}.")
         entry = Committed(version=version, base_version=m.base_version, attempt=attempt,
                           parts=tuple(refs), payload_bytes=m.stats.payload_bytes)
-        digest = self._write(history.model_copy(update={"versions": (*history.versions,
-                                                                     entry)}))
+        history = history.model_copy(update={"versions": (*history.versions, entry)})
+        digest = self._write(self.adopt(history))
         log.info("history: version %s committed by %s (%d payload bytes)", version, attempt,
                  entry.payload_bytes)
         return digest
 
+    def adopt(self, history: History) -> History:
+        """``history`` with the snapshots the store holds that it does not name yet, each
+        only if its index lists the fingerprints the history vouches for at its version
+        (so whoever may write snapshot objects never writes the history)."""
+        named = {s.version for s in history.snapshots}
+        found = []
+        for key in self.store.list(SNAPSHOTS):
+            m = _INDEX_KEY.fullmatch(key)
+            if m is None or int(m[1]) in named:
+                continue
+            version = int(m[1])
+            try:
+                expect = self.fingerprints(history, version)
+                data = self.store.get(key)
+                index = SnapshotIndex.parse(data, f"{self.store.uri}/{key}")
+            except ManifestError as e:  # not vouched for (yet), or not an index
+                log.info("history: snapshot %s not adopted: %s", key, e)
+                continue
+            if index.version != version or index.tensors != expect:
+                log.warning("history: snapshot %s is not the committed version %s; not "
+                            "adopted", key, version)
+                continue
+            found.append(Snapshot(version=version, index=ObjectRef(
+                key=key, size=len(data), digest=object_digest(data)),
+                bytes=index.total_bytes))
+        if not found:
+            return history
+        snaps = tuple(sorted([*history.snapshots, *found], key=lambda s: s.version))
+        return history.model_copy(update={"snapshots": snaps})
+
     def snapshot(self, snap: Snapshot) -> str:
-        """Record a snapshot the store now holds; the history's new digest."""
+        """Record a snapshot the store now holds; the history's new digest. Only where no
+        coordinator writes the history: one that does adopts snapshots at its commits."""
         history = self.read()
         kept = [s for s in history.snapshots if s.version != snap.version]
         snaps = tuple(sorted([*kept, snap], key=lambda s: s.version))

@@ -35,7 +35,7 @@ PARALLEL = 4  # pieces in flight per reader or writer
 
 
 def snapshot_prefix(version: int) -> str:
-    return f"snapshots/v{version:010d}/"
+    return f"snapshots/v{version:010d}/"  # the history adopts snapshots/v<N>/index.dcrs
 
 
 def write_snapshot(store: Store, checkpoint: Path, version: int, *,

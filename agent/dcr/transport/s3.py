@@ -208,7 +208,14 @@ class S3Store:
         settings: S3Settings | None = None,
         *,
         sleep: Callable[[float], None] = time.sleep,
+        endpoint: str | None = None,
+        region: str | None = None,
+        credentials: Mapping[str, str] | None = None,
     ) -> None:
+        """``endpoint``, ``region``, ``credentials`` (``AWS_ACCESS_KEY_ID``,
+        ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``): what botocore would otherwise
+        take from the environment, for a process that holds several stores' (the
+        operator)."""
         self.bucket, self.prefix = parse_s3_uri(uri)
         self.uri = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
         self.settings = s = settings or S3Settings()
@@ -228,7 +235,12 @@ class S3Store:
         with _LOADER_LOCK:  # one session per store (credentials), one parsed S3 model
             session = botocore.session.get_session()
             session.register_component("data_loader", _LOADER)
-            self._client = session.create_client("s3", config=config)
+            creds = credentials or {}
+            self._client = session.create_client(
+                "s3", config=config, endpoint_url=endpoint, region_name=region,
+                aws_access_key_id=creds.get("AWS_ACCESS_KEY_ID"),
+                aws_secret_access_key=creds.get("AWS_SECRET_ACCESS_KEY"),
+                aws_session_token=creds.get("AWS_SESSION_TOKEN"))
 
     def close(self) -> None:
         """Close the pooled connections."""
