@@ -12,12 +12,15 @@ with nothing written.
 from __future__ import annotations
 
 import shutil
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from appserver import Server
 from safetensors.torch import save_file
 
 from dcr.apply.plan import CanonicalTensor
@@ -34,6 +37,7 @@ from dcr.owner.encoder import Encoder
 from dcr.protocol.commitstore import SqliteCommitStore
 from dcr.protocol.coordinator import Coordinator
 from dcr.protocol.records import CommitRecord
+from dcr.receiver.server import make_app
 from dcr.receiver.service import FROM_STORE, AgentConflict, AgentService
 from dcr.runtimes.vllm_reference import ReferenceConfig, ReferenceModel, random_checkpoint
 from dcr.serve.local import LocalDriver
@@ -277,3 +281,24 @@ def test_a_snapshot_is_adopted_only_if_it_holds_the_committed_bits(
     assert [s.version for s in hs.adopt(hs.read()).snapshots] == [2]
     write_snapshot(store, run.train / "v3", 3, piece_bytes=4096)
     assert [s.version for s in hs.adopt(hs.read()).snapshots] == [2, 3]
+
+
+def test_a_pod_started_on_old_weights_is_not_ready_until_it_holds_the_committed_version(
+        run: Run) -> None:
+    """A pod rescheduled after v3 boots on v0: /readyz answers 503 naming both versions
+    (it served old weights as Ready before), and 200 once it rejoined."""
+    rx = run.agent("rescheduled")
+    server = Server(make_app(rx, "t" * 32))
+    try:
+        def readyz() -> tuple[int, str]:
+            try:
+                with urllib.request.urlopen(server.url + "/readyz", timeout=30) as r:
+                    return r.status, r.read().decode()
+            except urllib.error.HTTPError as e:
+                return e.code, e.read().decode()
+
+        assert readyz() == (503, "version 0; the committed version is 3\n")
+        rx.rejoin(LAST)
+        assert readyz() == (200, "version 3\n")
+    finally:
+        server.close()

@@ -9,7 +9,6 @@ allowed to.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import socket
@@ -22,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp import web
+from appserver import Server
 
 from dcr.apply.plan import CanonicalTensor
 from dcr.protocol.agent_api import AgentStatus, AttemptSpec
@@ -57,30 +56,6 @@ def agent(tmp: Path, **kw: Any) -> AgentService:
 
     return AgentService("rx", engine, source_for, canonical=canonical,
                         staging_dir=tmp / "staging", version=0, **kw)
-
-
-class Server:
-    """``make_app`` served on 127.0.0.1 from an event loop on its own thread."""
-
-    def __init__(self, app: web.Application) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.runner = web.AppRunner(app, access_log=None)
-        self._call(self.runner.setup())
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        self._call(site.start())
-        self.port = self.runner.addresses[0][1]
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def _call(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
-
-    def close(self) -> None:
-        self._call(self.runner.cleanup())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
 
 
 @pytest.fixture

@@ -76,7 +76,8 @@ def _full_refits_ran(rows: list[dict[str, Any]], stdout: str, out: Path) -> None
     assert "full-checkpoint refit / DCR refit time: median" in stdout
     full = [p for p in (out / "store").rglob("full") if any(p.rglob("*.safetensors"))]
     assert full == []  # the full checkpoints' objects are deleted
-    assert not (out / "checkpoints" / "full").exists()  # and so are the pods' copies
+    copies = [p for p in out.rglob("full-agent-*") if p.is_dir()]
+    assert copies == []  # and so are the pods' copies
 
 
 def _links_carried(out: Path, rows: list[dict[str, Any]], pods: int) -> dict[str, Any]:
@@ -114,6 +115,11 @@ def test_refit_job_recovers_from_a_killed_agent_and_ends_bit_exact(tmp_path: Pat
         assert rows[1]["rejoined_after"] == ["agent-0"]
     assert rows[1]["record"] == {"committed_version": 2, "baseline_id": rows[1]["record"][
         "baseline_id"], "attempt": second[1]["attempt"]}
+    # Its pod holds only v0: it built v1 (or v2) from the store's history, through its
+    # link, fetching a delta or two and the history, not a checkpoint.
+    assert 0 < rows[1]["rejoin_fetched_bytes"] < rows[1]["dense_bytes"] / 2
+    assert "rejoins fetched" in proc.stdout
+    assert not (out / "pods" / "pod-0" / "weights" / "v1").exists()
     assert all(0 < r["payload_bytes"] < r["dense_bytes"] / 4 for r in rows)
     assert all(0 < r["changed_pct"] <= r["sent_pct"] for r in rows)  # every change is sent
     assert all(r["attempts"][-1]["payload_bytes"] > 0 for r in rows)  # applied in place

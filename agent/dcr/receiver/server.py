@@ -131,6 +131,10 @@ def make_app(service: AgentService, token: str, *, max_waits: int = AgentSetting
         st = await run("status", service.status)
         if st.version is None:
             return web.Response(status=503, text=f"no version: {st.unknown or st.dirty}\n")
+        committed = await run("status", service.committed_in_store)
+        if committed is not None and st.version < committed:  # a pod started on old weights
+            return web.Response(status=503, text=f"version {st.version}; the committed "
+                                f"version is {committed}\n")
         return web.Response(text=f"version {st.version}\n")
 
     async def metrics(_: web.Request) -> web.StreamResponse:

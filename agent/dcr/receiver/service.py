@@ -42,6 +42,7 @@ __all__ = ["AgentConflict", "AgentService", "AttemptFailed", "Counters",
 log = logging.getLogger(__name__)
 S = AttemptState
 FROM_STORE = "dcr-from-store"  # under the checkpoint root: the version built from the store
+HISTORY_TTL_S = 5.0  # how long /readyz trusts its last reading of the committed version
 
 
 class AgentConflict(DcrError):
@@ -83,6 +84,7 @@ class AgentService:
         self.history = history
         self.seed = seed
         self._copy: int | None = None  # the version FROM_STORE holds, if it is whole
+        self._committed_read: tuple[float, int | None] = (-HISTORY_TTL_S, None)  # when, what
         self.max_wait_s = max_wait_s
         self.pause_mode = pause_mode
         self.counters = Counters()
@@ -537,6 +539,22 @@ class AgentService:
         version, path = self.seed
         shutil.copytree(path, out, symlinks=False)
         return version
+
+    def committed_in_store(self) -> int | None:
+        """The newest version the store's history names (read at most every
+        ``HISTORY_TTL_S``), or None without a history or while it cannot be read."""
+        if self.history is None:
+            return None
+        now = time.monotonic()
+        if now - self._committed_read[0] >= HISTORY_TTL_S:
+            try:
+                history = self.history.read()
+                seen = history.committed if history.versions else None
+            except (ManifestError, StoreError) as e:
+                log.warning("%s: the store's history cannot be read: %s", self.name, e)
+                seen = None
+            self._committed_read = (now, seen)
+        return self._committed_read[1]
 
     def _dense_path(self, checkpoint: str) -> str:
         """``checkpoint`` relative to the checkpoint root, if it lies under it (links

@@ -156,10 +156,12 @@ def _pod(i: int, n: int, out: Path, source: dict[str, Any], ckpts: Path,
     home = out / "pods" / f"pod-{i}"
     staging = home / "staging"
     staging.mkdir(parents=True, exist_ok=True)
-    # The pod's own volume: the run's starting model (as a public base model would be),
-    # and later what it builds from the store; never the training side's checkpoints.
-    weights = home / "weights"
-    shutil.copytree(ckpts / "v0", weights / "v0")
+    weights = ckpts  # over the relay, which keeps no history: the trainer's checkpoints
+    if "store" in source:
+        # The pod's own volume: the run's starting model (as a public base model would
+        # be), and later what it builds from the store; never the trainer's checkpoints.
+        weights = home / "weights"
+        shutil.copytree(ckpts / "v0", weights / "v0")
     tp: dict[str, Any] = {} if i < n - 1 else {
         "runtime": "vllm-ref", "tp_size": 2, "fp8": ("self_attn.o_proj",)}
     serve = ServeSettings(model=weights / "v0", staging_dir=staging, checkpoint_root=weights,
@@ -478,7 +480,7 @@ def _step(v: int, s: RefitSettings, job: _Job) -> dict[str, Any]:
             refs[pod.kind] = _reference(pod, ckpt)
         exact &= pod.sidecar.client().fingerprint() == refs[pod.kind]
     full = full_refit(v, ckpt, [p.sidecar for p in pods], job.full,
-                      [p.agent.dense_root / "full" for p in pods])
+                      [p.agent.dense_root / f"full-{p.name}" for p in pods])
     full_exact = all(p.sidecar.client().fingerprint() == refs[p.kind] for p in pods)
     last = attempts[-1]
     summaries = [o.summaries[last.attempt] for o in job.owners]
