@@ -269,6 +269,7 @@ def cmd_materialize(args: argparse.Namespace) -> None:
     out = Path(args.out)
     t0 = time.perf_counter()
     done = materialize(open_store(args.store), out, version=args.version, held=args.held,
+                       seed=Path(args.seed) if args.seed else None,
                        digest=args.history_digest)
     seconds = time.perf_counter() - t0
     p = done.plan
@@ -335,6 +336,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                     help="the version to build (default: the newest committed)")
     ma.add_argument("--held", type=int, metavar="N", help="DIR already holds version N "
                     "(checked by fingerprints first): replay the deltas after it if cheaper")
+    ma.add_argument("--seed", metavar="DIR", help="a checkpoint of version --held this pod "
+                    "has (the run's public starting model): DIR starts as its copy, unless "
+                    "an earlier run recorded a version there")
     ma.add_argument("--history-digest", metavar="HEX",
                     help="BLAKE2b-128 the history object must have (else the store's is "
                     "trusted)")

@@ -302,3 +302,27 @@ def test_a_pod_started_on_old_weights_is_not_ready_until_it_holds_the_committed_
         assert readyz() == (200, "version 3\n")
     finally:
         server.close()
+
+
+def test_an_init_container_builds_the_committed_version_from_a_seed_and_records_it(
+        run: Run, tmp_path: Path) -> None:
+    """``dcr materialize --seed BASE --held 0``: the pod's volume starts as the public
+    base model and reaches v3; run again (a restarted init container), it finds v3
+    recorded there and fetches only the history and the manifest that checks it. The agent starts at the recorded
+    version without a --model-version."""
+    from dcr.files.materialize import recorded_version
+    from dcr.receiver.settings import AgentSettings
+
+    base = run.rollout_root("init") / "v0"
+    out = tmp_path / "weights" / "current"
+    done = materialize(run.store, out, held=0, seed=base)
+    assert (done.plan.route, recorded_version(out)) == ("replay", LAST)
+    assert bits_of(out) == bits_of(run.train / f"v{LAST}")
+    again = materialize(run.store, out, held=0, seed=base)
+    assert again.plan.route == "held"
+    parts = sum(r.size for r in run.history.read().entry(LAST).parts)  # its fingerprints
+    assert again.fetched_bytes == len(run.store.get(HISTORY_KEY)) + parts
+    s = AgentSettings(name="a", store="file:///x", engine_url="http://127.0.0.1:1",
+                      canonical=out, staging_dir=tmp_path / "staging",
+                      state_dir=tmp_path / "state")
+    assert s.start_version == LAST

@@ -11,6 +11,7 @@ place, file by file, so a refused step leaves every file whole at one version or
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from dcr.format.history import History, Snapshot
 from dcr.transport.store import Store
 
 log = logging.getLogger(__name__)
+VERSION_FILE = ".dcr-version"  # in a built checkpoint: what it holds (snapshots skip it)
 
 Route = Literal["held", "replay", "snapshot"]
 
@@ -96,17 +98,28 @@ def plan(history: History, target: int, held: int | None) -> Plan:
 
 
 def materialize(store: Store, out: Path, *, version: int | None = None,
-                held: int | None = None, digest: str | None = None,
+                held: int | None = None, seed: Path | None = None, digest: str | None = None,
                 progress: Callable[[int], None] | None = None) -> Materialized:
     """Bring ``out`` to ``version`` (default: the newest committed). ``held``: ``out``
     already holds that version, which is checked against the history's fingerprints
-    before anything is fetched. ``digest``: the history object's, if the caller knows it."""
+    before anything is fetched; with ``seed`` (a checkpoint of version ``held`` the pod
+    has, such as the run's public starting model), ``out`` is first copied from it unless
+    an earlier run left its version recorded there. ``digest``: the history object's, if
+    the caller knows it. Records the version in ``out`` (:data:`VERSION_FILE`)."""
     counted = CountingStore(store)
     hs = HistoryStore(counted, digest)
     history = hs.read()
     target = history.committed if version is None else version
-    if held is not None:
-        _check_held(hs, history, out, held)
+    recorded = recorded_version(out)
+    if recorded is not None and recorded <= target:
+        held = recorded  # a restarted init container, or the agent's own copy
+    elif seed is not None:
+        if held is None:
+            raise CheckpointError(f"The seed {seed} needs the version it holds (--held).")
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(seed, out, symlinks=False)
+    if held is not None and not (held == 0 == target and not history.versions):
+        _check_held(hs, history, out, held)  # (nothing vouches for a start with no commit)
     p = plan(history, target, held)
     log.info("materialize %s: version %s by %s from %s (%d deltas, %d bytes)", out, target,
              p.route, p.start, p.steps, p.fetch_bytes)
@@ -129,7 +142,16 @@ def materialize(store: Store, out: Path, *, version: int | None = None,
         shutil.rmtree(old, ignore_errors=True)
     else:
         _replay(hs, history, out, p.start, target)
+    (out / VERSION_FILE).write_text(json.dumps({"version": target}) + "\n")
     return Materialized(plan=p, fetched_bytes=counted.bytes, path=out)
+
+
+def recorded_version(checkpoint: Path) -> int | None:
+    """The version :func:`materialize` recorded in ``checkpoint``, if it did."""
+    try:
+        return int(json.loads((checkpoint / VERSION_FILE).read_text())["version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _check_held(hs: HistoryStore, history: History, out: Path, held: int) -> None:

@@ -114,9 +114,9 @@ def build_service(s: AgentSettings, engine: Driver | None = None) -> AgentServic
 
     return AgentService(s.name, engine or build_engine(s), source_for,
                         canonical=canonical_tensors(s.canonical), staging_dir=s.staging_dir,
-                        version=s.model_version, journal=Journal(s.state_dir / "journal.json"),
+                        version=s.start_version, journal=Journal(s.state_dir / "journal.json"),
                         staging_bytes=s.staging_bytes, checkpoint_root=s.dense_root,
-                        history=history, seed=(s.model_version, s.canonical),
+                        history=history, seed=(s.start_version, s.canonical),
                         max_wait_s=s.max_wait_s, pause_mode=s.pause_mode)
 
 

@@ -60,9 +60,9 @@ class AgentSettings:
                              doc="a checkpoint directory whose safetensors headers name the "
                              "canonical tensors the engine's ranks are prewarmed with (the "
                              "one the engine started from; only headers are read)")
-    model_version: int = option(0, metavar="N", doc="the version the engine's weights hold "
-                                "when the agent first meets it: 0 when a fleet starts; a "
-                                "later pod starts from the committed version")
+    model_version: int | None = option(None, metavar="N", doc="the version the engine's "
+                                       "weights hold when the agent first meets it (default: "
+                                       "what dcr materialize recorded in --canonical, else 0)")
     checkpoint_root: Path | None = option(None, metavar="DIR",
                                           doc="directory every dense load (/v1/dense) must "
                                           "come from, links resolved, as this container "
@@ -93,6 +93,15 @@ class AgentSettings:
                                        "journal write")
 
     @property
+    def start_version(self) -> int:
+        """``model_version``, else what ``dcr materialize`` recorded in ``canonical``."""
+        from dcr.files.materialize import recorded_version
+
+        if self.model_version is not None:
+            return self.model_version
+        return recorded_version(self.canonical) or 0
+
+    @property
     def dense_root(self) -> Path:
         """Where dense loads may come from, resolved (``checkpoint_root`` or the directory
         holding --canonical)."""
@@ -117,7 +126,7 @@ class AgentSettings:
         if min(limits) <= 0:
             raise ConfigError(f"Agent {self.name!r}: max_waits, max_wait_s and "
                               f"liveness_timeout_s must be positive; got {limits}.")
-        if self.staging_bytes <= 0 or self.model_version < 0:
+        if self.staging_bytes <= 0 or (self.model_version or 0) < 0:
             raise ConfigError(f"Agent {self.name!r}: staging_bytes={self.staging_bytes} must "
                               f"be positive and --model-version {self.model_version} not "
                               "negative.")
