@@ -29,6 +29,7 @@ from dcr_operator.cleanup import clean_store
 from dcr_operator.commitstore import FleetCommitStore
 from dcr_operator.errors import ApiError, ApiUnreachable, InvalidResource, NotFound, NotYet
 from dcr_operator.fleet import fleet_path, refresh, store_credentials
+from dcr_operator.history import committed_attempt
 from dcr_operator.jobs import REFIT_LABEL, short_name
 from dcr_operator.kube import KubeClient, api_path
 from dcr_operator.progress import Emit
@@ -317,8 +318,11 @@ def _clean(kube: KubeClient, refit: Mapping[str, Any]) -> None:
     if store is None:  # a relay fleet: relays keep nothing past their memory budget
         return
     creds = store_credentials(kube, meta["namespace"], fleet_spec)
+    version = int(spec["targetVersion"])
+    kept = committed_attempt(kube, meta["namespace"], fleet_spec, version)
+    attempts = [a for a in attempts if a != kept]  # catch-up replays it: retention keeps it
     t0 = time.monotonic()
-    done = clean_store(store.uri, int(spec["targetVersion"]), attempts,
+    done = clean_store(store.uri, version, attempts,
                        endpoint=store.endpoint, region=store.region, credentials=creds)
     if done.rejected:  # status is writable by more than the operator: never a path
         emit(refit, "Warning", "CleanupRefused", f"Skipped {len(done.rejected)} attempt "

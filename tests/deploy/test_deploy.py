@@ -28,6 +28,7 @@ import datetime as dt
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import time
@@ -84,7 +85,8 @@ class Cluster:
     s3: S3Server
     helm: Path
     tmp: Path
-    ckpts: Path  # the directory the Pods mount at /checkpoints/policy-a
+    ckpts: Path  # the training side's checkpoints: encoder Pods mount them, rollout Pods never
+    base: Path  # the run's starting model alone (a public base model): rollout Pods' seed
     trainer: Trainer
     agent_token: str
     transcript: list[str] = field(default_factory=list)
@@ -239,7 +241,7 @@ def rollout_manifests(c: Cluster) -> list[dict[str, Any]]:
     key_secret["stringData"]["key"] = secrets.token_hex(24)
     deployment["spec"]["replicas"] = REPLICAS
     pod = deployment["spec"]["template"]["spec"]
-    for container in pod["containers"]:
+    for container in pod["initContainers"] + pod["containers"]:
         container["image"] = c.images.serve if container["name"] == "engine" else c.images.dcr
         container["imagePullPolicy"] = "Never"
         container["resources"] = {"requests": {"cpu": "100m", "memory": "256Mi"},
@@ -248,9 +250,10 @@ def rollout_manifests(c: Cluster) -> list[dict[str, Any]]:
             if env["name"] == "AWS_ENDPOINT_URL":
                 env["value"] = c.s3.endpoint
     for volume in pod["volumes"]:
-        if volume["name"] == "checkpoints":
+        assert "persistentVolumeClaim" not in volume or volume["name"] == "base-model"
+        if volume["name"] == "base-model":  # the starting model only, never a later version
             volume.pop("persistentVolumeClaim")
-            volume["hostPath"] = {"path": str(c.ckpts.parent), "type": "Directory"}
+            volume["hostPath"] = {"path": str(c.base.parent), "type": "Directory"}
     return [key_secret, deployment]
 
 
@@ -288,8 +291,11 @@ def cluster(node: Node, images: Images, node_s3: S3Server,
     trainer = Trainer(TRAINER)
     trainer.export(ckpts / "v0")
     _readable(tmp / "checkpoints")
+    base = tmp / "base-models" / "policy-a"
+    shutil.copytree(ckpts / "v0", base)
+    _readable(tmp / "base-models")
     c = Cluster(node=node, images=images, s3=node_s3, helm=binaries.helm, tmp=tmp,
-                ckpts=ckpts, trainer=trainer, agent_token=secrets.token_hex(24))
+                ckpts=ckpts, base=base, trainer=trainer, agent_token=secrets.token_hex(24))
     yield c
     print(f"transcript: {tmp / 'deploy-transcript.txt'}", file=sys.stderr)
 
@@ -380,7 +386,8 @@ def test_kubectl_get_shows_the_printer_columns(cluster: Cluster) -> None:
 def test_a_rollout_pod_deleted_mid_refit_is_replaced_and_rejoins(cluster: Cluster) -> None:
     c = cluster
     c.new_version(2)
-    victim = c.rollout_pods()[0]["metadata"]["name"]
+    before = c.rollout_pods()
+    victim = before[0]["metadata"]["name"]
     c.create_refit("policy-rollout-v2", 1, 2)
     eventually(lambda: (c.refit("policy-rollout-v2").get("status") or {}).get("phase")
                not in (None, "", "Pending"), timeout_s=120, what="the refit under way")
@@ -392,11 +399,15 @@ def test_a_rollout_pod_deleted_mid_refit_is_replaced_and_rejoins(cluster: Cluste
         and {p["metadata"]["name"] for p in pods}, timeout_s=300,
         what="the Deployment's replacement Pod Ready")
     assert victim not in names
-    # The replacement started from v0 and rejoined at the committed version (a dense
-    # load of v2's checkpoint), so the whole fleet holds v2's bits.
+    # The replacement mounts no training checkpoint: its init container built the
+    # version committed when it started from the base model and the store's deltas (or it
+    # rejoined from the store later), so the whole fleet holds v2's bits.
     eventually(lambda: c.fleet()["status"].get("readyReceivers") == REPLICAS, timeout_s=180,
                what="every receiver committed at v2")
     assert c.exact(2), c.diagnostics("policy-rollout-v2")
+    (new,) = names - {p["metadata"]["name"] for p in before}
+    built = c.kubectl("-n", NS, "logs", new, "-c", "materialize", record=True)
+    assert "bytes fetched; every file checked" in built, built
 
 
 def test_the_operator_pod_killed_mid_refit_is_replaced_and_the_refit_finishes(
@@ -420,11 +431,13 @@ def test_deleting_a_refit_removes_its_jobs_and_payloads(cluster: Cluster) -> Non
     c = cluster
     refit = c.refit("policy-rollout-v2")
     ids = [a["id"] for a in refit["status"]["attempts"]]
+    committed = refit["status"]["committed"]["attempt"]
     prefix = c.s3.data_dir / c.s3.bucket / "policy-a" / "v0000000002"
     assert any((prefix / i).exists() for i in ids)
     c.kubectl("-n", NS, "delete", "weightrefit", "policy-rollout-v2", "--timeout=120s",
               record=True)
-    assert not any((prefix / i).exists() for i in ids)
+    # The committed attempt stays: a pod that missed v2 replays it from the store.
+    assert [i for i in ids if (prefix / i).exists()] == [committed]
     eventually(lambda: c.get("-n", NS, "jobs", "-l", "dcr.dev/refit=policy-rollout-v2")
                ["items"] == [], timeout_s=120, what="its Jobs garbage-collected")
     assert (c.s3.data_dir / c.s3.bucket / "policy-a" / "v0000000003").is_dir()

@@ -308,8 +308,8 @@ def test_an_init_container_builds_the_committed_version_from_a_seed_and_records_
         run: Run, tmp_path: Path) -> None:
     """``dcr materialize --seed BASE --held 0``: the pod's volume starts as the public
     base model and reaches v3; run again (a restarted init container), it finds v3
-    recorded there and fetches only the history and the manifest that checks it. The agent starts at the recorded
-    version without a --model-version."""
+    recorded there and fetches only the history and the manifest that checks it. The
+    agent starts at the recorded version without a --model-version."""
     from dcr.files.materialize import recorded_version
     from dcr.receiver.settings import AgentSettings
 

@@ -118,13 +118,23 @@ def test_rollout_pod_keeps_the_sidecar_engine_contract(name: str) -> None:
     assert "sizeLimit" in volumes[volume]["emptyDir"]
     assert mounts(agent)[arg(agent, "--staging-dir")] == volume
 
-    # Dense loads come from under the checkpoint root, on a read-only volume that also
-    # holds the checkpoint the engine starts from.
+    # The engine starts on what the init container built in the pod's own weights
+    # volume (read-only to the engine), where dense loads come from too.
     root = env_or_arg_root(engine)
-    ckpt_mount = next(m for m in engine["volumeMounts"] if root.startswith(m["mountPath"]))
-    assert ckpt_mount["readOnly"] is True
-    start = next(a.split("=", 1)[-1] for a in engine["args"] if "/v0" in a)
-    assert start.startswith(root + "/")
+    weights = mounts(engine)[root]
+    assert next(m for m in engine["volumeMounts"] if m["name"] == weights)["readOnly"] is True
+    assert "emptyDir" in volumes[weights]
+    start = f"{root}/current"
+    assert any(a.split("=", 1)[-1] == start for a in engine["args"]), engine["args"]
+    (init,) = spec["initContainers"]
+    assert init["command"] == ["dcr", "materialize"]
+    assert arg(init, "--out") == start == arg(agent, "--canonical")
+    assert mounts(init)[root] == weights == mounts(agent)[root]
+    assert arg(init, "--store") == arg(agent, "--store")
+    seed = arg(init, "--seed")
+    (base,) = [m for m in init["volumeMounts"] if seed.startswith(m["mountPath"] + "/")]
+    assert base["readOnly"] is True
+    assert not any(a.startswith("--model-version") for a in agent["args"])  # recorded
 
     # The agent drives the engine over loopback, on the engine's port.
     assert arg(agent, "--engine") == ROLLOUTS[name]
@@ -147,37 +157,36 @@ def test_rollout_pod_keeps_the_sidecar_engine_contract(name: str) -> None:
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert fleet["spec"]["selector"]["matchLabels"].items() <= labels.items()
     assert fleet["spec"]["agent"]["port"] in [p["containerPort"] for p in agent["ports"]]
-    assert fleet["spec"]["initial"]["checkpoint"] == start == arg(agent, "--canonical")
     if ROLLOUTS[name] == "sglang":  # SGLang has no pause that lets requests finish
         assert arg(agent, "--pause-mode") != "wait"
 
 
 @pytest.mark.parametrize("name", sorted(ROLLOUTS))
-def test_the_example_refits_encoders_see_the_checkpoints_the_rollout_pods_load(
+def test_encoders_read_the_training_checkpoints_which_no_rollout_pod_mounts(
         name: str) -> None:
     """``dcr encode`` reads the base (the fleet's initial checkpoint here) and the target
-    (the refit's source) from paths: the profile the refit picks mounts the rollout pods'
-    checkpoint claim, read-only, where both lie."""
+    (the refit's source) from paths on the training side's claim; the rollout pods mount
+    no volume of the encoder profiles: two clusters share only the store."""
     (fleet,) = [o for o in objects("rolloutfleet.yaml") if o["kind"] == "RolloutFleet"]
     (refit,) = [o for o in objects("weightrefit.yaml") if o["kind"] == "WeightRefit"]
-    (profile,) = [p for p in RolloutFleetSpec.model_validate(fleet["spec"]).encoder_profiles
-                  if p.name == refit["spec"]["encoder"]["profile"]]
-    rollout = {v["name"]: v for v in pod(name)["volumes"]}
-    (engine,) = [c for c in pod(name)["containers"] if c["name"] != "agent"]
+    profiles = RolloutFleetSpec.model_validate(fleet["spec"]).encoder_profiles
+    (profile,) = [p for p in profiles if p.name == refit["spec"]["encoder"]["profile"]]
     for path in (fleet["spec"]["initial"]["checkpoint"], refit["spec"]["source"]["checkpoint"]):
         (volume,) = [v for v in profile.volumes or []
                      if path.startswith(v.mount_path + "/")]
         assert volume.read_only
         assert volume.persistent_volume_claim is not None
-        # The rollout pods' engine sees the same claim at the same path.
-        (same,) = [m for m in engine["volumeMounts"] if m["mountPath"] == volume.mount_path]
-        assert rollout[same["name"]]["persistentVolumeClaim"]["claimName"] == (
-            volume.persistent_volume_claim.claim_name)
+    training = {v.persistent_volume_claim.claim_name for p in profiles for v in p.volumes or []
+                if v.persistent_volume_claim is not None}
+    claims = {v["persistentVolumeClaim"]["claimName"] for v in pod(name)["volumes"]
+              if "persistentVolumeClaim" in v}
+    assert training
+    assert not claims & training, claims
 
 
 @pytest.mark.parametrize("name", sorted(ROLLOUTS))
 def test_every_dcr_command_line_of_a_rollout_pod_parses(name: str) -> None:
-    for c in pod(name)["containers"]:
+    for c in pod(name).get("initContainers", []) + pod(name)["containers"]:
         if c["command"][0] != "dcr":
             continue
         argv = [*c["command"][1:], *c["args"]]

@@ -49,6 +49,7 @@ from kubelet import FakeKubelet
 from stubs import free_port_on
 
 from dcr.errors import DcrError
+from dcr.format.history import HISTORY_KEY, History
 from dcr.refit.launch import AgentProcess, EncoderProcess, ServeProcess, free_port
 from dcr.refit.trainer import Trainer, reference_fingerprint
 from dcr_operator.jobs import job_name
@@ -500,7 +501,11 @@ def test_deleting_a_refit_removes_its_payloads_and_its_jobs(scenario: Scenario) 
     sc.cp.request("DELETE", sc.path("weightrefits", "policy-v2"))
     eventually(lambda: sc.cp.request("GET", sc.path("weightrefits", "policy-v2")).status == 404,
                timeout_s=60, what="policy-v2 deleted (its finalizer done)")
-    assert not any((prefix / i).exists() for i in ids)
+    # Retention: the committed attempt stays (a receiver that missed v2 replays it from
+    # the store), as the history the operator wrote names it; the others are gone.
+    history = History.parse((sc.store / HISTORY_KEY).read_bytes(), "the fleet's store")
+    assert history.entry(2).attempt == refit["status"]["committed"]["attempt"] == ids[-1]
+    assert [i for i in ids if (prefix / i).exists()] == [ids[-1]]
     assert ("Normal", "StoreCleaned") in {e[:2] for e in sc.events("policy-v2")}
     eventually(lambda: sc.kube.get(sc.path("jobs", group="batch/v1"),
                                    labelSelector="dcr.dev/refit=policy-v2")["items"] == [],

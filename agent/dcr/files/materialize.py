@@ -72,9 +72,11 @@ class Materialized:
     path: Path
 
 
-def plan(history: History, target: int, held: int | None) -> Plan:
+def plan(history: History, target: int, held: int | None, *,
+         route: Route | None = None) -> Plan:
     """The cheaper way to ``target``: replay from ``held`` (a version already on disk),
-    or the newest snapshot at or below ``target`` and the chain after it."""
+    or the newest snapshot at or below ``target`` and the chain after it (``route``
+    forces one, for measurements)."""
     if held is not None and held > target:
         raise ManifestError(f"The checkpoint holds version {held}, past the target {target}.")
     options = []
@@ -90,6 +92,8 @@ def plan(history: History, target: int, held: int | None) -> Plan:
         options.append(Plan(target=target, route="snapshot", snapshot=s, start=s.version,
                             steps=len(steps),
                             fetch_bytes=s.bytes + sum(c.payload_bytes for c in steps)))
+    if route is not None:
+        options = [p for p in options if p.route == route]
     if not options:
         raise ManifestError(f"No way to version {target} from the store: no snapshot at or "
                             f"below it and no checkpoint held ({history.span()}, snapshots "
@@ -99,6 +103,7 @@ def plan(history: History, target: int, held: int | None) -> Plan:
 
 def materialize(store: Store, out: Path, *, version: int | None = None,
                 held: int | None = None, seed: Path | None = None, digest: str | None = None,
+                route: Route | None = None,
                 progress: Callable[[int], None] | None = None) -> Materialized:
     """Bring ``out`` to ``version`` (default: the newest committed). ``held``: ``out``
     already holds that version, which is checked against the history's fingerprints
@@ -120,7 +125,7 @@ def materialize(store: Store, out: Path, *, version: int | None = None,
         shutil.copytree(seed, out, symlinks=False)
     if held is not None and not (held == 0 == target and not history.versions):
         _check_held(hs, history, out, held)  # (nothing vouches for a start with no commit)
-    p = plan(history, target, held)
+    p = plan(history, target, held, route=route)
     log.info("materialize %s: version %s by %s from %s (%d deltas, %d bytes)", out, target,
              p.route, p.start, p.steps, p.fetch_bytes)
     if p.route == "snapshot":
