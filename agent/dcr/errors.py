@@ -54,6 +54,8 @@ Hierarchy::
     ├── AgentConflict          (receiver.service) a call does not fit the agent's state
     ├── AttemptFailed          (receiver.attempt) the current attempt failed on this agent
     ├── JournalError           (receiver.journal) the agent's journal is unreadable
+    ├── NotVouched             (receiver.fromstore) the store's history does not vouch for
+    │                          a version, or it cannot be built from it
     ├── FingerprintMismatch    (receiver.attempt) after apply, a tensor's bits differ from
     │                          the target fingerprint its manifest lists
     ├── BadPublish             (owner.server) a warm encoder refuses what a publish names (400)

@@ -37,8 +37,9 @@ from dcr.owner.encoder import Encoder
 from dcr.protocol.commitstore import SqliteCommitStore
 from dcr.protocol.coordinator import Coordinator
 from dcr.protocol.records import CommitRecord
+from dcr.receiver.fromstore import FROM_STORE, FromStore
 from dcr.receiver.server import make_app
-from dcr.receiver.service import FROM_STORE, AgentConflict, AgentService
+from dcr.receiver.service import AgentConflict, AgentService
 from dcr.runtimes.vllm_reference import ReferenceConfig, ReferenceModel, random_checkpoint
 from dcr.serve.local import LocalDriver
 from dcr.transport.receive import StoreSource
@@ -86,8 +87,8 @@ class Run:
             name, engine, lambda spec: StoreSource(store=store, version=spec.target_version,
                                                    attempt=spec.attempt, owners=spec.owners),
             canonical=canonical, staging_dir=staging, version=0, checkpoint_root=root,
-            history=HistoryStore(store) if history else None,
-            seed=(0, root / "v0") if seed else None)
+            store=FromStore(HistoryStore(store), root, seed=(0, root / "v0") if seed else None)
+            if history else None)
 
 
 def source(state: dict[str, torch.Tensor]) -> ArrayCheckpoint:

@@ -86,16 +86,18 @@ def canonical_tensors(checkpoint: Path) -> list[CanonicalSpec]:
 def build_service(s: AgentSettings, engine: Driver | None = None) -> AgentService:
     from dcr.files.history import HistoryStore
     from dcr.protocol.agent_api import AttemptSpec
+    from dcr.receiver.fromstore import FromStore
     from dcr.receiver.journal import Journal
     from dcr.receiver.service import AgentService, SourceFor
     from dcr.transport.receive import Source, StoreSource
     from dcr.transport.store import open_store
 
     source_for: SourceFor
-    history = None
+    from_store = None
     if s.store:
         store = open_store(s.store)
-        history = HistoryStore(store)
+        from_store = FromStore(HistoryStore(store), s.dense_root,
+                               seed=(s.start_version, s.canonical))
 
         def source_for(spec: AttemptSpec) -> Source:
             return StoreSource(store=store, version=spec.target_version, attempt=spec.attempt,
@@ -116,7 +118,7 @@ def build_service(s: AgentSettings, engine: Driver | None = None) -> AgentServic
                         canonical=canonical_tensors(s.canonical), staging_dir=s.staging_dir,
                         version=s.start_version, journal=Journal(s.state_dir / "journal.json"),
                         staging_bytes=s.staging_bytes, checkpoint_root=s.dense_root,
-                        history=history, seed=(s.start_version, s.canonical),
+                        store=from_store,
                         max_wait_s=s.max_wait_s, pause_mode=s.pause_mode)
 
 

@@ -7,7 +7,6 @@ an engine call. docs/protocol.md argues the design.
 from __future__ import annotations
 
 import logging
-import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -16,9 +15,7 @@ from typing import Any
 
 from dcr.drivers.base import Driver, PauseMode, TensorSpec, merge_fingerprints
 from dcr.drivers.errors import EngineError
-from dcr.errors import DcrError, ManifestError, StoreError
-from dcr.files.history import HistoryStore
-from dcr.files.materialize import materialize
+from dcr.errors import DcrError
 from dcr.format.profile import ReceiverProfile
 from dcr.protocol.agent_api import (
     AgentStatus,
@@ -30,6 +27,7 @@ from dcr.protocol.agent_api import (
 from dcr.protocol.records import Attempt
 from dcr.protocol.state import FINAL, AttemptState, advance
 from dcr.receiver.attempt import AttemptFailed, Counters, FingerprintMismatch, Run
+from dcr.receiver.fromstore import FromStore, NotVouched
 from dcr.receiver.journal import Journal
 from dcr.receiver.settings import AgentSettings
 from dcr.receiver.staging import StagingDir
@@ -41,8 +39,6 @@ __all__ = ["AgentConflict", "AgentService", "AttemptFailed", "Counters",
 
 log = logging.getLogger(__name__)
 S = AttemptState
-FROM_STORE = "dcr-from-store"  # under the checkpoint root: the version built from the store
-HISTORY_TTL_S = 5.0  # how long /readyz trusts its last reading of the committed version
 
 
 class AgentConflict(DcrError):
@@ -61,19 +57,16 @@ class AgentService:
                  journal: Journal | None = None,
                  staging_bytes: int = AgentSettings.staging_bytes,
                  checkpoint_root: Path | None = None,
-                 history: HistoryStore | None = None,
-                 seed: tuple[int, Path] | None = None,
+                 store: FromStore | None = None,
                  max_wait_s: float = AgentSettings.max_wait_s,
                  pause_mode: PauseMode = AgentSettings.pause_mode) -> None:
         """``canonical``: the tensors the engine's ranks are prewarmed with.
         ``staging_dir``: the directory shared with the engine, as this process sees it.
         ``checkpoint_root``: dense loads only from under it, passed to the engine
         relative to it (the engine resolves them under its own checkpoint root).
-        ``history``: the store's history; with it every dense load is checked against
+        ``store``: the store's history; with it every dense load is checked against
         the fingerprints it vouches for, and a rejoin needs no checkpoint path (the
-        version is built under ``checkpoint_root`` from the store). ``seed``: a version
-        and a checkpoint of it this pod holds (the model the engine started from), where
-        that first build may start instead of a snapshot."""
+        version is built under ``checkpoint_root`` from the store)."""
         self.name = name
         self.engine = engine
         self.source_for = source_for
@@ -81,10 +74,7 @@ class AgentService:
         self.staging = StagingDir(staging_dir)
         self.staging_bytes = staging_bytes
         self.checkpoint_root = checkpoint_root.resolve() if checkpoint_root else None
-        self.history = history
-        self.seed = seed
-        self._copy: int | None = None  # the version FROM_STORE holds, if it is whole
-        self._committed_read: tuple[float, int | None] = (-HISTORY_TTL_S, None)  # when, what
+        self.store = store
         self.max_wait_s = max_wait_s
         self.pause_mode = pause_mode
         self.counters = Counters()
@@ -436,10 +426,7 @@ class AgentService:
         load leaves the weights and the gate as they were. Errors name the check that
         failed, never bytes of the file (the engine's sentences do not quote files).
         """
-        expect = self._vouched(version)
-        if checkpoint is None:
-            checkpoint = self._from_store(version)
-        relative = self._dense_path(checkpoint)
+        relative = self._dense_path(checkpoint) if checkpoint is not None else None
         with self._cond:
             self._between_attempts("a dense refit")
             self._not_loading("another dense refit")
@@ -448,7 +435,10 @@ class AgentService:
             self._between_attempts("a dense refit")
             self._not_loading("another dense refit")
             self._loading, was_open = version, self._gate_open
-        try:
+        try:  # from here no attempt and no other dense load starts: the build is ours
+            expect = self._vouched(version)
+            if relative is None:
+                relative = self._dense_path(self._from_store(version))
             self._pause()
             self.engine.check_dense(relative, expect)
         except BaseException as e:
@@ -490,71 +480,35 @@ class AgentService:
         return self.open_gate()
 
     def _vouched(self, version: int) -> dict[str, str] | None:
-        """The fingerprints a dense load of ``version`` must have: the history's, or
-        without one, those of an attempt this agent committed to it (else none)."""
-        if self.history is None:
-            return self.weights.expected(version)
-        try:
-            hs = self.history
-            history = hs.read()
-            if not history.versions:  # nothing committed yet: only what this agent knows
-                return self.weights.expected(version)
-            return hs.fingerprints(history, version)
-        except (ManifestError, StoreError) as e:
-            raise AgentConflict(f"{self.name}: dense load of version {version} refused: the "
-                                f"store's history does not vouch for it: {e}") from e
+        """The fingerprints a dense load of ``version`` must have: the store history's,
+        or while it names nothing (or without one), those of the attempt this agent
+        committed to it (else None: unchecked)."""
+        vouched = None
+        if self.store is not None:
+            try:
+                vouched = self.store.vouched(version)
+            except NotVouched as e:
+                raise AgentConflict(f"{self.name}: dense load of version {version} refused: "
+                                    f"{e}") from e
+        return vouched if vouched is not None else self.weights.expected(version)
 
     def _from_store(self, version: int) -> str:
-        """Build ``version`` under the checkpoint root from the store's history; the
-        directory, relative to the root."""
-        if self.history is None or self.checkpoint_root is None:
+        """Build ``version`` from the store's history; the directory, relative to the
+        checkpoint root."""
+        if self.store is None:
             raise AgentConflict(f"{self.name}: a dense load without a checkpoint path needs "
-                                "the store's history and a checkpoint root.")
-        out = self.checkpoint_root / FROM_STORE
-        with self._cond:
-            held, self._copy = self._copy, None  # whole again only once the build succeeded
-        if held is None or not out.exists():
-            held = self._seeded(out)
+                                "the store's history.")
         try:
-            done = materialize(self.history.store, out, version=version, held=held,
-                               digest=self.history.digest)
-        except (ManifestError, StoreError, DcrError) as e:
-            shutil.rmtree(out, ignore_errors=True)  # the next build starts over
-            raise AgentConflict(f"{self.name}: version {version} could not be built from "
-                                f"the store: {e}") from e
+            relative, done = self.store.build(version)
+        except NotVouched as e:
+            raise AgentConflict(f"{self.name}: {e}") from e
         with self._cond:
-            self._copy = version
             self.counters.store_bytes_fetched += done.fetched_bytes
-        log.info("%s: built version %s from the store by %s from %s (%d deltas), fetching "
-                 "%d bytes", self.name, version, done.plan.route, done.plan.start,
-                 done.plan.steps, done.fetched_bytes)
-        return FROM_STORE
-
-    def _seeded(self, out: Path) -> int | None:
-        """Copy the seed checkpoint to ``out`` (replacing what is there); its version, or
-        None without a seed. ``materialize`` checks it before it relies on it."""
-        shutil.rmtree(out, ignore_errors=True)
-        if self.seed is None:
-            return None
-        version, path = self.seed
-        shutil.copytree(path, out, symlinks=False)
-        return version
+        return relative
 
     def committed_in_store(self) -> int | None:
-        """The newest version the store's history names (read at most every
-        ``HISTORY_TTL_S``), or None without a history or while it cannot be read."""
-        if self.history is None:
-            return None
-        now = time.monotonic()
-        if now - self._committed_read[0] >= HISTORY_TTL_S:
-            try:
-                history = self.history.read()
-                seen = history.committed if history.versions else None
-            except (ManifestError, StoreError) as e:
-                log.warning("%s: the store's history cannot be read: %s", self.name, e)
-                seen = None
-            self._committed_read = (now, seen)
-        return self._committed_read[1]
+        """The newest version the store's history names, if the agent has one."""
+        return self.store.committed() if self.store is not None else None
 
     def _dense_path(self, checkpoint: str) -> str:
         """``checkpoint`` relative to the checkpoint root, if it lies under it (links

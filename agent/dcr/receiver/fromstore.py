@@ -1,0 +1,103 @@
+"""What an agent takes from its store's history: the fingerprints a version must have, the
+versions it builds for dense loads, and the committed version ``/readyz`` compares with.
+
+A build goes to ``dcr-from-store`` under the checkpoint root (the pod's own volume, which
+the engine reads too): the agent's last build advanced by the committed deltas, else its
+seed (the checkpoint the engine started from) advanced, else a snapshot and the deltas
+after it (:func:`~dcr.files.materialize.materialize`). docs/protocol.md, "Catch-up from
+the store".
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dcr.errors import DcrError, ManifestError, StoreError
+from dcr.files.history import HistoryStore
+from dcr.files.materialize import Materialized, materialize
+
+log = logging.getLogger(__name__)
+
+FROM_STORE = "dcr-from-store"  # under the checkpoint root: the version built from the store
+HISTORY_TTL_S = 5.0  # how long committed() trusts its last reading
+
+
+class NotVouched(DcrError):
+    """The store's history does not vouch for a version, or it cannot be built from it."""
+
+
+@dataclass(eq=False)
+class FromStore:
+    """``seed``: a version and a checkpoint of it that this pod holds (the model the engine
+    started from), where a first build may start instead of a snapshot."""
+
+    history: HistoryStore
+    root: Path | None  # the checkpoint root builds go under; None: nothing is built
+    seed: tuple[int, Path] | None = None
+    _built: int | None = None  # the version FROM_STORE holds, while it is whole
+    _lock: threading.Lock = field(default_factory=threading.Lock)  # one build at a time
+    _committed: tuple[float, int | None] = (-HISTORY_TTL_S, None)  # when read, what
+
+    def vouched(self, version: int) -> dict[str, str] | None:
+        """Every tensor's fingerprint at ``version``, or None while the history names no
+        version at all (nothing is committed yet). Raises :class:`NotVouched`."""
+        try:
+            history = self.history.read()
+            if not history.versions:
+                return None
+            return self.history.fingerprints(history, version)
+        except (ManifestError, StoreError) as e:
+            raise NotVouched(f"the store's history does not vouch for version {version}: "
+                             f"{e}") from e
+
+    def build(self, version: int) -> tuple[str, Materialized]:
+        """Build ``version`` under the root; the directory relative to it, and what the
+        build fetched. Raises :class:`NotVouched`; a failed build is removed whole."""
+        if self.root is None:
+            raise NotVouched("no checkpoint root to build versions under")
+        out = self.root / FROM_STORE
+        with self._lock:
+            held, self._built = self._built, None  # whole again only once the build succeeds
+            if held is None or not out.exists():
+                held = self._seeded(out)
+            try:
+                done = materialize(self.history.store, out, version=version, held=held,
+                                   digest=self.history.digest)
+            except DcrError as e:  # ManifestError, StoreError, CheckpointError, ...
+                shutil.rmtree(out, ignore_errors=True)  # the next build starts over
+                raise NotVouched(f"version {version} could not be built from the store: "
+                                 f"{e}") from e
+            self._built = version
+        log.info("built version %s from the store by %s from %s (%d deltas), fetching %d "
+                 "bytes", version, done.plan.route, done.plan.start, done.plan.steps,
+                 done.fetched_bytes)
+        return FROM_STORE, done
+
+    def _seeded(self, out: Path) -> int | None:
+        """Copy the seed to ``out`` (replacing what is there); its version, or None without
+        a seed. ``materialize`` checks it before it relies on it."""
+        shutil.rmtree(out, ignore_errors=True)
+        if self.seed is None:
+            return None
+        version, path = self.seed
+        shutil.copytree(path, out, symlinks=False)
+        return version
+
+    def committed(self) -> int | None:
+        """The newest version the history names (read at most every ``HISTORY_TTL_S``), or
+        None while it names none or cannot be read."""
+        now = time.monotonic()
+        if now - self._committed[0] >= HISTORY_TTL_S:
+            try:
+                history = self.history.read()
+                seen = history.committed if history.versions else None
+            except (ManifestError, StoreError) as e:
+                log.warning("the store's history cannot be read: %s", e)
+                seen = None
+            self._committed = (now, seen)
+        return self._committed[1]
