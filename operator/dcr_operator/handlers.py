@@ -20,6 +20,7 @@ from typing import Any, cast
 
 import kopf
 
+from dcr.errors import DcrError
 from dcr_operator import metrics
 from dcr_operator.api.common import GROUP, VERSION
 from dcr_operator.api.rolloutfleet import PLURAL as FLEET_PLURAL
@@ -319,8 +320,18 @@ def _clean(kube: KubeClient, refit: Mapping[str, Any]) -> None:
         return
     creds = store_credentials(kube, meta["namespace"], fleet_spec)
     version = int(spec["targetVersion"])
-    kept = committed_attempt(kube, meta["namespace"], fleet_spec, version)
-    attempts = [a for a in attempts if a != kept]  # catch-up replays it: retention keeps it
+    try:  # catch-up replays the committed attempt: retention keeps it
+        kept = {committed_attempt(kube, meta["namespace"], fleet_spec, version)}
+    except DcrError as e:  # the detail goes to the log only: store bytes stay out of status
+        log.warning("cleanup of %s: the history of %s cannot be read: %s",
+                    meta["name"], store.uri, e)
+        emit(refit, "Warning", "CleanupSkipped", f"Store {store.uri}: its history cannot be "
+             "read, so what catch-up needs is unknown; nothing was removed (the operator's "
+             "log says why).")
+        return
+    # Status may be written by others: it can only keep more, never remove more.
+    kept.add(((refit.get("status") or {}).get("committed") or {}).get("attempt"))
+    attempts = [a for a in attempts if a not in kept]
     t0 = time.monotonic()
     done = clean_store(store.uri, version, attempts,
                        endpoint=store.endpoint, region=store.region, credentials=creds)

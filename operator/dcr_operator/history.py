@@ -8,18 +8,14 @@ checkpoint path (docs/operations.md, "Two clusters").
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from dcr.errors import DcrError
 from dcr.files.history import HistoryStore
 from dcr.transport.store import FileStore, Store
 from dcr_operator.api.rolloutfleet import RolloutFleetSpec
 from dcr_operator.fleet import store_credentials
 from dcr_operator.kube import KubeClient
-
-log = logging.getLogger(__name__)
 
 
 def fleet_store(kube: KubeClient, namespace: str, spec: RolloutFleetSpec) -> Store | None:
@@ -44,13 +40,9 @@ def fleet_history(kube: KubeClient, namespace: str, spec: RolloutFleetSpec
 def committed_attempt(kube: KubeClient, namespace: str, spec: RolloutFleetSpec,
                       version: int) -> str | None:
     """The attempt the store's history says committed ``version`` (never status, which
-    others may write), or None: none did, or the history cannot be read."""
-    try:
-        history = fleet_history(kube, namespace, spec)
-        if history is None:
-            return None
-        return next((c.attempt for c in history.read().versions if c.version == version), None)
-    except DcrError as e:  # InvalidResource (a Secret) included
-        log.warning("the history of %s cannot be read (%s); cleanup keeps nothing of it",
-                    spec.store.uri if spec.store else "a relay fleet", e)
+    others may write), or None where none did. Raises :class:`DcrError` while the history
+    cannot be read: cleanup then removes nothing."""
+    history = fleet_history(kube, namespace, spec)
+    if history is None:
         return None
+    return next((c.attempt for c in history.read().versions if c.version == version), None)

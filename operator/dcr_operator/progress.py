@@ -228,6 +228,7 @@ class Step:
 
 # Keyed by the rows of dcr.protocol.agent_api.AgentApi; a call not listed here (status,
 # the gates, inspection) shows only when it fails, under its own name.
+FROM_STORE = "what it built from the store's history"  # a rejoin named no checkpoint
 STEPS: dict[str, Step] = {
     "prepare": Step(label="prepare", starts_attempt=True, after={
         "state": "prepared", "error": None, "payloads": 0, "bytes": 0}),
@@ -290,6 +291,7 @@ class TrackedReceiver(AgentApi):
             self.recorder.flushed(self.name, cast(Attempt, args[0]).id, cast(FlushAck, out))
         if step.event is not None:
             reason, message = step.event
+            shown = [FROM_STORE if a is None else a for a in args]  # rejoin from the store
             self.recorder.emit(self.recorder.refit, "Normal", reason,
-                               message.format(*args, name=self.name))
+                               message.format(*shown, name=self.name))
         return out

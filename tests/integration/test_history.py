@@ -201,6 +201,10 @@ def test_a_rejoin_offered_another_versions_checkpoint_under_the_right_label_is_r
 
 def test_a_held_copy_that_is_not_the_version_it_claims_is_refused_before_fetching(
         run: Run, tmp_path: Path) -> None:
+    """A volume said to hold v1 holds v0: its fingerprints are compared with the
+    history's first, so nothing is fetched or changed. Without the check the deltas
+    after v1 would be patched onto v0 (the patch path would refuse the first file, after
+    fetching)."""
     held = tmp_path / "claims-v1"
     shutil.copytree(run.train / "v0", held)
     before = bits_of(held)
@@ -226,6 +230,10 @@ def corrupt_copy(run: Run, tmp_path: Path, key_of: str) -> FileStore:
                                     "v0000000003/"])
 def test_a_corrupted_object_in_the_store_is_refused_and_nothing_is_written(
         run: Run, tmp_path: Path, key_of: str) -> None:
+    """One flipped byte in a snapshot piece, the snapshot index or a committed attempt's
+    objects: its digest (the history's, the index's or the manifest's) refuses it, and
+    the output directory never appears. Without the digest checks a flipped piece would
+    be written into the checkpoint."""
     store = corrupt_copy(run, tmp_path, key_of)
     out = tmp_path / "out"
     with pytest.raises((ManifestError, CheckpointError), match="digest mismatch"):
@@ -235,6 +243,9 @@ def test_a_corrupted_object_in_the_store_is_refused_and_nothing_is_written(
 
 
 def test_a_history_other_than_the_one_vouched_for_is_refused(run: Run, tmp_path: Path) -> None:
+    """Given the history's digest (``--history-digest``), a rewritten history (here: its
+    snapshot dropped) is refused before anything is fetched; without the check the
+    rewritten one would be followed."""
     good = run.store.get(HISTORY_KEY)
     shutil.copytree(run.store.root, tmp_path / "store")
     store = FileStore(tmp_path / "store")

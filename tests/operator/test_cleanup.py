@@ -144,3 +144,74 @@ def test_an_s3_store_loses_exactly_the_refits_attempts(s3: dict[str, Any]) -> No
     left = {o["Key"].removeprefix("prefix/") for o in client.list_objects_v2(
         Bucket="bucket", Prefix="prefix/")["Contents"]}
     assert left == _left(objs, removed_manifest=True)
+
+
+class _Fleet:
+    """The one object ``_clean`` reads from the API server: the refit's fleet."""
+
+    def __init__(self, store: Path) -> None:
+        self.fleet = {"spec": {
+            "selector": {"matchLabels": {"app": "r"}},
+            "agent": {"tokenSecretRef": {"name": "t", "key": "token"}},
+            "store": {"uri": store.as_uri()},
+            "initial": {"version": 0, "checkpoint": "/ckpt/v0"}}}
+
+    def get(self, path: str, **_: Any) -> dict[str, Any]:
+        return self.fleet
+
+
+def _refit(attempts: tuple[str, ...], status_committed: str | None) -> dict[str, Any]:
+    status: dict[str, Any] = {"attempts": [{"id": a} for a in attempts]}
+    if status_committed:
+        status["committed"] = {"attempt": status_committed}
+    return {"metadata": {"namespace": "rl", "name": "v3"},
+            "spec": {"fleet": "f", "targetVersion": 3}, "status": status}
+
+
+def _history_naming(store: Path, attempt: str) -> None:
+    from dcr.files.history import HistoryStore
+    from dcr.format.history import Committed, History, ObjectRef
+    from dcr.transport.store import FileStore
+
+    entry = Committed(version=3, base_version=2, attempt=attempt, payload_bytes=4,
+                      parts=(ObjectRef(key=owner_manifest_key(3, attempt, 0), size=2,
+                                       digest="0" * 32),))
+    HistoryStore(FileStore(store))._write(History(versions=(entry,)))
+
+
+def test_deleting_a_refit_keeps_the_attempt_the_history_says_committed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Catch-up replays each version's committed attempt from the store: the finalizer
+    removes the refit's other attempts only. Without the history's say, status (which
+    others may write) could only ever keep more. Fails on 37f4dd8, which removed every
+    attempt the refit recorded."""
+    from dcr_operator import handlers
+
+    for k, data in _layout(OURS[1]).items():
+        (tmp_path / k).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / k).write_bytes(data)
+    _history_naming(tmp_path, OURS[1])
+    events: list[tuple[str, str]] = []
+    monkeypatch.setattr(handlers, "emit", lambda obj, t, reason, msg: events.append((t, reason)))
+    handlers._clean(_Fleet(tmp_path), _refit(OURS, status_committed=OURS[0]))  # type: ignore[arg-type]
+    left = {p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.dcr*")}
+    assert any(f"/{OURS[1]}/" in k for k in left)  # the history's: kept
+    assert any(f"/{OURS[0]}/" in k for k in left)  # status's: kept too (keeps more only)
+    assert ("Normal", "StoreCleaned") in events
+
+
+def test_a_history_that_cannot_be_read_removes_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dcr.format.history import HISTORY_KEY
+    from dcr_operator import handlers
+
+    objs = _layout(OURS[1])
+    for k, data in objs.items():
+        (tmp_path / k).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / k).write_bytes(data)
+    (tmp_path / HISTORY_KEY).write_bytes(b"{not a history")
+    events: list[tuple[str, str]] = []
+    monkeypatch.setattr(handlers, "emit", lambda obj, t, reason, msg: events.append((t, reason)))
+    handlers._clean(_Fleet(tmp_path), _refit(OURS, status_committed=None))  # type: ignore[arg-type]
+    assert all((tmp_path / k).exists() for k in objs)
+    assert events == [("Warning", "CleanupSkipped")]

@@ -152,6 +152,9 @@ def test_a_rejoin_is_recorded_before_and_after_and_announced() -> None:
     assert entry == {"name": "p0", "state": "rejoined"}
     assert events == [("Normal", "ReceiverRejoined",
                        "Receiver p0 restored version 1 by a dense load of /ckpt/v1.")]
+    rx.rejoin(2, None)  # a store fleet's receivers name no checkpoint
+    assert events[-1] == ("Normal", "ReceiverRejoined", "Receiver p0 restored version 2 by "
+                          "a dense load of what it built from the store's history.")
 
 
 def test_events_only_on_transitions_and_a_failed_status_write_is_not_fatal() -> None:
