@@ -8,14 +8,18 @@ checkpoint path (docs/operations.md, "Two clusters").
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from dcr.files.history import HistoryStore
 from dcr.transport.store import FileStore, Store
 from dcr_operator.api.rolloutfleet import RolloutFleetSpec
-from dcr_operator.fleet import store_credentials
+from dcr_operator.cleanup import remove_prefixes
+from dcr_operator.fleet import fleet_path, store_credentials
 from dcr_operator.kube import KubeClient
+
+log = logging.getLogger(__name__)
 
 
 def fleet_store(kube: KubeClient, namespace: str, spec: RolloutFleetSpec) -> Store | None:
@@ -46,3 +50,26 @@ def committed_attempt(kube: KubeClient, namespace: str, spec: RolloutFleetSpec,
     if history is None:
         return None
     return next((c.attempt for c in history.read().versions if c.version == version), None)
+
+
+def keep_history(kube: KubeClient, namespace: str, fleet: str, spec: RolloutFleetSpec,
+                 history: HistoryStore) -> None:
+    """After a commit: prune by the fleet's retention (the history first, then the objects
+    it no longer names) and show what is kept in the fleet's status. Best effort: the
+    commit stands whatever happens here, and the next commit tries again."""
+    pruned: list[str] = []
+    try:
+        keep = spec.retention.keep_snapshots
+        if keep is not None and spec.store is not None:
+            prefixes = history.prune(keep)
+            pruned = remove_prefixes(spec.store.uri, prefixes, endpoint=spec.store.endpoint,
+                                     region=spec.store.region,
+                                     credentials=store_credentials(kube, namespace, spec))
+        kept = history.read()
+        kube.merge_patch(fleet_path(namespace, fleet, "status"), {"status": {"history": {
+            "oldestVersion": kept.versions[0].version if kept.versions else None,
+            "committedVersion": kept.committed if kept.versions else None,
+            "snapshots": [s.version for s in kept.snapshots],
+            "pruned": pruned[:64]}}})
+    except Exception as e:  # the detail to the log: store errors stay out of status
+        log.warning("fleet %s/%s: retention after the commit failed: %s", namespace, fleet, e)

@@ -60,7 +60,7 @@ from dcr_operator.fleet import (
     refresh,
     set_active,
 )
-from dcr_operator.history import fleet_history
+from dcr_operator.history import fleet_history, keep_history
 from dcr_operator.jobs import (
     PROFILE_KEY,
     EncoderJobs,
@@ -237,6 +237,7 @@ class RefitRun:
         def recorded(committed: CommitRecord, owner_count: int) -> None:
             assert history is not None
             history.commit(committed.committed_version, committed.attempt, owner_count)
+            keep_history(self.kube, self.namespace, spec.fleet, fleet_spec, history)
 
         def started(attempt: Attempt) -> None:
             assert self._coordinator is not None

@@ -147,6 +147,28 @@ class CommitPolicy(SpecModel):
         default="Sync", description="Sync: close request gates first; Async: after staging.")
 
 
+class Retention(SpecModel):
+    """What the store keeps for catch-up beyond what the current version needs."""
+
+    keep_snapshots: Annotated[int, Field(ge=1, le=1000)] | None = Field(
+        default=None, description="Keep the newest N snapshots and every committed delta "
+        "from the oldest of them on; after a commit the operator removes older ones (a pod "
+        "further behind starts from a kept snapshot). Default: keep everything.")
+
+
+class HistoryStatus(StatusModel):
+    """What the store's history holds, as the operator last wrote it."""
+
+    oldest_version: int | None = Field(
+        default=None, description="The oldest version a delta is kept for.")
+    committed_version: int | None = Field(
+        default=None, description="The newest committed version it names.")
+    snapshots: list[int] = Field(
+        default_factory=list, description="The versions whose snapshots are kept.")
+    pruned: list[str] = Field(
+        default_factory=list, description="Store prefixes removed by the last pruning.")
+
+
 class Resources(SpecModel):
     """Container resources (quantities as Kubernetes writes them: 2, "500m", "4Gi")."""
 
@@ -255,6 +277,9 @@ class RolloutFleetSpec(SpecModel):
         "attempt may take; defaults as its fields say.")
     retry_limit: Annotated[int, Field(ge=1, le=32)] = Field(
         default=4, description="Attempts per transition before the refit fails.")
+    retention: Retention = Field(
+        default_factory=Retention, description="What the store keeps for catch-up (a store "
+        "fleet); default: everything.")
     encoder_profiles: Annotated[list[EncoderProfile], Field(max_length=16, json_schema_extra={
         "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})] = Field(
         default=[], description="The encoder pods WeightRefits of this fleet may ask for, "
@@ -300,6 +325,8 @@ class RolloutFleetStatus(StatusModel):
         default=None, description="Receivers: Running pods the selector matches.")
     ready_receivers: int | None = Field(
         default=None, description="Receivers reporting the committed version.")
+    history: HistoryStatus | None = Field(
+        default=None, description="What the store keeps for catch-up (a store fleet).")
     conditions: list[Condition] = Field(
         default_factory=list, json_schema_extra=CONDITIONS_LIST,
         description="Ready, Progressing and Degraded (api/conditions.py).")
