@@ -7,13 +7,15 @@ the chart's ServiceAccount; the chart's own examples are applied with ``kubectl 
 (adjusted only where a cluster differs: the images' names, the S3 endpoint, real secrets,
 a hostPath in place of the PersistentVolumeClaim, smaller resource requests); encoder
 Jobs run as Pods; rollout Pods run the agent sidecar next to the reference serving
-engine (``dcr serve``).
+engine (``dcr serve``), and mount no training checkpoint: an init container builds the
+committed version from the store and the run's base model.
 
 The tests run in order, each on the state the previous one left:
 install -> fleet Ready -> a refit commits bit-exact through a two-owner encoder Job ->
 ``kubectl get`` columns -> a rollout Pod deleted mid-refit is replaced and rejoins ->
-the operator Pod killed mid-refit is replaced and the refit finishes -> deleting a refit
-cleans its Jobs and payloads -> the warm encoder example deployed and a refit through it
+the operator Pod killed mid-refit is replaced and the refit finishes -> a Pod added by
+scaling up starts at the committed version -> deleting a refit cleans its Jobs and the
+payloads catch-up does not need -> the warm encoder example deployed and a refit through it
 (after one through Jobs, both latencies recorded) -> ``helm upgrade`` -> ``helm
 uninstall`` and namespace deletion leave nothing behind.
 
@@ -44,6 +46,7 @@ from controlplane import build_binaries
 from node import Images, Node
 from s3server import S3Server
 
+from dcr.format.history import HISTORY_KEY, History
 from dcr.protocol.agent_api import AgentClient
 from dcr.refit.trainer import Trainer, reference_fingerprint
 
@@ -178,11 +181,12 @@ class Cluster:
                             self.agent_token, timeout_s=30)
                 for p in self.rollout_pods() if p["status"].get("podIP")]
 
-    def exact(self, v: int) -> bool:
-        """Every rollout Pod's engine holds, bit for bit, a dense load of version ``v``."""
+    def exact(self, v: int, replicas: int = REPLICAS) -> bool:
+        """Every one of ``replicas`` rollout Pods' engines holds, bit for bit, a dense load
+        of version ``v``."""
         want = reference_fingerprint(self.ckpts / f"v{v}")
         agents = self.agents()
-        return len(agents) == REPLICAS and all(a.fingerprint() == want for a in agents)
+        return len(agents) == replicas and all(a.fingerprint() == want for a in agents)
 
 
 def _load(path: Path) -> list[dict[str, Any]]:
@@ -427,6 +431,26 @@ def test_the_operator_pod_killed_mid_refit_is_replaced_and_the_refit_finishes(
     assert c.exact(3), c.diagnostics("policy-rollout-v3")
 
 
+def test_a_pod_added_by_scaling_up_starts_at_the_committed_version(cluster: Cluster) -> None:
+    """The new pod's init container builds v3 from the base model and the store's deltas
+    (what it fetched is in its log); its agent reports v3 at once, bit-exact."""
+    c = cluster
+    before = {p["metadata"]["name"] for p in c.rollout_pods()}
+    c.kubectl("-n", NS, "scale", "deployment", FLEET, f"--replicas={REPLICAS + 1}",
+              record=True)
+    (added,) = eventually(
+        lambda: (new := [p for p in c.rollout_pods() if _ready(p)
+                         and p["metadata"]["name"] not in before]) and new,
+        timeout_s=300, what="the added Pod Ready")
+    name = added["metadata"]["name"]
+    built = c.kubectl("-n", NS, "logs", name, "-c", "materialize", record=True)
+    assert "version 3 from 3 deltas replayed from version 0" in built, built
+    assert c.exact(3, REPLICAS + 1), c.diagnostics("policy-rollout-v3")
+    c.kubectl("-n", NS, "scale", "deployment", FLEET, f"--replicas={REPLICAS}", record=True)
+    eventually(lambda: len(c.rollout_pods()) == REPLICAS, timeout_s=180,
+               what="back to the fleet's size")
+
+
 def test_deleting_a_refit_removes_its_jobs_and_payloads(cluster: Cluster) -> None:
     c = cluster
     refit = c.refit("policy-rollout-v2")
@@ -537,7 +561,13 @@ def test_helm_uninstall_and_namespace_deletion_leave_nothing_behind(cluster: Clu
     # docs/operations.md, "Uninstall": refits that are done go while the operator runs (it
     # cleans their payloads), then the release, then the namespace.
     c.kubectl("-n", NS, "delete", "weightrefits", "--all", "--timeout=180s", record=True)
-    assert not list((c.s3.data_dir / c.s3.bucket / "policy-a").glob("v*/a-*"))
+    # What catch-up needs stays (the store's history and each version's committed
+    # attempt); every other attempt's objects are gone.
+    fleet_store = c.s3.data_dir / c.s3.bucket / "policy-a"
+    history = History.parse((fleet_store / HISTORY_KEY).read_bytes(), "the fleet's store")
+    kept = {f"v{e.version:010d}/{e.attempt}" for e in history.versions}
+    assert {p.relative_to(fleet_store).as_posix() for p in fleet_store.glob("v*/a-*")} == kept
+    assert len(kept) >= 4
     c.kubectl("-n", NS, "delete", "deployment", FLEET, "--wait=true", "--timeout=120s")
     c.helm_run("uninstall", RELEASE, "--namespace", SYSTEM, "--wait", "--timeout=120s")
     left = c.kubectl("get", "clusterroles,clusterrolebindings,clusterkopfpeerings", "-o",
