@@ -129,37 +129,19 @@ def volumes_of(shape: EncoderProfile, profile: str | None
     return mounts, volumes
 
 
-def job_manifest(*, refit: Mapping[str, Any], spec: WeightRefitSpec, fleet: RolloutFleetSpec,
-                 fleet_name: str, base_checkpoint: str, attempt: Attempt,
-                 settings: OperatorSettings, profile: str | None) -> dict[str, Any]:
-    """The indexed Job that publishes ``attempt`` (every owner one index)."""
-    enc, store, relay = spec.encoder, fleet.store, fleet.relay
-    shape = encoder_pod(spec, fleet, fleet_name, settings)
-    name, refit_name = job_name(refit["metadata"]["name"], attempt.id), refit["metadata"]["name"]
-    labels = {"app.kubernetes.io/name": "dcr-encoder", "app.kubernetes.io/managed-by":
-              "dcr-operator", COMPONENT_LABEL: "encoder", REFIT_LABEL: short_name(refit_name, 63),
-              ATTEMPT_LABEL: attempt.id}
-    env: list[dict[str, Any]] = [{"name": "DCR_OWNER", "valueFrom": {"fieldRef": {
-        "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}}]
+def _pod(shape: EncoderProfile, fleet: RolloutFleetSpec, args: list[str],
+         env: list[dict[str, Any]], profile: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The pod spec of an encoder-profile pod running ``dcr`` with ``args``, and its one
+    container: the store's endpoint and credentials, the profile's volumes and shape."""
+    store = fleet.store
+    env = list(env)
     if store is not None and store.endpoint:
         env.append({"name": "AWS_ENDPOINT_URL", "value": store.endpoint})
     if store is not None and store.region:
         env.append({"name": "AWS_DEFAULT_REGION", "value": store.region})
-    if relay is not None:  # the token from its Secret, never in the arguments
-        env.append({"name": "DCR_RELAY_TOKEN", "valueFrom": {"secretKeyRef": {
-            "name": relay.token_secret_ref.name, "key": relay.token_secret_ref.key}}})
-    destination = f"relay+{relay.url}" if relay is not None else (
-        store.uri if store is not None else "")
-    container: dict[str, Any] = {
-        "name": "encoder",
-        "image": shape.image,
-        "imagePullPolicy": shape.image_pull_policy,
-        "command": ["dcr"],
-        "args": encode_args(base=base_checkpoint, target=spec.source.checkpoint,
-                            store=destination, attempt=attempt, owners=enc.owners,
-                            profile=profile is not None, bucket_mib=enc.bucket_mib),
-        "env": env,
-    }
+    container: dict[str, Any] = {"name": "encoder", "image": shape.image,
+                                 "imagePullPolicy": shape.image_pull_policy,
+                                 "command": ["dcr"], "args": args, "env": env}
     if store is not None and store.credentials_secret_ref is not None:
         container["envFrom"] = [{"secretRef": {"name": store.credentials_secret_ref.name}}]
     if shape.resources is not None:
@@ -175,6 +157,30 @@ def job_manifest(*, refit: Mapping[str, Any], spec: WeightRefitSpec, fleet: Roll
     if shape.tolerations:
         pod["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True)
                               for t in shape.tolerations]
+    return pod, container
+
+
+def job_manifest(*, refit: Mapping[str, Any], spec: WeightRefitSpec, fleet: RolloutFleetSpec,
+                 fleet_name: str, base_checkpoint: str, attempt: Attempt,
+                 settings: OperatorSettings, profile: str | None) -> dict[str, Any]:
+    """The indexed Job that publishes ``attempt`` (every owner one index)."""
+    enc, store, relay = spec.encoder, fleet.store, fleet.relay
+    shape = encoder_pod(spec, fleet, fleet_name, settings)
+    name, refit_name = job_name(refit["metadata"]["name"], attempt.id), refit["metadata"]["name"]
+    labels = {"app.kubernetes.io/name": "dcr-encoder", "app.kubernetes.io/managed-by":
+              "dcr-operator", COMPONENT_LABEL: "encoder", REFIT_LABEL: short_name(refit_name, 63),
+              ATTEMPT_LABEL: attempt.id}
+    env: list[dict[str, Any]] = [{"name": "DCR_OWNER", "valueFrom": {"fieldRef": {
+        "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}}]
+    if relay is not None:  # the token from its Secret, never in the arguments
+        env.append({"name": "DCR_RELAY_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": relay.token_secret_ref.name, "key": relay.token_secret_ref.key}}})
+    destination = f"relay+{relay.url}" if relay is not None else (
+        store.uri if store is not None else "")
+    args = encode_args(base=base_checkpoint, target=spec.source.checkpoint, store=destination,
+                       attempt=attempt, owners=enc.owners, profile=profile is not None,
+                       bucket_mib=enc.bucket_mib)
+    pod, _ = _pod(shape, fleet, args, env, profile)
     job_spec: dict[str, Any] = {
         "completionMode": "Indexed", "completions": enc.owners, "parallelism": enc.owners,
         "backoffLimit": 0,  # a failed encoder fails the attempt; the protocol retries it
@@ -193,6 +199,35 @@ def job_manifest(*, refit: Mapping[str, Any], spec: WeightRefitSpec, fleet: Roll
                             f"{GROUP}/fleet": fleet_name},
             "ownerReferences": [owner_reference(refit)],
         },
+        "spec": job_spec,
+    }
+
+
+def snapshot_job_manifest(*, refit: Mapping[str, Any], spec: WeightRefitSpec,
+                          fleet: RolloutFleetSpec, fleet_name: str,
+                          settings: OperatorSettings) -> dict[str, Any]:
+    """The Job that writes a snapshot of the version the refit committed, from its source
+    checkpoint on the training side (``dcr snapshot``; the next commit adopts it)."""
+    assert fleet.store is not None  # a relay fleet keeps no history
+    shape = encoder_pod(spec, fleet, fleet_name, settings)
+    refit_name = refit["metadata"]["name"]
+    labels = {"app.kubernetes.io/name": "dcr-encoder", "app.kubernetes.io/managed-by":
+              "dcr-operator", COMPONENT_LABEL: "snapshot",
+              REFIT_LABEL: short_name(refit_name, 63)}
+    args = ["snapshot", spec.source.checkpoint, "--store", fleet.store.uri,
+            "--version", str(spec.target_version)]
+    pod, _ = _pod(shape, fleet, args, [], None)
+    job_spec: dict[str, Any] = {"completions": 1, "backoffLimit": 2,
+                                "template": {"metadata": {"labels": labels}, "spec": pod}}
+    if settings.encoder_ttl_seconds:
+        job_spec["ttlSecondsAfterFinished"] = settings.encoder_ttl_seconds
+    return {
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": {"name": short_name(f"{refit_name}-snapshot", 63),
+                     "namespace": refit["metadata"]["namespace"], "labels": labels,
+                     "annotations": {f"{GROUP}/fleet": fleet_name,
+                                     f"{GROUP}/snapshot": str(spec.target_version)},
+                     "ownerReferences": [owner_reference(refit)]},
         "spec": job_spec,
     }
 

@@ -68,6 +68,7 @@ from dcr_operator.jobs import (
     encoder_pod,
     owner_reference,
     profile_name,
+    snapshot_job_manifest,
 )
 from dcr_operator.kube import KubeClient, api_path
 from dcr_operator.metrics import METRICS
@@ -125,6 +126,22 @@ class RefitRun:
         self._started = time.monotonic()
         self._stop = threading.Event()
         self._coordinator: Coordinator | None = None
+
+    def _snapshot(self, spec: WeightRefitSpec, fleet_spec: RolloutFleetSpec) -> None:
+        """Start the Job that writes a snapshot of the version just committed. Best
+        effort: the commit stands, and a missing snapshot only makes catch-up longer."""
+        body = snapshot_job_manifest(refit=self.refit, spec=spec, fleet=fleet_spec,
+                                     fleet_name=spec.fleet, settings=self.settings)
+        try:
+            self.kube.create(api_path("batch", "v1", "jobs", self.namespace), body)
+        except Conflict:
+            return  # a refit that finishes again: its Job exists
+        except (ApiError, ApiUnreachable) as e:
+            log.warning("%s: the snapshot Job of version %s was not created: %s", self.name,
+                        spec.target_version, e)
+            return
+        log.info("%s: created snapshot Job %s for version %s", self.name,
+                 body["metadata"]["name"], spec.target_version)
 
     def stop(self, reason: str) -> None:
         """No further attempt starts (the one running finishes or fails on its own)."""
@@ -238,6 +255,9 @@ class RefitRun:
             assert history is not None
             history.commit(committed.committed_version, committed.attempt, owner_count)
             keep_history(self.kube, self.namespace, spec.fleet, fleet_spec, history)
+            every = fleet_spec.retention.snapshot_every
+            if every and committed.committed_version % every == 0:
+                self._snapshot(spec, fleet_spec)
 
         def started(attempt: Attempt) -> None:
             assert self._coordinator is not None

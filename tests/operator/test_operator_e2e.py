@@ -245,7 +245,7 @@ def scenario(control_plane: ControlPlane, helm: Path, tmp_path_factory: pytest.T
             "conditions": [{"type": "Ready", "status": "True"}]}})
     primary = Operator("primary", ns, kubeconfig, tmp / "operator-primary.log", priority=100)
     standby = Operator("standby", ns, kubeconfig, tmp / "operator-standby.log", priority=50)
-    with FakeKubelet(kube, ns, "dcr.dev/component=encoder", tmp) as kubelet:
+    with FakeKubelet(kube, ns, "dcr.dev/component in (encoder,snapshot)", tmp) as kubelet:
         primary.start()
         time.sleep(1.0)  # the primary registers first; the standby then pauses behind it
         standby.start()
@@ -257,6 +257,7 @@ def scenario(control_plane: ControlPlane, helm: Path, tmp_path_factory: pytest.T
                                "store": {"uri": store.as_uri()},
                                "initial": {"version": 0, "checkpoint": str(sc_ckpts[0])},
                                "commitPolicy": {"attemptTimeoutSeconds": 120},
+                               "retention": {"snapshotEvery": 2},
                                "retryLimit": 4}}], ns)
         sc = Scenario(cp=cp, kube=kube, ns=ns, tmp=tmp, store=store, trainer=trainer,
                       agents=agents, servers=servers, kubelet=kubelet, primary=primary,
@@ -408,6 +409,9 @@ def test_the_operator_exports_refits_attempts_bytes_and_versions_to_prometheus(
 def test_the_standby_takes_over_a_refit_whose_operator_died_and_nothing_applies_twice(
         scenario: Scenario) -> None:
     sc = scenario
+    # retention.snapshotEvery 2: v2's commit started a Job writing v2's snapshot.
+    eventually(lambda: (sc.store / "snapshots" / "v0000000002" / "index.dcrs").is_file(),
+               timeout_s=120, what="the snapshot Job of v2 done")
     sc.new_version(3)
     sc.kubelet.hold(lambda pod: pod["metadata"]["labels"].get("dcr.dev/refit") == "policy-v3")
     sc.create_refit("policy-v3", 2, 3, owners=2)
@@ -441,6 +445,11 @@ def test_the_standby_takes_over_a_refit_whose_operator_died_and_nothing_applies_
         st = a.client().status()
         assert (st.version, st.attempt, st.state) == (3, second["id"], "committed")
     assert sc.exact(3)
+    # v3's commit adopted v2's snapshot into the history, and the fleet's status says so.
+    history = History.parse((sc.store / HISTORY_KEY).read_bytes(), "the fleet's store")
+    assert [s.version for s in history.snapshots] == [2]
+    assert eventually(lambda: (sc.fleet()["status"].get("history") or {}).get("snapshots"),
+                      timeout_s=60, what="status.history") == [2]
     # The standby was paused by the primary's peering record until it expired.
     assert "Resuming operations after the pause" in sc.standby.tail(400)
 
@@ -540,9 +549,10 @@ def test_a_refit_through_a_warm_encoder_endpoint_starts_no_job_and_commits_bit_e
         assert (attempt["mode"], attempt["outcome"]) == ("mixed", "Committed")
         assert attempt["endpoint"] == "warm"
         assert "job" not in attempt
-        assert sc.kube.get(sc.path("jobs", group="batch/v1"),
-                           labelSelector="dcr.dev/refit=policy-v4")["items"] == []
-        assert not [p for p in sc.kubelet.started if p.startswith("policy-v4")]
+        assert sc.kube.get(sc.path("jobs", group="batch/v1"), labelSelector=(
+            "dcr.dev/refit=policy-v4,dcr.dev/component=encoder"))["items"] == []
+        assert not [p for p in sc.kubelet.started  # (v4's snapshot Job runs: v4 % 2 == 0)
+                    if p.startswith("policy-v4") and "snapshot" not in p]
         parts = sorted(p.name for p in (sc.store / "v0000000004" / attempt["id"]).iterdir()
                        if p.name.startswith("manifest"))
         assert parts == ["manifest-o0000.dcrm", "manifest-o0001.dcrm"]

@@ -150,6 +150,11 @@ class CommitPolicy(SpecModel):
 class Retention(SpecModel):
     """What the store keeps for catch-up beyond what the current version needs."""
 
+    snapshot_every: Annotated[int, Field(ge=1)] | None = Field(
+        default=None, description="After committing every K-th version, start a Job on the "
+        "refit's encoder profile that writes a snapshot of its source checkpoint (dcr "
+        "snapshot); the next commit adopts it into the history. Default: none (the "
+        "training side may run dcr snapshot itself).")
     keep_snapshots: Annotated[int, Field(ge=1, le=1000)] | None = Field(
         default=None, description="Keep the newest N snapshots and every committed delta "
         "from the oldest of them on; after a commit the operator removes older ones (a pod "
