@@ -338,3 +338,21 @@ def test_an_init_container_builds_the_committed_version_from_a_seed_and_records_
                       canonical=out, staging_dir=tmp_path / "staging",
                       state_dir=tmp_path / "state")
     assert s.start_version == LAST
+
+
+def test_a_replay_refused_midway_leaves_the_copy_at_its_version_and_unrecorded(
+        run: Run, tmp_path: Path) -> None:
+    """v2's payload is corrupted in the store: replaying v0 -> v3 fails at the second step,
+    and every file is still at v0 (each file is replaced only after the last step) with
+    no recorded version, so the next run starts over. Without the one-pass replay the
+    copy was left at v1, recorded nowhere."""
+    from dcr.files.materialize import recorded_version
+
+    store = corrupt_copy(run, tmp_path, "v0000000002/")
+    held = tmp_path / "held"
+    shutil.copytree(run.train / "v0", held)
+    with pytest.raises((ManifestError, CheckpointError), match="digest mismatch"):
+        materialize(store, held, held=0, route="replay")
+    assert bits_of(held) == bits_of(run.train / "v0")
+    assert recorded_version(held) is None
+    assert not [p for p in held.iterdir() if p.name.endswith(".dcr-patch")]

@@ -22,7 +22,7 @@ from typing import Literal
 from dcr.checkpoint import Checkpoint
 from dcr.errors import CheckpointError, ManifestError
 from dcr.files.history import HistoryStore
-from dcr.files.patch import patch_to
+from dcr.files.patch import patch_chain
 from dcr.files.snapshot import differing, fetch_snapshot
 from dcr.format.history import History, Snapshot
 from dcr.transport.store import Store
@@ -174,7 +174,10 @@ def _check_held(hs: HistoryStore, history: History, out: Path, held: int) -> Non
 
 
 def _replay(hs: HistoryStore, history: History, root: Path, start: int, target: int) -> None:
-    """Patch ``root`` from ``start`` to ``target`` by the committed deltas, one version at
-    a time (each checks its base fingerprints, then its targets)."""
-    for entry in history.chain(start, target):
-        patch_to(root, hs.store, hs.manifest(entry))
+    """Patch ``root`` from ``start`` to ``target`` by the committed deltas in one pass
+    (base fingerprints checked first, each step's targets after it). Its recorded version
+    goes first: a replay that fails midway leaves none, so the next run starts over."""
+    steps = history.chain(start, target)
+    if steps:
+        (root / VERSION_FILE).unlink(missing_ok=True)
+        patch_chain(root, hs.store, [hs.manifest(entry) for entry in steps])

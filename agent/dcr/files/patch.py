@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import itertools
 import mmap
 import os
 import shutil
@@ -243,3 +244,68 @@ def patch_to(
         manifest=manifest, files_patched=len(todo), files_already_at_target=len(done),
         records_applied=applied,
     )
+
+
+def patch_chain(root: Path, store: Store, manifests: list[Manifest], *,
+                limits: DecodeLimits = DEFAULT_LIMITS) -> int:
+    """Patch ``root`` through consecutive versions in one pass: each file is copied once,
+    every step's payloads are applied to the copies in order (each step's tensors checked
+    against its targets), and each copy replaces its file only after the last step, so
+    a file is wholly at the first base or wholly at the last target. Every tensor must
+    be at the first manifest's base; the records applied."""
+    for a, b in itertools.pairwise(manifests):
+        ends = {t.name: t.target for t in a.tensors}
+        if b.base_version != a.target_version or {t.name: t.base for t in b.tensors} != ends:
+            raise ManifestError(f"Manifests {a.target_version} and {b.base_version}.. do not "
+                                "chain: one's targets are not the next one's bases.")
+    with Checkpoint(root) as ckpt:
+        for m in manifests:
+            _check_layout(ckpt, m)
+        first = {t.name: t.base for t in manifests[0].tensors}
+        wrong = [n for n in ckpt.names() if ckpt.fingerprint(n) != first[n]]
+        if wrong:
+            raise WrongBaseVersion(f"{root} is not at version {manifests[0].base_version}: "
+                                   f"tensors {wrong[:5]} hold other bits. Nothing was changed.")
+        paths = sorted({i.file for i in ckpt})
+    for path in paths:
+        _remove_leftovers(path)
+    tmps: dict[Path, Path] = {}
+    try:
+        targets: dict[str, Target] = {}
+        for path in paths:
+            tmps[path] = tmp = _copy_beside(path)
+            with tmp.open("r+b") as f:
+                mm = mmap.mmap(f.fileno(), 0)  # lives as long as its views (see _patch_file)
+            targets |= {name: Target(dtype=i.dtype.name, shape=i.shape, bits=_view(mm, i))
+                        for name, i in read_header(tmp).items()}
+        applied = 0
+        for m in manifests:  # one step's payloads in memory at a time
+            items = fetch_items(store, m, limits)
+            applied += apply_items(items, targets)
+            want = {t.name: t.target for t in m.tensors}
+            touched = {it.header.name for it in items}
+            bad = [n for n in sorted(touched) if fingerprint(targets[n].bits) != want[n]]
+            if bad:
+                raise TargetMismatch(f"{root}: after version {m.target_version}'s payloads, "
+                                     f"tensors {bad[:5]} do not match its target fingerprints."
+                                     " The checkpoint is unchanged.")
+        last = {t.name: t.target for t in manifests[-1].tensors}
+        bad = [n for n, t in targets.items() if fingerprint(t.bits) != last[n]]
+        if bad:
+            raise TargetMismatch(f"{root}: tensors {bad[:5]} do not match version "
+                                 f"{manifests[-1].target_version}'s target fingerprints. The "
+                                 "checkpoint is unchanged.")
+        for path, tmp in tmps.items():
+            with tmp.open("r+b") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+    finally:
+        for tmp in tmps.values():
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+    dir_fd = os.open(root if root.is_dir() else root.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return applied
