@@ -1,4 +1,5 @@
-"""The number tables of docs/benchmarks.md and docs/apply.md, written from bench/results.
+"""The number tables of docs/benchmarks.md, apply.md and evaluation.md (outside the part
+``bench/evaluate.py`` writes), written from bench/results.
 
 Each table sits between ``<!-- table NAME -->`` and ``<!-- /table -->`` in its doc and is
 written from the JSON a benchmark left; the prose around the markers is written by hand.
@@ -198,11 +199,36 @@ def reference() -> str:
                   "dense refit through the same loader s", "scratch / largest tensor"], rows)
 
 
+# --- docs/evaluation.md -------------------------------------------------------------------
+
+WAYS = {"replay": "replay the committed deltas", "snapshot": "snapshot + the deltas after it",
+        "full": "download the full checkpoint"}
+
+
+def catchup() -> str:
+    d = load("catchup")
+    full = {r["missed"]: r for r in d["results"] if r["way"] == "full"}
+    rows = []
+    for r in d["results"]:
+        f = full[r["missed"]]
+        how = WAYS[r["way"]]
+        if r["way"] != "full":
+            how += f" ({r['deltas']} from v{r['from']})"
+        rows.append([str(r["missed"]), how, f"{r['seconds']:.1f}", mb(r["boundary_bytes"]),
+                     f"{f['boundary_bytes'] / r['boundary_bytes']:.1f}x",
+                     f"{f['seconds'] / r['seconds']:.2f}x",
+                     "yes" if r["bit_exact"] else "NO"])
+    return table(["versions missed", "way", "seconds", "bytes across the link",
+                  "fewer bytes than full", "faster than full", "bit-exact"], rows,
+                 left=(0, 1, 6))
+
+
 TABLES: dict[str, dict[str, Callable[[], str]]] = {
     "docs/benchmarks.md": {"codec-size": codec_size, "codec-speed": codec_speed,
                            "manifest": manifest, "transport": transport,
                            "protocol": protocol},
     "docs/apply.md": {"coverage": coverage, "engines": engines, "reference": reference},
+    "docs/evaluation.md": {"catchup": catchup},
 }
 
 
