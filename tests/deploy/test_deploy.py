@@ -16,7 +16,9 @@ install -> fleet Ready -> a refit commits bit-exact through a two-owner encoder 
 the operator Pod killed mid-refit is replaced and the refit finishes -> a Pod added by
 scaling up starts at the committed version -> deleting a refit cleans its Jobs and the
 payloads catch-up does not need -> the warm encoder example deployed and a refit through it
-(after one through Jobs, both latencies recorded) -> ``helm upgrade`` -> ``helm
+(after one through Jobs, both latencies recorded) -> what crossed the rollout side's
+emulated link to the store (every rollout Pod reaches the store only through it) ->
+``helm upgrade`` -> ``helm
 uninstall`` and namespace deletion leave nothing behind.
 
 What the commands print is kept under the session's temporary directory
@@ -29,6 +31,7 @@ import dataclasses
 import datetime as dt
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -43,11 +46,12 @@ import pytest
 import yaml
 from clusters import CLUSTER_TRAINER
 from controlplane import build_binaries
-from node import Images, Node
+from node import GATEWAY, Images, Node
 from s3server import S3Server
 
 from dcr.format.history import HISTORY_KEY, History
 from dcr.protocol.agent_api import AgentClient
+from dcr.refit.boundary import Link
 from dcr.refit.trainer import Trainer, reference_fingerprint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -92,7 +96,9 @@ class Cluster:
     base: Path  # the run's starting model alone (a public base model): rollout Pods' seed
     trainer: Trainer
     agent_token: str
+    rollout_link: Link  # the rollout Pods reach the store only through this emulated link
     transcript: list[str] = field(default_factory=list)
+    fetched: dict[str, int] = field(default_factory=dict)  # init containers' bytes, by Pod
 
     def kubectl(self, *args: str, input: str | None = None, check: bool = True,
                 record: bool = False) -> str:
@@ -189,6 +195,13 @@ class Cluster:
         return len(agents) == replicas and all(a.fingerprint() == want for a in agents)
 
 
+def _fetched(log: str) -> int:
+    """The bytes ``dcr materialize`` says it fetched."""
+    m = re.search(r"; ([\d,]+) bytes fetched", log)
+    assert m, log
+    return int(m[1].replace(",", ""))
+
+
 def _load(path: Path) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(path.read_text()) if d]
 
@@ -251,8 +264,8 @@ def rollout_manifests(c: Cluster) -> list[dict[str, Any]]:
         container["resources"] = {"requests": {"cpu": "100m", "memory": "256Mi"},
                                   "limits": {"memory": "3Gi"}}
         for env in container.get("env", []):
-            if env["name"] == "AWS_ENDPOINT_URL":
-                env["value"] = c.s3.endpoint
+            if env["name"] == "AWS_ENDPOINT_URL":  # the other side of the boundary
+                env["value"] = f"http://{GATEWAY}:{c.rollout_link.port}"
     for volume in pod["volumes"]:
         assert "persistentVolumeClaim" not in volume or volume["name"] == "base-model"
         if volume["name"] == "base-model":  # the starting model only, never a later version
@@ -298,9 +311,13 @@ def cluster(node: Node, images: Images, node_s3: S3Server,
     base = tmp / "base-models" / "policy-a"
     shutil.copytree(ckpts / "v0", base)
     _readable(tmp / "base-models")
+    link = Link(name="rollout-side", host=GATEWAY, mbit=200, rtt_ms=20,
+                target=int(node_s3.endpoint.rsplit(":", 1)[1])).start()
     c = Cluster(node=node, images=images, s3=node_s3, helm=binaries.helm, tmp=tmp,
-                ckpts=ckpts, base=base, trainer=trainer, agent_token=secrets.token_hex(24))
+                ckpts=ckpts, base=base, trainer=trainer, agent_token=secrets.token_hex(24),
+                rollout_link=link)
     yield c
+    link.stop()
     print(f"transcript: {tmp / 'deploy-transcript.txt'}", file=sys.stderr)
 
 
@@ -412,6 +429,7 @@ def test_a_rollout_pod_deleted_mid_refit_is_replaced_and_rejoins(cluster: Cluste
     (new,) = names - {p["metadata"]["name"] for p in before}
     built = c.kubectl("-n", NS, "logs", new, "-c", "materialize", record=True)
     assert "bytes fetched; every file checked" in built, built
+    c.fetched[new] = _fetched(built)
 
 
 def test_the_operator_pod_killed_mid_refit_is_replaced_and_the_refit_finishes(
@@ -445,6 +463,7 @@ def test_a_pod_added_by_scaling_up_starts_at_the_committed_version(cluster: Clus
     name = added["metadata"]["name"]
     built = c.kubectl("-n", NS, "logs", name, "-c", "materialize", record=True)
     assert "version 3 from 3 deltas replayed from version 0" in built, built
+    c.fetched[name] = _fetched(built)
     assert c.exact(3, REPLICAS + 1), c.diagnostics("policy-rollout-v3")
     c.kubectl("-n", NS, "scale", "deployment", FLEET, f"--replicas={REPLICAS}", record=True)
     eventually(lambda: len(c.rollout_pods()) == REPLICAS, timeout_s=180,
@@ -543,6 +562,25 @@ def test_a_refit_through_the_warm_encoder_example_commits_bit_exact(
                                           for f in (c.ckpts / "v5").glob("*.safetensors"))},
         "owners": 2, "receivers": REPLICAS,
         "job": job_run, "warm": warm_run}, indent=1) + "\n")
+
+
+def test_the_rollout_side_reached_the_store_only_through_its_link(
+        cluster: Cluster, progress: Callable[[str], None]) -> None:
+    """Every byte the rollout Pods read (refits' payloads, the init containers' builds,
+    the history) crossed one emulated 200 Mbit/s link; the total is reported. The link
+    stops here: the tests after it need no store on the rollout side."""
+    c = cluster
+    c.rollout_link.stop()
+    down, up = c.rollout_link.bytes_down, c.rollout_link.bytes_up
+    full = sum(f.stat().st_size for f in (c.ckpts / "v5").glob("*.safetensors"))
+    report = (f"rollout side <- store across the link: {down:,} bytes down, {up:,} up; "
+              f"the init containers' builds {sum(c.fetched.values()):,} of them "
+              f"({', '.join(f'{k} {v:,}' for k, v in sorted(c.fetched.items()))}); one full "
+              f"checkpoint is {full:,} bytes")
+    progress(f"tests/deploy: {report}")
+    c.transcript.append(report)
+    assert len(c.fetched) == 2  # the replacement and the scaled-up Pod
+    assert down >= sum(c.fetched.values()) > 0
 
 
 def test_helm_upgrade_rolls_the_operator_with_the_new_value(cluster: Cluster) -> None:

@@ -69,9 +69,10 @@ class Link:
     """One emulated link (``python -m dcr.refit.linkemu``) from a port of its own to ``target``."""
 
     name: str
-    target: int  # the loopback port it forwards to
+    target: int  # the port it forwards to, on ``host``
     mbit: float
     rtt_ms: float
+    host: str = "127.0.0.1"  # where it listens and forwards (a node's bridge, in tests)
     proc: subprocess.Popen[str] | None = None
     port: int = 0
     bytes_up: int = 0
@@ -79,8 +80,8 @@ class Link:
 
     def start(self) -> Link:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dcr.refit.linkemu", "--listen", "127.0.0.1:0",
-             "--to", f"127.0.0.1:{self.target}", "--mbit", str(self.mbit),
+            [sys.executable, "-m", "dcr.refit.linkemu", "--listen", f"{self.host}:0",
+             "--to", f"{self.host}:{self.target}", "--mbit", str(self.mbit),
              "--rtt-ms", str(self.rtt_ms)],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
