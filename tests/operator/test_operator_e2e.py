@@ -217,16 +217,22 @@ def scenario(control_plane: ControlPlane, helm: Path, tmp_path_factory: pytest.T
     hosts = [f"127.0.0.{i + 2}" for i in range(AGENTS)]  # each pod's IP
     port = free_port_on(*hosts)  # the fleet's agent port
     staging = [tmp / "pods" / str(i) / "staging" for i in range(AGENTS)]
+    # Each pod's own volume holds the starting model only; rejoins build from the store.
+    weights = [tmp / "pods" / str(i) / "weights" for i in range(AGENTS)]
+    for w in weights:
+        shutil.copytree(sc_ckpts[0], w / "v0")
     servers = [ServeProcess(name=f"serve-{i}", workdir=tmp / "pods" / str(i) / "serve",
                             host=hosts[i], port=_other_port(hosts[i], port),
-                            args=["--runtime", "hf", "--model", str(sc_ckpts[0]),
+                            args=["--runtime", "hf", "--model", str(weights[i] / "v0"),
+                                  "--checkpoint-root", str(weights[i]),
                                   "--staging-dir", str(staging[i]), "--weight-version", "0"])
                for i in range(AGENTS)]
     agents = [AgentProcess(name=f"rollout-{i}", state_dir=tmp / "agents" / str(i), token=TOKEN,
                            host=hosts[i], port=port,
                            args=["--store", store.as_uri(), "--engine-url", servers[i].url,
                                  "--staging-dir", str(staging[i]),
-                                 "--canonical", str(sc_ckpts[0])]) for i in range(AGENTS)]
+                                 "--canonical", str(weights[i] / "v0")])
+              for i in range(AGENTS)]
     for d in staging:
         d.mkdir(parents=True)
     for proc in [*servers, *agents]:
