@@ -60,12 +60,13 @@ def keep_history(kube: KubeClient, namespace: str, fleet: str, spec: RolloutFlee
     pruned: list[str] = []
     try:
         keep = spec.retention.keep_snapshots
-        if keep is not None and spec.store is not None:
-            prefixes = history.prune(keep)
+        if keep is None or spec.store is None:
+            kept = history.read()
+        else:
+            kept, prefixes = history.prune(keep)
             pruned = remove_prefixes(spec.store.uri, prefixes, endpoint=spec.store.endpoint,
                                      region=spec.store.region,
                                      credentials=store_credentials(kube, namespace, spec))
-        kept = history.read()
         kube.merge_patch(fleet_path(namespace, fleet, "status"), {"status": {"history": {
             "oldestVersion": kept.versions[0].version if kept.versions else None,
             "committedVersion": kept.committed if kept.versions else None,

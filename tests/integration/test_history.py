@@ -356,3 +356,16 @@ def test_a_replay_refused_midway_leaves_the_copy_at_its_version_and_unrecorded(
     assert bits_of(held) == bits_of(run.train / "v0")
     assert recorded_version(held) is None
     assert not [p for p in held.iterdir() if p.name.endswith(".dcr-patch")]
+
+
+def test_a_snapshot_of_other_bits_is_refused_before_anything_is_written(
+        run: Run, tmp_path: Path) -> None:
+    """``dcr snapshot`` of v2's checkpoint as version 3: the fingerprints it computes for
+    the index are compared with the history's first, and no object is written."""
+    shutil.copytree(run.store.root, tmp_path / "store")
+    store = FileStore(tmp_path / "store")
+    hs = HistoryStore(store)
+    want = hs.fingerprints(hs.read(), 3)
+    with pytest.raises(ManifestError, match=r"is not version 3: .* Nothing was written"):
+        write_snapshot(store, run.train / "v2", 3, expect=want)
+    assert store.list("snapshots/v0000000003/") == []

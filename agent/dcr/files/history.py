@@ -145,25 +145,27 @@ class HistoryStore:
         snaps = tuple(sorted([*kept, snap], key=lambda s: s.version))
         return self._write(history.model_copy(update={"snapshots": snaps}))
 
-    def prune(self, keep_snapshots: int) -> list[str]:
+    def prune(self, keep_snapshots: int) -> tuple[History, list[str]]:
         """Keep the newest ``keep_snapshots`` snapshots and the committed versions from the
         oldest of them on (its own entry too: its fingerprints check that snapshot); write
-        the history without the rest, then return the store prefixes it no longer names,
-        for the caller to remove. Nothing is pruned while fewer snapshots exist."""
+        the history without the rest. The history as it now is, and the store prefixes it
+        no longer names, for the caller to remove. Nothing is pruned while fewer snapshots
+        exist."""
         history = self.read()
         if len(history.snapshots) <= keep_snapshots:
-            return []
+            return history, []
         kept = history.snapshots[-keep_snapshots:]
         oldest = kept[0].version
         dropped = [c for c in history.versions if c.version < oldest]
         gone = [s for s in history.snapshots if s not in kept]
-        self._write(history.model_copy(update={
+        history = history.model_copy(update={
             "versions": tuple(c for c in history.versions if c.version >= oldest),
-            "snapshots": tuple(kept)}))
+            "snapshots": tuple(kept)})
+        self._write(history)
         log.info("history: pruned %d versions and %d snapshots below version %s",
                  len(dropped), len(gone), oldest)
-        return ([f"{version_prefix(c.version)}/{c.attempt}/" for c in dropped]
-                + [f"{SNAPSHOTS}v{s.version:010d}/" for s in gone])
+        return history, ([f"{version_prefix(c.version)}/{c.attempt}/" for c in dropped]
+                         + [f"{SNAPSHOTS}v{s.version:010d}/" for s in gone])
 
     # --- the receivers' side -------------------------------------------------------------
 

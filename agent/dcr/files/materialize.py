@@ -180,4 +180,5 @@ def _replay(hs: HistoryStore, history: History, root: Path, start: int, target: 
     steps = history.chain(start, target)
     if steps:
         (root / VERSION_FILE).unlink(missing_ok=True)
-        patch_chain(root, hs.store, [hs.manifest(entry) for entry in steps])
+        # Its start was just checked: the held copy by _check_held, a snapshot on fetching.
+        patch_chain(root, hs.store, [hs.manifest(entry) for entry in steps], base_checked=True)

@@ -195,12 +195,17 @@ def _patch_file(
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+    _fsync_dir(path.parent)
+    return applied
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make the renames in directory ``path`` durable."""
+    dir_fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-    return applied
 
 
 def patch_checkpoint(
@@ -247,12 +252,13 @@ def patch_to(
 
 
 def patch_chain(root: Path, store: Store, manifests: list[Manifest], *,
-                limits: DecodeLimits = DEFAULT_LIMITS) -> int:
+                limits: DecodeLimits = DEFAULT_LIMITS, base_checked: bool = False) -> int:
     """Patch ``root`` through consecutive versions in one pass: each file is copied once,
     every step's payloads are applied to the copies in order (each step's tensors checked
     against its targets), and each copy replaces its file only after the last step, so
     a file is wholly at the first base or wholly at the last target. Every tensor must
-    be at the first manifest's base; the records applied."""
+    be at the first manifest's base (``base_checked``: the caller has just compared them
+    all, so they are not read twice); the records applied."""
     for a, b in itertools.pairwise(manifests):
         ends = {t.name: t.target for t in a.tensors}
         if b.base_version != a.target_version or {t.name: t.base for t in b.tensors} != ends:
@@ -262,7 +268,8 @@ def patch_chain(root: Path, store: Store, manifests: list[Manifest], *,
         for m in manifests:
             _check_layout(ckpt, m)
         first = {t.name: t.base for t in manifests[0].tensors}
-        wrong = [n for n in ckpt.names() if ckpt.fingerprint(n) != first[n]]
+        wrong = [] if base_checked else [n for n in ckpt.names()
+                                         if ckpt.fingerprint(n) != first[n]]
         if wrong:
             raise WrongBaseVersion(f"{root} is not at version {manifests[0].base_version}: "
                                    f"tensors {wrong[:5]} hold other bits. Nothing was changed.")
@@ -303,9 +310,6 @@ def patch_chain(root: Path, store: Store, manifests: list[Manifest], *,
         for tmp in tmps.values():
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
-    dir_fd = os.open(root if root.is_dir() else root.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    for parent in {path.parent for path in paths}:
+        _fsync_dir(parent)
     return applied

@@ -39,14 +39,21 @@ def snapshot_prefix(version: int) -> str:
 
 
 def write_snapshot(store: Store, checkpoint: Path, version: int, *,
+                   expect: dict[str, str] | None = None,
                    piece_bytes: int = PIECE_BYTES) -> Snapshot:
     """Put ``checkpoint``'s files and their index into ``store`` as version ``version``'s
     snapshot; what the history records of it. Every regular file at the top of the
-    directory goes (configs and tokenizer too, so an engine can start from it)."""
+    directory goes (configs and tokenizer too, so an engine can start from it). With
+    ``expect`` (the fingerprints the history vouches for), a checkpoint with other bits
+    is refused before anything is written."""
     if not 0 < piece_bytes <= PIECE_BYTES:
         raise ValueError(f"piece_bytes {piece_bytes} must be in 1..{PIECE_BYTES}")
     with Checkpoint(checkpoint) as ckpt:
         tensors = {n: ckpt.fingerprint(n) for n in ckpt.names()}
+    if expect is not None and (wrong := differing(tensors, expect)):
+        raise ManifestError(f"{checkpoint} is not version {version}: {len(wrong)} tensors "
+                            f"differ from the history's fingerprints, first {wrong[:3]}. "
+                            "Nothing was written.")
     prefix = snapshot_prefix(version)
     names = sorted(p.name for p in checkpoint.iterdir()
                    if p.is_file() and not p.is_symlink() and not p.name.startswith("."))

@@ -2,10 +2,10 @@
 versions it builds for dense loads, and the committed version ``/readyz`` compares with.
 
 A build goes to ``dcr-from-store`` under the checkpoint root (the pod's own volume, which
-the engine reads too): the agent's last build advanced by the committed deltas, else its
-seed (the checkpoint the engine started from) advanced, else a snapshot and the deltas
-after it (:func:`~dcr.files.materialize.materialize`). docs/protocol.md, "Catch-up from
-the store".
+the engine reads too): the last build advanced by the committed deltas (its version is
+recorded there), else the seed (the checkpoint the engine started from) advanced, else a
+snapshot and the deltas after it (:func:`~dcr.files.materialize.materialize`).
+docs/protocol.md, "Catch-up from the store".
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ class FromStore:
     history: HistoryStore
     root: Path | None  # the checkpoint root builds go under; None: nothing is built
     seed: tuple[int, Path] | None = None
-    _built: int | None = None  # the version FROM_STORE holds, while it is whole
     _lock: threading.Lock = field(default_factory=threading.Lock)  # one build at a time
     _committed: tuple[float, int | None] = (-HISTORY_TTL_S, None)  # when read, what
 
@@ -61,32 +60,19 @@ class FromStore:
         if self.root is None:
             raise NotVouched("no checkpoint root to build versions under")
         out = self.root / FROM_STORE
-        with self._lock:
-            held, self._built = self._built, None  # whole again only once the build succeeds
-            if held is None or not out.exists():
-                held = self._seeded(out)
+        held, seed = self.seed if self.seed is not None else (None, None)
+        with self._lock:  # materialize reuses the last build where its version is recorded
             try:
                 done = materialize(self.history.store, out, version=version, held=held,
-                                   digest=self.history.digest)
+                                   seed=seed, digest=self.history.digest)
             except DcrError as e:  # ManifestError, StoreError, CheckpointError, ...
                 shutil.rmtree(out, ignore_errors=True)  # the next build starts over
                 raise NotVouched(f"version {version} could not be built from the store: "
                                  f"{e}") from e
-            self._built = version
         log.info("built version %s from the store by %s from %s (%d deltas), fetching %d "
                  "bytes", version, done.plan.route, done.plan.start, done.plan.steps,
                  done.fetched_bytes)
         return FROM_STORE, done
-
-    def _seeded(self, out: Path) -> int | None:
-        """Copy the seed to ``out`` (replacing what is there); its version, or None without
-        a seed. ``materialize`` checks it before it relies on it."""
-        shutil.rmtree(out, ignore_errors=True)
-        if self.seed is None:
-            return None
-        version, path = self.seed
-        shutil.copytree(path, out, symlinks=False)
-        return version
 
     def committed(self) -> int | None:
         """The newest version the history names (read at most every ``HISTORY_TTL_S``), or
