@@ -62,7 +62,9 @@ STORE_CREDENTIALS = SecretUse(field="spec.store.credentialsSecretRef",
                               label=f"{GROUP}/store-credentials")
 ENCODER_TOKEN = SecretUse(field="spec.encoderProfiles[].endpoint.tokenSecretRef",
                           label=f"{GROUP}/encoder-token")
-SECRET_USES = (AGENT_TOKEN, RELAY_TOKEN, STORE_CREDENTIALS, ENCODER_TOKEN)
+ENCODER_CLUSTER = SecretUse(field="spec.encoderProfiles[].cluster.kubeconfigSecretRef",
+                            label=f"{GROUP}/encoder-cluster")
+SECRET_USES = (AGENT_TOKEN, RELAY_TOKEN, STORE_CREDENTIALS, ENCODER_TOKEN, ENCODER_CLUSTER)
 
 
 def read_secret(kube: KubeClient, namespace: str, name: str, use: SecretUse

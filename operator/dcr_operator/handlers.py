@@ -26,17 +26,19 @@ from dcr_operator.api.common import GROUP, VERSION
 from dcr_operator.api.rolloutfleet import PLURAL as FLEET_PLURAL
 from dcr_operator.api.rolloutfleet import RolloutFleetSpec
 from dcr_operator.api.weightrefit import PLURAL as REFIT_PLURAL
+from dcr_operator.api.weightrefit import WeightRefitSpec
 from dcr_operator.cleanup import clean_store
 from dcr_operator.commitstore import FleetCommitStore
 from dcr_operator.errors import ApiError, ApiUnreachable, InvalidResource, NotFound, NotYet
 from dcr_operator.fleet import fleet_path, refresh, store_credentials
 from dcr_operator.history import committed_attempt
-from dcr_operator.jobs import REFIT_LABEL, short_name
+from dcr_operator.jobs import delete_jobs, delete_profile_copy
 from dcr_operator.kube import KubeClient, api_path
 from dcr_operator.progress import Emit
 from dcr_operator.reconcile import is_final, now
 from dcr_operator.refit import RefitRun, holder
 from dcr_operator.settings import OperatorSettings
+from dcr_operator.sites import Site, encoder_site
 
 log = logging.getLogger(__name__)
 
@@ -282,7 +284,7 @@ async def refit_deleted(body: kopf.Body, memo: Any, namespace: str | None, name:
         run.stop("deleted")
     kube = _kube(memo)
     try:
-        await _blocking(_delete_unfinished_jobs, kube, namespace, name)
+        await _blocking(_delete_jobs, kube, dict(body))
         if SETTINGS.cleanup_store:
             await _blocking(_clean, kube, dict(body))
     except Exception as e:
@@ -294,13 +296,34 @@ async def refit_deleted(body: kopf.Body, memo: Any, namespace: str | None, name:
                                   delay=SETTINGS.retry_seconds) from e
 
 
-def _delete_unfinished_jobs(kube: KubeClient, namespace: str, name: str) -> None:
-    jobs = kube.get(api_path("batch", "v1", "jobs", namespace),
-                    labelSelector=f"{REFIT_LABEL}={short_name(name, 63)}")
-    for job in jobs.get("items", []):
-        if not (job.get("status") or {}).get("completionTime"):
-            with contextlib.suppress(NotFound):
-                kube.delete(api_path("batch", "v1", "jobs", namespace, job["metadata"]["name"]))
+def _delete_jobs(kube: KubeClient, refit: Mapping[str, Any]) -> None:
+    """Stop the refit's Jobs: in its namespace those still running (the garbage collector
+    takes the rest); in a training cluster all of them, and the profile copy, which no
+    ownerReference collects there."""
+    namespace = refit["metadata"]["namespace"]
+    delete_jobs(Site(kube, namespace), refit, running_only=True)
+    try:
+        site = _encoder_site(kube, refit)
+    except NotFound:
+        return  # no fleet: no profile says the Jobs ran elsewhere
+    except InvalidResource as e:  # its kubeconfig Secret is gone or changed
+        emit(refit, "Warning", "CleanupSkipped", f"The refit's encoder cluster cannot be "
+             f"reached ({e}); its Jobs there were not deleted (their TTL and deadline end "
+             "them).")
+        return
+    if site.remote:
+        delete_jobs(site, refit, running_only=False)
+        delete_profile_copy(site, refit)
+
+
+def _encoder_site(kube: KubeClient, refit: Mapping[str, Any]) -> Site:
+    spec = WeightRefitSpec.model_validate(refit["spec"])
+    namespace = refit["metadata"]["namespace"]
+    fleet = RolloutFleetSpec.model_validate(kube.get(fleet_path(namespace, spec.fleet))["spec"])
+    profile = next((p for p in fleet.encoder_profiles if p.name == spec.encoder.profile), None)
+    if profile is None or profile.cluster is None:
+        return Site(kube, namespace)
+    return encoder_site(kube, namespace, profile)
 
 
 def _clean(kube: KubeClient, refit: Mapping[str, Any]) -> None:

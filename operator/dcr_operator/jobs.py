@@ -9,6 +9,7 @@ docs/operations.md, "What happens, and when things go wrong".
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -23,7 +24,7 @@ from dcr.format.payload import Mode
 from dcr.owner.settings import EncodeSettings
 from dcr.protocol.records import Attempt, CommitRecord
 from dcr.settings import MiB
-from dcr_operator.api.common import API_VERSION, GROUP
+from dcr_operator.api.common import GROUP
 from dcr_operator.api.rolloutfleet import DEFAULT_PROFILE, EncoderProfile, RolloutFleetSpec
 from dcr_operator.api.volumes import PROFILE_DIR, PROFILE_VOLUME
 from dcr_operator.api.weightrefit import WeightRefitSpec
@@ -35,8 +36,9 @@ from dcr_operator.errors import (
     InvalidResource,
     NotFound,
 )
-from dcr_operator.kube import KubeClient, api_path
+from dcr_operator.kube import api_path
 from dcr_operator.settings import OperatorSettings
+from dcr_operator.sites import UID_LABEL, Site
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +64,6 @@ def job_name(refit: str, attempt: str) -> str:
 
 def profile_name(refit: str) -> str:
     return short_name(f"{refit}-profile", 253)
-
-
-def owner_reference(obj: Mapping[str, Any]) -> dict[str, Any]:
-    meta = obj["metadata"]
-    return {"apiVersion": obj.get("apiVersion", API_VERSION),
-            "kind": obj.get("kind", "WeightRefit"), "name": meta["name"], "uid": meta["uid"],
-            "controller": True, "blockOwnerDeletion": True}
 
 
 def encode_args(*, base: str, target: str, store: str, attempt: Attempt, owners: int,
@@ -162,14 +157,15 @@ def _pod(shape: EncoderProfile, fleet: RolloutFleetSpec, args: list[str],
 
 def job_manifest(*, refit: Mapping[str, Any], spec: WeightRefitSpec, fleet: RolloutFleetSpec,
                  fleet_name: str, base_checkpoint: str, attempt: Attempt,
-                 settings: OperatorSettings, profile: str | None) -> dict[str, Any]:
-    """The indexed Job that publishes ``attempt`` (every owner one index)."""
+                 settings: OperatorSettings, profile: str | None, site: Site
+                 ) -> dict[str, Any]:
+    """The indexed Job that publishes ``attempt`` (every owner one index), in ``site``."""
     enc, store, relay = spec.encoder, fleet.store, fleet.relay
     shape = encoder_pod(spec, fleet, fleet_name, settings)
     name, refit_name = job_name(refit["metadata"]["name"], attempt.id), refit["metadata"]["name"]
     labels = {"app.kubernetes.io/name": "dcr-encoder", "app.kubernetes.io/managed-by":
               "dcr-operator", COMPONENT_LABEL: "encoder", REFIT_LABEL: short_name(refit_name, 63),
-              ATTEMPT_LABEL: attempt.id}
+              ATTEMPT_LABEL: attempt.id, **site.labels(refit)}
     env: list[dict[str, Any]] = [{"name": "DCR_OWNER", "valueFrom": {"fieldRef": {
         "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}}]
     if relay is not None:  # the token from its Secret, never in the arguments
@@ -193,11 +189,11 @@ def job_manifest(*, refit: Mapping[str, Any], spec: WeightRefitSpec, fleet: Roll
     return {
         "apiVersion": "batch/v1", "kind": "Job",
         "metadata": {
-            "name": name, "namespace": refit["metadata"]["namespace"], "labels": labels,
+            "name": name, "namespace": site.namespace, "labels": labels,
             "annotations": {f"{GROUP}/attempt": attempt.id, f"{GROUP}/mode": attempt.mode,
                             f"{GROUP}/transition": f"{t.base_version}->{t.target_version}",
                             f"{GROUP}/fleet": fleet_name},
-            "ownerReferences": [owner_reference(refit)],
+            "ownerReferences": site.owner_references(refit),
         },
         "spec": job_spec,
     }
@@ -205,7 +201,7 @@ def job_manifest(*, refit: Mapping[str, Any], spec: WeightRefitSpec, fleet: Roll
 
 def snapshot_job_manifest(*, refit: Mapping[str, Any], spec: WeightRefitSpec,
                           fleet: RolloutFleetSpec, fleet_name: str,
-                          settings: OperatorSettings) -> dict[str, Any]:
+                          settings: OperatorSettings, site: Site) -> dict[str, Any]:
     """The Job that writes a snapshot of the version the refit committed, from its source
     checkpoint on the training side (``dcr snapshot``; the next commit adopts it)."""
     assert fleet.store is not None  # a relay fleet keeps no history
@@ -213,7 +209,7 @@ def snapshot_job_manifest(*, refit: Mapping[str, Any], spec: WeightRefitSpec,
     refit_name = refit["metadata"]["name"]
     labels = {"app.kubernetes.io/name": "dcr-encoder", "app.kubernetes.io/managed-by":
               "dcr-operator", COMPONENT_LABEL: "snapshot",
-              REFIT_LABEL: short_name(refit_name, 63)}
+              REFIT_LABEL: short_name(refit_name, 63), **site.labels(refit)}
     args = ["snapshot", spec.source.checkpoint, "--store", fleet.store.uri,
             "--version", str(spec.target_version)]
     pod, _ = _pod(shape, fleet, args, [], None)
@@ -224,12 +220,19 @@ def snapshot_job_manifest(*, refit: Mapping[str, Any], spec: WeightRefitSpec,
     return {
         "apiVersion": "batch/v1", "kind": "Job",
         "metadata": {"name": short_name(f"{refit_name}-snapshot", 63),
-                     "namespace": refit["metadata"]["namespace"], "labels": labels,
+                     "namespace": site.namespace, "labels": labels,
                      "annotations": {f"{GROUP}/fleet": fleet_name,
                                      f"{GROUP}/snapshot": str(spec.target_version)},
-                     "ownerReferences": [owner_reference(refit)]},
+                     "ownerReferences": site.owner_references(refit)},
         "spec": job_spec,
     }
+
+
+def refit_selector(refit: Mapping[str, Any]) -> str:
+    """The label selector of a refit's Jobs (by uid too: another cluster's namespace may
+    hold Jobs of refits of the same name from other namespaces)."""
+    return (f"{REFIT_LABEL}={short_name(refit['metadata']['name'], 63)},"
+            f"{UID_LABEL}={refit['metadata']['uid']}")
 
 
 def parse_indexes(text: str | None) -> set[int]:
@@ -268,7 +271,7 @@ def job_failure(job: Mapping[str, Any]) -> str:
 class EncoderJobs:
     """The encoder Jobs of one WeightRefit run (shared by its owner handles)."""
 
-    kube: KubeClient
+    site: Site  # where the Jobs run
     refit: Mapping[str, Any]  # the WeightRefit object (metadata.name, namespace, uid)
     spec: WeightRefitSpec
     fleet: RolloutFleetSpec
@@ -283,7 +286,7 @@ class EncoderJobs:
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
         self._done: dict[str, int] = {}
-        self.namespace = self.refit["metadata"]["namespace"]
+        self.kube, self.namespace = self.site.kube, self.site.namespace
 
     def path(self, name: str = "") -> str:
         return api_path("batch", "v1", "jobs", self.namespace, name)
@@ -299,7 +302,8 @@ class EncoderJobs:
             body = job_manifest(refit=self.refit, spec=self.spec, fleet=self.fleet,
                                 fleet_name=self.fleet_name,
                                 base_checkpoint=self.base_checkpoint, attempt=attempt,
-                                settings=self.settings, profile=self.profile)
+                                settings=self.settings, profile=self.profile,
+                                site=self.site)
             try:
                 self.kube.create(self.path(), body)
             except Conflict:
@@ -359,14 +363,34 @@ class EncoderJobs:
 
     def delete_unfinished(self) -> list[str]:
         """Delete this refit's Jobs still running: their attempts are obsolete."""
-        jobs = self.kube.get(self.path(), labelSelector=f"{REFIT_LABEL}="
-                             f"{short_name(self.refit['metadata']['name'], 63)}")
-        gone = []
-        for job in jobs.get("items", []):
-            if job_state(job, -1) == "running":
-                self.delete(job["metadata"]["name"])
-                gone.append(job["metadata"]["name"])
-        return gone
+        return delete_jobs(self.site, self.refit, running_only=True)
+
+
+def delete_jobs(site: Site, refit: Mapping[str, Any], *, running_only: bool) -> list[str]:
+    """Delete the refit's Jobs in ``site`` (only those still running, or all); their names."""
+    path = api_path("batch", "v1", "jobs", site.namespace)
+    gone = []
+    for job in site.kube.get(path, labelSelector=refit_selector(refit)).get("items", []):
+        if running_only and job_state(job, -1) != "running":
+            continue
+        with contextlib.suppress(NotFound):
+            site.kube.delete(f"{path}/{job['metadata']['name']}")
+            log.info("deleted Job %s in %s", job["metadata"]["name"], site)
+        gone.append(job["metadata"]["name"])
+    return gone
+
+
+def delete_profile_copy(site: Site, refit: Mapping[str, Any]) -> None:
+    """Delete the copy of the refit's receiver profile in another cluster (in the refit's
+    own namespace, its ownerReference lets the garbage collector do it)."""
+    if not site.remote:
+        return
+    name = profile_name(refit["metadata"]["name"])
+    path = api_path("", "v1", "configmaps", site.namespace, name)
+    with contextlib.suppress(NotFound):
+        there = site.kube.get(path)
+        if (there["metadata"].get("labels") or {}).get(UID_LABEL) == refit["metadata"]["uid"]:
+            site.kube.delete(path)
 
 
 @dataclass(kw_only=True)

@@ -65,8 +65,8 @@ from dcr_operator.jobs import (
     PROFILE_KEY,
     EncoderJobs,
     JobOwner,
+    delete_profile_copy,
     encoder_pod,
-    owner_reference,
     profile_name,
     snapshot_job_manifest,
 )
@@ -75,6 +75,7 @@ from dcr_operator.metrics import METRICS
 from dcr_operator.progress import Emit, Recorder, TrackedReceiver
 from dcr_operator.reconcile import Verdict, agent_failure, is_final, now, parse_time, validate
 from dcr_operator.settings import OperatorSettings
+from dcr_operator.sites import Site, encoder_site, owner_reference
 
 log = logging.getLogger(__name__)
 
@@ -126,22 +127,31 @@ class RefitRun:
         self._started = time.monotonic()
         self._stop = threading.Event()
         self._coordinator: Coordinator | None = None
+        self._site: Site | None = None
+
+    def site(self, spec: WeightRefitSpec, fleet_spec: RolloutFleetSpec) -> Site:
+        """Where this refit's Jobs run (read once per run: the kubeconfig is a Secret's)."""
+        if self._site is None:
+            self._site = encoder_site(self.kube, self.namespace,
+                                      encoder_pod(spec, fleet_spec, spec.fleet, self.settings))
+        return self._site
 
     def _snapshot(self, spec: WeightRefitSpec, fleet_spec: RolloutFleetSpec) -> None:
         """Start the Job that writes a snapshot of the version just committed. Best
         effort: the commit stands, and a missing snapshot only makes catch-up longer."""
+        site = self.site(spec, fleet_spec)
         body = snapshot_job_manifest(refit=self.refit, spec=spec, fleet=fleet_spec,
-                                     fleet_name=spec.fleet, settings=self.settings)
+                                     fleet_name=spec.fleet, settings=self.settings, site=site)
         try:
-            self.kube.create(api_path("batch", "v1", "jobs", self.namespace), body)
+            site.kube.create(api_path("batch", "v1", "jobs", site.namespace), body)
         except Conflict:
             return  # a refit that finishes again: its Job exists
         except (ApiError, ApiUnreachable) as e:
             log.warning("%s: the snapshot Job of version %s was not created: %s", self.name,
                         spec.target_version, e)
             return
-        log.info("%s: created snapshot Job %s for version %s", self.name,
-                 body["metadata"]["name"], spec.target_version)
+        log.info("%s: created snapshot Job %s in %s for version %s", self.name,
+                 body["metadata"]["name"], site, spec.target_version)
 
     def stop(self, reason: str) -> None:
         """No further attempt starts (the one running finishes or fails on its own)."""
@@ -192,9 +202,16 @@ class RefitRun:
         with claim(self.namespace, spec.fleet, self.name):
             set_active(self.kube, self.namespace, spec.fleet, self.name)
             try:
-                return self._drive(spec, fleet, fleet_spec, record, verdict, rec, forced)
+                phase = self._drive(spec, fleet, fleet_spec, record, verdict, rec, forced)
             finally:
                 self._refresh_fleet(fleet, rec)
+        if self._site is not None:  # no further Job of this refit mounts it
+            try:
+                delete_profile_copy(self._site, self.refit)
+            except (ApiError, ApiUnreachable) as e:
+                log.warning("%s: the receiver profile in %s was not deleted: %s", self.name,
+                            self._site, e)
+        return phase
 
     def _admit_encoder(self, spec: WeightRefitSpec, fleet_spec: RolloutFleetSpec,
                        rec: Recorder) -> None:
@@ -206,10 +223,10 @@ class RefitRun:
         """
         reason = RefitReason.ENCODER_PROFILE_REFUSED
         try:
-            encoder_pod(spec, fleet_spec, spec.fleet, self.settings)
             endpoint = encoder_endpoint(spec, fleet_spec, spec.fleet)
+            site = self.site(spec, fleet_spec)  # the operator may use its kubeconfig
             reason = RefitReason.SECRET_NOT_OPTED_IN
-            check_job_secrets(self.kube, self.namespace, fleet_spec)
+            check_job_secrets(site.kube, site.namespace, fleet_spec)
             if endpoint is not None:
                 encoder_token(self.kube, self.namespace, endpoint.token_secret_ref)
         except InvalidResource as e:
@@ -312,10 +329,11 @@ class RefitRun:
         endpoint = encoder_endpoint(spec, fleet_spec, spec.fleet) if run else None
         if endpoint is None:
             jobs = EncoderJobs(
-                kube=self.kube, refit=self.refit, spec=spec, fleet=fleet_spec,
+                site=self.site(spec, fleet_spec), refit=self.refit, spec=spec, fleet=fleet_spec,
                 fleet_name=spec.fleet, base_checkpoint=record.baseline_id,
                 settings=self.settings, forced_mode=forced,
-                profile=self._profile(agents, need)[0] if run else None,
+                profile=self._profile(agents, need, self.site(spec, fleet_spec))[0]
+                if run else None,
                 on_created=rec.job_created, on_finished=rec.job_finished)
             if run:
                 for job in jobs.delete_unfinished():
@@ -367,10 +385,28 @@ class RefitRun:
         METRICS.refit_ended("Failed")
         return "Failed"
 
-    def _profile(self, agents: list[AgentClient], need: int) -> tuple[str, ReceiverProfile]:
-        """The ConfigMap with the receivers' merged profile (made once per refit), and
-        that profile (an encoder Job mounts the ConfigMap; a warm encoder gets the
-        profile in its request)."""
+    def _profile(self, agents: list[AgentClient], need: int, site: Site | None = None
+                 ) -> tuple[str, ReceiverProfile]:
+        """The ConfigMap with the receivers' merged profile (made once per refit, in the
+        refit's namespace, and copied to ``site`` when the Jobs that mount it run in
+        another cluster), and that profile (a warm encoder gets it in its request)."""
+        name, merged = self._merged_profile(agents, need)
+        if site is not None and site.remote:
+            labels = {"app.kubernetes.io/managed-by": "dcr-operator", **site.labels(self.refit)}
+            body = {"apiVersion": "v1", "kind": "ConfigMap",
+                    "metadata": {"name": name, "namespace": site.namespace, "labels": labels},
+                    "data": {PROFILE_KEY: dumps(merged)}}
+            try:
+                site.kube.create(api_path("", "v1", "configmaps", site.namespace), body)
+            except Conflict:
+                there = site.kube.get(api_path("", "v1", "configmaps", site.namespace, name))
+                if (there["metadata"].get("labels") or {}) != labels:
+                    raise InvalidResource(f"ConfigMap {name} in {site} belongs to another "
+                                          "refit (its labels differ); delete it.") from None
+        return name, merged
+
+    def _merged_profile(self, agents: list[AgentClient], need: int
+                        ) -> tuple[str, ReceiverProfile]:
         name = profile_name(self.name)
         path = api_path("", "v1", "configmaps", self.namespace)
         with contextlib.suppress(NotFound):

@@ -255,3 +255,27 @@ def test_the_apiserver_refuses_a_profile_volume_with_two_sources_or_over_the_pro
     obj = _fleet_with_volume(pvc)
     created = kube.create(path_of(obj, namespace), obj)
     assert created["spec"]["encoderProfiles"][0]["volumes"] == [{**pvc, "readOnly": True}]
+
+
+@pytest.mark.e2e
+def test_the_apiserver_refuses_a_profile_with_both_warm_encoders_and_a_cluster(
+        kube: Any, namespace: str) -> None:
+    from k8sutil import install_crds, path_of
+
+    from dcr_operator.errors import ApiError
+
+    install_crds(kube)
+    cluster = {"kubeconfigSecretRef": {"name": "training"}, "namespace": "encoders"}
+    both = {"name": "p", "cluster": cluster,
+            "endpoint": {"urls": ["http://e:8480"], "tokenSecretRef": {"name": "t"}}}
+    obj = {"apiVersion": "dcr.dev/v1alpha1", "kind": "RolloutFleet",
+           "metadata": {"name": "two-places"},
+           "spec": {**FLEET_SPEC, "encoderProfiles": [both]}}
+    with pytest.raises(ApiError, match="set at most one of endpoint") as e:
+        kube.create(path_of(obj, namespace), obj)
+    assert e.value.status == 422
+    obj["spec"]["encoderProfiles"] = [{"name": "p", "cluster": cluster}]
+    created = kube.create(path_of(obj, namespace), obj)
+    assert created["spec"]["encoderProfiles"][0]["cluster"] == {
+        "kubeconfigSecretRef": {"name": "training", "key": "kubeconfig"},
+        "namespace": "encoders"}

@@ -15,7 +15,9 @@ from dcr_operator.api.volumes import ABSOLUTE_PATH, MOUNT_PATH, PROFILE_DIR
 from dcr_operator.api.weightrefit import WeightRefitSpec
 from dcr_operator.errors import InvalidResource
 from dcr_operator.jobs import encoder_pod, job_manifest, job_name, job_state, parse_indexes
+from dcr_operator.kube import KubeClient
 from dcr_operator.settings import OperatorSettings
+from dcr_operator.sites import UID_LABEL, Site
 
 FLEET_SPEC: dict[str, Any] = {
     "selector": {"matchLabels": {"app": "r"}},
@@ -26,6 +28,7 @@ FLEET_SPEC: dict[str, Any] = {
 FLEET = RolloutFleetSpec.model_validate(FLEET_SPEC)
 REFIT = {"apiVersion": "dcr.dev/v1alpha1", "kind": "WeightRefit",
          "metadata": {"name": "policy-v3", "namespace": "ns", "uid": "u-1"}}
+SITE = Site(KubeClient(), "ns")  # the refit's own namespace (the client is never called)
 
 
 def attempt(mode: str = "mixed") -> Attempt:
@@ -44,7 +47,7 @@ def manifest(fleet: RolloutFleetSpec = FLEET, settings: OperatorSettings | None 
     return job_manifest(refit=REFIT, spec=refit_spec(**encoder), fleet=fleet, fleet_name="f",
                         base_checkpoint="/ckpt/v2", attempt=attempt(),
                         settings=settings or OperatorSettings(encoder_image="img:1"),
-                        profile="prof")
+                        profile="prof", site=SITE)
 
 
 def with_profiles(*profiles: dict[str, Any]) -> RolloutFleetSpec:
@@ -179,7 +182,8 @@ def test_a_relay_fleet_publishes_to_the_root_with_the_token_from_its_secret() ->
         "source": {"checkpoint": "/ckpt/v3"}})
     job = job_manifest(refit=REFIT, spec=spec, fleet=fleet, fleet_name="f",
                        base_checkpoint="/ckpt/v2", attempt=attempt(),
-                       settings=OperatorSettings(encoder_image="img:1"), profile=None)
+                       settings=OperatorSettings(encoder_image="img:1"), profile=None,
+                       site=SITE)
     container = job["spec"]["template"]["spec"]["containers"][0]
     args = container["args"]
     assert args[args.index("--store") + 1] == "relay+http://relay-0.rollout:8470"
@@ -237,7 +241,8 @@ def test_profile_volumes_without_a_receiver_profile_and_the_default_profile_has_
     fleet = with_profiles({"name": "train", "volumes": [CHECKPOINTS]})
     job = job_manifest(refit=REFIT, spec=refit_spec(profile="train"), fleet=fleet,
                        fleet_name="f", base_checkpoint="/ckpt/v2", attempt=attempt(),
-                       settings=OperatorSettings(encoder_image="img:1"), profile=None)
+                       settings=OperatorSettings(encoder_image="img:1"), profile=None,
+                       site=SITE)
     pod = job["spec"]["template"]["spec"]
     assert [v["name"] for v in pod["volumes"]] == ["checkpoints"]
     assert pod["containers"][0]["volumeMounts"] == [
@@ -328,3 +333,20 @@ def test_a_weightrefit_cannot_add_volumes() -> None:
     with pytest.raises(ValidationError, match=r"source\.volumes\s+Extra inputs are not"):
         WeightRefitSpec.model_validate({**spec, "source": {
             "checkpoint": "/ckpt/v3", "volumes": [CHECKPOINTS]}})
+
+
+def test_jobs_in_a_training_cluster_carry_the_refits_uid_instead_of_an_owner_reference(
+) -> None:
+    """The WeightRefit's uid means nothing in another cluster: an ownerReference to it
+    would have that cluster's garbage collector delete the Job at once."""
+    local = manifest()
+    assert local["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+    remote = job_manifest(refit=REFIT, spec=refit_spec(), fleet=FLEET, fleet_name="f",
+                          base_checkpoint="/ckpt/v2", attempt=attempt(),
+                          settings=OperatorSettings(encoder_image="img:1"), profile="prof",
+                          site=Site(KubeClient(), "encoders", cluster="training"))
+    meta = remote["metadata"]
+    assert meta["namespace"] == "encoders"
+    assert meta["ownerReferences"] == []
+    for labels in (meta["labels"], remote["spec"]["template"]["metadata"]["labels"]):
+        assert labels[UID_LABEL] == "u-1"

@@ -21,7 +21,9 @@ survives the working operator being killed mid-attempt (the standby takes over a
 retries in overwrite mode while the dead attempt's encoder still writes); a refit from a
 stale base version is rejected; ``kubectl get`` shows the printer columns; deleting a
 refit cleans its payloads from the store; v4 commits through a warm encoder (``dcr
-encoder`` on loopback, named by a fleet encoder profile's endpoint) with no Job.
+encoder`` on loopback, named by a fleet encoder profile's endpoint) with no Job; v5
+commits through Jobs in a second control plane (the training cluster), which the
+operator reaches only through a kubeconfig Secret.
 """
 
 from __future__ import annotations
@@ -42,9 +44,10 @@ from pathlib import Path
 from typing import IO, Any
 
 import pytest
+import yaml
 from clusters import CLUSTER_TRAINER
 from controlplane import ControlPlane
-from k8sutil import REPO, admin_client, apply, eventually, helm_template, install_crds
+from k8sutil import REPO, admin_client, apply, eventually, helm_template, install_crds, path_of
 from kubelet import FakeKubelet
 from stubs import free_port_on
 
@@ -571,3 +574,93 @@ def test_a_refit_through_a_warm_encoder_endpoint_starts_no_job_and_commits_bit_e
             assert token not in text
     finally:
         encoder.stop()
+
+
+@pytest.fixture(scope="module")
+def training(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[tuple[ControlPlane, KubeClient, FakeKubelet]]:
+    """A second control plane (the training cluster) with examples/training-cluster.yaml
+    applied in its namespace dcr-encoders, and a stand-in kubelet for its encoder pods."""
+    tmp = tmp_path_factory.mktemp("training")
+    with ControlPlane(control_plane.binaries, workdir_prefix="dcr-training-") as cp:
+        kube = admin_client(cp)
+        kube.create("/api/v1/namespaces", {"metadata": {"name": "dcr-encoders"}})
+        eventually(lambda: kube.get("/api/v1/namespaces/dcr-encoders/serviceaccounts/default"),
+                   what="the training namespace's default ServiceAccount")
+        example = REPO / "charts" / "dcr" / "examples" / "training-cluster.yaml"
+        apply(kube, [o for o in yaml.safe_load_all(example.read_text()) if o], "dcr-encoders")
+        with FakeKubelet(kube, "dcr-encoders", "dcr.dev/component in (encoder,snapshot)",
+                         tmp) as kubelet:
+            yield cp, kube, kubelet
+
+
+def _kubeconfig(cp: ControlPlane, user: dict[str, Any]) -> str:
+    return json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "training",
+        "contexts": [{"name": "training", "context": {"cluster": "training", "user": "op"}}],
+        "clusters": [{"name": "training", "cluster": {
+            "server": cp.server,
+            "certificate-authority-data": base64.b64encode(cp.ca_path.read_bytes()).decode()}}],
+        "users": [{"name": "op", "user": user}]})
+
+
+def test_encoder_jobs_run_in_a_training_cluster_reached_only_through_a_kubeconfig_secret(
+        scenario: Scenario, training: tuple[ControlPlane, KubeClient, FakeKubelet]) -> None:
+    """The fleet's profile names a kubeconfig Secret for a second control plane: a
+    kubeconfig with an exec plugin is refused (the refit waits, saying so), the same
+    refit proceeds once the Secret holds a plain token, its Jobs and the receiver
+    profile run there (none in the rollout cluster), v5 commits bit-exact, and deleting
+    the refit deletes its Jobs there, which no ownerReference could."""
+    sc = scenario
+    cp_b, kube_b, kubelet_b = training
+    sc.new_version(5)
+    marker = sc.tmp / "exec-ran"
+
+    def secret(kubeconfig: str) -> dict[str, Any]:
+        return {"apiVersion": "v1", "kind": "Secret",
+                "metadata": {"name": "training-cluster",
+                             "labels": {"dcr.dev/encoder-cluster": "true"}},
+                "data": {"kubeconfig": base64.b64encode(kubeconfig.encode()).decode()}}
+
+    apply(sc.kube, [secret(_kubeconfig(cp_b, {"exec": {
+        "apiVersion": "client.authentication.k8s.io/v1", "command": "touch",
+        "args": [str(marker)], "interactiveMode": "Never"}}))], sc.ns)
+    sc.kube.merge_patch(sc.path("rolloutfleets", FLEET), {"spec": {"encoderProfiles": [
+        {"name": "training", "cluster": {"kubeconfigSecretRef": {"name": "training-cluster"},
+                                         "namespace": "dcr-encoders"}}]}})
+    sc.create_refit("policy-v5", 4, 5, profile="training", owners=2)
+
+    def refused() -> str | None:
+        for c in (sc.refit("policy-v5").get("status") or {}).get("conditions") or []:
+            if c["type"] == "Validated" and c["status"] == "False" and "'exec'" in c["message"]:
+                return str(c["message"])
+        return None
+
+    message = eventually(refused, timeout_s=60, what="the exec kubeconfig refused")
+    assert "Secret" in message
+    assert str(marker) not in message
+    assert not marker.exists()  # the command never ran
+
+    token = cp_b.service_account_token("dcr-encoders", "dcr-operator-remote")
+    apply(sc.kube, [secret(_kubeconfig(cp_b, {"token": token}))], sc.ns)
+    refit = sc.wait_phase("policy-v5", "Committed")
+    assert sc.exact(5)
+    uid = refit["metadata"]["uid"]
+    there = kube_b.get("/apis/batch/v1/namespaces/dcr-encoders/jobs",
+                       labelSelector=f"dcr.dev/refit-uid={uid}")["items"]
+    assert there
+    assert not any(j["metadata"].get("ownerReferences") for j in there)
+    assert sc.kube.get(sc.path("jobs", group="batch/v1"),
+                       labelSelector="dcr.dev/refit=policy-v5")["items"] == []
+    assert any(p.startswith("policy-v5") for p in kubelet_b.finished)
+    eventually(lambda: kube_b.get("/api/v1/namespaces/dcr-encoders/configmaps",
+                                  labelSelector=f"dcr.dev/refit-uid={uid}")["items"] == [],
+               timeout_s=30, what="the profile copy deleted once the refit committed")
+    for text in (sc.primary.tail(10_000), json.dumps(refit),
+                 json.dumps(sc.events("policy-v5"))):
+        assert token not in text
+
+    sc.kube.delete(path_of(refit, sc.ns, named=True))
+    eventually(lambda: kube_b.get("/apis/batch/v1/namespaces/dcr-encoders/jobs",
+                                  labelSelector=f"dcr.dev/refit-uid={uid}")["items"] == [],
+               timeout_s=60, what="policy-v5's Jobs deleted in the training cluster")

@@ -18,6 +18,7 @@ from dcr_operator.api.common import (
     Condition,
     DnsLabel,
     DnsSubdomain,
+    SecretKey,
     SecretKeyRef,
     SecretRef,
     SpecModel,
@@ -226,6 +227,30 @@ class EncoderEndpoint(SpecModel):
         "characters); the Secret must be labelled dcr.dev/encoder-token=true.")
 
 
+class KubeconfigSecretRef(SpecModel):
+    """A key of a Secret in the fleet's namespace that holds a kubeconfig."""
+
+    name: DnsSubdomain = Field(description="The Secret's name, in the fleet's namespace.")
+    key: SecretKey = Field(default="kubeconfig", description="The key of the Secret's data "
+                           "that holds the kubeconfig; default kubeconfig.")
+
+
+class EncoderCluster(SpecModel):
+    """Another Kubernetes cluster (the training cluster) where a profile's encoder and
+    snapshot Jobs run: the operator reaches it with the kubeconfig in
+    ``kubeconfigSecretRef`` (a Secret labelled dcr.dev/encoder-cluster=true) and creates
+    the Jobs, and the receiver profile's ConfigMap they mount, in ``namespace`` there.
+    docs/operations.md, "Two clusters"."""
+
+    kubeconfig_secret_ref: KubeconfigSecretRef = Field(
+        description="Secret key holding a kubeconfig for the training cluster: its current "
+        "context, an https server and an inline token or client certificate only (no exec "
+        "plugin, auth provider or file path); the Secret must be labelled "
+        "dcr.dev/encoder-cluster=true.")
+    namespace: DnsLabel = Field(description="The namespace of the training cluster where "
+                                "the Jobs run; the Secrets they name must exist there.")
+
+
 class EncoderProfile(SpecModel):
     """How one kind of encoder pod runs; a WeightRefit picks one by name.
 
@@ -234,6 +259,11 @@ class EncoderProfile(SpecModel):
     ServiceAccount, on those nodes, with those volumes (docs/operations.md, "Who may do
     what"). Unset fields take the operator's defaults (Helm ``encoder.*``).
     """
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{
+        "rule": "!(has(self.endpoint) && has(self.cluster))",
+        "message": "set at most one of endpoint (warm encoders) and cluster (where its Jobs "
+                   "run)"}]})
 
     name: DnsLabel = Field(description="What WeightRefits name in spec.encoder.profile.")
     image: Annotated[str, Field(min_length=1, max_length=512)] | None = Field(
@@ -261,6 +291,16 @@ class EncoderProfile(SpecModel):
         default=None, description="Warm encoders to call instead of starting an encoder "
         "Job per attempt (docs/operations.md, \"Warm encoder\"); the pod fields above "
         "then go unused.")
+    cluster: EncoderCluster | None = Field(
+        default=None, description="Run the Jobs in another cluster (the training cluster) "
+        "instead of the fleet's namespace; not with endpoint.")
+
+    @model_validator(mode="after")
+    def _jobs_somewhere(self) -> EncoderProfile:
+        if self.cluster is not None and self.endpoint is not None:
+            raise ValueError(f"encoder profile {self.name!r}: set at most one of endpoint "
+                             "(warm encoders) and cluster (where its Jobs run)")
+        return self
 
 
 class RolloutFleetSpec(SpecModel):

@@ -1,0 +1,135 @@
+"""Where a refit's encoder and snapshot Jobs run: the fleet's namespace, or a training cluster.
+
+An encoder profile with ``cluster`` sends its Jobs (and the receiver profile's ConfigMap
+they mount) to a namespace of another cluster, reached with a kubeconfig from a Secret the
+fleet's owner labelled ``dcr.dev/encoder-cluster=true``. The kubeconfig is the fleet
+author's input, so :func:`kubeconfig_configuration` takes only what cannot reach into the
+operator's own pod: an https server and an inline token or client certificate; an exec
+plugin, an auth provider or a file path would run a command or read a file as the operator.
+docs/operations.md, "Two clusters"; docs/security.md.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+from kubernetes.client import Configuration
+from kubernetes.config import ConfigException
+from kubernetes.config.kube_config import load_kube_config_from_dict
+
+from dcr_operator.api.common import API_VERSION, GROUP
+from dcr_operator.api.rolloutfleet import EncoderProfile
+from dcr_operator.errors import InvalidResource
+from dcr_operator.fleet import ENCODER_CLUSTER, read_secret
+from dcr_operator.kube import KubeClient
+
+# The only keys a kubeconfig's user and cluster may have: inline credentials, no paths.
+USER_KEYS = frozenset({"token", "client-certificate-data", "client-key-data"})
+CLUSTER_KEYS = frozenset({"server", "certificate-authority-data", "tls-server-name"})
+UID_LABEL = f"{GROUP}/refit-uid"
+
+
+@dataclass(frozen=True)
+class Site:
+    """A namespace where Jobs run; ``cluster`` names the kubeconfig Secret of a cluster
+    other than the operator's (None: the fleet's own namespace)."""
+
+    kube: KubeClient
+    namespace: str
+    cluster: str | None = None
+
+    @property
+    def remote(self) -> bool:
+        return self.cluster is not None
+
+    def owner_references(self, refit: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """The refit as owner, so its deletion collects the Jobs; none in another cluster
+        (the uid means nothing there: its garbage collector would delete them at once)."""
+        return [] if self.remote else [owner_reference(refit)]
+
+    def labels(self, refit: Mapping[str, Any]) -> dict[str, str]:
+        """What marks an object as the refit's where no ownerReference can."""
+        return {UID_LABEL: refit["metadata"]["uid"]}
+
+    def __str__(self) -> str:
+        where = f" of the cluster in Secret {self.cluster}" if self.remote else ""
+        return f"namespace {self.namespace}{where}"
+
+
+def owner_reference(obj: Mapping[str, Any]) -> dict[str, Any]:
+    meta = obj["metadata"]
+    return {"apiVersion": obj.get("apiVersion", API_VERSION),
+            "kind": obj.get("kind", "WeightRefit"), "name": meta["name"], "uid": meta["uid"],
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def _one(items: Any, name: Any, kind: str, where: str) -> dict[str, Any]:
+    found = [i for i in items or [] if isinstance(i, dict) and i.get("name") == name]
+    if len(found) != 1 or not isinstance(found[0].get(kind), dict):
+        raise InvalidResource(f"{where}: the current context's {kind} {name!r} is not "
+                              "defined once.")
+    return dict(found[0][kind])
+
+
+def kubeconfig_configuration(text: str, where: str) -> Configuration:
+    """The library configuration for the current context of kubeconfig ``text``.
+
+    InvalidResource naming the offending key (never a value) unless its user has only
+    an inline token or client certificate and its cluster an https server with inline
+    CA data: nothing that runs a command or reads a file on the operator's pod.
+    """
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError:
+        raise InvalidResource(f"{where} is not YAML.") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("current-context"), str):
+        raise InvalidResource(f"{where} is not a kubeconfig with a current-context.")
+    current = doc["current-context"]
+    context = _one(doc.get("contexts"), current, "context", where)
+    cluster = _one(doc.get("clusters"), context.get("cluster"), "cluster", where)
+    user = _one(doc.get("users"), context.get("user"), "user", where)
+    for keys, allowed, what in ((user, USER_KEYS, "user"), (cluster, CLUSTER_KEYS, "cluster")):
+        extra = sorted(set(keys) - allowed)
+        if extra:
+            raise InvalidResource(
+                f"{where}: the {what}'s {', '.join(map(repr, extra))} is not accepted: the "
+                f"operator takes only {', '.join(sorted(allowed))} (nothing that runs a "
+                "command or reads a file on its pod).")
+    server = urllib.parse.urlsplit(str(cluster.get("server", "")))
+    if server.scheme != "https" or not server.hostname:
+        raise InvalidResource(f"{where}: the cluster's server must be an https:// URL.")
+    if "token" not in user and not {"client-certificate-data", "client-key-data"} <= set(user):
+        raise InvalidResource(f"{where}: the user has neither a token nor a client "
+                              "certificate and key.")
+    checked = {"current-context": current,
+               "contexts": [{"name": current, "context": {
+                   "cluster": "training", "user": "operator",
+                   **({"namespace": context["namespace"]} if "namespace" in context else {})}}],
+               "clusters": [{"name": "training", "cluster": cluster}],
+               "users": [{"name": "operator", "user": user}]}
+    config = Configuration()
+    try:
+        load_kube_config_from_dict(checked, client_configuration=config, persist_config=False,
+                                   temp_file_path=tempfile.gettempdir())  # type: ignore[no-untyped-call]
+    except (ConfigException, ValueError, TypeError) as e:
+        raise InvalidResource(f"{where} could not be loaded ({type(e).__name__}).") from None
+    return config
+
+
+def encoder_site(kube: KubeClient, namespace: str, profile: EncoderProfile) -> Site:
+    """Where ``profile``'s Jobs run; InvalidResource if its cluster's Secret did not opt
+    in to that use or holds no acceptable kubeconfig."""
+    if profile.cluster is None:
+        return Site(kube, namespace)
+    ref = profile.cluster.kubeconfig_secret_ref
+    data = read_secret(kube, namespace, ref.name, ENCODER_CLUSTER)
+    where = f"Secret {namespace}/{ref.name} key {ref.key!r}"
+    if ref.key not in data:
+        raise InvalidResource(f"{where} does not exist ({ENCODER_CLUSTER.field}).")
+    config = kubeconfig_configuration(data[ref.key], where)
+    return Site(KubeClient(lambda: config), profile.cluster.namespace, cluster=ref.name)
