@@ -4,11 +4,16 @@ The training side commits versions 1..N of a BF16 checkpoint (each a uniform ``-
 of elements moved by one ulp from the one before) through the in-process encoder into a
 real S3 server (``rclone serve s3``), records each in the store's history, and writes a
 snapshot every ``--snapshot-every`` versions. A rollout pod that holds version N - m
-(m = 1, 5, 20) then reaches N across an emulated link, three ways in one run:
+(m = 1, 5, 20) then reaches N across an emulated link, four ways in one run:
 
 * **replay**: the committed deltas after its version, patched into its copy in place;
 * **snapshot**: the newest snapshot at or below N and the deltas after it;
+* **mirror**: a copy of the rollout cluster's mirror (``dcr mirror``, kept at N on a local
+  volume), checked against the history's fingerprints: only those cross the link;
 * **full**: a download of version N's checkpoint.
+
+The mirror's own cost is measured too: its sync from N - 1 to N across the same link,
+paid once per cluster and version, whatever the number of pods.
 
 Each way gets a fresh link emulator, so the bytes that crossed it are its own; every
 result is checked bit for bit against the training side's version N.
@@ -35,6 +40,7 @@ import numpy as np
 from dcr.checkpoint import ArrayCheckpoint, Checkpoint
 from dcr.files.history import HistoryStore
 from dcr.files.materialize import materialize
+from dcr.files.mirror import CURRENT, sync
 from dcr.files.snapshot import write_snapshot
 from dcr.owner.encoder import Encoder
 from dcr.protocol.records import Attempt, CommitRecord, Transition
@@ -86,7 +92,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench/results/catchup.json"))
     args = ap.parse_args()
     last, missed = args.versions, [int(m) for m in args.missed.split(",")]
-    keep = {last} | {last - m for m in missed}  # versions the rollout side needs as files
+    keep = {last, last - 1} | {last - m for m in missed}  # the rollout side's files
     work = Path(tempfile.mkdtemp(prefix="dcr-catchup-"))
     procs = Procs()
     rows: list[dict[str, Any]] = []
@@ -131,10 +137,23 @@ def main() -> None:
         want = bits_of(target)
         h = history.read()
         deltas = [c.payload_bytes for c in h.versions]
+        mirror = work / "mirror"  # on the rollout cluster's local volume, at N - 1 so far
+        sync(direct, mirror, version=last - 1, seed=(last - 1, work / "train" / f"v{last - 1}"))
+        link, port = start_link(procs, s3_port, args.mbit, args.rtt_ms)
+        pod = S3Store(f"s3://{BUCKET}/policy", endpoint=f"http://127.0.0.1:{port}",
+                      region="us-east-1", credentials=CREDS)
+        t = time.perf_counter()
+        synced = sync(pod, mirror)
+        assert synced.built is not None
+        mirror_sync = {"from": last - 1, "to": last, "seconds": round(time.perf_counter() - t, 3),
+                       "boundary_bytes": link_bytes(link)[1],
+                       "bit_exact": bits_of(mirror / CURRENT) == want}
+        pod.close()
+        print(json.dumps({"mirror_sync": mirror_sync}), flush=True)
 
         for m in missed:
             held = last - m
-            for way in ("replay", "snapshot", "full"):
+            for way in ("replay", "snapshot", "mirror", "full"):
                 link, port = start_link(procs, s3_port, args.mbit, args.rtt_ms)
                 pod = S3Store(f"s3://{BUCKET}/policy", endpoint=f"http://127.0.0.1:{port}",
                               region="us-east-1", credentials=CREDS)
@@ -147,6 +166,10 @@ def main() -> None:
                     (out / "model.safetensors").write_bytes(
                         pod.get(f"full/v{last}/model.safetensors"))
                     plan = {"route": "full"}
+                elif way == "mirror":
+                    done = materialize(pod, out, seed=mirror / CURRENT)
+                    plan = {"route": "mirror", "from": done.plan.start, "deltas": 0,
+                            "fetched_bytes": done.fetched_bytes}
                 else:
                     done = materialize(pod, out, held=held if way == "replay" else None,
                                        route=way)
@@ -176,6 +199,7 @@ def main() -> None:
                   "link_mbit": args.mbit, "rtt_ms": args.rtt_ms,
                   "s3_server": "rclone serve s3", "cpus": os.cpu_count(),
                   "python": platform.python_version()},
+        "mirror_sync": mirror_sync,
         "results": rows,
     }
     args.out.write_text(json.dumps(doc, indent=1) + "\n")

@@ -40,6 +40,8 @@ def pct(x: float, digits: int = 2) -> str:
 
 
 def mb(n: float) -> str:
+    if n < 1e5:
+        return f"{n / 1e3:.0f} kB"
     return f"{n / 1e6:.0f} MB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
@@ -202,7 +204,7 @@ def reference() -> str:
 # --- docs/evaluation.md -------------------------------------------------------------------
 
 WAYS = {"replay": "replay the committed deltas", "snapshot": "snapshot + the deltas after it",
-        "full": "download the full checkpoint"}
+        "mirror": "copy the rollout cluster's mirror", "full": "download the full checkpoint"}
 
 
 def catchup() -> str:
@@ -212,10 +214,10 @@ def catchup() -> str:
     for r in d["results"]:
         f = full[r["missed"]]
         how = WAYS[r["way"]]
-        if r["way"] != "full":
+        if r["way"] in ("replay", "snapshot"):
             how += f" ({r['deltas']} from v{r['from']})"
         rows.append([str(r["missed"]), how, f"{r['seconds']:.1f}", mb(r["boundary_bytes"]),
-                     f"{f['boundary_bytes'] / r['boundary_bytes']:.1f}x",
+                     f"{f['boundary_bytes'] / r['boundary_bytes']:,.1f}x",
                      f"{f['seconds'] / r['seconds']:.2f}x",
                      "yes" if r["bit_exact"] else "NO"])
     return table(["versions missed", "way", "seconds", "bytes across the link",

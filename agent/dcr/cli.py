@@ -283,6 +283,41 @@ def cmd_materialize(args: argparse.Namespace) -> None:
                          f"bytes fetched; every file checked; {seconds:.2f} s")
 
 
+def cmd_mirror(args: argparse.Namespace) -> None:
+    import signal
+    import threading
+
+    from dcr.files.mirror import sync
+
+    store, root = open_store(args.store), Path(args.dir)
+    seed = (args.held, Path(args.seed)) if args.seed else None
+    stop = threading.Event()
+    if not args.once:
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    while True:
+        t0 = time.perf_counter()
+        try:
+            done = sync(store, root, seed=seed, digest=args.history_digest, keep=args.keep)
+        except DcrError as e:
+            if args.once:
+                raise
+            print(f"dcr mirror: {root}: this sync failed, the current generation stays: "
+                  f"{e}", file=sys.stderr, flush=True)
+        else:
+            if done.built is not None or args.once:
+                b = done.built
+                summary = {"version": done.current.version, "path": str(done.current.path),
+                           "route": b.plan.route if b else "held",
+                           "fetched_bytes": b.fetched_bytes if b else 0,
+                           "removed": [p.name for p in done.removed],
+                           "seconds": round(time.perf_counter() - t0, 4)}
+                _emit(args, summary, f"{root}: version {done.current.version} current "
+                      f"({summary['fetched_bytes']:,} bytes fetched, "
+                      f"{summary['seconds']:.2f} s)")
+        if args.once or stop.wait(args.interval):
+            return
+
+
 def cmd_snapshot(args: argparse.Namespace) -> None:
     from dcr.files.history import HistoryStore
     from dcr.files.snapshot import write_snapshot
@@ -331,13 +366,36 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     ma.add_argument("--held", type=int, metavar="N", help="DIR already holds version N "
                     "(checked by fingerprints first): replay the deltas after it if cheaper")
     ma.add_argument("--seed", metavar="DIR", help="a checkpoint of version --held this pod "
-                    "has (the run's public starting model): DIR starts as its copy, unless "
-                    "an earlier run recorded a version there")
+                    "has (the run's public starting model), or one that records its version "
+                    "(a mirror's current generation): DIR starts as its copy, unless an "
+                    "earlier run recorded a version there")
     ma.add_argument("--history-digest", metavar="HEX",
                     help="BLAKE2b-128 the history object must have (else the store's is "
                     "trusted)")
     ma.add_argument("--json", action="store_true", help="print the summary as JSON")
     ma.set_defaults(func=cmd_materialize)
+
+    mi = sub.add_parser("mirror", help="keep a rollout cluster's dense copy of the committed "
+                        "version current, in whole generations (pods start from it)")
+    mi.add_argument("--store", required=True, metavar="URI",
+                    help="the store the history is in (file://, s3://)")
+    mi.add_argument("--dir", required=True, metavar="DIR",
+                    help="the mirror: generations v<N>/ and the symlink current")
+    mi.add_argument("--seed", metavar="DIR", help="a checkpoint of version --held to start "
+                    "from while the mirror holds nothing (default: the newest snapshot)")
+    mi.add_argument("--held", type=int, metavar="N", help="the version --seed holds")
+    mi.add_argument("--keep", type=int, default=2, metavar="N",
+                    help="generations kept, the current one included (default 2: a reader "
+                    "of the previous one can finish)")
+    mi.add_argument("--interval", type=float, default=10.0, metavar="S",
+                    help="seconds between reads of the history (default 10)")
+    mi.add_argument("--once", action="store_true", help="sync once and exit (an error "
+                    "exits non-zero)")
+    mi.add_argument("--history-digest", metavar="HEX",
+                    help="BLAKE2b-128 the history object must have (else the store's is "
+                    "trusted)")
+    mi.add_argument("--json", action="store_true", help="print each sync's summary as JSON")
+    mi.set_defaults(func=cmd_mirror)
 
     sn = sub.add_parser("snapshot", help="put a committed version's checkpoint in the store "
                         "as a snapshot (checked against the history's fingerprints)")

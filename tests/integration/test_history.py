@@ -369,3 +369,117 @@ def test_a_snapshot_of_other_bits_is_refused_before_anything_is_written(
     with pytest.raises(ManifestError, match=r"is not version 3: .* Nothing was written"):
         write_snapshot(store, run.train / "v2", 3, expect=want)
     assert store.list("snapshots/v0000000003/") == []
+
+
+def inode_bits(path: Path) -> dict[str, tuple[int, bytes]]:
+    return {p.name: (p.stat().st_ino, p.read_bytes()) for p in sorted(path.iterdir())}
+
+
+def test_a_mirror_advances_in_whole_generations_and_never_touches_the_one_it_linked(
+        run: Run, tmp_path: Path) -> None:
+    """``dcr mirror`` from the public base model: v1, v2, v3 each become a generation
+    beside the previous one, built from hard links of it and the committed deltas;
+    ``current`` moves only once a generation is whole, the previous generation keeps its
+    bits (the patch path writes changed files anew: were it to write into a linked file,
+    v1 would turn into v2), and the oldest beyond ``keep`` goes."""
+    from dcr.files.mirror import CURRENT, current, generations, sync
+
+    base, root = run.rollout_root("mirror") / "v0", tmp_path / "mirror"
+    first = sync(run.store, root, version=1, seed=(0, base))
+    assert first.current.version == 1
+    assert bits_of(root / CURRENT) == bits_of(run.train / "v1")
+    v1 = inode_bits(first.current.path)
+    second = sync(run.store, root, version=2)
+    assert second.built is not None
+    assert second.built.plan.route == "replay"
+    assert bits_of(root / CURRENT) == bits_of(run.train / "v2")
+    assert inode_bits(first.current.path) == v1  # untouched, and still v1's bits
+    assert bits_of(first.current.path) == bits_of(run.train / "v1")
+    third = sync(run.store, root)  # the newest committed
+    assert (third.current.version, third.removed) == (LAST, (first.current.path,))
+    assert [g.version for g in generations(root)] == [2, LAST]
+    assert bits_of(root / CURRENT) == bits_of(run.train / f"v{LAST}")
+    assert sync(run.store, root).built is None  # current already
+    assert current(root) == third.current
+
+
+def test_a_mirror_sync_refused_midway_leaves_current_and_every_generation_whole(
+        run: Run, tmp_path: Path) -> None:
+    """v3's payload is corrupted in the store: the sync from v2 fails, its build is
+    removed, and ``current`` still names v2 with v2's bits (where ModelExpress 0.7.0 has
+    half-applied the previous copy in place by then)."""
+    from dcr.files.mirror import current, generations, sync
+
+    base, root = run.rollout_root("mirror-bad") / "v0", tmp_path / "mirror"
+    sync(run.store, root, version=2, seed=(0, base))
+    store = corrupt_copy(run, tmp_path, f"v{LAST:010d}/")
+    with pytest.raises((ManifestError, CheckpointError), match="digest mismatch"):
+        sync(store, root)
+    now = current(root)
+    assert now is not None
+    assert now.version == 2
+    assert bits_of(now.path) == bits_of(run.train / "v2")
+    assert [g.version for g in generations(root)] == [2]
+    assert sorted(p.name for p in root.iterdir()) == ["current", "v0000000002"]
+
+
+def test_pods_start_and_rejoin_from_the_mirror_fetching_only_what_checks_it(
+        run: Run, tmp_path: Path) -> None:
+    """An init container seeded from ``<mirror>/current`` (no --held: the generation
+    records its version) and an agent's rejoin with ``mirror`` both start from the
+    mirror's v3: they fetch the history and v3's manifest parts (the fingerprints that
+    check every tensor), no payload and no snapshot, and end bit-exact."""
+    from dcr.files.mirror import CURRENT, sync
+
+    root = tmp_path / "mirror"
+    sync(run.store, root, seed=(0, run.rollout_root("mirror-src") / "v0"))
+    checks = len(run.store.get(HISTORY_KEY)) + sum(
+        r.size for r in run.history.read().entry(LAST).parts)
+    out = tmp_path / "weights" / "current"
+    done = materialize(run.store, out, seed=root / CURRENT)
+    assert (done.plan.route, done.fetched_bytes) == ("held", checks)
+    assert bits_of(out) == bits_of(run.train / f"v{LAST}")
+    pod = run.rollout_root("mirror-pod")
+    built, how = FromStore(HistoryStore(run.store), pod, seed=(0, pod / "v0"),
+                           mirror=root).build(LAST)
+    assert (how.plan.route, how.fetched_bytes) == ("held", checks)
+    assert bits_of(pod / built) == bits_of(run.train / f"v{LAST}")
+
+
+def test_a_mirror_generation_with_other_bits_is_refused_before_anything_is_fetched(
+        run: Run, tmp_path: Path) -> None:
+    """Whoever can write the mirror volume cannot choose the weights: a generation
+    that records v3 but holds v2's bits is refused by the fingerprints the history
+    vouches for, like any seed."""
+    from dcr.files.mirror import CURRENT, sync
+
+    root = tmp_path / "mirror"
+    sync(run.store, root, seed=(0, run.rollout_root("mirror-forged") / "v0"))
+    gen = (root / CURRENT).resolve()
+    (gen / "model.safetensors").unlink()
+    shutil.copy(run.train / "v2" / "model.safetensors", gen)
+    with pytest.raises(ManifestError, match="does not hold version 3"):
+        materialize(run.store, tmp_path / "out", seed=root / CURRENT)
+
+
+def test_dcr_mirror_once_prints_what_it_built_and_a_second_run_fetches_nothing_new(
+        run: Run, tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    root, base = tmp_path / "mirror", run.rollout_root("mirror-cli") / "v0"
+
+    def mirror() -> dict[str, object]:
+        out = subprocess.run([sys.executable, "-m", "dcr", "mirror", "--store",
+                              run.store.root.as_uri(), "--dir", str(root), "--seed", str(base),
+                              "--held", "0", "--once", "--json"],
+                             capture_output=True, text=True, check=True, timeout=90)
+        got: dict[str, object] = json.loads(out.stdout)
+        return got
+
+    first = mirror()
+    assert (first["version"], first["route"]) == (LAST, "replay")
+    assert bits_of(root / "current") == bits_of(run.train / f"v{LAST}")
+    again = mirror()
+    assert (again["route"], again["fetched_bytes"]) == ("held", 0)

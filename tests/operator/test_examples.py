@@ -47,7 +47,7 @@ def every_example() -> list[str]:
 def test_the_examples_are_the_fleet_the_refit_and_one_rollout_pod_per_engine() -> None:
     assert every_example() == sorted(["rolloutfleet.yaml", "weightrefit.yaml",
                                       "encoder-endpoint.yaml", "training-cluster.yaml",
-                                      *ROLLOUTS])
+                                      "mirror.yaml", *ROLLOUTS])
 
 
 @pytest.mark.parametrize("name", every_example())

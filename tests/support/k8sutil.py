@@ -36,6 +36,7 @@ KINDS: dict[str, tuple[str, str, bool]] = {
     "Service": ("/api/v1", "services", True),
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies", True),
     "Job": ("/apis/batch/v1", "jobs", True),
+    "PersistentVolumeClaim": ("/api/v1", "persistentvolumeclaims", True),
     "ClusterKopfPeering": ("/apis/kopf.dev/v1", "clusterkopfpeerings", False),
     "KopfPeering": ("/apis/kopf.dev/v1", "kopfpeerings", True),
     "RolloutFleet": ("/apis/dcr.dev/v1alpha1", "rolloutfleets", True),

@@ -108,8 +108,9 @@ def materialize(store: Store, out: Path, *, version: int | None = None,
     """Bring ``out`` to ``version`` (default: the newest committed). ``held``: ``out``
     already holds that version, which is checked against the history's fingerprints
     before anything is fetched; with ``seed`` (a checkpoint of version ``held`` the pod
-    has, such as the run's public starting model), ``out`` is first copied from it unless
-    an earlier run left its version recorded there. ``digest``: the history object's, if
+    has, such as the run's public starting model, or of the version it records, such as
+    a mirror's generation), ``out`` is first copied from it unless an earlier run left
+    its version recorded there. ``digest``: the history object's, if
     the caller knows it. Records the version in ``out`` (:data:`VERSION_FILE`)."""
     counted = CountingStore(store)
     hs = HistoryStore(counted, digest)
@@ -119,8 +120,11 @@ def materialize(store: Store, out: Path, *, version: int | None = None,
     if recorded is not None and recorded <= target:
         held = recorded  # a restarted init container, or the agent's own copy
     elif seed is not None:
+        seed = seed.resolve()  # a mirror's current generation, pinned for the whole copy
+        held = recorded_version(seed) if held is None else held
         if held is None:
-            raise CheckpointError(f"The seed {seed} needs the version it holds (--held).")
+            raise CheckpointError(f"The seed {seed} needs the version it holds (--held); "
+                                  f"it records none ({VERSION_FILE}).")
         shutil.rmtree(out, ignore_errors=True)
         shutil.copytree(seed, out, symlinks=False)
     if held is not None and not (held == 0 == target and not history.versions):

@@ -17,9 +17,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dcr.errors import DcrError, ManifestError, StoreError
+from dcr.errors import CheckpointError, DcrError, ManifestError, StoreError
 from dcr.files.history import HistoryStore
-from dcr.files.materialize import Materialized, materialize
+from dcr.files.materialize import Materialized, materialize, recorded_version
+from dcr.files.mirror import Generation
+from dcr.files.mirror import current as mirror_current
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +36,14 @@ class NotVouched(DcrError):
 @dataclass(eq=False)
 class FromStore:
     """``seed``: a version and a checkpoint of it that this pod holds (the model the engine
-    started from), where a first build may start instead of a snapshot."""
+    started from), where a first build may start instead of a snapshot; ``mirror``: a
+    rollout-side mirror whose current generation a build starts from when it is newer
+    than what the last build recorded."""
 
     history: HistoryStore
     root: Path | None  # the checkpoint root builds go under; None: nothing is built
     seed: tuple[int, Path] | None = None
+    mirror: Path | None = None  # a rollout-side mirror (dcr mirror --dir)
     _lock: threading.Lock = field(default_factory=threading.Lock)  # one build at a time
     _committed: tuple[float, int | None] = (-HISTORY_TTL_S, None)  # when read, what
 
@@ -62,6 +67,10 @@ class FromStore:
         out = self.root / FROM_STORE
         held, seed = self.seed if self.seed is not None else (None, None)
         with self._lock:  # materialize reuses the last build where its version is recorded
+            gen = self._mirrored()
+            if gen is not None and (recorded_version(out) or -1) < gen.version <= version:
+                held, seed = gen.version, gen.path  # nearer than what this pod holds
+                shutil.rmtree(out, ignore_errors=True)
             try:
                 done = materialize(self.history.store, out, version=version, held=held,
                                    seed=seed, digest=self.history.digest)
@@ -73,6 +82,17 @@ class FromStore:
                  "bytes", version, done.plan.route, done.plan.start, done.plan.steps,
                  done.fetched_bytes)
         return FROM_STORE, done
+
+    def _mirrored(self) -> Generation | None:
+        """The mirror's current generation; a broken mirror is passed over (the store and
+        this pod's own copies remain), never a reason to fail."""
+        if self.mirror is None:
+            return None
+        try:
+            return mirror_current(self.mirror)
+        except (CheckpointError, OSError) as e:
+            log.warning("the mirror at %s is passed over: %s", self.mirror, e)
+            return None
 
     def committed(self) -> int | None:
         """The newest version the history names (read at most every ``HISTORY_TTL_S``), or

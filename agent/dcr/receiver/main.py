@@ -97,7 +97,7 @@ def build_service(s: AgentSettings, engine: Driver | None = None) -> AgentServic
     if s.store:
         store = open_store(s.store)
         from_store = FromStore(HistoryStore(store), s.dense_root,
-                               seed=(s.start_version, s.canonical))
+                               seed=(s.start_version, s.canonical), mirror=s.mirror)
 
         def source_for(spec: AttemptSpec) -> Source:
             return StoreSource(store=store, version=spec.target_version, attempt=spec.attempt,

@@ -70,6 +70,11 @@ class AgentSettings:
                                           "and resolves it under its own $DCR_CHECKPOINT_ROOT "
                                           "(default: the directory holding --canonical, "
                                           "where the versions lie side by side)")
+    mirror: Path | None = option(None, metavar="DIR",
+                                 doc="a rollout-side mirror (dcr mirror --dir): a rejoin "
+                                 "starts from its current generation, at local disk speed, "
+                                 "where that is newer than what this pod holds (checked by "
+                                 "fingerprints like any start)")
     pause_mode: Literal["wait", "abort", "keep"] = option(
         "wait", doc="how closing the gate pauses the engine: wait (requests in flight "
         "finish: the sync-RL gate), abort (they end now), keep (they freeze and continue "
