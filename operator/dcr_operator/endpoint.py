@@ -23,6 +23,7 @@ from dcr.protocol.records import Attempt, CommitRecord
 from dcr_operator.api.rolloutfleet import EncoderEndpoint, RolloutFleetSpec
 from dcr_operator.api.weightrefit import WeightRefitSpec
 from dcr_operator.errors import EncoderEndpointFailed, InvalidResource
+from dcr_operator.reconcile import remote_failure
 
 log = logging.getLogger(__name__)
 
@@ -113,12 +114,17 @@ class EncoderEndpoints:
                                      timeout_s=max(1.0, attempt.deadline - time.time()))
             wrote = str(summary.get("store", ""))
             if self.store is not None and not _same_store(wrote, self.store):
+                log.warning("encoder endpoint %s wrote attempt %s to store %r", client.name,
+                            attempt.id, wrote[:512])  # the endpoint's words: the log only
                 raise EncoderEndpointFailed(
-                    f"Encoder endpoint {client.name} wrote attempt {attempt.id} to store "
-                    f"{wrote!r}, not the fleet's {self.store!r}: its --store must be the "
-                    "fleet's spec.store.uri.")
+                    f"Encoder endpoint {client.name} wrote attempt {attempt.id} to another "
+                    f"store than the fleet's {self.store!r} (the operator's log names it): "
+                    "its --store must be the fleet's spec.store.uri.")
         except (EncoderError, EncoderEndpointFailed, ValueError) as e:
-            reason = str(e)
+            if isinstance(e, EncoderError):  # its detail may be the endpoint's own text
+                log.warning("owner %d of attempt %s: %s", index, attempt.id, e)
+            reason = (str(e) if isinstance(e, EncoderEndpointFailed) else remote_failure(
+                f"Encoder endpoint {client.name} (POST /v1/publish)", e))
             self._finished(attempt, reason)
             self.stop([attempt.id])
             if isinstance(e, EncoderEndpointFailed):

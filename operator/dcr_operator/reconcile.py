@@ -20,8 +20,9 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
+from dcr.errors import HttpError
 from dcr.format.names import ATTEMPT_RE
-from dcr.protocol.agent_api import AgentError, AgentStatus, Call
+from dcr.protocol.agent_api import AgentStatus, Call
 from dcr.protocol.coordinator import AttemptResult
 from dcr.protocol.records import CommitRecord
 from dcr.protocol.state import AttemptState
@@ -187,20 +188,27 @@ _STATES = frozenset(s.value for s in AttemptState)
 
 
 def agent_failure(name: str, call: Call[..., Any, Any], e: BaseException) -> str:
-    """What status and Events say about a failed agent call: a sentence of our own.
+    """What status and Events say about a failed agent call (:func:`remote_failure`)."""
+    return remote_failure(f"Agent {name} ({call.method} {call.path})", e)
 
-    An error body or a malformed answer is whatever answers at the agent's address chose
-    to send, and status is read by many more people than the agent's logs: only the
-    call, the HTTP status and a well-formed error kind are shown. An :class:`AgentError`
-    without a status (no answer) is the client's own sentence (the URL we built, our
-    side's reason); anything else raised in process is shown as it is.
+
+def remote_failure(what: str, e: BaseException) -> str:
+    """What status and Events say about a failed call to a peer (an agent, a warm
+    encoder): a sentence of our own.
+
+    An error body or a malformed answer is whatever answers at the peer's address chose
+    to send, and status is read by many more people than the logs: only the call, the
+    HTTP status and a well-formed error kind are shown. An :class:`HttpError` without a
+    status (no answer) is the client's own sentence (the URL we built, our side's
+    reason); anything else raised in process is shown as it is.
     """
-    what = f"Agent {name} ({call.method} {call.path})"
-    if isinstance(e, AgentError) and e.status is not None:
-        if 300 <= e.status < 400:
-            return f"{what} answered HTTP {e.status}, a redirect, which is never followed."
-        kind = f" ({e.kind})" if _KIND.fullmatch(e.kind) else ""
-        return f"{what} was refused with HTTP {e.status}{kind}."
+    status = e.status if isinstance(e, HttpError) else None
+    if status is not None:
+        if 300 <= status < 400:
+            return f"{what} answered HTTP {status}, a redirect, which is never followed."
+        kind = getattr(e, "kind", "")
+        shown = f" ({kind})" if isinstance(kind, str) and _KIND.fullmatch(kind) else ""
+        return f"{what} was refused with HTTP {status}{shown}."
     if isinstance(e, ValidationError):
         return f"{what} answered with a body that is not a valid answer to that call."
     return str(e)

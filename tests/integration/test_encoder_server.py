@@ -284,13 +284,28 @@ def test_an_oversized_body_is_refused_with_413(encoder: EncoderProcess) -> None:
     assert status == 413
 
 
-def test_an_unreadable_checkpoint_under_the_root_is_a_400(pair: Pair,
-                                                          encoder: EncoderProcess) -> None:
-    with pytest.raises(EncoderError) as e:
-        encoder.client().publish(request(pair, attempt="a-missing0001",
-                                         target=str(pair.root / "v9")), timeout_s=60)
-    assert e.value.status == 400
-    assert "does not exist" in str(e.value)
+def test_an_unreadable_checkpoint_under_the_root_is_a_400_that_quotes_none_of_it(
+        pair: Pair, encoder: EncoderProcess) -> None:
+    """A missing target and a file that is not safetensors get the same sentence: it
+    neither quotes the file's bytes (a header length is its first eight) nor says
+    whether the path exists; the encoder's log has the reason. Fails on 0961110, whose
+    answer was ``...: header length 3271150899513092979 does not fit a file of 31 bytes``."""
+    secret = pair.root / "creds"
+    secret.mkdir(exist_ok=True)
+    (secret / "model.safetensors").write_bytes(b"sk-live-0123456789abcdefghijklm")
+    said = []
+    for n, target in enumerate((pair.root / "v9", secret)):
+        with pytest.raises(EncoderError) as e:
+            encoder.client().publish(request(pair, attempt=f"a-unreadable{n}",
+                                             target=str(target)), timeout_s=60)
+        assert e.value.status == 400
+        assert e.value.kind == "CheckpointError"
+        said.append(str(e.value).replace(str(target), "TARGET"))
+    assert said[0] == said[1]
+    assert "not a readable safetensors checkpoint" in said[0]
+    for text in said:
+        assert "sk-live" not in text
+        assert str(int.from_bytes(b"sk-live-", "little")) not in text
 
 
 # --- one at a time, stop, and a caller that leaves (in process) ---------------------------

@@ -152,18 +152,21 @@ def test_a_redirect_fails_the_publish_and_the_token_goes_nowhere_else(code: int)
         assert "redirect" in calls[-1][3]
 
 
-def test_a_refusal_surfaces_in_its_own_words_and_stops_the_attempt_everywhere() -> None:
+def test_a_refusal_surfaces_in_our_words_and_stops_the_attempt_everywhere() -> None:
+    """What status and Events get is the operator's sentence: the call, the HTTP status
+    and an identifier kind. Fails on 0961110, which quoted the encoder's ``error`` text
+    there (a file's first bytes, or any JSON an endpoint URL the fleet names answers)."""
     with stubs("127.0.0.2", "127.0.0.3") as (e0, e1):
-        said = ("The target checkpoint '/ckpt/v3' is outside every checkpoint root of this "
-                "encoder (/checkpoints), symlinks and '..' resolved.")
-        answer(e0, {"error": said, "kind": "BadRequest"}, 400)
+        said = ("/checkpoints/creds.txt: header length 3271150899513092979 does not fit a "
+                "file of 31 bytes")
+        answer(e0, {"error": said, "kind": "CheckpointError"}, 400)
         answer(e1, {"attempt": "a-0123456789ab", "stopped": 0, "running": 0})
         made, calls = endpoints(e0.url, e1.url)
         a = attempt()
         with pytest.raises(EncoderEndpointFailed) as e:
             EndpointOwner(endpoints=made, index=0).publish(a)
         assert str(e.value) == f"Owner 0 of attempt {a.id}: Encoder endpoint warm[0] (POST " \
-            f"/v1/publish): {said}"
+            "/v1/publish) was refused with HTTP 400 (CheckpointError)."
         assert calls == [("started", a.id, "warm"), ("finished", a.id, "warm", str(
             e.value).removeprefix(f"Owner 0 of attempt {a.id}: "))]
         assert posted(e1) == [("/v1/stop", {"attempt": a.id})]  # the other owner stops too
@@ -176,8 +179,9 @@ def test_a_publish_that_wrote_to_another_store_fails_the_attempt_at_once() -> No
     with stubs("127.0.0.2") as (enc,):
         answer(enc, {**SUMMARY, "store": "s3://other-bucket/x"})
         made, _ = endpoints(enc.url)
-        with pytest.raises(EncoderEndpointFailed, match="its --store must be the fleet's"):
+        with pytest.raises(EncoderEndpointFailed, match="its --store must be the fleet's") as e:
             EndpointOwner(endpoints=made, index=0).publish(attempt())
+        assert "other-bucket" not in str(e.value)  # the endpoint's words stay in the log
         assert [p for p, _ in enc.seen] == ["/v1/publish", "/v1/stop"]
 
 

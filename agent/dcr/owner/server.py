@@ -202,8 +202,14 @@ class EncoderService:
                      req.owner, req.owners, req.attempt, req.mode, req.base_version,
                      req.target_version, base, target)
             t0 = time.perf_counter()
-            with Checkpoint(base) as b, Checkpoint(target) as t:
-                m = diff_checkpoints(b, t, store, settings, progress)
+            try:
+                with Checkpoint(base) as b, Checkpoint(target) as t:
+                    m = diff_checkpoints(b, t, store, settings, progress)
+            except CheckpointError as e:  # its sentence may quote a file's bytes: log only
+                log.warning("publish of attempt %s: %s", req.attempt, e)
+                raise CheckpointError(f"The base {req.base!r} or the target {req.target!r} "
+                                      "is not a readable safetensors checkpoint (the "
+                                      "encoder's log says why).") from None
             summary = encode_summary(m, seconds=time.perf_counter() - t0, store=self.store.uri)
             log.info("published owner %d of attempt %s: %d payloads, %d bytes, %.2f s",
                      req.owner, req.attempt, summary["payloads"], summary["payload_bytes"],
