@@ -29,7 +29,7 @@ from dcr.transport.store import Store
 
 log = logging.getLogger(__name__)
 CURRENT = "current"
-_GENERATION = re.compile(r"^v(\d{10})$")
+_GENERATION = re.compile(r"v(\d{10})")  # fullmatch
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def generations(root: Path) -> list[Generation]:
     """The whole generations under ``root``, oldest first (a build in progress is not one)."""
     found = []
     for p in root.iterdir() if root.is_dir() else ():
-        m = _GENERATION.match(p.name)
+        m = _GENERATION.fullmatch(p.name)
         if m and p.is_dir() and not p.is_symlink() and recorded_version(p) == int(m[1]):
             found.append(Generation(int(m[1]), p))
     return sorted(found, key=lambda g: g.version)
@@ -67,7 +67,7 @@ def current(root: Path) -> Generation | None:
     if not link.is_symlink():
         return None
     path = link.resolve()
-    m = _GENERATION.match(path.name)
+    m = _GENERATION.fullmatch(path.name)
     if not m or path.parent != root.resolve() or recorded_version(path) != int(m[1]):
         raise CheckpointError(f"{link} points at {path}, which is no generation of the "
                               "mirror.")

@@ -38,7 +38,7 @@ from dcr.runtimes.vllm import (
 log = logging.getLogger(__name__)
 
 CALL_PREFIX = "dcr:"  # as dcr.drivers.sglang sends it
-CALL_ID = re.compile(r"[0-9a-f]{1,64}")  # becomes part of a file name
+CALL_ID = re.compile(r"^[0-9a-f]{1,64}$")  # part of a file name; pydantic searches: anchored
 MAX_CALL = 64 << 20  # characters of a call's name (a prewarm lists every tensor)
 MAX_ERROR = 2000  # characters of an error answer (the agent keeps 240)
 
@@ -147,6 +147,8 @@ def write_answer(call: str, rank: int, answer: dict[str, Any]) -> None:
     under a temporary name and renamed into place, never through a link."""
     raw = json.dumps(answer, separators=(",", ":")).encode()
     final = f".dcr-result-{call}-{rank}.json"
+    if not CALL_ID.fullmatch(call) or os.sep in final:
+        raise ValueError(f"call id {call[:80]!r} cannot be part of a file name")
     tmp = f".dcr-tmp-{secrets.token_hex(8)}"
     directory = os.open(engine_dir(STAGING_ENV), os.O_RDONLY | os.O_DIRECTORY
                         | getattr(os, "O_CLOEXEC", 0))
