@@ -46,6 +46,13 @@ PROFILE_KEY = "profile.json"
 COMPONENT_LABEL = f"{GROUP}/component"
 REFIT_LABEL = f"{GROUP}/refit"
 ATTEMPT_LABEL = f"{GROUP}/attempt"
+# What the Pod Security "restricted" level asks, as the operator's own Deployment runs: the
+# image's user must be numeric and not root (the dcr image's is 65532).
+POD_SECURITY: dict[str, Any] = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY: dict[str, Any] = {"allowPrivilegeEscalation": False,
+                                      "readOnlyRootFilesystem": True,
+                                      "capabilities": {"drop": ["ALL"]}}
+OWNER_REF = "$(DCR_OWNER)"  # the one reference the kubelet expands: the completion index
 _MAX_JOB_NAME = 52  # pods of indexed Jobs are named <job>-<index>-<5 chars>; hostnames <= 63
 
 
@@ -79,7 +86,14 @@ def encode_args(*, base: str, target: str, store: str, attempt: Attempt, owners:
         attempt=attempt.id, owners=owners,
         bucket_bytes=EncodeSettings.bucket_bytes if bucket_mib is None else bucket_mib * MiB,
         profile_path=Path(PROFILE_DIR, PROFILE_KEY) if profile else None)
-    return settings.argv(base, target, store=store, owner="$(DCR_OWNER)")
+    return settings.argv(base, target, store=store, owner=OWNER_REF)
+
+
+def kubelet_literal(arg: str) -> str:
+    """``arg`` as the kubelet must pass it: it expands ``$(NAME)`` in a container's args
+    from the container's environment (the store credentials among it) and ``$$`` is the
+    only escape. Every argument built from a fleet's or refit's fields goes through it."""
+    return arg.replace("$", "$$")
 
 
 def encoder_pod(spec: WeightRefitSpec, fleet: RolloutFleetSpec, fleet_name: str,
@@ -136,12 +150,15 @@ def _pod(shape: EncoderProfile, fleet: RolloutFleetSpec, args: list[str],
         env.append({"name": "AWS_DEFAULT_REGION", "value": store.region})
     container: dict[str, Any] = {"name": "encoder", "image": shape.image,
                                  "imagePullPolicy": shape.image_pull_policy,
-                                 "command": ["dcr"], "args": args, "env": env}
+                                 "command": ["dcr"], "args": args, "env": env,
+                                 "securityContext": CONTAINER_SECURITY}
     if store is not None and store.credentials_secret_ref is not None:
         container["envFrom"] = [{"secretRef": {"name": store.credentials_secret_ref.name}}]
     if shape.resources is not None:
         container["resources"] = shape.resources.model_dump(exclude_none=True)
-    pod: dict[str, Any] = {"restartPolicy": "Never", "containers": [container]}
+    pod: dict[str, Any] = {"restartPolicy": "Never", "containers": [container],
+                           "securityContext": POD_SECURITY,
+                           "automountServiceAccountToken": False}  # dcr never calls the API
     mounts, volumes = volumes_of(shape, profile)
     if volumes:
         container["volumeMounts"], pod["volumes"] = mounts, volumes
@@ -173,9 +190,10 @@ def job_manifest(*, refit: Mapping[str, Any], spec: WeightRefitSpec, fleet: Roll
             "name": relay.token_secret_ref.name, "key": relay.token_secret_ref.key}}})
     destination = f"relay+{relay.url}" if relay is not None else (
         store.uri if store is not None else "")
-    args = encode_args(base=base_checkpoint, target=spec.source.checkpoint, store=destination,
-                       attempt=attempt, owners=enc.owners, profile=profile is not None,
-                       bucket_mib=enc.bucket_mib)
+    args = [a if a == OWNER_REF else kubelet_literal(a) for a in encode_args(
+        base=base_checkpoint, target=spec.source.checkpoint, store=destination,
+        attempt=attempt, owners=enc.owners, profile=profile is not None,
+        bucket_mib=enc.bucket_mib)]
     pod, _ = _pod(shape, fleet, args, env, profile)
     job_spec: dict[str, Any] = {
         "completionMode": "Indexed", "completions": enc.owners, "parallelism": enc.owners,
@@ -210,8 +228,8 @@ def snapshot_job_manifest(*, refit: Mapping[str, Any], spec: WeightRefitSpec,
     labels = {"app.kubernetes.io/name": "dcr-encoder", "app.kubernetes.io/managed-by":
               "dcr-operator", COMPONENT_LABEL: "snapshot",
               REFIT_LABEL: short_name(refit_name, 63), **site.labels(refit)}
-    args = ["snapshot", spec.source.checkpoint, "--store", fleet.store.uri,
-            "--version", str(spec.target_version)]
+    args = [kubelet_literal(a) for a in ("snapshot", spec.source.checkpoint, "--store",
+                                         fleet.store.uri, "--version", str(spec.target_version))]
     pod, _ = _pod(shape, fleet, args, [], None)
     job_spec: dict[str, Any] = {"completions": 1, "backoffLimit": 2,
                                 "template": {"metadata": {"labels": labels}, "spec": pod}}

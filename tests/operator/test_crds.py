@@ -279,3 +279,47 @@ def test_the_apiserver_refuses_a_profile_with_both_warm_encoders_and_a_cluster(
     assert created["spec"]["encoderProfiles"][0]["cluster"] == {
         "kubeconfigSecretRef": {"name": "training", "key": "kubeconfig"},
         "namespace": "encoders"}
+
+
+CHECKPOINTS = {"/c": True, "/checkpoints/policy-a/v3": True, "/a/.hidden/..x/v-1.2": True,
+               "/a/$(AWS_SECRET_ACCESS_KEY)": False, "/a/$$b": False, "/a/b\n": False,
+               "/a/\x7fb": False, "relative/v1": False, "/a/../b": False, "/a/./b": False,
+               "/a//b": False, "/a/": False, "/": False}
+
+
+@pytest.mark.parametrize(("path", "ok"), CHECKPOINTS.items())
+def test_the_checkpoint_pattern_of_the_schema_agrees_with_the_model(path: str, ok: bool
+                                                                    ) -> None:
+    """Clients that never run the model meet the CRD's pattern: both take the same paths."""
+    import re
+
+    from pydantic import ValidationError
+
+    from dcr_operator.api.volumes import CHECKPOINT_PATH
+
+    assert bool(re.fullmatch(CHECKPOINT_PATH, path)) is ok
+    try:
+        WeightRefitSpec.model_validate({**REFIT_SPEC, "source": {"checkpoint": path}})
+        taken = True
+    except ValidationError:
+        taken = False
+    assert taken is ok
+
+
+@pytest.mark.e2e
+def test_the_apiserver_refuses_a_checkpoint_path_the_kubelet_would_expand(
+        kube: Any, namespace: str) -> None:
+    from k8sutil import install_crds, path_of
+
+    from dcr_operator.errors import ApiError
+
+    install_crds(kube)
+    for kind, spec in (("WeightRefit", {**REFIT_SPEC, "source": {
+            "checkpoint": "/checkpoints/$(AWS_SECRET_ACCESS_KEY)"}}),
+                       ("RolloutFleet", {**FLEET_SPEC, "initial": {
+                           "checkpoint": "/checkpoints/$(AWS_SECRET_ACCESS_KEY)"}})):
+        obj = {"apiVersion": "dcr.dev/v1alpha1", "kind": kind,
+               "metadata": {"name": "expands"}, "spec": spec}
+        with pytest.raises(ApiError, match="checkpoint: Invalid value") as e:
+            kube.create(path_of(obj, namespace), obj)
+        assert e.value.status == 422

@@ -14,7 +14,14 @@ from dcr_operator.api.rolloutfleet import RolloutFleetSpec
 from dcr_operator.api.volumes import ABSOLUTE_PATH, MOUNT_PATH, PROFILE_DIR
 from dcr_operator.api.weightrefit import WeightRefitSpec
 from dcr_operator.errors import InvalidResource
-from dcr_operator.jobs import encoder_pod, job_manifest, job_name, job_state, parse_indexes
+from dcr_operator.jobs import (
+    encoder_pod,
+    job_manifest,
+    job_name,
+    job_state,
+    parse_indexes,
+    snapshot_job_manifest,
+)
 from dcr_operator.kube import KubeClient
 from dcr_operator.settings import OperatorSettings
 from dcr_operator.sites import UID_LABEL, Site
@@ -350,3 +357,63 @@ def test_jobs_in_a_training_cluster_carry_the_refits_uid_instead_of_an_owner_ref
     assert meta["ownerReferences"] == []
     for labels in (meta["labels"], remote["spec"]["template"]["metadata"]["labels"]):
         assert labels[UID_LABEL] == "u-1"
+
+
+@pytest.mark.parametrize(("path", "why"), [
+    ("/checkpoints/$(AWS_SECRET_ACCESS_KEY)", "holds a '\\$'"),
+    ("/checkpoints/$$x", "holds a '\\$'"),
+    ("checkpoints/v3", "not an absolute path"),
+    ("/checkpoints/../etc/v3", "'..' segment"),
+    ("/checkpoints/./v3", "not canonical"),
+    ("/checkpoints//v3", "not canonical"),
+    ("/checkpoints/v3/", "not canonical"),
+    ("/checkpoints/v3\n--store=s3://elsewhere", "control character"),
+])
+def test_a_checkpoint_path_the_kubelet_would_expand_or_that_is_not_canonical_is_refused(
+        path: str, why: str) -> None:
+    """Fails on 0961110: the free-form path went into the encoder's args beside envFrom
+    of the store credentials, and the kubelet expands ``$(NAME)`` there."""
+    with pytest.raises(ValidationError, match=why):
+        WeightRefitSpec.model_validate({"fleet": "f", "baseVersion": 2, "targetVersion": 3,
+                                        "source": {"checkpoint": path}})
+    with pytest.raises(ValidationError, match=why):
+        RolloutFleetSpec.model_validate({**FLEET_SPEC, "initial": {"checkpoint": path}})
+
+
+def test_every_argument_built_from_a_fleet_reaches_the_encoder_as_written() -> None:
+    """A ``$(NAME)`` the fleet's store URI carries (a pattern allows it there) is escaped
+    as ``$$(NAME)``, so the kubelet passes it literally instead of the credential's value;
+    the one reference the operator means, the owner index, still expands. Fails on
+    0961110: the secret came out in ``dcr encode``'s argv."""
+    from kubelet import expand
+
+    fleet = RolloutFleetSpec.model_validate({**FLEET_SPEC, "store": {
+        **FLEET_SPEC["store"], "uri": "s3://bucket/p$(AWS_SECRET_ACCESS_KEY)"}})
+    env = {"AWS_SECRET_ACCESS_KEY": "sk-live-secret", "DCR_OWNER": "1"}
+    for job in (manifest(fleet), snapshot_job_manifest(
+            refit=REFIT, spec=refit_spec(), fleet=fleet, fleet_name="f",
+            settings=OperatorSettings(encoder_image="img:1"), site=SITE)):
+        args = [expand(a, env) for a in job["spec"]["template"]["spec"]["containers"][0]["args"]]
+        assert "s3://bucket/p$(AWS_SECRET_ACCESS_KEY)" in args
+        assert not any("sk-live-secret" in a for a in args)
+    encode = [expand(a, env) for a in manifest(fleet)["spec"]["template"]["spec"]
+              ["containers"][0]["args"]]
+    assert encode[encode.index("--owner") + 1] == "1"
+
+
+def test_encoder_pods_meet_the_restricted_pod_security_level_and_carry_no_api_token() -> None:
+    """Fails on 0961110: encoder Job pods had no security context, and the ServiceAccount
+    token was mounted although ``dcr encode`` never calls the API; namespaces enforcing
+    the restricted level refused them (the deploy tier runs them in one)."""
+    fleet = with_profiles({"name": "train", "volumes": [CHECKPOINTS]})
+    for job in (manifest(fleet, profile="train"), snapshot_job_manifest(
+            refit=REFIT, spec=refit_spec(profile="train"), fleet=fleet, fleet_name="f",
+            settings=OperatorSettings(encoder_image="img:1"), site=SITE)):
+        pod = job["spec"]["template"]["spec"]
+        assert pod["automountServiceAccountToken"] is False
+        assert pod["securityContext"] == {"runAsNonRoot": True,
+                                          "seccompProfile": {"type": "RuntimeDefault"}}
+        (c,) = pod["containers"]
+        assert c["securityContext"] == {"allowPrivilegeEscalation": False,
+                                        "readOnlyRootFilesystem": True,
+                                        "capabilities": {"drop": ["ALL"]}}

@@ -31,8 +31,15 @@ from typing import Any
 from dcr_operator.errors import NotFound
 from dcr_operator.kube import KubeClient, api_path
 
-_VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+# As the kubelet expands args: ``$$`` is one ``$`` (never the start of a reference), and
+# ``$(NAME)`` is NAME's value if the container has it, else left as written.
+_VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 _ANNOTATION = re.compile(r"^metadata\.annotations\['([^']+)'\]$")
+
+
+def expand(arg: str, env: dict[str, str]) -> str:
+    """``arg`` after the kubelet's expansion of a container's args from its ``env``."""
+    return _VAR.sub(lambda v: "$" if v[0] == "$$" else env.get(v[1], v[0]), arg)
 
 
 class FakeKubelet:
@@ -137,7 +144,7 @@ class FakeKubelet:
             mounts[m["mountPath"]] = local
 
         def resolve(arg: str) -> str:
-            arg = _VAR.sub(lambda v: env.get(v[1], v[0]), arg)
+            arg = expand(arg, env)
             for mount, local in mounts.items():
                 if arg.startswith(mount + "/"):
                     arg = str(local) + arg[len(mount):]

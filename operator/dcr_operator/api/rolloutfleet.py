@@ -28,7 +28,7 @@ from dcr_operator.api.common import (
     list_map,
 )
 from dcr_operator.api.conditions import FleetCondition
-from dcr_operator.api.volumes import ProfileVolumes
+from dcr_operator.api.volumes import CheckpointPath, ProfileVolumes
 
 KIND = "RolloutFleet"
 PLURAL = "rolloutfleets"
@@ -99,7 +99,7 @@ class AgentSpec(SpecModel):
 class StoreSpec(SpecModel):
     """The object store encoder Jobs publish to and agents read from."""
 
-    uri: Annotated[str, Field(pattern=r"^(s3|file)://.+")] = Field(
+    uri: Annotated[str, Field(pattern=r"^(s3|file)://\S+$")] = Field(
         description="s3://bucket/prefix, or file:///path on a volume every party mounts.")
     endpoint: str | None = Field(default=None, description="S3 endpoint URL (S3-compatible).")
     region: str | None = Field(default=None, description="S3 region; default: the S3 "
@@ -117,7 +117,7 @@ class RelaySpec(SpecModel):
     attempt, so refits of a relay fleet run one encoder owner.
     """
 
-    url: Annotated[str, Field(pattern=r"^https?://.+")] = Field(
+    url: Annotated[str, Field(pattern=r"^https?://\S+$")] = Field(
         description="The root node's URL, as encoder pods reach it.")
     token_secret_ref: SecretKeyRef = Field(
         description="Secret key holding the relay tree's bearer token.")
@@ -131,8 +131,9 @@ class InitialVersion(SpecModel):
 
     version: Annotated[int, Field(ge=0)] = Field(
         default=0, description="The version number the pods start with; default 0.")
-    checkpoint: Annotated[str, Field(min_length=1)] = Field(
-        description="That version's checkpoint, as encoder Jobs and agents read it.")
+    checkpoint: CheckpointPath = Field(
+        description="That version's checkpoint, as encoder Jobs read it: an absolute, "
+        "canonical path without '$' or control characters.")
 
 
 class CommitPolicy(SpecModel):

@@ -55,6 +55,31 @@ def _mount_path(value: str) -> str:
     return value
 
 
+# A checkpoint path goes into encoder Jobs' args, where the kubelet expands ``$(NAME)``
+# from the container's environment (the store credentials): no '$', no control character.
+_CHAR = r"[^/$\x00-\x1f\x7f]"
+_FIRST = r"[^/.$\x00-\x1f\x7f]"
+CHECKPOINT_PATH = rf"^(/({_FIRST}{_CHAR}*|\.{_FIRST}{_CHAR}*|\.\.{_CHAR}+))+$"
+"""A canonical absolute path without ``$`` or control characters: a checkpoint."""
+
+
+def _checkpoint_path(value: str) -> str:
+    if "$" in value:
+        raise ValueError(f"checkpoint {value!r} holds a '$': the kubelet would expand "
+                         "$(NAME) in the encoder's arguments from its environment")
+    if any(ord(c) < 0x20 or c == "\x7f" for c in value):
+        raise ValueError(f"checkpoint {value!r} holds a control character")
+    _absolute(value)
+    if value == "/" or any(s in ("", ".") for s in value[1:].split("/")):
+        raise ValueError(f"checkpoint {value!r} is not canonical: no '.' or empty segments "
+                         "and no trailing '/'")
+    return value
+
+
+CheckpointPath = Annotated[str, AfterValidator(_checkpoint_path), Field(
+    min_length=2, max_length=_MAX_PATH, json_schema_extra={"pattern": CHECKPOINT_PATH})]
+"""A checkpoint's path, checked by pydantic and the API server."""
+
 AbsolutePath = Annotated[str, AfterValidator(_absolute), Field(
     min_length=1, max_length=_MAX_PATH, json_schema_extra={"pattern": ABSOLUTE_PATH})]
 """An absolute path with no ``..`` segment, checked by pydantic and the API server."""

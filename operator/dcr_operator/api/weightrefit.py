@@ -27,6 +27,7 @@ from dcr_operator.api.common import (
 )
 from dcr_operator.api.conditions import RefitCondition
 from dcr_operator.api.rolloutfleet import DEFAULT_PROFILE
+from dcr_operator.api.volumes import CheckpointPath
 
 KIND = "WeightRefit"
 PLURAL = "weightrefits"
@@ -51,8 +52,9 @@ class RefitEncoder(SpecModel):
 class SourceSpec(SpecModel):
     """Where the target version's weights come from."""
 
-    checkpoint: Annotated[str, Field(min_length=1)] = Field(
-        description="The target version's Hugging Face checkpoint (training side).")
+    checkpoint: CheckpointPath = Field(
+        description="The target version's Hugging Face checkpoint (training side): an "
+        "absolute, canonical path without '$' or control characters.")
 
 
 class WeightRefitSpec(SpecModel):
