@@ -583,7 +583,7 @@ def test_patch_refuses_when_a_payload_object_is_missing(tmp_path, refits, file_h
 @pytest.mark.parametrize(("damage", "needle"), [
     ("truncated", "is truncated or padded"),
     ("flipped", "digest mismatch (expected "),
-    ("bomb", "declares 268435457 bytes of JSON, over the limit of 268435456"),
+    ("bomb", "declares 268435457 bytes of JSON, over the limit of"),
     ("json", "(a version 1 manifest, plain JSON)"),
 ])
 def test_patch_refuses_a_hostile_manifest_and_writes_nothing(tmp_path, refits, file_hashes,

@@ -315,8 +315,8 @@ def test_sglang_loader_answers_a_hostile_call_with_an_error_and_never_raises(
         server: FakeSglang, ckpt_root: Path, staging: Path, named: list[tuple[str, Any]],
         why: str) -> None:
     tensors = [[t.name, t.dtype, list(t.shape)] for t in canonical(ckpt_root / "v0")]
-    dcr_weight_loader(server.models[0], call("p0", "dcr_prewarm", json.dumps({"tensors": tensors})))
-    assert set(answer(staging, "p0")["profile"].values()) == {"xor"}
+    dcr_weight_loader(server.models[0], call("b0", "dcr_prewarm", json.dumps({"tensors": tensors})))
+    assert set(answer(staging, "b0")["profile"].values()) == {"xor"}
     dcr_weight_loader(server.models[0], named)
     got = answer(staging, "a1")
     assert got["rank"] == 0

@@ -237,3 +237,48 @@ def test_the_writer_refuses_what_a_reader_would_refuse() -> None:
     too_many = b"{" * (DEFAULT_MANIFEST_LIMITS.max_entries + 3)
     with pytest.raises(ManifestError, match="The manifest to seal holds"):
         seal_document(too_many)
+
+
+def _many_tensors(n: int) -> bytes:
+    tensors = [{"name": f"model.layers.{i}.w", "dtype": "BF16", "shape": [1], "base": FP,
+                "target": FP} for i in range(n)]
+    doc = Manifest.model_validate(manifest(tensors=tensors, stats={
+        "tensors": n, "changed_elements": 0, "total_elements": n, "dense_bytes": 2 * n,
+        "payload_bytes": 100})).document()
+    return seal_document(doc)
+
+
+def test_a_receiver_reads_no_more_entries_than_its_own_model_can_use() -> None:
+    """A part well within the default limits (which admit 2^20 entries, about 12 s and
+    1.35 GiB per reader) is refused by the limits of a receiver of 10 tensors, before
+    it is parsed; one of its own size is read. Fails on 0961110, where every agent read
+    any part within the defaults."""
+    from dcr.format.manifest import limits_for
+
+    own = limits_for(10)
+    assert own.max_entries < 2000
+    assert own.max_json_bytes < 5 << 20
+    big = _many_tensors(own.max_entries + 1)
+    assert len(Manifest.parse(big, "t").tensors) == own.max_entries + 1  # the defaults take it
+    with pytest.raises(ManifestError, match="than the limit of|over the limit"):
+        Manifest.parse(big, "t", own)
+    assert len(Manifest.parse(_many_tensors(10), "t", own).tensors) == 10
+    assert limits_for(10**7) == DEFAULT_MANIFEST_LIMITS  # never above the defaults
+
+
+def test_a_relay_reads_the_attempt_from_the_documents_head_and_parses_nothing_else() -> None:
+    """``manifest_attempt`` checks the container and the head: a document whose tail is
+    not even JSON still names its attempt there (so nothing after the head was parsed);
+    one whose fields are not in schema order, or a corrupt container, is refused."""
+    from dcr.format.manifest import manifest_attempt
+
+    good = Manifest.model_validate(manifest()).document()
+    assert manifest_attempt(seal_document(good), "t") == "a-1"
+    assert manifest_attempt(seal_document(good[:200] + b"{{{ not json"), "t") == "a-1"
+    reordered = json.dumps({"attempt": "a-1", **manifest()}).encode()
+    with pytest.raises(ManifestError, match="does not begin as a version 2 document"):
+        manifest_attempt(seal_document(reordered), "t")
+    bad = bytearray(seal_document(good))
+    bad[-1] ^= 1
+    with pytest.raises(ManifestError, match="digest mismatch"):
+        manifest_attempt(bytes(bad), "t")

@@ -23,7 +23,7 @@ from dcr.format.history import (
     SnapshotIndex,
 )
 from dcr.format.layout import owner_manifest_key, version_prefix
-from dcr.format.manifest import Manifest, merge_manifests
+from dcr.format.manifest import DEFAULT_MANIFEST_LIMITS, Manifest, ManifestLimits, merge_manifests
 from dcr.format.names import object_digest
 from dcr.transport.store import Store
 
@@ -52,6 +52,7 @@ class HistoryStore:
 
     store: Store
     digest: str | None = None
+    limits: ManifestLimits = DEFAULT_MANIFEST_LIMITS  # a receiver's own (limits_for)
     _manifests: dict[int, Manifest] = field(default_factory=dict, repr=False)
 
     def read(self) -> History:
@@ -92,7 +93,7 @@ class HistoryStore:
             key = owner_manifest_key(version, attempt, k)
             data = self.store.get(key)
             refs.append(ObjectRef(key=key, size=len(data), digest=object_digest(data)))
-            parts.append(Manifest.parse(data, f"{self.store.uri}/{key}"))
+            parts.append(Manifest.parse(data, f"{self.store.uri}/{key}", self.limits))
         m = merge_manifests(parts, f"attempt {attempt}")
         if m.target_version != version or (history.versions
                                            and m.base_version != history.committed):

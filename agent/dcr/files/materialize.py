@@ -25,6 +25,7 @@ from dcr.files.history import HistoryStore
 from dcr.files.patch import patch_chain
 from dcr.files.snapshot import differing, fetch_snapshot
 from dcr.format.history import History, Snapshot
+from dcr.format.manifest import DEFAULT_MANIFEST_LIMITS, ManifestLimits
 from dcr.transport.store import Store
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ def plan(history: History, target: int, held: int | None, *,
 
 def materialize(store: Store, out: Path, *, version: int | None = None,
                 held: int | None = None, seed: Path | None = None, digest: str | None = None,
-                route: Route | None = None,
+                route: Route | None = None, limits: ManifestLimits = DEFAULT_MANIFEST_LIMITS,
                 progress: Callable[[int], None] | None = None) -> Materialized:
     """Bring ``out`` to ``version`` (default: the newest committed). ``held``: ``out``
     already holds that version, which is checked against the history's fingerprints
@@ -111,9 +112,11 @@ def materialize(store: Store, out: Path, *, version: int | None = None,
     has, such as the run's public starting model, or of the version it records, such as
     a mirror's generation), ``out`` is first copied from it unless an earlier run left
     its version recorded there. ``digest``: the history object's, if
-    the caller knows it. Records the version in ``out`` (:data:`VERSION_FILE`)."""
+    the caller knows it; ``limits``: what the manifests it reads may cost (a receiver's
+    :func:`~dcr.format.manifest.limits_for`). Records the version in ``out``
+    (:data:`VERSION_FILE`)."""
     counted = CountingStore(store)
-    hs = HistoryStore(counted, digest)
+    hs = HistoryStore(counted, digest, limits=limits)
     history = hs.read()
     target = history.committed if version is None else version
     recorded = recorded_version(out)

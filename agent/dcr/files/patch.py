@@ -33,7 +33,13 @@ from dcr.errors import (
     WrongBaseVersion,
 )
 from dcr.format.layout import manifest_key
-from dcr.format.manifest import Manifest, TensorEntry
+from dcr.format.manifest import (
+    DEFAULT_MANIFEST_LIMITS,
+    Manifest,
+    ManifestLimits,
+    TensorEntry,
+    limits_for,
+)
 from dcr.format.names import object_digest
 from dcr.format.payload import (
     DEFAULT_LIMITS,
@@ -56,9 +62,10 @@ class PatchResult:
     records_applied: int
 
 
-def load_manifest(store: Store, version: int) -> Manifest:
+def load_manifest(store: Store, version: int,
+                  limits: ManifestLimits = DEFAULT_MANIFEST_LIMITS) -> Manifest:
     key = manifest_key(version)
-    m = Manifest.parse(store.get(key), f"{store.uri}/{key}")
+    m = Manifest.parse(store.get(key), f"{store.uri}/{key}", limits)
     if m.target_version != version:
         raise ManifestError(f"Manifest {key} is for version {m.target_version}, not {version}.")
     return m
@@ -216,8 +223,10 @@ def patch_checkpoint(
     limits: DecodeLimits = DEFAULT_LIMITS,
     progress: Progress | None = None,
 ) -> PatchResult:
-    return patch_to(root, store, load_manifest(store, version), limits=limits,
-                    progress=progress)
+    with Checkpoint(root) as ckpt:  # what it can use: as many tensors as it holds
+        tensors = len(ckpt.names())
+    return patch_to(root, store, load_manifest(store, version, limits_for(tensors)),
+                    limits=limits, progress=progress)
 
 
 def patch_to(

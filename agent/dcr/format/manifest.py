@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ import zstandard
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dcr.errors import ManifestError, first_validation_error
-from dcr.format.names import ATTEMPT_PATTERN, Mode
+from dcr.format.names import ATTEMPT_PATTERN, ATTEMPT_RE, Mode
 from dcr.format.payload import MAGIC as _PAYLOAD_MAGIC
 from dcr.format.payload import decompress_exact
 
@@ -55,6 +56,20 @@ class ManifestLimits:
 
 
 DEFAULT_MANIFEST_LIMITS = ManifestLimits()
+_ENTRY_JSON = 2048  # bytes of JSON per entry a reader allows (a 1024-character name fits)
+
+
+def limits_for(tensors: int) -> ManifestLimits:
+    """What a reader of ``tensors`` canonical tensors can use: that many tensor entries,
+    a small multiple of them as payloads (a tensor larger than a bucket spans several),
+    and JSON for that many entries, each bound by the defaults. A part over that is
+    refused before it is decompressed or parsed: a receiver of a 100-tensor model reads
+    at most 1.2 MB of JSON, whatever an owner wrote (the defaults admit a part that
+    costs every reader seconds and over a GiB)."""
+    entries = min(DEFAULT_MANIFEST_LIMITS.max_entries, 5 * tensors + 1024)
+    json_bytes = min(DEFAULT_MANIFEST_LIMITS.max_json_bytes, entries * _ENTRY_JSON + (64 << 10))
+    return ManifestLimits(max_bytes=min(DEFAULT_MANIFEST_LIMITS.max_bytes, json_bytes),
+                          max_entries=entries, max_json_bytes=json_bytes)
 
 
 class _Model(BaseModel):
@@ -154,6 +169,39 @@ def open_document(data: bytes | memoryview, where: str,
     """The JSON document of a manifest object, after every check short of the schema:
     size, magic, version, reserved fields, length, digest, the declared JSON size, the
     frame, and the count of objects. Raises :class:`ManifestError` naming the value."""
+    frame, raw = _container(data, where, limits)
+    doc = decompress_exact(frame, raw, subject=f"Manifest {where}: the document",
+                           sized_by="preamble", error=ManifestError)
+    _check_document(f"Manifest {where}", doc, limits)
+    return doc
+
+
+_HEAD = re.compile(rb'\{"format":"dcr-manifest","format_version":2,"base_version":\d+,'
+                   rb'"target_version":\d+,"attempt":"([^"\\]{1,128})"')
+_HEAD_BYTES = 512
+
+
+def manifest_attempt(data: bytes | memoryview, where: str,
+                     limits: ManifestLimits = DEFAULT_MANIFEST_LIMITS) -> str:
+    """The attempt a manifest object names, from its container and the head of its
+    document only: what a relay checks. Writers put the fields in schema order
+    (:meth:`Manifest.document`), so the attempt is in the first few hundred bytes; the
+    rest is never decompressed or parsed (each receiver does that, with its own limits)."""
+    frame, _ = _container(data, where, limits)
+    try:
+        head = zstandard.ZstdDecompressor().stream_reader(bytes(frame)).read(_HEAD_BYTES)
+    except zstandard.ZstdError as e:
+        raise ManifestError(f"Manifest {where}: the document's frame is corrupt: {e}.") from e
+    m = _HEAD.match(head)
+    if m is None or not ATTEMPT_RE.fullmatch(m[1].decode("ascii", "replace")):
+        raise ManifestError(f"Manifest {where} does not begin as a version 2 document naming "
+                            "its attempt (fields in schema order).")
+    return m[1].decode()
+
+
+def _container(data: bytes | memoryview, where: str, limits: ManifestLimits
+               ) -> tuple[memoryview, int]:
+    """The checked zstd frame of a manifest object and the JSON size it declares."""
     buf = memoryview(data).cast("B")
     if len(buf) > limits.max_bytes:
         raise ManifestError(f"Manifest {where} is {len(buf)} bytes, over the limit of "
@@ -183,10 +231,7 @@ def open_document(data: bytes | memoryview, where: str,
     if raw > limits.max_json_bytes:
         raise ManifestError(f"Manifest {where} declares {raw} bytes of JSON, over the limit "
                             f"of {limits.max_json_bytes} (refused before decompressing).")
-    doc = decompress_exact(frame, raw, subject=f"Manifest {where}: the document",
-                           sized_by="preamble", error=ManifestError)
-    _check_document(f"Manifest {where}", doc, limits)
-    return doc
+    return frame, raw
 
 
 def _digest(preamble: bytes | memoryview, frame: bytes | memoryview) -> bytes:

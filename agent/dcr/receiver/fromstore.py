@@ -73,7 +73,8 @@ class FromStore:
                 shutil.rmtree(out, ignore_errors=True)
             try:
                 done = materialize(self.history.store, out, version=version, held=held,
-                                   seed=seed, digest=self.history.digest)
+                                   seed=seed, digest=self.history.digest,
+                                   limits=self.history.limits)
             except DcrError as e:  # ManifestError, StoreError, CheckpointError, ...
                 shutil.rmtree(out, ignore_errors=True)  # the next build starts over
                 raise NotVouched(f"version {version} could not be built from the store: "

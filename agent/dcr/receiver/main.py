@@ -85,6 +85,7 @@ def canonical_tensors(checkpoint: Path) -> list[CanonicalSpec]:
 
 def build_service(s: AgentSettings, engine: Driver | None = None) -> AgentService:
     from dcr.files.history import HistoryStore
+    from dcr.format.manifest import limits_for
     from dcr.protocol.agent_api import AttemptSpec
     from dcr.receiver.fromstore import FromStore
     from dcr.receiver.journal import Journal
@@ -94,14 +95,16 @@ def build_service(s: AgentSettings, engine: Driver | None = None) -> AgentServic
 
     source_for: SourceFor
     from_store = None
+    canonical = canonical_tensors(s.canonical)
+    limits = limits_for(len(canonical))  # what this receiver can use, never more
     if s.store:
         store = open_store(s.store)
-        from_store = FromStore(HistoryStore(store), s.dense_root,
+        from_store = FromStore(HistoryStore(store, limits=limits), s.dense_root,
                                seed=(s.start_version, s.canonical), mirror=s.mirror)
 
         def source_for(spec: AttemptSpec) -> Source:
             return StoreSource(store=store, version=spec.target_version, attempt=spec.attempt,
-                               owners=spec.owners)
+                               owners=spec.owners, limits=limits)
     else:
         from dcr.transport.relay.source import RelaySource
 
@@ -112,10 +115,10 @@ def build_service(s: AgentSettings, engine: Driver | None = None) -> AgentServic
             if spec.owners != 1:
                 raise ConfigError(f"The relay carries one owner's manifest; attempt "
                                   f"{spec.attempt} has {spec.owners} owners.")
-            return RelaySource(relay, relay_token, spec.attempt)
+            return RelaySource(relay, relay_token, spec.attempt, limits)
 
     return AgentService(s.name, engine or build_engine(s), source_for,
-                        canonical=canonical_tensors(s.canonical), staging_dir=s.staging_dir,
+                        canonical=canonical, staging_dir=s.staging_dir,
                         version=s.start_version, journal=Journal(s.state_dir / "journal.json"),
                         staging_bytes=s.staging_bytes, checkpoint_root=s.dense_root,
                         store=from_store,

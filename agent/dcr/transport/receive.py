@@ -28,7 +28,13 @@ from dcr.format.layout import (
     payload_key,
     version_prefix,
 )
-from dcr.format.manifest import Manifest, PayloadEntry, merge_manifests
+from dcr.format.manifest import (
+    DEFAULT_MANIFEST_LIMITS,
+    Manifest,
+    ManifestLimits,
+    PayloadEntry,
+    merge_manifests,
+)
 from dcr.format.names import object_digest
 from dcr.format.payload import Payload, read_payload
 from dcr.settings import GiB
@@ -131,6 +137,7 @@ class StoreSource:
     attempt: str
     owners: int = 1
     probe_s: float = 2.0  # seconds between GETs of manifest keys no LIST has shown
+    limits: ManifestLimits = DEFAULT_MANIFEST_LIMITS  # the receiver's (limits_for)
     _seen: _Listing = field(default_factory=_Listing, init=False, repr=False, compare=False)
 
     @property
@@ -176,7 +183,7 @@ class StoreSource:
         if not self._seen.shows(key, self.probe_s):
             return None
         try:
-            return Manifest.parse(self.store.get(key), f"{self.store.uri}/{key}")
+            return Manifest.parse(self.store.get(key), f"{self.store.uri}/{key}", self.limits)
         except ObjectNotFound:
             return None
 

@@ -12,7 +12,7 @@ import os
 
 from dcr.errors import ConfigError, ManifestError
 from dcr.format.layout import parse_manifest_key, parse_manifest_part_key, parse_payload_key
-from dcr.format.manifest import Manifest
+from dcr.format.manifest import manifest_attempt
 from dcr.http.tokens import check_token
 from dcr.transport.relay.client import BlockingRelay
 
@@ -44,7 +44,7 @@ class RelayPublisher:
             self._run(self._client.put_manifest(part.attempt, data))
         elif parse_manifest_key(key) is not None:
             try:
-                attempt = Manifest.parse(data, key).attempt
+                attempt = manifest_attempt(data, key)
             except ManifestError as e:
                 raise ConfigError(f"{key} is not a manifest naming its attempt: {e}") from e
             self._run(self._client.put_manifest(attempt, data))

@@ -7,7 +7,7 @@ is asyncio. This facade runs the client on its own event loop thread.
 from __future__ import annotations
 
 from dcr.errors import RelayNotFound
-from dcr.format.manifest import Manifest
+from dcr.format.manifest import DEFAULT_MANIFEST_LIMITS, Manifest, ManifestLimits
 from dcr.transport.relay.client import BlockingRelay
 from dcr.transport.relay.wire import MAX_LIST_WAIT_S
 
@@ -15,8 +15,9 @@ from dcr.transport.relay.wire import MAX_LIST_WAIT_S
 class RelaySource:
     """The payloads and manifest of one attempt, as one relay node holds them."""
 
-    def __init__(self, url: str, token: str, attempt: str) -> None:
-        self.url, self.attempt = url, attempt
+    def __init__(self, url: str, token: str, attempt: str,
+                 limits: ManifestLimits = DEFAULT_MANIFEST_LIMITS) -> None:
+        self.url, self.attempt, self.limits = url, attempt, limits
         self._relay = BlockingRelay(url, token, name="relay-source")
         self._tag: str | None = None  # of the last listing seen
 
@@ -46,7 +47,7 @@ class RelaySource:
             data = self._relay.run(self._relay.client.get_manifest(self.attempt))
         except RelayNotFound:
             return None
-        return Manifest.parse(data, f"{self.url} attempt {self.attempt}")
+        return Manifest.parse(data, f"{self.url} attempt {self.attempt}", self.limits)
 
     def close(self) -> None:
         self._relay.close()
