@@ -260,7 +260,7 @@ def test_a_receiver_reads_no_more_entries_than_its_own_model_can_use() -> None:
     assert own.max_json_bytes < 5 << 20
     big = _many_tensors(own.max_entries + 1)
     assert len(Manifest.parse(big, "t").tensors) == own.max_entries + 1  # the defaults take it
-    with pytest.raises(ManifestError, match="than the limit of|over the limit"):
+    with pytest.raises(ManifestError, match=r"than the limit of|over the limit"):
         Manifest.parse(big, "t", own)
     assert len(Manifest.parse(_many_tensors(10), "t", own).tensors) == 10
     assert limits_for(10**7) == DEFAULT_MANIFEST_LIMITS  # never above the defaults
