@@ -233,6 +233,9 @@ def fleet_manifests(c: Cluster, warm_url: str | None = None) -> list[dict[str, A
     spec = fleet["spec"]
     spec["store"].update(endpoint=c.s3.endpoint, region=c.s3.region)
     spec["commitPolicy"]["attemptTimeoutSeconds"] = 180
+    # One cluster here: no training cluster for a profile's Jobs to run in (the operator
+    # tier runs that one against a second control plane).
+    spec["encoderProfiles"] = [p for p in spec["encoderProfiles"] if "cluster" not in p]
     (warm,) = [p for p in spec["encoderProfiles"] if "endpoint" in p]
     if warm_url is not None:
         warm["endpoint"]["urls"] = [warm_url] * len(warm["endpoint"]["urls"])
@@ -241,10 +244,6 @@ def fleet_manifests(c: Cluster, warm_url: str | None = None) -> list[dict[str, A
     profile["resources"] = {"requests": {"cpu": "100m", "memory": "256Mi"},
                             "limits": {"memory": "2Gi"}}
     profile["imagePullPolicy"] = "Never"
-    for volume in profile.get("volumes", []):
-        if volume["name"] == "checkpoints":  # hostPath in place of the PVC
-            volume.pop("persistentVolumeClaim", None)
-            volume["hostPath"] = {"path": str(c.ckpts.parent), "type": "Directory"}
     credentials = {"apiVersion": "v1", "kind": "Secret",
                    "metadata": {"name": "weights-s3",
                                 "labels": {"dcr.dev/store-credentials": "true"}},
@@ -266,11 +265,8 @@ def rollout_manifests(c: Cluster) -> list[dict[str, Any]]:
         for env in container.get("env", []):
             if env["name"] == "AWS_ENDPOINT_URL":  # the other side of the boundary
                 env["value"] = f"http://{GATEWAY}:{c.rollout_link.port}"
-    for volume in pod["volumes"]:
+    for volume in pod["volumes"]:  # the starting model only, never a later version
         assert "persistentVolumeClaim" not in volume or volume["name"] == "base-model"
-        if volume["name"] == "base-model":  # the starting model only, never a later version
-            volume.pop("persistentVolumeClaim")
-            volume["hostPath"] = {"path": str(c.base.parent), "type": "Directory"}
     return [key_secret, deployment]
 
 
@@ -288,10 +284,27 @@ def encoder_manifests(c: Cluster) -> list[dict[str, Any]]:
     for env in container["env"]:
         env["value"] = {"AWS_ENDPOINT_URL": c.s3.endpoint,
                         "AWS_DEFAULT_REGION": c.s3.region}[env["name"]]
-    for volume in pod["volumes"]:
-        if volume["name"] == "checkpoints":
-            volume.pop("persistentVolumeClaim")
-            volume["hostPath"] = {"path": str(c.ckpts.parent), "type": "Directory"}
+    return objs
+
+
+def volume_manifests(c: Cluster) -> list[dict[str, Any]]:
+    """The claims the examples name, each bound to a node directory (a hostPath
+    PersistentVolume: the pods mount claims only, as the restricted level requires)."""
+    objs: list[dict[str, Any]] = []
+    for claim, path in (("policy-checkpoints", c.ckpts.parent), ("policy-base-model",
+                                                                  c.base.parent)):
+        objs.append({"apiVersion": "v1", "kind": "PersistentVolume",
+                     "metadata": {"name": f"{NS}-{claim}"},
+                     "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"],
+                              "persistentVolumeReclaimPolicy": "Retain",
+                              "storageClassName": "",
+                              "claimRef": {"namespace": NS, "name": claim},
+                              "hostPath": {"path": str(path), "type": "Directory"}}})
+        objs.append({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                     "metadata": {"name": claim, "namespace": NS},
+                     "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "",
+                              "volumeName": f"{NS}-{claim}",
+                              "resources": {"requests": {"storage": "1Gi"}}}})
     return objs
 
 
@@ -328,6 +341,9 @@ def test_helm_install_runs_the_operator_as_a_pod_under_its_service_account(
         cluster: Cluster) -> None:
     c = cluster
     c.kubectl("create", "namespace", NS, record=True)
+    # Encoder Jobs' pods, the rollout pods and the warm encoder must all meet it.
+    c.kubectl("label", "namespace", NS, "pod-security.kubernetes.io/enforce=restricted",
+              record=True)
     repo, tag = c.images.dcr.rsplit(":", 1)
     c.helm_run("install", RELEASE, str(REPO / "charts" / "dcr"), "--namespace", SYSTEM,
                "--create-namespace", f"--set=image.repository={repo}", f"--set=image.tag={tag}",
@@ -349,6 +365,10 @@ def test_helm_install_runs_the_operator_as_a_pod_under_its_service_account(
 
 def test_the_examples_apply_and_the_fleet_becomes_ready(cluster: Cluster) -> None:
     c = cluster
+    c.apply(volume_manifests(c))
+    eventually(lambda: all(
+        pvc["status"].get("phase") == "Bound"
+        for pvc in c.get("-n", NS, "pvc")["items"]), timeout_s=60, what="the claims Bound")
     c.apply(fleet_manifests(c))
     c.apply(rollout_manifests(c))
     try:
@@ -363,6 +383,82 @@ def test_the_examples_apply_and_the_fleet_becomes_ready(cluster: Cluster) -> Non
     assert _conditions(c.fleet())["Ready"] == ("True", "AllReceiversCommitted")
     c.kubectl("-n", NS, "get", "pods", "-o", "wide", record=True)
     assert c.exact(0)
+
+
+def _one_shot(c: Cluster, name: str, args: list[str], **container: Any) -> str:
+    """Run ``python -c`` in the dcr image as a restricted-level Pod of the namespace; its
+    log once it Succeeded."""
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+           "spec": {"restartPolicy": "Never", "automountServiceAccountToken": False,
+                    "securityContext": {"runAsNonRoot": True,
+                                        "seccompProfile": {"type": "RuntimeDefault"}},
+                    "containers": [{
+                        "name": "main", "image": c.images.dcr, "imagePullPolicy": "Never",
+                        "command": ["python", "-c"], "args": args,
+                        "securityContext": {"allowPrivilegeEscalation": False,
+                                            "capabilities": {"drop": ["ALL"]}},
+                        **container}]}}
+    c.apply([pod])
+    eventually(lambda: c.get("-n", NS, "pod", name)["status"].get("phase")
+               in ("Succeeded", "Failed"), timeout_s=120, what=f"Pod {name} done")
+    logs = c.node.pod_logs(NS, name)
+    assert c.get("-n", NS, "pod", name)["status"]["phase"] == "Succeeded", logs
+    c.kubectl("-n", NS, "delete", "pod", name, "--wait=false")
+    return logs
+
+
+def test_the_kubelet_expands_what_the_operator_does_not_escape_and_nothing_it_does(
+        cluster: Cluster) -> None:
+    """On this kubelet, ``$(AWS_SECRET_ACCESS_KEY)`` in a container's args beside
+    ``envFrom`` of the store credentials becomes the secret (the attack an encoder Job's
+    free-form checkpoint path allowed); the operator's escape of the same text arrives
+    as written."""
+    from dcr_operator.jobs import kubelet_literal
+
+    c = cluster
+    raw = "/checkpoints/$(AWS_SECRET_ACCESS_KEY)"
+    logs = _one_shot(c, "expansion", ["import json, sys; print(json.dumps(sys.argv[1:]))",
+                                      raw, kubelet_literal(raw)],
+                     envFrom=[{"secretRef": {"name": "weights-s3"}}])
+    expanded, escaped = json.loads(logs.strip().splitlines()[-1])
+    assert expanded == f"/checkpoints/{c.s3.secret_key}"
+    assert escaped == raw
+
+
+def test_a_client_pod_reaches_the_inference_routes_and_none_of_the_engines_admin_routes(
+        cluster: Cluster) -> None:
+    """From another Pod, each rollout Pod answers ``/health`` through the agent's client
+    gateway, refuses ``/collective_rpc``, ``/pause`` and ``/update_weights`` there with
+    a 404 the engine never sees, and its engine's own port is closed to it (loopback
+    only). Fails with the example before the gateway, whose engine listened on the pod
+    IP, admin routes included."""
+    c = cluster
+    ips = [p["status"]["podIP"] for p in c.rollout_pods()]
+    probe = """
+import json, sys, urllib.error, urllib.request
+out = {}
+for ip in sys.argv[1:]:
+    for method, port, path in (("GET", 8000, "/health"), ("POST", 8000, "/collective_rpc"),
+                               ("POST", 8000, "/pause"), ("POST", 8000, "/update_weights"),
+                               ("GET", 8001, "/health")):
+        req = urllib.request.Request(f"http://{ip}:{port}{path}", method=method,
+                                     data=b"{}" if method == "POST" else None)
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                got = r.status
+        except urllib.error.HTTPError as e:
+            got = e.code
+        except OSError as e:
+            got = type(e).__name__
+        out[f"{ip} {method} {port}{path}"] = got
+print(json.dumps(out))
+"""
+    got = json.loads(_one_shot(c, "rollout-client", [probe, *ips]).strip().splitlines()[-1])
+    for ip in ips:
+        assert got[f"{ip} GET 8000/health"] == 200
+        for path in ("/collective_rpc", "/pause", "/update_weights"):
+            assert got[f"{ip} POST 8000{path}"] == 404
+        assert got[f"{ip} GET 8001/health"] in ("URLError", "ConnectionRefusedError")
 
 
 def test_a_refit_commits_through_encoder_pods_bit_exact(cluster: Cluster) -> None:

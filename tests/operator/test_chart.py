@@ -158,3 +158,21 @@ def test_watching_every_namespace_grants_jobs_and_secrets_only_where_named(
             assert _access(control_plane, token, "watch", "weightrefits", group="dcr.dev",
                            namespace=target)
             assert _access(control_plane, token, "list", "pods", namespace=target)
+
+
+def test_with_watched_namespaces_all_that_is_cluster_wide_is_reading_crds_and_namespaces(
+        helm: Path) -> None:
+    """values.yaml promises nothing cluster-wide beyond kopf's discovery with
+    watchNamespaces set (it said "nothing cluster-wide" while the chart rendered this
+    ClusterRole): every cluster-scoped rule is list/watch of CRDs and Namespaces."""
+    objs = helm_template(helm, "--namespace=dcr-system", "--set=watchNamespaces={rl}",
+                         release="narrow")
+    cluster_roles = [o for o in objs if o["kind"] == "ClusterRole"]
+    assert [o["metadata"]["name"] for o in cluster_roles] == ["narrow-dcr-operator-discovery"]
+    rules = {(g, r, v) for rule in cluster_roles[0]["rules"] for g in rule["apiGroups"]
+             for r in rule["resources"] for v in rule["verbs"]}
+    assert rules == {("apiextensions.k8s.io", "customresourcedefinitions", "list"),
+                     ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
+                     ("", "namespaces", "list"), ("", "namespaces", "watch")}
+    assert "list and watch CustomResourceDefinitions and Namespaces" in " ".join(
+        (CHART / "values.yaml").read_text().split())

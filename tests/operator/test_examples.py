@@ -140,8 +140,21 @@ def test_rollout_pod_keeps_the_sidecar_engine_contract(name: str) -> None:
     # The agent drives the engine over loopback, on the engine's port.
     assert arg(agent, "--engine") == ROLLOUTS[name]
     url = arg(agent, "--engine-url")
-    ports = [p["containerPort"] for p in engine["ports"]]
-    assert url in [f"http://127.0.0.1:{p}" for p in ports]
+    assert url.startswith("http://127.0.0.1:")
+    if ROLLOUTS[name] == "sglang":  # its admin routes need --admin-api-key
+        assert url in [f"http://127.0.0.1:{p['containerPort']}" for p in engine["ports"]]
+    else:
+        # vLLM's dev-mode admin routes answer whoever reaches its port: it listens on
+        # loopback only, and clients reach the inference routes through the agent.
+        port = url.rsplit(":", 1)[1]
+        listen = [a for a in engine["args"] if a.endswith(f"127.0.0.1:{port}")
+                  or a in ("--host=127.0.0.1", f"--port={port}")]
+        assert listen, engine["args"]
+        assert not any("0.0.0.0" in a for a in engine["args"]), engine["args"]
+        assert "ports" not in engine
+        client = arg(agent, "--client-listen")
+        assert client.startswith("0.0.0.0:")
+        assert int(client.rsplit(":", 1)[1]) in [p["containerPort"] for p in agent["ports"]]
 
     # Probes on both; the agent's token from the Secret the fleet names (labelled).
     for c in (engine, agent):

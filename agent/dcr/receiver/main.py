@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dcr.errors import ConfigError
 from dcr.http.tokens import check_token, read_token
@@ -154,8 +154,17 @@ async def _serve(service: AgentService, token: str, s: AgentSettings) -> None:
     site = web.TCPSite(runner, host or "127.0.0.1", int(port))
     await site.start()
     bound = runner.addresses[0][1]
-    print(json.dumps({"url": f"http://{host or '127.0.0.1'}:{bound}", "name": service.name,
-                      "version": service.snapshot().version}), flush=True)
+    shown: dict[str, Any] = {"url": f"http://{host or '127.0.0.1'}:{bound}",
+                             "name": service.name, "version": service.snapshot().version}
+    if s.client_listen:
+        from dcr.http.gateway import make_gateway
+
+        chost, _, cport = s.client_listen.rpartition(":")
+        clients = web.AppRunner(make_gateway(s.engine_url, s.client_route), access_log=None)
+        await clients.setup()
+        await web.TCPSite(clients, chost or "127.0.0.1", int(cport)).start()
+        shown["client_url"] = f"http://{chost or '127.0.0.1'}:{clients.addresses[0][1]}"
+    print(json.dumps(shown), flush=True)
     attach_in_background(service)
     try:
         await asyncio.Event().wait()

@@ -13,6 +13,10 @@ from typing import Literal
 from dcr.errors import ConfigError
 from dcr.settings import GiB, MiB, option
 
+CLIENT_ROUTES: tuple[str, ...] = (
+    "POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health")
+"""What rollout clients call by default (the agent's ``--client-listen``)."""
+
 AGENT_TOKEN_ENV = "DCR_AGENT_TOKEN"
 RELAY_TOKEN_ENV = "DCR_RELAY_TOKEN"
 ENGINE_KEY_ENV = "DCR_ENGINE_API_KEY"
@@ -29,6 +33,15 @@ class AgentSettings:
     listen: str = option("127.0.0.1:0", metavar="HOST:PORT",
                          doc="address of the control API; port 0 takes any free one (the "
                          "process prints the URL it got)")
+    client_listen: str | None = option(None, metavar="HOST:PORT",
+                                       doc="where the pod's clients reach the engine: only "
+                                       "--client-route requests are forwarded to "
+                                       "--engine-url, so the engine's admin routes (dev "
+                                       "mode's /collective_rpc, /pause) stay on loopback")
+    client_route: tuple[str, ...] = option(
+        CLIENT_ROUTES, metavar="'METHOD /path'",
+        doc="a request clients may make through --client-listen (exact path; repeat for "
+        "more; default: " + ", ".join(CLIENT_ROUTES) + ")")
     token_file: Path | None = option(None, metavar="PATH",
                                      doc="file holding the control API's bearer token: 16 "
                                      "or more printable ASCII characters, not a change-me "
@@ -121,6 +134,17 @@ class AgentSettings:
         if not sep or not port.isdigit() or int(port) > 65535:
             raise ConfigError(f"Agent {self.name!r}: --listen {self.listen!r} is not "
                               "HOST:PORT.")
+        if self.client_listen is not None:
+            _, sep, cport = self.client_listen.rpartition(":")
+            if not sep or not cport.isdigit() or int(cport) > 65535:
+                raise ConfigError(f"Agent {self.name!r}: --client-listen "
+                                  f"{self.client_listen!r} is not HOST:PORT.")
+            from dcr.http.gateway import parse_routes
+
+            try:
+                parse_routes(self.client_route)
+            except ValueError as e:
+                raise ConfigError(f"Agent {self.name!r}: {e}.") from None
         if self.engine == "sglang" and self.pause_mode == "wait":
             raise ConfigError(f"Agent {self.name!r}: SGLang cannot pause with requests in "
                               "flight finishing; give --pause-mode abort or keep.")
