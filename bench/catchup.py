@@ -75,6 +75,20 @@ def source(bits: dict[str, np.ndarray]) -> ArrayCheckpoint:
     return ArrayCheckpoint({n: ("BF16", (b.size,), b) for n, b in bits.items()})
 
 
+def commit(owner: Encoder, history: HistoryStore, bits: dict[str, np.ndarray], v: int
+           ) -> str:
+    """Publish version ``v`` (from ``v - 1``) through ``owner`` and commit it in the
+    store's history, as the coordinator would; the attempt id."""
+    owner.set_candidate(source(bits), v)
+    attempt = Attempt(transition=Transition(base_version=v - 1, target_version=v),
+                      mode="mixed", receivers=("pod",), deadline=time.time() + 600)
+    owner.publish(attempt)
+    history.commit(v, attempt.id, 1)
+    owner.advance_baseline(CommitRecord(committed_version=v, baseline_id=f"v{v}",
+                                        attempt=attempt.id))
+    return attempt.id
+
+
 def bits_of(path: Path) -> dict[str, bytes]:
     with Checkpoint(path) as c:
         return {n: c.bits(n).tobytes() for n in c.names()}
@@ -117,13 +131,7 @@ def main() -> None:
         for v in range(last + 1):
             if v:
                 bits = step(bits, args.pct, rng)
-                owner.set_candidate(source(bits), v)
-                attempt = Attempt(transition=Transition(base_version=v - 1, target_version=v),
-                                  mode="mixed", receivers=("pod",), deadline=time.time() + 600)
-                owner.publish(attempt)
-                history.commit(v, attempt.id, 1)
-                owner.advance_baseline(CommitRecord(committed_version=v, baseline_id=f"v{v}",
-                                                    attempt=attempt.id))
+                commit(owner, history, bits, v)
             if v in keep or v % args.snapshot_every == 0:
                 save(bits, work / "train" / f"v{v}")
             if v % args.snapshot_every == 0:  # the bench is the coordinator: it records

@@ -43,12 +43,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from catchup import bits_of, save, source, step
+from catchup import bits_of, commit, save, source, step
 from dcr.files.history import HistoryStore
 from dcr.files.materialize import materialize
 from dcr.format.history import HISTORY_KEY
 from dcr.owner.encoder import Encoder
-from dcr.protocol.records import Attempt, CommitRecord, Transition
 from dcr.transport.store import FileStore
 
 try:
@@ -197,13 +196,7 @@ def main() -> None:
                       "mx_bit_exact": bits_of(prepared.path) == want[v]}
 
             before = {p: p.stat().st_size for p in store.root.rglob("*") if p.is_file()}
-            owner.set_candidate(source(bits), v)
-            attempt = Attempt(transition=Transition(base_version=v - 1, target_version=v),
-                              mode="mixed", receivers=("pod",), deadline=time.time() + 600)
-            owner.publish(attempt)
-            history.commit(v, attempt.id, 1)
-            owner.advance_baseline(CommitRecord(committed_version=v, baseline_id=f"v{v}",
-                                                attempt=attempt.id))
+            commit(owner, history, bits, v)
             added = {p: p.stat().st_size for p in store.root.rglob("*")
                      if p.is_file() and p.stat().st_size != before.get(p)}
             hist = added.pop(store.root / HISTORY_KEY, 0)

@@ -26,6 +26,7 @@ from dcr.checkpoint import Checkpoint
 from dcr.errors import CheckpointError
 from dcr.files.history import HistoryStore
 from dcr.files.materialize import VERSION_FILE, Materialized, materialize, recorded_version
+from dcr.files.patch import fsync_dir
 from dcr.format.manifest import DEFAULT_MANIFEST_LIMITS, limits_for
 from dcr.transport.store import Store
 
@@ -113,7 +114,7 @@ def sync(store: Store, root: Path, *, version: int | None = None,
     tmp.unlink(missing_ok=True)
     tmp.symlink_to(gen.name)
     os.replace(tmp, root / CURRENT)
-    _fsync(root)
+    fsync_dir(root)
     removed = tuple(g.path for g in generations(root)[:-keep] if g.path != gen)
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)
@@ -133,11 +134,3 @@ def _link_tree(src: Path, dst: Path) -> None:
             os.link(s, d)
 
     shutil.copytree(src, dst, symlinks=False, copy_function=link)
-
-
-def _fsync(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -202,11 +202,11 @@ def _patch_file(
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return applied
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     """Make the renames in directory ``path`` durable."""
     dir_fd = os.open(path, os.O_RDONLY)
     try:
@@ -320,5 +320,5 @@ def patch_chain(root: Path, store: Store, manifests: list[Manifest], *,
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
     for parent in {path.parent for path in paths}:
-        _fsync_dir(parent)
+        fsync_dir(parent)
     return applied
