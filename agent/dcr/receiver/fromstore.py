@@ -67,8 +67,8 @@ class FromStore:
         out = self.root / FROM_STORE
         held, seed = self.seed if self.seed is not None else (None, None)
         with self._lock:  # materialize reuses the last build where its version is recorded
-            gen = self._mirrored()
-            if gen is not None and (recorded_version(out) or -1) < gen.version <= version:
+            gen, have = self._mirrored(), recorded_version(out)
+            if gen is not None and (have if have is not None else -1) < gen.version <= version:
                 held, seed = gen.version, gen.path  # nearer than what this pod holds
                 shutil.rmtree(out, ignore_errors=True)
             try:
