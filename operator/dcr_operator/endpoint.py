@@ -38,7 +38,7 @@ def encoder_endpoint(spec: WeightRefitSpec, fleet: RolloutFleetSpec, fleet_name:
     owner index is one URL.
     """
     wanted = spec.encoder.profile
-    profile = next((p for p in fleet.encoder_profiles if p.name == wanted), None)
+    profile = fleet.encoder_profile(wanted)
     if profile is None or profile.endpoint is None:
         return None
     urls = len(profile.endpoint.urls)

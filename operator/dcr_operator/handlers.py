@@ -320,7 +320,7 @@ def _encoder_site(kube: KubeClient, refit: Mapping[str, Any]) -> Site:
     spec = WeightRefitSpec.model_validate(refit["spec"])
     namespace = refit["metadata"]["namespace"]
     fleet = RolloutFleetSpec.model_validate(kube.get(fleet_path(namespace, spec.fleet))["spec"])
-    profile = next((p for p in fleet.encoder_profiles if p.name == spec.encoder.profile), None)
+    profile = fleet.encoder_profile(spec.encoder.profile)
     if profile is None or profile.cluster is None:
         return Site(kube, namespace)
     return encoder_site(kube, namespace, profile)

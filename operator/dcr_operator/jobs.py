@@ -104,7 +104,7 @@ def encoder_pod(spec: WeightRefitSpec, fleet: RolloutFleetSpec, fleet_name: str,
     does not allow: the fleet's owner can fix either, and the refit then proceeds.
     """
     wanted = spec.encoder.profile
-    found = next((p for p in fleet.encoder_profiles if p.name == wanted), None)
+    found = fleet.encoder_profile(wanted)
     if found is None and wanted != DEFAULT_PROFILE:
         have = ", ".join(p.name for p in fleet.encoder_profiles) or "none"
         raise InvalidResource(f"The WeightRefit asks for encoder profile {wanted!r}, which "
@@ -141,7 +141,9 @@ def volumes_of(shape: EncoderProfile, profile: str | None
 def _pod(shape: EncoderProfile, fleet: RolloutFleetSpec, args: list[str],
          env: list[dict[str, Any]], profile: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The pod spec of an encoder-profile pod running ``dcr`` with ``args``, and its one
-    container: the store's endpoint and credentials, the profile's volumes and shape."""
+    container: the store's endpoint and credentials, the profile's volumes and shape.
+    Every argument reaches ``dcr`` as written (:func:`kubelet_literal`), but the owner
+    index reference."""
     store = fleet.store
     env = list(env)
     if store is not None and store.endpoint:
@@ -150,7 +152,9 @@ def _pod(shape: EncoderProfile, fleet: RolloutFleetSpec, args: list[str],
         env.append({"name": "AWS_DEFAULT_REGION", "value": store.region})
     container: dict[str, Any] = {"name": "encoder", "image": shape.image,
                                  "imagePullPolicy": shape.image_pull_policy,
-                                 "command": ["dcr"], "args": args, "env": env,
+                                 "command": ["dcr"], "env": env,
+                                 "args": [a if a == OWNER_REF else kubelet_literal(a)
+                                          for a in args],
                                  "securityContext": CONTAINER_SECURITY}
     if store is not None and store.credentials_secret_ref is not None:
         container["envFrom"] = [{"secretRef": {"name": store.credentials_secret_ref.name}}]
@@ -190,10 +194,9 @@ def job_manifest(*, refit: Mapping[str, Any], spec: WeightRefitSpec, fleet: Roll
             "name": relay.token_secret_ref.name, "key": relay.token_secret_ref.key}}})
     destination = f"relay+{relay.url}" if relay is not None else (
         store.uri if store is not None else "")
-    args = [a if a == OWNER_REF else kubelet_literal(a) for a in encode_args(
-        base=base_checkpoint, target=spec.source.checkpoint, store=destination,
-        attempt=attempt, owners=enc.owners, profile=profile is not None,
-        bucket_mib=enc.bucket_mib)]
+    args = encode_args(base=base_checkpoint, target=spec.source.checkpoint, store=destination,
+                       attempt=attempt, owners=enc.owners, profile=profile is not None,
+                       bucket_mib=enc.bucket_mib)
     pod, _ = _pod(shape, fleet, args, env, profile)
     job_spec: dict[str, Any] = {
         "completionMode": "Indexed", "completions": enc.owners, "parallelism": enc.owners,
@@ -228,8 +231,8 @@ def snapshot_job_manifest(*, refit: Mapping[str, Any], spec: WeightRefitSpec,
     labels = {"app.kubernetes.io/name": "dcr-encoder", "app.kubernetes.io/managed-by":
               "dcr-operator", COMPONENT_LABEL: "snapshot",
               REFIT_LABEL: short_name(refit_name, 63), **site.labels(refit)}
-    args = [kubelet_literal(a) for a in ("snapshot", spec.source.checkpoint, "--store",
-                                         fleet.store.uri, "--version", str(spec.target_version))]
+    args = ["snapshot", spec.source.checkpoint, "--store", fleet.store.uri,
+            "--version", str(spec.target_version)]
     pod, _ = _pod(shape, fleet, args, [], None)
     job_spec: dict[str, Any] = {"completions": 1, "backoffLimit": 2,
                                 "template": {"metadata": {"labels": labels}, "spec": pod}}
@@ -396,6 +399,26 @@ def delete_jobs(site: Site, refit: Mapping[str, Any], *, running_only: bool) -> 
             log.info("deleted Job %s in %s", job["metadata"]["name"], site)
         gone.append(job["metadata"]["name"])
     return gone
+
+
+def copy_profile(site: Site, refit: Mapping[str, Any], data: str) -> None:
+    """Put the refit's receiver profile (``data``) into ``site`` when that is another
+    cluster, where the Jobs that mount it run; InvalidResource if a ConfigMap of that
+    name there belongs to another refit."""
+    if not site.remote:
+        return
+    name = profile_name(refit["metadata"]["name"])
+    labels = {"app.kubernetes.io/managed-by": "dcr-operator", **site.labels(refit)}
+    body = {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": name, "namespace": site.namespace, "labels": labels},
+            "data": {PROFILE_KEY: data}}
+    try:
+        site.kube.create(api_path("", "v1", "configmaps", site.namespace), body)
+    except Conflict:
+        there = site.kube.get(api_path("", "v1", "configmaps", site.namespace, name))
+        if (there["metadata"].get("labels") or {}) != labels:
+            raise InvalidResource(f"ConfigMap {name} in {site} belongs to another refit "
+                                  "(its labels differ); delete it.") from None
 
 
 def delete_profile_copy(site: Site, refit: Mapping[str, Any]) -> None:

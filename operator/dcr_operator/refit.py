@@ -65,6 +65,7 @@ from dcr_operator.jobs import (
     PROFILE_KEY,
     EncoderJobs,
     JobOwner,
+    copy_profile,
     delete_profile_copy,
     encoder_pod,
     profile_name,
@@ -391,18 +392,8 @@ class RefitRun:
         refit's namespace, and copied to ``site`` when the Jobs that mount it run in
         another cluster), and that profile (a warm encoder gets it in its request)."""
         name, merged = self._merged_profile(agents, need)
-        if site is not None and site.remote:
-            labels = {"app.kubernetes.io/managed-by": "dcr-operator", **site.labels(self.refit)}
-            body = {"apiVersion": "v1", "kind": "ConfigMap",
-                    "metadata": {"name": name, "namespace": site.namespace, "labels": labels},
-                    "data": {PROFILE_KEY: dumps(merged)}}
-            try:
-                site.kube.create(api_path("", "v1", "configmaps", site.namespace), body)
-            except Conflict:
-                there = site.kube.get(api_path("", "v1", "configmaps", site.namespace, name))
-                if (there["metadata"].get("labels") or {}) != labels:
-                    raise InvalidResource(f"ConfigMap {name} in {site} belongs to another "
-                                          "refit (its labels differ); delete it.") from None
+        if site is not None:
+            copy_profile(site, self.refit, dumps(merged))
         return name, merged
 
     def _merged_profile(self, agents: list[AgentClient], need: int

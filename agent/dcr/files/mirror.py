@@ -22,12 +22,11 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from dcr.checkpoint import Checkpoint
 from dcr.errors import CheckpointError
 from dcr.files.history import HistoryStore
 from dcr.files.materialize import VERSION_FILE, Materialized, materialize, recorded_version
-from dcr.files.patch import fsync_dir
-from dcr.format.manifest import DEFAULT_MANIFEST_LIMITS, limits_for
+from dcr.files.patch import fsync_dir, reader_limits
+from dcr.format.manifest import DEFAULT_MANIFEST_LIMITS
 from dcr.transport.store import Store
 
 log = logging.getLogger(__name__)
@@ -97,10 +96,7 @@ def sync(store: Store, root: Path, *, version: int | None = None,
     if now is not None:
         _link_tree(now.path, work)  # its recorded version makes materialize replay from it
     start = now.path if now is not None else from_seed
-    limits = DEFAULT_MANIFEST_LIMITS
-    if start is not None:  # what a reader of this model can use
-        with Checkpoint(start) as ckpt:
-            limits = limits_for(len(ckpt.names()))
+    limits = reader_limits(start) if start is not None else DEFAULT_MANIFEST_LIMITS
     try:
         built = materialize(store, work, version=target, held=held, seed=from_seed,
                             digest=digest, limits=limits)

@@ -223,10 +223,15 @@ def patch_checkpoint(
     limits: DecodeLimits = DEFAULT_LIMITS,
     progress: Progress | None = None,
 ) -> PatchResult:
-    with Checkpoint(root) as ckpt:  # what it can use: as many tensors as it holds
-        tensors = len(ckpt.names())
-    return patch_to(root, store, load_manifest(store, version, limits_for(tensors)),
+    return patch_to(root, store, load_manifest(store, version, reader_limits(root)),
                     limits=limits, progress=progress)
+
+
+def reader_limits(root: Path) -> ManifestLimits:
+    """The manifest limits of a reader holding checkpoint ``root``: as many tensors as
+    it has (:func:`~dcr.format.manifest.limits_for`)."""
+    with Checkpoint(root) as ckpt:
+        return limits_for(len(ckpt.names()))
 
 
 def patch_to(

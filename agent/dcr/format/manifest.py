@@ -189,7 +189,7 @@ def manifest_attempt(data: bytes | memoryview, where: str,
     rest is never decompressed or parsed (each receiver does that, with its own limits)."""
     frame, _ = _container(data, where, limits)
     try:
-        head = zstandard.ZstdDecompressor().stream_reader(bytes(frame)).read(_HEAD_BYTES)
+        head = zstandard.ZstdDecompressor().stream_reader(frame).read(_HEAD_BYTES)
     except zstandard.ZstdError as e:
         raise ManifestError(f"Manifest {where}: the document's frame is corrupt: {e}.") from e
     m = _HEAD.match(head)

@@ -338,6 +338,10 @@ class RolloutFleetSpec(SpecModel):
             raise ValueError("set exactly one of store and relay: where encoder Jobs publish")
         return self
 
+    def encoder_profile(self, name: str) -> EncoderProfile | None:
+        """The encoder profile named ``name``, if the fleet defines one."""
+        return next((p for p in self.encoder_profiles if p.name == name), None)
+
 
 class ReceiverState(StatusModel):
     """One rollout rank as its agent last reported it."""
