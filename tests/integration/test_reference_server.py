@@ -198,7 +198,7 @@ def test_staged_payloads_applied_through_the_plugin_equal_a_dense_load_on_every_
         servers: Servers, runtime: str, tp: int) -> None:
     refit, dense = servers.start(runtime, tp=tp), servers.start(runtime, tp=tp)
     tensors = canonical(servers.root / "v0")
-    profile = refit.engine.prewarm(tensors)
+    profile = refit.engine.prewarm(tensors).profile
     assert set(profile.tensors) == {t.name for t in tensors}
     start = refit.engine.fingerprint()
     assert len(start) == tp

@@ -230,7 +230,7 @@ def test_sglang_loader_refits_both_tp_ranks_bit_exactly_through_the_adapter(
     ids = engine.instance().split("-")
     assert len(ids) == WORLD  # one id per rank, each rank saying the world is 2
 
-    profile = engine.prewarm(canonical(ckpt_root / "v0"))
+    profile = engine.prewarm(canonical(ckpt_root / "v0")).profile
     assert set(profile.tensors.values()) == {"xor"}  # BF16 through the reference loader
 
     names, _ = stage(ckpt_root, staging, 0, 1, "mixed", profile)

@@ -193,6 +193,7 @@ def build_model(model_dir: Path, *, tp: int = 1, quantization: str | None = None
     """The model class vLLM picks for ``model_dir``, built empty in BF16 (on the CPU
     unless ``device`` says otherwise)."""
     from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
     from vllm.model_executor.model_loader.utils import get_model_architecture
 
     cfg = vllm_config(model_dir, tp=tp, quantization=quantization, device=device)
@@ -205,8 +206,47 @@ def build_model(model_dir: Path, *, tp: int = 1, quantization: str | None = None
                 model = model_cls(vllm_config=cfg, prefix="")
         finally:
             torch.set_default_dtype(old)
+        record_metadata_for_reloading(model)  # as vLLM's initialize_model does
     model.dcr_vllm_config = cfg  # for loads that need the config current
     return model.eval()
+
+
+def build_served(model_dir: Path) -> torch.nn.Module:
+    """The model as a ``vllm serve`` worker holds it once started: built (its tensors as
+    created recorded), loaded from ``model_dir``, then
+    processed after loading (vLLM's CPU build packs every linear weight for oneDNN and
+    empties the parameter). Raises what the post-load step raises where this vLLM has
+    no CPU kernels for it (the CUDA wheel)."""
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    model = build_model(model_dir)
+    load_dense(model, model_dir)
+    with current(model):
+        process_weights_after_loading(model, model.dcr_vllm_config.model_config,
+                                      torch.device("cpu"))
+    return model
+
+
+def computed(model: torch.nn.Module, seed: int = 0) -> dict[str, torch.Tensor]:
+    """What every linear and vocabulary layer computes, through its own quantization
+    method (so from any packed copy it made), from one fixed input: the output's bits."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    with current(model):
+        for name, layer in model.named_modules():
+            if isinstance(layer, LinearBase):
+                width = layer.input_size_per_partition
+            elif isinstance(layer, VocabParallelEmbedding):
+                width = layer.embedding_dim
+            else:
+                continue
+            x = torch.randn(3, width, generator=gen).to(torch.bfloat16)
+            y = layer.quant_method.apply(layer, x)
+            out[name] = y.contiguous().view(BITS[y.element_size()])
+    return out
 
 
 @contextlib.contextmanager

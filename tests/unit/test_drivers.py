@@ -154,7 +154,7 @@ def test_vllm_engine_maps_each_call_onto_vllms_endpoints(stub: Callable[[Routes]
     engine = VllmDriver(server.url + "/", KEY)
 
     assert engine.instance() == "00" * 8 + "-" + "01" * 8
-    profile = engine.prewarm(TENSORS)
+    profile = engine.prewarm(TENSORS).profile
     assert profile.tensors == {"a.weight": "xor", "b.weight": "overwrite"}
     outcome = engine.apply(["a-1-o0000-s000000.dcrp", "a-1-o0000-s000001.dcrp"])
     assert [r["rank"] for r in outcome.reports] == [0, 1]
@@ -359,7 +359,7 @@ def test_sglang_engine_carries_plugin_calls_through_the_custom_loader_and_staged
     engine = SglangDriver(server.url, tmp_path, KEY)
 
     assert engine.instance() == "00" * 8 + "-" + "01" * 8
-    assert engine.prewarm(TENSORS).tensors == {"a.weight": "xor", "b.weight": "overwrite"}
+    assert engine.prewarm(TENSORS).profile.tensors == {"a.weight": "xor", "b.weight": "overwrite"}
     outcome = engine.apply(["p-0.dcrp"])
     assert outcome.names == {"a.weight"}
     assert outcome.reports[0]["writes"] == 3  # the report's other fields, as sent

@@ -51,6 +51,18 @@ class CanonicalSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Prewarmed:
+    """What prewarm found on every rank."""
+
+    profile: ReceiverProfile  # the ranks' profiles merged
+    # Layers some rank computes from a form the engine derived after loading and whose
+    # loading form DCR keeps only from a dense load through it, not made yet: until one
+    # is, the engine can be refit only densely (docs/engines.md, "Weights an engine
+    # derives after loading").
+    unfilled: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
 class ApplyOutcome:
     """What every rank reported for one apply, in rank order, as the plugin sent it
     (``docs/engines.md`` lists the fields)."""
@@ -79,9 +91,10 @@ class Driver(Protocol):
         restarts: a new id means the weights are unknown (dense rejoin)."""
         ...
 
-    def prewarm(self, tensors: Iterable[TensorSpec]) -> ReceiverProfile:
-        """Reserve scratch and classify every canonical tensor on every rank; the ranks'
-        profiles merged (the most demanding class of any rank wins)."""
+    def prewarm(self, tensors: Iterable[TensorSpec]) -> Prewarmed:
+        """Reserve scratch and classify every canonical tensor on every rank: the ranks'
+        profiles merged (the most demanding class of any rank wins), and the layers
+        that need a dense load first."""
         ...
 
     def apply(self, payloads: Sequence[str]) -> ApplyOutcome:

@@ -15,7 +15,13 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dcr.drivers.base import ApplyOutcome, TensorSpec, check_checkpoint_path, check_staged_name
+from dcr.drivers.base import (
+    ApplyOutcome,
+    Prewarmed,
+    TensorSpec,
+    check_checkpoint_path,
+    check_staged_name,
+)
 from dcr.drivers.errors import BadAnswer
 from dcr.drivers.http import JsonHttp
 from dcr.errors import first_validation_error
@@ -41,6 +47,9 @@ class InstanceAnswer(RankAnswer):
 
 class ProfileAnswer(RankAnswer):
     profile: dict[str, TensorClass]
+    derived: int = Field(default=0, ge=0)  # layers computing from a form derived after loading
+    kept_bytes: int = Field(default=0, ge=0)  # the copies of their loading form DCR keeps
+    unfilled: list[str] = Field(default=[], max_length=64)  # of those, not loaded through DCR
 
 
 class FingerprintAnswer(RankAnswer):
@@ -128,11 +137,12 @@ class PluginDriver:
                             f"say the world is {sorted(worlds)}.", call="instance")
         return "-".join(a.instance for a in answers)
 
-    def prewarm(self, tensors: Iterable[TensorSpec]) -> ReceiverProfile:
+    def prewarm(self, tensors: Iterable[TensorSpec]) -> Prewarmed:
         arg = {"tensors": [[t.name, t.dtype, list(t.shape)] for t in tensors]}
         answers = self._ranked("dcr_prewarm", arg, ProfileAnswer, call="prewarm",
                                timeout_s=self.timeouts.prewarm_s)
-        return merge(ReceiverProfile(tensors=a.profile) for a in answers)
+        return Prewarmed(profile=merge(ReceiverProfile(tensors=a.profile) for a in answers),
+                         unfilled=tuple(sorted({n for a in answers for n in a.unfilled})))
 
     def apply(self, payloads: Sequence[str]) -> ApplyOutcome:
         arg = {"payloads": [check_staged_name(p) for p in payloads]}

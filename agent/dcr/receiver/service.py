@@ -172,12 +172,18 @@ class AgentService:
                     return instance
                 self._prewarming = True
             try:
-                profile = self.engine.prewarm(self.canonical)
+                prewarmed = self.engine.prewarm(self.canonical)
             finally:
                 with self._cond:
                     self._prewarming = False
+            profile = prewarmed.profile
             with self._cond:
                 self._prewarmed = (instance, profile)
+                if prewarmed.unfilled and self.weights.forget(
+                        f"the engine computes {', '.join(prewarmed.unfilled[:3])} and other "
+                        "layers from a form it derived after loading, whose loading form DCR "
+                        "keeps only from a dense load through it"):
+                    self._journal()
             log.info("%s: engine %s prewarmed (%d tensors)", self.name, short(instance),
                      len(profile.tensors))
             return instance

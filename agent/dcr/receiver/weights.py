@@ -81,6 +81,15 @@ class Weights:
         log.warning("%s: %s; a dense refit must restore a version", self.name, self.unknown)
         return self.unknown
 
+    def forget(self, why: str) -> bool:
+        """The weights hold a version DCR cannot patch (``why``): unknown, until a dense
+        load settles them. Whether that changed anything; the caller journals."""
+        if self.unknown is not None:
+            return False
+        self.version, self.dirty, self.unknown = None, None, why
+        log.warning("%s: %s; a dense refit must restore a version", self.name, why)
+        return True
+
     def admit(self, spec: AttemptSpec) -> None:
         """Raise ``conflict`` unless an attempt of ``spec`` may write these weights: they
         hold its base, or exactly its transition half-written and it is an overwrite."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import itertools
 import logging
 import os
 import secrets
@@ -39,6 +40,7 @@ from dcr.errors import CheckpointError, ConfigError, first_validation_error
 from dcr.format.dtypes import DTYPES
 from dcr.format.payload import NAME_RE
 from dcr.runtimes.base import RequestGate
+from dcr.runtimes.derived import DerivedLayer, DerivedLayers
 from dcr.runtimes.weights import DenseRefused, Tensors, checkpoint_tensors, runtime_fingerprint
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,7 @@ STAGING_ENV = "DCR_STAGING_DIR"
 CHECKPOINT_ROOT_ENV = "DCR_CHECKPOINT_ROOT"
 MAX_PAYLOADS = 1 << 16  # files per apply call
 MAX_TENSORS = 1 << 20  # canonical tensors per prewarm
+MAX_UNFILLED = 64  # layers a prewarm answer names
 
 
 class VllmStyleModel(Protocol):
@@ -58,18 +61,26 @@ class VllmStyleModel(Protocol):
 
 
 class VllmRuntime:
-    """A module whose ``load_weights`` follows vLLM's contract (returns loaded names)."""
+    """A module whose ``load_weights`` follows vLLM's contract (returns loaded names).
+
+    Layers whose compute form vLLM derived after loading are seen through
+    :class:`~dcr.runtimes.derived.DerivedLayers`: their kept loading form stands in the
+    layer while DCR loads, and in place of what the engine left there in
+    :meth:`named_tensors`.
+    """
 
     def __init__(self, model: VllmStyleModel) -> None:
         self.model = model
         self.gate = RequestGate()
+        self.derived = DerivedLayers(model)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return set(self.model.load_weights(weights))
+        with self.derived.loading():
+            return set(self.model.load_weights(weights))
 
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from self.model.named_parameters()
-        yield from self.model.named_buffers()
+        yield from self.derived.named_tensors(
+            itertools.chain(self.model.named_parameters(), self.model.named_buffers()))
 
     def close_gate(self) -> None:
         self.gate.close()
@@ -184,8 +195,11 @@ class EngineRank:
 
     def __init__(self, runtime: Loader, *, rank: int, world: int, device: torch.device,
                  instance: str = INSTANCE, staging_dir: Path | None = None,
-                 checkpoint_root: Path | None = None) -> None:
+                 checkpoint_root: Path | None = None,
+                 derived: DerivedLayers | None = None) -> None:
         self.runtime = runtime
+        self.derived = derived if derived is not None else DerivedLayers(None)
+        self._derived_of: dict[str, list[DerivedLayer]] = {}  # canonical -> layers it writes
         self.rank = rank
         self.world = world
         self.device = device
@@ -200,27 +214,51 @@ class EngineRank:
         return {"instance": self.instance_id, "rank": self.rank, "world": self.world}
 
     def prewarm(self, req: PrewarmRequest) -> dict[str, Any]:
+        """Classify every canonical tensor; refuse a layer DCR would write but cannot
+        rebuild. The answer names the derived layers whose loading form DCR does not
+        hold yet (``unfilled``): until a dense load through DCR, this rank can only be
+        refit densely."""
         canonical = canonical_tensors(req)
         engine = Applier(self.runtime, device=self.device)
         profile = engine.prewarm(canonical)
+        writes = {n: {w.storage for w in plan.writes} for n, plan in engine.plans.items()}
+        self.derived.refuse({t.rpartition(".")[0] for ts in writes.values() for t in ts},
+                            self.rank)
+        self._derived_of = {n: layers for n, ts in writes.items()
+                            if (layers := self.derived.of_tensors(ts))}
         self.engine, self.canonical = engine, canonical
         self._storages = {n: storage_key(t) for n, t in self.runtime.named_tensors()}
-        return {"rank": self.rank, "profile": dict(profile.tensors)}
+        for d in self.derived.layers:
+            log.info("Rank %s: layer %s is derived (%s): %s", self.rank, d.name, d.kind, d.why)
+        return {"rank": self.rank, "profile": dict(profile.tensors),
+                "derived": len(self.derived.layers), "kept_bytes": self.derived.kept_bytes(),
+                "unfilled": [d.name for d in self.derived.unfilled][:MAX_UNFILLED]}
 
     def apply(self, req: ApplyRequest) -> dict[str, Any]:
         engine = self._prewarmed("apply")
         self._check_storages()
+        self.derived.check_filled("apply", self.rank)
         staging = engine_dir(STAGING_ENV, self.staging_dir)
         payloads = [read_staged(staging, name) for name in req.payloads]
-        report = engine.apply_payloads(payloads)
+        try:
+            report = engine.apply_payloads(payloads)
+        except BaseException:
+            # Writes may have begun: what the engine computes with follows what DCR
+            # holds, whatever the agent decides next.
+            self.derived.rebuild(self.derived.layers)
+            raise
+        rebuilt = {d for n in report.names for d in self._derived_of.get(n, ())}
+        self.derived.rebuild(rebuilt)
         self.sync()
         return {"rank": self.rank, "tensors": report.tensors, "records": report.records,
                 "writes": report.writes, "loads": report.loads, "deferred": report.deferred,
                 "decode_s": report.decode_s, "scatter_s": report.scatter_s,
                 "loader_s": report.loader_s, "intercept_s": report.intercept_s,
+                "rebuilt": len(rebuilt), "rebuild_s": self.derived.take_seconds(),
                 "classes": dict(report.classes), "names": sorted(report.names)}
 
     def fingerprint(self) -> dict[str, Any]:
+        self.derived.check_filled("fingerprint", self.rank)
         self.sync()
         return {"rank": self.rank, "tensors": runtime_fingerprint(self.runtime)}
 
@@ -228,6 +266,7 @@ class EngineRank:
         """The tensors among ``expect`` that this rank holds whole on a bit-preserving
         path (prewarm's readable set) and whose bits differ from their fingerprint."""
         engine = self._prewarmed("check_targets")
+        self.derived.check_filled("check_targets", self.rank)
         self.sync()
         return {"rank": self.rank, "differ": engine.check_targets(req.expect)}
 
@@ -247,7 +286,12 @@ class EngineRank:
                                "checkpoint (the engine's log says why).") from e
         if req.check_only:
             return {"rank": self.rank}
-        self.runtime.load_weights(tensors.items())
+        try:
+            self.runtime.load_weights(tensors.items())
+        except BaseException:  # layers DCR holds follow what was loaded, even part of it
+            self.derived.rebuild(d for d in self.derived.layers if d.filled)
+            raise
+        self.derived.fill()
         self.sync()
         return {"rank": self.rank}
 
@@ -364,8 +408,10 @@ class DcrWorkerExtension:
             return held[1]
         # A new model object (a reload replaced it): a rank that must be prewarmed again.
         rank, world = _rank_and_world(self)
-        state = EngineRank(self._dcr_loader(model), rank=rank, world=world,
+        loader = self._dcr_loader(model)
+        state = EngineRank(loader, rank=rank, world=world,
                            device=next(model.parameters()).device,
+                           derived=loader.derived if isinstance(loader, VllmRuntime) else None,
                            **self._dcr_rank_options())
         self._dcr_state = (model, state)
         return state
