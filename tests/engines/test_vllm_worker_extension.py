@@ -51,7 +51,7 @@ def worker(versions: Callable[[str], list[Path]], staging: Path) -> vllm_cpu.Wor
     """A worker at v0 (loaded densely through the extension), prewarmed."""
     dirs = versions(FAMILY)
     w = vllm_cpu.Worker(vllm_cpu.build_model(dirs[0]))
-    assert rpc(w.dcr_load_dense, {"checkpoint": f"{FAMILY}/v0", "expect": None}) == {"rank": 0}
+    assert rpc(w.dcr_load_dense, {"checkpoint": f"{FAMILY}/v0", "expect": None})["rank"] == 0
     rpc(w.dcr_prewarm, json.loads(vllm_cpu.canonical_request(dirs[0])))
     return w
 

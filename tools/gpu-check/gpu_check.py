@@ -208,7 +208,7 @@ def request(url: str, method: str, path: str, body: Any = None, *,
 
 
 def start_engine(kind: str, ckpts: Path, staging: Path, tmp: Path, tp: int,
-                 device: str) -> tuple[Proc, str]:
+                 device: str, quantization: str | None = None) -> tuple[Proc, str]:
     env = {"DCR_STAGING_DIR": str(staging), "DCR_CHECKPOINT_ROOT": str(ckpts),
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     if kind == "vllm":
@@ -220,6 +220,7 @@ def start_engine(kind: str, ckpts: Path, staging: Path, tmp: Path, tp: int,
                                    "--tensor-parallel-size", str(tp),
                                    "--max-model-len", "2048",
                                    "--gpu-memory-utilization", "0.5",
+                                   *(["--quantization", quantization] if quantization else []),
                                    "--worker-extension-cls",
                                    "dcr.runtimes.vllm.DcrWorkerExtension"],
                     tmp / "engine.log", {**env, "VLLM_SERVER_DEV_MODE": "1"})
@@ -438,7 +439,7 @@ def apply_throughput(args: argparse.Namespace, engine: Any, ckpts: Path, staging
     engine.load_dense("v0")
     dense_load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    profile = engine.prewarm(tensors)
+    profile = engine.prewarm(tensors).profile
     prewarm_s = time.perf_counter() - t0
     rows = []
     baseline_s = unpaused(args, engine_url)
@@ -528,6 +529,11 @@ def main() -> int:
     p.add_argument("--request-tokens", type=int, default=None,
                    help="tokens of the request kept in flight (default: 1000 on vLLM, "
                    "200 on dcr serve)")
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="vLLM's online quantization of the BF16 checkpoint: vLLM computes "
+                   "from FP8 copies it makes after loading, which DCR rebuilds from the "
+                   "BF16 form it keeps (docs/engines.md, \"Weights an engine derives "
+                   "after loading\")")
     p.add_argument("--work", type=Path, default=None,
                    help="scratch directory (default: a fresh one under /tmp, removed after)")
     p.add_argument("--out", type=Path, default=None)
@@ -538,7 +544,10 @@ def main() -> int:
     import torch
 
     cuda = torch.cuda.is_available()
+    if args.quantization and args.engine != "vllm":
+        raise SystemExit("gpu-check: --quantization applies to --engine vllm only.")
     out = args.out or REPO / "bench" / "results" / (
+        f"gpu-{args.quantization}.json" if args.quantization else
         "gpu.json" if args.engine == "vllm" else
         "gpu-reference.json" if cuda else "gpu-dry.json")
 
@@ -563,7 +572,7 @@ def main() -> int:
         result["model"] = timed(phases, "checkpoints", lambda: make_checkpoints(
             ckpts, args.model_size, args.steps, args.lr, device))
         engine_proc, engine_url = timed(phases, "engine_start", lambda: start_engine(
-            args.engine, ckpts, staging, tmp, args.tp, device))
+            args.engine, ckpts, staging, tmp, args.tp, device, args.quantization))
         procs.append(engine_proc)
         token = secrets.token_hex(24)
         agent_proc, agent_url = timed(phases, "agent_start", lambda: start_agent(

@@ -52,6 +52,10 @@ class ProfileAnswer(RankAnswer):
     unfilled: list[str] = Field(default=[], max_length=64)  # of those, not loaded through DCR
 
 
+class DenseAnswer(RankAnswer):
+    rebuild_s: float = Field(default=0.0, ge=0)  # rebuilding derived layers' compute form
+
+
 class FingerprintAnswer(RankAnswer):
     tensors: dict[str, str]
 
@@ -173,7 +177,7 @@ class PluginDriver:
                check_only: bool) -> None:
         arg = {"checkpoint": check_checkpoint_path(checkpoint),
                "expect": None if expect is None else dict(expect), "check_only": check_only}
-        self._ranked("dcr_load_dense", arg, RankAnswer,
+        self._ranked("dcr_load_dense", arg, DenseAnswer,
                      call="check_dense" if check_only else "load_dense",
                      timeout_s=self.timeouts.dense_s)
 

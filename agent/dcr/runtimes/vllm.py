@@ -293,7 +293,7 @@ class EngineRank:
             raise
         self.derived.fill()
         self.sync()
-        return {"rank": self.rank}
+        return {"rank": self.rank, "rebuild_s": self.derived.take_seconds()}
 
     def _read_dense(self, req: DenseLoadRequest, root: Path, path: Path) -> Tensors:
         """The checkpoint's tensors, checked: every file under ``root``, this rank's

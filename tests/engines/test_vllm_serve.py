@@ -1,0 +1,284 @@
+"""A real ``vllm serve`` refit by ``dcr agent --engine vllm``, as the chart's vLLM pod runs.
+
+Each pod is a ``vllm serve`` process group (vLLM's CPU build: API server, engine core, a
+worker per rank, DCR's worker extension in each) and a ``dcr agent`` process beside it,
+sharing a staging directory; versions are real AdamW steps of a small Llama under the
+engine's checkpoint root. Refits run through a coordinator as ``dcr refit`` runs one
+(``dcr encode`` processes, a file store, an SQLite commit record): the test never calls
+the engine to apply anything itself.
+
+vLLM's CPU build computes every linear layer from a oneDNN copy it packs after loading
+and empties the parameter, so the agent starts with the weights unknown and rejoins
+densely before the first delta (docs/engines.md, "Weights an engine derives after
+loading"). Bits are checked three ways: the agent's own check of every attempt against
+the manifest's targets; greedy completions with logprobs against a fresh ``vllm serve``
+of the target; every rank's fingerprints against a dense load through the same server,
+taken last, since a dense load rebuilds everything it touches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+import vllm_serve
+
+if vllm_serve.cpu_build() is None:
+    pytest.skip("needs vLLM's CPU build (DCR_VLLM_FLAVOUR=cpu tools/engines/setup.sh): only "
+                "it runs `vllm serve` without a GPU", allow_module_level=True)
+
+from dcr.drivers.base import PauseMode
+from dcr.errors import DcrError
+from dcr.owner.process import ProcessOwner
+from dcr.protocol.agent_api import AgentClient
+from dcr.protocol.commitstore import SqliteCommitStore
+from dcr.protocol.coordinator import Coordinator, CoordinatorSettings
+from dcr.protocol.records import Attempt, CommitRecord
+from dcr.refit.launch import AgentProcess
+
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow, pytest.mark.e2e]
+STEPS = 3
+LR = 1e-5
+TOKEN = "vllm-serve-agent-token-0123456789ab"
+PROMPT = [5, 6, 7, 8, 9]
+
+
+@pytest.fixture(scope="module")
+def dirs(checkpoint_root: Path) -> list[Path]:
+    return vllm_serve.serve_versions(checkpoint_root / "llama-serve", steps=STEPS, lr=LR)
+
+
+@dataclass(eq=False, kw_only=True)
+class Pod:
+    """A rollout pod (server and agent) and the coordinator that refits it."""
+
+    tmp: Path
+    dirs: list[Path]
+    server: vllm_serve.VllmServer
+    agent: AgentProcess
+    client: AgentClient
+    owner: ProcessOwner
+    coordinator: Coordinator
+    others: list[vllm_serve.VllmServer] = field(default_factory=list)
+
+    def refit(self, v: int) -> CommitRecord:
+        return self.coordinator.refit(v, str(self.dirs[v]))
+
+    def outcomes(self) -> list[tuple[str, str]]:
+        return [(a.mode, a.outcome.split(":")[0]) for a in self.coordinator.history]
+
+    def fresh(self, v: int) -> vllm_serve.VllmServer:
+        """Another server, started on version ``v`` as loaded from disk."""
+        other = vllm_serve.VllmServer(name=f"fresh-v{v}", model=self.dirs[v],
+                                      root=self.dirs[0].parent, tp=self.server.tp,
+                                      staging=self.tmp / f"fresh-v{v}" / "staging",
+                                      workdir=self.tmp / f"fresh-v{v}")
+        self.others.append(other)
+        other.start()
+        other.wait_ready()
+        return other
+
+    def assert_holds(self, v: int) -> None:
+        """Completions equal a fresh server of ``v``; then every rank's fingerprints
+        equal a dense load of ``v`` through this server; the agent says ``v``."""
+        st = self.client.status()
+        assert (st.version, st.dirty, st.unknown, st.gate_open) == (v, None, None, True)
+        fresh = self.fresh(v)
+        try:
+            assert vllm_serve.greedy(self.server.url, PROMPT) == \
+                vllm_serve.greedy(fresh.url, PROMPT)
+        finally:
+            fresh.kill()
+        engine = self.server.engine()
+        refit = engine.fingerprint()
+        assert len(refit) == self.server.tp
+        engine.load_dense(f"v{v}")
+        assert engine.fingerprint() == refit
+
+    def close(self) -> None:
+        self.coordinator.close()
+        self.agent.kill()
+        for s in [self.server, *self.others]:
+            s.kill()
+
+
+@pytest.fixture
+def pods(tmp_path: Path, dirs: list[Path]) -> Iterator[Callable[..., Pod]]:
+    made: list[Pod] = []
+
+    def make(*, tp: int = 1, pause_mode: PauseMode = "keep") -> Pod:
+        staging = tmp_path / "staging"
+        server = vllm_serve.VllmServer(name="rollout-0", model=dirs[0], root=dirs[0].parent,
+                                       staging=staging, workdir=tmp_path / "vllm", tp=tp)
+        server.start()
+        server.wait_ready()
+        store = tmp_path / "store"
+        agent = AgentProcess(name="rollout-0", state_dir=tmp_path / "agent", token=TOKEN,
+                             args=["--store", store.as_uri(), "--engine", "vllm",
+                                   "--engine-url", server.url, "--staging-dir", str(staging),
+                                   "--canonical", str(dirs[0]), "--model-version", "0",
+                                   "--pause-mode", pause_mode])
+        agent.start()
+        agent.wait_ready()
+        client = agent.client(timeout_s=600)
+        profile = tmp_path / "profile.json"
+        profile.write_text(json.dumps({"tensors": client.profile()["tensors"]}))
+        owner = ProcessOwner(store_uri=store.as_uri(), checkpoints=lambda v: dirs[v],
+                             version=0, owner=0, owners=1, profile_path=profile)
+        commits = SqliteCommitStore(tmp_path / "commit.db", CommitRecord(
+            committed_version=0, baseline_id=str(dirs[0]), attempt=""))
+        coordinator = Coordinator(commits, [owner], [client],
+                                  settings=CoordinatorSettings(attempt_timeout_s=300),
+                                  dense_checkpoint=lambda v: str(dirs[v]))
+        pod = Pod(tmp=tmp_path, dirs=dirs, server=server, agent=agent, client=client,
+                  owner=owner, coordinator=coordinator)
+        made.append(pod)
+        return pod
+
+    yield make
+    for pod in made:
+        pod.close()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_refits_through_the_agent_equal_a_fresh_server_of_the_target(
+        pods: Callable[..., Pod], tp: int) -> None:
+    pod = pods(tp=tp)
+    st = pod.client.status()
+    assert st.version is None  # DCR holds no loading form of the packed layers yet
+    assert "derived after loading" in (st.unknown or "")
+    for v in range(1, STEPS + 1):
+        assert pod.refit(v).committed_version == v
+    assert pod.outcomes() == [("mixed", "committed")] * STEPS
+    assert pod.coordinator.history[0].rejoined == ("rollout-0",)  # the one dense load
+    assert [a.rejoined for a in pod.coordinator.history[1:]] == [()] * (STEPS - 1)
+    pod.assert_holds(STEPS)
+
+
+class FailsOnce:
+    """An owner whose first attempt fails after its payloads are in the store."""
+
+    def __init__(self, owner: ProcessOwner) -> None:
+        self.owner = owner
+        self.failed = False
+
+    def publish(self, attempt: Attempt) -> None:
+        self.owner.publish(attempt)
+        if not self.failed:
+            self.failed = True
+            raise DcrError(f"Owner of {attempt.id} lost after publishing.")
+
+    def advance_baseline(self, record: CommitRecord) -> None:
+        self.owner.advance_baseline(record)
+
+
+def test_a_failed_attempt_is_repaired_by_an_overwrite_retry(pods: Callable[..., Pod]) -> None:
+    pod = pods()
+    pod.refit(1)
+    pod.coordinator.owners = [FailsOnce(pod.owner)]
+    assert pod.refit(2).committed_version == 2
+    assert pod.outcomes() == [("mixed", "committed"), ("mixed", "failed"),
+                              ("overwrite", "committed")]
+    pod.assert_holds(2)
+
+
+def kill_when_applying(pod: Pod, kill: Callable[[], None]) -> Callable[[], None]:
+    """A watcher that calls ``kill`` once the agent's attempt is applying (it journals
+    that before its first write); returns the join."""
+    done = threading.Event()
+
+    def watch() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not done.is_set():
+            st = pod.client.status()
+            if st.attempt is not None and st.state == "applying":
+                kill()
+                return
+            time.sleep(0.002)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+
+    def join() -> None:
+        done.set()
+        t.join(60)
+
+    return join
+
+
+def test_a_server_killed_mid_refit_restarts_rejoins_densely_and_is_refit(
+        pods: Callable[..., Pod]) -> None:
+    pod = pods()
+    pod.refit(1)
+    join = kill_when_applying(pod, pod.server.kill)
+    with contextlib.suppress(DcrError):  # no receiver left: the refit fails, and runs again
+        pod.refit(2)
+    join()
+    assert pod.server.proc is not None
+    assert pod.server.proc.poll() is not None  # killed
+    pod.server.start()  # a new instance, on the same port: the container restarted
+    pod.server.wait_ready()
+    assert pod.refit(2).committed_version == 2
+    last = pod.coordinator.history[-1]
+    assert (last.outcome, last.rejoined) == ("committed", ("rollout-0",))
+    pod.assert_holds(2)
+
+
+def test_an_agent_killed_mid_refit_restarts_unknown_and_is_refit(
+        pods: Callable[..., Pod]) -> None:
+    pod = pods()
+    pod.refit(1)
+    join = kill_when_applying(pod, pod.agent.kill)
+    with contextlib.suppress(DcrError):
+        pod.refit(2)
+    join()
+    pod.agent.start()  # the same state directory: its journal says what it was doing
+    pod.agent.wait_ready()
+    st = pod.client.status()
+    assert st.version is None
+    assert st.unknown is not None
+    assert pod.refit(2).committed_version == 2
+    assert pod.coordinator.history[-1].rejoined == ("rollout-0",)
+    pod.assert_holds(2)
+
+
+@pytest.mark.parametrize("mode", ["wait", "abort", "keep"])
+def test_a_request_in_flight_across_a_refit(pods: Callable[..., Pod], mode: PauseMode,
+                                            record_property: Callable[..., None]) -> None:
+    """What a streamed request sees when a refit pauses the engine in each mode: how it
+    ends, how many tokens it got, and which weight versions its tokens carry."""
+    pod = pods(pause_mode=mode)
+    pod.refit(1)
+    flight = vllm_serve.Generation(pod.server.url, PROMPT, 200).start()
+    flight.wait_tokens(8)
+    t0 = time.perf_counter()
+    pod.refit(2)
+    refit_s = time.perf_counter() - t0
+    flight.join()
+    record_property("in_flight", {"mode": mode, "refit_s": round(refit_s, 3),
+                                  "tokens": len(flight.token_ids),
+                                  "finish_reason": flight.finish_reason,
+                                  "weight_versions": flight.weight_versions,
+                                  "longest_gap_s": round(flight.longest_gap_s(), 3),
+                                  "error": flight.error})
+    assert flight.error is None
+    spans = [(w["version"], w["start"], w["end"]) for w in flight.weight_versions or []]
+    if mode == "wait":  # the refit waited for it: every token is version 1's
+        assert (flight.finish_reason, len(flight.token_ids)) == ("length", 200)
+        assert spans == [("1", 0, 200)]
+    elif mode == "abort":  # ended where the pause found it
+        assert flight.finish_reason == "abort"
+        assert len(flight.token_ids) < 200
+        assert [s[0] for s in spans] == ["1"]
+    else:  # frozen, then finished on version 2's weights, labelled as such
+        assert (flight.finish_reason, len(flight.token_ids)) == ("length", 200)
+        assert [s[0] for s in spans] == ["1", "2"]
+        assert (spans[0][1], spans[-1][2]) == (0, 200)
+    pod.assert_holds(2)
