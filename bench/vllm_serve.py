@@ -42,10 +42,6 @@ import vllm_cpu
 import vllm_serve
 from dcr.checkpoint import Checkpoint
 from dcr.format.profile import ReceiverProfile
-from dcr.owner.process import ProcessOwner
-from dcr.protocol.commitstore import SqliteCommitStore
-from dcr.protocol.coordinator import Coordinator, CoordinatorSettings
-from dcr.protocol.records import CommitRecord
 from dcr.refit.launch import AgentProcess
 
 OUT = Path(__file__).resolve().parent / "results" / "vllm-serve.json"
@@ -116,16 +112,7 @@ def main() -> int:
         agent.start()
         agent.wait_ready()
         client = agent.client(timeout_s=600)
-        profile_path = tmp / "profile.json"
-        profile = client.profile()
-        profile_path.write_text(json.dumps({"tensors": profile["tensors"]}))
-        owner = ProcessOwner(store_uri=store.as_uri(), checkpoints=lambda v: dirs[v],
-                             version=0, owner=0, owners=1, profile_path=profile_path)
-        commits = SqliteCommitStore(tmp / "commit.db", CommitRecord(
-            committed_version=0, baseline_id=str(dirs[0]), attempt=""))
-        coordinator = Coordinator(commits, [owner], [client],
-                                  settings=CoordinatorSettings(attempt_timeout_s=600),
-                                  dense_checkpoint=lambda v: str(dirs[v]))
+        _, coordinator = vllm_serve.refitter(tmp, dirs, client, store)
         engine = server.engine()
         result: dict[str, Any] = {}
         try:

@@ -19,7 +19,6 @@ taken last, since a dense load rebuilds everything it touches.
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -38,8 +37,7 @@ from dcr.drivers.base import PauseMode
 from dcr.errors import DcrError
 from dcr.owner.process import ProcessOwner
 from dcr.protocol.agent_api import AgentClient
-from dcr.protocol.commitstore import SqliteCommitStore
-from dcr.protocol.coordinator import Coordinator, CoordinatorSettings
+from dcr.protocol.coordinator import Coordinator
 from dcr.protocol.records import Attempt, CommitRecord
 from dcr.refit.launch import AgentProcess
 
@@ -128,15 +126,7 @@ def pods(tmp_path: Path, dirs: list[Path]) -> Iterator[Callable[..., Pod]]:
         agent.start()
         agent.wait_ready()
         client = agent.client(timeout_s=600)
-        profile = tmp_path / "profile.json"
-        profile.write_text(json.dumps({"tensors": client.profile()["tensors"]}))
-        owner = ProcessOwner(store_uri=store.as_uri(), checkpoints=lambda v: dirs[v],
-                             version=0, owner=0, owners=1, profile_path=profile)
-        commits = SqliteCommitStore(tmp_path / "commit.db", CommitRecord(
-            committed_version=0, baseline_id=str(dirs[0]), attempt=""))
-        coordinator = Coordinator(commits, [owner], [client],
-                                  settings=CoordinatorSettings(attempt_timeout_s=300),
-                                  dense_checkpoint=lambda v: str(dirs[v]))
+        owner, coordinator = vllm_serve.refitter(tmp_path, dirs, client, store)
         pod = Pod(tmp=tmp_path, dirs=dirs, server=server, agent=agent, client=client,
                   owner=owner, coordinator=coordinator)
         made.append(pod)

@@ -33,6 +33,11 @@ from typing import IO, Any
 from vllm_cpu import Family, make_versions
 
 from dcr.drivers.vllm import VllmDriver
+from dcr.owner.process import ProcessOwner
+from dcr.protocol.agent_api import AgentClient
+from dcr.protocol.commitstore import SqliteCommitStore
+from dcr.protocol.coordinator import Coordinator, CoordinatorSettings
+from dcr.protocol.records import CommitRecord
 from dcr.refit.launch import free_port
 
 SERVED = "policy"  # the served model name
@@ -153,6 +158,22 @@ class VllmServer:
 
     def engine(self) -> VllmDriver:
         return VllmDriver(self.url)
+
+
+def refitter(tmp: Path, dirs: list[Path], client: AgentClient, store: Path
+             ) -> tuple[ProcessOwner, Coordinator]:
+    """One owner (``dcr encode`` processes) and the coordinator that refits ``client``
+    one version at a time from ``dirs``, as ``dcr refit`` runs them: a file store, an
+    SQLite commit record at version 0, dense rejoins from ``dirs``."""
+    profile = tmp / "profile.json"
+    profile.write_text(json.dumps({"tensors": client.profile()["tensors"]}))
+    owner = ProcessOwner(store_uri=store.as_uri(), checkpoints=lambda v: dirs[v],
+                         version=0, owner=0, owners=1, profile_path=profile)
+    commits = SqliteCommitStore(tmp / "commit.db", CommitRecord(
+        committed_version=0, baseline_id=str(dirs[0]), attempt=""))
+    return owner, Coordinator(commits, [owner], [client],
+                              settings=CoordinatorSettings(attempt_timeout_s=600),
+                              dense_checkpoint=lambda v: str(dirs[v]))
 
 
 def post(url: str, path: str, body: dict[str, Any], timeout_s: float = 120) -> Any:
