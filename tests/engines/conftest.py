@@ -71,3 +71,13 @@ def tp1(versions: Callable[[str], list[Path]]) -> None:
 
     vllm_cpu.init_distributed(versions("qwen2-moe")[0], world=1, rank=0,
                               port=vllm_cpu.free_port())
+
+
+@pytest.fixture
+def staging(tmp_path: Path, checkpoint_root: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The engine process's environment: a staging directory and a checkpoint root."""
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    monkeypatch.setenv("DCR_STAGING_DIR", str(staging))
+    monkeypatch.setenv("DCR_CHECKPOINT_ROOT", str(checkpoint_root))
+    return staging

@@ -31,15 +31,6 @@ FAMILY = "llama"
 LINEAR = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
-@pytest.fixture
-def staging(tmp_path: Path, checkpoint_root: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    staging = tmp_path / "staging"
-    staging.mkdir()
-    monkeypatch.setenv("DCR_STAGING_DIR", str(staging))
-    monkeypatch.setenv("DCR_CHECKPOINT_ROOT", str(checkpoint_root))
-    return staging
-
-
 def served(model_dir: Path) -> torch.nn.Module:
     try:
         return vllm_cpu.build_served(model_dir)

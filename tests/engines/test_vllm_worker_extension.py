@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -33,17 +33,6 @@ from dcr.runtimes.weights import DenseRefused
 
 pytestmark = pytest.mark.usefixtures("tp1")
 FAMILY = "qwen2-moe"  # fused qkv with bias, gate_up, expert stacks, padded vocabulary
-
-
-@pytest.fixture
-def staging(tmp_path: Path, checkpoint_root: Path, monkeypatch: pytest.MonkeyPatch
-            ) -> Iterator[Path]:
-    """The engine process's environment: a staging directory and a checkpoint root."""
-    staging = tmp_path / "staging"
-    staging.mkdir()
-    monkeypatch.setenv("DCR_STAGING_DIR", str(staging))
-    monkeypatch.setenv("DCR_CHECKPOINT_ROOT", str(checkpoint_root))
-    return staging
 
 
 @pytest.fixture
