@@ -57,6 +57,7 @@ lint: install
 bench: install
 	$(PY) bench/codec.py
 	$(PY) bench/apply.py
+	$(PY) bench/expand.py
 	$(PY) bench/protocol.py
 	$(PY) bench/doctables.py
 

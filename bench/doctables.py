@@ -201,6 +201,20 @@ def reference() -> str:
                   "dense refit through the same loader s", "scratch / largest tensor"], rows)
 
 
+def expand() -> str:
+    rows = []
+    for r in load("expand")["rows"]:
+        h, d = r["host"], r["device"]
+        rows.append([f"TP{r['tp']} rank 0", f"{r['changed_pct']:.0f}%", f"{r['records']:,}",
+                     f"{h['seconds']:.3f}", f"{d['seconds']:.3f}",
+                     f"{r['device_over_host']:.2f}", f"{h['scatter_s']:.3f}",
+                     f"{d['scatter_s']:.3f}", f"{d['expand_s']:.3f}",
+                     "yes" if r["bit_exact"] else "NO"])
+    return table(["rank", "changed", "records", "host path s", "device path s",
+                  "device / host", "host scatter s", "device scatter s",
+                  "of which expand s", "bit-exact"], rows, left=(0, 9))
+
+
 # --- docs/evaluation.md -------------------------------------------------------------------
 
 WAYS = {"replay": "replay the committed deltas", "snapshot": "snapshot + the deltas after it",
@@ -242,7 +256,8 @@ TABLES: dict[str, dict[str, Callable[[], str]]] = {
     "docs/benchmarks.md": {"codec-size": codec_size, "codec-speed": codec_speed,
                            "manifest": manifest, "transport": transport,
                            "protocol": protocol},
-    "docs/apply.md": {"coverage": coverage, "engines": engines, "reference": reference},
+    "docs/apply.md": {"coverage": coverage, "engines": engines, "reference": reference,
+                      "expand": expand},
     "docs/evaluation.md": {"catchup": catchup, "peer": peer},
 }
 

@@ -41,6 +41,7 @@ import zstandard
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from dcr.apply import expand
 from dcr.codec.decode import Target, apply_items, decode
 from dcr.codec.encode import PayloadBuilder, diff_range, encode_item
 from dcr.errors import DcrError, PayloadError, TargetMismatch
@@ -224,9 +225,14 @@ def attempt(data: bytes, case: Case, limits: DecodeLimits) -> tuple[
     payload: Payload | None = None
     try:
         payload = read_payload(data, limits)
-        apply_items(decode(payload), targets)
+        items = decode(payload)
+        apply_items(items, targets)
     except DcrError as e:
         err = e
+    else:  # the device path's torch expansion must give the same bits
+        by_torch = fresh_targets(case)
+        expand.apply_items(items, by_torch)
+        assert snapshot(by_torch) == snapshot(targets), "torch expansion differs from C"
     if err is not None:
         assert snapshot(targets) == before, f"{type(err).__name__} after writing: {err}"
         return targets, None, err

@@ -45,6 +45,7 @@ import numpy as np
 import pytest
 import zstandard
 
+from dcr.apply import expand
 from dcr.codec.decode import Target, apply_items, decode
 from dcr.codec.encode import PayloadBuilder, diff_range, encode_item
 from dcr.format.dtypes import DTYPES, dtype
@@ -183,13 +184,16 @@ def _first_diff(a: bytes, b: bytes) -> int:
 # --- (b) the fixture decodes to the known target -------------------------------------------
 
 
+@pytest.mark.parametrize("kernel", ["c", "device"])
 @pytest.mark.parametrize("name", NAMES)
-def test_fixture_applied_to_known_base_gives_known_target(name: str) -> None:
+def test_fixture_applied_to_known_base_gives_known_target(name: str, kernel: str) -> None:
+    """Through the codec's C kernel, and through the torch expansion of the applier's
+    device path (``dcr.apply.expand``)."""
     golden = GOLDEN[name]()
     targets = {n: Target(dtype=dt, shape=shape, bits=flat.copy().reshape(shape))
                for n, (dt, shape, flat) in golden.base.items()}
     items = decode(read_payload(fixture_bytes(name)))
-    records = apply_items(items, targets)
+    records = (apply_items if kernel == "c" else expand.apply_items)(items, targets)
     assert records == sum(int(np.count_nonzero(golden.base[n][2] != t))
                           for n, t in golden.target.items())
     for n, want in golden.target.items():

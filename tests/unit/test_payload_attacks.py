@@ -26,6 +26,7 @@ import hashlib
 import json
 import re
 import struct
+import sys
 import tracemalloc
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ import pytest
 import zstandard
 from pydantic import ValidationError
 
+from dcr.apply import expand
 from dcr.codec.decode import DecodedItem, Target, apply_items, decode
 from dcr.codec.encode import PayloadBuilder, diff_range, encode_item
 from dcr.errors import (
@@ -308,9 +310,22 @@ def targets_for(good: Good) -> dict[str, Target]:
     }
 
 
+# Every case runs through both kernels: the codec's C scatter, and the torch expansion the
+# applier's device path uses (dcr.apply.expand); both must refuse the same bytes the same way.
+KERNELS: dict[str, Callable[[list[DecodedItem], Mapping[str, Target]], int]] = {
+    "c": apply_items, "device": expand.apply_items}
+_kernel = apply_items
+
+
+@pytest.fixture(autouse=True, params=sorted(KERNELS))
+def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setattr(sys.modules[__name__], "_kernel", KERNELS[request.param])
+    return str(request.param)
+
+
 def run(data: bytes, targets: Mapping[str, Target],
         limits: DecodeLimits = DEFAULT_LIMITS) -> int:
-    return apply_items(decode(read_payload(data, limits)), targets)
+    return _kernel(decode(read_payload(data, limits)), targets)
 
 
 def assert_rejected(

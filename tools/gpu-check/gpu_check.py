@@ -7,6 +7,11 @@ One script, meant to finish in under 8 minutes on one H200:
    AdamW steps at lr 1e-6 on random tokens with FP32 master weights; every version is
    exported in BF16 (``v0`` .. ``vN``, with a word-level tokenizer so the engine serves
    text as usual). At lr 1e-6 about 1% of the BF16 elements change per step.
+   With ``--engine reference``, the applier alone next (``paths.py``): two copies of
+   ``v0`` in this process, one applied with records expanded on the host, one on the
+   device, the same sets side by side (the AdamW steps, then uniform 1%, 3%, 5%): apply
+   seconds, dense-equivalent GB/s, the split (decode, upload, expand, scatter, loader),
+   the check of every target fingerprint, and both copies' bits.
 2. **The rollout pod, as processes.** The engine (``vllm serve`` with
    ``--worker-extension-cls dcr.runtimes.vllm.DcrWorkerExtension`` and
    ``VLLM_SERVER_DEV_MODE=1``; or, for the CPU dry run, ``dcr serve``) and the agent
@@ -458,7 +463,8 @@ def apply_throughput(args: argparse.Namespace, engine: Any, ckpts: Path, staging
         for n in names:
             (staging / n).unlink()
         split = {k: round(max(float(r.get(k, 0.0)) for r in outcome.reports), 4)
-                 for k in ("decode_s", "scatter_s", "loader_s", "intercept_s")}
+                 for k in ("decode_s", "upload_s", "expand_s", "scatter_s", "loader_s",
+                           "intercept_s")}
         rows.append({"step": v, "changed_pct": 100 * stats["changed_elements"]
                      / stats["total_elements"], "payload_bytes": stats["payload_bytes"],
                      "payloads": len(names), "apply_s": round(apply_s, 4),
@@ -541,6 +547,7 @@ def main() -> int:
     if args.request_tokens is None:
         args.request_tokens = 1000 if args.engine == "vllm" else 200
     sys.path.insert(0, str(REPO / "agent"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # paths.py beside it
     import torch
 
     cuda = torch.cuda.is_available()
@@ -571,6 +578,10 @@ def main() -> int:
         device = "cuda" if cuda else "cpu"
         result["model"] = timed(phases, "checkpoints", lambda: make_checkpoints(
             ckpts, args.model_size, args.steps, args.lr, device))
+        if args.engine == "reference":
+            from paths import compare_paths
+            result["paths"] = timed(phases, "apply_paths", lambda: compare_paths(
+                ckpts, args.steps, device))
         engine_proc, engine_url = timed(phases, "engine_start", lambda: start_engine(
             args.engine, ckpts, staging, tmp, args.tp, device, args.quantization))
         procs.append(engine_proc)
@@ -592,7 +603,8 @@ def main() -> int:
         result["total_s"] = round(time.perf_counter() - t_all, 1)
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
-    exact = all(r["bit_exact"] for r in result["sidecar_refits"]) and result["apply"]["bit_exact"]
+    exact = (all(r["bit_exact"] for r in result["sidecar_refits"])
+             and result["apply"]["bit_exact"] and result.get("paths", {}).get("bit_exact", True))
     result["bit_exact"] = exact
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

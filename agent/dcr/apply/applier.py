@@ -12,12 +12,14 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
+from dcr.apply import xxh3
+from dcr.apply.expand import CompactRecords, Uploader, scatter
 from dcr.apply.geometry import (
     View,
     is_rowmajor,
@@ -89,6 +91,10 @@ class ApplyReport:
     loads: int = 0  # load_weights calls
     deferred: int = 0  # tensors applied through the one deferred call
     decode_s: float = 0.0  # verify, check, decompress and validate the payloads
+    upload_s: float = 0.0  # pack the compact records and start their copies (device path)
+    upload_bytes: int = 0  # what those copies carry to the device
+    expand_s: float = 0.0  # records to positions on the device (within scatter_s); on CUDA
+    # the device's own time between events, read after the set's one synchronization
     scatter_s: float = 0.0  # positions; staging scratch; the deferred writes into storage
     loader_s: float = 0.0  # the runtime's own loader, less the time in DCR's hook
     intercept_s: float = 0.0  # DCR's hook in loader calls (on the staged path, its writes)
@@ -99,19 +105,35 @@ class ApplyReport:
 @dataclass(kw_only=True)
 class _Records:
     """One tensor's decoded records: ascending flat positions and their bits (a signed
-    integer view of the element width), as numpy, and as torch on the engine's device
-    once a path needs them there."""
+    integer view of the element width). Expanded on the host by the codec's C kernel
+    (``host`` holds them as numpy, moved to the engine's device once a path needs them
+    there), or on the device from the compact records (``expand.py``)."""
 
-    positions: npt.NDArray[np.int64]
-    values: npt.NDArray[Any]
-    device: torch.device
-    _torch: tuple[torch.Tensor, torch.Tensor] | None = None
+    positions: torch.Tensor
+    values: torch.Tensor
+    host: tuple[npt.NDArray[np.int64], npt.NDArray[Any]] | None = None
 
-    def on_device(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._torch is None:
-            self._torch = (torch.from_numpy(self.positions).to(self.device),
-                           torch.from_numpy(self.values).to(self.device))
-        return self._torch
+    @classmethod
+    def expanded_on_host(cls, group: list[DecodedItem], device: torch.device) -> _Records:
+        count = sum(it.header.count for it in group)
+        positions = np.empty(count, dtype=np.int64)
+        lo = 0
+        for it in group:  # sorted by start, disjoint: positions ascend
+            it.positions(positions[lo : lo + it.header.count])
+            lo += it.header.count
+        values = group[0].values if len(group) == 1 else np.concatenate([i.values for i in group])
+        if values.itemsize > 1:  # torch has no unsigned 16/32/64-bit arithmetic: signed view
+            values = values.view(np.dtype(f"<i{values.itemsize}"))
+        return cls(positions=torch.from_numpy(positions).to(device),
+                   values=torch.from_numpy(values).to(device), host=(positions, values))
+
+    @classmethod
+    def expanded_on_device(cls, compact: CompactRecords) -> _Records:
+        positions, values = compact.expand()
+        return cls(positions=positions, values=values)
+
+    def __len__(self) -> int:
+        return self.positions.numel()
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -125,16 +147,26 @@ class Applier:
     """Applies payloads to one runtime (one rank) in place."""
 
     def __init__(self, runtime: Loader, *, device: str | torch.device = "cpu",
-                 verify: bool = False, defer: bool = True) -> None:
+                 verify: bool = False, defer: bool = True,
+                 expand: Literal["host", "device"] | None = None,
+                 pack: bool | None = None) -> None:
         """``verify`` reads every mapped write back. ``defer`` (the default) applies the
         deferrable tensors of a set through one loader call and writes once that call has
         been checked; ``False`` stages and loads every tensor one call each, as tensors
         on converting and dense paths always are (slower: to compare, or to watch a
-        loader tensor by tensor)."""
+        loader tensor by tensor). ``expand`` says where records become positions: on the
+        ``host`` by the codec's C kernel, or on the ``device`` with torch operations from
+        the compact records (``expand.py``); by default the device on CUDA, the host on
+        the CPU. ``pack`` is the :class:`~dcr.apply.expand.Uploader`'s (packed into one
+        host buffer and copied, as always on CUDA; on the CPU, to test that layout)."""
         self.runtime = runtime
         self.device = torch.device(device)
         self.verify = verify
         self.defer = defer
+        self.expand = expand or ("device" if self.device.type == "cuda" else "host")
+        self._uploader = Uploader(self.device, pack=pack)
+        self._expand_s = 0.0  # this set's expansion, on the CPU
+        self._expand_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # on CUDA
         self._storages: dict[tuple[str, int], str] = {}
         self._key_of: dict[str, tuple[str, int]] = {}
         for name, t in runtime.named_tensors():
@@ -266,12 +298,24 @@ class Applier:
         live = [n for n in groups if self.plans[n].cls != "skip"]
         deferred = [n for n in live if self.defer and self.plans[n].deferrable]
         staged = [n for n in live if not (self.defer and self.plans[n].deferrable)]
+        self._expand_s, self._expand_events = 0.0, []
+        t1 = time.perf_counter()
+        compact = (self._uploader.upload({n: groups[n] for n in deferred + staged})
+                   if self.expand == "device" else {})  # copies run while the loader does
+        report.upload_s = time.perf_counter() - t1
+        report.upload_bytes = self._uploader.bytes
         if deferred:
-            self._apply_deferred(deferred, groups, report)
+            self._apply_deferred(deferred, groups, compact, report)
         for name in staged:
-            self._apply_tensor(name, groups[name], report)
+            self._apply_tensor(name, groups[name], compact, report)
         if staged:
             self._check_moved()
+        if self.device.type == "cuda":  # the one synchronization of the set
+            t2 = time.perf_counter()
+            torch.cuda.current_stream(self.device).synchronize()
+            report.scatter_s += time.perf_counter() - t2
+        report.expand_s = self._expand_s + sum(
+            b.elapsed_time(e) for b, e in self._expand_events) / 1e3
         return report
 
     def _check_moved(self) -> None:
@@ -284,21 +328,27 @@ class Applier:
                 "place: those writes bypass the hook."
             )
 
-    def _records(self, group: list[DecodedItem]) -> _Records:
-        """A tensor's records: ascending flat positions and their values (integer bits)."""
-        count = sum(it.header.count for it in group)
-        positions = np.empty(count, dtype=np.int64)
-        lo = 0
-        for it in group:  # sorted by start, disjoint: positions ascend
-            it.positions(positions[lo : lo + it.header.count])
-            lo += it.header.count
-        values = group[0].values if len(group) == 1 else np.concatenate([i.values for i in group])
-        if values.itemsize > 1:  # torch has no unsigned 16/32/64-bit arithmetic: signed view
-            values = values.view(np.dtype(f"<i{values.itemsize}"))
-        return _Records(positions=positions, values=values, device=self.device)
+    def _records(self, name: str, group: list[DecodedItem],
+                 compact: Mapping[str, CompactRecords]) -> _Records:
+        """A tensor's records, expanded where :attr:`expand` says."""
+        if name not in compact:
+            return _Records.expanded_on_host(group, self.device)
+        if self.device.type != "cuda":
+            t0 = time.perf_counter()
+            records = _Records.expanded_on_device(compact[name])
+            self._expand_s += time.perf_counter() - t0
+            return records
+        begin = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        compact[name].wait()  # its copy first: the events time the expansion alone
+        begin.record()
+        records = _Records.expanded_on_device(compact[name])
+        end.record()
+        self._expand_events.append((begin, end))
+        return records
 
     def _apply_deferred(self, names: list[str], groups: Mapping[str, list[DecodedItem]],
-                        report: ApplyReport) -> None:
+                        compact: Mapping[str, CompactRecords], report: ApplyReport) -> None:
         """Load every deferrable tensor in one call, recording its writes; check them all;
         then write the changed elements. Nothing is written unless every check passes."""
         wanted = set(names)
@@ -364,16 +414,16 @@ class Applier:
                 f"{len(names)} tensors that did not at prewarm; nothing was written.")
         t2 = time.perf_counter()
         for n in names:
-            records = self._records(groups[n])
+            records = self._records(n, groups[n], compact)
             xor = groups[n][0].header.entry == "xor"
             for sig, dst, run in observed[n]:
                 if sig.is_fill:
                     run()  # a constant fill, replayed as the loader meant it
                 else:
-                    self._write_mapped(sig, dst, records, xor)
+                    self._write_mapped(sig, dst, records, xor, self._whole(n, sig))
             report.tensors += 1
             report.names.add(n)
-            report.records += len(records.positions)
+            report.records += len(records)
             report.writes += len(observed[n])
             report.classes[self.plans[n].cls] = report.classes.get(self.plans[n].cls, 0) + 1
         report.deferred += len(names)
@@ -411,7 +461,8 @@ class Applier:
             if len({i.entry for i in group}) > 1:
                 raise MalformedPayload(f"Tensor {name!r} has both XOR and overwrite items.")
 
-    def _apply_tensor(self, name: str, group: list[DecodedItem], report: ApplyReport) -> None:
+    def _apply_tensor(self, name: str, group: list[DecodedItem],
+                      compact: Mapping[str, CompactRecords], report: ApplyReport) -> None:
         """The staged path, one loader call: the records go into scratch (masks on zeros,
         or values on NaN placeholders where a write converts), and each intercepted write
         is honoured as it happens."""
@@ -421,8 +472,9 @@ class Applier:
         t0 = time.perf_counter()
         scratch = self._scratch_for(t)
         sbits = scratch.view(BITS[scratch.element_size()]).view(-1)
-        records = self._records(group)
-        positions, values = records.on_device()
+        records = self._records(name, group, compact)
+        positions, values = records.positions, records.values
+        native = records.host is not None
         masked = plan.cls == "overwrite" and not all(w.mapped or w.is_fill for w in plan.writes)
         if masked:
             if bool(torch.isnan(values.view(scratch.dtype)).any()):
@@ -431,7 +483,7 @@ class Applier:
                     "placeholder is NaN; the sender must send it dense."
                 )
             scratch.view(-1).fill_(float("nan"))
-        _put(sbits, positions, values, xor=False)
+        _put(sbits, positions, values, xor=False, native=native)
         report.scatter_s += time.perf_counter() - t0
 
         observed: list[CopySig] = []
@@ -446,7 +498,7 @@ class Applier:
             if src is None or plan.cls == "dense":
                 run()  # a constant fill, or a whole-tensor path: as the loader meant it
             elif sig.mapped:
-                self._write_mapped(sig, dst, records, xor)
+                self._write_mapped(sig, dst, records, xor, self._whole(name, sig))
             else:
                 if xor:
                     raise LoaderPathError(f"A converting write of {name!r} got XOR masks.")
@@ -467,7 +519,7 @@ class Applier:
             if masked:
                 scratch.view(torch.uint8).zero_()
             else:  # back to all zeros, touching only what we set
-                _put(sbits, positions, torch.zeros_like(values), xor=False)
+                _put(sbits, positions, torch.zeros_like(values), xor=False, native=native)
         report.loader_s += time.perf_counter() - t2 - spent
         report.intercept_s += spent
         report.loads += 1
@@ -485,33 +537,46 @@ class Applier:
             )
         report.tensors += 1
         report.names.add(name)
-        report.records += len(records.positions)
+        report.records += len(records)
         report.writes += len(observed)
         report.classes[plan.cls] = report.classes.get(plan.cls, 0) + 1
 
+    def _whole(self, name: str, sig: CopySig) -> bool:
+        """Whether a write copies the whole canonical tensor in row-major order: then every
+        record lands in it, at its own position in the view, with no search or mask."""
+        return (sig.src is not None and sig.src.offset == 0 and is_rowmajor(sig.src)
+                and sig.src.numel * DTYPES[self.tensors[name].dtype].itemsize
+                == self.tensors[name].nbytes)
+
     def _write_mapped(self, sig: CopySig, dst: torch.Tensor, records: _Records,
-                      xor: bool) -> None:
+                      xor: bool, whole: bool) -> None:
         """XOR (or write) the records that fall in the write's source view into its
-        destination: on the CPU, a row-major view onto a row-major view by a shift in the
-        C kernel; anything else through the inverted geometry."""
+        destination: records from the C kernel, on the CPU, a row-major view onto a
+        row-major view by a shift in the C kernel; anything else with torch operations
+        through the inverted geometry (no search or mask for a ``whole`` copy)."""
         assert sig.src is not None
         src = sig.src
-        if dst.device.type == "cpu" and is_rowmajor(src) and is_rowmajor(sig.dst):
-            lo, hi = np.searchsorted(records.positions, (src.offset, src.offset + src.numel))
+        if records.host is not None and dst.device.type == "cpu" \
+                and is_rowmajor(src) and is_rowmajor(sig.dst):
+            positions_np, values_np = records.host
+            lo, hi = np.searchsorted(positions_np, (src.offset, src.offset + src.numel))
             if hi > lo:
-                self._scatter_shifted(sig, dst, records.positions[lo:hi],
-                                      records.values[lo:hi], xor)
+                self._scatter_shifted(sig, dst, positions_np[lo:hi], values_np[lo:hi], xor)
             return
-        positions, values = records.on_device()
-        inside, flat = locate(src, positions)  # positions ascend
+        positions, values = records.positions, records.values
+        if whole:
+            flat, v = positions, values
+        else:
+            inside, flat = locate(src, positions)  # positions ascend
+            v = values[inside]
         if flat.numel() == 0:
             return
-        idx = storage_index(sig.dst, flat)
+        idx = storage_index(sig.dst, flat) if sig.dst.offset or not is_rowmajor(sig.dst) \
+            else flat
         bits = _bits(dst)
-        v = values[inside]
         if self.verify:
             expect = bits[idx] ^ v if xor else v
-        _put(bits, idx, v, xor=xor)
+        _put(bits, idx, v, xor=xor, native=records.host is not None)
         if self.verify and not bool(torch.equal(bits[idx], expect)):
             raise LoaderPathError(f"Post-apply check failed for a write into {sig.storage!r}.")
 
@@ -555,18 +620,26 @@ class Applier:
     def check_targets(self, targets: Mapping[str, str]) -> dict[str, str]:
         """Compare the fingerprints of the readable tensors among ``targets`` (name ->
         ``xxh3-128:...`` of the canonical bits, as a manifest lists them) with what
-        storage holds; return those that differ, each with the fingerprint it holds."""
-        held = {name: fingerprint(self.read_canonical(name).cpu().numpy())
+        storage holds; return those that differ, each with the fingerprint it holds. On
+        the device path the hashing runs where the weights live (``xxh3.py``): 1/16 of
+        each tensor's bytes reach the host, as per-block sums."""
+        held = {name: self._digest(self.read_canonical(name))
                 for name in sorted(targets.keys() & self.readable)}
         return {name: fp for name, fp in held.items() if fp != targets[name]}
 
+    def _digest(self, bits: torch.Tensor) -> str:
+        """xxh3-128 on the device path where the weights live, else on the host."""
+        return xxh3.fingerprint(bits) if self.expand == "device" else fingerprint(
+            bits.cpu().numpy())
 
-def _put(bits: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, *, xor: bool) -> None:
-    """``bits[idx] = values`` (or ``^=``); on CPU through the codec's bounds-checked kernel."""
-    if bits.device.type == "cpu":
+
+def _put(bits: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, *, xor: bool,
+         native: bool) -> None:
+    """``bits[idx] = values`` (or ``^=``): on the CPU through the codec's bounds-checked C
+    kernel when ``native``, else with torch indexing (the device path: its indices come
+    from validated records and prewarm's geometry)."""
+    if native and bits.device.type == "cpu":
         _native.scatter(bits.numpy(), bits.element_size(), idx.contiguous().numpy(),
                         values.contiguous().numpy(), xor)
-    elif xor:
-        bits[idx] = bits[idx] ^ values
     else:
-        bits[idx] = values
+        scatter(bits.view(-1), idx, values, xor=xor)

@@ -13,6 +13,10 @@
  *        into ascending element indices in one pass, instead of numpy's widen, escape
  *        join, add and cumulative sum, each a pass of its own.
  *
+ * xxh3_fold: the sequential half of xxh3's long-input loop: add each 1 KiB block's lane
+ *        sums (computed elsewhere, in parallel: on the device) into the accumulators and
+ *        scramble them, block after block.
+ *
  * All work on the buffer protocol (numpy arrays, mmaps), release the GIL, and use
  * memcpy for loads so unaligned tensors (safetensors does not align) are fine.
  */
@@ -309,6 +313,45 @@ done:
     return result;
 }
 
+/* xxh3_fold(acc, blocks, keys) -> None
+ * acc: 8 uint64 accumulators, updated in place; blocks: n rows of 8 uint64 lane sums;
+ * keys: the 8 uint64 scramble keys. For each row: acc += row, then xxh3's scramble
+ * (xorshift 47, XOR the key, multiply by PRIME32_1), all modulo 2**64. */
+static PyObject *xxh3_fold(PyObject *self, PyObject *args) {
+    Py_buffer a, b, k;
+    if (!PyArg_ParseTuple(args, "w*y*y*", &a, &b, &k))
+        return NULL;
+    PyObject *result = NULL;
+    if (a.len != 64 || k.len != 64 || b.len % 64 != 0) {
+        PyErr_Format(PyExc_ValueError, "xxh3_fold wants 64-byte accumulators and keys and "
+                     "rows of 64 bytes, got %zd, %zd and %zd bytes", a.len, k.len, b.len);
+        goto done;
+    }
+    uint64_t acc[8], key[8];
+    memcpy(acc, a.buf, 64);
+    memcpy(key, k.buf, 64);
+    const unsigned char *rows = b.buf;
+    Py_ssize_t n = b.len / 64;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t r = 0; r < n; r++) {
+        for (int i = 0; i < 8; i++) {
+            uint64_t x = acc[i] + load64(rows + 64 * r + 8 * i);
+            x ^= x >> 47;
+            x ^= key[i];
+            acc[i] = x * 0x9E3779B1ULL;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    memcpy(a.buf, acc, 64);
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&b);
+    PyBuffer_Release(&k);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS,
      "scan(base, target, itemsize, positions, old, new, offset) -> count of changed elements"},
@@ -318,6 +361,9 @@ static PyMethodDef methods[] = {
     {"positions", positions, METH_VARARGS,
      "positions(small, escaped, esc_width, lengths, len_width, start, span, out) -> None: "
      "one item's coded locations as ascending element indices"},
+    {"xxh3_fold", xxh3_fold, METH_VARARGS,
+     "xxh3_fold(acc, blocks, keys) -> None: add each row of lane sums to the accumulators "
+     "and scramble them, row after row"},
     {NULL, NULL, 0, NULL},
 };
 

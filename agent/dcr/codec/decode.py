@@ -157,6 +157,16 @@ def check_targets(items: Iterable[DecodedItem], targets: Mapping[str, Target]) -
             )
 
 
+def check_apply(items: list[DecodedItem], targets: Mapping[str, Target]) -> None:
+    """What :func:`apply_items` checks before its first write: the items are disjoint
+    and each fits its target."""
+    try:
+        check_disjoint(i.header for i in items)
+    except ValueError as e:
+        raise MalformedPayload(f"Items to apply conflict: {e}.") from e
+    check_targets(items, targets)
+
+
 def apply_items(
     items: list[DecodedItem], targets: Mapping[str, Target], *, threads: int = 1
 ) -> int:
@@ -165,11 +175,7 @@ def apply_items(
     With ``threads > 1`` items are applied concurrently (numpy releases the GIL while it
     scatters); items never overlap, so the result does not depend on the order.
     """
-    try:
-        check_disjoint(i.header for i in items)
-    except ValueError as e:
-        raise MalformedPayload(f"Items to apply conflict: {e}.") from e
-    check_targets(items, targets)
+    check_apply(items, targets)
 
     def apply_one(item: DecodedItem) -> int:
         flat = targets[item.header.name].bits.reshape(-1)

@@ -254,6 +254,8 @@ class EngineRank:
                 "writes": report.writes, "loads": report.loads, "deferred": report.deferred,
                 "decode_s": report.decode_s, "scatter_s": report.scatter_s,
                 "loader_s": report.loader_s, "intercept_s": report.intercept_s,
+                "expand": engine.expand, "upload_s": report.upload_s,
+                "upload_bytes": report.upload_bytes, "expand_s": report.expand_s,
                 "rebuilt": len(rebuilt), "rebuild_s": self.derived.take_seconds(),
                 "classes": dict(report.classes), "names": sorted(report.names)}
 
