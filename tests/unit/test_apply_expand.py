@@ -294,7 +294,8 @@ def test_the_device_check_names_a_tensor_with_one_flipped_bit() -> None:
         w2.view(torch.int16)[-1, 0, 0] ^= 1 << 3  # the last local expert: number 3
     differ = engine.check_targets(expect)
     assert list(differ) == [name]
-    assert differ[name].startswith("xxh3-128:") and differ[name] != expect[name]
+    assert differ[name].startswith("xxh3-128:")
+    assert differ[name] != expect[name]
 
 
 def test_a_payload_that_fails_validation_never_reaches_the_upload(
