@@ -53,17 +53,27 @@ def bits_equal(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
     return [n for n in sa if not torch.equal(sa[n].view(torch.uint8), sb[n].view(torch.uint8))]
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+# (device, where records expand): the CPU's C path, the device path run on the CPU, and on
+# a machine with CUDA both paths there (make gpu-check runs them too).
+WHERE = [pytest.param("cpu", "host", id="cpu-host"), pytest.param("cpu", "device", id="cpu-device"),
+         pytest.param("cuda", "host", id="cuda-host", marks=[pytest.mark.gpu, CUDA]),
+         pytest.param("cuda", "device", id="cuda-device", marks=[pytest.mark.gpu, CUDA])]
+
+
 @pytest.mark.parametrize(("kind", "tied"), [("llama", False), ("llama", True), ("mixtral", False)])
 @pytest.mark.parametrize("mode", ["mixed", "overwrite"])
-def test_refits_of_real_adamw_steps_equal_a_dense_load(kind: str, tied: bool, mode: Mode) -> None:
+@pytest.mark.parametrize(("device", "where"), WHERE)
+def test_refits_of_real_adamw_steps_equal_a_dense_load(kind: str, tied: bool, mode: Mode,
+                                                       device: str, where: str) -> None:
     torch.manual_seed(0)
     master = build(kind, tied)
     opt = torch.optim.AdamW(master.parameters(), lr=1e-4)
-    receiver = build(kind, tied).to(torch.bfloat16)
+    receiver = build(kind, tied).to(torch.bfloat16).to(device)
     runtime = HFRuntime(receiver)
     old = export(master, tied)
     runtime.load_weights(old.items())
-    engine = Applier(runtime, verify=True)
+    engine = Applier(runtime, device=device, verify=True, expand=where)  # type: ignore[arg-type]
     profile = engine.prewarm(
         CanonicalTensor(name=n, dtype="BF16", shape=tuple(t.shape)) for n, t in old.items()
     )
@@ -83,9 +93,10 @@ def test_refits_of_real_adamw_steps_equal_a_dense_load(kind: str, tied: bool, mo
         assert report.records == m.stats.changed_elements
         # load_state_dict takes the whole set in one call, its writes deferred
         assert (report.loads, report.deferred) == (1, report.tensors)
-        dense = build(kind, tied).to(torch.bfloat16)
+        dense = build(kind, tied).to(torch.bfloat16).to(device)
         HFRuntime(dense).load_weights(new.items())
         assert bits_equal(receiver, dense) == []
+        assert engine.check_targets({t.name: t.target for t in m.tensors}) == {}
         old = new
 
 

@@ -91,7 +91,7 @@ def expand_item(item: CompactItem) -> torch.Tensor:
     if not item.runs:  # each value is the gap before its record
         values.add_(1)
         values[0] += item.start - 1
-        return torch.cumsum(values, 0, out=values)
+        return torch.cumsum(values, 0)
     assert item.lengths is not None
     lengths = _unsigned(item.lengths) + 1
     ends = torch.cumsum(values + lengths, 0)
