@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from apply import canonical, one_ulp, source
+from apply import canonical, one_ulp, source, throughput_config
 from dcr.apply.applier import Applier
 from dcr.owner.diff import diff_checkpoints
 from dcr.owner.settings import EncodeSettings
@@ -98,12 +98,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/expand.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    cfg = (ReferenceConfig(vocab_size=8000, hidden_size=512, intermediate_size=1408,
-                           num_layers=2, num_heads=8, num_kv_heads=8, tie_word_embeddings=False)
-           if args.quick else
-           ReferenceConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
-                           num_layers=4, num_heads=16, num_kv_heads=4,
-                           tie_word_embeddings=False))
+    cfg = throughput_config(args.quick)
     reps = 2 if args.quick else args.reps
     rows = []
     print(f"{'TP':>3} {'changed':>7} {'host s':>7} {'device s':>8} {'ratio':>6} "

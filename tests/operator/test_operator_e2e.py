@@ -21,7 +21,8 @@ survives the working operator being killed mid-attempt (the standby takes over a
 retries in overwrite mode while the dead attempt's encoder still writes); a refit from a
 stale base version is rejected; ``kubectl get`` shows the printer columns; deleting a
 refit cleans its payloads from the store; v4 commits through a warm encoder (``dcr
-encoder`` on loopback, named by a fleet encoder profile's endpoint) with no Job; v5
+encoder`` on loopback, named by a fleet encoder profile's endpoint) with no Job, asked
+for and waited on by ``dcr.client`` as a training loop would; v5
 commits through Jobs in a second control plane (the training cluster), which the
 operator reaches only through a kubeconfig Secret.
 """
@@ -49,8 +50,11 @@ from clusters import CLUSTER_TRAINER
 from controlplane import ControlPlane
 from k8sutil import REPO, admin_client, apply, eventually, helm_template, install_crds, path_of
 from kubelet import FakeKubelet
+from kubernetes.client import ApiClient, Configuration
 from stubs import free_port_on
 
+from dcr.client import Progress
+from dcr.client import refit as client_refit
 from dcr.errors import DcrError
 from dcr.format.history import HISTORY_KEY, History
 from dcr.refit.launch import AgentProcess, EncoderProcess, ServeProcess, free_port
@@ -552,7 +556,16 @@ def test_a_refit_through_a_warm_encoder_endpoint_starts_no_job_and_commits_bit_e
         sc.kube.merge_patch(sc.path("rolloutfleets", FLEET), {"spec": {"encoderProfiles": [
             {"name": "warm", "endpoint": {"urls": [encoder.url, encoder.url],
                                           "tokenSecretRef": {"name": "encoder-token"}}}]}})
-        sc.create_refit("policy-v4", 3, 4, profile="warm", owners=2)
+        cp = sc.cp  # the training loop's way: dcr.client creates it and waits for the commit
+        seen: list[Progress] = []
+        with ApiClient(Configuration(host=cp.server, ssl_ca_cert=str(cp.ca_path),
+                                     cert_file=str(cp.admin_cert_path),
+                                     key_file=str(cp.admin_key_path))) as api:
+            client_refit(FLEET, 4, str(sc.ckpts[4]), namespace=sc.ns, name="policy-v4",
+                         encoder_profile="warm", owners=2, api_client=api,
+                         on_progress=seen.append, progress_bar=False, timeout_s=240)
+        assert seen[-1].phase == "Committed"
+        assert seen[-1].applied == seen[-1].receivers == 3
         refit = sc.wait_phase("policy-v4", "Committed")
         (attempt,) = refit["status"]["attempts"]
         assert (attempt["mode"], attempt["outcome"]) == ("mixed", "Committed")
