@@ -13,10 +13,10 @@ reuse its checkpoint and go on while receivers apply: asynchronous RL; ``handle.
 later returns at the commit. Progress goes to a tqdm bar when stderr is a terminal (one
 step per receiver that has applied), to ``on_progress`` when given, nowhere otherwise.
 
-A refit that fails raises :class:`RefitFailed` carrying its Failed condition's reason and
+A refit that fails raises :class:`WeightRefitFailed` carrying its Failed condition's reason and
 message; one overtaken by the fleet (another checkpoint committed as its target, or the
-fleet moved past its base) raises :class:`RefitSuperseded`, a kind of it; one that is
-neither committed nor failed when ``timeout_s`` runs out raises :class:`RefitTimeout`
+fleet moved past its base) raises :class:`WeightRefitSuperseded`, a kind of it; one that is
+neither committed nor failed when ``timeout_s`` runs out raises :class:`WeightRefitTimeout`
 with the phase and condition it was in. Asking again for a refit that exists with the same
 spec waits on it (a restarted loop resumes); a different spec under that name is refused.
 
@@ -45,11 +45,11 @@ Until = Literal["created", "published", "committed"]
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
-class RefitError(DcrError):
+class WeightRefitError(DcrError):
     """A refit could not be asked for or waited on."""
 
 
-class RefitFailed(RefitError):
+class WeightRefitFailed(WeightRefitError):
     """The WeightRefit's Failed condition is True: ``reason`` and ``message`` are its."""
 
     def __init__(self, name: str, reason: str, message: str) -> None:
@@ -57,12 +57,12 @@ class RefitFailed(RefitError):
         self.name, self.reason, self.message = name, reason, message
 
 
-class RefitSuperseded(RefitFailed):
+class WeightRefitSuperseded(WeightRefitFailed):
     """The fleet committed past this refit: its target from another checkpoint, or a
     version beyond its base. Usually the loop asks for the next version."""
 
 
-class RefitTimeout(RefitError):
+class WeightRefitTimeout(WeightRefitError):
     """Neither committed nor failed in time; the refit goes on unless deleted."""
 
     def __init__(self, name: str, timeout_s: float, phase: str, condition: str) -> None:
@@ -116,7 +116,7 @@ def _reached(obj: Mapping[str, Any], until: Until) -> bool:
     failed = conds.get("Failed")
     if failed is not None and failed.get("status") == "True":
         name, reason = obj["metadata"]["name"], str(failed.get("reason", ""))
-        kind = RefitSuperseded if reason in SUPERSEDED else RefitFailed
+        kind = WeightRefitSuperseded if reason in SUPERSEDED else WeightRefitFailed
         raise kind(name, reason, str(failed.get("message", "")))
     committed = conds.get("Committed", {}).get("status") == "True"
     if until == "committed" or committed:
@@ -146,8 +146,8 @@ class Refit:
         return Progress.of(self.get())
 
     def wait(self, until: Until = "committed", *, timeout_s: float = 3600.0) -> Refit:
-        """Return once the refit has got as far as ``until``; raise :class:`RefitFailed`
-        (or :class:`RefitSuperseded`) if it fails, :class:`RefitTimeout` if time runs
+        """Return once the refit has got as far as ``until``; raise :class:`WeightRefitFailed`
+        (or :class:`WeightRefitSuperseded`) if it fails, :class:`WeightRefitTimeout` if time runs
         out first."""
         deadline = time.monotonic() + timeout_s
         bar = _Bar(self.name) if self._bar else None
@@ -160,7 +160,7 @@ class Refit:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     p = Progress.of(obj)
-                    raise RefitTimeout(self.name, timeout_s, p.phase, p.message)
+                    raise WeightRefitTimeout(self.name, timeout_s, p.phase, p.message)
                 obj = self._next(obj, left)
         finally:
             if bar is not None:
@@ -180,12 +180,12 @@ class Refit:
                     resource_version=obj["metadata"]["resourceVersion"],
                     timeout_seconds=max(1, min(60, int(left + 0.999)))):
                 if event["type"] == "DELETED":
-                    raise RefitError(f"WeightRefit {self.name} was deleted while waited on.")
+                    raise WeightRefitError(f"WeightRefit {self.name} was deleted while waited on.")
                 if event["type"] in ("ADDED", "MODIFIED"):
                     return dict(event["object"])
         except ApiException as e:
             if e.status != 410:  # 410: the version in hand is too old to watch from
-                raise RefitError(f"Watching WeightRefit {self.name}: {e.status} "
+                raise WeightRefitError(f"Watching WeightRefit {self.name}: {e.status} "
                                  f"{e.reason}") from e
         finally:
             w.stop()  # type: ignore[no-untyped-call]
@@ -234,13 +234,13 @@ def refit(fleet: str, version: int, checkpoint: str, *, namespace: str = "defaul
     ``extra_spec`` adds WeightRefit spec fields (``modePolicy``, ``retryLimit``,
     ``deadlineSeconds``, ...) as the CRD names them."""
     if version < 1:
-        raise RefitError(f"version must be at least 1, got {version}.")
+        raise WeightRefitError(f"version must be at least 1, got {version}.")
     base = version - 1 if base_version is None else base_version
     if not 0 <= base < version:
-        raise RefitError(f"base_version must be in [0, {version}), got {base}.")
+        raise WeightRefitError(f"base_version must be in [0, {version}), got {base}.")
     name = name or f"{fleet}-v{version}"
     if len(name) > 253 or not _NAME.match(name):
-        raise RefitError(f"{name!r} is not a valid WeightRefit name (a DNS subdomain).")
+        raise WeightRefitError(f"{name!r} is not a valid WeightRefit name (a DNS subdomain).")
     api = _custom_objects(api_client)
     spec: dict[str, Any] = {"fleet": fleet, "targetVersion": version, "baseVersion": base,
                             "source": {"checkpoint": checkpoint}}
@@ -262,7 +262,7 @@ def _custom_objects(api_client: Any) -> Any:
         try:
             config.load_config()  # type: ignore[no-untyped-call]
         except config.ConfigException as e:
-            raise RefitError(f"No Kubernetes configuration found (kubeconfig or in-cluster): "
+            raise WeightRefitError(f"No Kubernetes configuration found (kubeconfig or in-cluster): "
                              f"{e}") from e
         api_client = client.ApiClient()
     return client.CustomObjectsApi(api_client)
@@ -278,13 +278,13 @@ def _create_or_attach(api: Any, namespace: str, name: str, spec: Mapping[str, An
         return
     except ApiException as e:
         if e.status != 409:
-            raise RefitError(f"Creating WeightRefit {namespace}/{name}: {e.status} "
+            raise WeightRefitError(f"Creating WeightRefit {namespace}/{name}: {e.status} "
                              f"{e.reason}: {_said(e)}") from e
     held = api.get_namespaced_custom_object(GROUP, API_VERSION, namespace, PLURAL,
                                             name)["spec"]
     differ = sorted(k for k in spec if held.get(k) != _with_defaults(spec, held)[k])
     if differ:
-        raise RefitError(f"WeightRefit {namespace}/{name} exists with another spec "
+        raise WeightRefitError(f"WeightRefit {namespace}/{name} exists with another spec "
                          f"({', '.join(differ)} differ): name the refit, or delete that one.")
 
 

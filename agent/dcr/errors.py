@@ -69,6 +69,10 @@ Hierarchy::
     ├── UnknownMethod          (serve.workers) a collective_rpc method that is not the plugin's
     ├── Paused                 (serve.gate) the request gate is closed to new requests (503)
     ├── Aborted                (serve.gate) a request the gate aborted while it paused
+    ├── WeightRefitError       (client) a WeightRefit could not be asked for or waited on
+    │   ├── WeightRefitFailed  its Failed condition is True (``reason``, ``message``)
+    │   │   └── WeightRefitSuperseded  the fleet committed past it
+    │   └── WeightRefitTimeout neither committed nor failed in time
     │
     └── BaselineError          an owner cannot vouch for that baseline version (owner/)
 

@@ -24,10 +24,10 @@ from kubernetes.client import ApiClient, Configuration
 
 from dcr.client import (
     Progress,
-    RefitError,
-    RefitFailed,
-    RefitSuperseded,
-    RefitTimeout,
+    WeightRefitError,
+    WeightRefitFailed,
+    WeightRefitSuperseded,
+    WeightRefitTimeout,
     refit,
 )
 from dcr_operator.kube import KubeClient
@@ -152,15 +152,15 @@ def test_asynchronous_rl_returns_once_published_then_waits_for_the_commit(
 
 
 @pytest.mark.parametrize(("reason", "kind"), [
-    ("RetryLimitReached", RefitFailed), ("DeadlineExceeded", RefitFailed),
-    ("BaseVersionMismatch", RefitSuperseded), ("TargetCommittedElsewhere", RefitSuperseded)])
+    ("RetryLimitReached", WeightRefitFailed), ("DeadlineExceeded", WeightRefitFailed),
+    ("BaseVersionMismatch", WeightRefitSuperseded), ("TargetCommittedElsewhere", WeightRefitSuperseded)])
 def test_a_failed_refit_raises_with_its_reason_and_message(
         kube: KubeClient, api: ApiClient, namespace: str, reason: str,
-        kind: type[RefitFailed]) -> None:
+        kind: type[WeightRefitFailed]) -> None:
     message = f"3 attempts failed; last: rollout-1 {reason.lower()}"
     op = Operator(kube, namespace, "policy-v7", [ENCODING, _failed(reason, message)])
     op.start()
-    with pytest.raises(RefitFailed) as info:
+    with pytest.raises(WeightRefitFailed) as info:
         refit("policy", 7, CKPT, namespace=namespace, api_client=api, progress_bar=False,
               timeout_s=60)
     assert type(info.value) is kind
@@ -175,7 +175,7 @@ def test_a_refit_that_does_not_finish_in_time_raises_a_timeout_naming_where_it_i
     op = Operator(kube, namespace, "policy-v7", [ENCODING], every_s=0.1)
     op.start()
     t0 = time.monotonic()
-    with pytest.raises(RefitTimeout) as info:
+    with pytest.raises(WeightRefitTimeout) as info:
         refit("policy", 7, CKPT, namespace=namespace, api_client=api, progress_bar=False,
               timeout_s=3)
     assert time.monotonic() - t0 >= 3
@@ -193,24 +193,24 @@ def test_asking_again_attaches_to_the_same_refit_and_a_different_spec_is_refused
     again = refit("policy", 7, CKPT, namespace=namespace, api_client=api,
                   progress_bar=False, timeout_s=60)  # a restarted loop
     assert again.get()["metadata"]["uid"] == uid
-    with pytest.raises(RefitError, match=r"exists with another spec \(source differ\)"):
+    with pytest.raises(WeightRefitError, match=r"exists with another spec \(source differ\)"):
         refit("policy", 7, "/ckpt/other", namespace=namespace, api_client=api,
               wait="created")
 
 
 def test_bad_arguments_are_refused_before_any_call(api: ApiClient, namespace: str) -> None:
-    with pytest.raises(RefitError, match="version must be at least 1, got 0"):
+    with pytest.raises(WeightRefitError, match="version must be at least 1, got 0"):
         refit("policy", 0, CKPT, namespace=namespace, api_client=api)
-    with pytest.raises(RefitError, match=r"base_version must be in \[0, 7\), got 7"):
+    with pytest.raises(WeightRefitError, match=r"base_version must be in \[0, 7\), got 7"):
         refit("policy", 7, CKPT, base_version=7, namespace=namespace, api_client=api)
-    with pytest.raises(RefitError, match="'Policy_v7' is not a valid WeightRefit name"):
+    with pytest.raises(WeightRefitError, match="'Policy_v7' is not a valid WeightRefit name"):
         refit("policy", 7, CKPT, name="Policy_v7", namespace=namespace, api_client=api)
 
 
 def test_the_api_servers_refusal_is_raised_with_its_message(
         kube: KubeClient, api: ApiClient, namespace: str) -> None:
     """The CRD's schema refuses a relative checkpoint path: the error says so."""
-    with pytest.raises(RefitError, match=r"Creating WeightRefit .*/policy-v7: 422") as info:
+    with pytest.raises(WeightRefitError, match=r"Creating WeightRefit .*/policy-v7: 422") as info:
         refit("policy", 7, "relative/ckpt", namespace=namespace, api_client=api,
               wait="created")
     assert "checkpoint" in str(info.value)
@@ -223,6 +223,6 @@ def test_a_refit_deleted_while_waited_on_is_an_error(
         kube.delete(_path(namespace, "policy-v7"))
 
     threading.Thread(target=delete_soon, daemon=True).start()
-    with pytest.raises(RefitError, match="policy-v7 was deleted while waited on"):
+    with pytest.raises(WeightRefitError, match="policy-v7 was deleted while waited on"):
         refit("policy", 7, CKPT, namespace=namespace, api_client=api, progress_bar=False,
               timeout_s=30)
