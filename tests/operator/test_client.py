@@ -152,8 +152,11 @@ def test_asynchronous_rl_returns_once_published_then_waits_for_the_commit(
 
 
 @pytest.mark.parametrize(("reason", "kind"), [
-    ("RetryLimitReached", WeightRefitFailed), ("DeadlineExceeded", WeightRefitFailed),
-    ("BaseVersionMismatch", WeightRefitSuperseded), ("TargetCommittedElsewhere", WeightRefitSuperseded)])
+    ("RetryLimitReached", WeightRefitFailed),
+    ("DeadlineExceeded", WeightRefitFailed),
+    ("BaseVersionMismatch", WeightRefitSuperseded),
+    ("TargetCommittedElsewhere", WeightRefitSuperseded),
+])
 def test_a_failed_refit_raises_with_its_reason_and_message(
         kube: KubeClient, api: ApiClient, namespace: str, reason: str,
         kind: type[WeightRefitFailed]) -> None:
