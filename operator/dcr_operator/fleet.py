@@ -32,6 +32,7 @@ from dcr_operator.reconcile import (
     agent_report,
     fleet_conditions,
     receivers_of,
+    secret_holders,
     selector_query,
 )
 
@@ -42,10 +43,21 @@ def fleet_path(namespace: str, name: str, sub: str = "") -> str:
     return api_path(GROUP, VERSION, FLEET_PLURAL, namespace, name, sub)
 
 
-def discover(kube: KubeClient, namespace: str, spec: RolloutFleetSpec) -> list[Receiver]:
+def selected_pods(kube: KubeClient, namespace: str, spec: RolloutFleetSpec
+                  ) -> list[dict[str, Any]]:
     pods = kube.get(api_path("", "v1", "pods", namespace),
                     labelSelector=selector_query(spec.selector))
-    return receivers_of(pods.get("items", []), spec.agent)
+    return list(pods.get("items", []))
+
+
+def discover(kube: KubeClient, namespace: str, spec: RolloutFleetSpec) -> list[Receiver]:
+    return receivers_of(selected_pods(kube, namespace, spec), spec.agent)
+
+
+def write_secret(spec: RolloutFleetSpec) -> str | None:
+    """The Secret the fleet names as the store's (write) credentials, if any."""
+    ref = spec.store.credentials_secret_ref if spec.store is not None else None
+    return ref.name if ref is not None else None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,8 +128,8 @@ def encoder_token(kube: KubeClient, namespace: str, ref: SecretKeyRef) -> str:
 def store_credentials(kube: KubeClient, namespace: str, spec: RolloutFleetSpec
                       ) -> dict[str, str] | None:
     """The store's credentials Secret, if the fleet names one (for the finalizer)."""
-    ref = spec.store.credentials_secret_ref if spec.store is not None else None
-    return read_secret(kube, namespace, ref.name, STORE_CREDENTIALS) if ref else None
+    name = write_secret(spec)
+    return read_secret(kube, namespace, name, STORE_CREDENTIALS) if name else None
 
 
 def check_job_secrets(kube: KubeClient, namespace: str, spec: RolloutFleetSpec) -> None:
@@ -180,7 +192,8 @@ def refresh(kube: KubeClient, fleet: Mapping[str, Any], *, clock: Callable[[], s
     current = kube.get(fleet_path(namespace, name))
     status = current.get("status") or {}
     at = clock()
-    found = discover(kube, namespace, spec)
+    pods = selected_pods(kube, namespace, spec)
+    found = receivers_of(pods, spec.agent)
     no_agents = "no agent token"
     try:
         agents = clients(kube, namespace, spec, found)
@@ -201,6 +214,7 @@ def refresh(kube: KubeClient, fleet: Mapping[str, Any], *, clock: Callable[[], s
         ack = (acks or {}).get(r["name"]) or previous.get(r["name"], {}).get("lastAck")
         if ack:
             r["lastAck"] = ack
+    secret = write_secret(spec)
     patch: dict[str, Any] = {
         "observedGeneration": meta.get("generation"),
         "receivers": reports,
@@ -209,9 +223,10 @@ def refresh(kube: KubeClient, fleet: Mapping[str, Any], *, clock: Callable[[], s
                               if r.get("version") == record.committed_version
                               and not r.get("error")),
         "activeRefit": active,
-        "conditions": fleet_conditions(status.get("conditions") or [], record=record,
-                                       receivers=reports, active=active, at=at,
-                                       generation=meta.get("generation")),
+        "conditions": fleet_conditions(
+            status.get("conditions") or [], record=record, receivers=reports, active=active,
+            at=at, generation=meta.get("generation"), write_secret=secret,
+            write_holders=secret_holders(pods, secret) if secret else ()),
     }
     # A merge patch without resourceVersion: it never touches status.commit, so it cannot
     # undo a commit that lands in between.

@@ -4,6 +4,7 @@
   not, why (a condition reason and a sentence with the values)?
 * :func:`set_condition`, :func:`phase_of`: condition bookkeeping; the printer's phase.
 * :func:`receivers_of`: the selected pods that are Running, addressed only by pod IP.
+* :func:`secret_holders`: the selected pods handed a given Secret (the store's write key).
 * :func:`agent_failure`, :func:`agent_report`: status about an agent in our own words,
   never text the agent sent.
 * :func:`attempt_status`, :func:`fleet_conditions`: attempts and fleet conditions as status.
@@ -183,6 +184,31 @@ def receivers_of(pods: Iterable[Mapping[str, Any]], agent: AgentSpec) -> list[Re
     return sorted(out, key=lambda r: r.name)
 
 
+_CONTAINER_LISTS = ("initContainers", "containers", "ephemeralContainers")
+
+
+def _secrets_of(spec: Mapping[str, Any]) -> set[str]:
+    """Every Secret a pod spec hands to its containers: ``envFrom``, an ``env`` value, a
+    secret volume, a projected volume's secret source."""
+    refs: list[Any] = []
+    for key in _CONTAINER_LISTS:
+        for c in spec.get(key) or []:
+            refs += [(f.get("secretRef") or {}).get("name") for f in c.get("envFrom") or []]
+            refs += [((e.get("valueFrom") or {}).get("secretKeyRef") or {}).get("name")
+                     for e in c.get("env") or []]
+    for v in spec.get("volumes") or []:
+        refs.append((v.get("secret") or {}).get("secretName"))
+        refs += [(s.get("secret") or {}).get("name")
+                 for s in (v.get("projected") or {}).get("sources") or []]
+    return {r for r in refs if isinstance(r, str)}
+
+
+def secret_holders(pods: Iterable[Mapping[str, Any]], secret: str) -> list[str]:
+    """The pods (any phase) whose spec hands Secret ``secret`` to a container, by name."""
+    return sorted(p["metadata"]["name"] for p in pods
+                  if secret in _secrets_of(p.get("spec") or {}))
+
+
 _KIND = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")  # an error kind worth showing: a class name
 _STATES = frozenset(s.value for s in AttemptState)
 
@@ -268,8 +294,11 @@ def abandoned(attempts: Iterable[Mapping[str, Any]], *, at: str) -> list[dict[st
 
 def fleet_conditions(conditions: Sequence[Mapping[str, Any]], *, record: CommitRecord,
                      receivers: Sequence[Mapping[str, Any]], active: str | None, at: str,
-                     generation: int | None) -> list[dict[str, Any]]:
-    """Ready (every receiver reports the committed version), Progressing, Degraded."""
+                     generation: int | None, write_secret: str | None = None,
+                     write_holders: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """Ready (every receiver reports the committed version), Progressing, Degraded, and
+    ReceiversReadOnly where the fleet names the store's ``write_secret``: False while
+    ``write_holders`` (selected pods) are handed it."""
     v = record.committed_version
     behind = sorted(r["name"] for r in receivers if r.get("version") != v or r.get("error"))
     count = len(receivers)
@@ -295,4 +324,29 @@ def fleet_conditions(conditions: Sequence[Mapping[str, Any]], *, record: CommitR
                          else FleetReason.ALL_RECEIVERS_REACHABLE),
                         (f"Agents not answering: {', '.join(unreachable)}." if unreachable
                          else "Every receiver's agent answers."), at=at, generation=generation)
+    if write_secret is not None:
+        out = _read_only(out, write_secret, write_holders, at=at, generation=generation)
     return out
+
+
+_NAMES_SHOWN = 10  # pod names in a condition message; the count says how many in all
+
+
+def _read_only(conditions: Sequence[Mapping[str, Any]], secret: str, holders: Sequence[str],
+               *, at: str, generation: int | None) -> list[dict[str, Any]]:
+    if not holders:
+        return set_condition(
+            conditions, FleetCondition.RECEIVERS_READ_ONLY, True,
+            FleetReason.NO_POD_HOLDS_WRITE_CREDENTIALS,
+            f"No selected pod is handed Secret {secret}, the store's write credentials.",
+            at=at, generation=generation)
+    shown = ", ".join(holders[:_NAMES_SHOWN])
+    more = f" and {len(holders) - _NAMES_SHOWN} more" if len(holders) > _NAMES_SHOWN else ""
+    return set_condition(
+        conditions, FleetCondition.RECEIVERS_READ_ONLY, False,
+        FleetReason.PODS_HOLD_WRITE_CREDENTIALS,
+        f"{len(holders)} selected {'pods are' if len(holders) > 1 else 'pod is'} handed "
+        f"Secret {secret}, the store's write "
+        f"credentials (spec.store.credentialsSecretRef): {shown}{more}. Whoever controls "
+        "one can choose the weights; give rollout pods a read-only key (docs/security.md, "
+        "\"A read-only key for receivers\").", at=at, generation=generation)

@@ -28,6 +28,7 @@ from dcr.drivers.sglang import LOADER
 from dcr_operator.api.rolloutfleet import RolloutFleetSpec
 from dcr_operator.api.weightrefit import WeightRefitSpec
 from dcr_operator.kube import KubeClient
+from dcr_operator.reconcile import secret_holders
 
 KUBE_VERSION = "1.37.0"  # as test_chart.py: the control plane's release line
 EXAMPLES = CHART / "examples"
@@ -196,6 +197,18 @@ def test_encoders_read_the_training_checkpoints_which_no_rollout_pod_mounts(
               if "persistentVolumeClaim" in v}
     assert training
     assert not claims & training, claims
+
+
+@pytest.mark.parametrize("name", [*sorted(ROLLOUTS), "mirror.yaml"])
+def test_rollout_pods_are_never_handed_the_stores_write_credentials(name: str) -> None:
+    """Fails on b20bcff: every rollout example handed its pods ``weights-s3``, the Secret
+    the fleet names for the encoders' writes, so a compromised engine could choose the
+    weights of every replica; they hold a read-only key of their own."""
+    (fleet,) = [o for o in objects("rolloutfleet.yaml") if o["kind"] == "RolloutFleet"]
+    write = fleet["spec"]["store"]["credentialsSecretRef"]["name"]
+    pods = [{"metadata": {"name": name}, "spec": pod(name)}]
+    assert secret_holders(pods, write) == []
+    assert secret_holders(pods, f"{write}-read") == [name]
 
 
 @pytest.mark.parametrize("name", sorted(ROLLOUTS))

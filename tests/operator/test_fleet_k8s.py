@@ -47,13 +47,18 @@ def _fleet(port: int, token_secret: str, **more: Any) -> dict[str, Any]:
 
 
 def _pods(kube: KubeClient, namespace: str, ips: dict[str, str],
-          annotations: dict[str, dict[str, str]] | None = None) -> None:
-    """Running pods ``name -> podIP``, as a kubelet would report them."""
+          annotations: dict[str, dict[str, str]] | None = None,
+          env_from: dict[str, str] | None = None) -> None:
+    """Running pods ``name -> podIP``, as a kubelet would report them; ``env_from`` hands
+    a pod's agent a Secret by name."""
     for name, ip in ips.items():
+        agent: dict[str, Any] = {"name": "agent", "image": "dcr:test"}
+        if name in (env_from or {}):
+            agent["envFrom"] = [{"secretRef": {"name": (env_from or {})[name]}}]
         apply(kube, [{"apiVersion": "v1", "kind": "Pod",
                       "metadata": {"name": name, "labels": {"app": "r"},
                                    "annotations": (annotations or {}).get(name, {})},
-                      "spec": {"containers": [{"name": "agent", "image": "dcr:test"}]}}],
+                      "spec": {"containers": [agent]}}],
               namespace)
         kube.merge_patch(f"/api/v1/namespaces/{namespace}/pods/{name}/status", {"status": {
             "phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}})
@@ -102,6 +107,34 @@ def test_fleet_status_says_what_happened_in_our_words_never_an_agents(
                                          "(its GET /v1/status and log say why).")
         assert elsewhere.seen == []
         assert redirecting.tokens() == [f"Bearer {TOKEN}"]
+
+
+def test_the_fleet_says_which_pods_are_handed_the_stores_write_credentials(
+        kube: KubeClient, namespace: str) -> None:
+    """Fails on b20bcff: a fleet whose rollout pods held the owners' write key (with which
+    whoever controls a pod can choose the weights) showed no sign of it."""
+    install_crds(kube)
+    apply(kube, [_secret("agent-token", "agent-token")], namespace)
+    store = {"store": {"uri": "s3://b/p", "endpoint": "http://127.0.0.1:9",
+                       "credentialsSecretRef": {"name": "weights-s3"}}}
+    with stubs("127.0.0.2", "127.0.0.3") as (writer, reader):
+        _answers(writer)
+        _answers(reader)
+        _pods(kube, namespace, {"writer": "127.0.0.2", "reader": "127.0.0.3"},
+              env_from={"writer": "weights-s3", "reader": "weights-s3-read"})
+        (fleet,) = apply(kube, [_fleet(writer.port, "agent-token", **store)], namespace)
+        refresh(kube, fleet, clock=now, active=None)
+        path = f"/apis/dcr.dev/v1alpha1/namespaces/{namespace}/rolloutfleets/fleet"
+        got = {c["type"]: c for c in kube.get(path)["status"]["conditions"]}
+        assert (got["ReceiversReadOnly"]["status"],
+                got["ReceiversReadOnly"]["reason"]) == ("False", "PodsHoldWriteCredentials")
+        assert "1 selected pod is handed Secret weights-s3" in got["ReceiversReadOnly"][
+            "message"]
+        assert ": writer." in got["ReceiversReadOnly"]["message"]
+        kube.delete(f"/api/v1/namespaces/{namespace}/pods/writer")
+        refresh(kube, kube.get(path), clock=now, active=None)
+        got = {c["type"]: c for c in kube.get(path)["status"]["conditions"]}
+        assert got["ReceiversReadOnly"]["status"] == "True"
 
 
 def test_a_secret_is_used_only_for_what_its_label_opts_it_in_to(

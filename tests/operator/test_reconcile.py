@@ -17,6 +17,7 @@ from dcr_operator.reconcile import (
     fleet_conditions,
     phase_of,
     receivers_of,
+    secret_holders,
     selector_query,
     set_condition,
     validate,
@@ -174,6 +175,59 @@ def test_fleet_conditions_follow_the_receivers() -> None:
     assert by["Progressing"]["message"] == "WeightRefit r-3 is running."
     assert by["Degraded"]["status"] == "True"
     assert by["Ready"]["lastTransitionTime"] == T1
+
+
+def _pod_handed(name: str, **spec: Any) -> dict[str, Any]:
+    return {"metadata": {"name": name}, "spec": {"containers": [], **spec}}
+
+
+def test_every_way_a_pod_spec_hands_over_a_secret_is_seen() -> None:
+    """Fails on b20bcff (no ``secret_holders``): nothing looked at what pods are handed."""
+    def env_from(n: str) -> dict[str, Any]:
+        return {"name": "c", "envFrom": [{"configMapRef": {"name": "cm"}},
+                                         {"secretRef": {"name": n}}]}
+
+    pods = [
+        _pod_handed("agent", containers=[env_from("w")]),
+        _pod_handed("init", initContainers=[env_from("w")]),
+        _pod_handed("debug", ephemeralContainers=[env_from("w")]),
+        _pod_handed("env", containers=[{"name": "c", "env": [
+            {"name": "A", "value": "w"},
+            {"name": "K", "valueFrom": {"secretKeyRef": {"name": "w", "key": "k"}}}]}]),
+        _pod_handed("volume", volumes=[{"name": "v", "secret": {"secretName": "w"}}]),
+        _pod_handed("projected", volumes=[{"name": "v", "projected": {"sources": [
+            {"configMap": {"name": "w"}}, {"secret": {"name": "w"}}]}}]),
+        _pod_handed("reader", containers=[env_from("r")],
+                    volumes=[{"name": "v", "configMap": {"name": "w"}}]),
+        {"metadata": {"name": "no-spec"}},
+    ]
+    assert secret_holders(pods, "w") == ["agent", "debug", "env", "init", "projected",
+                                         "volume"]
+    assert secret_holders(pods, "r") == ["reader"]
+
+
+def test_receivers_read_only_names_the_pods_handed_the_write_credentials() -> None:
+    """Fails on b20bcff (no ReceiversReadOnly condition): a fleet whose rollout pods held the
+    owners' write key looked as healthy as one whose pods held a read-only key."""
+    rec, ok = record(2, "/c"), [{"name": "p0", "version": 2}]
+    c = fleet_conditions([], record=rec, receivers=ok, active=None, at=T0, generation=1)
+    assert "ReceiversReadOnly" not in {x["type"] for x in c}  # the fleet names no Secret
+    holders = [f"p{i:02}" for i in range(12)]
+    c = fleet_conditions(c, record=rec, receivers=ok, active=None, at=T1, generation=1,
+                         write_secret="weights-s3", write_holders=holders)
+    by = {x["type"]: x for x in c}
+    assert by["Ready"]["status"] == "True"
+    got = by["ReceiversReadOnly"]
+    assert (got["status"], got["reason"]) == ("False", "PodsHoldWriteCredentials")
+    assert got["message"].startswith(
+        "12 selected pods are handed Secret weights-s3, the store's write credentials "
+        "(spec.store.credentialsSecretRef): p00, p01, p02, p03, p04, p05, p06, p07, p08, "
+        "p09 and 2 more.")
+    c = fleet_conditions(c, record=rec, receivers=ok, active=None, at=T2, generation=1,
+                         write_secret="weights-s3")
+    got = {x["type"]: x for x in c}["ReceiversReadOnly"]
+    assert (got["status"], got["reason"]) == ("True", "NoPodHoldsWriteCredentials")
+    assert got["lastTransitionTime"] == T2
 
 
 def test_a_refit_with_several_owners_is_rejected_on_a_relay_fleet() -> None:

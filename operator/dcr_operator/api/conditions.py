@@ -18,6 +18,9 @@ class FleetCondition:
     """True while a WeightRefit holds the fleet (``status.activeRefit``)."""
     DEGRADED: Final = "Degraded"
     """True while some receiver's agent does not answer."""
+    RECEIVERS_READ_ONLY: Final = "ReceiversReadOnly"
+    """False while a selected pod is handed the store's write credentials
+    (``spec.store.credentialsSecretRef``); set only when the fleet names them."""
 
 
 class FleetReason:
@@ -37,6 +40,11 @@ class FleetReason:
     """Degraded is True: some agents do not answer."""
     ALL_RECEIVERS_REACHABLE: Final = "AllReceiversReachable"
     """Degraded is False: every receiver's agent answers."""
+    NO_POD_HOLDS_WRITE_CREDENTIALS: Final = "NoPodHoldsWriteCredentials"
+    """ReceiversReadOnly is True: no selected pod is handed the store's write credentials."""
+    PODS_HOLD_WRITE_CREDENTIALS: Final = "PodsHoldWriteCredentials"
+    """ReceiversReadOnly is False: some selected pods are handed the store's write
+    credentials, with which whoever controls such a pod could choose the weights."""
 
 
 class RefitCondition:
