@@ -30,7 +30,7 @@ from node import (
     NodeError,
     missing_prerequisites,
 )
-from s3server import S3Server, s3_server
+from s3server import S3Server, scoped_s3_server
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGE_SCRIPT = REPO / "tools" / "image" / "build.sh"
@@ -85,8 +85,10 @@ def images(progress: Callable[[str], None], node: Node) -> Images:
 
 
 @pytest.fixture(scope="session")
-def node_s3(node: Node, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    """``rclone serve s3`` on the node's bridge address, where Pods reach it."""
-    with s3_server(tmp_path_factory.mktemp("node-s3"), host=GATEWAY,
-                   bucket="rl-weights") as server:
+def node_s3(node: Node, tmp_path_factory: pytest.TempPathFactory,
+            progress: Callable[[str], None]) -> Iterator[S3Server]:
+    """versitygw on the node's bridge address, where Pods reach it: the encoders write
+    with the owners' key, the rollout pods hold only the read-only key."""
+    with scoped_s3_server(tmp_path_factory.mktemp("node-s3"), host=GATEWAY,
+                          bucket="rl-weights", progress=progress) as server:
         yield server

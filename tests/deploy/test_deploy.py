@@ -253,7 +253,11 @@ def fleet_manifests(c: Cluster, warm_url: str | None = None) -> list[dict[str, A
 
 
 def rollout_manifests(c: Cluster) -> list[dict[str, Any]]:
+    """The reference rollout example, and its read-only store key (``weights-s3-read``)."""
     key_secret, deployment = _load(EXAMPLES / "rollout-reference.yaml")
+    read_key = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "weights-s3-read"},
+                "stringData": {"AWS_ACCESS_KEY_ID": c.s3.read_access_key,
+                               "AWS_SECRET_ACCESS_KEY": c.s3.read_secret_key}}
     key_secret["stringData"]["key"] = secrets.token_hex(24)
     deployment["spec"]["replicas"] = REPLICAS
     pod = deployment["spec"]["template"]["spec"]
@@ -267,7 +271,7 @@ def rollout_manifests(c: Cluster) -> list[dict[str, Any]]:
                 env["value"] = f"http://{GATEWAY}:{c.rollout_link.port}"
     for volume in pod["volumes"]:  # the starting model only, never a later version
         assert "persistentVolumeClaim" not in volume or volume["name"] == "base-model"
-    return [key_secret, deployment]
+    return [read_key, key_secret, deployment]
 
 
 def encoder_manifests(c: Cluster) -> list[dict[str, Any]]:
@@ -380,7 +384,10 @@ def test_the_examples_apply_and_the_fleet_becomes_ready(cluster: Cluster) -> Non
     except AssertionError as e:
         raise AssertionError(f"{e}\n{c.diagnostics()}") from None
     assert status["commit"]["committedVersion"] == 0
-    assert _conditions(c.fleet())["Ready"] == ("True", "AllReceiversCommitted")
+    conditions = _conditions(c.fleet())
+    assert conditions["Ready"] == ("True", "AllReceiversCommitted")
+    # The rollout pods hold the read-only key only (the server refuses its writes).
+    assert conditions["ReceiversReadOnly"] == ("True", "NoPodHoldsWriteCredentials")
     c.kubectl("-n", NS, "get", "pods", "-o", "wide", record=True)
     assert c.exact(0)
 

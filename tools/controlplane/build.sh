@@ -2,26 +2,27 @@
 # Build (or reuse) the Kubernetes binaries the tests run, all from the Go module proxy:
 # the control plane on loopback (etcd, kube-apiserver, kube-controller-manager, helm) and, for the
 # deploy tier's one-node cluster, the node and client side (kubelet, kube-scheduler, kube-proxy,
-# kubectl).
+# kubectl); and versitygw, the S3 gateway whose bucket policies give receivers a read-only key.
 #
 # Binaries land outside the repository, one directory per component and version:
 #   ${DCR_INFRA_CACHE:-$HOME/.cache/dcr-infra}/<component>-<version>/<component>
 # A binary that exists and answers --version is reused; the whole run then takes well under 2 s.
 #
 # Usage: tools/controlplane/build.sh [component ...]   (default: the control plane's four;
-#        `node` names the node's four, `all` all eight)
+#        `node` names the node's four, `all` all nine)
 # Prints one line per component: "built|reused <component> <version> <path> ...".
 set -euo pipefail
 
 readonly KUBE_VERSION=v1.37.2   # k8s.io/kubernetes; staging modules pinned to v0.37.2 in kube/go.mod
 readonly ETCD_VERSION=v3.5.35   # go.etcd.io/etcd/server/v3; pinned in etcd/go.mod
 readonly HELM_VERSION=v3.22.0   # helm.sh/helm/v3
+readonly VERSITYGW_VERSION=v1.8.0  # github.com/versity/versitygw
 
 readonly HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 readonly CACHE="${DCR_INFRA_CACHE:-$HOME/.cache/dcr-infra}"
 readonly CONTROL_PLANE=(etcd kube-apiserver kube-controller-manager helm)
 readonly NODE=(kubelet kube-scheduler kube-proxy kubectl)
-readonly ALL_COMPONENTS=("${CONTROL_PLANE[@]}" "${NODE[@]}")
+readonly ALL_COMPONENTS=("${CONTROL_PLANE[@]}" "${NODE[@]}" versitygw)
 
 GO="${GO:-$(command -v go || echo /usr/local/go/bin/go)}"
 # Never fetch a different Go toolchain behind our back; static binaries, no cgo.
@@ -42,6 +43,7 @@ version_of() {
         kube-apiserver | kube-controller-manager | kubelet | kube-scheduler | kube-proxy | kubectl)
             echo "$KUBE_VERSION" ;;
         helm) echo "$HELM_VERSION" ;;
+        versitygw) echo "$VERSITYGW_VERSION" ;;
         *) die "unknown component '$1' (known: ${ALL_COMPONENTS[*]})" ;;
     esac
 }
@@ -92,6 +94,15 @@ helm_ldflags() {
         "-X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=$minor"
 }
 
+# `go install pkg@version` builds outside any module, with the tool's own go.mod.
+go_install() {
+    local pkg="$1" ldflags="$2" out="$3" gobin
+    gobin="$(dirname "$out")/gobin.$$"
+    (cd "$CACHE" && GOBIN="$gobin" nice -n 10 "$GO" install -trimpath -ldflags="$ldflags" \
+        "$pkg") || return
+    mv -f "$gobin/$(basename "${pkg%@*}")" "$out" && rmdir "$gobin"
+}
+
 # go build writes to a temporary name in the target directory, then renames: a reader never
 # sees a partial binary, and an interrupted build leaves nothing that passes `usable`.
 # (Called as `build_one ... || die`, where bash ignores set -e: every step checks itself.)
@@ -109,12 +120,13 @@ build_one() {
                 -ldflags="$(kube_ldflags)" -o "$tmp" "k8s.io/kubernetes/cmd/$component") || return
             ;;
         helm)
-            # `go install pkg@version` builds outside any module, with helm's own go.mod.
-            local ldflags gobin="$(dirname "$out")/gobin.$$"
+            local ldflags
             ldflags="$(helm_ldflags)" || return
-            (cd "$CACHE" && GOBIN="$gobin" nice -n 10 "$GO" install -trimpath \
-                -ldflags="$ldflags" "helm.sh/helm/v3/cmd/helm@$HELM_VERSION") || return
-            mv -f "$gobin/helm" "$tmp" && rmdir "$gobin" || return
+            go_install "helm.sh/helm/v3/cmd/helm@$HELM_VERSION" "$ldflags" "$tmp" || return
+            ;;
+        versitygw)
+            go_install "github.com/versity/versitygw/cmd/versitygw@$VERSITYGW_VERSION" \
+                "-s -w" "$tmp" || return
             ;;
     esac
     mv -f "$tmp" "$out"
