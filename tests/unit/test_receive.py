@@ -445,3 +445,38 @@ def test_payloads_listed_once_are_fetched_without_listing_again() -> None:
     lists = [arg for op, arg in live.log if op == "LIST"]
     assert len(manifest.payloads) == len(payloads)
     assert len(lists) <= 2, f"{len(lists)} LISTs for {len(payloads)} payloads"
+
+
+def test_a_receiver_waiting_for_its_owners_lists_the_store_ever_less_often() -> None:
+    """Fails on 1f924c7, where a receiver listed every 10 ms however long it waited: about
+    150 LISTs over the 1.5 s before anything is published here, 100,000 a second for
+    1,000 agents waiting on one bucket. Now it waits an eighth of its quiet time between
+    LISTs (at most 2 s): O(log T) LISTs in T seconds, about 33 here (fewer on a busy
+    machine), and still every payload and the manifest arrive."""
+    _, objects = published()
+    live = Logged()
+
+    def late() -> None:
+        time.sleep(1.5)
+        trickle(live, objects, delay=0.0).join()
+
+    sender = threading.Thread(target=late)
+    sender.start()
+    manifest = receive(StoreSource(store=live, version=1, attempt="a-1"), "a-1",
+                       lambda p: None, release="when_listed", timeout_s=60)
+    sender.join()
+    lists = [arg for op, arg in live.log if op == "LIST"]
+    assert len(manifest.payloads) >= 6
+    assert len(lists) <= 45, f"{len(lists)} LISTs while waiting 1.5 s"
+
+
+def test_a_stopped_receiver_stops_within_one_idle_wait() -> None:
+    """An idle receiver sleeps on its stop event, so a stop ends even a 1,000 s wait
+    at once (a plain sleep would hold the obsolete attempt's thread that long)."""
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    started = time.monotonic()
+    with pytest.raises(rx.ReceiveStopped):
+        receive(StoreSource(store=MemoryStore(), version=1, attempt="a-1"), "a-1",
+                lambda p: None, poll_s=1000, max_poll_s=1000, timeout_s=7200, stop=stop)
+    assert time.monotonic() - started < 100

@@ -241,6 +241,7 @@ def receive(
     hold_bytes: int = GiB,
     window: int = 4,
     poll_s: float = 0.01,
+    max_poll_s: float = 2.0,
     idle_wait_s: float = 0.25,
     timeout_s: float = 600.0,
     stop: threading.Event | None = None,
@@ -251,8 +252,11 @@ def receive(
     ``window`` bounds the payloads being fetched; ``hold_bytes`` those fetched but not yet
     staged (each owner's next payload is fetched regardless, so order can always make
     progress); ``stage`` may block to push back further. With nothing in flight, the loop
-    waits ``poll_s`` before asking again, or, from a :class:`WaitingSource`, up to
-    ``idle_wait_s`` for a change (so ``stop`` is seen within that). Raises :class:`ManifestError`
+    waits before asking again: ``poll_s`` at first, then an eighth of how long nothing has
+    changed, up to ``max_poll_s`` (so a receiver waiting for its owners lists a store
+    O(log T) + T / max_poll_s times in T seconds, and notices an arrival at most an eighth
+    of its wait late); from a :class:`WaitingSource`, up to ``idle_wait_s`` for a change.
+    ``stop`` is seen within one wait. Raises :class:`ManifestError`
     if the manifest disagrees with what arrived (:class:`ForeignPayload` if an object is
     not what its owner wrote), or if ``timeout_s`` passes first, and
     :class:`ReceiveStopped` once ``stop`` is set (between payloads: a ``stage`` call in
@@ -267,6 +271,7 @@ def receive(
     objects: dict[PayloadId, tuple[int, str]] = {}  # size and object digest of what was staged
     next_seq = dict.fromkeys(range(owners), 0)
     listed_ids: set[PayloadId] = set()  # every id the source has listed so far
+    quiet_since, known = time.monotonic(), (0, 0)  # when the listing last changed; its size
 
     def wanted(pid: PayloadId) -> bool:
         owner, seq = pid
@@ -331,14 +336,29 @@ def receive(
                     f"({len(staged)} payloads applied, manifest "
                     f"{'present' if manifest else 'missing'})."
                 )
+            now = time.monotonic()
             if progressed:
+                quiet_since = now
                 continue
+            if (len(listed_ids), len(parts.got)) != known:
+                quiet_since, known = now, (len(listed_ids), len(parts.got))
             if pending:  # wake for the first fetch to land, not after a fixed sleep
                 wait(pending.values(), timeout=poll_s, return_when=FIRST_COMPLETED)
             elif isinstance(source, WaitingSource):  # wake when something arrives
-                source.wait_for_change(max(0.0, min(idle_wait_s, deadline - time.monotonic())))
+                source.wait_for_change(max(0.0, min(idle_wait_s, deadline - now)))
             else:
-                time.sleep(poll_s)
+                pause = min(max_poll_s, max(poll_s, (now - quiet_since) * IDLE_BACKOFF))
+                _sleep(max(0.0, min(pause, deadline - now)), stop)
+
+
+IDLE_BACKOFF = 0.125  # an idle receiver waits this share of its quiet time between LISTs
+
+
+def _sleep(seconds: float, stop: threading.Event | None) -> None:
+    if stop is None:
+        time.sleep(seconds)
+    else:
+        stop.wait(seconds)
 
 
 def _drop_unlisted(parts: _Parts, held: dict[PayloadId, Payload], listed_only: bool) -> None:
