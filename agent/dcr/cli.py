@@ -18,14 +18,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dcr.checkpoint import Checkpoint
-from dcr.errors import DcrError
+from dcr.errors import ConfigError, DcrError
 from dcr.files.inspect import describe, render
 from dcr.files.patch import load_manifest, patch_checkpoint
+from dcr.format.layout import manifest_key
 from dcr.format.profile import load_profile
 from dcr.owner.diff import diff_checkpoints, encode_summary
 from dcr.owner.settings import EncodeSettings
 from dcr.settings import add_options, doc, from_args
-from dcr.transport.store import open_store
+from dcr.transport.store import Store, open_store
 
 if TYPE_CHECKING:  # the relay node loads only when ``dcr relay`` runs
     from dcr.transport.relay import RelaySettings
@@ -58,6 +59,24 @@ def _emit(args: argparse.Namespace, summary: dict[str, Any], text: str) -> None:
     print(json.dumps(summary, sort_keys=True) if args.json else text)
 
 
+STORE_WRITE_HELP = ("where to write: file:///abs/path (or a plain path), s3://bucket/prefix "
+                    "(credentials and endpoint from the AWS_* environment), or "
+                    "relay+http(s)://host:port, a relay tree's root")
+STORE_READ_HELP = ("the store version N is in: file:///abs/path (or a plain path) or "
+                   "s3://bucket/prefix (credentials and endpoint from the AWS_* environment)")
+
+
+def version(text: str) -> int:
+    """A version number on the command line: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a version number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is not a version (versions start at 0)")
+    return value
+
+
 # ``dcr diff`` and ``dcr encode`` share their options, generated from EncodeSettings:
 # (command, help, settings fields left off, fields required, manifest under the attempt).
 # encode adds the attempt and the owner split and requires the mode and the attempt.
@@ -74,10 +93,14 @@ def _add_encode_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
         d = sub.add_parser(name, help=help_)
         d.add_argument("base", metavar="BASE", help="HF checkpoint dir or .safetensors file")
         d.add_argument("target", metavar="TARGET", help="HF checkpoint dir or .safetensors file")
-        d.add_argument("--store", required=True, help="file:///abs/path or a plain path")
-        d.add_argument("--base-version", type=int, metavar="M",
+        d.add_argument("--store", required=True, metavar="URI", help=STORE_WRITE_HELP)
+        d.add_argument("--base-version", type=version, metavar="M",
                        help=f"{doc(EncodeSettings, 'base_version')} (default N-1)")
         add_options(d, EncodeSettings, skip=("base_version", *skip), required=required)
+        if not per_attempt:
+            d.add_argument("--replace", action="store_true",
+                           help="write over a manifest the store already holds for version "
+                           "N (without it, that is refused: patches may be reading it)")
         d.add_argument("--json", action="store_true", help="print one JSON summary object")
         d.set_defaults(func=cmd_diff, attempt_manifest=per_attempt)
 
@@ -94,6 +117,7 @@ def cmd_diff(args: argparse.Namespace) -> None:
     if settings.profile_path is not None:
         settings = replace(settings, profile=load_profile(settings.profile_path))
     store = open_store(args.store)
+    replaced = None if settings.per_attempt_manifest else _held_manifest(store, settings, args)
     t0 = time.perf_counter()
     with Checkpoint(Path(args.base)) as base, Checkpoint(Path(args.target)) as target:
         total = sum(i.nbytes for i in base)
@@ -102,6 +126,8 @@ def cmd_diff(args: argparse.Namespace) -> None:
     seconds = time.perf_counter() - t0
     st = m.stats
     summary = encode_summary(m, seconds=seconds, store=store.uri)
+    if replaced is not None:  # its payloads stay: a patch may still be reading them
+        summary["replaced_attempt"] = replaced
     pct = 100 * st.changed_elements / max(1, st.total_elements)
     text = (
         f"version {m.base_version} -> {m.target_version} ({m.mode}, attempt {m.attempt}): "
@@ -111,6 +137,22 @@ def cmd_diff(args: argparse.Namespace) -> None:
         f"bytes; {seconds:.2f} s"
     )
     _emit(args, summary, text)
+
+
+def _held_manifest(store: Store, settings: EncodeSettings, args: argparse.Namespace
+                   ) -> str | None:
+    """The attempt of the manifest ``store`` holds for the version, if any; refused unless
+    ``--replace`` (a second diff of a version would replace what patches read)."""
+    if not store.exists(manifest_key(settings.version)):
+        return None
+    try:
+        attempt = load_manifest(store, settings.version).attempt
+    except DcrError:  # a damaged manifest is replaced the same way
+        attempt = "unreadable"
+    if not args.replace:
+        raise ConfigError(f"{store.uri} already holds version {settings.version} (attempt "
+                          f"{attempt}); dcr diff --replace writes over its manifest.")
+    return attempt
 
 
 def cmd_patch(args: argparse.Namespace) -> None:
@@ -350,9 +392,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     pa = sub.add_parser("patch", help="apply version N in place to a checkpoint at its base")
     pa.add_argument("checkpoint", metavar="CKPT", help="HF checkpoint dir or .safetensors file")
-    pa.add_argument("--store", required=True)
-    pa.add_argument("--version", type=int, required=True, metavar="N")
-    pa.add_argument("--json", action="store_true")
+    pa.add_argument("--store", required=True, metavar="URI", help=STORE_READ_HELP)
+    pa.add_argument("--version", type=version, required=True, metavar="N",
+                    help="the version to reach; CKPT must hold its base version")
+    pa.add_argument("--json", action="store_true", help="print one JSON summary object")
     pa.set_defaults(func=cmd_patch)
 
     ma = sub.add_parser("materialize", help="build a committed version's checkpoint from "
@@ -361,9 +404,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                     help="the store the history is in (file://, s3://)")
     ma.add_argument("--out", required=True, metavar="DIR",
                     help="the checkpoint directory to write or advance")
-    ma.add_argument("--version", type=int, metavar="N",
+    ma.add_argument("--version", type=version, metavar="N",
                     help="the version to build (default: the newest committed)")
-    ma.add_argument("--held", type=int, metavar="N", help="DIR already holds version N "
+    ma.add_argument("--held", type=version, metavar="N", help="DIR already holds version N "
                     "(checked by fingerprints first): replay the deltas after it if cheaper")
     ma.add_argument("--seed", metavar="DIR", help="a checkpoint of version --held this pod "
                     "has (the run's public starting model), or one that records its version "
@@ -383,7 +426,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                     help="the mirror: generations v<N>/ and the symlink current")
     mi.add_argument("--seed", metavar="DIR", help="a checkpoint of version --held to start "
                     "from while the mirror holds nothing (default: the newest snapshot)")
-    mi.add_argument("--held", type=int, metavar="N", help="the version --seed holds")
+    mi.add_argument("--held", type=version, metavar="N", help="the version --seed holds")
     mi.add_argument("--keep", type=int, default=2, metavar="N",
                     help="generations kept, the current one included (default 2: a reader "
                     "of the previous one can finish)")
@@ -402,7 +445,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sn.add_argument("checkpoint", metavar="CKPT", help="the version's checkpoint directory")
     sn.add_argument("--store", required=True, metavar="URI",
                     help="the store the history is in (file://, s3://)")
-    sn.add_argument("--version", type=int, required=True, metavar="N",
+    sn.add_argument("--version", type=version, required=True, metavar="N",
                     help="a version the history vouches for")
     sn.add_argument("--record", action="store_true",
                     help="record it in the history now: only where no coordinator writes "
@@ -411,9 +454,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sn.set_defaults(func=cmd_snapshot)
 
     i = sub.add_parser("inspect", help="summarise the delta of version N")
-    i.add_argument("--store", required=True)
-    i.add_argument("--version", type=int, required=True, metavar="N")
-    i.add_argument("--json", action="store_true")
+    i.add_argument("--store", required=True, metavar="URI", help=STORE_READ_HELP)
+    i.add_argument("--version", type=version, required=True, metavar="N",
+                   help="the version whose delta to describe")
+    i.add_argument("--json", action="store_true", help="print the report as JSON")
     i.set_defaults(func=cmd_inspect)
 
     for name, (help_, options) in _BUILT_WHEN_RUN.items():

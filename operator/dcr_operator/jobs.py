@@ -74,18 +74,20 @@ def profile_name(refit: str) -> str:
 
 
 def encode_args(*, base: str, target: str, store: str, attempt: Attempt, owners: int,
-                profile: bool, bucket_mib: int | None) -> list[str]:
+                profile: bool, bucket_mib: int | None, threads: int | None = None
+                ) -> list[str]:
     """``dcr encode`` arguments of one attempt; ``$(DCR_OWNER)`` is the Job index.
 
     Built by :meth:`EncodeSettings.argv <dcr.owner.settings.EncodeSettings.argv>`, as
-    ``ProcessOwner``'s are; a ``bucket_mib`` of None keeps the encoder's default.
+    ``ProcessOwner``'s are; a ``bucket_mib`` of None keeps the encoder's default, and
+    ``threads`` of None the cores the encoder's container may use.
     """
     t = attempt.transition
     settings = EncodeSettings(
         version=t.target_version, base_version=t.base_version, mode=attempt.mode,
         attempt=attempt.id, owners=owners,
         bucket_bytes=EncodeSettings.bucket_bytes if bucket_mib is None else bucket_mib * MiB,
-        profile_path=Path(PROFILE_DIR, PROFILE_KEY) if profile else None)
+        threads=threads, profile_path=Path(PROFILE_DIR, PROFILE_KEY) if profile else None)
     return settings.argv(base, target, store=store, owner=OWNER_REF)
 
 
@@ -196,7 +198,8 @@ def job_manifest(*, refit: Mapping[str, Any], spec: WeightRefitSpec, fleet: Roll
         store.uri if store is not None else "")
     args = encode_args(base=base_checkpoint, target=spec.source.checkpoint, store=destination,
                        attempt=attempt, owners=enc.owners, profile=profile is not None,
-                       bucket_mib=enc.bucket_mib)
+                       bucket_mib=enc.bucket_mib,
+                       threads=shape.resources.threads() if shape.resources else None)
     pod, _ = _pod(shape, fleet, args, env, profile)
     job_spec: dict[str, Any] = {
         "completionMode": "Indexed", "completions": enc.owners, "parallelism": enc.owners,

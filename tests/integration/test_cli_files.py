@@ -23,6 +23,7 @@ bit-only changes: NaN payloads, -0.0 <-> +0.0, finite -> Inf. Through ``python -
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -978,6 +979,48 @@ def test_diff_rejects_bad_settings_with_exit_1(tmp_path, refits):
     assert not (tmp_path / "s").exists() or not list((tmp_path / "s").rglob("*"))
 
 
+def test_a_second_diff_of_a_version_is_refused_unless_it_replaces_it(
+        tmp_path, refits, scenario, read_bits, file_hashes):
+    """Fails on edd87f2, where a second dcr diff of a version silently wrote over the
+    manifest that patches read. Now it is refused, the store unchanged; --replace writes
+    the new one, names the attempt it replaced, and patches follow the new one."""
+    r = refits("file", "mixed")
+    store = tmp_path / "store"
+    args = ("diff", r.base, r.target, "--store", store.as_uri(), "--version", 2,
+            "--bucket-mib", 1)
+    first = dcr_json(*args)
+    before = file_hashes(store)
+    refused = dcr(*args)
+    assert_refused(refused, f"already holds version 2 (attempt {first['attempt']})",
+                   "--replace")
+    assert file_hashes(store) == before
+    second = dcr_json(*args, "--replace")
+    assert second["replaced_attempt"] == first["attempt"] != second["attempt"]
+    manifest = read_manifest(store / "v0000000002" / "manifest.dcrm")
+    assert manifest["attempt"] == second["attempt"]
+    ckpt = r.copy_base(tmp_path / "ckpt")
+    dcr_json("patch", ckpt, "--store", store.as_uri(), "--version", 2)
+    _assert_bits_equal(read_bits(ckpt), scenario.target_bits)
+
+
+def test_every_option_of_the_file_commands_says_what_it_is():
+    """Fails on edd87f2: patch and inspect listed --store, --version and --json bare, and
+    diff's and encode's --store named neither s3:// nor relay+http://."""
+    from dcr.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for command in ("diff", "encode", "patch", "inspect", "materialize", "mirror",
+                    "snapshot"):
+        for action in sub.choices[command]._actions:
+            assert action.help, f"dcr {command} {action.option_strings or action.dest}"
+    for command in ("diff", "encode"):
+        store = next(a for a in sub.choices[command]._actions if "--store" in a.option_strings)
+        assert "s3://" in store.help
+        assert "relay+http" in store.help
+    encode = sub.choices["encode"].format_help()
+    assert "random" not in encode  # the attempt id is required, never made up
+
+
 def test_help_exits_0_and_mentions_the_commands_and_options():
     top = dcr("--help")
     assert top.returncode == 0
@@ -1015,12 +1058,21 @@ def test_console_script_runs():
         ["diff", "a", "b", "--store", "s", "--version", "2", "--mode", "xor"],
         ["patch", "c", "--store", "s"],
         ["frobnicate"],
+        ["patch", "c", "--store", "s", "--version", "-1"],
+        ["inspect", "--store", "s", "--version", "-1"],
+        ["materialize", "--store", "s", "--out", "o", "--held", "-3"],
+        ["diff", "a", "b", "--store", "s", "--version", "2", "--base-version", "-1"],
     ],
     ids=["no-command", "diff-no-args", "no-store", "bad-int", "bad-mode", "no-version",
-         "unknown-command"],
+         "unknown-command", "patch-negative-version", "inspect-negative-version",
+         "materialize-negative-held", "diff-negative-base"],
 )
 def test_usage_errors_exit_2(tmp_path, args):
+    """A negative version is a usage error (before, ``patch --version -1`` looked for an
+    object ``v-000000001/...`` and said it was missing)."""
     r = dcr(*args, cwd=tmp_path)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert "usage:" in r.stderr
+    if "-1" in args or "-3" in args:
+        assert "versions start at 0" in r.stderr
     assert list(tmp_path.iterdir()) == []

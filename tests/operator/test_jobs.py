@@ -88,7 +88,6 @@ def test_the_encoder_job_is_indexed_owned_and_runs_one_owner_per_index() -> None
     assert c["args"] == ["encode", "/ckpt/v2", "/ckpt/v3", "--store", "s3://bucket/p",
                          "--version", "3", "--base-version", "2", "--mode", "mixed",
                          "--bucket-mib", "256", "--min-payloads", "16", "--level", "1",
-                         "--threads", "2",
                          "--owners", "2", "--attempt", "a-0123456789ab",
                          "--profile", "/etc/dcr/profile/profile.json",
                          "--owner", "$(DCR_OWNER)", "--json"]
@@ -113,6 +112,7 @@ def test_the_fleets_encoder_profile_the_refit_picks_reaches_the_pod() -> None:
     assert c["image"] == "mine:2"
     assert c["args"][c["args"].index("--bucket-mib") + 1] == "64"
     assert c["resources"] == {"requests": {"cpu": 4, "memory": "8Gi"}}
+    assert c["args"][c["args"].index("--threads") + 1] == "4"  # a thread per CPU requested
     assert pod["nodeSelector"] == {"pool": "train"}
     assert pod["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
     assert pod["serviceAccountName"] == "encoder"
@@ -129,6 +129,23 @@ def test_without_a_default_profile_the_operators_defaults_shape_the_pod() -> Non
     assert "nodeSelector" not in pod
     assert "tolerations" not in pod
     assert "resources" not in c
+    assert "--threads" not in c["args"]  # dcr encode counts the cores it may use
+
+
+@pytest.mark.parametrize(("resources", "threads"), [
+    ({"requests": {"cpu": 4}}, 4), ({"requests": {"cpu": "1500m"}}, 2),
+    ({"requests": {"cpu": "0.5"}}, 1), ({"limits": {"cpu": "3"}}, 3),
+    ({"requests": {"cpu": "2"}, "limits": {"cpu": "8"}}, 2),
+    ({"requests": {"memory": "8Gi"}}, None), ({"requests": {"cpu": "2e3"}}, None)])
+def test_encoder_threads_follow_the_cpus_the_profile_requests(
+        resources: dict[str, Any], threads: int | None) -> None:
+    """Fails on edd87f2: every encoder ran 2 diff threads, whatever its profile asked for
+    (a 4-CPU encoder pod used half of it)."""
+    fleet = with_profiles({"name": "big", "image": "img:1", "resources": resources})
+    args = manifest(fleet, OperatorSettings(encoder_image="img:1"), profile="big")[
+        "spec"]["template"]["spec"]["containers"][0]["args"]
+    got = args[args.index("--threads") + 1] if "--threads" in args else None
+    assert got == (None if threads is None else str(threads))
 
 
 @pytest.mark.parametrize("field", [

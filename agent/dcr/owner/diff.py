@@ -137,7 +137,7 @@ def diff_checkpoints(
 
     fingerprints: dict[str, Future[tuple[str, str]]] = {}
     window = UPLOAD_WINDOW
-    with ThreadPoolExecutor(s.threads) as pool, ThreadPoolExecutor(window) as uploader:
+    with ThreadPoolExecutor(s.thread_count) as pool, ThreadPoolExecutor(window) as uploader:
         for name in (i.name for i in mine):
             fingerprints[name] = pool.submit(
                 lambda n: (base.fingerprint(n), target.fingerprint(n)), name

@@ -25,7 +25,7 @@ class Encoder(OwnerState[TensorSource]):
     store: Store
     owners: int = 1
     profile: ReceiverProfile | None = None
-    threads: int = EncodeSettings.threads
+    threads: int | None = EncodeSettings.threads  # None: the cores this process may use
     bucket_bytes: int = EncodeSettings.bucket_bytes  # dense source bytes per payload
     manifests: list[Manifest] = field(default_factory=list)
 

@@ -58,8 +58,9 @@ class EncoderServerSettings:
     checkpoint_root: tuple[str, ...] = option(metavar="DIR", doc="directory the checkpoints "
                                               "of a request must lie under (symlinks "
                                               "resolved); repeatable")
-    threads: int = option(EncodeSettings.threads, doc="diff threads per publish (numpy and "
-                          "zstd release the GIL); the machine's cores is a good choice")
+    threads: int | None = option(EncodeSettings.threads, metavar="N", doc="diff threads per "
+                                 "publish (numpy and zstd release the GIL); default: the "
+                                 "cores this process may use")
     max_publishes: int = option(4, metavar="N", doc="publishes running at once (one per "
                                 "owner of an attempt served here); one more is answered 503")
     stop_wait_s: float = option(120.0, metavar="S", doc="seconds a stop waits for the "
@@ -68,7 +69,8 @@ class EncoderServerSettings:
     def __post_init__(self) -> None:
         if not self.checkpoint_root:
             raise ConfigError("dcr encoder needs at least one --checkpoint-root.")
-        if self.threads < 1 or self.max_publishes < 1 or self.stop_wait_s <= 0:
+        if (self.threads is not None and self.threads < 1) or self.max_publishes < 1 \
+                or self.stop_wait_s <= 0:
             raise ConfigError(f"threads ({self.threads}), max_publishes "
                               f"({self.max_publishes}) and stop_wait_s ({self.stop_wait_s}) "
                               "must be positive.")
@@ -90,7 +92,7 @@ class Stopped(DcrError):
     """A publish ended early: its attempt was stopped, or its caller went away."""
 
 
-def publish_settings(req: PublishRequest, *, threads: int) -> EncodeSettings:
+def publish_settings(req: PublishRequest, *, threads: int | None) -> EncodeSettings:
     """The settings ``dcr encode`` runs with for this request (the operator's Job builds
     the same from ``EncodeSettings.argv``): the manifest part goes under the attempt."""
     return EncodeSettings(
@@ -152,7 +154,7 @@ class _StopGuard:
 class EncoderService:
     """Publishes requests into one store from checkpoints under fixed roots; thread-safe."""
 
-    def __init__(self, store: Store, roots: tuple[Path, ...], *, threads: int = 2,
+    def __init__(self, store: Store, roots: tuple[Path, ...], *, threads: int | None = None,
                  max_publishes: int = 4, stop_wait_s: float = 120.0) -> None:
         self.store, self.roots = store, roots
         self.threads, self.max_publishes, self.stop_wait_s = threads, max_publishes, stop_wait_s

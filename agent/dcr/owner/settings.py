@@ -3,7 +3,8 @@
 :class:`EncodeSettings` is the one declaration: ``dcr.settings`` derives the options from it
 and :meth:`EncodeSettings.argv` the ``dcr encode`` command line, so no starter of an encoder
 spells a flag or a default. The operator builds those command lines too, so this module
-imports only the standard library, ``dcr.settings``, ``dcr.format`` and ``dcr.errors``.
+imports only the standard library, ``dcr.settings``, ``dcr.cores``, ``dcr.format`` and
+``dcr.errors``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from dcr.cores import usable_cores
 from dcr.errors import ConfigError
 from dcr.format.names import EntryKind, Mode
 from dcr.format.profile import ReceiverProfile
@@ -37,15 +39,16 @@ class EncodeSettings:
                                 "bounds encoder memory for huge tensors")
     level: int = option(1, doc="zstd level, 1..22; 1 is fast and within a few percent of "
                         "the best on weight deltas")
-    threads: int = option(2, doc="diff threads (numpy and zstd release the GIL); the "
-                          "machine's cores is a good choice")
+    threads: int | None = option(None, metavar="N", doc="diff threads (numpy and zstd "
+                                 "release the GIL); default: the cores this process may use "
+                                 "(its CPU affinity, capped by its cgroup's CPU limit)")
     overwrite: tuple[str, ...] = option((), metavar="REGEX", doc="tensors (full-match "
                                         "regex) that always travel as overwrites; repeatable")
     owner: int = option(0, metavar="K", doc="this owner's index, 0 <= K < owners")
     owners: int = option(1, metavar="N", doc="owners splitting the tensors by a stable hash "
                          "of their names")
-    attempt: str | None = option(None, doc="attempt id from the coordinator (a fresh random "
-                                 "id when absent)")
+    attempt: str | None = option(None, doc="the attempt id the coordinator gave this "
+                                 "attempt")
     attempt_manifest: bool = option(False, cli=False, doc="write the manifest under the "
                                     "attempt, as protocol owners do (a late owner of an "
                                     "abandoned attempt cannot replace the current one), "
@@ -69,7 +72,8 @@ class EncodeSettings:
             raise ConfigError(f"zstd level {self.level} is outside 1..22.")
         if not 0 <= self.owner < self.owners:
             raise ConfigError(f"Owner {self.owner} is outside 0..{self.owners - 1}.")
-        if self.threads < 1 or self.item_elements < 1 or self.min_payloads < 1:
+        if (self.threads is not None and self.threads < 1) or self.item_elements < 1 \
+                or self.min_payloads < 1:
             raise ConfigError(f"threads ({self.threads}), min_payloads ({self.min_payloads}) "
                               "and item_elements must be >= 1.")
         for pattern in self.overwrite:
@@ -77,6 +81,11 @@ class EncodeSettings:
                 re.compile(pattern)
             except re.error as e:
                 raise ConfigError(f"Overwrite pattern {pattern!r} is not a regex: {e}.") from e
+
+    @property
+    def thread_count(self) -> int:
+        """``threads``, or the cores this process may use."""
+        return self.threads if self.threads is not None else usable_cores()
 
     @property
     def per_attempt_manifest(self) -> bool:

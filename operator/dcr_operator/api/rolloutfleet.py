@@ -5,6 +5,8 @@ Its fields: docs/operations.md, "Describe a fleet and refit it".
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, model_validator
@@ -186,6 +188,16 @@ class Resources(SpecModel):
     limits: dict[str, Annotated[int | str, Field(
         json_schema_extra={"x-kubernetes-int-or-string": True})]] | None = Field(
         default=None, description="The most the encoder container may use, by name.")
+
+    def threads(self) -> int | None:
+        """The encoder's diff threads: its CPU request (else limit) rounded up; None if
+        neither is a plain CPU quantity (2, "1.5", "500m")."""
+        cpu = (self.requests or {}).get("cpu") or (self.limits or {}).get("cpu")
+        m = re.fullmatch(r"(\d+(?:\.\d+)?)(m?)", str(cpu)) if cpu is not None else None
+        if m is None:
+            return None
+        cpus = float(m[1]) / (1000 if m[2] else 1)
+        return max(1, math.ceil(cpus))
 
 
 class Toleration(SpecModel):
