@@ -86,10 +86,12 @@ class Progress:
     @classmethod
     def of(cls, obj: Mapping[str, Any]) -> Progress:
         status = obj.get("status") or {}
-        receivers = status.get("receivers") or []
+        states = status.get("receiverStates") or []
         return cls(name=obj["metadata"]["name"], phase=status.get("phase") or "Pending",
-                   attempts=int(status.get("attemptCount") or 0), receivers=len(receivers),
-                   applied=sum(1 for r in receivers if r.get("state") in APPLIED),
+                   attempts=int(status.get("attemptCount") or 0),
+                   receivers=int(status.get("receiverCount") or 0),
+                   applied=sum(int(s.get("count", 0)) for s in states
+                               if s.get("state") in APPLIED),
                    bytes=int(status.get("bytes") or 0), message=_telling(obj))
 
 

@@ -27,6 +27,7 @@ from dcr_operator.commitstore import record_of
 from dcr_operator.errors import ApiError, InvalidResource, NotFound
 from dcr_operator.kube import KubeClient, api_path
 from dcr_operator.reconcile import (
+    RECEIVERS_SHOWN,
     Receiver,
     agent_failure,
     agent_report,
@@ -215,9 +216,12 @@ def refresh(kube: KubeClient, fleet: Mapping[str, Any], *, clock: Callable[[], s
         if ack:
             r["lastAck"] = ack
     secret = write_secret(spec)
+    # Those behind or unreachable first, and no more than a status should hold.
+    shown = sorted(reports, key=lambda r: (r.get("version") == record.committed_version
+                                           and not r.get("error"), r["name"]))
     patch: dict[str, Any] = {
         "observedGeneration": meta.get("generation"),
-        "receivers": reports,
+        "receivers": shown[:RECEIVERS_SHOWN],
         "receiverCount": len(reports),
         "readyReceivers": sum(1 for r in reports
                               if r.get("version") == record.committed_version

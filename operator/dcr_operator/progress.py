@@ -3,12 +3,22 @@
 :class:`Recorder` is told what happens and merge-patches the status it implies. Writing it is
 best effort: a failed write is logged and the next carries everything (the fleet's commit
 record, not this status, is the truth). Events mark transitions only.
+
+The status stays small and is written a few times per refit, however many receivers a
+fleet has: a stage (an attempt starting, an encoder, an outcome) writes at once, while
+receivers' acknowledgements are folded into one write per ``min_interval_s``; receivers
+are counted by state and listed only up to :data:`~dcr_operator.reconcile.RECEIVERS_SHOWN`
+(failing ones first), attempts count theirs, and messages name a few
+(docs/operations.md, "Watch it").
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
+import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ParamSpec, TypeVar, cast
@@ -24,11 +34,13 @@ from dcr_operator.errors import ApiError, ApiUnreachable
 from dcr_operator.kube import KubeClient, api_path
 from dcr_operator.metrics import METRICS
 from dcr_operator.reconcile import (
+    RECEIVERS_SHOWN,
     abandoned,
     agent_failure,
     attempt_status,
     phase_of,
     set_condition,
+    some_names,
 )
 
 log = logging.getLogger(__name__)
@@ -43,9 +55,13 @@ class Recorder:
     """The status of one WeightRefit while the operator works on it; thread-safe."""
 
     def __init__(self, kube: KubeClient, refit: Mapping[str, Any], *, emit: Emit,
-                 clock: Callable[[], str], forced_mode: Mode | None = None) -> None:
+                 clock: Callable[[], str], forced_mode: Mode | None = None,
+                 min_interval_s: float = 1.0) -> None:
         self.kube, self.refit, self.emit, self.clock = kube, refit, emit, clock
-        self.forced_mode = forced_mode
+        self.forced_mode, self.min_interval_s = forced_mode, min_interval_s
+        self._written = -float("inf")  # time.monotonic() of the last write
+        self._timer: threading.Timer | None = None  # a write folding acknowledgements
+        self._refused: set[int] = set()  # HTTP statuses of refused writes already told
         meta = refit["metadata"]
         self.path = api_path(GROUP, VERSION, REFIT_PLURAL, meta["namespace"], meta["name"],
                              "status")
@@ -94,12 +110,14 @@ class Recorder:
             self._started.add(attempt.id)
             self.attempts[attempt.id] = {
                 "id": attempt.id, "mode": mode, "outcome": "Running",
-                "startTime": self.clock(), "receivers": list(attempt.receivers)}
+                "startTime": self.clock(), "receiverCount": len(attempt.receivers)}
+        log.info("%s: attempt %s (%s) on receivers %s", self.path, attempt.id, mode,
+                 ", ".join(attempt.receivers))
         self.sync(history)
         self.set(RefitCondition.APPLYING, True, RefitReason.ATTEMPT_RUNNING,
                  f"Attempt {attempt.id} ({mode}) of {attempt.transition.base_version} -> "
                  f"{attempt.transition.target_version} on {len(attempt.receivers)} receivers: "
-                 f"{', '.join(attempt.receivers)}.", event="AttemptStarted")
+                 f"{some_names(attempt.receivers)}.", event="AttemptStarted")
         self.flush()
 
     def job_created(self, attempt: Attempt, job: str) -> None:
@@ -160,7 +178,7 @@ class Recorder:
         self.receiver(name, attempt=attempt, state="flushed", payloads=ack.payloads,
                       bytes=ack.bytes, applySeconds=round(ack.apply_s, 4),
                       lastAck=self.clock(), error=None)
-        self.flush()
+        self.flush(soon=True)
 
     def sync(self, history: Sequence[AttemptResult]) -> None:
         """Fold the coordinator's attempts (outcomes, stages, bytes) into the status."""
@@ -195,6 +213,9 @@ class Recorder:
     def status(self) -> dict[str, Any]:
         with self._lock:
             attempts = list(self.attempts.values())
+            receivers = sorted(self.receivers.values(),
+                               key=lambda r: (r.get("error") is None, r["name"]))
+            states = Counter(str(r.get("state", "")) for r in receivers)
             return {
                 "observedGeneration": self.generation,
                 "phase": phase_of(self.conditions),
@@ -202,16 +223,51 @@ class Recorder:
                 "attempts": [dict(a) for a in attempts],
                 "attemptCount": len(attempts),
                 "bytes": sum(int(a.get("bytes", 0)) for a in attempts),
-                "receivers": [dict(r) for _, r in sorted(self.receivers.items())],
+                "receivers": [dict(r) for r in receivers[:RECEIVERS_SHOWN]],
+                "receiverCount": len(receivers),
+                "receiverStates": [{"state": k, "count": n} for k, n in sorted(states.items())],
                 **self.extra,
             }
 
-    def flush(self) -> None:
+    def flush(self, *, soon: bool = False) -> None:
+        """Write the status now; with ``soon`` (a receiver's acknowledgement), at most
+        ``min_interval_s`` after the last write, one write carrying every update since."""
+        with self._lock:
+            if soon:
+                wait_s = self._written + self.min_interval_s - time.monotonic()
+                if wait_s > 0:
+                    if self._timer is None:
+                        self._timer = threading.Timer(wait_s, self._write_folded)
+                        self._timer.daemon = True
+                        self._timer.start()
+                    return
+            self._write()
+
+    def _write_folded(self) -> None:
+        with self._lock:
+            if self._timer is not None:  # else a write since carried these updates
+                self._write()
+
+    def _write(self) -> None:
+        """One merge patch of the whole status (under the lock: writes never reorder)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._written = time.monotonic()
         body = {"status": {k: v for k, v in self.status().items() if v is not None}}
         try:
             self.kube.merge_patch(self.path, body)
-        except (ApiError, ApiUnreachable) as e:
+        except ApiUnreachable as e:
             log.warning("could not write the status of %s: %s", self.path, e)
+        except ApiError as e:
+            log.error("the API server refused the status of %s (HTTP %d): %s", self.path,
+                      e.status, e)
+            if e.status not in self._refused:  # say so where users look, once per kind
+                self._refused.add(e.status)
+                self.emit(self.refit, "Warning", "StatusNotWritten",
+                          f"The API server refused this refit's status with HTTP "
+                          f"{e.status} ({len(json.dumps(body))} bytes); the operator's log says "
+                          "why, and the fleet's commit record stays the truth.")
 
 
 @dataclass(frozen=True, kw_only=True)

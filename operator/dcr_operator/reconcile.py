@@ -184,6 +184,18 @@ def receivers_of(pods: Iterable[Mapping[str, Any]], agent: AgentSpec) -> list[Re
     return sorted(out, key=lambda r: r.name)
 
 
+NAMES_SHOWN = 10  # pod names in a condition or Event message; a count says how many in all
+RECEIVERS_SHOWN = 100  # receivers listed in a status; counts cover the rest
+
+
+def some_names(names: Sequence[str]) -> str:
+    """``a, b, c`` or, past :data:`NAMES_SHOWN`, the first ones ``and N more``: a message
+    stays short however many receivers a fleet has."""
+    shown = ", ".join(names[:NAMES_SHOWN])
+    more = len(names) - NAMES_SHOWN
+    return f"{shown} and {more} more" if more > 0 else shown
+
+
 _CONTAINER_LISTS = ("initContainers", "containers", "ephemeralContainers")
 
 
@@ -267,7 +279,8 @@ def attempt_status(result: AttemptResult, *, start: str, end: str | None, payloa
         "outcome": _OUTCOMES.get(word, "Failed"), "startTime": start,
         "stages": {k: round(v, 4) for k, v in result.stages.items()},
         "payloads": payloads, "bytes": result.payload_bytes,
-        "receivers": list(result.receivers), "rejoined": list(result.rejoined),
+        "receiverCount": len(result.receivers),
+        "rejoined": list(result.rejoined[:RECEIVERS_SHOWN]),
     }
     if reason:
         out["reason"] = reason[:2048]
@@ -309,7 +322,7 @@ def fleet_conditions(conditions: Sequence[Mapping[str, Any]], *, record: CommitR
     elif behind:
         out = set_condition(out, FleetCondition.READY, False, FleetReason.RECEIVERS_BEHIND,
                             f"{len(behind)} of {count} receivers do not report version {v}: "
-                            f"{', '.join(behind)}.", at=at, generation=generation)
+                            f"{some_names(behind)}.", at=at, generation=generation)
     else:
         out = set_condition(out, FleetCondition.READY, True, FleetReason.ALL_RECEIVERS_COMMITTED,
                             f"All {count} receivers report version {v}.", at=at,
@@ -322,14 +335,11 @@ def fleet_conditions(conditions: Sequence[Mapping[str, Any]], *, record: CommitR
     out = set_condition(out, FleetCondition.DEGRADED, bool(unreachable),
                         (FleetReason.RECEIVERS_UNREACHABLE if unreachable
                          else FleetReason.ALL_RECEIVERS_REACHABLE),
-                        (f"Agents not answering: {', '.join(unreachable)}." if unreachable
+                        (f"Agents not answering: {some_names(unreachable)}." if unreachable
                          else "Every receiver's agent answers."), at=at, generation=generation)
     if write_secret is not None:
         out = _read_only(out, write_secret, write_holders, at=at, generation=generation)
     return out
-
-
-_NAMES_SHOWN = 10  # pod names in a condition message; the count says how many in all
 
 
 def _read_only(conditions: Sequence[Mapping[str, Any]], secret: str, holders: Sequence[str],
@@ -340,13 +350,12 @@ def _read_only(conditions: Sequence[Mapping[str, Any]], secret: str, holders: Se
             FleetReason.NO_POD_HOLDS_WRITE_CREDENTIALS,
             f"No selected pod is handed Secret {secret}, the store's write credentials.",
             at=at, generation=generation)
-    shown = ", ".join(holders[:_NAMES_SHOWN])
-    more = f" and {len(holders) - _NAMES_SHOWN} more" if len(holders) > _NAMES_SHOWN else ""
     return set_condition(
         conditions, FleetCondition.RECEIVERS_READ_ONLY, False,
         FleetReason.PODS_HOLD_WRITE_CREDENTIALS,
         f"{len(holders)} selected {'pods are' if len(holders) > 1 else 'pod is'} handed "
         f"Secret {secret}, the store's write "
-        f"credentials (spec.store.credentialsSecretRef): {shown}{more}. Whoever controls "
-        "one can choose the weights; give rollout pods a read-only key (docs/security.md, "
-        "\"A read-only key for receivers\").", at=at, generation=generation)
+        f"credentials (spec.store.credentialsSecretRef): {some_names(holders)}. Whoever "
+        "controls one can choose the weights; give rollout pods a read-only key "
+        "(docs/security.md, \"A read-only key for receivers\").", at=at,
+        generation=generation)

@@ -60,8 +60,13 @@ def _cond(type_: str, status: str, reason: str, message: str = "") -> dict[str, 
             "lastTransitionTime": "2026-12-02T00:00:00Z"}
 
 
-def _receivers(*states: str) -> list[dict[str, Any]]:
-    return [{"name": f"rollout-{i}", "state": s} for i, s in enumerate(states)]
+def _receivers(*states: str) -> dict[str, Any]:
+    """The receiver fields of a status as the operator writes them: a (capped) list, the
+    count and the count per state."""
+    return {"receivers": [{"name": f"rollout-{i}", "state": s} for i, s in enumerate(states)],
+            "receiverCount": len(states),
+            "receiverStates": [{"state": s, "count": states.count(s)}
+                               for s in sorted(set(states))]}
 
 
 class Operator(threading.Thread):
@@ -93,12 +98,12 @@ class Operator(threading.Thread):
 ENCODING = {"phase": "Encoding", "attemptCount": 1, "conditions": [
     _cond("Validated", "True", "BaseVersionCommitted"),
     _cond("Encoding", "True", "EncoderJobRunning", "Job policy-v7-a-1 publishes")]}
-PUBLISHED = {"phase": "Applying", "receivers": _receivers("staged", "flushed"),
+PUBLISHED = {"phase": "Applying", **_receivers("staged", "flushed"),
              "conditions": [_cond("Validated", "True", "BaseVersionCommitted"),
                             _cond("Encoding", "False", "EncoderJobSucceeded"),
                             _cond("Applying", "True", "AttemptRunning")]}
 COMMITTED = {"phase": "Committed", "bytes": 1234,
-             "receivers": _receivers("committed", "committed"),
+             **_receivers("committed", "committed"),
              "conditions": [_cond("Validated", "True", "BaseVersionCommitted"),
                             _cond("Encoding", "False", "Committed"),
                             _cond("Applying", "False", "Committed"),

@@ -318,7 +318,9 @@ def test_a_refit_commits_through_a_two_owner_indexed_encoder_job_bit_exact(
     st = refit["status"]
     (attempt,) = st["attempts"]
     assert (attempt["mode"], attempt["outcome"]) == ("mixed", "Committed")
-    assert attempt["receivers"] == ["rollout-0", "rollout-1", "rollout-2"]
+    assert attempt["receiverCount"] == 3
+    assert st["receiverCount"] == 3
+    assert st["receiverStates"] == [{"state": "committed", "count": 3}]
     assert attempt["payloads"] >= 2  # one or more from each owner
     assert attempt["bytes"] > 0
     assert {"prepare", "publish", "flush", "commit"} <= set(attempt["stages"])
@@ -506,9 +508,10 @@ def test_kubectl_get_shows_the_printer_columns(scenario: Scenario) -> None:
                                 "AGE"]
     assert lines[1].split()[:4] == [f"rolloutfleet.dcr.dev/{FLEET}", "3", "3", "3"]
     header = next(line for line in lines if line.startswith("NAME") and "FLEET" in line)
-    assert header.split() == ["NAME", "FLEET", "VERSION", "PHASE", "ATTEMPTS", "BYTES", "AGE"]
+    assert header.split() == ["NAME", "FLEET", "VERSION", "PHASE", "ATTEMPTS", "RECEIVERS",
+                              "BYTES", "AGE"]
     rows = {line.split()[0]: line.split() for line in lines if "weightrefit" in line}
-    assert rows["weightrefit.dcr.dev/policy-v2"][1:5] == [FLEET, "2", "Committed", "2"]
+    assert rows["weightrefit.dcr.dev/policy-v2"][1:6] == [FLEET, "2", "Committed", "2", "3"]
     assert rows["weightrefit.dcr.dev/policy-stale"][3:5] == ["Failed", "0"]
 
 

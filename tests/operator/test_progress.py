@@ -6,6 +6,8 @@ receivers are faked as ``ReceiverHandle``s.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import time
 from typing import Any
 
@@ -166,3 +168,65 @@ def test_events_only_on_transitions_and_a_failed_status_write_is_not_fatal() -> 
     rec.flush()  # logged, not raised
     assert [e[1] for e in events] == ["X", "Committed"]
     assert rec.status()["phase"] == "Committed"
+
+
+class ScaleReceiver:
+    """One of many agents: acknowledges, or refuses with a long error of its own."""
+
+    def __init__(self, name: str, refuse: bool) -> None:
+        self.name, self.refuse = name, refuse
+
+    def prepare(self, attempt: Attempt) -> None:
+        pass
+
+    def flush(self, attempt: Attempt) -> FlushAck:
+        if self.refuse:
+            raise AgentError(f"Agent {self.name} (POST /v1/flush): " + "x" * 4096, 500,
+                             "FlushFailed")
+        return FlushAck(attempt=attempt.id, payloads=16, bytes=1 << 20, apply_s=0.25,
+                        wait_s=0.1)
+
+
+def test_a_thousand_receivers_and_32_failed_attempts_keep_the_status_small_and_rare(
+        ) -> None:
+    """Fails on 1802db4, where every acknowledgement wrote the whole status (1,000
+    receivers: 1,000 writes of O(1,000) bytes per attempt) and each attempt listed every
+    receiver's name, so 32 failed attempts passed etcd's 1.5 MiB. Now acknowledgements fold
+    into one write per interval, attempts count their receivers, the list holds the
+    failing receivers first and at most 100, and every write stays under 256 KiB."""
+    kube, events = FakeKube(), []  # type: ignore[var-annotated]
+    rec = recorder(kube, events, min_interval_s=0.2)
+    names = tuple(f"rollout-{i:04d}" for i in range(1000))
+    history: list[AttemptResult] = []
+    started = time.monotonic()
+    for k in range(32):
+        a = Attempt(transition=Transition(base_version=1, target_version=2),
+                    mode="mixed" if k == 0 else "overwrite", receivers=names,
+                    deadline=time.time() + 60, id=f"a-{k:012x}")
+        history.append(AttemptResult(attempt=a.id, mode=a.mode, receivers=names))
+        for i, name in enumerate(names):
+            rx = TrackedReceiver(ScaleReceiver(name, refuse=i % 100 == 7), rec,  # type: ignore[arg-type]
+                                 lambda x: rec.attempt_started(x, history))
+            rx.prepare(a)
+            with contextlib.suppress(AgentError):
+                rx.flush(a)
+        history[-1].outcome = "failed: " + "; ".join(f"{n} refused" for n in names[7::100])
+        rec.sync(history)
+        rec.flush()
+    elapsed = time.monotonic() - started
+    rec.flush()
+    writes = [body for _, body in kube.patches]
+    assert len(writes) <= 32 * 3 + 2 + elapsed / 0.2, len(writes)
+    assert max(len(json.dumps(b)) for b in writes) < 256 * 1024
+    status = writes[-1]["status"]
+    assert status["receiverCount"] == 1000
+    assert {s["state"]: s["count"] for s in status["receiverStates"]} == {
+        "flushed": 990, "flush failed": 10}
+    listed = status["receivers"]
+    assert len(listed) == 100
+    assert [r["name"] for r in listed[:10]] == list(names[7::100])  # the failing ones first
+    assert all("error" in r for r in listed[:10])
+    assert all(a["receiverCount"] == 1000 for a in status["attempts"][1:])
+    assert len(status["attempts"]) == 33  # the resumed refit's abandoned one, and 32
+    applying = next(c for c in status["conditions"] if c["type"] == "Applying")
+    assert applying["message"].endswith("rollout-0009 and 990 more.")

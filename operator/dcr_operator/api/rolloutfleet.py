@@ -382,7 +382,9 @@ class RolloutFleetStatus(StatusModel):
         default=None, description="The WeightRefit that holds the fleet now, if one does.")
     receivers: list[ReceiverState] = Field(
         default_factory=list, json_schema_extra=list_map("name"),
-        description="Each receiver (selected Running pod) as its agent last reported it.")
+        description="Receivers (selected Running pods) as their agents last reported: "
+        "those behind the committed version or unreachable first, then by name, at most 100 "
+        "(receiverCount and readyReceivers count all).")
     receiver_count: int | None = Field(
         default=None, description="Receivers: Running pods the selector matches.")
     ready_receivers: int | None = Field(

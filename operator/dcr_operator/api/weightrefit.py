@@ -102,10 +102,12 @@ class AttemptStatus(StatusModel):
     stages: dict[str, float] = Field(default={}, description="Wall seconds per stage.")
     payloads: int = Field(default=0, description="Payloads each receiver applied.")
     bytes: int = Field(default=0, description="Payload bytes applied, summed over receivers.")
-    receivers: list[str] = Field(default_factory=list,
-                                 description="The receivers (pods) that took part.")
+    receiver_count: int = Field(default=0, description="How many receivers (pods) took "
+                                "part; their names are in the operator's log and the "
+                                "AttemptStarted Event.")
     rejoined: list[str] = Field(default_factory=list, description="Receivers that restored "
-                                "the committed version from the store instead.")
+                                "the committed version by a dense load instead (at most "
+                                "RECEIVERS_SHOWN names).")
     job: str | None = Field(default=None, description="The encoder Job that published it.")
     endpoint: str | None = Field(
         default=None, description="The encoder profile whose warm endpoint published it "
@@ -128,6 +130,14 @@ class ReceiverProgress(StatusModel):
     error: str | None = Field(default=None, description="Its last error, if any.")
 
 
+class StateCount(StatusModel):
+    """How many receivers are in one state."""
+
+    state: str = Field(description="An agent's state (prepared, flushed, committed, flush "
+                       "failed, ...).")
+    count: int = Field(description="How many receivers are in it.")
+
+
 class WeightRefitStatus(StatusModel):
     """The refit's phase, conditions, attempts and per-receiver progress."""
 
@@ -143,7 +153,12 @@ class WeightRefitStatus(StatusModel):
     bytes: int = Field(default=0, description="Payload bytes over all attempts and receivers.")
     receivers: list[ReceiverProgress] = Field(
         default_factory=list, json_schema_extra=list_map("name"),
-        description="Each receiver's progress in the latest attempt.")
+        description="Receivers' progress in the latest attempt: those with an error first, "
+        "then by name, at most RECEIVERS_SHOWN (100) entries; receiverStates counts all.")
+    receiver_count: int = Field(default=0, description="Receivers the status knows of.")
+    receiver_states: list[StateCount] = Field(
+        default_factory=list, json_schema_extra=list_map("state"),
+        description="How many receivers are in each state, over all of them.")
     committed: CommitRecordStatus | None = Field(
         default=None, description="The commit record this refit wrote, once committed.")
     start_time: Annotated[str | None, Field(json_schema_extra=RFC3339)] = Field(
@@ -162,6 +177,7 @@ PRINTER_COLUMNS = [
     column("Version", ".spec.targetVersion", "integer"),
     column("Phase", ".status.phase"),
     column("Attempts", ".status.attemptCount", "integer"),
+    column("Receivers", ".status.receiverCount", "integer"),
     column("Bytes", ".status.bytes", "integer"),
     AGE,
     column("Base", ".spec.baseVersion", "integer", priority=1),
