@@ -23,6 +23,7 @@ from dcr.protocol.state import FINAL
 from dcr_operator.api.common import GROUP, VERSION, SecretKeyRef
 from dcr_operator.api.rolloutfleet import PLURAL as FLEET_PLURAL
 from dcr_operator.api.rolloutfleet import RolloutFleetSpec
+from dcr_operator.api.weightrefit import PLURAL as REFIT_PLURAL
 from dcr_operator.commitstore import record_of
 from dcr_operator.errors import ApiError, InvalidResource, NotFound
 from dcr_operator.kube import KubeClient, api_path
@@ -31,6 +32,7 @@ from dcr_operator.reconcile import (
     Receiver,
     agent_failure,
     agent_report,
+    expired_refits,
     fleet_conditions,
     receivers_of,
     secret_holders,
@@ -236,6 +238,27 @@ def refresh(kube: KubeClient, fleet: Mapping[str, Any], *, clock: Callable[[], s
     # undo a commit that lands in between.
     kube.merge_patch(fleet_path(namespace, name, "status"), {"status": patch})
     return patch
+
+
+def prune_refits(kube: KubeClient, fleet: Mapping[str, Any], *, at: str) -> list[str]:
+    """Delete the fleet's finished WeightRefits its history limits let go (their finalizer
+    cleans the store); the names deleted."""
+    meta = fleet["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    spec = RolloutFleetSpec.model_validate(fleet["spec"])
+    path = api_path(GROUP, VERSION, REFIT_PLURAL, namespace)
+    refits = kube.get(path).get("items", [])
+    gone = expired_refits(refits, name, keep=spec.refit_history_limit,
+                          ttl_s=spec.refit_ttl_seconds_after_finished, at=at)
+    for refit in gone:
+        try:
+            kube.delete(f"{path}/{refit}")
+        except NotFound:
+            continue
+        log.info("fleet %s/%s: deleted finished WeightRefit %s (refitHistoryLimit %d, "
+                 "refitTtlSecondsAfterFinished %s)", namespace, name, refit,
+                 spec.refit_history_limit, spec.refit_ttl_seconds_after_finished)
+    return gone
 
 
 def set_active(kube: KubeClient, namespace: str, name: str, refit: str | None) -> None:

@@ -30,7 +30,7 @@ from dcr_operator.api.weightrefit import WeightRefitSpec
 from dcr_operator.cleanup import clean_store
 from dcr_operator.commitstore import FleetCommitStore
 from dcr_operator.errors import ApiError, ApiUnreachable, InvalidResource, NotFound, NotYet
-from dcr_operator.fleet import fleet_path, refresh, store_credentials
+from dcr_operator.fleet import fleet_path, prune_refits, refresh, store_credentials
 from dcr_operator.history import committed_attempt
 from dcr_operator.jobs import delete_jobs, delete_profile_copy
 from dcr_operator.kube import KubeClient, api_path
@@ -145,6 +145,7 @@ async def fleet_changed(body: kopf.Body, memo: Any, namespace: str | None, name:
 def _refresh_fleet(kube: KubeClient, fleet: Mapping[str, Any]) -> None:
     meta = fleet["metadata"]
     refresh(kube, fleet, clock=now, active=holder(meta["namespace"], meta["name"]))
+    prune_refits(kube, fleet, at=now())
 
 
 @kopf.index(GROUP, VERSION, FLEET_PLURAL)

@@ -8,6 +8,7 @@
 * :func:`agent_failure`, :func:`agent_report`: status about an agent in our own words,
   never text the agent sent.
 * :func:`attempt_status`, :func:`fleet_conditions`: attempts and fleet conditions as status.
+* :func:`expired_refits`: the finished WeightRefits a fleet's history limits let go.
 """
 
 from __future__ import annotations
@@ -359,3 +360,24 @@ def _read_only(conditions: Sequence[Mapping[str, Any]], secret: str, holders: Se
         "controls one can choose the weights; give rollout pods a read-only key "
         "(docs/security.md, \"A read-only key for receivers\").", at=at,
         generation=generation)
+
+
+# --- refit history ---------------------------------------------------------------------
+
+
+def expired_refits(refits: Iterable[Mapping[str, Any]], fleet: str, *, keep: int,
+                   ttl_s: int | None, at: str) -> list[str]:
+    """Names of ``fleet``'s finished WeightRefits to delete: all but the newest ``keep``
+    (by completionTime, else creation), and any finished more than ``ttl_s`` before ``at``.
+    A refit still running is never among them."""
+    finished = []
+    for r in refits:
+        st, meta = r.get("status") or {}, r.get("metadata") or {}
+        if (r.get("spec") or {}).get("fleet") != fleet or not is_final(st.get("phase")):
+            continue
+        ended = st.get("completionTime") or meta.get("creationTimestamp") or at
+        finished.append((parse_time(ended), str(meta.get("name", ""))))
+    finished.sort(reverse=True)  # newest first
+    limit = parse_time(at) - dt.timedelta(seconds=ttl_s) if ttl_s is not None else None
+    return sorted(name for i, (ended, name) in enumerate(finished)
+                  if i >= keep or (limit is not None and ended < limit))

@@ -77,7 +77,8 @@ def _access(cp: ControlPlane, token: str, verb: str, resource: str, *, group: st
 # (verb, resource, group, subresource): everything the operator and kopf do.
 USED = [
     ("watch", "weightrefits", "dcr.dev", ""), ("patch", "weightrefits", "dcr.dev", ""),
-    ("list", "rolloutfleets", "dcr.dev", ""), ("get", "rolloutfleets", "dcr.dev", ""),
+    ("delete", "weightrefits", "dcr.dev", ""), ("list", "rolloutfleets", "dcr.dev", ""),
+    ("get", "rolloutfleets", "dcr.dev", ""),
     ("patch", "rolloutfleets", "dcr.dev", "status"),
     ("patch", "weightrefits", "dcr.dev", "status"),
     ("list", "pods", "", ""), ("get", "secrets", "", ""), ("create", "configmaps", "", ""),

@@ -18,7 +18,7 @@ from stubs import Stub, stubs
 
 from dcr_operator.api.rolloutfleet import RolloutFleetSpec
 from dcr_operator.errors import InvalidResource
-from dcr_operator.fleet import clients, discover, refresh
+from dcr_operator.fleet import clients, discover, prune_refits, refresh
 from dcr_operator.kube import KubeClient
 from dcr_operator.reconcile import now
 
@@ -219,3 +219,29 @@ def test_a_weak_or_placeholder_agent_token_is_refused_before_any_agent_is_called
             assert "change-me-to" not in str(e.value)
             assert "tiny" not in str(e.value)
         assert agent.seen == []
+
+
+def test_a_fleet_keeps_only_its_newest_finished_refits(kube: KubeClient,
+                                                       namespace: str) -> None:
+    """Fails on 711d82d: a run that refits every step left every WeightRefit behind.
+    On the real apiserver: the fleet keeps its refitHistoryLimit newest finished refits,
+    and never a running one or another fleet's."""
+    install_crds(kube)
+    (fleet,) = apply(kube, [_fleet(9, "agent-token", refitHistoryLimit=2,
+                                   store={"uri": "file:///tmp/store"})], namespace)
+    base = "/apis/dcr.dev/v1alpha1/namespaces/" + namespace + "/weightrefits"
+    phases = {"v1": "Committed", "v2": "Failed", "v3": "Committed", "v4": "Committed",
+              "v5": None, "other": "Committed"}
+    for i, (name, phase) in enumerate(phases.items()):
+        apply(kube, [{"apiVersion": "dcr.dev/v1alpha1", "kind": "WeightRefit",
+                      "metadata": {"name": name},
+                      "spec": {"fleet": "elsewhere" if name == "other" else "fleet",
+                               "baseVersion": i, "targetVersion": i + 1,
+                               "source": {"checkpoint": f"/ckpt/v{i + 1}"}}}], namespace)
+        if phase:
+            kube.merge_patch(f"{base}/{name}/status", {"status": {
+                "phase": phase, "completionTime": f"2026-01-01T00:0{i}:00Z"}})
+    assert prune_refits(kube, fleet, at=now()) == ["v1", "v2"]
+    left = sorted(r["metadata"]["name"] for r in kube.get(base)["items"])
+    assert left == ["other", "v3", "v4", "v5"]
+    assert prune_refits(kube, fleet, at=now()) == []

@@ -14,6 +14,7 @@ from dcr_operator.api.weightrefit import WeightRefitSpec
 from dcr_operator.reconcile import (
     abandoned,
     attempt_status,
+    expired_refits,
     fleet_conditions,
     phase_of,
     receivers_of,
@@ -235,3 +236,30 @@ def test_a_refit_with_several_owners_is_rejected_on_a_relay_fleet() -> None:
     assert (v.action, v.reason) == ("reject", "RelayCarriesOneOwner")
     assert "asks for 2 encoder owners" in v.message
     assert validate("r", spec(), "f", record(2, "/ckpt/v2"), relay=True).action == "run"
+
+
+def _refit(name: str, fleet: str, phase: str | None, ended: str | None = None,
+           created: str = T0) -> dict[str, Any]:
+    status: dict[str, Any] = {"phase": phase} if phase else {}
+    if ended:
+        status["completionTime"] = ended
+    return {"metadata": {"name": name, "creationTimestamp": created},
+            "spec": {"fleet": fleet}, "status": status}
+
+
+def test_only_finished_refits_past_the_history_limit_or_ttl_expire() -> None:
+    """Fails on 711d82d (no history limit): every refit of a run, one per optimizer step,
+    stayed forever with its finalizer."""
+    refits = [_refit(f"v{i}", "f", "Committed", f"2025-01-01T00:0{i}:00Z") for i in range(6)]
+    refits += [_refit("failed", "f", "Failed", "2025-01-01T00:02:30Z"),
+               _refit("running", "f", "Applying"), _refit("pending", "f", None),
+               _refit("other-fleet", "g", "Committed", "2025-01-01T00:00:00Z"),
+               _refit("no-completion", "f", "Failed", None, created="2025-01-01T00:00:30Z")]
+    at = "2025-01-01T00:10:00Z"
+    assert expired_refits(refits, "f", keep=3, ttl_s=None, at=at) == [
+        "failed", "no-completion", "v0", "v1", "v2"]
+    assert expired_refits(refits, "f", keep=100, ttl_s=None, at=at) == []
+    assert expired_refits(refits, "f", keep=100, ttl_s=6 * 60, at=at) == [
+        "failed", "no-completion", "v0", "v1", "v2", "v3"]  # finished before 00:04
+    assert expired_refits(refits, "f", keep=0, ttl_s=None, at=at) == [
+        "failed", "no-completion", "v0", "v1", "v2", "v3", "v4", "v5"]

@@ -52,6 +52,10 @@ is granted per namespace (rbac.workloadNamespaces) unless rbac.workloadsClusterW
 - apiGroups: ["dcr.dev"]
   resources: ["rolloutfleets", "weightrefits"]
   verbs: ["get", "list", "watch", "patch"]
+# Finished WeightRefits past a fleet's refitHistoryLimit or TTL are deleted.
+- apiGroups: ["dcr.dev"]
+  resources: ["weightrefits"]
+  verbs: ["delete"]
 # The commit record (compare-and-set), receivers, conditions, attempts.
 - apiGroups: ["dcr.dev"]
   resources: ["rolloutfleets/status", "weightrefits/status"]

@@ -338,6 +338,13 @@ class RolloutFleetSpec(SpecModel):
     retention: Retention = Field(
         default_factory=Retention, description="What the store keeps for catch-up (a store "
         "fleet); default: everything.")
+    refit_history_limit: Annotated[int, Field(ge=0, le=10_000)] = Field(
+        default=100, description="Finished (Committed or Failed) WeightRefits of this fleet "
+        "the operator keeps, the newest; older ones are deleted, their finalizer removing "
+        "what they left in the store (never a committed attempt). Default 100.")
+    refit_ttl_seconds_after_finished: Annotated[int, Field(ge=0)] | None = Field(
+        default=None, description="Seconds a finished WeightRefit of this fleet is kept "
+        "after its completionTime, whatever refitHistoryLimit allows; default: no limit.")
     encoder_profiles: Annotated[list[EncoderProfile], Field(max_length=16, json_schema_extra={
         "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})] = Field(
         default=[], description="The encoder pods WeightRefits of this fleet may ask for, "
