@@ -142,11 +142,17 @@ def check_job_secrets(kube: KubeClient, namespace: str, spec: RolloutFleetSpec) 
         read_secret(kube, namespace, spec.relay.token_secret_ref.name, RELAY_TOKEN)
 
 
+AGENT_CALLS = 64  # agents the operator calls at once (status polls, profiles)
+STATUS_TIMEOUT_S = 5.0  # a status poll's wait: an unreachable agent costs this, not 30 s
+
+
 def clients(kube: KubeClient, namespace: str, spec: RolloutFleetSpec,
-            receivers: list[Receiver]) -> list[AgentClient]:
+            receivers: list[Receiver], *, timeout_s: float | None = None
+            ) -> list[AgentClient]:
+    """Clients of the receivers' agents, with the fleet's timeout (or a shorter one)."""
     token = agent_token(kube, namespace, spec)
-    return [AgentClient(r.name, r.url, token, timeout_s=spec.agent.timeout_seconds)
-            for r in receivers]
+    wait_s = min(spec.agent.timeout_seconds, timeout_s or spec.agent.timeout_seconds)
+    return [AgentClient(r.name, r.url, token, timeout_s=wait_s) for r in receivers]
 
 
 def behind(st: AgentStatus, record: CommitRecord) -> bool:
@@ -199,7 +205,7 @@ def refresh(kube: KubeClient, fleet: Mapping[str, Any], *, clock: Callable[[], s
     found = receivers_of(pods, spec.agent)
     no_agents = "no agent token"
     try:
-        agents = clients(kube, namespace, spec, found)
+        agents = clients(kube, namespace, spec, found, timeout_s=STATUS_TIMEOUT_S)
     except InvalidResource as e:
         log.warning("fleet %s/%s: %s", namespace, name, e)
         agents, no_agents = [], f"No agent token: {e}"
@@ -207,7 +213,7 @@ def refresh(kube: KubeClient, fleet: Mapping[str, Any], *, clock: Callable[[], s
     record = record_of(current)
     catch_up = record if active is None and record.baseline_id else None
     if agents:
-        with ThreadPoolExecutor(min(16, len(agents))) as pool:
+        with ThreadPoolExecutor(min(AGENT_CALLS, len(agents))) as pool:
             reports = list(pool.map(
                 lambda p: _report(p[0], p[1].url, at, catch_up, spec.store is not None),
                 zip(agents, found, strict=True)))

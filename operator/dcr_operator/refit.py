@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pydantic import ValidationError
@@ -52,6 +53,7 @@ from dcr_operator.errors import (
     NotYet,
 )
 from dcr_operator.fleet import (
+    AGENT_CALLS,
     check_job_secrets,
     clients,
     discover,
@@ -409,13 +411,20 @@ class RefitRun:
                 raise InvalidResource(f"ConfigMap {self.namespace}/{name} does not hold a "
                                       f"receiver profile: {first_validation_error(e)}; "
                                       "delete it to have it made again.") from e
-        profiles, sources, errors = [], [], []
-        for a in agents:
+        def ask(a: AgentClient) -> ReceiverProfile | str:
             try:
-                profiles.append(ReceiverProfile(tensors=a.profile()["tensors"]))
-                sources.append(a.name)
+                return ReceiverProfile(tensors=a.profile()["tensors"])
             except Exception as e:  # an agent that cannot answer does not vote
-                errors.append(agent_failure(a.name, AgentApi.profile, e))
+                return agent_failure(a.name, AgentApi.profile, e)
+
+        profiles, sources, errors = [], [], []
+        with ThreadPoolExecutor(max(1, min(AGENT_CALLS, len(agents)))) as pool:
+            for a, got in zip(agents, pool.map(ask, agents), strict=True):
+                if isinstance(got, str):
+                    errors.append(got)
+                else:
+                    profiles.append(got)
+                    sources.append(a.name)
         if len(profiles) < max(1, need):
             raise NotYet(f"Receiver profiles from {len(profiles)} of {len(agents)} agents; "
                          f"{need} needed: {'; '.join(errors)}")

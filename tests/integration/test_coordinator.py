@@ -8,6 +8,8 @@ only then advances the owner's baseline: both ranks end bit-exact with a dense l
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +21,7 @@ from dcr.checkpoint import ArrayCheckpoint
 from dcr.format.profile import ReceiverProfile, merge
 from dcr.owner.encoder import Encoder
 from dcr.protocol.commitstore import SqliteCommitStore
-from dcr.protocol.coordinator import CommitConflict, Coordinator
+from dcr.protocol.coordinator import CommitConflict, Coordinator, CoordinatorSettings
 from dcr.protocol.records import CommitOutcome, CommitRecord
 from dcr.receiver.service import AgentService
 from dcr.runtimes.vllm_reference import (
@@ -136,3 +138,65 @@ def test_a_refit_to_a_version_already_committed_is_refused(tmp_path: Path) -> No
     again = Coordinator(commits, [owner], receivers)  # the same transition: already done
     assert again.refit(1, "ckpt-1") == commits.read()
     assert again.history == []
+
+
+class Counted:
+    """A receiver handle that counts how many calls to any receiver are in flight."""
+
+    def __init__(self, inner: AgentService, gauge: dict[str, int], lock: threading.Lock
+                 ) -> None:
+        self.inner, self.gauge, self.lock, self.name = inner, gauge, lock, inner.name
+
+    def __getattr__(self, call: str):  # type: ignore[no-untyped-def]
+        fn = getattr(self.inner, call)
+
+        def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+            with self.lock:
+                self.gauge["now"] += 1
+                self.gauge["most"] = max(self.gauge["most"], self.gauge["now"])
+            try:
+                time.sleep(0.01)  # long enough that unbounded calls would overlap
+                return fn(*args, **kwargs)
+            finally:
+                with self.lock:
+                    self.gauge["now"] -= 1
+        return counted
+
+
+def test_a_fleet_is_driven_by_a_bounded_pool_not_a_thread_per_receiver(
+        tmp_path: Path) -> None:
+    """Fails on 422472d, where the coordinator started a thread per receiver (3,234
+    threads for 1,024 receivers): twelve receivers with receiver_calls=3 never see more
+    than three calls at once, and the refit commits every one of them bit-exact."""
+    torch.manual_seed(0)
+    old = random_checkpoint(CFG, 0)
+    new = {n: (t.float() + 1e-2 * torch.randn(t.shape)).to(torch.bfloat16)
+           for n, t in old.items()}
+    store = MemoryStore()
+    canonical = [CanonicalTensor(name=n, dtype="BF16", shape=tuple(t.shape))
+                 for n, t in old.items()]
+    gauge, lock = {"now": 0, "most": 0}, threading.Lock()
+    models, receivers = [], []
+    for r in range(12):
+        model = ReferenceModel(CFG, tp_size=1, tp_rank=0)
+        model.load_weights(old.items())
+        staging = tmp_path / f"r{r}"
+        agent = AgentService(
+            f"r{r}", LocalDriver([model], staging_dir=staging, checkpoint_root=tmp_path),
+            lambda spec: StoreSource(store=store, version=spec.target_version,
+                                     attempt=spec.attempt),
+            canonical=canonical, staging_dir=staging, version=0)
+        models.append(model)
+        receivers.append(Counted(agent, gauge, lock))
+    owner = Encoder(store=store, baseline=source(old), version=0)
+    owner.set_candidate(source(new), 1)
+    coord = Coordinator(SqliteCommitStore(tmp_path / "c.db", V0), [owner],
+                        receivers, settings=CoordinatorSettings(receiver_calls=3))  # type: ignore[arg-type]
+    assert coord.refit(1, "ckpt-1").committed_version == 1
+    coord.close()
+    assert 1 <= gauge["most"] <= 3
+    for model in models:
+        dense = ReferenceModel(CFG, tp_size=1, tp_rank=0)
+        dense.load_weights(new.items())
+        a, b = dense_state(model), dense_state(dense)
+        assert all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a)

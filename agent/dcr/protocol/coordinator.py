@@ -106,9 +106,13 @@ class CoordinatorSettings:
                                             "for the apply")
     min_receivers: int = option(1, metavar="N", doc="fewer admitted receivers fail the refit "
                                 "before any attempt; one suffices to make progress")
+    receiver_calls: int = option(64, metavar="N", doc="calls to receivers in flight at once: "
+                                 "a fleet of thousands is driven by this many threads, not a "
+                                 "thread each (owners get one each: a publish is long)")
 
     def __post_init__(self) -> None:
-        if self.max_attempts < 1 or self.min_receivers < 1 or self.attempt_timeout_s <= 0:
+        if self.max_attempts < 1 or self.min_receivers < 1 or self.attempt_timeout_s <= 0 \
+                or self.receiver_calls < 1:
             raise ConfigError(f"Coordinator settings out of range: {self}.")
 
 
@@ -142,11 +146,15 @@ class Coordinator:
         self.on_commit = on_commit
         self.abort = threading.Event()  # set by an operator: no further attempt starts
         self.history: list[AttemptResult] = []
-        self._pool = ThreadPoolExecutor(max(4, len(receivers) + len(owners)),
-                                        thread_name_prefix="coord")
+        self._pool = ThreadPoolExecutor(
+            max(1, min(self.settings.receiver_calls, len(receivers))),
+            thread_name_prefix="coord-receivers")
+        self._owner_pool = ThreadPoolExecutor(max(1, len(owners)),
+                                              thread_name_prefix="coord-owners")
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self._owner_pool.shutdown(wait=True)
 
     def refit(self, target_version: int, baseline_id: str) -> CommitRecord:
         start = self.commits.read()
@@ -268,7 +276,7 @@ class Coordinator:
                 self._each(lambda r: r.close_gate(), live)
                 self._each(lambda r: r.open_apply(attempt), live)
         with clock("publish"):
-            self._each(lambda o: o.publish(attempt), self.owners)
+            self._each(lambda o: o.publish(attempt), self.owners, pool=self._owner_pool)
         if self.settings.gate == "async":
             with clock("stage"):
                 self._each(lambda r: r.wait_staged(attempt), live)
@@ -350,10 +358,11 @@ class Coordinator:
             if isinstance(e, Exception):  # a dead receiver rejoins later, by a dense refit
                 log.warning("receiver %s did not stop cleanly: %s", r.name, e)
 
-    def _each(self, fn: Callable[[T], object], parties: Sequence[T], *, strict: bool = True
-              ) -> list:  # type: ignore[type-arg]
-        """Call ``fn`` on every party concurrently; the first error wins when strict."""
-        futures = [self._pool.submit(fn, p) for p in parties]
+    def _each(self, fn: Callable[[T], object], parties: Sequence[T], *, strict: bool = True,
+              pool: ThreadPoolExecutor | None = None) -> list:  # type: ignore[type-arg]
+        """Call ``fn`` on every party concurrently (receivers: ``receiver_calls`` at a
+        time); the first error wins when strict."""
+        futures = [(pool or self._pool).submit(fn, p) for p in parties]
         out: list[object] = []
         first: Exception | None = None
         for f in futures:
