@@ -45,7 +45,9 @@ def source(sd: dict[str, torch.Tensor]) -> ArrayCheckpoint:
                                 .view(np.uint16)) for n, t in sd.items()})
 
 
-def setup(tmp_path: Path):  # type: ignore[no-untyped-def]
+def setup(tmp_path: Path, count: int = 2, tp_size: int = 2):  # type: ignore[no-untyped-def]
+    """Agents over ``count`` in-process engines (rank ``r % tp_size`` each), an owner of
+    the transition 0 -> 1, and the commit record."""
     torch.manual_seed(0)
     old = random_checkpoint(CFG, 0)
     new = {n: (t.float() + 1e-2 * torch.randn(t.shape)).to(torch.bfloat16)
@@ -54,8 +56,8 @@ def setup(tmp_path: Path):  # type: ignore[no-untyped-def]
     canonical = [CanonicalTensor(name=n, dtype="BF16", shape=tuple(t.shape))
                  for n, t in old.items()]
     ranks, receivers = [], []
-    for r in range(2):
-        model = ReferenceModel(CFG, tp_size=2, tp_rank=r)
+    for r in range(count):
+        model = ReferenceModel(CFG, tp_size=tp_size, tp_rank=r % tp_size)
         model.load_weights(old.items())
         staging = tmp_path / f"rank-{r}"
         engine = LocalDriver([model], staging_dir=staging, checkpoint_root=tmp_path)
@@ -71,8 +73,9 @@ def setup(tmp_path: Path):  # type: ignore[no-untyped-def]
     return old, new, ranks, receivers, owner, commits
 
 
-def exact(model: ReferenceModel, rank: int, sd: dict[str, torch.Tensor]) -> bool:
-    dense = ReferenceModel(CFG, tp_size=2, tp_rank=rank)
+def exact(model: ReferenceModel, rank: int, sd: dict[str, torch.Tensor],
+          tp_size: int = 2) -> bool:
+    dense = ReferenceModel(CFG, tp_size=tp_size, tp_rank=rank)
     dense.load_weights(sd.items())
     a, b = dense_state(model), dense_state(dense)
     return all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a)
@@ -168,35 +171,12 @@ def test_a_fleet_is_driven_by_a_bounded_pool_not_a_thread_per_receiver(
     """Fails on 422472d, where the coordinator started a thread per receiver (3,234
     threads for 1,024 receivers): twelve receivers with receiver_calls=3 never see more
     than three calls at once, and the refit commits every one of them bit-exact."""
-    torch.manual_seed(0)
-    old = random_checkpoint(CFG, 0)
-    new = {n: (t.float() + 1e-2 * torch.randn(t.shape)).to(torch.bfloat16)
-           for n, t in old.items()}
-    store = MemoryStore()
-    canonical = [CanonicalTensor(name=n, dtype="BF16", shape=tuple(t.shape))
-                 for n, t in old.items()]
+    _, new, ranks, agents, owner, commits = setup(tmp_path, count=12, tp_size=1)
     gauge, lock = {"now": 0, "most": 0}, threading.Lock()
-    models, receivers = [], []
-    for r in range(12):
-        model = ReferenceModel(CFG, tp_size=1, tp_rank=0)
-        model.load_weights(old.items())
-        staging = tmp_path / f"r{r}"
-        agent = AgentService(
-            f"r{r}", LocalDriver([model], staging_dir=staging, checkpoint_root=tmp_path),
-            lambda spec: StoreSource(store=store, version=spec.target_version,
-                                     attempt=spec.attempt),
-            canonical=canonical, staging_dir=staging, version=0)
-        models.append(model)
-        receivers.append(Counted(agent, gauge, lock))
-    owner = Encoder(store=store, baseline=source(old), version=0)
-    owner.set_candidate(source(new), 1)
-    coord = Coordinator(SqliteCommitStore(tmp_path / "c.db", V0), [owner],
-                        receivers, settings=CoordinatorSettings(receiver_calls=3))  # type: ignore[arg-type]
+    receivers = [Counted(a, gauge, lock) for a in agents]
+    coord = Coordinator(commits, [owner], receivers,  # type: ignore[arg-type]
+                        settings=CoordinatorSettings(receiver_calls=3))
     assert coord.refit(1, "ckpt-1").committed_version == 1
     coord.close()
     assert 1 <= gauge["most"] <= 3
-    for model in models:
-        dense = ReferenceModel(CFG, tp_size=1, tp_rank=0)
-        dense.load_weights(new.items())
-        a, b = dense_state(model), dense_state(dense)
-        assert all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a)
+    assert all(exact(model, 0, new, tp_size=1) for model in ranks)

@@ -39,6 +39,7 @@ import torch
 from aiohttp import web
 from botocore.config import Config
 from multidict import CIMultiDict
+from transitions import reference_transition
 from yarl import URL
 
 from dcr.errors import ConfigError, ObjectNotFound, StoreError
@@ -665,33 +666,12 @@ def test_refit_through_s3_survives_5xx_slow_truncated_and_corrupted_objects_bit_
     and one payload of the first attempt is corrupted on the server's disk. That
     attempt fails naming the digest mismatch; the overwrite retry commits; every
     receiver ends with the bits of a dense load, and the owner advanced once."""
-    from dcr.apply.plan import CanonicalTensor
-    from dcr.checkpoint import ArrayCheckpoint
     from dcr.owner.encoder import Encoder
     from dcr.protocol.commitstore import SqliteCommitStore
     from dcr.protocol.coordinator import Coordinator
     from dcr.protocol.records import CommitRecord
-    from dcr.receiver.service import AgentService
-    from dcr.runtimes.vllm_reference import (
-        ReferenceConfig,
-        ReferenceModel,
-        dense_state,
-        random_checkpoint,
-    )
-    from dcr.serve.local import LocalDriver
-    from dcr.transport.receive import StoreSource
 
-    cfg = ReferenceConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-                          num_heads=4, num_kv_heads=2, tie_word_embeddings=False)
-    old = random_checkpoint(cfg, 0)
-    gen = torch.Generator().manual_seed(1)
-    new = {n: torch.where(torch.rand(t.shape, generator=gen) < 0.03,
-                          (t.float() * 1.1 + 1e-3).to(torch.bfloat16), t)
-           for n, t in old.items()}
-
-    def bits(sd):  # type: ignore[no-untyped-def]
-        return ArrayCheckpoint({n: ("BF16", tuple(t.shape), t.view(torch.int16).numpy()
-                                    .view("<u2")) for n, t in sd.items()})
+    t = reference_transition()
 
     class CorruptFirstAttempt:
         """Flips a byte of the first payload of ``attempt`` on the server's disk."""
@@ -713,23 +693,10 @@ def test_refit_through_s3_survives_5xx_slow_truncated_and_corrupted_objects_bit_
         def list(self, prefix: str) -> list[str]:
             return self.inner.list(prefix)
 
-    canonical = [CanonicalTensor(name=n, dtype="BF16", shape=tuple(t.shape))
-                 for n, t in old.items()]
-    models, receivers = [], []
-    for r in range(2):
-        model = ReferenceModel(cfg, tp_size=2, tp_rank=r)
-        model.load_weights(old.items())
-        store = make_store(FAST)
-        staging = tmp_path / f"rank-{r}"
-        receivers.append(AgentService(
-            f"rank-{r}", LocalDriver([model], staging_dir=staging, checkpoint_root=tmp_path),
-            lambda spec, store=store: StoreSource(store=store, version=spec.target_version,
-                                                  attempt=spec.attempt),
-            canonical=canonical, staging_dir=staging, version=0))
-        models.append(model)
+    models, receivers = t.receivers(tmp_path, [make_store(FAST) for _ in range(2)])
     owner_store = CorruptFirstAttempt(make_store(FAST))
-    owner = Encoder(store=owner_store, baseline=bits(old), version=0)
-    owner.set_candidate(bits(new), 1)
+    owner = Encoder(store=owner_store, baseline=t.bits(t.old), version=0)
+    owner.set_candidate(t.bits(t.new), 1)
     coord = Coordinator(SqliteCommitStore(tmp_path / "c.db", CommitRecord(
         committed_version=0, baseline_id="v0", attempt="")), [owner], receivers)
     real_run = coord._run
@@ -754,8 +721,4 @@ def test_refit_through_s3_survives_5xx_slow_truncated_and_corrupted_objects_bit_
     assert owner.version == 1
     answers = {s.answer for s in proxy.seen}
     assert {"status", "truncate", "delay"} <= answers
-    for r, model in enumerate(models):
-        dense = ReferenceModel(cfg, tp_size=2, tp_rank=r)
-        dense.load_weights(new.items())
-        a, b = dense_state(model), dense_state(dense)
-        assert all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a)
+    assert all(t.exact(model, 2, r) for r, model in enumerate(models))

@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from s3server import S3Server, scoped_s3_server
+from transitions import reference_transition
 
 from dcr.errors import StoreError
 from dcr.transport.s3 import S3Settings, S3Store
@@ -84,64 +84,23 @@ def test_agents_holding_only_the_read_key_refit_bit_exact(scoped: S3Server,
     """A refit whose owner publishes with the owners' key and whose two receivers (TP 2
     ranks of the vLLM-layout reference model) stage, apply and check with the read key
     only: it commits, and every rank holds the bits of a dense load."""
-    from dcr.apply.plan import CanonicalTensor
-    from dcr.checkpoint import ArrayCheckpoint
     from dcr.owner.encoder import Encoder
     from dcr.protocol.commitstore import SqliteCommitStore
     from dcr.protocol.coordinator import Coordinator
     from dcr.protocol.records import CommitRecord
-    from dcr.receiver.service import AgentService
-    from dcr.runtimes.vllm_reference import (
-        ReferenceConfig,
-        ReferenceModel,
-        dense_state,
-        random_checkpoint,
-    )
-    from dcr.serve.local import LocalDriver
-    from dcr.transport.receive import StoreSource
 
-    cfg = ReferenceConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-                          num_heads=4, num_kv_heads=2, tie_word_embeddings=False)
-    old = random_checkpoint(cfg, 0)
-    gen = torch.Generator().manual_seed(1)
-    new = {n: torch.where(torch.rand(t.shape, generator=gen) < 0.03,
-                          (t.float() * 1.1 + 1e-3).to(torch.bfloat16), t)
-           for n, t in old.items()}
-
-    def bits(sd: dict[str, torch.Tensor]) -> ArrayCheckpoint:
-        return ArrayCheckpoint({n: ("BF16", tuple(t.shape), t.view(torch.int16).numpy()
-                                    .view("<u2")) for n, t in sd.items()})
-
-    canonical = [CanonicalTensor(name=n, dtype="BF16", shape=tuple(t.shape))
-                 for n, t in old.items()]
-    models, receivers, stores = [], [], []
-    for r in range(2):
-        model = ReferenceModel(cfg, tp_size=2, tp_rank=r)
-        model.load_weights(old.items())
-        store = _store(scoped, "refit", read_only=True)
-        staging = tmp_path / f"rank-{r}"
-        receivers.append(AgentService(
-            f"rank-{r}", LocalDriver([model], staging_dir=staging, checkpoint_root=tmp_path),
-            lambda spec, store=store: StoreSource(store=store, version=spec.target_version,
-                                                  attempt=spec.attempt),
-            canonical=canonical, staging_dir=staging, version=0))
-        models.append(model)
-        stores.append(store)
+    t = reference_transition()
+    stores = [_store(scoped, "refit", read_only=True) for _ in range(2)]
+    models, receivers = t.receivers(tmp_path, stores)
     owner_store = _store(scoped, "refit", read_only=False)
-    owner = Encoder(store=owner_store, baseline=bits(old), version=0)
-    owner.set_candidate(bits(new), 1)
+    owner = Encoder(store=owner_store, baseline=t.bits(t.old), version=0)
+    owner.set_candidate(t.bits(t.new), 1)
     coord = Coordinator(SqliteCommitStore(tmp_path / "c.db", CommitRecord(
         committed_version=0, baseline_id="v0", attempt="")), [owner], receivers)
     record = coord.refit(1, "v1")
     coord.close()
     assert [(h.mode, h.outcome) for h in coord.history] == [("mixed", "committed")]
     assert record.committed_version == 1
-    for r, model in enumerate(models):
-        dense = ReferenceModel(cfg, tp_size=2, tp_rank=r)
-        dense.load_weights(new.items())
-        a, b = dense_state(model), dense_state(dense)
-        assert sorted(a) == sorted(b)
-        for n in a:
-            assert torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)), n
+    assert all(t.exact(model, 2, r) for r, model in enumerate(models))
     for store in (*stores, owner_store):
         store.close()
