@@ -494,7 +494,7 @@ def test_patch_refuses_a_payload_of_another_attempt(tmp_path, refits, file_hashe
     key = f"v{r.version:010d}/manifest.dcrm"
     first = read_manifest(store / key)
     retry = dcr_json("diff", r.base, r.target, "--store", store.as_uri(), "--version", r.version,
-                     "--bucket-mib", 1)
+                     "--bucket-mib", 1, "--replace")
     assert retry["attempt"] != first["attempt"]
     second = read_manifest(store / key)
     assert second["attempt"] == retry["attempt"]
