@@ -114,10 +114,13 @@ class Recorder:
         log.info("%s: attempt %s (%s) on receivers %s", self.path, attempt.id, mode,
                  ", ".join(attempt.receivers))
         self.sync(history)
+        left_out = next((h.left_out for h in history if h.attempt == attempt.id), ())
+        without = (f" Left out, not answering: {some_names(left_out)}; they rejoin the "
+                   "committed version later." if left_out else "")
         self.set(RefitCondition.APPLYING, True, RefitReason.ATTEMPT_RUNNING,
                  f"Attempt {attempt.id} ({mode}) of {attempt.transition.base_version} -> "
                  f"{attempt.transition.target_version} on {len(attempt.receivers)} receivers: "
-                 f"{some_names(attempt.receivers)}.", event="AttemptStarted")
+                 f"{some_names(attempt.receivers)}.{without}", event="AttemptStarted")
         self.flush()
 
     def job_created(self, attempt: Attempt, job: str) -> None:

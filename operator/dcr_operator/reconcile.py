@@ -282,6 +282,7 @@ def attempt_status(result: AttemptResult, *, start: str, end: str | None, payloa
         "payloads": payloads, "bytes": result.payload_bytes,
         "receiverCount": len(result.receivers),
         "rejoined": list(result.rejoined[:RECEIVERS_SHOWN]),
+        "leftOut": list(result.left_out[:RECEIVERS_SHOWN]),
     }
     if reason:
         out["reason"] = reason[:2048]

@@ -243,7 +243,7 @@ class RefitRun:
                fleet_spec: RolloutFleetSpec, record: CommitRecord, verdict: Verdict,
                rec: Recorder, forced: Mode | None) -> str:
         found = discover(self.kube, self.namespace, fleet_spec)
-        need = fleet_spec.commit_policy.min_receivers or len(found)
+        need = fleet_spec.commit_policy.receivers_needed(len(found))
         if not found or len(found) < need:
             msg = (f"RolloutFleet {spec.fleet} has {len(found)} Running receivers; "
                    f"{max(need, 1)} are required.")

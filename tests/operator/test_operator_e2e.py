@@ -269,7 +269,10 @@ def scenario(control_plane: ControlPlane, helm: Path, tmp_path_factory: pytest.T
                                          "tokenSecretRef": {"name": "agent-token"}},
                                "store": {"uri": store.as_uri()},
                                "initial": {"version": 0, "checkpoint": str(sc_ckpts[0])},
-                               "commitPolicy": {"attemptTimeoutSeconds": 120},
+                               # The kill tests wait for every receiver; the last test
+                               # goes back to the default (90%: one of three may be out).
+                               "commitPolicy": {"attemptTimeoutSeconds": 120,
+                                                "minReceivers": 3},
                                "retention": {"snapshotEvery": 2},
                                "retryLimit": 4}}], ns)
         sc = Scenario(cp=cp, kube=kube, ns=ns, tmp=tmp, store=store, trainer=trainer,
@@ -398,10 +401,16 @@ def test_an_agent_killed_mid_refit_rejoins_and_the_overwrite_retry_commits(
     assert [(a["mode"], a["outcome"]) for a in attempts] == [
         ("mixed", "Failed"), ("overwrite", "Committed")]
     assert "rollout-1" in attempts[0]["reason"]
-    assert attempts[1]["rejoined"] == ["rollout-1"]
+    # The restarted agent holds unknown weights; a dense load restores v1 before it takes
+    # part again: the retry's admission does it, or, if the agent was still starting then
+    # and the refit waited for it, the fleet poll's catch-up did it in between (which of
+    # the two depends on how fast the agent restarts on a busy machine).
+    by_refit = attempts[1]["rejoined"] == ["rollout-1"]
+    by_fleet = "rollout-1 holds None" in sc.primary.tail(1_000_000)
+    assert by_refit or by_fleet, sc.primary.tail()
+    if by_refit:
+        assert "ReceiverRejoined" in [e[1] for e in sc.events("policy-v2")]
     assert sc.fleet()["status"]["commit"]["attempt"] == attempts[1]["id"]
-    reasons = [e[1] for e in sc.events("policy-v2")]
-    assert "ReceiverRejoined" in reasons
     assert ("Warning", "AttemptFailed") in {e[:2] for e in sc.events("policy-v2")}
     assert sc.exact(2)
 
@@ -680,3 +689,31 @@ def test_encoder_jobs_run_in_a_training_cluster_reached_only_through_a_kubeconfi
     eventually(lambda: kube_b.get("/apis/batch/v1/namespaces/dcr-encoders/jobs",
                                   labelSelector=f"dcr.dev/refit-uid={uid}")["items"] == [],
                timeout_s=60, what="policy-v5's Jobs deleted in the training cluster")
+
+
+def test_with_the_default_min_receivers_a_dead_agent_is_left_out_and_caught_up_later(
+        scenario: Scenario) -> None:
+    """Fails on 0d5d9b5, where minReceivers defaulted to every selected pod: one agent
+    that does not answer stalled the refit until its deadline. With the default (90% of
+    three rounds down to two) v6 commits without it, its attempt and the AttemptStarted
+    Event name it, and once it answers again the fleet brings it to v6 from the store."""
+    sc = scenario
+    sc.new_version(6)
+    sc.kube.merge_patch(sc.path("rolloutfleets", FLEET),
+                        {"spec": {"commitPolicy": {"minReceivers": None}}})
+    assert sc.fleet()["spec"]["commitPolicy"]["minReceivers"] == "90%"
+    victim = sc.agents[2]
+    victim.kill()
+    try:
+        sc.create_refit("policy-v6", 5, 6)
+        refit = sc.wait_phase("policy-v6", "Committed")
+        (attempt,) = refit["status"]["attempts"]
+        assert attempt["leftOut"] == ["rollout-2"]
+        assert attempt["receiverCount"] == 2
+        (started,) = [m for _, reason, m in sc.events("policy-v6") if reason == "AttemptStarted"]
+        assert "Left out, not answering: rollout-2" in started
+    finally:
+        victim.start()
+        victim.wait_ready()
+    eventually(lambda: sc.exact(6), timeout_s=180,
+               what="the left-out receiver caught up to v6 by the fleet poll")

@@ -147,7 +147,7 @@ def test_attempt_status_splits_outcome_and_reason() -> None:
     out = attempt_status(r, start=T0, end=T1, payloads=3, job="j")
     assert out == {"id": "a-1", "mode": "mixed", "outcome": "Failed", "startTime": T0,
                    "stages": {"prepare": 0.1235}, "payloads": 3, "bytes": 99,
-                   "receiverCount": 2, "rejoined": ["p1"],
+                   "receiverCount": 2, "rejoined": ["p1"], "leftOut": [],
                    "reason": "Agent p1 unreachable", "completionTime": T1, "job": "j"}
     forced = attempt_status(r, start=T0, end=None, payloads=0, job=None, mode="overwrite")
     assert forced["mode"] == "overwrite"

@@ -125,6 +125,7 @@ class AttemptResult:
     stages: dict[str, float] = field(default_factory=dict)  # seconds per stage
     payload_bytes: int = 0  # bytes each receiver applied, summed over receivers
     rejoined: tuple[str, ...] = ()  # receivers restored by a dense refit at admission
+    left_out: tuple[str, ...] = ()  # receivers that could not take part (they rejoin later)
 
 
 class Coordinator:
@@ -182,8 +183,9 @@ class Coordinator:
             attempt = Attempt(transition=transition, mode=mode, owners=len(self.owners),
                               receivers=tuple(r.name for r in live),
                               deadline=time.time() + self.settings.attempt_timeout_s)
+            left_out = tuple(r.name for r in self.receivers if r.name not in attempt.receivers)
             result = AttemptResult(attempt=attempt.id, mode=mode, receivers=attempt.receivers,
-                                   rejoined=rejoined)
+                                   rejoined=rejoined, left_out=left_out)
             self.history.append(result)
             try:
                 record = self._run(attempt, live, start, baseline_id, result)

@@ -9,7 +9,7 @@ import math
 import re
 from typing import Annotated, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from dcr_operator.api.common import (
     AGE,
@@ -138,12 +138,36 @@ class InitialVersion(SpecModel):
         "canonical path without '$' or control characters.")
 
 
+DEFAULT_MIN_RECEIVERS = "90%"
+_PERCENT = r"^(100|[1-9]?[0-9])%$"
+
+
 class CommitPolicy(SpecModel):
     """When a refit may commit, and how long an attempt may take."""
 
-    min_receivers: Annotated[int, Field(ge=1)] | None = Field(
-        default=None, description="Receivers that must take part in an attempt; default: "
-        "every pod the selector matches when the refit starts.")
+    min_receivers: Annotated[int | str, Field(json_schema_extra={
+        "x-kubernetes-int-or-string": True, "x-kubernetes-validations": [{
+            "rule": f"type(self) == int ? self >= 1 : self.matches('{_PERCENT}')",
+            "message": "minReceivers is a count of at least 1 or a percentage 0%-100%"}]})] = Field(
+        default=DEFAULT_MIN_RECEIVERS, description="Receivers that must take part in an "
+        "attempt: a count (at least 1), or a percentage of the Running pods the selector "
+        "matches when the refit starts, rounded down, at least 1. Default 90%: one dead pod "
+        "of ten does not stall training; the attempt names who was left out, and they "
+        "rejoin the committed version later.")
+
+    @field_validator("min_receivers")
+    @classmethod
+    def _count_or_percentage(cls, v: int | str) -> int | str:
+        if (isinstance(v, int) and v < 1) or (isinstance(v, str) and not re.match(_PERCENT, v)):
+            raise ValueError(f"minReceivers {v!r} is neither a count of at least 1 nor a "
+                             "percentage from 0% to 100%")
+        return v
+
+    def receivers_needed(self, running: int) -> int:
+        """How many of ``running`` receivers an attempt needs."""
+        if isinstance(self.min_receivers, int):
+            return max(1, self.min_receivers)
+        return max(1, running * int(self.min_receivers[:-1]) // 100)
     attempt_timeout_seconds: Annotated[int, Field(ge=1, le=86400)] = Field(
         default=600, description="Seconds an attempt may take before it is abandoned; "
         "default 600.")

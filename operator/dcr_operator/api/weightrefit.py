@@ -107,7 +107,11 @@ class AttemptStatus(StatusModel):
                                 "AttemptStarted Event.")
     rejoined: list[str] = Field(default_factory=list, description="Receivers that restored "
                                 "the committed version by a dense load instead (at most "
-                                "RECEIVERS_SHOWN names).")
+                                "100 names).")
+    left_out: list[str] = Field(default_factory=list, description="Selected receivers that "
+                                "could not take part (their agents did not answer), as the "
+                                "fleet's minReceivers allows; they rejoin the committed "
+                                "version later (at most 100 names).")
     job: str | None = Field(default=None, description="The encoder Job that published it.")
     endpoint: str | None = Field(
         default=None, description="The encoder profile whose warm endpoint published it "
