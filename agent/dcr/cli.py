@@ -18,10 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dcr.checkpoint import Checkpoint
-from dcr.errors import ConfigError, DcrError
+from dcr.errors import ConfigError, DcrError, ObjectNotFound
 from dcr.files.inspect import describe, render
 from dcr.files.patch import load_manifest, patch_checkpoint
-from dcr.format.layout import manifest_key
 from dcr.format.profile import load_profile
 from dcr.owner.diff import diff_checkpoints, encode_summary
 from dcr.owner.settings import EncodeSettings
@@ -143,10 +142,10 @@ def _held_manifest(store: Store, settings: EncodeSettings, args: argparse.Namesp
                    ) -> str | None:
     """The attempt of the manifest ``store`` holds for the version, if any; refused unless
     ``--replace`` (a second diff of a version would replace what patches read)."""
-    if not store.exists(manifest_key(settings.version)):
-        return None
     try:
         attempt = load_manifest(store, settings.version).attempt
+    except ObjectNotFound:
+        return None
     except DcrError:  # a damaged manifest is replaced the same way
         attempt = "unreadable"
     if not args.replace:

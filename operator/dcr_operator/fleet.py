@@ -224,16 +224,16 @@ def refresh(kube: KubeClient, fleet: Mapping[str, Any], *, clock: Callable[[], s
         if ack:
             r["lastAck"] = ack
     secret = write_secret(spec)
-    # Those behind or unreachable first, and no more than a status should hold.
-    shown = sorted(reports, key=lambda r: (r.get("version") == record.committed_version
-                                           and not r.get("error"), r["name"]))
+
+    def ready(r: Mapping[str, Any]) -> bool:
+        return r.get("version") == record.committed_version and not r.get("error")
+
+    shown = sorted(reports, key=lambda r: (ready(r), r["name"]))  # those behind first
     patch: dict[str, Any] = {
         "observedGeneration": meta.get("generation"),
         "receivers": shown[:RECEIVERS_SHOWN],
         "receiverCount": len(reports),
-        "readyReceivers": sum(1 for r in reports
-                              if r.get("version") == record.committed_version
-                              and not r.get("error")),
+        "readyReceivers": sum(map(ready, reports)),
         "activeRefit": active,
         "conditions": fleet_conditions(
             status.get("conditions") or [], record=record, receivers=reports, active=active,

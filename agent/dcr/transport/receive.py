@@ -231,6 +231,9 @@ class _Parts:
         return merge_manifests(parts, f"attempt {self.attempt}")
 
 
+IDLE_BACKOFF = 0.125  # an idle receiver waits this share of its quiet time between LISTs
+
+
 def receive(
     source: Source,
     attempt: str,
@@ -349,9 +352,6 @@ def receive(
             else:
                 pause = min(max_poll_s, max(poll_s, (now - quiet_since) * IDLE_BACKOFF))
                 _sleep(max(0.0, min(pause, deadline - now)), stop)
-
-
-IDLE_BACKOFF = 0.125  # an idle receiver waits this share of its quiet time between LISTs
 
 
 def _sleep(seconds: float, stop: threading.Event | None) -> None:

@@ -154,6 +154,11 @@ class CommitPolicy(SpecModel):
         "matches when the refit starts, rounded down, at least 1. Default 90%: one dead pod "
         "of ten does not stall training; the attempt names who was left out, and they "
         "rejoin the committed version later.")
+    attempt_timeout_seconds: Annotated[int, Field(ge=1, le=86400)] = Field(
+        default=600, description="Seconds an attempt may take before it is abandoned; "
+        "default 600.")
+    gate: Literal["Sync", "Async"] = Field(
+        default="Sync", description="Sync: close request gates first; Async: after staging.")
 
     @field_validator("min_receivers")
     @classmethod
@@ -166,13 +171,8 @@ class CommitPolicy(SpecModel):
     def receivers_needed(self, running: int) -> int:
         """How many of ``running`` receivers an attempt needs."""
         if isinstance(self.min_receivers, int):
-            return max(1, self.min_receivers)
+            return self.min_receivers
         return max(1, running * int(self.min_receivers[:-1]) // 100)
-    attempt_timeout_seconds: Annotated[int, Field(ge=1, le=86400)] = Field(
-        default=600, description="Seconds an attempt may take before it is abandoned; "
-        "default 600.")
-    gate: Literal["Sync", "Async"] = Field(
-        default="Sync", description="Sync: close request gates first; Async: after staging.")
 
 
 class Retention(SpecModel):

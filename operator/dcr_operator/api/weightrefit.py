@@ -158,7 +158,7 @@ class WeightRefitStatus(StatusModel):
     receivers: list[ReceiverProgress] = Field(
         default_factory=list, json_schema_extra=list_map("name"),
         description="Receivers' progress in the latest attempt: those with an error first, "
-        "then by name, at most RECEIVERS_SHOWN (100) entries; receiverStates counts all.")
+        "then by name, at most 100 entries; receiverCount and receiverStates count all.")
     receiver_count: int = Field(default=0, description="Receivers the status knows of.")
     receiver_states: list[StateCount] = Field(
         default_factory=list, json_schema_extra=list_map("state"),
