@@ -27,6 +27,7 @@ from dcr_operator.api.weightrefit import PLURAL as REFIT_PLURAL
 from dcr_operator.commitstore import record_of
 from dcr_operator.errors import ApiError, InvalidResource, NotFound
 from dcr_operator.kube import KubeClient, api_path
+from dcr_operator.metrics import METRICS
 from dcr_operator.reconcile import (
     RECEIVERS_SHOWN,
     Receiver,
@@ -34,6 +35,8 @@ from dcr_operator.reconcile import (
     agent_report,
     expired_refits,
     fleet_conditions,
+    is_final,
+    parse_time,
     receivers_of,
     secret_holders,
     selector_query,
@@ -229,11 +232,17 @@ def refresh(kube: KubeClient, fleet: Mapping[str, Any], *, clock: Callable[[], s
         return r.get("version") == record.committed_version and not r.get("error")
 
     shown = sorted(reports, key=lambda r: (ready(r), r["name"]))  # those behind first
+    ready_count = sum(map(ready, reports))
+    committed_at = (status.get("commit") or {}).get("committedAt") or meta.get(
+        "creationTimestamp")
+    METRICS.fleet_polled(namespace=namespace, fleet=name, version=record.committed_version,
+                         committed_at=parse_time(committed_at).timestamp() if committed_at
+                         else None, receivers=len(reports), behind=len(reports) - ready_count)
     patch: dict[str, Any] = {
         "observedGeneration": meta.get("generation"),
         "receivers": shown[:RECEIVERS_SHOWN],
         "receiverCount": len(reports),
-        "readyReceivers": sum(map(ready, reports)),
+        "readyReceivers": ready_count,
         "activeRefit": active,
         "conditions": fleet_conditions(
             status.get("conditions") or [], record=record, receivers=reports, active=active,
@@ -254,6 +263,9 @@ def prune_refits(kube: KubeClient, fleet: Mapping[str, Any], *, at: str) -> list
     spec = RolloutFleetSpec.model_validate(fleet["spec"])
     path = api_path(GROUP, VERSION, REFIT_PLURAL, namespace)
     refits = kube.get(path).get("items", [])
+    METRICS.fleet_refits(namespace=namespace, fleet=name, unfinished=sum(
+        1 for r in refits if (r.get("spec") or {}).get("fleet") == name
+        and not is_final((r.get("status") or {}).get("phase"))))
     gone = expired_refits(refits, name, keep=spec.refit_history_limit,
                           ttl_s=spec.refit_ttl_seconds_after_finished, at=at)
     for refit in gone:

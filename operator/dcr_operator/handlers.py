@@ -182,8 +182,8 @@ async def _poll_fleets(kube: KubeClient, index: kopf.Index[tuple[str, str], bool
         try:
             fleet = await _blocking(kube.get, fleet_path(namespace, name))
             await _blocking(_refresh_fleet, kube, fleet)
-        except NotFound:
-            pass  # deleted since it was indexed
+        except NotFound:  # deleted since it was indexed
+            metrics.METRICS.fleet_deleted(namespace=namespace, fleet=name)
         except Exception as e:  # the next round tries again, as kopf retried the timer
             log.warning("RolloutFleet %s/%s: status not refreshed: %s", namespace, name, e)
 

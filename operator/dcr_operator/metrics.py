@@ -1,72 +1,115 @@
-"""The operator's Prometheus metrics: refits, attempts, bytes and the committed versions.
+"""The operator's Prometheus metrics: refits, attempts and their stages, bytes, and where
+each fleet stands (docs/operations.md, "Metrics").
 
-One process-wide registry, fed by refit runs on any thread (docs/operations.md, "Metrics").
+One process-wide registry of ``prometheus_client`` instruments, fed by refit runs and fleet
+polls on any thread (the instruments lock themselves). The alerts in the chart
+(``charts/dcr/files/prometheus-rules.yaml``) and its dashboard read these names.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import Counter
+import contextlib
 
 from aiohttp import web
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 
-from dcr.http.prometheus import Family, render
+from dcr.protocol.coordinator import AttemptResult
+
+disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series: counters restart with the process anyway
+
+# A refit is its attempts, each a few seconds to minutes; past 30 min the deadline governs.
+REFIT_BUCKETS = (1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800)
+STAGE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+FLEET = ("namespace", "fleet")
 
 
 class Metrics:
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.refits: Counter[str] = Counter()  # by outcome: Committed, Failed
-        self.attempts: Counter[tuple[str, str]] = Counter()  # by (mode, outcome)
-        self.payload_bytes = 0  # applied by receivers, summed over committed refits
-        self.refit_seconds = 0.0  # first attempt to commit, summed over committed refits
-        self.running = 0
-        self.committed: dict[tuple[str, str], int] = {}  # (namespace, fleet) -> version
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.refits = Counter(
+            "dcr_operator_refits", "WeightRefits ended, by outcome (Committed, Failed) and "
+            "reason (the Failed condition's, e.g. RetryLimitReached; empty for a commit).",
+            [*FLEET, "outcome", "reason"], registry=r)
+        self.attempts = Counter(
+            "dcr_operator_attempts", "Attempts ended, by mode, outcome and reason (the "
+            "error's kind, e.g. AgentError; empty for a commit).",
+            [*FLEET, "mode", "outcome", "reason"], registry=r)
+        self.refit_seconds = Histogram(
+            "dcr_operator_refit_duration_seconds", "Seconds from a refit's start to its "
+            "commit, committed refits only.", FLEET, buckets=REFIT_BUCKETS, registry=r)
+        self.stage_seconds = Histogram(
+            "dcr_operator_attempt_stage_duration_seconds", "Wall seconds of each stage of an "
+            "ended attempt (prepare, publish, stage, gate, flush, commit, finish).", ["stage"],
+            buckets=STAGE_BUCKETS, registry=r)
+        self.payload_bytes = Counter("dcr_operator_payload_bytes", "Payload bytes receivers "
+                                     "applied, summed over committed refits.", FLEET,
+                                     registry=r)
+        self.running = Gauge("dcr_operator_refits_running", "Refits this operator is "
+                             "driving.", registry=r)
+        self.committed = Gauge("dcr_operator_committed_version", "The version each fleet's "
+                               "commit record names.", FLEET, registry=r)
+        self.last_commit = Gauge(
+            "dcr_operator_last_commit_timestamp_seconds", "Unix time of each fleet's last "
+            "commit (its creation while it has none).", FLEET, registry=r)
+        self.receivers = Gauge("dcr_operator_fleet_receivers", "Receivers the last fleet "
+                               "poll found.", FLEET, registry=r)
+        self.behind = Gauge(
+            "dcr_operator_fleet_receivers_behind", "Receivers the last fleet poll found not "
+            "serving the committed version (another version, none, or no answer).", FLEET,
+            registry=r)
+        self.unfinished = Gauge("dcr_operator_fleet_refits_unfinished", "WeightRefits of "
+                                "the fleet neither committed nor failed.", FLEET, registry=r)
 
     def refit_started(self) -> None:
-        with self._lock:
-            self.running += 1
+        self.running.inc()
 
     def refit_stopped(self) -> None:
-        with self._lock:
-            self.running -= 1
+        self.running.dec()
 
-    def refit_ended(self, outcome: str, *, seconds: float = 0.0, payload_bytes: int = 0,
-                    namespace: str = "", fleet: str = "", version: int | None = None) -> None:
-        with self._lock:
-            self.refits[outcome] += 1
-            if outcome == "Committed":
-                self.refit_seconds += seconds
-                self.payload_bytes += payload_bytes
-                if version is not None:
-                    self.committed[namespace, fleet] = version
+    def refit_committed(self, *, namespace: str, fleet: str, version: int, seconds: float,
+                        payload_bytes: int, at: float) -> None:
+        self.refits.labels(namespace, fleet, "Committed", "").inc()
+        self.refit_seconds.labels(namespace, fleet).observe(seconds)
+        self.payload_bytes.labels(namespace, fleet).inc(payload_bytes)
+        self.committed.labels(namespace, fleet).set(version)
+        self.last_commit.labels(namespace, fleet).set(at)
 
-    def attempt_ended(self, mode: str, outcome: str) -> None:
-        with self._lock:
-            self.attempts[mode, outcome] += 1
+    def refit_failed(self, *, namespace: str, fleet: str, reason: str) -> None:
+        self.refits.labels(namespace, fleet, "Failed", reason).inc()
+
+    def attempt_ended(self, result: AttemptResult, *, namespace: str, fleet: str, mode: str,
+                      outcome: str) -> None:
+        self.attempts.labels(namespace, fleet, mode, outcome, result.error).inc()
+        for stage, seconds in result.stages.items():
+            self.stage_seconds.labels(stage).observe(seconds)
+
+    def fleet_polled(self, *, namespace: str, fleet: str, version: int,
+                     committed_at: float | None, receivers: int, behind: int) -> None:
+        self.committed.labels(namespace, fleet).set(version)
+        if committed_at is not None:
+            self.last_commit.labels(namespace, fleet).set(committed_at)
+        self.receivers.labels(namespace, fleet).set(receivers)
+        self.behind.labels(namespace, fleet).set(behind)
+
+    def fleet_refits(self, *, namespace: str, fleet: str, unfinished: int) -> None:
+        self.unfinished.labels(namespace, fleet).set(unfinished)
+
+    def fleet_deleted(self, *, namespace: str, fleet: str) -> None:
+        """Drop a deleted fleet's gauges (its histogram samples stay: they are history)."""
+        for gauge in (self.committed, self.last_commit, self.receivers, self.behind,
+                      self.unfinished):
+            with contextlib.suppress(KeyError):  # never set for this fleet
+                gauge.remove(namespace, fleet)
 
     def render(self) -> str:
-        with self._lock:
-            return render([
-                Family("dcr_operator_refits_total", "counter", "WeightRefits ended, by outcome.",
-                       [(f'{{outcome="{k}"}}', v) for k, v in sorted(self.refits.items())]),
-                Family("dcr_operator_attempts_total", "counter",
-                       "Attempts ended, by mode and outcome.",
-                       [(f'{{mode="{m}",outcome="{o}"}}', v)
-                        for (m, o), v in sorted(self.attempts.items())]),
-                Family("dcr_operator_refit_seconds_total", "counter", "Seconds from a refit's "
-                       "start to its commit, summed over committed refits.",
-                       [("", round(self.refit_seconds, 6))]),
-                Family("dcr_operator_payload_bytes_total", "counter", "Payload bytes "
-                       "receivers applied, summed over committed refits.",
-                       [("", self.payload_bytes)]),
-                Family("dcr_operator_refits_running", "gauge",
-                       "Refits this operator is driving.", [("", self.running)]),
-                Family("dcr_operator_committed_version", "gauge", "The version each fleet's "
-                       "commit record names, as this operator last committed it.",
-                       [(f'{{namespace="{ns}",fleet="{f}"}}', v)
-                        for (ns, f), v in sorted(self.committed.items())]),
-            ])
+        return generate_latest(self.registry).decode()
 
 
 METRICS = Metrics()

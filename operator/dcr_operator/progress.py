@@ -66,6 +66,8 @@ class Recorder:
         self.path = api_path(GROUP, VERSION, REFIT_PLURAL, meta["namespace"], meta["name"],
                              "status")
         self.generation = meta.get("generation")
+        self.namespace = meta["namespace"]
+        self.fleet = str((refit.get("spec") or {}).get("fleet", ""))  # as written: metrics
         st = refit.get("status") or {}
         at = clock()
         self.conditions: list[dict[str, Any]] = [dict(c) for c in st.get("conditions") or []]
@@ -199,7 +201,8 @@ class Recorder:
                     mode=self.forced_mode,
                     endpoint=self.endpoints.get(result.attempt, old.get("endpoint")))
                 if new["outcome"] != "Running" and old.get("outcome") in (None, "Running"):
-                    METRICS.attempt_ended(str(new["mode"]), str(new["outcome"]))
+                    METRICS.attempt_ended(result, namespace=self.namespace, fleet=self.fleet,
+                                          mode=str(new["mode"]), outcome=str(new["outcome"]))
                     if new["outcome"] in ("Failed", "Conflict"):
                         failed.append(new)
         for a in failed:

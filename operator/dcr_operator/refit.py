@@ -126,6 +126,7 @@ class RefitRun:
             kube, refit, settings, emit, clock)
         meta = refit["metadata"]
         self.namespace, self.name = meta["namespace"], meta["name"]
+        self.fleet = str((refit.get("spec") or {}).get("fleet", ""))  # as written: metrics
         self.stop_reason: str | None = None
         self._started = time.monotonic()
         self._stop = threading.Event()
@@ -369,9 +370,10 @@ class RefitRun:
         rec.finish(committed=commit_status(record, refit=self.name),
                    completionTime=self.clock())
         rec.flush()
-        METRICS.refit_ended("Committed", seconds=time.monotonic() - self._started,
-                            payload_bytes=int(st["bytes"]), namespace=self.namespace,
-                            fleet=spec.fleet, version=record.committed_version)
+        METRICS.refit_committed(namespace=self.namespace, fleet=spec.fleet,
+                                version=record.committed_version,
+                                seconds=time.monotonic() - self._started,
+                                payload_bytes=int(st["bytes"]), at=time.time())
         self.emit(fleet, "Normal", "Committed", f"Version {record.committed_version} "
                   f"committed by WeightRefit {self.name} (attempt {record.attempt}).")
         return "Committed"
@@ -385,7 +387,7 @@ class RefitRun:
         rec.set(RefitCondition.FAILED, True, reason, message, event="RefitFailed", warning=True)
         rec.finish(completionTime=self.clock())
         rec.flush()
-        METRICS.refit_ended("Failed")
+        METRICS.refit_failed(namespace=self.namespace, fleet=self.fleet, reason=reason)
         return "Failed"
 
     def _profile(self, agents: list[AgentClient], need: int, site: Site | None = None

@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 import torch
+from promtext import samples, value
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dcr.drivers.base import merge_fingerprints
@@ -244,7 +245,7 @@ def test_the_agent_api_needs_a_token_names_a_bad_field_and_refuses_a_wrong_base_
     assert http(agent.url + "/readyz") == (200, "version 0\n")
     code, text = http(agent.url + "/metrics")
     assert code == 200
-    assert "dcr_agent_version 0\n" in text
+    assert value(samples(text), "dcr_agent_version") == 0
 
     bad = [
         ("/v1/prepare", {**spec, "base_version": "zero"}, "AttemptSpec: base_version:"),
@@ -369,7 +370,7 @@ def test_an_agent_killed_mid_apply_is_left_out_then_restarted_unknown_and_rejoin
     assert record == commits.read() == CommitRecord(
         committed_version=2, baseline_id="ckpt-2", attempt=c2.history[0].attempt)
     assert [o.version for o in owners] == [2, 2]
-    assert "dcr_agent_dense_loads_total 1\n" in http(b2.url + "/metrics")[1]
+    assert value(samples(http(b2.url + "/metrics")[1]), "dcr_agent_dense_loads_total") == 1
     fleet.assert_holds(a, 2)
     fleet.assert_holds(b2, 2)
 
@@ -442,7 +443,7 @@ def test_an_encoder_process_killed_mid_stream_is_repaired_by_an_overwrite_retry(
     assert outcomes(c) == [("mixed", "failed"), ("overwrite", "committed")]
     assert "was killed after" in c.history[0].outcome
     applied = http(a.url + "/metrics")[1]
-    assert "dcr_agent_attempts_total{outcome=\"obsolete\"} 1\n" in applied
+    assert value(samples(applied), "dcr_agent_attempts_total", outcome="obsolete") == 1
     assert record == commits.read() == CommitRecord(
         committed_version=1, baseline_id="ckpt-1", attempt=c.history[1].attempt)
     assert owner.version == 1
@@ -535,7 +536,7 @@ def test_a_server_restarted_mid_refit_is_seen_as_a_new_instance_and_rejoined_den
         committed_version=1, baseline_id="ckpt-1", attempt=c.history[1].attempt)
     journal = json.loads((fleet.tmp / "b" / "agent" / "journal.json").read_text())
     assert (journal["version"], journal["instance"]) == (1, after)
-    assert "dcr_agent_dense_loads_total 1\n" in http(b.url + "/metrics")[1]
+    assert value(samples(http(b.url + "/metrics")[1]), "dcr_agent_dense_loads_total") == 1
     assert "the engine restarted (instance" in b.process.log_path.read_text()
     fleet.assert_holds(a, 1)
     fleet.assert_holds(b, 1)

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 from appserver import Server
+from promtext import samples, value
 
 from dcr.apply.plan import CanonicalTensor
 from dcr.protocol.agent_api import AgentStatus, AttemptSpec
@@ -148,9 +149,9 @@ def test_a_wait_ends_when_its_client_goes_away(serve: Callable[..., Server],
     with socket.create_connection(("127.0.0.1", server.port)) as s:
         s.sendall(request)
         until(lambda: svc.waits == 1)
-        assert "dcr_agent_waits 1\n" in http(f"{server.url}/metrics")[1]
+        assert value(samples(http(f"{server.url}/metrics")[1]), "dcr_agent_waits") == 1
     until(lambda: svc.waits == 0, timeout_s=10)  # hung up: the wait was cancelled
-    assert "dcr_agent_waits 0\n" in http(f"{server.url}/metrics")[1]
+    assert value(samples(http(f"{server.url}/metrics")[1]), "dcr_agent_waits") == 0
     assert svc.status().state == "streaming"  # the attempt itself goes on
 
 

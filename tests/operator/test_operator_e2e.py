@@ -51,6 +51,7 @@ from controlplane import ControlPlane
 from k8sutil import REPO, admin_client, apply, eventually, helm_template, install_crds, path_of
 from kubelet import FakeKubelet
 from kubernetes.client import ApiClient, Configuration
+from promtext import Key, matching, samples, value
 from stubs import free_port_on
 
 from dcr.client import Progress
@@ -108,13 +109,11 @@ class Operator:
             except subprocess.TimeoutExpired:
                 self.kill()
 
-    def metrics(self) -> dict[str, float]:
-        """``GET /metrics``, parsed: sample (name with labels) -> value."""
+    def metrics(self) -> dict[Key, float]:
+        """``GET /metrics``, parsed (tests/support/promtext.py)."""
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=10) as r:
-            text = r.read().decode()
-        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-                for line in text.splitlines() if line and not line.startswith("#")}
+            return samples(r.read().decode())
 
     def tail(self, n: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
@@ -415,19 +414,32 @@ def test_an_agent_killed_mid_refit_rejoins_and_the_overwrite_retry_commits(
     assert sc.exact(2)
 
 
-def test_the_operator_exports_refits_attempts_bytes_and_versions_to_prometheus(
+def test_the_operator_exports_refits_attempts_stages_bytes_and_fleets_to_prometheus(
         scenario: Scenario) -> None:
     m = scenario.primary.metrics()  # it ran policy-v1 (clean) and policy-v2 (a kill)
-    assert m['dcr_operator_refits_total{outcome="Committed"}'] == 2
-    assert m['dcr_operator_attempts_total{mode="mixed",outcome="Committed"}'] == 1
-    assert m['dcr_operator_attempts_total{mode="overwrite",outcome="Committed"}'] == 1
-    assert m['dcr_operator_attempts_total{mode="mixed",outcome="Failed"}'] >= 1
-    assert m[f'dcr_operator_committed_version{{namespace="{scenario.ns}",fleet="{FLEET}"}}'] == 2
-    assert m["dcr_operator_payload_bytes_total"] == sum(
+    fleet = {"namespace": scenario.ns, "fleet": FLEET}
+    committed = {"outcome": "Committed", "reason": "", **fleet}
+    assert value(m, "dcr_operator_refits_total", **committed) == 2
+    assert value(m, "dcr_operator_attempts_total", mode="mixed", **committed) == 1
+    assert value(m, "dcr_operator_attempts_total", mode="overwrite", **committed) == 1
+    failed = matching(m, "dcr_operator_attempts_total", mode="mixed", outcome="Failed", **fleet)
+    assert sum(failed.values()) >= 1
+    reasons = {dict(labels)["reason"] for labels in failed}
+    assert all(r.isidentifier() for r in reasons), reasons  # error kinds, e.g. AgentError
+    assert value(m, "dcr_operator_committed_version", **fleet) == 2
+    assert value(m, "dcr_operator_payload_bytes_total", **fleet) == sum(
         scenario.refit(n)["status"]["bytes"] for n in ("policy-v1", "policy-v2"))
-    assert m["dcr_operator_refit_seconds_total"] > 0
-    assert m["dcr_operator_refits_running"] == 0
-    assert scenario.standby.metrics()["dcr_operator_refits_running"] == 0  # paused
+    # Refit durations, a histogram per fleet: both commits, each under its largest bucket.
+    assert value(m, "dcr_operator_refit_duration_seconds_count", **fleet) == 2
+    assert value(m, "dcr_operator_refit_duration_seconds_sum", **fleet) > 0
+    assert value(m, "dcr_operator_refit_duration_seconds_bucket", le="+Inf", **fleet) == 2
+    # Every ended attempt's stages: three attempts prepared (one failed), two committed.
+    assert value(m, "dcr_operator_attempt_stage_duration_seconds_count", stage="commit") == 2
+    assert value(m, "dcr_operator_attempt_stage_duration_seconds_count", stage="prepare") >= 3
+    last = value(m, "dcr_operator_last_commit_timestamp_seconds", **fleet)
+    assert time.time() - 3600 < last <= time.time()
+    assert value(m, "dcr_operator_refits_running") == 0
+    assert value(scenario.standby.metrics(), "dcr_operator_refits_running") == 0  # paused
 
 
 def test_the_standby_takes_over_a_refit_whose_operator_died_and_nothing_applies_twice(

@@ -1,23 +1,50 @@
-"""Prometheus text exposition, shared by the agent's and the operator's ``/metrics``."""
+"""Prometheus text exposition of values read at scrape time, shared by the agent's and
+``dcr serve``'s ``/metrics`` (the operator keeps live instruments in its own registry).
+
+A thin layer over ``prometheus_client``: a scrape builds the families from the process's
+current state and renders them in the text format.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-Sample = tuple[str, float]  # (labels as written, e.g. '{outcome="committed"}' or "", value)
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+Labels = Mapping[str, str]
 
 
 @dataclass(frozen=True)
 class Family:
-    name: str
+    name: str  # a counter's name ends in _total, as it is exported
     kind: str  # "counter" or "gauge"
     help: str
-    samples: list[Sample]
+    samples: list[tuple[Labels, float]]  # (labels, value)
+
+    def metric(self) -> Metric:
+        names = sorted({k for labels, _ in self.samples for k in labels})
+        family: CounterMetricFamily | GaugeMetricFamily
+        if self.kind == "counter":
+            family = CounterMetricFamily(self.name, self.help, labels=names)
+        else:
+            family = GaugeMetricFamily(self.name, self.help, labels=names)
+        for labels, value in self.samples:
+            family.add_metric([labels.get(k, "") for k in names], value)
+        return family
 
 
-def render(families: list[Family]) -> str:
-    lines: list[str] = []
-    for f in families:
-        lines += [f"# HELP {f.name} {f.help}", f"# TYPE {f.name} {f.kind}"]
-        lines += [f"{f.name}{labels} {value}" for labels, value in f.samples]
-    return "\n".join(lines) + "\n"
+class _Snapshot(Collector):
+    def __init__(self, families: Iterable[Family]) -> None:
+        self.families = list(families)
+
+    def collect(self) -> Iterator[Metric]:
+        return (f.metric() for f in self.families)
+
+
+def render(families: Iterable[Family]) -> str:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Snapshot(families))
+    return generate_latest(registry).decode()

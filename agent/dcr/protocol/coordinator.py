@@ -126,6 +126,7 @@ class AttemptResult:
     payload_bytes: int = 0  # bytes each receiver applied, summed over receivers
     rejoined: tuple[str, ...] = ()  # receivers restored by a dense refit at admission
     left_out: tuple[str, ...] = ()  # receivers that could not take part (they rejoin later)
+    error: str = ""  # the failure's class name (e.g. "AgentError"): a bounded label for it
 
 
 class Coordinator:
@@ -190,7 +191,7 @@ class Coordinator:
             try:
                 record = self._run(attempt, live, start, baseline_id, result)
             except CommitUnknown as e:
-                result.outcome = f"unknown: {e}"
+                result.outcome, result.error = f"unknown: {e}", type(e).__name__
                 raise  # receivers stay flushed; the record decides on the next call
             except CommitConflict as e:
                 seen = self.commits.read()
@@ -203,11 +204,11 @@ class Coordinator:
                     with _Stages(result.stages)("finish"):
                         self._finish(seen, ours=ours)
                     return seen
-                result.outcome = f"conflict: {e}"
+                result.outcome, result.error = f"conflict: {e}", type(e).__name__
                 raise
             except Exception as e:  # any failure after admission: retry by overwrite
                 last = e
-                result.outcome = f"failed: {e}"
+                result.outcome, result.error = f"failed: {e}", type(e).__name__
                 log.warning("attempt %s (%s) failed: %s", attempt.id, mode, e)
                 self._abandon(attempt, live)
                 mode = "overwrite"

@@ -151,7 +151,7 @@ def make_app(s: ServeSettings, workers: Workers, api_key: str | None) -> web.App
         return web.Response(status=200)
 
     async def metrics(_: web.Request) -> web.StreamResponse:
-        label = f'{{model_name="{s.model.name}"}}'
+        label = {"model_name": s.model.name}
         text = render([
             Family("vllm:num_requests_running", "gauge", "Completions in flight.",
                    [(label, st.gate.running)]),
