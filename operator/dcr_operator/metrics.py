@@ -9,6 +9,8 @@ polls on any thread (the instruments lock themselves). The alerts in the chart
 from __future__ import annotations
 
 import contextlib
+import itertools
+from typing import get_args
 
 from aiohttp import web
 from prometheus_client import (
@@ -20,6 +22,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from dcr.format.names import Mode
 from dcr.protocol.coordinator import AttemptResult
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series: counters restart with the process anyway
@@ -28,19 +31,26 @@ disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created serie
 REFIT_BUCKETS = (1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800)
 STAGE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 FLEET = ("namespace", "fleet")
+REFIT_OUTCOMES = ("Committed", "Failed")
+ATTEMPT_OUTCOMES = ("Committed", "Failed", "Conflict")  # reconcile.attempt_status's, ended
+MODES = get_args(Mode)
 
 
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
-        self.refits = Counter(
-            "dcr_operator_refits", "WeightRefits ended, by outcome (Committed, Failed) and "
-            "reason (the Failed condition's, e.g. RetryLimitReached; empty for a commit).",
-            [*FLEET, "outcome", "reason"], registry=r)
-        self.attempts = Counter(
-            "dcr_operator_attempts", "Attempts ended, by mode, outcome and reason (the "
-            "error's kind, e.g. AgentError; empty for a commit).",
-            [*FLEET, "mode", "outcome", "reason"], registry=r)
+        self.refits = Counter("dcr_operator_refits", "WeightRefits ended, by outcome "
+                              "(Committed, Failed).", [*FLEET, "outcome"], registry=r)
+        self.refit_failures = Counter(
+            "dcr_operator_refit_failures", "Failed WeightRefits by the reason of their Failed "
+            "condition (e.g. RetryLimitReached).", [*FLEET, "reason"], registry=r)
+        self.attempts = Counter("dcr_operator_attempts", "Attempts ended, by mode (mixed, "
+                                "overwrite) and outcome (Committed, Failed, Conflict).",
+                                [*FLEET, "mode", "outcome"], registry=r)
+        self.attempt_failures = Counter(
+            "dcr_operator_attempt_failures", "Attempts that did not commit, by the kind of "
+            "error that ended them (e.g. AgentError, FingerprintMismatch).",
+            [*FLEET, "reason"], registry=r)
         self.refit_seconds = Histogram(
             "dcr_operator_refit_duration_seconds", "Seconds from a refit's start to its "
             "commit, committed refits only.", FLEET, buckets=REFIT_BUCKETS, registry=r)
@@ -75,23 +85,33 @@ class Metrics:
 
     def refit_committed(self, *, namespace: str, fleet: str, version: int, seconds: float,
                         payload_bytes: int, at: float) -> None:
-        self.refits.labels(namespace, fleet, "Committed", "").inc()
+        self.refits.labels(namespace, fleet, "Committed").inc()
         self.refit_seconds.labels(namespace, fleet).observe(seconds)
         self.payload_bytes.labels(namespace, fleet).inc(payload_bytes)
         self.committed.labels(namespace, fleet).set(version)
         self.last_commit.labels(namespace, fleet).set(at)
 
     def refit_failed(self, *, namespace: str, fleet: str, reason: str) -> None:
-        self.refits.labels(namespace, fleet, "Failed", reason).inc()
+        self.refits.labels(namespace, fleet, "Failed").inc()
+        self.refit_failures.labels(namespace, fleet, reason).inc()
 
     def attempt_ended(self, result: AttemptResult, *, namespace: str, fleet: str, mode: str,
                       outcome: str) -> None:
-        self.attempts.labels(namespace, fleet, mode, outcome, result.error).inc()
+        self.attempts.labels(namespace, fleet, mode, outcome).inc()
+        if outcome != "Committed":
+            self.attempt_failures.labels(namespace, fleet, result.error or "Unknown").inc()
         for stage, seconds in result.stages.items():
             self.stage_seconds.labels(stage).observe(seconds)
 
     def fleet_polled(self, *, namespace: str, fleet: str, version: int,
                      committed_at: float | None, receivers: int, behind: int) -> None:
+        """Where the fleet stands; its outcome counters start at 0 here, so that alerts on
+        their increase see the first failure (a series born at 1 shows no increase)."""
+        for outcome in REFIT_OUTCOMES:
+            self.refits.labels(namespace, fleet, outcome)
+        for mode, outcome in itertools.product(MODES, ATTEMPT_OUTCOMES):
+            self.attempts.labels(namespace, fleet, mode, outcome)
+        self.payload_bytes.labels(namespace, fleet)
         self.committed.labels(namespace, fleet).set(version)
         if committed_at is not None:
             self.last_commit.labels(namespace, fleet).set(committed_at)

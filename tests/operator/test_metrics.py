@@ -21,9 +21,11 @@ def test_attempts_count_by_mode_outcome_and_error_kind_and_time_their_stages() -
     m.attempt_ended(ok, mode="overwrite", outcome="Committed", **FLEET)
     s = samples(m.render())
     assert value(s, "dcr_operator_attempts_total", mode="mixed", outcome="Failed",
-                 reason="AgentError", **FLEET) == 1
+                 **FLEET) == 1
     assert value(s, "dcr_operator_attempts_total", mode="overwrite", outcome="Committed",
-                 reason="", **FLEET) == 1
+                 **FLEET) == 1
+    assert value(s, "dcr_operator_attempt_failures_total", reason="AgentError", **FLEET) == 1
+    assert len(matching(s, "dcr_operator_attempt_failures_total")) == 1  # commits: none
     assert value(s, "dcr_operator_attempt_stage_duration_seconds_count", stage="prepare") == 2
     assert value(s, "dcr_operator_attempt_stage_duration_seconds_sum",
                  stage="prepare") == 0.2 + 0.1
@@ -42,8 +44,9 @@ def test_a_commit_feeds_the_refit_histogram_bytes_version_and_time_per_fleet() -
     m.refit_committed(version=5, seconds=3.0, payload_bytes=500, at=1.8e9, **FLEET)
     m.refit_failed(reason="RetryLimitReached", **FLEET)
     s = samples(m.render())
-    assert value(s, "dcr_operator_refits_total", outcome="Committed", reason="", **FLEET) == 2
-    assert value(s, "dcr_operator_refits_total", outcome="Failed", reason="RetryLimitReached",
+    assert value(s, "dcr_operator_refits_total", outcome="Committed", **FLEET) == 2
+    assert value(s, "dcr_operator_refits_total", outcome="Failed", **FLEET) == 1
+    assert value(s, "dcr_operator_refit_failures_total", reason="RetryLimitReached",
                  **FLEET) == 1
     assert value(s, "dcr_operator_refit_duration_seconds_count", **FLEET) == 2
     assert value(s, "dcr_operator_refit_duration_seconds_sum", **FLEET) == 45.0
@@ -69,6 +72,12 @@ def test_fleet_polls_set_where_each_fleet_stands_and_a_deleted_fleet_drops_it() 
     assert value(s, "dcr_operator_fleet_receivers", **FLEET) == 10
     assert value(s, "dcr_operator_fleet_receivers_behind", **FLEET) == 3
     assert value(s, "dcr_operator_fleet_refits_unfinished", **FLEET) == 2
+    # A polled fleet's outcome counters exist at 0 before anything fails.
+    assert value(s, "dcr_operator_refits_total", outcome="Failed", **other) == 0
+    for mode in ("mixed", "overwrite"):
+        for outcome in ("Committed", "Failed", "Conflict"):
+            assert value(s, "dcr_operator_attempts_total", mode=mode, outcome=outcome,
+                         **other) == 0
     m.fleet_deleted(**FLEET)
     m.fleet_deleted(namespace="team-c", fleet="never-seen")  # no error
     s = samples(m.render())

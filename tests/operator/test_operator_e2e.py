@@ -418,14 +418,16 @@ def test_the_operator_exports_refits_attempts_stages_bytes_and_fleets_to_prometh
         scenario: Scenario) -> None:
     m = scenario.primary.metrics()  # it ran policy-v1 (clean) and policy-v2 (a kill)
     fleet = {"namespace": scenario.ns, "fleet": FLEET}
-    committed = {"outcome": "Committed", "reason": "", **fleet}
+    committed = {"outcome": "Committed", **fleet}
     assert value(m, "dcr_operator_refits_total", **committed) == 2
+    assert value(m, "dcr_operator_refits_total", outcome="Failed", **fleet) == 0
     assert value(m, "dcr_operator_attempts_total", mode="mixed", **committed) == 1
     assert value(m, "dcr_operator_attempts_total", mode="overwrite", **committed) == 1
-    failed = matching(m, "dcr_operator_attempts_total", mode="mixed", outcome="Failed", **fleet)
-    assert sum(failed.values()) >= 1
-    reasons = {dict(labels)["reason"] for labels in failed}
-    assert all(r.isidentifier() for r in reasons), reasons  # error kinds, e.g. AgentError
+    failed = value(m, "dcr_operator_attempts_total", mode="mixed", outcome="Failed", **fleet)
+    assert failed >= 1
+    reasons = matching(m, "dcr_operator_attempt_failures_total", **fleet)
+    assert sum(reasons.values()) == failed
+    assert all(dict(k)["reason"].isidentifier() for k in reasons), reasons  # AgentError, ...
     assert value(m, "dcr_operator_committed_version", **fleet) == 2
     assert value(m, "dcr_operator_payload_bytes_total", **fleet) == sum(
         scenario.refit(n)["status"]["bytes"] for n in ("policy-v1", "policy-v2"))
