@@ -37,6 +37,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +48,7 @@ import yaml
 from clusters import CLUSTER_TRAINER
 from controlplane import build_binaries
 from node import GATEWAY, Images, Node
+from promtext import Key, samples, value
 from s3server import S3Server
 
 from dcr.format.history import HISTORY_KEY, History
@@ -487,6 +489,40 @@ def test_a_refit_commits_through_encoder_pods_bit_exact(cluster: Cluster) -> Non
     c.kubectl("-n", NS, "get", "weightrefits,rolloutfleets", record=True)
 
 
+def test_the_operator_service_and_every_agent_serve_prometheus_metrics(cluster: Cluster) -> None:
+    """What Prometheus scrapes, from the real pods: the operator through the chart's metrics
+    Service (the API server's service proxy), each agent on its pod's port."""
+    c = cluster
+    fleet = {"namespace": NS, "fleet": FLEET}
+    service = f"/api/v1/namespaces/{SYSTEM}/services/http:{RELEASE}-operator-metrics:metrics"
+
+    def operator() -> dict[Key, float] | None:
+        m = samples(c.kubectl("get", "--raw", f"{service}/proxy/metrics"))
+        # The fleet poll (every 3 s here) reports every receiver on version 1.
+        polled = (value(m, "dcr_operator_fleet_receivers", **fleet) == REPLICAS
+                  and value(m, "dcr_operator_fleet_receivers_behind", **fleet) == 0)
+        return m if polled else None
+
+    m = eventually(operator, timeout_s=60, what="the fleet poll's gauges in the metrics")
+    assert value(m, "dcr_operator_refits_total", outcome="Committed", **fleet) == 1
+    assert value(m, "dcr_operator_refits_total", outcome="Failed", **fleet) == 0
+    assert value(m, "dcr_operator_attempts_total", mode="mixed", outcome="Committed",
+                 **fleet) == 1
+    assert value(m, "dcr_operator_refit_duration_seconds_count", **fleet) == 1
+    assert value(m, "dcr_operator_attempt_stage_duration_seconds_count", stage="flush") == 1
+    assert value(m, "dcr_operator_committed_version", **fleet) == 1
+    assert value(m, "dcr_operator_fleet_refits_unfinished", **fleet) == 0
+    committed_at = c.fleet()["status"]["commit"]["committedAt"]
+    assert value(m, "dcr_operator_last_commit_timestamp_seconds", **fleet) == (
+        dt.datetime.fromisoformat(committed_at.replace("Z", "+00:00")).timestamp())
+    for agent in c.agents():
+        with urllib.request.urlopen(f"{agent.url}/metrics", timeout=30) as r:
+            a = samples(r.read().decode())
+        assert value(a, "dcr_agent_version") == 1, agent.name
+        assert value(a, "dcr_agent_payloads_applied_total") >= 1, agent.name
+        assert value(a, "dcr_agent_attempts_total", outcome="committed") == 1, agent.name
+
+
 def test_kubectl_get_shows_the_printer_columns(cluster: Cluster) -> None:
     c = cluster
     fleet_row = [f"rolloutfleet.dcr.dev/{FLEET}", "1", str(REPLICAS), str(REPLICAS)]
@@ -685,6 +721,32 @@ def test_the_rollout_side_reached_the_store_only_through_its_link(
     c.transcript.append(report)
     assert len(c.fetched) == 2  # the replacement and the scaled-up Pod
     assert down >= sum(c.fetched.values()) > 0
+
+
+def test_the_fleet_keeps_at_most_refit_history_limit_finished_refits(cluster: Cluster) -> None:
+    """A run leaves one WeightRefit per step; with refitHistoryLimit the operator's fleet
+    poll deletes all but the newest finished ones (their finalizer cleans the store)."""
+    c = cluster
+
+    def finished() -> list[str]:  # oldest first
+        items = c.get("-n", NS, "weightrefits")["items"]
+        done = [(r["status"]["completionTime"], r["metadata"]["name"]) for r in items
+                if r["spec"]["fleet"] == FLEET
+                and (r.get("status") or {}).get("phase") in ("Committed", "Failed")]
+        return [name for _, name in sorted(done)]
+
+    before = finished()
+    assert len(before) > 2, before
+    c.kubectl("-n", NS, "patch", "rolloutfleet", FLEET, "--type=merge",
+              "-p", '{"spec": {"refitHistoryLimit": 2}}', record=True)
+
+    def pruned() -> list[str] | None:
+        names = finished()
+        return names if len(names) <= 2 else None
+
+    kept = eventually(pruned, timeout_s=120, what="the fleet's finished WeightRefits down to 2")
+    assert kept == before[-2:]  # the newest two
+    c.kubectl("-n", NS, "get", "weightrefits", record=True)
 
 
 def test_helm_upgrade_rolls_the_operator_with_the_new_value(cluster: Cluster) -> None:

@@ -731,3 +731,31 @@ def test_with_the_default_min_receivers_a_dead_agent_is_left_out_and_caught_up_l
         victim.wait_ready()
     eventually(lambda: sc.exact(6), timeout_s=180,
                what="the left-out receiver caught up to v6 by the fleet poll")
+
+
+def test_a_refit_created_before_its_base_commits_waits_for_it_then_commits(
+        scenario: Scenario) -> None:
+    """A trainer that creates step n+1's refit before step n's has committed (or even
+    been created): v8 (base 7) waits, Validated=False WaitingForBaseVersion, nothing
+    attempted, while the record names 6; v7 commits; then v8 commits from it."""
+    sc = scenario
+    sc.new_version(7)
+    sc.new_version(8)
+    sc.create_refit("policy-v8", 7, 8)
+
+    def waiting() -> bool:
+        status = sc.refit("policy-v8").get("status") or {}
+        validated = [(c["status"], c["reason"]) for c in status.get("conditions", [])
+                     if c["type"] == "Validated"]
+        return validated == [("False", "WaitingForBaseVersion")] and not status.get("attempts")
+
+    eventually(waiting, timeout_s=60, what="policy-v8 waiting for base version 7")
+    assert sc.fleet()["status"]["commit"]["committedVersion"] == 6
+    sc.create_refit("policy-v7", 6, 7)
+    v7 = sc.wait_phase("policy-v7", "Committed")
+    v8 = sc.wait_phase("policy-v8", "Committed")
+    assert v7["status"]["committed"]["committedVersion"] == 7
+    assert v8["status"]["committed"]["committedVersion"] == 8
+    assert v7["status"]["completionTime"] <= v8["status"]["attempts"][0]["startTime"]
+    assert sc.fleet()["status"]["commit"]["committedVersion"] == 8
+    assert sc.exact(8)

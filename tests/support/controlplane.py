@@ -199,6 +199,18 @@ def build_binaries(script: Path = BUILD_SCRIPT, *, timeout_s: float | None = Non
     )
 
 
+def built(*components: str, progress: Callable[[str], None] | None = None) -> dict[str, Path]:
+    """``build.sh COMPONENT...`` (cached; minutes the first time): each component's path."""
+    code, output = run_reporting(["bash", str(BUILD_SCRIPT), *components], progress=progress,
+                                 name=f"build.sh {' '.join(components)}")
+    found = {m["component"]: Path(m["path"])
+             for line in output.splitlines() if (m := _BUILD_LINE.match(line))}
+    if code != 0 or not set(components) <= found.keys():
+        raise ControlPlaneError(f"build.sh {' '.join(components)} exited with status {code}:"
+                                f"\n{_tail(output.splitlines())}")
+    return found
+
+
 class ControlPlane:
     """etcd + kube-apiserver (+ kube-controller-manager) on free loopback ports; a context manager.
 

@@ -41,6 +41,10 @@ KINDS: dict[str, tuple[str, str, bool]] = {
     "KopfPeering": ("/apis/kopf.dev/v1", "kopfpeerings", True),
     "RolloutFleet": ("/apis/dcr.dev/v1alpha1", "rolloutfleets", True),
     "WeightRefit": ("/apis/dcr.dev/v1alpha1", "weightrefits", True),
+    # prometheus-operator's (the chart's optional monitoring; tests/operator/test_monitoring.py)
+    "ServiceMonitor": ("/apis/monitoring.coreos.com/v1", "servicemonitors", True),
+    "PodMonitor": ("/apis/monitoring.coreos.com/v1", "podmonitors", True),
+    "PrometheusRule": ("/apis/monitoring.coreos.com/v1", "prometheusrules", True),
 }
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import boto3
-from controlplane import BUILD_SCRIPT, run_reporting
+from controlplane import built
 
 from dcr.refit.boundary import answers
 
@@ -103,13 +103,7 @@ def s3_server(root: Path, *, host: str = "127.0.0.1", bucket: str = "dcr-test"
 
 def versitygw_binary(progress: Callable[[str], None] | None = None) -> Path:
     """versitygw from ``build.sh versitygw`` (cached; minutes the first time)."""
-    code, output = run_reporting(["bash", str(BUILD_SCRIPT), "versitygw"], progress=progress,
-                                 name="build.sh versitygw")
-    for line in output.splitlines():
-        words = line.split()
-        if len(words) >= 4 and words[0] in ("built", "reused") and words[1] == "versitygw":
-            return Path(words[3])
-    raise RuntimeError(f"build.sh versitygw exited with status {code}:\n{output}")
+    return built("versitygw", progress=progress)["versitygw"]
 
 
 def read_only_policy(bucket: str, principal: str) -> str:

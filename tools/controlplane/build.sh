@@ -2,14 +2,17 @@
 # Build (or reuse) the Kubernetes binaries the tests run, all from the Go module proxy:
 # the control plane on loopback (etcd, kube-apiserver, kube-controller-manager, helm) and, for the
 # deploy tier's one-node cluster, the node and client side (kubelet, kube-scheduler, kube-proxy,
-# kubectl); and versitygw, the S3 gateway whose bucket policies give receivers a read-only key.
+# kubectl); versitygw, the S3 gateway whose bucket policies give receivers a read-only key; and
+# for the chart's monitoring, promtool (tests the alert rules) and prometheus-operator's CRDs
+# (monitoring-crds: a directory of the ServiceMonitor, PodMonitor and PrometheusRule CRDs).
 #
 # Binaries land outside the repository, one directory per component and version:
 #   ${DCR_INFRA_CACHE:-$HOME/.cache/dcr-infra}/<component>-<version>/<component>
 # A binary that exists and answers --version is reused; the whole run then takes well under 2 s.
 #
 # Usage: tools/controlplane/build.sh [component ...]   (default: the control plane's four;
-#        `node` names the node's four, `all` all nine)
+#        `node` names the node's four, `monitoring` promtool and monitoring-crds, `all` all
+#        eleven)
 # Prints one line per component: "built|reused <component> <version> <path> ...".
 set -euo pipefail
 
@@ -17,12 +20,17 @@ readonly KUBE_VERSION=v1.37.2   # k8s.io/kubernetes; staging modules pinned to v
 readonly ETCD_VERSION=v3.5.35   # go.etcd.io/etcd/server/v3; pinned in etcd/go.mod
 readonly HELM_VERSION=v3.22.0   # helm.sh/helm/v3
 readonly VERSITYGW_VERSION=v1.8.0  # github.com/versity/versitygw
+readonly PROMETHEUS_VERSION=v0.316.0  # github.com/prometheus/prometheus (cmd/promtool)
+# github.com/prometheus-operator/prometheus-operator: its example/prometheus-operator-crd
+readonly PROMETHEUS_OPERATOR_VERSION=v0.85.0
+readonly MONITORING_CRDS=(servicemonitors podmonitors prometheusrules)
 
 readonly HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 readonly CACHE="${DCR_INFRA_CACHE:-$HOME/.cache/dcr-infra}"
 readonly CONTROL_PLANE=(etcd kube-apiserver kube-controller-manager helm)
 readonly NODE=(kubelet kube-scheduler kube-proxy kubectl)
-readonly ALL_COMPONENTS=("${CONTROL_PLANE[@]}" "${NODE[@]}" versitygw)
+readonly MONITORING=(promtool monitoring-crds)
+readonly ALL_COMPONENTS=("${CONTROL_PLANE[@]}" "${NODE[@]}" versitygw "${MONITORING[@]}")
 
 GO="${GO:-$(command -v go || echo /usr/local/go/bin/go)}"
 # Never fetch a different Go toolchain behind our back; static binaries, no cgo.
@@ -44,6 +52,8 @@ version_of() {
             echo "$KUBE_VERSION" ;;
         helm) echo "$HELM_VERSION" ;;
         versitygw) echo "$VERSITYGW_VERSION" ;;
+        promtool) echo "$PROMETHEUS_VERSION" ;;
+        monitoring-crds) echo "$PROMETHEUS_OPERATOR_VERSION" ;;
         *) die "unknown component '$1' (known: ${ALL_COMPONENTS[*]})" ;;
     esac
 }
@@ -53,6 +63,14 @@ bin_path() { echo "$CACHE/$1-$(version_of "$1")/$1"; }
 # A cached binary counts only if it runs; a half-written or foreign one is rebuilt.
 usable() {
     local bin="$1" component="$2"
+    local crd
+    case "$component" in
+        monitoring-crds)  # a directory of YAML files, not a binary
+            for crd in "${MONITORING_CRDS[@]}"; do
+                [[ -s "$bin/monitoring.coreos.com_$crd.yaml" ]] || return 1
+            done
+            return 0 ;;
+    esac
     [[ -x "$bin" ]] || return 1
     case "$component" in
         helm) "$bin" version --short >/dev/null 2>&1 ;;
@@ -128,6 +146,23 @@ build_one() {
             go_install "github.com/versity/versitygw/cmd/versitygw@$VERSITYGW_VERSION" \
                 "-s -w" "$tmp" || return
             ;;
+        promtool)
+            go_install "github.com/prometheus/prometheus/cmd/promtool@$PROMETHEUS_VERSION" \
+                "-s -w" "$tmp" || return
+            ;;
+        monitoring-crds)
+            local dir crd
+            dir="$(cd "$CACHE" && "$GO" mod download -json \
+                "github.com/prometheus-operator/prometheus-operator@$PROMETHEUS_OPERATOR_VERSION" |
+                sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')"
+            [[ -n "$dir" ]] || return 1
+            mkdir -p "$tmp" || return
+            for crd in "${MONITORING_CRDS[@]}"; do
+                cp "$dir/example/prometheus-operator-crd/monitoring.coreos.com_$crd.yaml" \
+                    "$tmp/" || return
+            done
+            rm -rf "$out" || return  # a directory: mv would move tmp into a stale one
+            ;;
     esac
     mv -f "$tmp" "$out"
 }
@@ -138,6 +173,7 @@ main() {
         case "$arg" in
             control-plane) components+=("${CONTROL_PLANE[@]}") ;;
             node) components+=("${NODE[@]}") ;;
+            monitoring) components+=("${MONITORING[@]}") ;;
             all) components+=("${ALL_COMPONENTS[@]}") ;;
             *) components+=("$arg") ;;
         esac
