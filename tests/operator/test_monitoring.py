@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 from controlplane import ControlPlaneError, built, go_available
-from k8sutil import CHART, apply, eventually, helm_template, install_crds, path_of
+from k8sutil import CHART, apply, helm_template, install_crds, path_of, wait_established
 from promtext import samples
 
 from dcr.protocol.coordinator import AttemptResult
@@ -238,13 +238,7 @@ def test_the_api_server_accepts_the_monitoring_objects_under_their_crds(
     assert {c["spec"]["names"]["kind"] for c in crds} == {
         "ServiceMonitor", "PodMonitor", "PrometheusRule"}
     apply(kube, crds)
-    for crd in crds:
-        name = crd["metadata"]["name"]
-        eventually(lambda name=name: any(  # type: ignore[misc]
-            c["type"] == "Established" and c["status"] == "True"
-            for c in (kube.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/"
-                               f"{name}").get("status") or {}).get("conditions", [])),
-            what=f"CRD {name} established")
+    wait_established(kube, crds)
     install_crds(kube)
     objs = [o for o in helm_template(helm, f"--namespace={namespace}", *ALL_ON)
             if o["kind"] in {"Service", "ServiceMonitor", "PodMonitor", "PrometheusRule",

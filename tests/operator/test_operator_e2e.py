@@ -31,18 +31,14 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import shutil
-import signal
 import subprocess
-import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import pytest
 import yaml
@@ -51,14 +47,15 @@ from controlplane import ControlPlane
 from k8sutil import REPO, admin_client, apply, eventually, helm_template, install_crds, path_of
 from kubelet import FakeKubelet
 from kubernetes.client import ApiClient, Configuration
-from promtext import Key, matching, samples, value
+from operatorproc import Operator
+from promtext import matching, value
 from stubs import free_port_on
 
 from dcr.client import Progress
 from dcr.client import refit as client_refit
 from dcr.errors import DcrError
 from dcr.format.history import HISTORY_KEY, History
-from dcr.refit.launch import AgentProcess, EncoderProcess, ServeProcess, free_port
+from dcr.refit.launch import AgentProcess, EncoderProcess, ServeProcess
 from dcr.refit.trainer import Trainer, reference_fingerprint
 from dcr_operator.jobs import job_name
 from dcr_operator.kube import KubeClient
@@ -69,54 +66,6 @@ FLEET = "rollout"
 TOKEN = "e2e-agent-token-0123456789abcdef"
 AGENTS = 3
 TRAINER = CLUSTER_TRAINER
-
-
-@dataclass
-class Operator:
-    """``python -m dcr_operator`` as a subprocess (it is what the chart's Deployment runs)."""
-
-    name: str
-    namespace: str
-    kubeconfig: Path
-    log: Path
-    priority: int
-    proc: subprocess.Popen[bytes] | None = None
-    metrics_port: int = field(default_factory=free_port)
-
-    def start(self) -> None:
-        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1",
-               "DCR_OPERATOR_JOB_POLL_SECONDS": "0.2", "DCR_OPERATOR_RETRY_SECONDS": "1",
-               "DCR_OPERATOR_FLEET_STATUS_SECONDS": "2",
-               "DCR_OPERATOR_PEERING_LIFETIME_SECONDS": "6",
-               "DCR_OPERATOR_METRICS_PORT": str(self.metrics_port)}
-        out: IO[bytes] = open(self.log, "ab")  # noqa: SIM115 (owned by the process)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dcr_operator", f"--namespace={self.namespace}",
-             "--peering=dcr-operator", f"--priority={self.priority}", "--log-level=INFO"],
-            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-        out.close()
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def metrics(self) -> dict[Key, float]:
-        """``GET /metrics``, parsed (tests/support/promtext.py)."""
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=10) as r:
-            return samples(r.read().decode())
-
-    def tail(self, n: int = 40) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
 
 @dataclass

@@ -79,13 +79,17 @@ def apply(kube: KubeClient, objs: Iterable[dict[str, Any]], namespace: str | Non
 
 def install_crds(kube: KubeClient) -> None:
     apply(kube, crd_manifests().values())
-    for crd in crd_manifests().values():
-        name = crd["metadata"]["name"]
-        eventually(lambda name=name: any(  # type: ignore[misc]
+    wait_established(kube, crd_manifests().values())
+
+
+def wait_established(kube: KubeClient, crds: Iterable[dict[str, Any]]) -> None:
+    """Until the API server serves each CustomResourceDefinition (``Established``)."""
+    for crd in crds:
+        path = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd['metadata']['name']}"
+        eventually(lambda path=path: any(  # type: ignore[misc]
             c["type"] == "Established" and c["status"] == "True"
-            for c in (kube.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/"
-                               f"{name}").get("status") or {}).get("conditions", [])),
-            what=f"CRD {name} established")
+            for c in (kube.get(path).get("status") or {}).get("conditions") or []),
+            what=f"{path} established")
 
 
 def eventually(check: Callable[[], T | None], *, timeout_s: float = 60.0, what: str,
