@@ -60,6 +60,7 @@ bench: install
 	$(PY) bench/expand.py
 	$(PY) bench/protocol.py
 	$(PY) bench/status.py
+	$(PY) bench/scale.py
 	$(PY) bench/doctables.py
 
 # Rewrite the number tables of docs/benchmarks.md and docs/apply.md from bench/results

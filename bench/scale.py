@@ -63,7 +63,8 @@ def main() -> None:
                 runs.append(r)
                 print(f"{n:>5} receivers: {r['phase']} in {r['created_to_end_s']:.1f} s, "
                       f"operator {r['operator_cpu_s']:.1f} CPU s, peak "
-                      f"{r['operator_peak_rss_mib']:.0f} MiB, {r['apiserver_requests']} API "
+                      f"{r['operator_peak_rss_mib']:.0f} MiB; agents {r['agents_cpu_s']:.1f} "
+                      f"CPU s; {r['apiserver_requests']} API "
                       f"requests, status {r['weightrefit_status_bytes']:,} B, store "
                       f"{r['agent_store_requests']}, bit-exact {r['bit_exact']}", flush=True)
     base = runs[0]

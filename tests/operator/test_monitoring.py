@@ -181,6 +181,9 @@ def test_the_service_and_monitors_find_the_operator_and_the_agents(helm: Path) -
     pod = deployment["spec"]["template"]
     (container,) = pod["spec"]["containers"]
     assert {"name": "metrics", "containerPort": 8081} in container["ports"]
+    # Without this, the Service's environment variables (DCR_OPERATOR_METRICS_SERVICE_HOST,
+    # ...) reach the operator, whose settings refuse unknown DCR_OPERATOR_* names.
+    assert pod["spec"]["enableServiceLinks"] is False
     # The Service selects the operator's pod and targets its named port ...
     assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
     (port,) = service["spec"]["ports"]

@@ -286,6 +286,7 @@ class ScaleFleet:
         pid = self.operator.proc.pid
         self.store.taken()
         cpu0, _ = _proc_usage(pid)
+        farm0 = time.process_time()  # this process: the N agents (and the harness)
         requests0 = apiserver_requests(self.cp)
         started = time.monotonic()
         apply(self.kube, [{"apiVersion": "dcr.dev/v1alpha1", "kind": "WeightRefit",
@@ -309,6 +310,7 @@ class ScaleFleet:
                                  f"{self.diagnostics()}") from None
         wall = time.monotonic() - started
         cpu1, hwm = _proc_usage(pid)
+        farm_cpu = time.process_time() - farm0
         delta = apiserver_requests(self.cp) - requests0
         refit = self.refit_object("scale-v1")
         return {
@@ -317,6 +319,7 @@ class ScaleFleet:
             "attempts": len(refit["status"]["attempts"]),
             "operator_cpu_s": round(cpu1 - cpu0, 2),
             "operator_peak_rss_mib": round(hwm / 2**20, 1),
+            "agents_cpu_s": round(farm_cpu, 2),  # all N agents, one process, shared cores
             # The harness itself GETs the WeightRefit `polls` times; counted, not removed.
             "apiserver_requests": sum(delta.values()), "harness_polls": polls,
             "apiserver_requests_by_verb_resource": dict(sorted(delta.items())),
