@@ -110,7 +110,7 @@ def test_the_alerts_pass_promtool_check_and_unit_tests(helm: Path, monitoring: d
                                                        tmp_path: Path) -> None:
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump(_rule_groups(helm)))
     shutil.copy(HERE / "alerts-test.yaml", tmp_path)
-    assert "4 rules found" in _promtool(monitoring, "check", "rules", "rules.yaml",
+    assert "5 rules found" in _promtool(monitoring, "check", "rules", "rules.yaml",
                                         cwd=tmp_path)
     out = _promtool(monitoring, "test", "rules", "alerts-test.yaml", cwd=tmp_path)
     assert "SUCCESS" in out
