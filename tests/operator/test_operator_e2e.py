@@ -44,10 +44,10 @@ import pytest
 import yaml
 from clusters import CLUSTER_TRAINER
 from controlplane import ControlPlane
-from k8sutil import REPO, admin_client, apply, eventually, helm_template, install_crds, path_of
+from k8sutil import REPO, admin_client, apply, eventually, path_of
 from kubelet import FakeKubelet
 from kubernetes.client import ApiClient, Configuration
-from operatorproc import Operator
+from operatorproc import Operator, chart_namespace
 from promtext import matching, value
 from stubs import free_port_on
 
@@ -152,19 +152,8 @@ def scenario(control_plane: ControlPlane, helm: Path, tmp_path_factory: pytest.T
         pytest.skip("no kube-controller-manager: encoder Jobs would never get pods")
     cp, kube, tmp = control_plane, admin_client(control_plane), tmp_path_factory.mktemp("e2e")
     ns = f"e2e-{int(time.time())}"
-    kube.create("/api/v1/namespaces", {"metadata": {"name": ns}})
-    eventually(lambda: kube.get(f"/api/v1/namespaces/{ns}/serviceaccounts/default"),
-               what="the namespace's default ServiceAccount")
     # The chart, rendered for this namespace: CRDs, then RBAC, ServiceAccount, peering.
-    rendered = helm_template(helm, "--include-crds", f"--namespace={ns}",
-                             f"--set=watchNamespaces={{{ns}}}", release="dcr-e2e")
-    install_crds(kube)
-    apply(kube, [o for o in rendered if o["kind"] in (
-        "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
-        "KopfPeering")], ns)
-    sa = next(o for o in rendered if o["kind"] == "ServiceAccount")["metadata"]["name"]
-    kubeconfig = cp.write_kubeconfig_for_token(cp.service_account_token(ns, sa),
-                                               tmp / "operator.kubeconfig", namespace=ns)
+    kubeconfig = chart_namespace(cp, helm, ns, "dcr-e2e", tmp)
 
     trainer = Trainer(TRAINER)
     sc_ckpts = {0: trainer.export(tmp / "ckpts" / "v0")}

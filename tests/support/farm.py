@@ -35,9 +35,9 @@ from typing import Any
 import torch
 from aiohttp import web
 from controlplane import ControlPlane
-from k8sutil import admin_client, apply, eventually, helm_template, install_crds
+from k8sutil import admin_client, apply, eventually
 from kubelet import FakeKubelet
-from operatorproc import Operator
+from operatorproc import Operator, chart_namespace
 from promtext import samples
 from safetensors.torch import save_file
 from stubs import free_port_on
@@ -217,20 +217,8 @@ class ScaleFleet:
 
     def _start(self) -> None:
         kube, ns = self.kube, self.ns
-        kube.create("/api/v1/namespaces", {"metadata": {"name": ns}})
+        kubeconfig = chart_namespace(self.cp, self.helm, ns, "dcr-scale", self.tmp)
         self._stack.callback(self.cp.request, "DELETE", f"/api/v1/namespaces/{ns}")
-        eventually(lambda: kube.get(f"/api/v1/namespaces/{ns}/serviceaccounts/default"),
-                   what="the namespace's default ServiceAccount")
-        rendered = helm_template(self.helm, "--include-crds", f"--namespace={ns}",
-                                 f"--set=watchNamespaces={{{ns}}}", release="dcr-scale")
-        install_crds(kube)
-        apply(kube, [o for o in rendered if o["kind"] in (
-            "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
-            "KopfPeering")], ns)
-        sa = next(o for o in rendered if o["kind"] == "ServiceAccount")["metadata"]["name"]
-        kubeconfig = self.cp.write_kubeconfig_for_token(
-            self.cp.service_account_token(ns, sa), self.tmp / "operator.kubeconfig",
-            namespace=ns)
 
         self.farm.start()
         self._stack.callback(self.farm.close)

@@ -1,5 +1,6 @@
 """The operator as the chart's Deployment runs it, ``python -m dcr_operator``, as a
-subprocess of a test, with short poll intervals; its log and its ``/metrics``."""
+subprocess of a test, with short poll intervals; its log and its ``/metrics``; and the
+namespace it works in, set up as the chart would (:func:`chart_namespace`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from k8sutil import REPO
+from controlplane import ControlPlane
+from k8sutil import REPO, admin_client, apply, eventually, helm_template, install_crds
 from promtext import Key, samples
 
 from dcr.refit.launch import free_port
@@ -67,3 +69,22 @@ class Operator:
 
     def tail(self, n: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+
+def chart_namespace(cp: ControlPlane, helm: Path, ns: str, release: str, tmp: Path) -> Path:
+    """Create namespace ``ns`` with what the chart installs for an operator watching it
+    (the CRDs, then RBAC, ServiceAccount and peering); the kubeconfig of that
+    ServiceAccount's token, as the chart's pod would log in."""
+    kube = admin_client(cp)
+    kube.create("/api/v1/namespaces", {"metadata": {"name": ns}})
+    eventually(lambda: kube.get(f"/api/v1/namespaces/{ns}/serviceaccounts/default"),
+               what="the namespace's default ServiceAccount")
+    rendered = helm_template(helm, "--include-crds", f"--namespace={ns}",
+                             f"--set=watchNamespaces={{{ns}}}", release=release)
+    install_crds(kube)
+    apply(kube, [o for o in rendered if o["kind"] in (
+        "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
+        "KopfPeering")], ns)
+    sa = next(o for o in rendered if o["kind"] == "ServiceAccount")["metadata"]["name"]
+    return cp.write_kubeconfig_for_token(cp.service_account_token(ns, sa),
+                                         tmp / "operator.kubeconfig", namespace=ns)
