@@ -16,7 +16,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import re
 import select
 import signal
 import subprocess
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from promtext import matching, samples
 from transformers import LlamaConfig
 
 from dcr.apply.plan import CanonicalTensor
@@ -178,9 +178,8 @@ def metric(server: Server, name: str) -> int:
         text = conn.getresponse().read().decode()
     finally:
         conn.close()
-    m = re.search(rf"^vllm:{name}{{[^}}]*}} (\d+)$", text, re.MULTILINE)
-    assert m is not None, text
-    return int(m[1])
+    (one,) = matching(samples(text), f"vllm:{name}").values()  # one model served
+    return int(one)
 
 
 def until(server: Server, name: str, value: int, timeout_s: float = 60.0) -> None:

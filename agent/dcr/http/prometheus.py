@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 Labels = Mapping[str, str]
@@ -48,3 +49,14 @@ def render(families: Iterable[Family]) -> str:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Snapshot(families))
     return generate_latest(registry).decode()
+
+
+def sample(text: str, name: str, **labels: str) -> float | None:
+    """The value of sample ``name`` whose labels include ``labels`` in an exposition
+    (parsed by prometheus_client); None when there is none."""
+    want = labels.items()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and want <= s.labels.items():
+                return float(s.value)
+    return None

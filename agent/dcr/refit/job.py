@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import secrets
 import shutil
 import statistics
@@ -28,6 +27,7 @@ from dcr.drivers.base import merge_fingerprints
 from dcr.errors import ConfigError, DcrError
 from dcr.files.history import HistoryStore
 from dcr.format.profile import ReceiverProfile, coverage, merge
+from dcr.http.prometheus import sample
 from dcr.http.tokens import write_token_file
 from dcr.owner.process import ProcessOwner
 from dcr.owner.warm import WarmOwner
@@ -350,8 +350,7 @@ def _store_bytes_fetched(pod: _Pod) -> int:
     """What the pod's agent has read from the store to build versions for rejoins."""
     with urllib.request.urlopen(f"{pod.sidecar.url}/metrics", timeout=30) as r:
         text = r.read().decode()
-    m = re.search(r"^dcr_agent_store_bytes_fetched_total (\d+)$", text, re.M)
-    return int(m[1]) if m else 0
+    return int(sample(text, "dcr_agent_store_bytes_fetched_total") or 0)
 
 
 def _mb(n: int) -> str:
