@@ -42,7 +42,9 @@ class Patches:
         return body
 
 
-class Agent:
+class ScaleReceiver:
+    """One of many agents: acknowledges, or refuses with a long error of its own."""
+
     def __init__(self, name: str, refuse: bool) -> None:
         self.name, self.refuse = name, refuse
 
@@ -51,7 +53,8 @@ class Agent:
 
     def flush(self, attempt: Attempt) -> FlushAck:
         if self.refuse:
-            raise AgentError(f"Agent {self.name}: " + "x" * 4096, 500, "FlushFailed")
+            raise AgentError(f"Agent {self.name} (POST /v1/flush): " + "x" * 4096, 500,
+                             "FlushFailed")
         return FlushAck(attempt=attempt.id, payloads=16, bytes=1 << 20, apply_s=0.25,
                         wait_s=0.1)
 
@@ -70,7 +73,7 @@ def refit(n: int, failed_attempts: int, interval_s: float) -> dict[str, Any]:
                     deadline=time.time() + 600, id=f"a-{k:012x}")
         history.append(AttemptResult(attempt=a.id, mode=a.mode, receivers=names))
         for i, name in enumerate(names):
-            rx = TrackedReceiver(Agent(name, failing and i % 100 == 7), rec,  # type: ignore[arg-type]
+            rx = TrackedReceiver(ScaleReceiver(name, failing and i % 100 == 7), rec,  # type: ignore[arg-type]
                                  lambda x: rec.attempt_started(x, history))
             rx.prepare(a)
             with contextlib.suppress(AgentError):

@@ -24,15 +24,17 @@ from prometheus_client import (
 
 from dcr.format.names import Mode
 from dcr.protocol.coordinator import AttemptResult
+from dcr_operator.reconcile import OUTCOMES
 
-disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series: counters restart with the process anyway
+# No *_created series: the counters restart with the process anyway.
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 # A refit is its attempts, each a few seconds to minutes; past 30 min the deadline governs.
 REFIT_BUCKETS = (1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800)
 STAGE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 FLEET = ("namespace", "fleet")
 REFIT_OUTCOMES = ("Committed", "Failed")
-ATTEMPT_OUTCOMES = ("Committed", "Failed", "Conflict")  # reconcile.attempt_status's, ended
+ATTEMPT_OUTCOMES = tuple(o for o in OUTCOMES.values() if o != "Running")  # ended ones
 MODES = get_args(Mode)
 
 

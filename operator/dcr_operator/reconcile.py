@@ -266,8 +266,8 @@ def agent_report(st: AgentStatus) -> dict[str, Any]:
 
 # --- status ---------------------------------------------------------------------------
 
-_OUTCOMES = {"running": "Running", "committed": "Committed", "failed": "Failed",
-             "conflict": "Conflict"}
+OUTCOMES = {"running": "Running", "committed": "Committed", "failed": "Failed",
+            "conflict": "Conflict"}
 
 
 def attempt_status(result: AttemptResult, *, start: str, end: str | None, payloads: int,
@@ -277,7 +277,7 @@ def attempt_status(result: AttemptResult, *, start: str, end: str | None, payloa
     word, _, reason = result.outcome.partition(": ")
     out: dict[str, Any] = {
         "id": result.attempt, "mode": mode or result.mode,
-        "outcome": _OUTCOMES.get(word, "Failed"), "startTime": start,
+        "outcome": OUTCOMES.get(word, "Failed"), "startTime": start,
         "stages": {k: round(v, 4) for k, v in result.stages.items()},
         "payloads": payloads, "bytes": result.payload_bytes,
         "receiverCount": len(result.receivers),

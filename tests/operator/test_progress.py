@@ -18,6 +18,7 @@ from dcr.protocol.coordinator import AttemptResult
 from dcr.protocol.records import Attempt, Transition
 from dcr_operator.errors import ApiUnreachable
 from dcr_operator.progress import STEPS, Recorder, TrackedReceiver
+from status import ScaleReceiver  # bench/status.py: the benchmark's stand-in
 
 REFIT = {"metadata": {"name": "r", "namespace": "ns", "generation": 1},
          "status": {"attempts": [{"id": "a-old", "outcome": "Running", "mode": "mixed"}]}}
@@ -168,23 +169,6 @@ def test_events_only_on_transitions_and_a_failed_status_write_is_not_fatal() -> 
     rec.flush()  # logged, not raised
     assert [e[1] for e in events] == ["X", "Committed"]
     assert rec.status()["phase"] == "Committed"
-
-
-class ScaleReceiver:
-    """One of many agents: acknowledges, or refuses with a long error of its own."""
-
-    def __init__(self, name: str, refuse: bool) -> None:
-        self.name, self.refuse = name, refuse
-
-    def prepare(self, attempt: Attempt) -> None:
-        pass
-
-    def flush(self, attempt: Attempt) -> FlushAck:
-        if self.refuse:
-            raise AgentError(f"Agent {self.name} (POST /v1/flush): " + "x" * 4096, 500,
-                             "FlushFailed")
-        return FlushAck(attempt=attempt.id, payloads=16, bytes=1 << 20, apply_s=0.25,
-                        wait_s=0.1)
 
 
 def test_a_thousand_receivers_and_32_failed_attempts_keep_the_status_small_and_rare(

@@ -26,6 +26,7 @@ import base64
 import collections
 import contextlib
 import json
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -165,7 +166,7 @@ def _write_checkpoint(sd: dict[str, torch.Tensor], where: Path) -> Path:
 def _proc_usage(pid: int) -> tuple[float, int]:
     """(CPU seconds, peak resident bytes) of a process, from /proc."""
     stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    ticks = 100  # os.sysconf("SC_CLK_TCK") on Linux
+    ticks = os.sysconf("SC_CLK_TCK")
     cpu = (int(stat[11]) + int(stat[12])) / ticks
     hwm = next(int(line.split()[1]) * 1024 for line in
                Path(f"/proc/{pid}/status").read_text().splitlines()
