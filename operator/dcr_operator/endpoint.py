@@ -68,6 +68,7 @@ class EncoderEndpoints:
     token: str = field(repr=False)
     spec: WeightRefitSpec
     base_checkpoint: str  # the committed version's checkpoint: the encoders' baseline
+    base_attempt: str = ""  # the attempt that committed it ("" for the initial record)
     store: str | None  # the fleet's store; a publish that wrote elsewhere fails
     profile: ReceiverProfile | None = None  # the receivers' merged profile
     forced_mode: Mode | None = None  # "overwrite" for modePolicy Overwrite and retries
@@ -93,7 +94,8 @@ class EncoderEndpoints:
             attempt=attempt.id, mode=attempt.mode, base_version=t.base_version,
             target_version=t.target_version, owner=index, owners=len(self.clients),
             base=self.base_checkpoint, target=self.spec.source.checkpoint,
-            bucket_mib=self.spec.encoder.bucket_mib, profile=self.profile)
+            bucket_mib=self.spec.encoder.bucket_mib, profile=self.profile,
+            committed_attempt=self.base_attempt or None)
 
     def publish(self, attempt: Attempt, index: int) -> dict[str, Any]:
         """Have owner ``index`` publish ``attempt``; its summary. On any failure the

@@ -347,7 +347,8 @@ class RefitRun:
         endpoints = EncoderEndpoints(
             profile_name=spec.encoder.profile, endpoint=endpoint,
             token=encoder_token(self.kube, self.namespace, endpoint.token_secret_ref),
-            spec=spec, base_checkpoint=record.baseline_id, store=store_of(fleet_spec),
+            spec=spec, base_checkpoint=record.baseline_id, base_attempt=record.attempt,
+            store=store_of(fleet_spec),
             profile=self._profile(agents, need)[1], forced_mode=forced,
             on_started=rec.endpoint_started, on_finished=rec.endpoint_finished)
         left = [a["id"] for a in (self.refit.get("status") or {}).get("attempts") or []

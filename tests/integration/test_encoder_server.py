@@ -30,7 +30,7 @@ import torch
 from aiohttp import web
 
 from dcr.format.profile import ReceiverProfile, dumps
-from dcr.owner.server import EncoderService, make_app, publish_settings
+from dcr.owner.server import CheckpointPublisher, EncoderService, make_app, publish_settings
 from dcr.owner.settings import EncodeSettings
 from dcr.protocol.encoder_api import EncoderClient, EncoderError, PublishRequest
 from dcr.refit.launch import EncoderProcess
@@ -343,7 +343,8 @@ class App:
 @pytest.fixture
 def app(pair: Pair, tmp_path: Path) -> Iterator[App]:
     store = GatedStore(tmp_path / "store")
-    service = EncoderService(store, (pair.root.resolve(),), threads=1, stop_wait_s=60)
+    service = EncoderService(store, CheckpointPublisher((pair.root.resolve(),), threads=1),
+                             stop_wait_s=60)
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(make_app(service, TOKEN), access_log=None,
                            handler_cancellation=True)

@@ -22,12 +22,13 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import ValidationError
 
 from dcr.checkpoint import Checkpoint
-from dcr.errors import CheckpointError, ConfigError, DcrError, first_validation_error
+from dcr.errors import BaselineError, CheckpointError, ConfigError, DcrError, first_validation_error
+from dcr.format.manifest import Manifest
 from dcr.http.tokens import bearer_matches, read_token
 from dcr.owner.diff import diff_checkpoints, encode_summary
 from dcr.owner.settings import EncodeSettings
@@ -151,17 +152,25 @@ class _StopGuard:
         return self._store.list(prefix)
 
 
-class EncoderService:
-    """Publishes requests into one store from checkpoints under fixed roots; thread-safe."""
+Work = Callable[[Store, Callable[[int], None]], Manifest]
 
-    def __init__(self, store: Store, roots: tuple[Path, ...], *, threads: int | None = None,
-                 max_publishes: int = 4, stop_wait_s: float = 120.0) -> None:
-        self.store, self.roots = store, roots
-        self.threads, self.max_publishes, self.stop_wait_s = threads, max_publishes, stop_wait_s
-        self._lock = threading.Lock()
-        self._running: dict[tuple[str, int], _Publish] = {}
-        self._stopped: OrderedDict[str, None] = OrderedDict()
-        self.published = 0  # publishes that completed (for tests and logs)
+
+class Publisher(Protocol):
+    """What a publish runs: checkpoints diffed (``dcr encoder``) or a rank's shards."""
+
+    def prepare(self, req: PublishRequest) -> Work:
+        """Check ``req`` (fast: it runs on the event loop; raises BadPublish) and return
+        the blocking work, which writes through the store it is given and calls the
+        progress function between items (that call raises once the publish is stopped)."""
+        ...
+
+
+@dataclass(frozen=True)
+class CheckpointPublisher:
+    """``dcr encoder``: diffs two checkpoints that resolve under fixed roots."""
+
+    roots: tuple[Path, ...]
+    threads: int | None = None
 
     def resolve(self, what: str, path: str) -> Path:
         """``path`` with links resolved, if that lies under a checkpoint root."""
@@ -172,9 +181,40 @@ class EncoderService:
                              "symlinks and '..' resolved.")
         return real
 
-    def begin(self, req: PublishRequest) -> tuple[_Publish, Path, Path]:
-        """Check and register a publish (fast: run it on the event loop)."""
+    def prepare(self, req: PublishRequest) -> Work:
         base, target = self.resolve("base", req.base), self.resolve("target", req.target)
+        settings = publish_settings(req, threads=self.threads)
+
+        def work(store: Store, progress: Callable[[int], None]) -> Manifest:
+            log.info("publishing owner %d/%d of attempt %s (%s, %d -> %d): %s -> %s",
+                     req.owner, req.owners, req.attempt, req.mode, req.base_version,
+                     req.target_version, base, target)
+            try:
+                with Checkpoint(base) as b, Checkpoint(target) as t:
+                    return diff_checkpoints(b, t, store, settings, progress)
+            except CheckpointError as e:  # its sentence may quote a file's bytes: log only
+                log.warning("publish of attempt %s: %s", req.attempt, e)
+                raise CheckpointError(f"The base {req.base!r} or the target {req.target!r} "
+                                      "is not a readable safetensors checkpoint (the "
+                                      "encoder's log says why).") from None
+        return work
+
+
+class EncoderService:
+    """Runs publishes into one store, at most ``max_publishes`` at once; thread-safe."""
+
+    def __init__(self, store: Store, publisher: Publisher, *, max_publishes: int = 4,
+                 stop_wait_s: float = 120.0) -> None:
+        self.store, self.publisher = store, publisher
+        self.max_publishes, self.stop_wait_s = max_publishes, stop_wait_s
+        self._lock = threading.Lock()
+        self._running: dict[tuple[str, int], _Publish] = {}
+        self._stopped: OrderedDict[str, None] = OrderedDict()
+        self.published = 0  # publishes that completed (for tests and logs)
+
+    def begin(self, req: PublishRequest) -> tuple[_Publish, Work]:
+        """Check and register a publish (fast: run it on the event loop)."""
+        work = self.publisher.prepare(req)
         key = (req.attempt, req.owner)
         with self._lock:
             if req.attempt in self._stopped:
@@ -187,31 +227,19 @@ class EncoderService:
                 raise Busy(f"{self.max_publishes} publishes are running; try again when "
                            "one has ended.")
             entry = self._running[key] = _Publish()
-        return entry, base, target
+        return entry, work
 
-    def run(self, req: PublishRequest, entry: _Publish, base: Path, target: Path
-            ) -> dict[str, Any]:
+    def run(self, req: PublishRequest, entry: _Publish, work: Work) -> dict[str, Any]:
         """Encode and write; the summary ``dcr encode --json`` prints. Blocking."""
         try:
-            settings = publish_settings(req, threads=self.threads)
             store = _StopGuard(self.store, entry, f"Owner {req.owner} of attempt "
                                f"{req.attempt}")
 
             def progress(_: int) -> None:  # between items: diff nothing more
                 store.check()
 
-            log.info("publishing owner %d/%d of attempt %s (%s, %d -> %d): %s -> %s",
-                     req.owner, req.owners, req.attempt, req.mode, req.base_version,
-                     req.target_version, base, target)
             t0 = time.perf_counter()
-            try:
-                with Checkpoint(base) as b, Checkpoint(target) as t:
-                    m = diff_checkpoints(b, t, store, settings, progress)
-            except CheckpointError as e:  # its sentence may quote a file's bytes: log only
-                log.warning("publish of attempt %s: %s", req.attempt, e)
-                raise CheckpointError(f"The base {req.base!r} or the target {req.target!r} "
-                                      "is not a readable safetensors checkpoint (the "
-                                      "encoder's log says why).") from None
+            m = work(store, progress)
             summary = encode_summary(m, seconds=time.perf_counter() - t0, store=self.store.uri)
             log.info("published owner %d of attempt %s: %d payloads, %d bytes, %.2f s",
                      req.owner, req.attempt, summary["payloads"], summary["payload_bytes"],
@@ -247,7 +275,7 @@ class EncoderService:
 
 Handler = Callable[["web.Request"], Awaitable["web.StreamResponse"]]
 _STATUS: tuple[tuple[type[Exception], int], ...] = (
-    (BadPublish, 400), (CheckpointError, 400), (ConfigError, 400),
+    (BadPublish, 400), (CheckpointError, 400), (ConfigError, 400), (BaselineError, 409),
     (PublishConflict, 409), (Stopped, 409), (Busy, 503))
 
 
@@ -285,9 +313,9 @@ def make_app(service: EncoderService, token: str) -> web.Application:
 
     async def publish(request: web.Request) -> web.StreamResponse:
         req: PublishRequest = await body(request, PublishRequest)
-        entry, base, target = service.begin(req)
-        job = asyncio.get_running_loop().run_in_executor(
-            publishes, service.run, req, entry, base, target)
+        entry, work = service.begin(req)
+        job = asyncio.get_running_loop().run_in_executor(publishes, service.run, req, entry,
+                                                         work)
         try:
             while not (await asyncio.wait({job}, timeout=DISCONNECT_POLL_S))[0]:
                 if request.transport is None or request.transport.is_closing():
@@ -319,9 +347,49 @@ def make_app(service: EncoderService, token: str) -> web.Application:
     return app
 
 
+class BackgroundServer:
+    """A service's HTTP API on a thread of this process, with its own event loop: how a
+    trainer rank serves the warm-encoder protocol beside its training loop."""
+
+    def __init__(self, service: EncoderService, token: str, *,
+                 listen: str = "127.0.0.1:0") -> None:
+        from aiohttp import web
+
+        host, _, port = listen.rpartition(":")
+        self._loop = asyncio.new_event_loop()
+        self._runner = web.AppRunner(make_app(service, token), access_log=None,
+                                     handler_cancellation=True)
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name="encoder-http")
+        self._thread.start()
+
+        async def start() -> int:
+            await self._runner.setup()
+            await web.TCPSite(self._runner, host or "127.0.0.1", int(port)).start()
+            return int(self._runner.addresses[0][1])
+
+        bound = asyncio.run_coroutine_threadsafe(start(), self._loop).result(30)
+        self.url = f"http://{host or '127.0.0.1'}:{bound}"
+
+    def close(self) -> None:
+        """Stop listening and end the thread (publishes still running are abandoned)."""
+        if self._loop.is_closed():
+            return
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(30)
+        self._loop.close()
+
+    def __enter__(self) -> BackgroundServer:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
 def build_service(s: EncoderServerSettings) -> EncoderService:
-    return EncoderService(open_store(s.store), resolve_roots(s.checkpoint_root),
-                          threads=s.threads, max_publishes=s.max_publishes,
+    publisher = CheckpointPublisher(resolve_roots(s.checkpoint_root), threads=s.threads)
+    return EncoderService(open_store(s.store), publisher, max_publishes=s.max_publishes,
                           stop_wait_s=s.stop_wait_s)
 
 
@@ -354,4 +422,5 @@ def run(s: EncoderServerSettings) -> int:
     return 0
 
 
-__all__ = ["EncoderServerSettings", "EncoderService", "make_app", "publish_settings", "run"]
+__all__ = ["BackgroundServer", "CheckpointPublisher", "EncoderServerSettings", "EncoderService",
+           "Publisher", "make_app", "publish_settings", "run"]

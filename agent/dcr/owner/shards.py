@@ -9,7 +9,7 @@ shard kinds: docs/protocol.md, "Parties".
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -30,7 +30,7 @@ from dcr.owner.writer import AttemptWriter
 from dcr.protocol.records import Attempt
 from dcr.transport.store import Store
 
-ShardKind = Literal["replicated", "rows", "columns", "gate_up", "expert"]
+ShardKind = Literal["replicated", "rows", "columns", "gate_up", "qkv", "expert"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,15 +38,21 @@ class ShardMap:
     """Where one local tensor's elements live in the canonical tensors."""
 
     kind: ShardKind
-    canonical: tuple[str, ...]  # one name; ``gate_up``: (gate, up)
-    shape: tuple[int, ...]  # canonical shape (of each, for ``gate_up``)
+    canonical: tuple[str, ...]  # one name; ``gate_up``: (gate, up); ``qkv``: (q, k, v)
+    shape: tuple[int, ...]  # canonical shape (of each, for ``gate_up``; of q for ``qkv``)
     dtype: str  # safetensors dtype name, the same locally and canonically
     rank: int = 0
     ranks: int = 1
     expert: int = 0  # ``expert``: index into the local stack
+    # ``rows`` only: this shard's rows [start, stop) of dimension 0, for splits that are
+    # not ``ranks`` equal parts (FSDP2 chunks: the last ranks may hold fewer, or none).
+    span: tuple[int, int] | None = None
+    # ``qkv`` only: (attention heads, key/value heads). The local tensor is Megatron's
+    # fused layout: this rank's query groups, each its query heads, then k, then v.
+    heads: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
-        want = 2 if self.kind == "gate_up" else 1
+        want = {"gate_up": 2, "qkv": 3}.get(self.kind, 1)
         if len(self.canonical) != want:
             raise ConfigError(f"A {self.kind} shard map names {want} canonical tensors, not "
                               f"{self.canonical}.")
@@ -57,21 +63,49 @@ class ShardMap:
         if self.kind == "columns" and len(self.shape) != 2:
             raise ConfigError(f"A columns split needs a 2-D tensor; {self.canonical[0]} is "
                               f"{list(self.shape)}.")
+        if self.span is not None:
+            if self.kind != "rows" or not 0 <= self.span[0] <= self.span[1] <= self.shape[0]:
+                raise ConfigError(f"{self.canonical[0]}: rows {list(self.span)} are not a "
+                                  f"span of a rows split of {list(self.shape)}.")
+            return
         axis = 1 if self.kind == "columns" else 0
         if self.kind in ("rows", "columns", "gate_up") and self.shape[axis] % self.ranks:
             raise ConfigError(f"{self.canonical[0]}: dimension {axis} of {list(self.shape)} "
                               f"does not split into {self.ranks} equal parts.")
         dtype_of(self.dtype)  # names the dtype if unknown
+        if self.kind == "qkv":
+            self._check_heads()
+
+    def _check_heads(self) -> None:
+        h, kv = self.heads or (0, 0)
+        if len(self.shape) != 2 or not (h > 0 and kv > 0) or h % kv or self.shape[0] % h \
+                or kv % self.ranks:
+            raise ConfigError(f"A qkv shard map of {self.canonical[0]} {list(self.shape)} "
+                              f"with heads {self.heads} over {self.ranks} ranks: the query "
+                              "rows must be whole heads, the heads whole groups per "
+                              "key/value head, and the groups split evenly over the ranks.")
+
+    def canonical_shape(self, which: int) -> tuple[int, ...]:
+        """The shape of canonical tensor ``which`` (k and v of a qkv map are smaller)."""
+        if self.kind == "qkv" and which:
+            h, kv = self.heads or (1, 1)
+            return (self.shape[0] // h * kv, self.shape[1])
+        return self.shape
 
     def local_shape(self) -> tuple[int, ...]:
         """The shape this rank's shard must have."""
         s = self.shape
+        if self.span is not None:
+            return (self.span[1] - self.span[0], *s[1:])
         if self.kind == "rows":
             return (s[0] // self.ranks, *s[1:])
         if self.kind == "columns":
             return (s[0], s[1] // self.ranks)
         if self.kind == "gate_up":
             return (2 * s[0] // self.ranks, *s[1:])
+        if self.kind == "qkv":
+            h, kv = self.heads or (1, 1)
+            return ((s[0] + 2 * s[0] // h * kv) // self.ranks, s[1])
         return s  # replicated; expert: checked against the stack's trailing dims
 
     def project(self, base: UInt, target: UInt, entry: EntryKind) -> Iterator[ItemDelta]:
@@ -95,16 +129,32 @@ class ShardMap:
             if self.rank == 0:
                 yield from self._range(0, 0, base, target, entry)
         elif self.kind == "rows":
-            start = self.rank * base.shape[0] * row
-            yield from self._range(0, start, base, target, entry)
+            first = self.span[0] if self.span is not None else self.rank * base.shape[0]
+            yield from self._range(0, first * row, base, target, entry)
         elif self.kind == "gate_up":
             half = base.shape[0] // 2
             start = self.rank * half * row
             for k in range(2):
                 part = slice(k * half, (k + 1) * half)
                 yield from self._range(k, start, base[part], target[part], entry)
+        elif self.kind == "qkv":
+            yield from self._qkv(base, target, entry)
         else:
             yield from self._columns(base, target, entry)
+
+    def _qkv(self, base: UInt, target: UInt, entry: EntryKind) -> Iterator[ItemDelta]:
+        h, kv = self.heads or (1, 1)
+        dim, per = self.shape[0] // h, h // kv  # head size; query heads per group
+        groups = kv // self.ranks
+        block = (per + 2) * dim  # one group's rows here
+        for j in range(groups):
+            g = self.rank * groups + j
+            parts = ((0, 0, per * dim, g * per * dim), (1, per * dim, dim, g * dim),
+                     (2, (per + 1) * dim, dim, g * dim))  # (which, local row, rows, row there)
+            for which, lo, rows, there in parts:
+                local = slice(j * block + lo, j * block + lo + rows)
+                yield from self._range(which, there * self.shape[1], base[local],
+                                       target[local], entry)
 
     def _range(self, which: int, start: int, base: UInt, target: UInt, entry: EntryKind
                ) -> Iterator[ItemDelta]:
@@ -131,7 +181,7 @@ class ShardMap:
                new: UInt, entry: EntryKind) -> ItemDelta:
         values = np.bitwise_xor(old, new) if entry == "xor" else np.array(new, copy=True)
         return ItemDelta(name=self.canonical[which], dtype=dtype_of(self.dtype),
-                         shape=self.shape, start=start, stop=stop, entry=entry,
+                         shape=self.canonical_shape(which), start=start, stop=stop, entry=entry,
                          positions=np.ascontiguousarray(positions, dtype=np.int64),
                          values=values)
 
@@ -167,14 +217,6 @@ class ShardEncoder(OwnerState[Mapping[str, UInt]]):
                               f"{sorted(set(candidate) ^ set(self.maps))[:5]}.")
         super().set_candidate(candidate, version)
 
-    def _entry(self, m: ShardMap, mode: str) -> EntryKind:
-        classes = {self.profile.tensors.get(n, "xor") if self.profile else "xor"
-                   for n in m.canonical}
-        if "dense" in classes:
-            raise ConfigError(f"{m.canonical} must travel whole to its receivers (dense "
-                              "class); a shard cannot send it by parts.")
-        return "overwrite" if mode == "overwrite" or "overwrite" in classes else "xor"
-
     def publish(self, attempt: Attempt) -> None:
         candidate = self.check_publish(attempt)
         t = attempt.transition
@@ -182,25 +224,49 @@ class ShardEncoder(OwnerState[Mapping[str, UInt]]):
                                version=t.target_version, attempt=attempt.id,
                                mode=attempt.mode, owner=self.owner, level=self.level,
                                per_attempt=True)
-        changed = total = dense = 0
-        b = writer.builder(0)
-        for name in sorted(self.maps):
-            m, base, cand = self.maps[name], self.baseline[name], candidate[name]
-            entry = self._entry(m, attempt.mode)
-            total += base.size
-            dense += base.nbytes
-            for delta in m.project(base, cand, entry):
-                if len(b.items) >= DEFAULT_LIMITS.max_items:  # what a reader accepts
-                    writer.seal(b)
-                    b = writer.builder(b.seq + 1)
-                changed += delta.positions.size
-                b.add(encode_item(delta), dense_bytes=0)
-            b.dense_bytes += base.nbytes
-            if b.dense_bytes >= self.bucket_bytes and b.items:
+        pairs = ((n, self.baseline[n], candidate[n]) for n in sorted(self.maps))
+        self.manifests.append(write_shards(writer, self.maps, pairs, profile=self.profile,
+                                           bucket_bytes=self.bucket_bytes))
+
+
+def shard_entry(m: ShardMap, mode: str, profile: ReceiverProfile | None) -> EntryKind:
+    """How a shard's changes travel: overwrite in overwrite mode or where a receiver
+    cannot take XOR; a dense-class tensor cannot travel by parts at all."""
+    classes = {profile.tensors.get(n, "xor") if profile else "xor" for n in m.canonical}
+    if "dense" in classes:
+        raise ConfigError(f"{m.canonical} must travel whole to its receivers (dense "
+                          "class); a shard cannot send it by parts.")
+    return "overwrite" if mode == "overwrite" or "overwrite" in classes else "xor"
+
+
+def write_shards(writer: AttemptWriter, maps: Mapping[str, ShardMap],
+                 pairs: Iterable[tuple[str, UInt, UInt]], *,
+                 profile: ReceiverProfile | None, bucket_bytes: int,
+                 progress: Callable[[int], None] | None = None) -> Manifest:
+    """Seal payloads of the changes of ``pairs`` (local name, base bits, target bits),
+    each about ``bucket_bytes`` of local tensors, then write this owner's manifest part.
+    ``progress`` is called with the items so far between tensors (it may raise to stop)."""
+    changed = total = dense = items = 0
+    b = writer.builder(0)
+    for name, base, cand in pairs:
+        m = maps[name]
+        entry = shard_entry(m, writer.mode, profile)
+        total += base.size
+        dense += base.nbytes
+        for delta in m.project(base, cand, entry):
+            if len(b.items) >= DEFAULT_LIMITS.max_items:  # what a reader accepts
                 writer.seal(b)
                 b = writer.builder(b.seq + 1)
-        if b.items:
+            changed += delta.positions.size
+            b.add(encode_item(delta), dense_bytes=0)
+            items += 1
+        b.dense_bytes += base.nbytes
+        if b.dense_bytes >= bucket_bytes and b.items:
             writer.seal(b)
-        self.manifests.append(writer.finish(tensors=(), tensor_count=len(self.maps),
-                                            changed_elements=changed, total_elements=total,
-                                            dense_bytes=dense))
+            b = writer.builder(b.seq + 1)
+        if progress is not None:
+            progress(items)
+    if b.items:
+        writer.seal(b)
+    return writer.finish(tensors=(), tensor_count=len(maps), changed_elements=changed,
+                         total_elements=total, dense_bytes=dense)

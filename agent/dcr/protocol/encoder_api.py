@@ -51,7 +51,9 @@ class PublishRequest(_Body):
     ``base`` is the committed version's checkpoint (the baseline), ``target`` the
     candidate's; both absolute paths the server resolves under its checkpoint roots.
     ``profile`` is the receivers' merged profile (None: everything XOR where the mode
-    allows). No store: the server's is fixed.
+    allows). ``committed_attempt`` is the attempt the fleet's commit record names for
+    ``base_version`` (None for the initial record): an owner that keeps its own baseline
+    (a trainer rank) advances by it. No store: the server's is fixed.
     """
 
     attempt: Annotated[str, Field(pattern=ATTEMPT_PATTERN)]
@@ -64,6 +66,7 @@ class PublishRequest(_Body):
     target: CheckpointPath
     bucket_mib: Annotated[int, Field(ge=1, le=4096)] | None = None
     profile: ReceiverProfile | None = None
+    committed_attempt: Annotated[str, Field(pattern=ATTEMPT_PATTERN)] | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> PublishRequest:

@@ -1,0 +1,80 @@
+"""Shard maps read off a training framework's own layout, for :class:`~dcr.owner.rank.RankOwner`.
+
+:func:`fsdp2_shards` reads FSDP2's ``DTensor`` parameters (``fully_shard``: dimension 0
+split in ``torch.chunk`` order, so the last ranks may hold fewer rows or none) and plain
+replicated ones. Megatron-style tensor and expert parallel layouts are named directly with
+:class:`~dcr.owner.shards.ShardMap` kinds (``rows``, ``columns``, ``gate_up``, ``qkv``,
+``expert``). docs/trainer.md, "Owners in the ranks".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from dcr.errors import ConfigError
+from dcr.owner.shards import ShardMap
+
+if TYPE_CHECKING:
+    import torch
+
+SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16",
+                      "bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+                      "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
+                      "uint8": "U8", "bool": "BOOL"}
+
+
+def dtype_name(t: torch.Tensor) -> str:
+    """``t``'s dtype as safetensors names it."""
+    name = str(t.dtype).removeprefix("torch.")
+    try:
+        return SAFETENSORS_DTYPES[name]
+    except KeyError:
+        raise ConfigError(f"A {t.dtype} tensor has no safetensors dtype.") from None
+
+
+def fsdp2_shards(module: torch.nn.Module, *, rank: int, ranks: int,
+                 canonical: Callable[[str], str | None] = lambda name: name,
+                 ) -> tuple[dict[str, ShardMap], dict[str, torch.Tensor]]:
+    """This rank's parameters of an FSDP2 ``module`` with their shard maps, keyed by the
+    canonical (Hugging Face) name ``canonical`` gives each parameter name (None: not part
+    of the checkpoint). A replicated parameter is owned by rank 0."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    maps: dict[str, ShardMap] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for pname, p in module.named_parameters():
+        name = canonical(pname)
+        if name is None:
+            continue
+        if name in maps:
+            raise ConfigError(f"Parameters {pname} and another both map to {name}.")
+        if isinstance(p, DTensor):
+            local, placements = p.to_local(), tuple(p.placements)
+            if placements == (Shard(0),):
+                n = p.shape[0]
+                chunk = -(-n // ranks)
+                start = min(rank * chunk, n)
+                span = (start, min(start + chunk, n))
+                if local.shape[0] != span[1] - span[0]:
+                    raise ConfigError(f"{pname}: rank {rank} holds {local.shape[0]} rows of "
+                                      f"{n}; a chunk split over {ranks} ranks gives it "
+                                      f"{span[1] - span[0]}.")
+                m = ShardMap(kind="rows", canonical=(name,), shape=tuple(p.shape),
+                             dtype=dtype_name(local), rank=rank, ranks=ranks, span=span)
+            elif all(isinstance(x, Replicate) for x in placements):
+                m = ShardMap(kind="replicated", canonical=(name,), shape=tuple(p.shape),
+                             dtype=dtype_name(local), rank=rank, ranks=ranks)
+            else:
+                raise ConfigError(f"{pname} is placed {placements}; FSDP2 shards name "
+                                  "Shard(0) on one mesh dimension (for other layouts "
+                                  "give ShardMaps yourself).")
+        else:
+            local = p
+            m = ShardMap(kind="replicated", canonical=(name,), shape=tuple(p.shape),
+                         dtype=dtype_name(p), rank=rank, ranks=ranks)
+        maps[name], tensors[name] = m, local.detach()
+    return maps, tensors
+
+
+__all__ = ["SAFETENSORS_DTYPES", "dtype_name", "fsdp2_shards"]
