@@ -60,7 +60,7 @@ def endpoints(*urls: str, forced: str | None = None, **kw: Any) -> tuple[Encoder
     spec = refit(owners=len(urls), bucketMiB=64)
     made = EncoderEndpoints(
         profile_name="warm", endpoint=fleet(*urls).encoder_profiles[1].endpoint,  # type: ignore[arg-type]
-        token=TOKEN, spec=spec, base_checkpoint="/ckpt/v2", store=STORE,
+        token=TOKEN, spec=spec, base_checkpoint="/ckpt/v2", base_attempt="a-v2", store=STORE,
         profile=ReceiverProfile(tensors={"w": "overwrite"}), forced_mode=forced,  # type: ignore[arg-type]
         on_started=lambda a, p: calls.append(("started", a.id, p)),
         on_finished=lambda a, p, f: calls.append(("finished", a.id, p, f)), **kw)
@@ -129,7 +129,8 @@ def test_a_publish_asks_for_what_a_job_gets_with_the_token_to_that_url_only() ->
                         "target_version": 3, "owner": 1, "owners": 2, "base": "/ckpt/v2",
                         "target": "/ckpt/v3", "bucket_mib": 64,
                         "profile": {"format": "dcr-receiver-profile", "version": 1,
-                                    "tensors": {"w": "overwrite"}}}
+                                    "tensors": {"w": "overwrite"}},
+                        "committed_attempt": "a-v2"}  # a rank owner advances by it
         EndpointOwner(endpoints=made, index=0).publish(a)
         assert calls == [("started", a.id, "warm"), ("finished", a.id, "warm", None)]
         assert made.summaries[(a.id, 0)] == SUMMARY

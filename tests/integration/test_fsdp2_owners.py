@@ -1,0 +1,135 @@
+"""FSDP2 ranks are the owners of a refit: three gloo processes, their shards, no checkpoint.
+
+Each rank (:mod:`fsdp2_rank`) trains a small Llama sharded by ``fully_shard`` (chunked
+rows, the last rank's chunks shorter), takes real AdamW steps and serves the warm-encoder
+protocol from its own process. A coordinator here asks both ranks to publish, as the
+operator does, carrying the commit record of the base in each request; vLLM-layout
+receivers (TP 2 and TP 1) end with the bits of a dense export of each version.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from shardrig import DENSE, V0, exact, profile_of, receivers
+from stubs import free_port_on
+
+from dcr.format.profile import ReceiverProfile
+from dcr.protocol.commitstore import SqliteCommitStore
+from dcr.protocol.coordinator import Coordinator
+from dcr.protocol.encoder_api import EncoderClient, PublishRequest
+from dcr.protocol.records import Attempt, CommitRecord
+from dcr.runtimes.vllm_reference import random_checkpoint
+from dcr.transport.store import FileStore
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+WORKER = Path(__file__).resolve().parents[1] / "support" / "fsdp2_rank.py"
+TOKEN = "fsdp2-rank-token-0123456789abcdef"
+WORLD = 3  # 3 does not divide the rows: FSDP2 gives the last rank shorter chunks
+
+
+@dataclass
+class RankEndpoint:
+    """``OwnerHandle`` for one rank's endpoint, asked as the operator asks a warm encoder."""
+
+    client: EncoderClient
+    index: int
+    profile: ReceiverProfile
+    committed: str | None = None  # the attempt of the last commit record seen
+
+    def publish(self, attempt: Attempt) -> None:
+        t = attempt.transition
+        self.client.publish(PublishRequest(
+            attempt=attempt.id, mode=attempt.mode, base_version=t.base_version,
+            target_version=t.target_version, owner=self.index, owners=WORLD,
+            base=f"/ranks/v{t.base_version}", target=f"/ranks/v{t.target_version}",
+            profile=self.profile, committed_attempt=self.committed), timeout_s=120)
+
+    def advance_baseline(self, record: CommitRecord) -> None:
+        self.committed = record.attempt
+
+
+@dataclass
+class Ranks:
+    procs: list[subprocess.Popen[str]]
+    urls: list[str]
+    out: Path
+
+    def step(self, version: int) -> list[int]:
+        """Every rank steps and offers ``version`` (together: the step is collective)."""
+        for p in self.procs:
+            assert p.stdin is not None
+            p.stdin.write(json.dumps({"step": version}) + "\n")
+            p.stdin.flush()
+        return [int(json.loads(_line(p.stdout))["changed"]) for p in self.procs]
+
+
+def _line(stream: IO[str] | None) -> str:
+    assert stream is not None
+    line = stream.readline()
+    assert line, "a rank exited (its log is in the test's temporary directory)"
+    return line
+
+
+@pytest.fixture
+def ranks(tmp_path: Path) -> Iterator[Ranks]:
+    v0 = random_checkpoint(DENSE, 0)
+    save_file(v0, str(tmp_path / "v0.safetensors"))
+    (tmp_path / "token").write_text(TOKEN)
+    port = free_port_on("127.0.0.1")
+    procs = []
+    for r in range(WORLD):
+        with (tmp_path / f"rank{r}.log").open("w") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, str(WORKER), str(r), str(WORLD), str(port),
+                 str(tmp_path / "v0.safetensors"), (tmp_path / "store").as_uri(),
+                 str(tmp_path / "token"), str(tmp_path)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True))
+    try:
+        urls = [json.loads(_line(p.stdout))["url"] for p in procs]
+        yield Ranks(procs=procs, urls=urls, out=tmp_path)
+    finally:
+        for p in procs:
+            if p.stdin is not None:
+                p.stdin.close()
+        for p in procs:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            if p.stdout is not None:
+                p.stdout.close()
+
+
+def test_fsdp2_ranks_are_the_owners_and_receivers_end_bit_exact(ranks: Ranks,
+                                                                 tmp_path: Path) -> None:
+    v0 = load_file(str(tmp_path / "v0.safetensors"))
+    store = FileStore(tmp_path / "store")
+    rx, models = receivers(DENSE, v0, store, (2, 1), tmp_path / "rx")
+    owners = [RankEndpoint(client=EncoderClient(url, TOKEN, name=f"rank-{r}"), index=r,
+                           profile=profile_of(rx)) for r, url in enumerate(ranks.urls)]
+    coord = Coordinator(SqliteCommitStore(tmp_path / "c.db", V0), owners, rx)
+    for version in (1, 2):
+        changed = ranks.step(version)
+        target = load_file(str(ranks.out / f"v{version}.safetensors"))
+        # Offers are against the baseline each rank holds: version 0 both times, since a
+        # rank learns of version 1's commit from the next publish request.
+        differ = sum(int((a.view(torch.int16) != target[n].view(torch.int16)).sum())
+                     for n, a in v0.items())
+        assert sum(changed) == differ > 0  # every changed element offered by one rank
+        coord.refit(version, f"/ranks/v{version}")
+        assert [h.outcome for h in coord.history][-1] == "committed"
+        assert exact(DENSE, models, target)
+    parts = sorted(p.name for p in (tmp_path / "store").rglob("manifest-o*.dcrm"))
+    assert parts == sorted([f"manifest-o{r:04d}.dcrm" for r in range(WORLD)] * 2)
+    coord.close()
