@@ -60,6 +60,7 @@ bench: install
 	$(PY) bench/expand.py
 	$(PY) bench/protocol.py
 	$(PY) bench/status.py
+	$(PY) bench/rank_owner.py
 	$(PY) bench/scale.py
 	$(PY) bench/doctables.py
 

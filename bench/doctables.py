@@ -1,5 +1,5 @@
-"""The number tables of docs/benchmarks.md, apply.md and evaluation.md (outside the part
-``bench/evaluate.py`` writes), written from bench/results.
+"""The number tables of docs/benchmarks.md, apply.md, trainer.md and evaluation.md (outside
+the part ``bench/evaluate.py`` writes), written from bench/results.
 
 Each table sits between ``<!-- table NAME -->`` and ``<!-- /table -->`` in its doc and is
 written from the JSON a benchmark left; the prose around the markers is written by hand.
@@ -252,6 +252,21 @@ def peer() -> str:
                   "ModelExpress / DCR", "both bit-exact"], rows, left=(0, 5))
 
 
+# --- docs/trainer.md ---------------------------------------------------------------------
+
+
+def rank_owner() -> str:
+    d = load("rank-owner")
+    rows = [[f"v{r['version']}", f"{r['changed_elements']:,}", f"{r['offer_s']:.2f}",
+             f"{r['write_s']:.2f}", f"{r['advance_s']:.2f}", mb(r["payload_bytes"]),
+             f"{r['held_over_shard']:.3f}x"] for r in d["steps"][1:]]
+    g = d["per_gib_of_shard"]
+    rows.append(["per GiB of shard (median)", "", f"{g['offer']:.2f}", f"{g['write']:.2f}",
+                 f"{g['advance']:.2f}", "", ""])
+    return table(["step", "elements changed", "offer s", "write s", "advance s", "payloads",
+                  "host memory / shard"], rows)
+
+
 TABLES: dict[str, dict[str, Callable[[], str]]] = {
     "docs/benchmarks.md": {"codec-size": codec_size, "codec-speed": codec_speed,
                            "manifest": manifest, "transport": transport,
@@ -259,6 +274,7 @@ TABLES: dict[str, dict[str, Callable[[], str]]] = {
     "docs/apply.md": {"coverage": coverage, "engines": engines, "reference": reference,
                       "expand": expand},
     "docs/evaluation.md": {"catchup": catchup, "peer": peer},
+    "docs/trainer.md": {"rank-owner": rank_owner},
 }
 
 
