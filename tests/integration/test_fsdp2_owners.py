@@ -9,19 +9,15 @@ receivers (TP 2 and TP 1) end with the bits of a dense export of each version.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from shardrig import DENSE, V0, exact, profile_of, receivers
-from stubs import free_port_on
+from trainer_ranks import TrainerRanks
 
 from dcr.format.profile import ReceiverProfile
 from dcr.protocol.commitstore import SqliteCommitStore
@@ -32,7 +28,6 @@ from dcr.runtimes.vllm_reference import random_checkpoint
 from dcr.transport.store import FileStore
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-WORKER = Path(__file__).resolve().parents[1] / "support" / "fsdp2_rank.py"
 TOKEN = "fsdp2-rank-token-0123456789abcdef"
 WORLD = 3  # 3 does not divide the rows: FSDP2 gives the last rank shorter chunks
 
@@ -58,60 +53,16 @@ class RankEndpoint:
         self.committed = record.attempt
 
 
-@dataclass
-class Ranks:
-    procs: list[subprocess.Popen[str]]
-    urls: list[str]
-    out: Path
-
-    def step(self, version: int) -> list[int]:
-        """Every rank steps and offers ``version`` (together: the step is collective)."""
-        for p in self.procs:
-            assert p.stdin is not None
-            p.stdin.write(json.dumps({"step": version}) + "\n")
-            p.stdin.flush()
-        return [int(json.loads(_line(p.stdout))["changed"]) for p in self.procs]
-
-
-def _line(stream: IO[str] | None) -> str:
-    assert stream is not None
-    line = stream.readline()
-    assert line, "a rank exited (its log is in the test's temporary directory)"
-    return line
-
-
 @pytest.fixture
-def ranks(tmp_path: Path) -> Iterator[Ranks]:
+def ranks(tmp_path: Path) -> Iterator[TrainerRanks]:
     v0 = random_checkpoint(DENSE, 0)
     save_file(v0, str(tmp_path / "v0.safetensors"))
-    (tmp_path / "token").write_text(TOKEN)
-    port = free_port_on("127.0.0.1")
-    procs = []
-    for r in range(WORLD):
-        with (tmp_path / f"rank{r}.log").open("w") as log:
-            procs.append(subprocess.Popen(
-                [sys.executable, str(WORKER), str(r), str(WORLD), str(port),
-                 str(tmp_path / "v0.safetensors"), (tmp_path / "store").as_uri(),
-                 str(tmp_path / "token"), str(tmp_path)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True))
-    try:
-        urls = [json.loads(_line(p.stdout))["url"] for p in procs]
-        yield Ranks(procs=procs, urls=urls, out=tmp_path)
-    finally:
-        for p in procs:
-            if p.stdin is not None:
-                p.stdin.close()
-        for p in procs:
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-            if p.stdout is not None:
-                p.stdout.close()
+    with TrainerRanks.start(WORLD, tmp_path / "v0.safetensors", 0,
+                            (tmp_path / "store").as_uri(), TOKEN, tmp_path) as started:
+        yield started
 
 
-def test_fsdp2_ranks_are_the_owners_and_receivers_end_bit_exact(ranks: Ranks,
+def test_fsdp2_ranks_are_the_owners_and_receivers_end_bit_exact(ranks: TrainerRanks,
                                                                  tmp_path: Path) -> None:
     v0 = load_file(str(tmp_path / "v0.safetensors"))
     store = FileStore(tmp_path / "store")
@@ -121,7 +72,7 @@ def test_fsdp2_ranks_are_the_owners_and_receivers_end_bit_exact(ranks: Ranks,
     coord = Coordinator(SqliteCommitStore(tmp_path / "c.db", V0), owners, rx)
     for version in (1, 2):
         changed = ranks.step(version)
-        target = load_file(str(ranks.out / f"v{version}.safetensors"))
+        target = load_file(str(ranks.out / f"v{version}" / "model.safetensors"))
         # Offers are against the baseline each rank holds: version 0 both times, since a
         # rank learns of version 1's commit from the next publish request.
         differ = sum(int((a.view(torch.int16) != target[n].view(torch.int16)).sum())

@@ -24,7 +24,9 @@ refit cleans its payloads from the store; v4 commits through a warm encoder (``d
 encoder`` on loopback, named by a fleet encoder profile's endpoint) with no Job, asked
 for and waited on by ``dcr.client`` as a training loop would; v5
 commits through Jobs in a second control plane (the training cluster), which the
-operator reaches only through a kubeconfig Secret.
+operator reaches only through a kubeconfig Secret; v6 leaves a dead agent out; v8 waits for
+v7; v9 and v10 are published by two FSDP2 training ranks serving their own shards, with no
+checkpoint written.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from kubernetes.client import ApiClient, Configuration
 from operatorproc import Operator, chart_namespace
 from promtext import matching, value
 from stubs import free_port_on
+from trainer_ranks import TrainerRanks
 
 from dcr.client import Progress
 from dcr.client import refit as client_refit
@@ -697,3 +700,46 @@ def test_a_refit_created_before_its_base_commits_waits_for_it_then_commits(
     assert v7["status"]["completionTime"] <= v8["status"]["attempts"][0]["startTime"]
     assert sc.fleet()["status"]["commit"]["committedVersion"] == 8
     assert sc.exact(8)
+
+
+def test_the_trainers_fsdp2_ranks_are_the_owners_and_no_checkpoint_is_written(
+        scenario: Scenario) -> None:
+    """Two FSDP2 ranks, started from v8, take real AdamW steps and serve their shards;
+    the fleet's encoder profile names their endpoints and dcr.client asks for v9 and v10.
+    Both commit bit-exact through the operator with no Job and no checkpoint of either
+    version (the ranks' dense exports exist only for this comparison); at v10 the ranks
+    advance by the commit record the operator's request carries."""
+    sc = scenario
+    token = "e2e-rank-token-0123456789abcdef"
+    workdir = sc.tmp / "ranks"
+    workdir.mkdir()
+    apply(sc.kube, [{"apiVersion": "v1", "kind": "Secret",
+                     "metadata": {"name": "rank-token",
+                                  "labels": {"dcr.dev/encoder-token": "true"}},
+                     "data": {"token": base64.b64encode(token.encode()).decode()}}], sc.ns)
+    with TrainerRanks.start(2, sc.ckpts[8], 8, sc.store.as_uri(), token, workdir) as ranks:
+        sc.kube.merge_patch(sc.path("rolloutfleets", FLEET), {"spec": {
+            "retention": {"snapshotEvery": None},  # a snapshot Job reads a checkpoint
+            "encoderProfiles": [{"name": "ranks", "endpoint": {
+                "urls": ranks.urls, "tokenSecretRef": {"name": "rank-token"}}}]}})
+        cp = sc.cp
+        with ApiClient(Configuration(host=cp.server, ssl_ca_cert=str(cp.ca_path),
+                                     cert_file=str(cp.admin_cert_path),
+                                     key_file=str(cp.admin_key_path))) as api:
+            for v in (9, 10):
+                assert all(ranks.step(v))
+                client_refit(FLEET, v, f"/ranks/policy/v{v}", namespace=sc.ns,
+                             name=f"policy-v{v}", encoder_profile="ranks", owners=2,
+                             api_client=api, progress_bar=False, timeout_s=240)
+                refit = sc.wait_phase(f"policy-v{v}", "Committed")
+                (attempt,) = refit["status"]["attempts"]
+                assert (attempt["endpoint"], attempt["outcome"]) == ("ranks", "Committed")
+                sc.ckpts[v] = ranks.out / f"v{v}"
+                assert sc.exact(v)
+        assert sc.fleet()["status"]["commit"]["baselineId"] == "/ranks/policy/v10"
+        assert sc.kube.get(sc.path("jobs", group="batch/v1"), labelSelector=(
+            "dcr.dev/component in (encoder,snapshot),dcr.dev/refit in (policy-v9,policy-v10)"
+        ))["items"] == []
+        logs = "".join(p.read_text() for p in workdir.glob("rank*.log"))
+        assert "baseline is now version 9" in logs  # advanced by v10's request
+        assert token not in logs + sc.primary.tail(10_000)

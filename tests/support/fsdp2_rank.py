@@ -1,17 +1,19 @@
 """One FSDP2 training rank whose shards are a refit's owner: the trainer side of a rank test.
 
-``python fsdp2_rank.py RANK WORLD PORT CHECKPOINT STORE TOKEN_FILE OUT`` joins a gloo group
-of ``WORLD`` ranks, builds a small Llama from ``CHECKPOINT`` (one safetensors file of
-version 0), shards it with ``fully_shard``, makes its shards a :class:`RankOwner` and
-serves the warm-encoder protocol on loopback (one JSON line ``{"url"}``). Then, per line
+``python fsdp2_rank.py RANK WORLD PORT CHECKPOINT VERSION STORE TOKEN_FILE OUT`` joins a
+gloo group of ``WORLD`` ranks, builds a Llama from ``CHECKPOINT`` (a Hugging Face
+directory, or one safetensors file of :data:`CONFIG`'s model) as version ``VERSION``,
+shards it with ``fully_shard``, makes its shards a :class:`RankOwner` and serves the
+warm-encoder protocol on loopback (one JSON line ``{"url"}``). Then, per line
 ``{"step": V}`` on stdin, it takes an AdamW step, offers version V and answers
-``{"changed": N}``; rank 0 also writes the dense version V to ``OUT/vV.safetensors``,
-for the test to compare with and for nothing else (no owner reads it).
+``{"changed": N}``; rank 0 also writes the dense version V to ``OUT/vV/``, for the test
+to compare with and for nothing else (no owner reads it).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -33,35 +35,44 @@ CONFIG = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_h
 
 
 def main() -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
     rank, world, port = (int(a) for a in sys.argv[1:4])
-    checkpoint, store, token_file, out = sys.argv[4:8]
+    checkpoint, version, (store, token_file, out) = Path(sys.argv[4]), int(sys.argv[5]), \
+        sys.argv[6:9]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(CONFIG).to(torch.bfloat16)
-    model.load_state_dict(load_file(checkpoint), strict=False)
+    if checkpoint.is_dir():
+        model = LlamaForCausalLM.from_pretrained(checkpoint, torch_dtype=torch.bfloat16)
+    else:
+        model = LlamaForCausalLM(CONFIG).to(torch.bfloat16)
+        model.load_state_dict(load_file(checkpoint), strict=False)
     mesh = init_device_mesh("cpu", (world,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     maps, tensors = fsdp2_shards(model, rank=rank, ranks=world)
-    owner = RankOwner(store=open_store(store), maps=maps, tensors=tensors, version=0,
+    owner = RankOwner(store=open_store(store), maps=maps, tensors=tensors, version=version,
                       rank=rank, ranks=world)
     server = serve(owner, token=Path(token_file).read_text().strip())
     print(json.dumps({"url": server.url}), flush=True)
     data = torch.Generator().manual_seed(1)
     for line in sys.stdin:
-        version = int(json.loads(line)["step"])
+        step = int(json.loads(line)["step"])
         ids = torch.randint(0, CONFIG.vocab_size, (2, 16), generator=data)
         model(input_ids=ids, labels=ids).loss.backward()
         optim.step()
         optim.zero_grad()
-        overlay = owner.offer(fsdp2_shards(model, rank=rank, ranks=world)[1], version)
+        overlay = owner.offer(fsdp2_shards(model, rank=rank, ranks=world)[1], step)
         dense = {n: p.full_tensor() for n, p in model.named_parameters()}  # collective
         if rank == 0:
+            there = Path(out) / f"v{step}"
+            there.mkdir(parents=True)
             save_file({n: t.contiguous() for n, t in dense.items()},
-                      str(Path(out) / f"v{version}.safetensors"))
+                      str(there / "model.safetensors"))
+            model.config.to_json_file(there / "config.json")
         print(json.dumps({"changed": overlay.elements}), flush=True)
     server.close()
     dist.destroy_process_group()
