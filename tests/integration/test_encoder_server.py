@@ -12,7 +12,6 @@ before its manifest part, and a caller that goes away stopping its publish too.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import http.client
 import json
@@ -27,10 +26,14 @@ from typing import Any
 
 import pytest
 import torch
-from aiohttp import web
 
 from dcr.format.profile import ReceiverProfile, dumps
-from dcr.owner.server import CheckpointPublisher, EncoderService, make_app, publish_settings
+from dcr.owner.server import (
+    BackgroundServer,
+    CheckpointPublisher,
+    EncoderService,
+    publish_settings,
+)
 from dcr.owner.settings import EncodeSettings
 from dcr.protocol.encoder_api import EncoderClient, EncoderError, PublishRequest
 from dcr.refit.launch import EncoderProcess
@@ -345,26 +348,12 @@ def app(pair: Pair, tmp_path: Path) -> Iterator[App]:
     store = GatedStore(tmp_path / "store")
     service = EncoderService(store, CheckpointPublisher((pair.root.resolve(),), threads=1),
                              stop_wait_s=60)
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(make_app(service, TOKEN), access_log=None,
-                           handler_cancellation=True)
-
-    async def start() -> int:
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        return int(runner.addresses[0][1])
-
-    thread = threading.Thread(target=loop.run_forever, daemon=True, name="encoder-app")
-    thread.start()
-    port = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
+    server = BackgroundServer(service, TOKEN)
     try:
-        yield App(service=service, store=store, url=f"http://127.0.0.1:{port}")
+        yield App(service=service, store=store, url=server.url)
     finally:
         store.gate.set()
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
+        server.close()
 
 
 def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
