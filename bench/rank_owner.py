@@ -2,11 +2,10 @@
 
 One rank's shard of ``--mib`` MiB of BF16 tensors (64 MiB each, rows split over 8 ranks,
 so the maps are a real row split), a step that changes ``--changed`` of its elements, then
-per step: ``offer`` (the copy to the host in 64 MiB steps and the diff against the
-baseline), ``write`` (encode and put the payloads and the manifest part into a file store)
+per step: ``offer`` (the read in 64 MiB steps and the diff against the baseline), ``write`` (encode and put the payloads and the manifest part into a file store)
 and ``advance`` (the commit applied to the baseline). Host bytes held are the baseline plus
-the overlay's positions and bits, beside the shard's own bytes. CPU tensors: the copy is a
-memcpy here; on a GPU it is a device-to-host copy, overlapped with the diff the same way.
+the overlay's positions and bits, beside the shard's own bytes. CPU tensors, read in place
+here; a GPU tensor's steps are device-to-host copies, each overlapped with the last diff.
 Writes ``bench/results/rank-owner.json``.
 
     .venv/bin/python bench/rank_owner.py [--mib 1024] [--changed 0.01] [--steps 3]

@@ -18,19 +18,14 @@ from dcr.owner.shards import ShardMap
 if TYPE_CHECKING:
     import torch
 
-SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16",
-                      "bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
-                      "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
-                      "uint8": "U8", "bool": "BOOL"}
-
-
 def dtype_name(t: torch.Tensor) -> str:
     """``t``'s dtype as safetensors names it."""
-    name = str(t.dtype).removeprefix("torch.")
-    try:
-        return SAFETENSORS_DTYPES[name]
-    except KeyError:
-        raise ConfigError(f"A {t.dtype} tensor has no safetensors dtype.") from None
+    from dcr.apply.applier import TORCH_DTYPES
+
+    for name, dtype in TORCH_DTYPES.items():
+        if dtype == t.dtype:
+            return name
+    raise ConfigError(f"A {t.dtype} tensor has no safetensors dtype.")
 
 
 def fsdp2_shards(module: torch.nn.Module, *, rank: int, ranks: int,
@@ -77,4 +72,4 @@ def fsdp2_shards(module: torch.nn.Module, *, rank: int, ranks: int,
     return maps, tensors
 
 
-__all__ = ["SAFETENSORS_DTYPES", "dtype_name", "fsdp2_shards"]
+__all__ = ["dtype_name", "fsdp2_shards"]

@@ -73,24 +73,27 @@ class Overlay:
 def host_bits(t: torch.Tensor, *, copy_bytes: int = COPY_BYTES) -> Iterator[tuple[int, UInt]]:
     """``t``'s bits on the host, flat, in steps of about ``copy_bytes``: (offset, bits).
 
-    The copy of step k+1 runs (on a thread; a device copy releases the GIL) while the
-    caller works on step k, so a GPU-to-host copy overlaps the diff.
+    A host tensor's steps are views of it (the caller copies what it keeps). A device
+    tensor's are copies, and the copy of step k+1 runs on a thread (a device copy releases
+    the GIL) while the caller works on step k, so the copy overlaps the diff.
     """
-    import torch
+    from dcr.apply.applier import BITS
 
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    flat = t.detach().reshape(-1).view(ints[t.element_size()])
+    flat = t.detach().reshape(-1).view(BITS[t.element_size()])
     step = max(1, copy_bytes // t.element_size())
     unsigned = np.dtype(f"<u{t.element_size()}")
+    offsets = range(0, flat.numel(), step)
+    if flat.device.type == "cpu":
+        host: UInt = flat.numpy().view(unsigned)
+        for lo in offsets:
+            yield lo, host[lo:lo + step]
+        return
 
     def copy(lo: int) -> UInt:
-        part = flat[lo:lo + step]
-        host = part.to("cpu", copy=True) if part.device.type != "cpu" else part.clone()
-        bits: UInt = host.numpy().view(unsigned)
+        bits: UInt = flat[lo:lo + step].to("cpu").numpy().view(unsigned)
         return bits
 
     with ThreadPoolExecutor(1, thread_name_prefix="rank-copy") as pool:
-        offsets = range(0, flat.numel(), step)
         pending = pool.submit(copy, 0) if offsets else None
         for k, lo in enumerate(offsets):
             assert pending is not None
@@ -214,17 +217,17 @@ class RankOwner:
         self.advance(record.committed_version, record.attempt)
 
     def write(self, *, attempt: str, mode: Mode, base_version: int, target_version: int,
-                profile: ReceiverProfile | None = None, committed_attempt: str | None = None,
-                progress: Callable[[int], None] | None = None, store: Store | None = None,
-                bucket_bytes: int | None = None) -> Manifest:
+              profile: ReceiverProfile | None = None, committed_attempt: str | None = None,
+              progress: Callable[[int], None] | None = None, store: Store | None = None,
+              bucket_bytes: int | None = None) -> Manifest:
         """Write this rank's payloads and manifest part of ``attempt``."""
         with self._lock:
             self._check(base_version, target_version, committed_attempt)
             overlay = self.offers[target_version]
             overlay.published.add(attempt)
             writer = AttemptWriter(store=store or self.store, base_version=base_version,
-                               version=target_version, attempt=attempt, mode=mode,
-                               owner=self.rank, level=self.level, per_attempt=True)
+                                   version=target_version, attempt=attempt, mode=mode,
+                                   owner=self.rank, level=self.level, per_attempt=True)
             pairs = ((n, self.baseline[n], overlay.bits(n, self.baseline[n]))
                      for n in sorted(self.maps))
             return write_shards(writer, self.maps, pairs, profile=profile, progress=progress,
@@ -244,22 +247,17 @@ class RankOwner:
                 f"{attempt!r}; this rank published "
                 f"{sorted(overlay.published) if overlay else 'nothing'} for it. The "
                 f"baseline stays at {self.version}.")
-        later = {v: o for v, o in self.offers.items() if v > version}
-        targets = {v: {n: o.bits(n, self.baseline[n]) for n in self.maps}
-                   for v, o in later.items()}
-        for name, (pos, new) in overlay.changes.items():
-            self.baseline[name].reshape(-1)[pos] = new
-        self.offers = {v: Overlay(version=v, changes={
-            n: _diff(self.baseline[n], targets[v][n]) for n in self.maps}) for v in later}
+        later = {v: Overlay(version=v, changes={}) for v in self.offers if v > version}
+        for name, base in self.baseline.items():  # a tensor at a time: one more copy at most
+            targets = {v: self.offers[v].bits(name, base) for v in later}
+            pos, new = overlay.changes[name]
+            base.reshape(-1)[pos] = new
+            for v, target in targets.items():
+                ch = find_changes(base.reshape(-1), target.reshape(-1))
+                later[v].changes[name] = (ch.positions, ch.new)
+        self.offers = later
         self.version = version
         log.info("%s: baseline is now version %d (attempt %s)", self.who, version, attempt)
-
-
-def _diff(base: UInt, target: UInt) -> tuple[np.ndarray, UInt]:
-    ch = find_changes(base.reshape(-1), target.reshape(-1))
-    return ch.positions, ch.new
-
-
 
 
 @dataclass(frozen=True)

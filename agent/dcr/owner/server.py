@@ -393,32 +393,16 @@ def build_service(s: EncoderServerSettings) -> EncoderService:
                           stop_wait_s=s.stop_wait_s)
 
 
-async def _serve(service: EncoderService, token: str, listen: str) -> None:
-    from aiohttp import web
-
-    host, _, port = listen.rpartition(":")
-    runner = web.AppRunner(make_app(service, token), access_log=None,
-                           handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, host or "127.0.0.1", int(port))
-    await site.start()
-    bound = runner.addresses[0][1]
-    print(json.dumps({"url": f"http://{host or '127.0.0.1'}:{bound}",
-                      "store": service.store.uri}), flush=True)
-    try:
-        await asyncio.Event().wait()
-    finally:
-        await runner.cleanup()
-
-
 def run(s: EncoderServerSettings) -> int:
     """Serve until interrupted. Prints one JSON line ``{"url", "store"}`` once listening."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     token = read_token("encoder token", s.token_file)
     service = build_service(s)
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_serve(service, token, s.listen))
+    with contextlib.suppress(KeyboardInterrupt), \
+            BackgroundServer(service, token, listen=s.listen) as server:
+        print(json.dumps({"url": server.url, "store": service.store.uri}), flush=True)
+        threading.Event().wait()
     return 0
 
 

@@ -63,13 +63,13 @@ class ShardMap:
         if self.kind == "columns" and len(self.shape) != 2:
             raise ConfigError(f"A columns split needs a 2-D tensor; {self.canonical[0]} is "
                               f"{list(self.shape)}.")
-        if self.span is not None:
-            if self.kind != "rows" or not 0 <= self.span[0] <= self.span[1] <= self.shape[0]:
-                raise ConfigError(f"{self.canonical[0]}: rows {list(self.span)} are not a "
-                                  f"span of a rows split of {list(self.shape)}.")
-            return
+        if self.span is not None and (
+                self.kind != "rows" or not 0 <= self.span[0] <= self.span[1] <= self.shape[0]):
+            raise ConfigError(f"{self.canonical[0]}: rows {list(self.span)} are not a span "
+                              f"of a rows split of {list(self.shape)}.")
         axis = 1 if self.kind == "columns" else 0
-        if self.kind in ("rows", "columns", "gate_up") and self.shape[axis] % self.ranks:
+        if self.kind in ("rows", "columns", "gate_up") and self.span is None \
+                and self.shape[axis] % self.ranks:
             raise ConfigError(f"{self.canonical[0]}: dimension {axis} of {list(self.shape)} "
                               f"does not split into {self.ranks} equal parts.")
         dtype_of(self.dtype)  # names the dtype if unknown
