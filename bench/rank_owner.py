@@ -2,8 +2,9 @@
 
 One rank's shard of ``--mib`` MiB of BF16 tensors (64 MiB each, rows split over 8 ranks,
 so the maps are a real row split), a step that changes ``--changed`` of its elements, then
-per step: ``offer`` (the read in 64 MiB steps and the diff against the baseline), ``write`` (encode and put the payloads and the manifest part into a file store)
-and ``advance`` (the commit applied to the baseline). Host bytes held are the baseline plus
+per step: ``offer`` (the read in 64 MiB steps and the diff against the baseline),
+``write`` (encode and put the payloads and the manifest part into a file store) and
+``advance`` (the commit applied to the baseline). Host bytes held are the baseline plus
 the overlay's positions and bits, beside the shard's own bytes. CPU tensors, read in place
 here; a GPU tensor's steps are device-to-host copies, each overlapped with the last diff.
 Writes ``bench/results/rank-owner.json``.
