@@ -157,7 +157,7 @@ def run(root: Path, layers: int, repeats: int) -> dict[str, Any]:
         for proc in procs:
             proc.wait_ready(600)
         clients = [ag.client(timeout_s=120) for ag in agents]
-        profile = merge(ReceiverProfile(tensors=c.profile()["tensors"]) for c in clients)
+        profile = merge(ReceiverProfile.model_validate(c.profile()) for c in clients)
         ckpt = {0: Checkpoint(a), 1: Checkpoint(b)}
         dense = sum(i.nbytes for i in ckpt[0])
         enc = Encoder(store=store, baseline=ckpt[0], version=0, profile=profile)

@@ -416,7 +416,7 @@ class RefitRun:
                                       "delete it to have it made again.") from e
         def ask(a: AgentClient) -> ReceiverProfile | str:
             try:
-                return ReceiverProfile(tensors=a.profile()["tensors"])
+                return ReceiverProfile.model_validate(a.profile())
             except Exception as e:  # an agent that cannot answer does not vote
                 return agent_failure(a.name, AgentApi.profile, e)
 

@@ -66,7 +66,7 @@ def setup(tmp_path: Path, count: int = 2, tp_size: int = 2):  # type: ignore[no-
             f"rank-{r}", engine, lambda spec: StoreSource(
                 store=store, version=spec.target_version, attempt=spec.attempt,
                 owners=spec.owners), canonical=canonical, staging_dir=staging, version=0))
-    profile = merge(ReceiverProfile(tensors=rx.profile()["tensors"]) for rx in receivers)
+    profile = merge(ReceiverProfile.model_validate(rx.profile()) for rx in receivers)
     owner = Encoder(store=store, baseline=source(old), version=0, profile=profile)
     owner.set_candidate(source(new), 1)
     commits = SqliteCommitStore(tmp_path / "commit.db", V0)

@@ -121,7 +121,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     r = Run(train=train, store=store, history=HistoryStore(store), states=states)
     rx = r.agent("refitted")
     owner = Encoder(store=store, baseline=source(states[0]), version=0,
-                    profile=ReceiverProfile(tensors=rx.profile()["tensors"]))
+                    profile=ReceiverProfile.model_validate(rx.profile()))
     coord = Coordinator(
         SqliteCommitStore(tmp / "commit.db", CommitRecord(committed_version=0,
                                                           baseline_id="v0", attempt="")),

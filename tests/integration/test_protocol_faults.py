@@ -479,7 +479,7 @@ class Fleet:
 def make_fleet(tmp_path: Path, versions: Versions) -> Fleet:
     store = FaultyStore()
     ranks = [Rank(kind, versions, store, tmp_path) for kind in KINDS]
-    profile = merge(ReceiverProfile(tensors=r.service.profile()["tensors"]) for r in ranks)
+    profile = merge(ReceiverProfile.model_validate(r.service.profile()) for r in ranks)
     encoders = [Encoder(store=store, baseline=versions.source(0), version=0, owner=k,
                         owners=OWNERS, profile=profile, bucket_bytes=1 << 20)  # several each
                 for k in range(OWNERS)]
@@ -1168,4 +1168,25 @@ def test_bits_that_differ_from_the_manifests_target_fail_the_flush_and_a_dense_l
     assert outcomes(c) == [("mixed", "failed"), ("overwrite", "committed")]
     assert f"'{FOREIGN_TENSOR}' holds xxh3-128:" in c.history[0].outcome
     assert c.history[1].rejoined == ("hf",)
+    assert victim.service.counters.dense_loads == 1
+
+
+def test_a_foreign_bit_in_one_tp_ranks_shard_fails_the_flush_and_a_dense_load_repairs(
+        fleet: Fleet) -> None:
+    """The same foreign bit in a tensor the receiver holds in part: rank 1 of a TP 2
+    engine holds half of every row of the row-parallel down projection, so the tensor's
+    fingerprint is out of its reach. Its profile names the region it holds, the owners
+    write that region's sum with the manifest, and flush finds the bit there. Without
+    the region sums the attempt commits v1 with the bit still flipped."""
+    victim = fleet.rank("vllm-1")
+    held = dict(victim.engine.runtimes[0].named_tensors())[FOREIGN_TENSOR]
+    with torch.no_grad():
+        held.view(-1).view(torch.int16)[3] ^= 1 << 2
+    c = fleet.coordinator()
+    record = c.refit(1, "ckpt-1")
+    fleet.assert_committed(record, 1, c)
+    assert outcomes(c) == [("mixed", "failed"), ("overwrite", "committed")]
+    assert f"'{FOREIGN_TENSOR}@" in c.history[0].outcome
+    assert "holds sum64:" in c.history[0].outcome
+    assert c.history[1].rejoined == ("vllm-1",)
     assert victim.service.counters.dense_loads == 1

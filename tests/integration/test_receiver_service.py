@@ -288,7 +288,7 @@ def committed(versions: Versions, tmp_path: Path) -> AgentService:
     store = MemoryStore()
     svc = service(versions, store=store)
     owner = Encoder(store=store, baseline=versions.source(0), version=0,
-                    profile=ReceiverProfile(tensors=svc.profile()["tensors"]))
+                    profile=ReceiverProfile.model_validate(svc.profile()))
     owner.set_candidate(versions.source(1), 1)
     c = Coordinator(SqliteCommitStore(tmp_path / "commit.db", CommitRecord(
         committed_version=0, baseline_id="v0", attempt="")), [owner], [svc])

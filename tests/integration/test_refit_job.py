@@ -252,7 +252,7 @@ def test_warm_owners_refit_across_a_retry_and_close_each_checkpoint_as_it_is_del
             f"rank-{r}", engine, lambda spec: StoreSource(
                 store=store, version=spec.target_version, attempt=spec.attempt,
                 owners=spec.owners), canonical=canonical, staging_dir=staging, version=0))
-    profile = merge(ReceiverProfile(tensors=rx.profile()["tensors"]) for rx in receivers)
+    profile = merge(ReceiverProfile.model_validate(rx.profile()) for rx in receivers)
     owners = [WarmOwner.open(checkpoints=lambda v: ckpts / f"v{v}", version=0, store=store,
                              owner=k, owners=2, profile=profile) for k in range(2)]
     commits = SqliteCommitStore(tmp_path / "commit.db", CommitRecord(

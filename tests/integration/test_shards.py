@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from shardrig import (
     DENSE,
     MOE,
@@ -30,7 +31,7 @@ from dcr.errors import BaselineError, ConfigError
 from dcr.format.profile import ReceiverProfile
 from dcr.owner.shards import ShardEncoder, ShardMap
 from dcr.protocol.commitstore import SqliteCommitStore
-from dcr.protocol.coordinator import Coordinator
+from dcr.protocol.coordinator import Coordinator, CoordinatorSettings, RefitFailed
 from dcr.protocol.records import Attempt, CommitRecord, Transition
 from dcr.runtimes.vllm_reference import random_checkpoint
 from dcr.serve.local import LocalDriver
@@ -143,3 +144,98 @@ def test_shard_maps_refuse_what_they_cannot_project() -> None:
     with pytest.raises(BaselineError, match="The baseline stays"):
         enc.advance_baseline(CommitRecord(committed_version=1, baseline_id="x", attempt="a-x"))
     assert enc.version == 0
+
+
+EXPERT = "model.layers.0.mlp.experts.2.gate_proj.weight"
+
+
+@pytest.mark.parametrize("owners_kind", ["ep", "tp"])
+def test_a_flipped_bit_on_one_expert_of_one_rank_fails_the_attempt(
+        tmp_path: Path, owners_kind: str) -> None:
+    """Each TP rank of the receiver holds half of every expert, so no rank can recompute an
+    expert's whole-tensor fingerprint. Its profile names the region it holds, the owners
+    (expert-parallel stacks, or tensor-parallel shards of the MoE's dense tensors with
+    the experts replicated) each write their part of that region's sum, and rank 1 finds
+    the bit the owners never sent. Without the region sums the attempt commits the bit."""
+    old = random_checkpoint(MOE, 0)
+    new = perturbed(old, 0.03, 3)
+    store = MemoryStore()
+    rx, models = receivers(MOE, old, store, (2,), tmp_path)
+    profile = profile_of(rx)
+    assert any(".experts." in n for n in profile.regions)
+    held = dict(models[1][0].named_parameters())["model.layers.0.mlp.experts.w13_weight"]
+    with torch.no_grad():
+        held[2].view(-1).view(torch.int16)[5] ^= 1 << 3  # expert 2's gate rows, on rank 1
+    owners = []
+    for rank in range(2):
+        maps, base = (ep_shards(old, MOE, rank, 2) if owners_kind == "ep"
+                      else tp_bits(old, rank, 2))
+        enc = ShardEncoder(store=store, maps=maps, baseline=base, version=0, owner=rank,
+                           owners=2, profile=profile)
+        enc.set_candidate((ep_shards(new, MOE, rank, 2) if owners_kind == "ep"
+                           else tp_bits(new, rank, 2))[1], 1)
+        owners.append(enc)
+    coord = Coordinator(SqliteCommitStore(tmp_path / "c.db", V0), owners, rx,
+                        settings=CoordinatorSettings(max_attempts=1))
+    with pytest.raises(RefitFailed):
+        coord.refit(1, "v1")
+    (first,) = coord.history
+    assert f"'{EXPERT}@" in first.outcome
+    assert "holds sum64:" in first.outcome
+    assert "tp2-rank1" in first.outcome
+    parts = [r for o in owners for r in o.manifests[-1].sums
+             if r.tensor == EXPERT and r.spans in profile.regions[EXPERT]]
+    assert len(parts) == 2  # a part of each rank's region: from one owner, or one each
+    coord.close()
+
+
+def test_a_profile_region_outside_its_tensor_fails_the_shard_owner_by_name(
+        tmp_path: Path) -> None:
+    """Receivers' profiles reach the owners; a span past a tensor's end is refused before
+    the owner reads a byte for it, and no manifest is written."""
+    old = random_checkpoint(DENSE, 0)
+    store = MemoryStore()
+    name = "model.layers.0.mlp.down_proj.weight"
+    maps, base = tp_bits(old, 0, 2)
+    shape = tuple(old[name].shape)
+    bad = ReceiverProfile(tensors={name: "xor"},
+                          regions={name: (((0, (shape[0] + 1, 4), (shape[1], 1)),),)})
+    enc = ShardEncoder(store=store, maps=maps, baseline=base, version=0, owner=0, owners=2,
+                       profile=bad)
+    enc.set_candidate(base, 1)
+    attempt = Attempt(transition=Transition(base_version=0, target_version=1), mode="mixed",
+                      receivers=("r",), deadline=1e12)
+    with pytest.raises(ConfigError, match=rf"A region of '{name}' .* has a span reaching"):
+        enc.publish(attempt)
+    assert enc.manifests == []
+
+
+def test_a_rank_holding_a_tensor_whole_checks_the_sum_the_shard_owners_write_of_it(
+        tmp_path: Path) -> None:
+    """Owners of shards hold no whole tensor, so they list no xxh3 fingerprints; they
+    write their parts of each tensor's whole-region sum instead, and a TP 1 receiver,
+    which holds every tensor whole, finds a bit flipped in a row-parallel tensor that
+    two owners hold by columns. Without those sums nothing checked it."""
+    old = random_checkpoint(DENSE, 0)
+    new = perturbed(old, 0.02, 4)
+    store = MemoryStore()
+    rx, models = receivers(DENSE, old, store, (1,), tmp_path)
+    name = "model.layers.1.self_attn.o_proj.weight"
+    held = dict(models[0][0].named_parameters())[name]
+    with torch.no_grad():
+        held.view(-1).view(torch.int16)[-1] ^= 1
+    owners = []
+    for rank in range(2):
+        maps, base = tp_bits(old, rank, 2)
+        enc = ShardEncoder(store=store, maps=maps, baseline=base, version=0, owner=rank,
+                           owners=2, profile=profile_of(rx))
+        enc.set_candidate(tp_bits(new, rank, 2)[1], 1)
+        owners.append(enc)
+    coord = Coordinator(SqliteCommitStore(tmp_path / "c.db", V0), owners, rx,
+                        settings=CoordinatorSettings(max_attempts=1))
+    with pytest.raises(RefitFailed):
+        coord.refit(1, "v1")
+    numel = old[name].numel()
+    assert f"'{name}@0:{numel}:1' holds sum64:" in coord.history[0].outcome
+    assert [m.tensors for o in owners for m in o.manifests] == [(), ()]
+    coord.close()

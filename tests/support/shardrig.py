@@ -149,7 +149,7 @@ def receivers(cfg: ReferenceConfig, sd: State, store: Store, tps: tuple[int, ...
 
 
 def profile_of(rx: list[AgentService]) -> ReceiverProfile:
-    return merge(ReceiverProfile(tensors=r.profile()["tensors"]) for r in rx)
+    return merge(ReceiverProfile.model_validate(r.profile()) for r in rx)
 
 
 def exact(cfg: ReferenceConfig, models: list[tuple[ReferenceModel, int, int]], sd: State) -> bool:

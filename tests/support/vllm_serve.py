@@ -166,7 +166,7 @@ def refitter(tmp: Path, dirs: list[Path], client: AgentClient, store: Path
     one version at a time from ``dirs``, as ``dcr refit`` runs them: a file store, an
     SQLite commit record at version 0, dense rejoins from ``dirs``."""
     profile = tmp / "profile.json"
-    profile.write_text(json.dumps({"tensors": client.profile()["tensors"]}))
+    profile.write_text(json.dumps(client.profile()))
     owner = ProcessOwner(store_uri=store.as_uri(), checkpoints=lambda v: dirs[v],
                          version=0, owner=0, owners=1, profile_path=profile)
     commits = SqliteCommitStore(tmp / "commit.db", CommitRecord(

@@ -33,7 +33,8 @@ from dcr.errors import MalformedPayload
 from dcr.format.dtypes import DTYPES, dtype
 from dcr.format.payload import ItemHeader, pack_payload, read_payload
 from dcr.format.profile import merge
-from dcr.owner.diff import diff_checkpoints
+from dcr.format.regions import region_key
+from dcr.owner.diff import diff_checkpoints, target_sums
 from dcr.owner.settings import EncodeSettings
 from dcr.runtimes.vllm import VllmRuntime
 from dcr.runtimes.vllm_reference import (
@@ -255,7 +256,8 @@ def test_device_path_refits_to_dense_bits_at_tp2(cfg: ReferenceConfig, ep: bool,
         m = diff_checkpoints(_source(old), _source(new), store, EncodeSettings(
             version=version, base_version=version - 1, mode=mode, profile=profile))  # type: ignore[arg-type]
         payloads = [store.get(e.key) for e in m.payloads]
-        expect = {t.name: t.target for t in m.tensors}
+        expect = {t.name: t.target for t in m.tensors} | m.region_sums()
+        assert len(m.region_sums()) == sum(len(r) for r in profile.regions.values()) > 0
         for r in range(2):
             dense = ReferenceModel(cfg, tp_size=2, tp_rank=r, ep=ep)
             dense.load_weights(new.items())
@@ -267,6 +269,7 @@ def test_device_path_refits_to_dense_bits_at_tp2(cfg: ReferenceConfig, ep: bool,
                 got = _ints(model)
                 assert [n for n in want if got[n] != want[n]] == [], (where, r, version)
                 assert engine.check_targets(expect) == {}, (where, r, version)
+                assert engine.regions  # every rank holds some tensor in part, and checks it
             for where in ("device", "packed"):
                 assert reports[where].records == reports["host"].records
                 assert reports[where].names == reports["host"].names
@@ -338,3 +341,34 @@ def test_a_payload_that_fails_validation_never_reaches_the_upload(
     want = base.copy()
     want[[5, n - 1]] ^= 1
     assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("expand_on", ["host", "device"])
+def test_a_rank_holding_half_an_expert_checks_its_region_and_names_a_flipped_bit(
+        expand_on: str) -> None:
+    """Without expert parallelism each TP rank holds half of every expert: no whole
+    fingerprint is in its reach, so it checks the region its profile names against the
+    owner's sum of the target there (the C kernel's on the host, torch's on the device
+    path), and one flipped bit in one expert's shard is named with the sum it holds."""
+    state = random_checkpoint(MOE, 2)
+    model = ReferenceModel(MOE, tp_size=2, tp_rank=1)
+    model.load_weights(state.items())
+    engine = Applier(VllmRuntime(model), expand=expand_on)  # type: ignore[arg-type]
+    profile = engine.prewarm([CanonicalTensor(name=n, dtype="BF16", shape=tuple(t.shape))
+                              for n, t in state.items()])
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"
+    assert name not in engine.readable
+    assert name in profile.regions
+    source = _source(state)
+    expect = {region_key(r.tensor, r.spans): r.sum
+              for info in source if info.name in profile.regions
+              for r in target_sums(source, info, profile.regions[info.name])}
+    assert engine.check_targets(expect) == {}
+    w2 = dict(model.named_parameters())["model.layers.1.mlp.experts.w2_weight"]
+    with torch.no_grad():
+        w2.view(torch.int16)[3, 5, 1] ^= 1 << 3
+    differ = engine.check_targets(expect)
+    (key,) = differ
+    assert key.startswith(f"{name}@")
+    assert differ[key].startswith("sum64:")
+    assert differ[key] != expect[key]

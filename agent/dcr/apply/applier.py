@@ -35,11 +35,14 @@ from dcr.apply.plan import (
     check_overlaps,
     classify,
     covers,
+    held_spans,
     signature,
 )
+from dcr.apply.sums import span_sum_torch
 from dcr.checkpoint import fingerprint
 from dcr.codec import _native  # type: ignore[attr-defined]
 from dcr.codec.decode import DecodedItem, decode
+from dcr.codec.sums import MASK64, span_sum
 from dcr.errors import DcrError, MalformedPayload, TargetMismatch
 from dcr.format.dtypes import DTYPES
 from dcr.format.payload import (
@@ -52,6 +55,7 @@ from dcr.format.payload import (
     read_payload,
 )
 from dcr.format.profile import ReceiverProfile
+from dcr.format.regions import Span, region_key, sum_text, whole
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -179,6 +183,10 @@ class Applier:
         self.limits: DecodeLimits = DEFAULT_LIMITS  # narrowed to the model by prewarm
         self._applied: dict[tuple[str, int, int], bytes] = {}
         self.readable: set[str] = set()  # canonical bits can be read back (read_canonical)
+        # xor tensors this rank holds in part: the canonical spans its writes read
+        self.regions: dict[str, tuple[Span, ...]] = {}
+        # region_key -> tensor: its region, or the whole of a readable tensor
+        self._region_keys: dict[str, str] = {}
         # (storage, destination view) -> the canonical tensors whose plan writes it
         self._writers: dict[tuple[str, View], list[str]] = {}
 
@@ -201,13 +209,18 @@ class Applier:
             self.plans[t.name] = plan
             if plan.cls == "xor" and covers(t, plan.writes):
                 self.readable.add(t.name)
+                self._region_keys[region_key(t.name, whole(t.shape))] = t.name
+            elif plan.cls == "xor" and (spans := held_spans(plan)):
+                self.regions[t.name] = spans
+                self._region_keys[region_key(t.name, spans)] = t.name
             for w in plan.writes:
                 touched[w.storage].append((t.name, w.dst))
                 names = self._writers.setdefault((w.storage, w.dst), [])
                 if t.name not in names:
                     names.append(t.name)
         check_overlaps(dict(self.runtime.named_tensors()), touched)
-        return ReceiverProfile(tensors={n: p.cls for n, p in sorted(self.plans.items())})
+        return ReceiverProfile(tensors={n: p.cls for n, p in sorted(self.plans.items())},
+                               regions={n: (r,) for n, r in sorted(self.regions.items())})
 
     def _scratch_for(self, t: CanonicalTensor) -> torch.Tensor:
         return self._scratch[: t.nbytes].view(TORCH_DTYPES[t.dtype]).view(t.shape)
@@ -618,14 +631,46 @@ class Applier:
         return out
 
     def check_targets(self, targets: Mapping[str, str]) -> dict[str, str]:
-        """Compare the fingerprints of the readable tensors among ``targets`` (name ->
-        ``xxh3-128:...`` of the canonical bits, as a manifest lists them) with what
-        storage holds; return those that differ, each with the fingerprint it holds. On
-        the device path the hashing runs where the weights live (``xxh3.py``): 1/16 of
-        each tensor's bytes reach the host, as per-block sums."""
+        """Compare the fingerprints among ``targets`` that this rank can recompute with
+        what storage holds; return those that differ, each with the fingerprint it holds.
+        ``targets`` maps a readable tensor's name to ``xxh3-128:...`` of its canonical
+        bits, as a manifest lists them, and the key of a region this rank holds
+        (:attr:`regions`) to its ``sum64:...``. On the device path the hashing runs where
+        the weights live (``xxh3.py``: 1/16 of each tensor's bytes reach the host, as
+        per-block sums; ``sums.py``: 8 bytes)."""
         held = {name: self._digest(self.read_canonical(name))
                 for name in sorted(targets.keys() & self.readable)}
+        held |= {key: sum_text(self.region_sum(self._region_keys[key]))
+                 for key in sorted(targets.keys() & self._region_keys.keys())}
         return {name: fp for name, fp in held.items() if fp != targets[name]}
+
+    def region_sum(self, name: str) -> int:
+        """The additive fingerprint (``dcr.codec.sums``) of the canonical elements this
+        rank holds of ``name``: of the whole tensor for a readable one (read back), else
+        of its region (:attr:`regions`): each write of its plan copied one span of the
+        canonical tensor into one storage view, so the storage view holds that span's
+        elements in its order."""
+        t = self.tensors[name]
+        if name in self.readable:
+            (span,) = whole(t.shape)
+            bits = self.read_canonical(name)
+            return (span_sum_torch(bits, span) if self.expand == "device"
+                    else span_sum(bits.numpy().view(f"<u{bits.element_size()}"), span))
+        size = DTYPES[t.dtype].itemsize
+        held = dict(self.runtime.named_tensors())
+        total = 0
+        for w in self.plans[name].writes:
+            if w.src is None:
+                continue  # a constant fill: no canonical element reaches it
+            base = held[w.storage]
+            bits = torch.empty(0, dtype=BITS[size], device=base.device).set_(
+                base.untyped_storage()).as_strided(w.dst.sizes, w.dst.strides, w.dst.offset)
+            span = (w.src.offset, w.src.sizes, w.src.strides)
+            if self.expand == "device":
+                total += span_sum_torch(bits, span)
+            else:
+                total += span_sum(bits.contiguous().numpy().view(f"<u{size}"), span)
+        return total & MASK64
 
     def _digest(self, bits: torch.Tensor) -> str:
         """xxh3-128 on the device path where the weights live, else on the host."""

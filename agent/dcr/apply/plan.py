@@ -16,6 +16,7 @@ from dcr.apply.geometry import UnsupportedView, View, check_invertible, is_rowma
 from dcr.apply.intercept import LoaderPathError, storage_key
 from dcr.format.dtypes import DTYPES
 from dcr.format.profile import TensorClass
+from dcr.format.regions import MAX_SPANS, Span
 
 FLOATS = {"F64", "F32", "F16", "BF16"}  # dtypes whose NaN can mark "no value here"
 
@@ -75,6 +76,15 @@ def classify(t: CanonicalTensor, sigs: list[CopySig], converting_ok: bool) -> Te
     if mapped:
         return "overwrite"
     return "overwrite" if t.dtype in FLOATS and converting_ok else "dense"
+
+
+def held_spans(plan: TensorPlan) -> tuple[Span, ...]:
+    """The canonical spans an ``xor`` plan's copies read, sorted: the region a rank holds
+    of a tensor it holds in part. None past ``MAX_SPANS`` (a loader writing row by row):
+    such a tensor goes unchecked on this rank."""
+    spans = sorted((w.src.offset, w.src.sizes, w.src.strides) for w in plan.writes
+                   if w.src is not None)
+    return tuple(spans) if len(spans) <= MAX_SPANS else ()
 
 
 def signature(storage: str, dst: torch.Tensor, src: torch.Tensor | None,

@@ -17,6 +17,10 @@
  *        sums (computed elsewhere, in parallel: on the device) into the accumulators and
  *        scramble them, block after block.
  *
+ * span_sum: the additive fingerprint of one strided view of a canonical tensor: the sum,
+ *        modulo 2**64, of a mixed hash of every element's bits and canonical index
+ *        (dcr/codec/sums.py says why it adds); index_sum: the same over listed indices.
+ *
  * All work on the buffer protocol (numpy arrays, mmaps), release the GIL, and use
  * memcpy for loads so unaligned tensors (safetensors does not align) are fine.
  */
@@ -352,6 +356,129 @@ done:
     return result;
 }
 
+
+/* Murmur3's 64-bit finalizer: a bijection of 64-bit words that mixes every input bit
+ * into every output bit. */
+static inline uint64_t fmix64(uint64_t x) {
+    x ^= x >> 33;
+    x *= 0xFF51AFD7ED558CCDULL;
+    x ^= x >> 33;
+    x *= 0xC4CEB9FE1A85EC53ULL;
+    x ^= x >> 33;
+    return x;
+}
+
+#define SUM_KEY 0x9E3779B97F4A7C15ULL /* odd: bits * KEY + index is one to one in bits */
+
+/* The terms of one row of `inner` elements of type T starting at element k, whose
+ * canonical indices start at `at` and step by `step`. */
+#define SUM_ROW(T)                                                                       \
+    do {                                                                                 \
+        const unsigned char *row = p + k * (Py_ssize_t)sizeof(T);                        \
+        for (int64_t j = 0; j < inner; j++) {                                            \
+            T v;                                                                         \
+            memcpy(&v, row + j * (Py_ssize_t)sizeof(T), sizeof v);                       \
+            sum += fmix64((uint64_t)v * SUM_KEY + at + (uint64_t)(j * step));            \
+        }                                                                                \
+    } while (0)
+#define MAX_DIMS 16
+
+/* span_sum(bits, width, offset, sizes, strides) -> int
+ * bits: the view's elements in row-major order, `width` bytes each (read unsigned);
+ * sizes, strides: int64 arrays, one per dimension, in elements of the canonical tensor;
+ * the element at multi-index k sits at canonical index offset + sum(k[d] * strides[d]).
+ * Returns sum(fmix64(bits * KEY + index)) modulo 2**64. */
+static PyObject *span_sum(PyObject *self, PyObject *args) {
+    Py_buffer b, sz, st;
+    int width;
+    long long offset;
+    if (!PyArg_ParseTuple(args, "y*iLy*y*", &b, &width, &offset, &sz, &st))
+        return NULL;
+    PyObject *result = NULL;
+    int64_t sizes[MAX_DIMS], strides[MAX_DIMS], idx[MAX_DIMS] = {0};
+    Py_ssize_t nd = sz.len / 8, n = 1;
+    if (sz.len % 8 || st.len != sz.len || nd > MAX_DIMS ||
+        (width != 1 && width != 2 && width != 4 && width != 8)) {
+        PyErr_Format(PyExc_ValueError, "span_sum wants widths of 1, 2, 4 or 8 bytes and at "
+                     "most %d sizes and as many strides, got width %d and %zd and %zd bytes",
+                     MAX_DIMS, width, sz.len, st.len);
+        goto done;
+    }
+    memcpy(sizes, sz.buf, sz.len);
+    memcpy(strides, st.buf, st.len);
+    for (Py_ssize_t d = 0; d < nd; d++) {
+        if (sizes[d] < 0) {
+            PyErr_Format(PyExc_ValueError, "span_sum: size %lld is negative", (long long)sizes[d]);
+            goto done;
+        }
+        n *= sizes[d];
+    }
+    if (b.len != n * width) {
+        PyErr_Format(PyExc_ValueError, "span_sum: %zd bytes of bits for %zd elements of %d "
+                     "bytes", b.len, n, width);
+        goto done;
+    }
+    uint64_t sum = 0;
+    if (n) {
+        const unsigned char *p = b.buf;
+        int64_t inner = nd ? sizes[nd - 1] : 1, step = nd ? strides[nd - 1] : 1;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t k = 0; k < n; k += inner) {
+            uint64_t at = (uint64_t)offset;
+            for (Py_ssize_t d = 0; d + 1 < nd; d++)
+                at += (uint64_t)(idx[d] * strides[d]);
+            switch (width) { /* one loop per width: no branch per element */
+            case 1: SUM_ROW(uint8_t); break;
+            case 2: SUM_ROW(uint16_t); break;
+            case 4: SUM_ROW(uint32_t); break;
+            default: SUM_ROW(uint64_t); break;
+            }
+            for (Py_ssize_t d = nd - 2; d >= 0; d--) { /* the odometer, last dim excluded */
+                if (++idx[d] < sizes[d])
+                    break;
+                idx[d] = 0;
+            }
+        }
+        Py_END_ALLOW_THREADS
+    }
+    result = PyLong_FromUnsignedLongLong(sum);
+done:
+    PyBuffer_Release(&b);
+    PyBuffer_Release(&sz);
+    PyBuffer_Release(&st);
+    return result;
+}
+
+/* index_sum(bits, width, index) -> int
+ * The same sum over elements listed one by one: bits[k] (`width` bytes, unsigned) sits at
+ * canonical index index[k] (int64). For an owner's part of a region it holds in pieces. */
+static PyObject *index_sum(PyObject *self, PyObject *args) {
+    Py_buffer b, ix;
+    int width;
+    if (!PyArg_ParseTuple(args, "y*iy*", &b, &width, &ix))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = ix.len / 8;
+    if ((width != 1 && width != 2 && width != 4 && width != 8) || ix.len % 8 ||
+        b.len != n * width) {
+        PyErr_Format(PyExc_ValueError, "index_sum wants widths of 1, 2, 4 or 8 bytes and one "
+                     "int64 index per element, got width %d, %zd bytes of bits and %zd of "
+                     "indices", width, b.len, ix.len);
+        goto done;
+    }
+    uint64_t sum = 0;
+    const unsigned char *p = b.buf, *q = ix.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t k = 0; k < n; k++)
+        sum += fmix64(load_uint(p, width, k) * SUM_KEY + load64(q + 8 * k));
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromUnsignedLongLong(sum);
+done:
+    PyBuffer_Release(&b);
+    PyBuffer_Release(&ix);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS,
      "scan(base, target, itemsize, positions, old, new, offset) -> count of changed elements"},
@@ -364,6 +491,11 @@ static PyMethodDef methods[] = {
     {"xxh3_fold", xxh3_fold, METH_VARARGS,
      "xxh3_fold(acc, blocks, keys) -> None: add each row of lane sums to the accumulators "
      "and scramble them, row after row"},
+    {"span_sum", span_sum, METH_VARARGS,
+     "span_sum(bits, width, offset, sizes, strides) -> int: the additive fingerprint of "
+     "one strided view's elements"},
+    {"index_sum", index_sum, METH_VARARGS,
+     "index_sum(bits, width, index) -> int: the same sum over elements at listed indices"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -47,6 +47,7 @@ class InstanceAnswer(RankAnswer):
 
 class ProfileAnswer(RankAnswer):
     profile: dict[str, TensorClass]
+    regions: dict[str, list[Any]] = {}  # checked as a ReceiverProfile's (lists, not tuples)
     derived: int = Field(default=0, ge=0)  # layers computing from a form derived after loading
     kept_bytes: int = Field(default=0, ge=0)  # the copies of their loading form DCR keeps
     unfilled: list[str] = Field(default=[], max_length=64)  # of those, not loaded through DCR
@@ -145,7 +146,13 @@ class PluginDriver:
         arg = {"tensors": [[t.name, t.dtype, list(t.shape)] for t in tensors]}
         answers = self._ranked("dcr_prewarm", arg, ProfileAnswer, call="prewarm",
                                timeout_s=self.timeouts.prewarm_s)
-        return Prewarmed(profile=merge(ReceiverProfile(tensors=a.profile) for a in answers),
+        try:
+            profiles = [ReceiverProfile(tensors=a.profile, regions=a.regions) for a in answers]
+        except ValidationError as e:
+            why = excerpt(first_validation_error(e, "regions"), 160)
+            raise BadAnswer(f"{self.what}: prewarm: a rank's regions are invalid ({why}).",
+                            call="prewarm") from None
+        return Prewarmed(profile=merge(profiles),
                          unfilled=tuple(sorted({n for a in answers for n in a.unfilled})))
 
     def apply(self, payloads: Sequence[str]) -> ApplyOutcome:

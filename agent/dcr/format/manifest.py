@@ -24,6 +24,7 @@ from dcr.errors import ManifestError, first_validation_error
 from dcr.format.names import ATTEMPT_PATTERN, ATTEMPT_RE, Mode
 from dcr.format.payload import MAGIC as _PAYLOAD_MAGIC
 from dcr.format.payload import decompress_exact
+from dcr.format.regions import SUM_PATTERN, Spans, region_key, sum_text, sum_value
 
 MANIFEST_VERSION = 2
 SCHEMA_PATH = Path(__file__).with_name("manifest.schema.json")
@@ -61,12 +62,13 @@ _ENTRY_JSON = 2048  # bytes of JSON per entry a reader allows (a 1024-character 
 
 def limits_for(tensors: int) -> ManifestLimits:
     """What a reader of ``tensors`` canonical tensors can use: that many tensor entries,
-    a small multiple of them as payloads (a tensor larger than a bucket spans several),
-    and JSON for that many entries, each bound by the defaults. A part over that is
-    refused before it is decompressed or parsed: a receiver of a 100-tensor model reads
-    at most 1.2 MB of JSON, whatever an owner wrote (the defaults admit a part that
-    costs every reader seconds and over a GiB)."""
-    entries = min(DEFAULT_MANIFEST_LIMITS.max_entries, 5 * tensors + 1024)
+    a small multiple of them as payloads (a tensor larger than a bucket spans several)
+    and as region sums (one per rank of a TP 8 engine, per owner of a part), and JSON
+    for that many entries, each bound by the defaults. A part over that is refused
+    before it is decompressed or parsed: a receiver of a 100-tensor model reads at most
+    3.5 MB of JSON, whatever an owner wrote (the defaults admit a part that costs every
+    reader seconds and over a GiB)."""
+    entries = min(DEFAULT_MANIFEST_LIMITS.max_entries, 16 * tensors + 1024)
     json_bytes = min(DEFAULT_MANIFEST_LIMITS.max_json_bytes, entries * _ENTRY_JSON + (64 << 10))
     return ManifestLimits(max_bytes=min(DEFAULT_MANIFEST_LIMITS.max_bytes, json_bytes),
                           max_entries=entries, max_json_bytes=json_bytes)
@@ -94,6 +96,15 @@ class TensorEntry(_Model):
     target: Annotated[str, Field(pattern=_FINGERPRINT)]
 
 
+class RegionSum(_Model):
+    """An owner's part of a region's additive fingerprint (``dcr.codec.sums``): the sum
+    over the elements of the region it owns. A receiver adds every owner's part."""
+
+    tensor: Annotated[str, Field(min_length=1)]
+    spans: Spans
+    sum: Annotated[str, Field(pattern=SUM_PATTERN)]
+
+
 class Stats(_Model):
     tensors: Annotated[int, Field(ge=0)]
     changed_elements: Annotated[int, Field(ge=0)]
@@ -112,6 +123,7 @@ class Manifest(_Model):
     payloads: tuple[PayloadEntry, ...]
     tensors: tuple[TensorEntry, ...]
     stats: Stats
+    sums: tuple[RegionSum, ...] = ()  # regions a receiver's profile names; absent when none
 
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:
@@ -125,9 +137,19 @@ class Manifest(_Model):
             raise ValueError("a tensor is listed twice")
         return self
 
+    def region_sums(self) -> dict[str, str]:
+        """Region key (``dcr.format.regions.region_key``) -> the region's fingerprint:
+        every owner's part added."""
+        out: dict[str, int] = {}
+        for r in self.sums:
+            key = region_key(r.tensor, r.spans)
+            out[key] = out.get(key, 0) + sum_value(r.sum)
+        return {k: sum_text(v) for k, v in out.items()}
+
     def document(self) -> bytes:
-        """The JSON document the container carries (compact, fields in schema order)."""
-        return self.model_dump_json().encode()
+        """The JSON document the container carries (compact, fields in schema order;
+        ``sums`` only when there are some)."""
+        return self.model_dump_json(exclude=None if self.sums else {"sums"}).encode()
 
     def pack(self, level: int = LEVEL) -> bytes:
         """The manifest object, as stores and relays hold it."""
@@ -272,7 +294,8 @@ def merge_manifests(parts: list[Manifest], where: str) -> Manifest:
     """One manifest from the parts several owners wrote for the same attempt.
 
     Owners split tensors by name, so the parts must agree on the transition, attempt
-    and mode, and must not share a tensor or a payload id.
+    and mode, and must not share a tensor or a payload id. Their region sums are kept
+    side by side: owners of parts of one tensor each write their part of a region.
     """
     if not parts:
         raise ManifestError(f"No manifest parts to merge for {where}.")
@@ -291,6 +314,7 @@ def merge_manifests(parts: list[Manifest], where: str) -> Manifest:
             attempt=first.attempt, mode=first.mode,
             payloads=tuple(e for p in parts for e in p.payloads),
             tensors=tuple(t for p in parts for t in p.tensors),
+            sums=tuple(r for p in parts for r in p.sums),
             stats=Stats(**{
                 f: sum(getattr(p.stats, f) for p in parts) for f in Stats.model_fields
             }),

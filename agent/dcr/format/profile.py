@@ -2,7 +2,9 @@
 
 Prewarm classifies every tensor ``xor``, ``overwrite``, ``dense`` or ``skip``; the sender
 merges the ranks' profiles (the most demanding class wins) and encodes each tensor
-accordingly. docs/apply.md, "Prewarm and the receiver profile".
+accordingly. docs/apply.md, "Prewarm and the receiver profile". A rank holding part of an
+``xor`` tensor also names its region (``dcr.format.regions``); the merge keeps every rank's,
+and the owner writes a fingerprint of each.
 """
 
 from __future__ import annotations
@@ -10,14 +12,16 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dcr.errors import ConfigError
+from dcr.format.regions import Spans
 
 TensorClass = Literal["xor", "overwrite", "dense", "skip"]
 _RANK: dict[str, int] = {"skip": 0, "xor": 1, "overwrite": 2, "dense": 3}
+MAX_REGIONS = 256  # distinct regions of one tensor: ranks holding different parts of it
 
 
 class ReceiverProfile(BaseModel):
@@ -26,6 +30,8 @@ class ReceiverProfile(BaseModel):
     format: Literal["dcr-receiver-profile"] = "dcr-receiver-profile"
     version: Literal[1] = 1
     tensors: dict[str, TensorClass]
+    # tensor -> the regions ranks hold of it, for xor tensors a rank holds in part
+    regions: dict[str, Annotated[tuple[Spans, ...], Field(max_length=MAX_REGIONS)]] = {}
 
 
 def load_profile(path: Path) -> ReceiverProfile:
@@ -39,11 +45,16 @@ def load_profile(path: Path) -> ReceiverProfile:
 def merge(profiles: Iterable[ReceiverProfile]) -> ReceiverProfile:
     """One profile for the sender: per tensor, the most demanding class of any rank."""
     out: dict[str, TensorClass] = {}
+    regions: dict[str, set[Spans]] = {}
     for p in profiles:
         for name, cls in p.tensors.items():
             if name not in out or _RANK[cls] > _RANK[out[name]]:
                 out[name] = cls
-    return ReceiverProfile(tensors=dict(sorted(out.items())))
+        for name, held in p.regions.items():
+            regions.setdefault(name, set()).update(held)
+    return ReceiverProfile(tensors=dict(sorted(out.items())),
+                           regions={n: tuple(sorted(r)) for n, r in sorted(regions.items())
+                                    if out.get(n) == "xor"})
 
 
 def coverage(profile: ReceiverProfile, nbytes: dict[str, int]) -> dict[str, float]:

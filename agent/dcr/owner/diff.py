@@ -9,18 +9,20 @@ large the checkpoint. The engine behind ``dcr diff``, ``dcr encode`` and ``Encod
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from dcr.checkpoint import TensorInfo, TensorSource
 from dcr.codec.encode import EncodedItem, diff_range, encode_item, whole_range
+from dcr.codec.sums import region_sum
 from dcr.errors import CheckpointError
 from dcr.format.layout import owner_of
-from dcr.format.manifest import Manifest, PayloadEntry, TensorEntry
+from dcr.format.manifest import Manifest, PayloadEntry, RegionSum, TensorEntry
 from dcr.format.names import new_attempt_id
 from dcr.format.payload import DEFAULT_LIMITS, NAME_RE
+from dcr.format.regions import Spans, check_spans, sum_text
 from dcr.owner.settings import EncodeSettings
 from dcr.owner.writer import AttemptWriter
 from dcr.settings import MiB
@@ -136,12 +138,16 @@ def diff_checkpoints(
         return r, None if delta is None else encode_item(delta)
 
     fingerprints: dict[str, Future[tuple[str, str]]] = {}
+    regions = s.profile.regions if s.profile is not None else {}
+    sums: dict[str, Future[tuple[RegionSum, ...]]] = {}
     window = UPLOAD_WINDOW
     with ThreadPoolExecutor(s.thread_count) as pool, ThreadPoolExecutor(window) as uploader:
-        for name in (i.name for i in mine):
-            fingerprints[name] = pool.submit(
-                lambda n: (base.fingerprint(n), target.fingerprint(n)), name
+        for info in mine:
+            fingerprints[info.name] = pool.submit(
+                lambda n: (base.fingerprint(n), target.fingerprint(n)), info.name
             )
+            if info.name in regions:
+                sums[info.name] = pool.submit(target_sums, target, info, regions[info.name])
         pending: deque[Future[PayloadEntry]] = deque()
         seq = 0
         for bucket in _buckets(mine, s):
@@ -167,9 +173,21 @@ def diff_checkpoints(
             )
             for info in mine
         )
+        region_sums = tuple(r for f in sums.values() for r in f.result())
     return writer.finish(tensors=tensors, tensor_count=len(tensors), changed_elements=changed,
                          total_elements=sum(i.numel for i in mine),
-                         dense_bytes=sum(i.nbytes for i in mine))
+                         dense_bytes=sum(i.nbytes for i in mine), sums=region_sums)
+
+
+def target_sums(target: TensorSource, info: TensorInfo,
+                regions: Iterable[Spans]) -> tuple[RegionSum, ...]:
+    """The fingerprint of each region a receiver holds of a whole tensor this owner has."""
+    out = []
+    for spans in regions:
+        check_spans(info.name, spans, info.shape)
+        value = region_sum(target.bits(info.name), spans)
+        out.append(RegionSum(tensor=info.name, spans=spans, sum=sum_text(value)))
+    return tuple(out)
 
 
 def encode_summary(m: Manifest, *, seconds: float, store: str) -> dict[str, Any]:

@@ -18,12 +18,14 @@ import numpy as np
 from dcr.codec.changes import find_changes
 from dcr.codec.encode import ItemDelta, encode_item
 from dcr.codec.planes import UInt
+from dcr.codec.sums import piece_sum
 from dcr.errors import ConfigError
 from dcr.format.dtypes import dtype as dtype_of
-from dcr.format.manifest import Manifest
+from dcr.format.manifest import Manifest, RegionSum
 from dcr.format.names import EntryKind
 from dcr.format.payload import DEFAULT_LIMITS
 from dcr.format.profile import ReceiverProfile
+from dcr.format.regions import Span, Spans, check_spans, sum_text, whole
 from dcr.owner.settings import EncodeSettings
 from dcr.owner.state import OwnerState
 from dcr.owner.writer import AttemptWriter
@@ -113,48 +115,72 @@ class ShardMap:
         if base.shape != target.shape:
             raise ConfigError(f"Shard of {self.canonical}: base {list(base.shape)} and "
                               f"candidate {list(target.shape)} differ.")
+        for (which, piece, b), (_, _, t) in zip(self.pieces(base), self.pieces(target),
+                                                strict=True):
+            if len(piece[1]) == 1:
+                yield from self._range(which, piece[0], b, t, entry)
+            else:
+                yield from self._columns(b, t, entry)
+
+    def pieces(self, local: UInt) -> Iterator[tuple[int, Span, UInt]]:
+        """Where this rank's elements lie in the canonical tensors: ``(which canonical
+        tensor, a view of it, the local elements in that view's order)``; a contiguous
+        range each, but a columns split's block of every row's columns. A replicated
+        tensor is rank 0's alone."""
         if self.kind == "expert":
-            if base.ndim < 1 or base.shape[1:] != self.shape or not (
-                    0 <= self.expert < base.shape[0]):
-                raise ConfigError(f"Expert {self.expert} of a {list(base.shape)} stack is not "
-                                  f"{self.canonical[0]} {list(self.shape)}.")
-            yield from self._range(0, 0, base[self.expert], target[self.expert], entry)
+            if local.ndim < 1 or local.shape[1:] != self.shape or not (
+                    0 <= self.expert < local.shape[0]):
+                raise ConfigError(f"Expert {self.expert} of a {list(local.shape)} stack is "
+                                  f"not {self.canonical[0]} {list(self.shape)}.")
+            yield 0, _range_span(0, local[self.expert].size), local[self.expert]
             return
-        if base.shape != self.local_shape():
-            raise ConfigError(f"Shard of {self.canonical} is {list(base.shape)}; rank "
+        if local.shape != self.local_shape():
+            raise ConfigError(f"Shard of {self.canonical} is {list(local.shape)}; rank "
                               f"{self.rank}/{self.ranks} of a {self.kind} split of "
                               f"{list(self.shape)} is {list(self.local_shape())}.")
         row = math.prod(self.shape[1:])
         if self.kind == "replicated":
             if self.rank == 0:
-                yield from self._range(0, 0, base, target, entry)
+                yield 0, _range_span(0, local.size), local
         elif self.kind == "rows":
-            first = self.span[0] if self.span is not None else self.rank * base.shape[0]
-            yield from self._range(0, first * row, base, target, entry)
+            first = self.span[0] if self.span is not None else self.rank * local.shape[0]
+            yield 0, _range_span(first * row, local.size), local
         elif self.kind == "gate_up":
-            half = base.shape[0] // 2
-            start = self.rank * half * row
+            half = local.shape[0] // 2
             for k in range(2):
-                part = slice(k * half, (k + 1) * half)
-                yield from self._range(k, start, base[part], target[part], entry)
+                part = local[k * half : (k + 1) * half]
+                yield k, _range_span(self.rank * half * row, part.size), part
         elif self.kind == "qkv":
-            yield from self._qkv(base, target, entry)
+            yield from self._qkv(local)
         else:
-            yield from self._columns(base, target, entry)
+            rows, cols = self.shape
+            width = cols // self.ranks
+            yield 0, (self.rank * width, (rows, width), (cols, 1)), local
 
-    def _qkv(self, base: UInt, target: UInt, entry: EntryKind) -> Iterator[ItemDelta]:
+    def _qkv(self, local: UInt) -> Iterator[tuple[int, Span, UInt]]:
         h, kv = self.heads or (1, 1)
         dim, per = self.shape[0] // h, h // kv  # head size; query heads per group
         groups = kv // self.ranks
         block = (per + 2) * dim  # one group's rows here
+        cols = self.shape[1]
         for j in range(groups):
             g = self.rank * groups + j
             parts = ((0, 0, per * dim, g * per * dim), (1, per * dim, dim, g * dim),
                      (2, (per + 1) * dim, dim, g * dim))  # (which, local row, rows, row there)
             for which, lo, rows, there in parts:
-                local = slice(j * block + lo, j * block + lo + rows)
-                yield from self._range(which, there * self.shape[1], base[local],
-                                       target[local], entry)
+                part = local[j * block + lo : j * block + lo + rows]
+                yield which, _range_span(there * cols, part.size), part
+
+    def sums(self, local: UInt, regions: Mapping[str, tuple[Spans, ...]]
+             ) -> Iterator[tuple[str, Spans, int]]:
+        """This rank's part of the sum of each region of its canonical tensors that its
+        elements meet (``dcr.codec.sums``)."""
+        for which, piece, bits in self.pieces(local):
+            name = self.canonical[which]
+            for spans in regions.get(name, ()):
+                part = piece_sum(piece, bits, spans)
+                if part is not None:
+                    yield name, spans, part
 
     def _range(self, which: int, start: int, base: UInt, target: UInt, entry: EntryKind
                ) -> Iterator[ItemDelta]:
@@ -229,6 +255,10 @@ class ShardEncoder(OwnerState[Mapping[str, UInt]]):
                                            bucket_bytes=self.bucket_bytes))
 
 
+def _range_span(start: int, count: int) -> Span:
+    return start, (count,), (1,)
+
+
 def shard_entry(m: ShardMap, mode: str, profile: ReceiverProfile | None) -> EntryKind:
     """How a shard's changes travel: overwrite in overwrite mode or where a receiver
     cannot take XOR; a dense-class tensor cannot travel by parts at all."""
@@ -239,6 +269,21 @@ def shard_entry(m: ShardMap, mode: str, profile: ReceiverProfile | None) -> Entr
     return "overwrite" if mode == "overwrite" or "overwrite" in classes else "xor"
 
 
+def _regions(m: ShardMap, profile: ReceiverProfile | None) -> dict[str, tuple[Spans, ...]]:
+    """The regions of ``m``'s canonical tensors to write sums of: each one the receivers'
+    profile names (checked to lie inside the tensor), and the whole tensor, which no
+    owner of parts can fingerprint otherwise, for the ranks that hold it whole."""
+    out = {}
+    for which, n in enumerate(m.canonical):
+        shape = m.canonical_shape(which)
+        named = profile.regions.get(n, ()) if profile is not None else ()
+        for spans in named:
+            check_spans(n, spans, shape)
+        cls = profile.tensors.get(n, "xor") if profile is not None else "xor"
+        out[n] = (*named, whole(shape)) if cls == "xor" else named
+    return out
+
+
 def write_shards(writer: AttemptWriter, maps: Mapping[str, ShardMap],
                  pairs: Iterable[tuple[str, UInt, UInt]], *,
                  profile: ReceiverProfile | None, bucket_bytes: int,
@@ -247,10 +292,14 @@ def write_shards(writer: AttemptWriter, maps: Mapping[str, ShardMap],
     each about ``bucket_bytes`` of local tensors, then write this owner's manifest part.
     ``progress`` is called with the items so far between tensors (it may raise to stop)."""
     changed = total = dense = items = 0
+    sums: dict[tuple[str, Spans], int] = {}
     b = writer.builder(0)
     for name, base, cand in pairs:
         m = maps[name]
         entry = shard_entry(m, writer.mode, profile)
+        regions = _regions(m, profile)
+        for n, spans, part in m.sums(cand, regions):
+            sums[n, spans] = sums.get((n, spans), 0) + part
         total += base.size
         dense += base.nbytes
         for delta in m.project(base, cand, entry):
@@ -269,4 +318,6 @@ def write_shards(writer: AttemptWriter, maps: Mapping[str, ShardMap],
     if b.items:
         writer.seal(b)
     return writer.finish(tensors=(), tensor_count=len(maps), changed_elements=changed,
-                         total_elements=total, dense_bytes=dense)
+                         total_elements=total, dense_bytes=dense,
+                         sums=tuple(RegionSum(tensor=n, spans=spans, sum=sum_text(v))
+                                    for (n, spans), v in sorted(sums.items())))

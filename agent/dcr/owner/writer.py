@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from dcr.codec.encode import PayloadBuilder
 from dcr.format.layout import manifest_key, owner_manifest_key, payload_key
-from dcr.format.manifest import Manifest, PayloadEntry, Stats, TensorEntry
+from dcr.format.manifest import Manifest, PayloadEntry, RegionSum, Stats, TensorEntry
 from dcr.format.names import Mode, object_digest
 from dcr.transport.store import Store
 
@@ -49,17 +49,20 @@ class AttemptWriter:
         return entry
 
     def finish(self, *, tensors: tuple[TensorEntry, ...], tensor_count: int,
-               changed_elements: int, total_elements: int, dense_bytes: int) -> Manifest:
+               changed_elements: int, total_elements: int, dense_bytes: int,
+               sums: tuple[RegionSum, ...] = ()) -> Manifest:
         """Write the manifest of every payload sealed so far; return it.
 
         ``tensors`` lists fingerprints where the owner has them (the shard path has none);
-        ``tensor_count`` counts the tensors this owner compared either way.
+        ``tensor_count`` counts the tensors this owner compared either way; ``sums`` are
+        this owner's parts of the regions receivers hold.
         """
         manifest = Manifest(
             base_version=self.base_version, target_version=self.version,
             attempt=self.attempt, mode=self.mode,
             payloads=tuple(sorted(self.entries, key=lambda e: e.seq)),
             tensors=tensors,
+            sums=sums,
             stats=Stats(tensors=tensor_count, changed_elements=changed_elements,
                         total_elements=total_elements, dense_bytes=dense_bytes,
                         payload_bytes=sum(e.size for e in self.entries)),

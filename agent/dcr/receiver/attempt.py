@@ -64,6 +64,9 @@ class Agent(Protocol):
     def seen(self, instance: str) -> None:
         """The engine answered ``instance``; the caller holds the lock."""
 
+    def region_sums(self, manifest: Manifest) -> dict[str, str]:
+        """The manifest's fingerprints of regions the engine's ranks hold."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class Staged:
@@ -210,12 +213,14 @@ class Run:
         engine.sync()
         assert self.manifest is not None
         targets = {t.name: t.target for t in self.manifest.tensors if t.name in self.touched}
+        targets |= {k: fp for k, fp in self.agent.region_sums(self.manifest).items()
+                    if k.partition("@")[0] in self.touched}
         differ = engine.check_targets(targets) if targets else {}
         if differ:
             said = "; ".join(f"{n!r} holds {fp}, the manifest says {targets[n]}"
                              for n, fp in list(differ.items())[:3])
-            raise FingerprintMismatch(f"{len(differ)} tensors differ from the manifest's "
-                                      f"target after apply: {said}.")
+            raise FingerprintMismatch(f"{len(differ)} tensors or regions differ from the "
+                                      f"manifest's target after apply: {said}.")
         instance = engine.instance()
         if instance != self.instance:
             with self.cond:

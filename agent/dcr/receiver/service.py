@@ -16,7 +16,9 @@ from typing import Any
 from dcr.drivers.base import Driver, PauseMode, TensorSpec, merge_fingerprints
 from dcr.drivers.errors import EngineError
 from dcr.errors import DcrError
+from dcr.format.manifest import Manifest
 from dcr.format.profile import ReceiverProfile
+from dcr.format.regions import region_key, whole
 from dcr.protocol.agent_api import (
     AgentStatus,
     AttemptKey,
@@ -540,7 +542,22 @@ class AgentService:
         if prewarmed is None:
             raise AgentConflict(f"{self.name}: the engine has not been prewarmed yet (an "
                                 "attempt or a dense load is in progress).")
-        return {"tensors": prewarmed[1].tensors}
+        return prewarmed[1].model_dump(mode="json", include={"tensors", "regions"})
+
+    def region_sums(self, manifest: Manifest) -> dict[str, str]:
+        """The manifest's region fingerprints (key -> ``sum64:...``) that this engine's
+        ranks may hold, as its prewarm found them: the regions its profile names, and
+        the whole of each ``xor`` tensor (a rank that holds it whole checks that)."""
+        with self._cond:
+            prewarmed = self._prewarmed
+        if prewarmed is None:
+            return {}
+        profile = prewarmed[1]
+        held = {region_key(n, spans) for n, rs in profile.regions.items() for spans in rs}
+        shapes = {t.name: t.shape for t in self.canonical}
+        held |= {region_key(n, whole(shapes[n])) for n, cls in profile.tensors.items()
+                 if cls == "xor" and n in shapes}
+        return {k: v for k, v in manifest.region_sums().items() if k in held}
 
     def fingerprint(self) -> dict[str, str]:
         """xxh3-128 of every parameter and buffer's integer view, per rank of the engine

@@ -26,7 +26,7 @@ from dcr.checkpoint import Checkpoint
 from dcr.drivers.base import merge_fingerprints
 from dcr.errors import ConfigError, DcrError
 from dcr.files.history import HistoryStore
-from dcr.format.profile import ReceiverProfile, coverage, merge
+from dcr.format.profile import ReceiverProfile, coverage, dumps, merge
 from dcr.http.prometheus import sample
 from dcr.http.tokens import write_token_file
 from dcr.owner.process import ProcessOwner
@@ -280,9 +280,9 @@ def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
             proc.wait_ready()
         startup_s = time.perf_counter() - t0
         clients = [p.sidecar.client() for p in pods]
-        profile = merge(ReceiverProfile(tensors=c.profile()["tensors"]) for c in clients)
+        profile = merge(ReceiverProfile.model_validate(c.profile()) for c in clients)
         profile_path = out / "profile.json"
-        profile_path.write_text(json.dumps({"tensors": profile.tensors}))
+        profile_path.write_text(dumps(profile))
         with Checkpoint(ckpts / "v0") as v0:
             shares = coverage(profile, {i.name: i.nbytes for i in v0})
         owners = _owners(s, publish_to, owner_env, ckpts, profile, profile_path, boundary)
