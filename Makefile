@@ -61,6 +61,7 @@ bench: install
 	$(PY) bench/protocol.py
 	$(PY) bench/status.py
 	$(PY) bench/rank_owner.py
+	$(PY) bench/region_sums.py
 	$(PY) bench/scale.py
 	$(PY) bench/doctables.py
 

@@ -267,6 +267,17 @@ def rank_owner() -> str:
                   "host memory / shard"], rows)
 
 
+# --- docs/protocol.md --------------------------------------------------------------------
+
+
+def region_sums() -> str:
+    d = load("region-sums")
+    rows = [[name, f"{c['seconds']:.3f}", f"{c['gb_per_s_of_tensor']:.2f}",
+             f"{c['over_xxh3']:.1f}x"] for name, c in d["cases"].items()]
+    return table([f"{d['tensor_bytes'] >> 20} MiB BF16 tensor", "seconds",
+                  "GB/s of tensor", "time / xxh3"], rows)
+
+
 TABLES: dict[str, dict[str, Callable[[], str]]] = {
     "docs/benchmarks.md": {"codec-size": codec_size, "codec-speed": codec_speed,
                            "manifest": manifest, "transport": transport,
@@ -275,6 +286,7 @@ TABLES: dict[str, dict[str, Callable[[], str]]] = {
                       "expand": expand},
     "docs/evaluation.md": {"catchup": catchup, "peer": peer},
     "docs/trainer.md": {"rank-owner": rank_owner},
+    "docs/protocol.md": {"region-sums": region_sums},
 }
 
 

@@ -3,10 +3,12 @@
 One rank's shard of ``--mib`` MiB of BF16 tensors (64 MiB each, rows split over 8 ranks,
 so the maps are a real row split), a step that changes ``--changed`` of its elements, then
 per step: ``offer`` (the read in 64 MiB steps and the diff against the baseline),
-``write`` (encode and put the payloads and the manifest part into a file store) and
-``advance`` (the commit applied to the baseline). Host bytes held are the baseline plus
-the overlay's positions and bits, beside the shard's own bytes. CPU tensors, read in place
-here; a GPU tensor's steps are device-to-host copies, each overlapped with the last diff.
+``write`` (encode and put the payloads and the manifest part into a file store, with the
+owner's parts of the region sums: the first write sums the whole shard once, later ones
+only what the changes move) and ``advance`` (the commit applied to the baseline). Host
+bytes held are the baseline plus the overlay's positions and bits, beside the shard's own
+bytes. CPU tensors, read in place here; a GPU tensor's steps are device-to-host copies,
+each overlapped with the last diff.
 Writes ``bench/results/rank-owner.json``.
 
     .venv/bin/python bench/rank_owner.py [--mib 1024] [--changed 0.01] [--steps 3]
@@ -81,7 +83,7 @@ def run(mib: int, changed: float, steps: int) -> dict[str, Any]:
                          "held_over_shard": round(held / shard_bytes, 4)})
             print(f"v{v}: offer {t1 - t0:.2f} s, write {t2 - t1:.2f} s, advance "
                   f"{t3 - t2:.2f} s, held {held / shard_bytes:.3f}x the shard", flush=True)
-    steady = rows[1:]
+    steady = rows[2:] if steps > 1 else rows[1:]  # the first write sums the shard once
     gib = shard_bytes / (1 << 30)
     return {"shard_bytes": shard_bytes, "changed": changed, "steps": rows,
             "per_gib_of_shard": {

@@ -29,7 +29,7 @@ from shardrig import (
 
 from dcr.errors import BaselineError, ConfigError
 from dcr.format.profile import ReceiverProfile
-from dcr.owner.shards import ShardEncoder, ShardMap
+from dcr.owner.shards import RegionParts, ShardEncoder, ShardMap, sum_regions
 from dcr.protocol.commitstore import SqliteCommitStore
 from dcr.protocol.coordinator import Coordinator, CoordinatorSettings, RefitFailed
 from dcr.protocol.records import Attempt, CommitRecord, Transition
@@ -238,4 +238,37 @@ def test_a_rank_holding_a_tensor_whole_checks_the_sum_the_shard_owners_write_of_
     numel = old[name].numel()
     assert f"'{name}@0:{numel}:1' holds sum64:" in coord.history[0].outcome
     assert [m.tensors for o in owners for m in o.manifests] == [(), ()]
+    coord.close()
+
+
+def test_owners_carry_region_parts_from_step_to_step_as_a_fresh_pass_would_find_them(
+        tmp_path: Path) -> None:
+    """A publish adds what the changes move to the parts over the baseline instead of
+    summing the shard again: after three committed steps (each checked by TP 2 and TP 1
+    ranks) every owner's carried parts equal a fresh pass over its baseline."""
+    states = [random_checkpoint(DENSE, 0)]
+    for step in range(3):
+        states.append(perturbed(states[-1], 0.02, 10 + step))
+    store = MemoryStore()
+    rx, models = receivers(DENSE, states[0], store, (2, 1), tmp_path)
+    profile = profile_of(rx)
+    owners = []
+    for rank in range(2):
+        maps, base = tp_bits(states[0], rank, 2)
+        owners.append(ShardEncoder(store=store, maps=maps, baseline=base, version=0,
+                                   owner=rank, owners=2, profile=profile))
+    coord = Coordinator(SqliteCommitStore(tmp_path / "c.db", V0), owners, rx)
+    for v in (1, 2, 3):
+        for rank, o in enumerate(owners):
+            o.set_candidate(tp_bits(states[v], rank, 2)[1], v)
+        coord.refit(v, f"v{v}")
+    assert [h.outcome for h in coord.history] == ["committed"] * 3
+    assert exact(DENSE, models, states[3])
+    for o in owners:
+        assert o.parts.base  # carried, not emptied
+        fresh = RegionParts()
+        for name in sorted(o.maps):
+            fresh.of(name, o.maps[name], o.baseline[name], sum_regions(o.maps[name], profile),
+                     3, {})
+        assert o.parts.base == fresh.base
     coord.close()

@@ -348,8 +348,8 @@ def test_a_rank_holding_half_an_expert_checks_its_region_and_names_a_flipped_bit
         expand_on: str) -> None:
     """Without expert parallelism each TP rank holds half of every expert: no whole
     fingerprint is in its reach, so it checks the region its profile names against the
-    owner's sum of the target there (the C kernel's on the host, torch's on the device
-    path), and one flipped bit in one expert's shard is named with the sum it holds."""
+    owner's sum of the target there, on either expansion path, and one flipped bit in one
+    expert's shard is named with the sum it holds."""
     state = random_checkpoint(MOE, 2)
     model = ReferenceModel(MOE, tp_size=2, tp_rank=1)
     model.load_weights(state.items())

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from dcr.apply import sums as torch_sums
 from dcr.apply.sums import span_sum_torch
 from dcr.codec.sums import FMIX, KEY, MASK64, piece_sum, region_sum
 from dcr.errors import ConfigError
@@ -50,10 +51,13 @@ SPANS: list[list[Span]] = [
 ]
 
 
+@pytest.mark.parametrize("chunk", [1 << 24, 5], ids=["one-pass", "chunked"])
 @pytest.mark.parametrize("width", [1, 2, 4, 8])
 @pytest.mark.parametrize("spans", SPANS, ids=[str(i) for i in range(len(SPANS))])
-def test_the_kernels_and_torch_sum_as_the_definition_says(width: int,
-                                                          spans: list[Span]) -> None:
+def test_the_kernels_and_torch_sum_as_the_definition_says(
+        width: int, spans: list[Span], chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Torch's passes in chunks of 5 elements too: rows split, and several rows a pass."""
+    monkeypatch.setattr(torch_sums, "CHUNK", chunk)
     dt = UNSIGNED[width]
     flat = np.random.default_rng(width).integers(0, np.iinfo(dt).max, size=48, dtype=dt,
                                                  endpoint=True)
@@ -149,3 +153,13 @@ def test_manifests_add_owners_parts_and_keep_their_bytes_without_sums() -> None:
     assert again.region_sums() == {region_key("w", spans): sum_text(1)}  # modulo 2**64
     with pytest.raises(ValueError, match="String should match pattern"):
         RegionSum(tensor="w", spans=spans, sum="xxh3-128:" + "0" * 32)
+
+
+def test_spans_whose_strides_do_not_nest_are_refused() -> None:
+    """An owner finds a change's place in a region by its strides, largest first, which is
+    exact only for strides that nest (as slicing, narrowing and transposing make)."""
+    check_spans("w", [(0, (8, 6), (1, 8))], (6, 8))  # transposed: nests
+    with pytest.raises(ConfigError, match=r"strides do not nest \(sizes \[3, 4\], strides "):
+        check_spans("w", [(0, (3, 4), (4, 3))], (6, 8))  # rows overlap columns
+    with pytest.raises(ConfigError, match="do not nest"):
+        check_spans("w", [(0, (3, 4), (0, 1))], (6, 8))  # a broadcast row

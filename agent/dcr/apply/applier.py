@@ -653,9 +653,7 @@ class Applier:
         t = self.tensors[name]
         if name in self.readable:
             (span,) = whole(t.shape)
-            bits = self.read_canonical(name)
-            return (span_sum_torch(bits, span) if self.expand == "device"
-                    else span_sum(bits.numpy().view(f"<u{bits.element_size()}"), span))
+            return self._span_sum(self.read_canonical(name), span)
         size = DTYPES[t.dtype].itemsize
         held = dict(self.runtime.named_tensors())
         total = 0
@@ -665,12 +663,15 @@ class Applier:
             base = held[w.storage]
             bits = torch.empty(0, dtype=BITS[size], device=base.device).set_(
                 base.untyped_storage()).as_strided(w.dst.sizes, w.dst.strides, w.dst.offset)
-            span = (w.src.offset, w.src.sizes, w.src.strides)
-            if self.expand == "device":
-                total += span_sum_torch(bits, span)
-            else:
-                total += span_sum(bits.contiguous().numpy().view(f"<u{size}"), span)
+            total += self._span_sum(bits, (w.src.offset, w.src.sizes, w.src.strides))
         return total & MASK64
+
+    @staticmethod
+    def _span_sum(bits: torch.Tensor, span: Span) -> int:
+        """A span's sum where ``bits`` lives: torch on a device, the C kernel on the CPU."""
+        if bits.device.type != "cpu":
+            return span_sum_torch(bits, span)
+        return span_sum(bits.contiguous().numpy().view(f"<u{bits.element_size()}"), span)
 
     def _digest(self, bits: torch.Tensor) -> str:
         """xxh3-128 on the device path where the weights live, else on the host."""

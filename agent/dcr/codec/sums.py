@@ -71,10 +71,9 @@ def extent(span: Span) -> tuple[int, int]:
     return offset, offset + sum((n - 1) * t for n, t in zip(sizes, strides, strict=True))
 
 
-def span_indices(span: Span, lo: int, hi: int) -> npt.NDArray[np.int64]:
-    """The canonical indices of a span's elements ``lo..hi`` in its row-major order."""
+def span_at(span: Span, k: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """The canonical indices of a span's elements at row-major positions ``k``."""
     offset, sizes, strides = span
-    k = np.arange(lo, hi, dtype=np.int64)
     out = np.full_like(k, offset)
     step = 1
     for n, t in zip(reversed(sizes), reversed(strides), strict=True):
@@ -83,18 +82,31 @@ def span_indices(span: Span, lo: int, hi: int) -> npt.NDArray[np.int64]:
     return out
 
 
+def locate(view: Span, index: npt.NDArray[np.int64]
+           ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.int64]]:
+    """Which canonical ``index`` values a view with nested strides holds, and at which
+    row-major position: each index decomposed by the view's strides, largest first."""
+    offset, sizes, strides = view
+    rel = index - offset
+    inside = rel >= 0
+    local = np.zeros_like(index)
+    for d in sorted(range(len(sizes)), key=lambda d: -strides[d]):
+        k = rel // strides[d] if strides[d] else np.zeros_like(rel)
+        inside &= k < sizes[d]
+        rel -= k * strides[d]
+        local += k * math.prod(sizes[d + 1:])
+    return inside & (rel == 0), local
+
+
 def piece_sum(piece: Span, bits: npt.NDArray[np.unsignedinteger], spans: Sequence[Span]
               ) -> int | None:
     """An owner's part of a region's sum: over the region's elements inside ``piece``, a
     view of the canonical tensor with nested strides (a contiguous range, or a block of
     rows' columns) whose elements ``bits`` holds in row-major order. None when no span
     of the region meets the piece."""
-    p_sizes, p_strides = piece[1], piece[2]
-    if not math.prod(p_sizes):
+    if not math.prod(piece[1]):
         return None
     p_lo, p_hi = extent(piece)
-    order = sorted(range(len(p_sizes)), key=lambda d: -p_strides[d])
-    steps = [math.prod(p_sizes[d + 1:]) for d in range(len(p_sizes))]
     flat = np.ascontiguousarray(bits).reshape(-1)
     total, met = 0, False
     for span in spans:
@@ -102,27 +114,37 @@ def piece_sum(piece: Span, bits: npt.NDArray[np.unsignedinteger], spans: Sequenc
         lo, hi = extent(span)
         if not count or hi < p_lo or lo > p_hi:
             continue
+        met = True
         if span[2] == (1,):  # a range of the tensor: what it shares with the piece is a view
             if lo <= p_lo and p_hi <= hi:
-                total, met = total + span_sum(flat, piece), True
+                total += span_sum(flat, piece)
                 continue
             if piece[2] == (1,):
                 a, b = max(lo, p_lo), min(hi, p_hi)
                 total += span_sum(flat[a - p_lo : b - p_lo + 1], (a, (b - a + 1,), (1,)))
-                met = True
                 continue
         for first in range(0, count, CHUNK):
-            index = span_indices(span, first, min(count, first + CHUNK))
-            rel = index - piece[0]
-            inside = rel >= 0
-            local = np.zeros_like(index)
-            for d in order:
-                k = rel // p_strides[d] if p_strides[d] else np.zeros_like(rel)
-                inside &= k < p_sizes[d]
-                rel -= k * p_strides[d]
-                local += k * steps[d]
-            inside &= rel == 0
-            if inside.any():
-                met = True
-                total += index_sum(flat[local[inside]], index[inside])
+            index = span_at(span, np.arange(first, min(count, first + CHUNK), dtype=np.int64))
+            inside, local = locate(piece, index)
+            total += index_sum(flat[local[inside]], index[inside])
     return total & MASK64 if met else None
+
+
+def delta_sum(spans: Sequence[Span], index: npt.NDArray[np.int64],
+              old: npt.NDArray[np.unsignedinteger], new: npt.NDArray[np.unsignedinteger]
+              ) -> int:
+    """How a region's sum moves when the elements at canonical ``index`` change from
+    ``old`` to ``new``: what a publish adds to the owner's part over the baseline, a pass
+    over the changes instead of the shard. The spans must nest (``check_spans``)."""
+    total = 0
+    for span in spans:
+        if not math.prod(span[1]):
+            continue
+        if span[2] == (1,):
+            lo, hi = extent(span)
+            inside = (index >= lo) & (index <= hi)
+        else:
+            inside = locate(span, index)[0]
+        at = index[inside]
+        total += index_sum(new[inside], at) - index_sum(old[inside], at)
+    return total & MASK64

@@ -11,6 +11,7 @@ holds. ``docs/protocol.md``, "What is checked before and after apply".
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 from typing import Annotated
@@ -53,6 +54,14 @@ def check_spans(tensor: str, spans: Iterable[Span], shape: Sequence[int]) -> Non
             raise ConfigError(f"A region of {tensor!r} {list(shape)} has a span reaching "
                               f"element {last} (offset {offset}, sizes {list(sizes)}, strides "
                               f"{list(strides)}); the tensor has {numel}.")
+        dims = sorted(((t, n) for n, t in zip(sizes, strides, strict=True) if n > 1),
+                      reverse=True)
+        for (big, _), (small, n) in itertools.pairwise(dims):
+            if not small or big % small or (n - 1) * small >= big:
+                raise ConfigError(f"A region of {tensor!r} has a span whose strides do not "
+                                  f"nest (sizes {list(sizes)}, strides {list(strides)}): "
+                                  "a loader's writes read views that slice, narrow or "
+                                  "transpose, never ones that overlap.")
 
 
 def sum_text(value: int) -> str:

@@ -33,7 +33,7 @@ from dcr.format.profile import ReceiverProfile
 from dcr.http.tokens import check_token
 from dcr.owner.server import BackgroundServer, EncoderService, Work
 from dcr.owner.settings import EncodeSettings
-from dcr.owner.shards import ShardMap, write_shards
+from dcr.owner.shards import RegionParts, ShardMap, write_shards
 from dcr.owner.writer import AttemptWriter
 from dcr.protocol.encoder_api import PublishRequest
 from dcr.protocol.records import Attempt, CommitRecord
@@ -124,6 +124,7 @@ class RankOwner:
         self._lock = threading.RLock()
         self.version = version
         self.baseline: dict[str, UInt] = {n: self._snapshot(n, t) for n, t in tensors.items()}
+        self.parts = RegionParts()  # region sums over the baseline, for the next publish
         self.offers: dict[int, Overlay] = {}
         self.profile: ReceiverProfile | None = None  # for in-process publishes
         self.manifests: list[Manifest] = []  # written by in-process publishes
@@ -231,7 +232,8 @@ class RankOwner:
             pairs = ((n, self.baseline[n], overlay.bits(n, self.baseline[n]))
                      for n in sorted(self.maps))
             return write_shards(writer, self.maps, pairs, profile=profile, progress=progress,
-                                bucket_bytes=bucket_bytes or self.bucket_bytes)
+                                bucket_bytes=bucket_bytes or self.bucket_bytes,
+                                parts=self.parts)
 
     def advance(self, version: int, attempt: str) -> None:
         """A commit record says ``attempt`` committed ``version``: make it the baseline."""
@@ -257,6 +259,7 @@ class RankOwner:
                 later[v].changes[name] = (ch.positions, ch.new)
         self.offers = later
         self.version = version
+        self.parts.advance(version)
         log.info("%s: baseline is now version %d (attempt %s)", self.who, version, attempt)
 
 

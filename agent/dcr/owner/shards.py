@@ -15,10 +15,10 @@ from typing import ClassVar, Literal
 
 import numpy as np
 
-from dcr.codec.changes import find_changes
+from dcr.codec.changes import Changes, find_changes
 from dcr.codec.encode import ItemDelta, encode_item
 from dcr.codec.planes import UInt
-from dcr.codec.sums import piece_sum
+from dcr.codec.sums import MASK64, delta_sum, piece_sum, span_at
 from dcr.errors import ConfigError
 from dcr.format.dtypes import dtype as dtype_of
 from dcr.format.manifest import Manifest, RegionSum
@@ -29,10 +29,12 @@ from dcr.format.regions import Span, Spans, check_spans, sum_text, whole
 from dcr.owner.settings import EncodeSettings
 from dcr.owner.state import OwnerState
 from dcr.owner.writer import AttemptWriter
-from dcr.protocol.records import Attempt
+from dcr.protocol.records import Attempt, CommitRecord
 from dcr.transport.store import Store
 
 ShardKind = Literal["replicated", "rows", "columns", "gate_up", "qkv", "expert"]
+# (canonical tensor, canonical indices, old bits, new bits) of one piece's changes
+OnChanges = Callable[[str, np.ndarray, UInt, UInt], None]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,17 +112,25 @@ class ShardMap:
             return ((s[0] + 2 * s[0] // h * kv) // self.ranks, s[1])
         return s  # replicated; expert: checked against the stack's trailing dims
 
-    def project(self, base: UInt, target: UInt, entry: EntryKind) -> Iterator[ItemDelta]:
-        """Items of this shard's changes, addressed in canonical coordinates."""
+    def project(self, base: UInt, target: UInt, entry: EntryKind,
+                changes: OnChanges | None = None) -> Iterator[ItemDelta]:
+        """Items of this shard's changes, addressed in canonical coordinates; each piece's
+        changes also go to ``changes`` as (canonical tensor, indices, old, new)."""
         if base.shape != target.shape:
             raise ConfigError(f"Shard of {self.canonical}: base {list(base.shape)} and "
                               f"candidate {list(target.shape)} differ.")
         for (which, piece, b), (_, _, t) in zip(self.pieces(base), self.pieces(target),
                                                 strict=True):
+            ch = find_changes(b.reshape(-1), t.reshape(-1))
+            if not ch.positions.size:
+                continue
+            if changes is not None:
+                changes(self.canonical[which], span_at(piece, ch.positions), ch.old, ch.new)
             if len(piece[1]) == 1:
-                yield from self._range(which, piece[0], b, t, entry)
+                yield self._delta(which, piece[0], piece[0] + b.size, ch.positions, ch.old,
+                                  ch.new, entry)
             else:
-                yield from self._columns(b, t, entry)
+                yield from self._columns(ch, entry)
 
     def pieces(self, local: UInt) -> Iterator[tuple[int, Span, UInt]]:
         """Where this rank's elements lie in the canonical tensors: ``(which canonical
@@ -182,19 +192,10 @@ class ShardMap:
                 if part is not None:
                     yield name, spans, part
 
-    def _range(self, which: int, start: int, base: UInt, target: UInt, entry: EntryKind
-               ) -> Iterator[ItemDelta]:
-        ch = find_changes(base.reshape(-1), target.reshape(-1))
-        if ch.positions.size:
-            yield self._delta(which, start, start + base.size, ch.positions, ch.old, ch.new,
-                              entry)
-
-    def _columns(self, base: UInt, target: UInt, entry: EntryKind) -> Iterator[ItemDelta]:
+    def _columns(self, ch: Changes, entry: EntryKind) -> Iterator[ItemDelta]:
+        """A columns split's changes as one item per row: its columns there."""
         cols = self.shape[1]
         width = cols // self.ranks
-        ch = find_changes(base.reshape(-1), target.reshape(-1))
-        if not ch.positions.size:
-            return
         row_of = ch.positions // width
         cuts = np.flatnonzero(np.diff(row_of)) + 1
         for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, row_of.size], strict=True):
@@ -210,6 +211,44 @@ class ShardMap:
                          shape=self.canonical_shape(which), start=start, stop=stop, entry=entry,
                          positions=np.ascontiguousarray(positions, dtype=np.int64),
                          values=values)
+
+
+@dataclass
+class RegionParts:
+    """An owner's parts of region sums over its baseline, kept from step to step, so
+    that a publish costs a pass over the changes instead of the shard: the part over the
+    target is the part over the base plus what the changes move (``delta_sum``). A part
+    is computed over the base once, when a region first appears; :meth:`advance` makes a
+    committed target's parts the base's."""
+
+    base: dict[tuple[str, str, Spans], int | None] = field(default_factory=dict)
+    targets: dict[int, dict[tuple[str, str, Spans], int | None]] = field(default_factory=dict)
+
+    def of(self, local: str, m: ShardMap, base: UInt, regions: dict[str, tuple[Spans, ...]],
+           version: int, moved: Mapping[tuple[str, Spans], int]
+           ) -> dict[tuple[str, Spans], int]:
+        """The parts over ``version``'s target of the regions ``local`` meets."""
+        keys = [(local, n, spans) for n, r in regions.items() for spans in r]
+        if missing := [k for k in keys if k not in self.base]:
+            want: dict[str, tuple[Spans, ...]] = {}
+            for _, n, spans in missing:
+                want[n] = (*want.get(n, ()), spans)
+            self.base.update(dict.fromkeys(missing))
+            for n, spans, part in m.sums(base, want):
+                self.base[local, n, spans] = part
+        target = self.targets.setdefault(version, {})
+        out = {}
+        for k in keys:
+            part = self.base[k]
+            target[k] = None if part is None else (part + moved.get(k[1:], 0)) & MASK64
+            if part is not None:
+                out[k[1:]] = target[k]
+        return out
+
+    def advance(self, version: int) -> None:
+        """The baseline is now ``version``'s target; parts of other versions are gone."""
+        self.base = self.targets.pop(version, {})
+        self.targets.clear()
 
 
 @dataclass(kw_only=True)
@@ -231,6 +270,7 @@ class ShardEncoder(OwnerState[Mapping[str, UInt]]):
     bucket_bytes: int = EncodeSettings.bucket_bytes  # local dense bytes per payload
     level: int = EncodeSettings.level
     manifests: list[Manifest] = field(default_factory=list)
+    parts: RegionParts = field(default_factory=RegionParts)
 
     def __post_init__(self) -> None:
         if set(self.maps) != set(self.baseline):
@@ -252,7 +292,13 @@ class ShardEncoder(OwnerState[Mapping[str, UInt]]):
                                per_attempt=True)
         pairs = ((n, self.baseline[n], candidate[n]) for n in sorted(self.maps))
         self.manifests.append(write_shards(writer, self.maps, pairs, profile=self.profile,
-                                           bucket_bytes=self.bucket_bytes))
+                                           bucket_bytes=self.bucket_bytes, parts=self.parts))
+
+    def advance_baseline(self, record: CommitRecord) -> None:
+        was = self.version
+        super().advance_baseline(record)
+        if self.version != was:
+            self.parts.advance(self.version)
 
 
 def _range_span(start: int, count: int) -> Span:
@@ -269,7 +315,7 @@ def shard_entry(m: ShardMap, mode: str, profile: ReceiverProfile | None) -> Entr
     return "overwrite" if mode == "overwrite" or "overwrite" in classes else "xor"
 
 
-def _regions(m: ShardMap, profile: ReceiverProfile | None) -> dict[str, tuple[Spans, ...]]:
+def sum_regions(m: ShardMap, profile: ReceiverProfile | None) -> dict[str, tuple[Spans, ...]]:
     """The regions of ``m``'s canonical tensors to write sums of: each one the receivers'
     profile names (checked to lie inside the tensor), and the whole tensor, which no
     owner of parts can fingerprint otherwise, for the ranks that hold it whole."""
@@ -287,28 +333,41 @@ def _regions(m: ShardMap, profile: ReceiverProfile | None) -> dict[str, tuple[Sp
 def write_shards(writer: AttemptWriter, maps: Mapping[str, ShardMap],
                  pairs: Iterable[tuple[str, UInt, UInt]], *,
                  profile: ReceiverProfile | None, bucket_bytes: int,
-                 progress: Callable[[int], None] | None = None) -> Manifest:
+                 progress: Callable[[int], None] | None = None,
+                 parts: RegionParts | None = None) -> Manifest:
     """Seal payloads of the changes of ``pairs`` (local name, base bits, target bits),
-    each about ``bucket_bytes`` of local tensors, then write this owner's manifest part.
-    ``progress`` is called with the items so far between tensors (it may raise to stop)."""
+    each about ``bucket_bytes`` of local tensors, then write this owner's manifest part
+    with its parts of the region sums (from ``parts``' sums over the base and the
+    changes). ``progress`` is called with the items so far between tensors (it may raise
+    to stop)."""
     changed = total = dense = items = 0
+    parts = parts if parts is not None else RegionParts()
+    version = writer.version
     sums: dict[tuple[str, Spans], int] = {}
     b = writer.builder(0)
     for name, base, cand in pairs:
         m = maps[name]
         entry = shard_entry(m, writer.mode, profile)
-        regions = _regions(m, profile)
-        for n, spans, part in m.sums(cand, regions):
-            sums[n, spans] = sums.get((n, spans), 0) + part
+        regions = sum_regions(m, profile)
+        moved: dict[tuple[str, Spans], int] = {}
+
+        def changes(n: str, index: np.ndarray, old: UInt, new: UInt,
+                    regions: dict[str, tuple[Spans, ...]] = regions,
+                    moved: dict[tuple[str, Spans], int] = moved) -> None:
+            for spans in regions.get(n, ()):
+                moved[n, spans] = moved.get((n, spans), 0) + delta_sum(spans, index, old, new)
+
         total += base.size
         dense += base.nbytes
-        for delta in m.project(base, cand, entry):
+        for delta in m.project(base, cand, entry, changes):
             if len(b.items) >= DEFAULT_LIMITS.max_items:  # what a reader accepts
                 writer.seal(b)
                 b = writer.builder(b.seq + 1)
             changed += delta.positions.size
             b.add(encode_item(delta), dense_bytes=0)
             items += 1
+        for (n, spans), part in parts.of(name, m, base, regions, version, moved).items():
+            sums[n, spans] = sums.get((n, spans), 0) + part
         b.dense_bytes += base.nbytes
         if b.dense_bytes >= bucket_bytes and b.items:
             writer.seal(b)
