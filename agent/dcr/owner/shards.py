@@ -234,15 +234,14 @@ class RegionParts:
             for _, n, spans in missing:
                 want[n] = (*want.get(n, ()), spans)
             self.base.update(dict.fromkeys(missing))
-            for n, spans, part in m.sums(base, want):
-                self.base[local, n, spans] = part
+            for n, spans, value in m.sums(base, want):
+                self.base[local, n, spans] = value
         target = self.targets.setdefault(version, {})
-        out = {}
+        out: dict[tuple[str, Spans], int] = {}
         for k in keys:
-            part = self.base[k]
-            target[k] = None if part is None else (part + moved.get(k[1:], 0)) & MASK64
-            if part is not None:
-                out[k[1:]] = target[k]
+            if (part := self.base[k]) is not None:
+                out[k[1:]] = (part + moved.get(k[1:], 0)) & MASK64
+            target[k] = out.get(k[1:])  # None: the region does not meet this tensor
         return out
 
     def advance(self, version: int) -> None:
