@@ -192,15 +192,22 @@ def until(server: Server, name: str, value: int, timeout_s: float = 60.0) -> Non
 # --- tests -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("runtime", "tp"), [("hf", 1), ("vllm-ref", 2)])
+@pytest.mark.parametrize(("runtime", "tp", "pp"), [("hf", 1, 1), ("vllm-ref", 2, 1),
+                                                   ("vllm-ref", 2, 2)])
 def test_staged_payloads_applied_through_the_plugin_equal_a_dense_load_on_every_rank(
-        servers: Servers, runtime: str, tp: int) -> None:
-    refit, dense = servers.start(runtime, tp=tp), servers.start(runtime, tp=tp)
+        servers: Servers, runtime: str, tp: int, pp: int) -> None:
+    """Also with two pipeline stages of two TP ranks: each stage applies what it holds,
+    and every rank checks its tensors and regions against the manifest."""
+    extra = ("--pp-size", str(pp)) if pp > 1 else ()
+    refit = servers.start(runtime, tp=tp, extra=extra)
+    dense = servers.start(runtime, tp=tp, extra=extra)
     tensors = canonical(servers.root / "v0")
     profile = refit.engine.prewarm(tensors).profile
     assert set(profile.tensors) == {t.name for t in tensors}
+    assert bool(profile.regions) == (tp > 1)
     start = refit.engine.fingerprint()
-    assert len(start) == tp
+    ranks = tp * pp
+    assert len(start) == ranks
     assert refit.engine.instance() != dense.engine.instance()
 
     for base, target, mode in ((0, 1, "mixed"), (1, 2, "overwrite")):
@@ -211,14 +218,17 @@ def test_staged_payloads_applied_through_the_plugin_equal_a_dense_load_on_every_
         refit.engine.sync()
         refit.engine.set_version(str(target))
         refit.engine.resume()
-        assert len(outcome.reports) == tp
+        assert len(outcome.reports) == ranks
         assert outcome.names
         assert outcome.names <= {t.name for t in tensors}
+        expect = {t.name: t.target for t in manifest.tensors} | manifest.region_sums()
+        assert len(manifest.region_sums()) == sum(map(len, profile.regions.values()))
+        assert refit.engine.check_targets(expect) == {}
 
         dense.engine.load_dense(f"v{target}",
                                 expect={t.name: t.target for t in manifest.tensors})
         got, want = refit.engine.fingerprint(), dense.engine.fingerprint()
-        for rank in range(tp):
+        for rank in range(ranks):
             differ = sorted(n for n in want[rank] if got[rank].get(n) != want[rank][n])
             assert got[rank].keys() == want[rank].keys()
             assert differ == [], f"rank {rank} differs from a dense load of v{target}"

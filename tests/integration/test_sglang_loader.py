@@ -24,6 +24,7 @@ import importlib
 import io
 import json
 import pickle
+import re
 import sys
 import threading
 import types
@@ -338,7 +339,9 @@ def test_sglang_loader_refuses_pipeline_stages(
         server: FakeSglang, staging: Path, parallel: types.SimpleNamespace) -> None:
     parallel.pp_size = 2
     dcr_weight_loader(server.models[0], call("c3", "dcr_instance"))
-    assert "supports tensor parallelism only" in answer(staging, "c3")["error"]
+    error = answer(staging, "c3")["error"]
+    assert "supports tensor parallelism only" in error
+    assert re.search(r"The SGLang \S+ server runs 2 pipeline stages", error), error
 
 
 def test_sglang_loader_replaces_a_planted_link_instead_of_writing_through_it(

@@ -24,6 +24,8 @@ class RuntimeOptions:
 
     tp_size: int = 1  # vllm-ref: tensor-parallel ranks
     tp_rank: int = 0  # vllm-ref: this rank
+    pp_size: int = 1  # vllm-ref: pipeline stages
+    pp_rank: int = 0  # vllm-ref: this stage
     fp8: tuple[str, ...] = ()  # vllm-ref: module suffixes stored as FP8
     device: str = "cpu"  # hf: where the weights live
 
@@ -49,7 +51,8 @@ def _vllm_reference(config: Any, o: RuntimeOptions) -> Runtime:
         num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
         tie_word_embeddings=bool(config.tie_word_embeddings), fp8_modules=o.fp8,
     )
-    return VllmRuntime(ReferenceModel(ref, tp_size=o.tp_size, tp_rank=o.tp_rank))
+    return VllmRuntime(ReferenceModel(ref, tp_size=o.tp_size, tp_rank=o.tp_rank,
+                                      pp_size=o.pp_size, pp_rank=o.pp_rank))
 
 
 RUNTIMES: dict[str, Callable[[Any, RuntimeOptions], Runtime]] = {
@@ -59,7 +62,8 @@ RUNTIMES: dict[str, Callable[[Any, RuntimeOptions], Runtime]] = {
 
 
 def build_runtime(kind: str, model_dir: Path, *, tp_size: int = 1, tp_rank: int = 0,
-                  fp8: tuple[str, ...] = (), device: str = "cpu") -> Runtime:
+                  pp_size: int = 1, pp_rank: int = 0, fp8: tuple[str, ...] = (),
+                  device: str = "cpu") -> Runtime:
     """A runtime of ``kind`` shaped by ``model_dir``'s ``config.json`` (weights not loaded)."""
     try:
         builder = RUNTIMES[kind]
@@ -70,5 +74,5 @@ def build_runtime(kind: str, model_dir: Path, *, tp_size: int = 1, tp_rank: int 
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     if device != "cpu" and kind != "hf":
         raise ConfigError(f"Runtime {kind!r} holds its weights on the CPU only, not on {device!r}.")
-    return builder(config, RuntimeOptions(tp_size=tp_size, tp_rank=tp_rank, fp8=fp8,
-                                          device=device))
+    return builder(config, RuntimeOptions(tp_size=tp_size, tp_rank=tp_rank, pp_size=pp_size,
+                                          pp_rank=pp_rank, fp8=fp8, device=device))

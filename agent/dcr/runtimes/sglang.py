@@ -92,8 +92,10 @@ def tp_rank_and_world() -> tuple[int, int]:
             return dist.get_rank(), dist.get_world_size()
         return 0, 1
     if pp != 1:
-        raise ConfigError(f"The SGLang server runs {pp} pipeline stages; DCR's loader "
-                          "supports tensor parallelism only (pp_size 1).")
+        version = getattr(importlib.import_module("sglang"), "__version__", "unknown")
+        raise ConfigError(f"The SGLang {version} server runs {pp} pipeline stages; DCR's "
+                          "loader supports tensor parallelism only (pp_size 1): its answers "
+                          "are named by TP rank, under which every stage would answer.")
     return int(rank), int(world)
 
 

@@ -229,10 +229,27 @@ def _route(name: str) -> tuple[str, ShardId, int | None]:
     return name, None, None
 
 
-def _check_parallel(cfg: ReferenceConfig, tp: int, rank: int, ep: bool) -> None:
+def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
+    """The decoder layers pipeline stage ``pp_rank`` of ``pp_size`` holds, as vLLM
+    partitions them by default: contiguous, equal, and the remainder one each to the
+    stages just before the last (whose head and norm make it busier)."""
+    counts = [num_layers // pp_size] * pp_size
+    for k in range(num_layers % pp_size):
+        counts[-2 - k] += 1
+    first = sum(counts[:pp_rank])
+    return range(first, first + counts[pp_rank])
+
+
+def _check_parallel(cfg: ReferenceConfig, tp: int, rank: int, ep: bool, pp: int = 1,
+                    pp_rank: int = 0) -> None:
     kv = cfg.num_kv_heads
     checks = [
         (0 <= rank < tp, f"tp_rank={rank} is outside tp_size={tp}"),
+        (0 <= pp_rank < pp, f"pp_rank={pp_rank} is outside pp_size={pp}"),
+        (pp <= cfg.num_layers, f"pp_size={pp} is more stages than {cfg.num_layers} layers"),
+        (pp == 1 or not cfg.tie_word_embeddings,
+         f"pp_size={pp} with tied embeddings: the head on the last stage would be a copy of "
+         "the first stage's embedding, which this reference does not model"),
         (cfg.num_heads % tp == 0, f"num_heads={cfg.num_heads} is not divisible by tp={tp}"),
         (kv % tp == 0 or tp % kv == 0, f"num_kv_heads={kv} and tp={tp} divide neither way"),
         (cfg.padded_vocab % tp == 0,
@@ -250,13 +267,18 @@ def _check_parallel(cfg: ReferenceConfig, tp: int, rank: int, ep: bool) -> None:
 
 
 class ReferenceModel(torch.nn.Module):
-    """One tensor-parallel rank of a Llama / Qwen2-MoE model in vLLM's runtime layout."""
+    """One tensor-parallel rank of one pipeline stage of a Llama / Qwen2-MoE model in
+    vLLM's runtime layout. A stage holds its decoder layers, the first the embedding and
+    the last the final norm and head; its loader skips the tensors of other stages, as
+    vLLM's does, and reports them unloaded."""
 
     def __init__(self, cfg: ReferenceConfig, tp_size: int = 1, tp_rank: int = 0,
-                 ep: bool = False) -> None:
+                 ep: bool = False, pp_size: int = 1, pp_rank: int = 0) -> None:
         super().__init__()
-        _check_parallel(cfg, tp_size, tp_rank, ep)
+        _check_parallel(cfg, tp_size, tp_rank, ep, pp_size, pp_rank)
         self.cfg, self.tp_size, self.tp_rank, self.ep = cfg, tp_size, tp_rank, ep
+        self.pp_size, self.pp_rank = pp_size, pp_rank
+        self.layers = stage_layers(cfg.num_layers, pp_size, pp_rank)
         self.local_experts = (local_experts(cfg.num_experts, tp_size, tp_rank) if ep
                               else range(cfg.num_experts))
         self._hf_shapes = hf_checkpoint_shapes(cfg)
@@ -273,15 +295,17 @@ class ReferenceModel(torch.nn.Module):
         v_start = min(r * per_vocab, cfg.vocab_size)
         v_rows = min(per_vocab, cfg.vocab_size - v_start)
         pad = v_rows if cfg.zero_vocab_padding else None
-        yield _Spec("model.embed_tokens.weight", (per_vocab, h),
-                    {None: _Cut(0, v_start, 0, v_rows)}, pad_rows_from=pad)
+        first, last = self.pp_rank == 0, self.pp_rank == self.pp_size - 1
+        if first:
+            yield _Spec("model.embed_tokens.weight", (per_vocab, h),
+                        {None: _Cut(0, v_start, 0, v_rows)}, pad_rows_from=pad)
         q = cfg.num_heads * hd // tp
         kv = max(1, cfg.num_kv_heads // tp) * hd
         kv_rank = r // max(1, tp // cfg.num_kv_heads)  # ranks sharing a replicated KV head
         i, ie = cfg.intermediate_size // tp, cfg.moe_intermediate_size // (1 if self.ep else tp)
         ie_rank = 0 if self.ep else r
         slots = {g: s for s, g in enumerate(self.local_experts)}
-        for layer in range(cfg.num_layers):
+        for layer in self.layers:
             p = f"model.layers.{layer}."
             yield _Spec(p + "input_layernorm.weight", (h,), _REPLICATED)
             yield _Spec(p + "self_attn.qkv_proj.weight", (q + 2 * kv, h), {
@@ -300,6 +324,8 @@ class ReferenceModel(torch.nn.Module):
                 experts=slots)
             yield _Spec(p + "mlp.experts.w2_weight", (len(slots), h, ie), {
                 "w2": _Cut(1, ie_rank * ie, 0, ie)}, experts=slots)
+        if not last:
+            return
         yield _Spec("model.norm.weight", (h,), _REPLICATED)
         if not cfg.tie_word_embeddings:
             yield _Spec("lm_head.weight", (per_vocab, h),
@@ -331,8 +357,9 @@ class ReferenceModel(torch.nn.Module):
         """Load canonical tensors in place, vLLM style; return the runtime names written.
 
         Raises KeyError for a name that is not in this model's checkpoint and ValueError
-        for a tensor of the wrong shape. A tied model's ``lm_head.weight`` and experts
-        held by other EP ranks are skipped and not returned.
+        for a tensor of the wrong shape. A tied model's ``lm_head.weight``, experts held
+        by other EP ranks and tensors of other pipeline stages are skipped and not
+        returned.
         """
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
@@ -346,7 +373,10 @@ class ReferenceModel(torch.nn.Module):
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the "
                                  f"checkpoint shape {expected}.")
             target, shard_id, expert_id = _route(name)
-            param = params[target]
+            param = params.get(target)
+            if param is None and self.pp_size > 1:
+                continue  # another stage's tensor (vLLM: is_pp_missing_parameter)
+            assert param is not None, target
             loader = getattr(param, "weight_loader", None)
             assert isinstance(loader, _Loader), target
             if loader(param, tensor, shard_id, expert_id):

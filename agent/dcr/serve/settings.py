@@ -40,6 +40,10 @@ class ServeSettings:
     tp_rank: int | None = option(None, metavar="R",
                                  doc="vllm-ref: hold only this rank (default: every rank "
                                  "of --tp-size, each a worker in this process)")
+    pp_size: int = option(1, metavar="P",
+                          doc="vllm-ref: pipeline stages, each of --tp-size ranks, every "
+                          "one a worker in this process; rank = stage * tp-size + TP rank, "
+                          "as vLLM numbers them")
     fp8: tuple[str, ...] = option((), metavar="MODULE",
                                   doc="vllm-ref: module suffix stored as FP8 (repeatable)")
     api_key_file: Path | None = option(None, metavar="PATH",
@@ -79,19 +83,23 @@ class ServeSettings:
         _, sep, port = self.listen.rpartition(":")
         if not sep or not port.isdigit() or int(port) > 65535:
             raise ConfigError(f"--listen {self.listen!r} is not HOST:PORT.")
-        if self.runtime == "hf" and (self.tp_size != 1 or self.fp8):
-            raise ConfigError(f"--runtime hf holds one rank in BF16; --tp-size {self.tp_size} "
-                              f"and --fp8 {list(self.fp8)} are for vllm-ref.")
+        if self.runtime == "hf" and (self.tp_size != 1 or self.pp_size != 1 or self.fp8):
+            raise ConfigError(f"--runtime hf holds one rank in BF16; --tp-size {self.tp_size}, "
+                              f"--pp-size {self.pp_size} and --fp8 {list(self.fp8)} are for "
+                              "vllm-ref.")
+        if self.tp_rank is not None and self.pp_size != 1:
+            raise ConfigError(f"--tp-rank {self.tp_rank} holds one rank of one stage; with "
+                              f"--pp-size {self.pp_size} this process holds every rank.")
         if self.tp_rank is not None and not 0 <= self.tp_rank < self.tp_size:
             raise ConfigError(f"--tp-rank {self.tp_rank} is outside 0..{self.tp_size - 1} "
                               f"(--tp-size {self.tp_size}).")
         if self.min_step_s < 0:
             raise ConfigError(f"--min-step-s {self.min_step_s} is negative.")
-        limits = (self.tp_size, self.max_running, self.max_input_tokens, self.max_tokens,
-                  self.max_body_bytes)
+        limits = (self.tp_size, self.pp_size, self.max_running, self.max_input_tokens,
+                  self.max_tokens, self.max_body_bytes)
         if min(limits) <= 0:
-            raise ConfigError("tp_size, max_running, max_input_tokens, max_tokens and "
-                              f"max_body_bytes must be positive; got {limits}.")
+            raise ConfigError("tp_size, pp_size, max_running, max_input_tokens, max_tokens "
+                              f"and max_body_bytes must be positive; got {limits}.")
 
     @property
     def host(self) -> str:
@@ -113,8 +121,10 @@ class ServeSettings:
 
     @property
     def ranks(self) -> list[int]:
-        """The tensor-parallel ranks this process holds."""
-        return list(range(self.tp_size)) if self.tp_rank is None else [self.tp_rank]
+        """The ranks this process holds (stage * tp_size + TP rank)."""
+        if self.tp_rank is not None:
+            return [self.tp_rank]
+        return list(range(self.tp_size * self.pp_size))
 
     def plugin_environment(self) -> dict[str, str]:
         """``$DCR_STAGING_DIR`` and ``$DCR_CHECKPOINT_ROOT`` as the plugin must see them

@@ -76,12 +76,13 @@ def build_workers(s: ServeSettings, rank_options: dict[str, Any] | None = None
     """A worker per rank the settings hold, each loaded densely with ``--model``."""
     workers = []
     for rank in s.ranks:
-        runtime = build_runtime(s.runtime, s.model, tp_size=s.tp_size, tp_rank=rank,
-                                fp8=s.fp8, device=s.device)
+        stage, tp_rank = divmod(rank, s.tp_size)
+        runtime = build_runtime(s.runtime, s.model, tp_size=s.tp_size, tp_rank=tp_rank,
+                                pp_size=s.pp_size, pp_rank=stage, fp8=s.fp8, device=s.device)
         assert isinstance(runtime, HFRuntime | VllmRuntime)  # what build_runtime makes
         with Checkpoint(s.model) as ckpt:
             runtime.load_weights(checkpoint_tensors(ckpt).items())
-        workers.append(make_worker(runtime.model, rank=rank, world=s.tp_size,
+        workers.append(make_worker(runtime.model, rank=rank, world=s.tp_size * s.pp_size,
                                    rank_options=rank_options))
     return workers
 
