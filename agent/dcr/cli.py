@@ -189,9 +189,13 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 
 
 def cmd_agent(args: argparse.Namespace) -> None:
+    import logging
+
     from dcr.receiver.main import run
     from dcr.receiver.settings import AgentSettings
 
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,  # as dcr serve's, not warnings
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
     run(from_args(AgentSettings, args))
 
 

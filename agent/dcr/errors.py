@@ -58,6 +58,12 @@ Hierarchy::
     │                          a version, or it cannot be built from it
     ├── FingerprintMismatch    (receiver.attempt) after apply, a tensor's bits differ from
     │                          the target fingerprint its manifest lists
+    ├── MemberError            (receiver.member_api) a group's member agent refused a call,
+    │                          answered something else, or is unreachable
+    ├── MemberConflict         (receiver.member) a member call names an attempt it does not
+    │                          hold, or a dense load it cannot build
+    ├── GroupError             (receiver.group) a member cannot stage, hold or build what
+    │                          its leader needs: the attempt or dense load fails
     ├── BadPublish             (owner.server) a warm encoder refuses what a publish names (400)
     ├── PublishConflict        (owner.server) that owner of that attempt publishes already,
     │                          or the attempt was stopped (409)

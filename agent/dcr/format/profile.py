@@ -31,7 +31,9 @@ class ReceiverProfile(BaseModel):
     version: Literal[1] = 1
     tensors: dict[str, TensorClass]
     # tensor -> the regions ranks hold of it, for xor tensors a rank holds in part
-    regions: dict[str, Annotated[tuple[Spans, ...], Field(max_length=MAX_REGIONS)]] = {}
+    # (left out of the JSON when empty: a profile of whole-tensor ranks reads as before)
+    regions: dict[str, Annotated[tuple[Spans, ...], Field(max_length=MAX_REGIONS)]] = Field(
+        default={}, exclude_if=lambda r: not r)
 
 
 def load_profile(path: Path) -> ReceiverProfile:

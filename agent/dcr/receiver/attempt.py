@@ -18,6 +18,7 @@ from dcr.format.manifest import Manifest
 from dcr.format.payload import Payload
 from dcr.protocol.agent_api import AttemptSpec
 from dcr.protocol.state import AttemptState
+from dcr.receiver.group import Group
 from dcr.receiver.staging import StagingDir
 from dcr.receiver.weights import short
 from dcr.transport.receive import ReceiveStopped, Source, receive
@@ -51,6 +52,7 @@ class Agent(Protocol):
 
     name: str
     engine: Driver
+    group: Group | None  # the members of a replica spanning pods, on its leader's agent
     staging: StagingDir
     staging_bytes: int
     counters: Counters
@@ -189,10 +191,16 @@ class Run:
                     break  # received and all applied: check, then flush ends the attempt
                 staged = self.staged[i]
             assert staged is not None
+            if agent.group is not None:  # every pod of the group must have the file
+                agent.group.ready(self.spec, staged.name, self.stop)
+                if self.stop.is_set():
+                    return
             t0 = time.perf_counter()
             outcome = agent.engine.apply([staged.name])  # every rank reads the file
             seconds = time.perf_counter() - t0
             agent.staging.remove(staged.name)
+            if agent.group is not None:
+                agent.group.release(self.spec.attempt, staged.name)
             with self.cond:
                 self.staged[i] = None
                 self.staged_bytes -= staged.size

@@ -33,7 +33,9 @@ from dcr.settings import add_options, from_args
 
 if TYPE_CHECKING:
     from dcr.drivers.base import CanonicalSpec, Driver
-    from dcr.receiver.service import AgentService
+    from dcr.receiver.fromstore import FromStore
+    from dcr.receiver.member import MemberService
+    from dcr.receiver.service import AgentService, SourceFor
 
 ATTACH_RETRY_S = 1.0  # how often the agent tries again to meet an engine that is not up
 
@@ -83,13 +85,13 @@ def canonical_tensors(checkpoint: Path) -> list[CanonicalSpec]:
                 for i in ckpt]
 
 
-def build_service(s: AgentSettings, engine: Driver | None = None) -> AgentService:
+def _sources(s: AgentSettings) -> tuple[SourceFor, FromStore | None, list[CanonicalSpec]]:
+    """Where an attempt's payloads come from, the store's history for dense loads (with
+    a store), and the canonical tensors."""
     from dcr.files.history import HistoryStore
     from dcr.format.manifest import limits_for
     from dcr.protocol.agent_api import AttemptSpec
     from dcr.receiver.fromstore import FromStore
-    from dcr.receiver.journal import Journal
-    from dcr.receiver.service import AgentService, SourceFor
     from dcr.transport.receive import Source, StoreSource
     from dcr.transport.store import open_store
 
@@ -117,12 +119,35 @@ def build_service(s: AgentSettings, engine: Driver | None = None) -> AgentServic
                                   f"{spec.attempt} has {spec.owners} owners.")
             return RelaySource(relay, relay_token, spec.attempt, limits)
 
+    return source_for, from_store, canonical
+
+
+def build_service(s: AgentSettings, engine: Driver | None = None) -> AgentService:
+    from dcr.receiver.group import Group
+    from dcr.receiver.journal import Journal
+    from dcr.receiver.member_api import MemberClient
+    from dcr.receiver.service import AgentService
+
+    source_for, from_store, canonical = _sources(s)
+    group = None
+    if s.members:
+        token = (_token(s.member_token_file, AGENT_TOKEN_ENV) if s.member_token_file
+                 else _token(s.token_file, AGENT_TOKEN_ENV))
+        group = Group(tuple(MemberClient(url, token) for url in s.members))
     return AgentService(s.name, engine or build_engine(s), source_for,
                         canonical=canonical, staging_dir=s.staging_dir,
                         version=s.start_version, journal=Journal(s.state_dir / "journal.json"),
                         staging_bytes=s.staging_bytes, checkpoint_root=s.dense_root,
                         store=from_store,
-                        max_wait_s=s.max_wait_s, pause_mode=s.pause_mode)
+                        max_wait_s=s.max_wait_s, pause_mode=s.pause_mode, group=group)
+
+
+def build_member(s: AgentSettings) -> MemberService:
+    from dcr.receiver.member import MemberService
+
+    source_for, from_store, _ = _sources(s)
+    return MemberService(s.name, source_for, staging_dir=s.staging_dir,
+                         staging_bytes=s.staging_bytes, store=from_store)
 
 
 def attach_in_background(service: AgentService) -> threading.Thread:
@@ -172,11 +197,32 @@ async def _serve(service: AgentService, token: str, s: AgentSettings) -> None:
         await runner.cleanup()
 
 
+async def _serve_member(member: MemberService, token: str, s: AgentSettings) -> None:
+    from aiohttp import web
+
+    from dcr.receiver.member import make_member_app
+
+    host, _, port = s.listen.rpartition(":")
+    runner = web.AppRunner(make_member_app(member, token), access_log=None,
+                           handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, host or "127.0.0.1", int(port)).start()
+    bound = runner.addresses[0][1]
+    print(json.dumps({"url": f"http://{host or '127.0.0.1'}:{bound}", "name": member.name,
+                      "role": "member"}), flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
 def run(s: AgentSettings) -> int:
     token = _token(s.token_file, AGENT_TOKEN_ENV)
-    service = build_service(s)
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_serve(service, token, s))
+        if s.role == "member":
+            asyncio.run(_serve_member(build_member(s), token, s))
+        else:
+            asyncio.run(_serve(build_service(s), token, s))
     return 0
 
 

@@ -30,6 +30,7 @@ from dcr.protocol.records import Attempt
 from dcr.protocol.state import FINAL, AttemptState, advance
 from dcr.receiver.attempt import AttemptFailed, Counters, FingerprintMismatch, Run
 from dcr.receiver.fromstore import FromStore, NotVouched
+from dcr.receiver.group import Group, GroupError
 from dcr.receiver.journal import Journal
 from dcr.receiver.settings import AgentSettings
 from dcr.receiver.staging import StagingDir
@@ -61,16 +62,19 @@ class AgentService:
                  checkpoint_root: Path | None = None,
                  store: FromStore | None = None,
                  max_wait_s: float = AgentSettings.max_wait_s,
-                 pause_mode: PauseMode = AgentSettings.pause_mode) -> None:
+                 pause_mode: PauseMode = AgentSettings.pause_mode,
+                 group: Group | None = None) -> None:
         """``canonical``: the tensors the engine's ranks are prewarmed with.
         ``staging_dir``: the directory shared with the engine, as this process sees it.
         ``checkpoint_root``: dense loads only from under it, passed to the engine
         relative to it (the engine resolves them under its own checkpoint root).
         ``store``: the store's history; with it every dense load is checked against
         the fingerprints it vouches for, and a rejoin needs no checkpoint path (the
-        version is built under ``checkpoint_root`` from the store)."""
+        version is built under ``checkpoint_root`` from the store). ``group``: the member
+        agents of a replica spanning pods, whose engine this agent drives as its leader."""
         self.name = name
         self.engine = engine
+        self.group = group
         self.source_for = source_for
         self.canonical = list(canonical)
         self.staging = StagingDir(staging_dir)
@@ -281,6 +285,11 @@ class AgentService:
             self._between_attempts("a new attempt")
             self._not_loading("a new attempt")
         instance = self.attach()  # a restarted engine makes the weights unknown first
+        if self.group is not None:
+            try:
+                self.group.stage(spec)
+            except GroupError as e:
+                raise AgentConflict(f"{self.name}: {e}") from e
         with self._cond:
             self._between_attempts("a new attempt")
             if spec.attempt in self._obsolete:
@@ -389,6 +398,8 @@ class AgentService:
                                    if manifest is not None else {})
             self.move(run, S.COMMITTED)
         self.staging.clear(attempt)
+        if self.group is not None:
+            self.group.end(attempt)
         now = self._instance_now()  # a restart since the flush: the label must not lie
         with self._cond:
             if now is not None:
@@ -419,6 +430,8 @@ class AgentService:
                 run.staged_bytes = 0
                 self.move(run, S.OBSOLETE)
         self.staging.clear(attempt)
+        if self.group is not None:
+            self.group.end(attempt)
         return self.snapshot()
 
     def rejoin(self, version: int, checkpoint: str | None = None) -> AgentStatus:
@@ -447,6 +460,11 @@ class AgentService:
             expect = self._vouched(version)
             if relative is None:
                 relative = self._dense_path(self._from_store(version))
+                if self.group is not None:  # the worker pods' ranks read their own roots
+                    try:
+                        self.group.dense(version, relative, self.max_wait_s)
+                    except GroupError as e:
+                        raise AgentConflict(f"{self.name}: {e}") from e
             self._pause()
             self.engine.check_dense(relative, expect)
         except BaseException as e:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 from dcr.errors import ConfigError
+from dcr.http.direct import check_url
 from dcr.settings import GiB, MiB, option
 
 CLIENT_ROUTES: tuple[str, ...] = (
@@ -56,11 +57,23 @@ class AgentSettings:
                                            doc="file holding the relay's read token (it "
                                            "cannot push); checked as --token-file (default: "
                                            f"${RELAY_TOKEN_ENV})")
+    role: Literal["agent", "member"] = option(
+        "agent", doc="agent: drive the engine beside it (a replica's pod, or a group's "
+        "leader pod); member: a worker pod of a group, which stages payloads for the "
+        "leader's agent and drives no engine (docs/engines.md, \"Replicas across pods\")")
+    members: tuple[str, ...] = option((), flag="--member", metavar="URL",
+                                      doc="a member agent of this agent's group (a worker "
+                                      "pod; repeatable): each payload is applied once "
+                                      "every member has staged it")
+    member_token_file: Path | None = option(None, metavar="PATH",
+                                            doc="file holding the members' bearer token "
+                                            "(default: this agent's own token)")
     engine: Literal["vllm", "sglang"] = option(
         "vllm", doc="the serving engine beside the agent: vllm (vLLM, or dcr serve, which "
         "speaks its dialect) or sglang")
-    engine_url: str = option(metavar="URL", doc="the engine's HTTP API, e.g. "
-                             "http://127.0.0.1:8000 (in the pod: loopback)")
+    engine_url: str = option("", metavar="URL", doc="the engine's HTTP API, e.g. "
+                             "http://127.0.0.1:8000 (in the pod: loopback); required but "
+                             "for a member")
     engine_api_key_file: Path | None = option(None, metavar="PATH",
                                               doc="file holding the engine's API key (SGLang: "
                                               "its admin key); checked as --token-file "
@@ -148,9 +161,14 @@ class AgentSettings:
         if self.engine == "sglang" and self.pause_mode == "wait":
             raise ConfigError(f"Agent {self.name!r}: SGLang cannot pause with requests in "
                               "flight finishing; give --pause-mode abort or keep.")
-        if not self.engine_url.startswith(("http://", "https://")):
+        if self.role == "agent" and not self.engine_url.startswith(("http://", "https://")):
             raise ConfigError(f"Agent {self.name!r}: --engine-url {self.engine_url[:80]!r} "
                               "is not an http(s) URL.")
+        if self.role == "member" and (self.members or self.client_listen):
+            raise ConfigError(f"Agent {self.name!r}: a member stages for its leader; "
+                              "--member and --client-listen belong on the leader's agent.")
+        for url in self.members:
+            check_url(url, f"Agent {self.name!r}: --member")
         limits = (self.max_waits, self.max_wait_s, self.liveness_timeout_s)
         if min(limits) <= 0:
             raise ConfigError(f"Agent {self.name!r}: max_waits, max_wait_s and "

@@ -231,7 +231,7 @@ class EngineRank:
         for d in self.derived.layers:
             log.info("Rank %s: layer %s is derived (%s): %s", self.rank, d.name, d.kind, d.why)
         return {"rank": self.rank, "profile": dict(profile.tensors),
-                "regions": profile.model_dump(mode="json")["regions"],
+                "regions": profile.model_dump(mode="json").get("regions", {}),
                 "derived": len(self.derived.layers), "kept_bytes": self.derived.kept_bytes(),
                 "unfilled": [d.name for d in self.derived.unfilled][:MAX_UNFILLED]}
 

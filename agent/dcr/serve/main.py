@@ -46,7 +46,7 @@ async def _serve(s: ServeSettings, key: str | None) -> None:
 
     from dcr.serve.server import make_app, new_workers
 
-    workers = new_workers(s)
+    workers = new_workers(s, key)
     runner = web.AppRunner(make_app(s, workers, key), access_log=None,
                            handler_cancellation=True)
     await runner.setup()

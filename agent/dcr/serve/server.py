@@ -113,7 +113,8 @@ def make_app(s: ServeSettings, workers: Workers, api_key: str | None) -> web.App
 
     async def collective_rpc(request: web.Request) -> web.StreamResponse:
         body: RpcBody = _parse(RpcBody, await request.read())
-        job = st.run("rpc", workers.call, body.method, body.args, body.kwargs)
+        job = st.run("rpc", workers.call, body.method, body.args, body.kwargs,
+                     body.timeout or 600.0)
         try:
             results = await asyncio.wait_for(job, body.timeout)
         except TimeoutError:
@@ -199,11 +200,14 @@ def make_app(s: ServeSettings, workers: Workers, api_key: str | None) -> web.App
     return app
 
 
-def new_workers(s: ServeSettings) -> Workers:
-    """The workers of ``s``, loaded, behind one model lock."""
+def new_workers(s: ServeSettings, api_key: str | None = None) -> Workers:
+    """The workers of ``s``, loaded, behind one model lock, with its peers (called with
+    this server's API key)."""
+    from dcr.drivers.vllm import VllmDriver
     from dcr.serve.workers import build_workers
 
-    return Workers(build_workers(s), threading.Lock())
+    peers = tuple(VllmDriver(url, api_key) for url in s.peers)
+    return Workers(build_workers(s), threading.Lock(), peers)
 
 
 __all__ = ["make_app", "new_workers"]

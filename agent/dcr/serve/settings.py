@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 from dcr.errors import ConfigError
+from dcr.http.direct import check_url
 from dcr.settings import option
 
 API_KEY_ENV = "DCR_SERVE_API_KEY"
@@ -44,6 +45,11 @@ class ServeSettings:
                           doc="vllm-ref: pipeline stages, each of --tp-size ranks, every "
                           "one a worker in this process; rank = stage * tp-size + TP rank, "
                           "as vLLM numbers them")
+    peers: tuple[str, ...] = option((), flag="--peer", metavar="URL",
+                                    doc="another dcr serve holding more ranks of this "
+                                    "replica (a worker pod of a group; repeatable): plugin "
+                                    "calls reach its ranks too, with this server's API "
+                                    "key; the completions and the gate stay here")
     fp8: tuple[str, ...] = option((), metavar="MODULE",
                                   doc="vllm-ref: module suffix stored as FP8 (repeatable)")
     api_key_file: Path | None = option(None, metavar="PATH",
@@ -93,6 +99,8 @@ class ServeSettings:
         if self.tp_rank is not None and not 0 <= self.tp_rank < self.tp_size:
             raise ConfigError(f"--tp-rank {self.tp_rank} is outside 0..{self.tp_size - 1} "
                               f"(--tp-size {self.tp_size}).")
+        for url in self.peers:
+            check_url(url, "--peer")
         if self.min_step_s < 0:
             raise ConfigError(f"--min-step-s {self.min_step_s} is negative.")
         limits = (self.tp_size, self.pp_size, self.max_running, self.max_input_tokens,

@@ -8,6 +8,7 @@ rank in order under the model lock, so weights never change under a forward.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from transformers import PreTrainedModel
 
 from dcr.apply.applier import Loader
 from dcr.checkpoint import Checkpoint
+from dcr.drivers.vllm import VllmDriver
 from dcr.errors import DcrError
 from dcr.runtimes import build_runtime
 from dcr.runtimes.hf import HFRuntime
@@ -93,18 +95,28 @@ class UnknownMethod(DcrError, ValueError):
 
 @dataclass(eq=False)
 class Workers:
-    """Every worker of this process, and the lock between weight changes and forwards."""
+    """Every worker of this process, and the lock between weight changes and forwards;
+    ``peers``: the other processes of this replica (``--peer``), whose ranks a plugin
+    call reaches too, as vLLM's ``collective_rpc`` reaches every node's workers."""
 
     workers: list[ServeWorker]
     lock: threading.Lock
+    peers: tuple[VllmDriver, ...] = ()
 
-    def call(self, method: str, args: list[str], kwargs: dict[str, str]) -> list[Any]:
-        """``method`` on every worker in rank order (vLLM's ``collective_rpc``)."""
+    def call(self, method: str, args: list[str], kwargs: dict[str, str],
+             timeout_s: float = 600.0) -> list[Any]:
+        """``method`` on every worker, here and then on each peer (vLLM's
+        ``collective_rpc``); the answers carry their ranks. A peer that fails or does
+        not answer fails the call, naming it."""
         if method not in PLUGIN_METHODS:
             raise UnknownMethod(f"Method {method[:64]!r} is not one of DCR's plugin methods "
                                 f"{list(PLUGIN_METHODS)}.")
         with self.lock:
-            return [getattr(w, method)(*args, **kwargs) for w in self.workers]
+            results = [getattr(w, method)(*args, **kwargs) for w in self.workers]
+            for peer in self.peers:
+                arg = json.loads(args[0]) if args else None
+                results += peer.rpc(method, arg, timeout_s=timeout_s)
+            return results
 
     @property
     def forward(self) -> Callable[[torch.Tensor], torch.Tensor] | None:

@@ -1,0 +1,224 @@
+"""A replica spanning two pods: one receiver, driven through its leader's agent.
+
+The leader pod runs ``dcr serve`` with TP rank 0 and ``--peer`` the worker pod's server,
+which holds TP rank 1; every plugin call on the leader reaches both ranks. The pods share
+nothing but the store: each has its own staging directory and checkpoint root (its own
+copy of the starting checkpoint). The worker pod's agent runs as a ``member``: it stages
+every payload the leader's agent is told about into the worker's staging directory, and
+the leader applies a payload only once it is staged there too. Refits are bit-exact on
+both ranks (fingerprints through the leader, against a dense load of the target), checked
+per rank; killing the worker pod (its server and its member) mid-refit fails the attempt
+and leaves the group out until it is back; then the leader's agent sees a new instance,
+both pods build the committed version from the store's history under their own roots,
+the group loads it densely and the refit commits.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dcr.drivers.base import merge_fingerprints
+from dcr.files.history import HistoryStore
+from dcr.owner.process import ProcessOwner
+from dcr.protocol.commitstore import SqliteCommitStore
+from dcr.protocol.coordinator import Coordinator, CoordinatorSettings, RefitFailed
+from dcr.protocol.records import CommitRecord
+from dcr.receiver.member_api import MemberClient, MemberError
+from dcr.refit.launch import AgentProcess, ServeProcess
+from dcr.refit.trainer import reference_fingerprint
+from dcr.transport.store import FileStore
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow, pytest.mark.e2e]
+
+TOKEN = "group-test-token-0123456789abcdef"
+API_KEY = "group-test-api-key-0123456789abcd"
+LLAMA = LlamaConfig(vocab_size=2048, hidden_size=128, intermediate_size=256,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    tie_word_embeddings=False)
+V0 = CommitRecord(committed_version=0, baseline_id="ckpt-0", attempt="")
+SETTINGS = CoordinatorSettings(attempt_timeout_s=90.0)
+
+
+@pytest.fixture(scope="module")
+def versions(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Versions 0..2 of a tiny Llama (the training side's checkpoints)."""
+    root = tmp_path_factory.mktemp("llama")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LLAMA).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(1)
+    for v in range(3):
+        if v:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1e-2 * torch.randn(p.shape, generator=gen).to(p.dtype))
+        model.save_pretrained(root / f"v{v}")
+    return root
+
+
+@dataclass(eq=False)
+class Pods:
+    """The two pods of one replica, each with its server, agent, staging and root."""
+
+    tmp: Path
+    versions: Path
+
+    def __post_init__(self) -> None:
+        self.store = self.tmp / "store"
+        self.store.mkdir()
+        for pod in ("leader", "worker"):
+            shutil.copytree(self.versions / "v0", self.root(pod) / "v0")
+            self.staging(pod).mkdir(parents=True)
+        self.worker_serve = self._serve("worker", ["--tp-rank", "1"])
+        self.leader_serve = self._serve("leader", ["--tp-rank", "0", "--peer",
+                                                   self.worker_serve.url])
+        self.member = self._agent("worker", ["--role", "member"])
+        self.leader = self._agent("leader", ["--engine-url", self.leader_serve.url,
+                                             "--member", self.member.url])
+        for p in (self.worker_serve, self.leader_serve, self.member, self.leader):
+            p.start()
+        for p in (self.worker_serve, self.leader_serve, self.member, self.leader):
+            p.wait_ready()
+        self.client = self.leader.client(timeout_s=120.0)
+        self.client.profile()  # the leader's agent has met and prewarmed both ranks
+
+    def root(self, pod: str) -> Path:
+        return self.tmp / pod / "ckpts"
+
+    def staging(self, pod: str) -> Path:
+        return self.tmp / pod / "staging"
+
+    def _serve(self, pod: str, extra: list[str]) -> ServeProcess:
+        return ServeProcess(
+            name=f"serve-{pod}", workdir=self.tmp / pod / "serve", api_key=API_KEY,
+            args=["--runtime", "vllm-ref", "--model", str(self.root(pod) / "v0"),
+                  "--tp-size", "2", "--staging-dir", str(self.staging(pod)),
+                  "--checkpoint-root", str(self.root(pod)), "--weight-version", "0", *extra])
+
+    def _agent(self, pod: str, extra: list[str]) -> AgentProcess:
+        key = self.tmp / pod / "engine-key"
+        key.write_text(API_KEY + "\n")
+        key.chmod(0o600)
+        return AgentProcess(
+            name=f"{pod}-agent", state_dir=self.tmp / pod / "agent", token=TOKEN,
+            args=["--store", self.store.as_uri(), "--staging-dir", str(self.staging(pod)),
+                  "--canonical", str(self.root(pod) / "v0"), "--model-version", "0",
+                  "--engine-api-key-file", str(key), "--staging-mib", "64", *extra])
+
+    def coordinator(self, owner: ProcessOwner, commits: SqliteCommitStore) -> Coordinator:
+        history = HistoryStore(FileStore(self.store))
+        return Coordinator(commits, [owner], [self.client], settings=SETTINGS,
+                           on_commit=lambda rec, n: history.commit(rec.committed_version,
+                                                                   rec.attempt, n))
+
+    def owner(self) -> ProcessOwner:
+        return ProcessOwner(store_uri=self.store.as_uri(),
+                            checkpoints=lambda v: self.versions / f"v{v}", version=0,
+                            timeout_s=120.0)
+
+    def instance(self) -> str:
+        """The engine instance the leader's agent journaled: every rank's, joined."""
+        return str(json.loads((self.tmp / "leader" / "agent" / "journal.json")
+                              .read_text())["instance"])
+
+    def close(self) -> None:
+        for p in (self.leader, self.member, self.leader_serve, self.worker_serve):
+            p.kill()
+
+    def assert_holds(self, version: int) -> None:
+        """Both ranks, across both pods, hold a dense load of ``version`` bit for bit."""
+        want = merge_fingerprints([reference_fingerprint(self.versions / f"v{version}",
+                                                         "vllm-ref", tp_size=2, tp_rank=r)
+                                   for r in range(2)])
+        got = self.client.fingerprint()
+        assert got.keys() == want.keys()
+        assert [n for n in want if got[n] != want[n]] == []
+        st = self.client.status()
+        assert (st.version, st.dirty, st.unknown) == (version, None, None)
+        for pod in ("leader", "worker"):  # nothing left behind in either pod
+            assert [p.name for p in self.staging(pod).iterdir()
+                    if p.name.endswith(".dcrp")] == []
+
+
+@pytest.fixture
+def pods(tmp_path: Path, versions: Path) -> Iterator[Pods]:
+    p = Pods(tmp_path, versions)
+    yield p
+    p.close()
+
+
+def test_a_replica_of_two_pods_refits_bit_exact_on_every_rank(pods: Pods) -> None:
+    commits = SqliteCommitStore(pods.tmp / "commit.db", V0)
+    c = pods.coordinator(pods.owner(), commits)
+    for v in (1, 2):
+        record = c.refit(v, f"ckpt-{v}")
+        assert record.committed_version == v
+        pods.assert_holds(v)
+    assert [h.outcome for h in c.history] == ["committed", "committed"]
+    assert [h.receivers for h in c.history] == [("leader-agent",)] * 2  # one receiver
+    log = pods.member.log_path.read_text()
+    assert all(f"staging attempt {h.attempt}" in log for h in c.history)
+    c.close()
+
+
+def test_the_member_refuses_without_the_token_and_names_an_attempt_it_does_not_hold(
+        pods: Pods) -> None:
+    with pytest.raises(MemberError, match="401"):
+        MemberClient(pods.member.url, "wrong-token-0123456789abcdef").status("a-0000000000aa")
+    member = MemberClient(pods.member.url, TOKEN)
+    with pytest.raises(MemberError, match=r"attempt a-0000000000aa is not held here"):
+        member.status("a-0000000000aa")
+    with pytest.raises(MemberError, match="is not a plain file name"):
+        member.release("a-0000000000aa", ["../../etc/passwd"])
+
+
+def test_a_worker_pod_killed_mid_refit_is_rebuilt_from_the_store_and_the_refit_commits(
+        pods: Pods) -> None:
+    commits = SqliteCommitStore(pods.tmp / "commit.db", V0)
+    c = pods.coordinator(pods.owner(), commits)
+    c.refit(1, "ckpt-1")
+    pods.assert_holds(1)
+    before = pods.instance()
+
+    killed = threading.Event()
+
+    def kill_when_staged() -> None:  # the worker pod dies once the attempt reached it
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if any(p.name.endswith(".dcrp") for p in pods.staging("worker").iterdir()):
+                pods.worker_serve.kill()
+                pods.member.kill()
+                killed.set()
+                return
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=kill_when_staged)
+    watcher.start()
+    with pytest.raises(RefitFailed, match="Only 0 receivers can take part in 1 -> 2"):
+        c.refit(2, "ckpt-2")  # the group cannot take part while its worker pod is gone
+    watcher.join()
+    assert killed.is_set()
+    failed = c.history[1]
+    assert (failed.mode, failed.outcome.split(":")[0]) == ("mixed", "failed")
+    assert pods.worker_serve.url in failed.outcome or "member" in failed.outcome
+
+    pods.worker_serve.restart()  # the worker pod comes back: its rank loaded v0 at start
+    pods.member.restart()
+    record = c.refit(2, "ckpt-2")
+    assert record.committed_version == 2
+    assert c.history[-1].rejoined == ("leader-agent",)  # the group rebuilt v1 densely
+    assert c.history[-1].outcome == "committed"  # clean at v1 again: a mixed attempt
+    assert pods.instance() != before  # the worker pod's rank is a new instance
+    built = [p.name for p in pods.root("worker").iterdir() if p.name != "v0"]
+    assert built, "the member built the committed version under the worker's own root"
+    pods.assert_holds(2)
+    c.close()
