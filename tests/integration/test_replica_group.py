@@ -19,13 +19,12 @@ import json
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig
 
 from dcr.drivers.base import merge_fingerprints
 from dcr.files.history import HistoryStore
@@ -50,18 +49,11 @@ SETTINGS = CoordinatorSettings(attempt_timeout_s=90.0)
 
 
 @pytest.fixture(scope="module")
-def versions(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Versions 0..2 of a tiny Llama (the training side's checkpoints)."""
+def versions(tmp_path_factory: pytest.TempPathFactory,
+             export_llama_versions: Callable[..., None]) -> Path:
+    """Versions 0..2 of a tiny Llama, an AdamW step apart (the training side's)."""
     root = tmp_path_factory.mktemp("llama")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LLAMA).to(torch.bfloat16)
-    gen = torch.Generator().manual_seed(1)
-    for v in range(3):
-        if v:
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(1e-2 * torch.randn(p.shape, generator=gen).to(p.dtype))
-        model.save_pretrained(root / f"v{v}")
+    export_llama_versions(root, LLAMA)
     return root
 
 
