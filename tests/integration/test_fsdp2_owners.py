@@ -84,3 +84,45 @@ def test_fsdp2_ranks_are_the_owners_and_receivers_end_bit_exact(ranks: TrainerRa
     parts = sorted(p.name for p in (tmp_path / "store").rglob("manifest-o*.dcrm"))
     assert parts == sorted([f"manifest-o{r:04d}.dcrm" for r in range(WORLD)] * 2)
     coord.close()
+
+
+MESH_2D = """
+import socket, sys
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from dcr.errors import ConfigError
+from dcr.owner.layouts import fsdp2_shards
+
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+module = torch.nn.Linear(8, 4, bias=False, dtype=torch.bfloat16)
+module.weight = torch.nn.Parameter(distribute_tensor(module.weight.data, mesh,
+                                                     [Replicate(), Shard(0)]))
+try:
+    fsdp2_shards(module, rank=0, ranks=1)
+except ConfigError as e:
+    print(e)
+    sys.exit(0)
+finally:
+    dist.destroy_process_group()
+sys.exit("no refusal")
+"""
+
+
+def test_a_parameter_on_a_two_dimensional_mesh_is_refused_by_name(tmp_path: Path) -> None:
+    """HSDP (replicate x shard) and FSDP with TP place a parameter on two mesh dimensions,
+    which the FSDP2 projection does not read: refused naming the parameter and its
+    placements, never published as if it were a one-dimensional chunk."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", MESH_2D], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "weight is placed (Replicate(), Shard(dim=0))" in done.stdout
+    assert "Shard(0) on one mesh dimension" in done.stdout
