@@ -128,8 +128,20 @@ def test_a_refit_through_four_ranks_of_two_stages_is_bit_exact_and_checked_per_s
     coord.close()
 
 
-def test_serve_refuses_what_it_cannot_place_with_pipeline_stages(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"--pp-size 2 and --fp8 \[\] are for vllm-ref"):
+def test_what_the_reference_cannot_place_is_refused_by_name(tmp_path: Path) -> None:
+    """Stages with options that mean one rank, more stages than layers, tied embeddings
+    across stages, and a MoE checkpoint with shared experts (not modelled)."""
+    from transformers import Qwen2MoeConfig
+
+    from dcr.runtimes import build_runtime
+
+    Qwen2MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                   num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                   moe_intermediate_size=16, shared_expert_intermediate_size=64,
+                   ).save_pretrained(tmp_path / "shared")
+    with pytest.raises(ConfigError, match=r"has shared experts \(shared_expert_intermediate"):
+        build_runtime("vllm-ref", tmp_path / "shared")
+    with pytest.raises(ConfigError, match=r"--pp-size 2, --fp8 \[\] and --expert-parallel are"):
         ServeSettings(runtime="hf", model=tmp_path, pp_size=2)
     with pytest.raises(ConfigError, match="with --pp-size 2 this process holds every rank"):
         ServeSettings(runtime="vllm-ref", model=tmp_path, tp_size=2, tp_rank=1, pp_size=2)

@@ -29,8 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from promtext import matching, samples
-from transformers import LlamaConfig
+from safetensors.torch import save_file
+from transformers import LlamaConfig, Qwen2MoeConfig
 
 from dcr.apply.plan import CanonicalTensor
 from dcr.checkpoint import Checkpoint
@@ -41,6 +43,7 @@ from dcr.format.names import Mode
 from dcr.format.profile import ReceiverProfile
 from dcr.owner.diff import diff_checkpoints
 from dcr.owner.settings import EncodeSettings
+from dcr.runtimes.vllm_reference import ReferenceConfig, random_checkpoint
 from dcr.settings import MiB
 from dcr.transport.store import MemoryStore
 
@@ -61,6 +64,35 @@ def ckpt_root(tmp_path_factory: pytest.TempPathFactory,
     directory in BF16, one real AdamW step apart (lr 1e-3, random tokens)."""
     root = tmp_path_factory.mktemp("ckpts")
     export_llama_versions(root, LLAMA)
+    return root
+
+
+MOE = ReferenceConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, tie_word_embeddings=False, num_experts=4,
+                      moe_intermediate_size=32)
+
+
+@pytest.fixture(scope="module")
+def moe_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Versions 0..2 of a tiny MoE in the Qwen2-MoE layout without shared experts (the
+    reference's), each a safetensors file and a config.json, about 3% of elements apart."""
+    root = tmp_path_factory.mktemp("moe")
+    state = random_checkpoint(MOE, 0)
+    gen = torch.Generator().manual_seed(1)
+    for v in range(3):
+        if v:
+            state = {n: torch.where(torch.rand(t.shape, generator=gen) < 0.03,
+                                    (t.float() * 1.05 + 1e-3).to(torch.bfloat16), t)
+                     for n, t in state.items()}
+        (root / f"v{v}").mkdir()
+        save_file(state, root / f"v{v}" / "model.safetensors")
+        Qwen2MoeConfig(vocab_size=MOE.vocab_size, hidden_size=MOE.hidden_size,
+                       intermediate_size=MOE.intermediate_size,
+                       num_hidden_layers=MOE.num_layers, num_attention_heads=MOE.num_heads,
+                       num_key_value_heads=MOE.num_kv_heads, num_experts=MOE.num_experts,
+                       moe_intermediate_size=MOE.moe_intermediate_size,
+                       shared_expert_intermediate_size=0,
+                       tie_word_embeddings=False).save_pretrained(root / f"v{v}")
     return root
 
 
@@ -192,19 +224,31 @@ def until(server: Server, name: str, value: int, timeout_s: float = 60.0) -> Non
 # --- tests -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("runtime", "tp", "pp"), [("hf", 1, 1), ("vllm-ref", 2, 1),
-                                                   ("vllm-ref", 2, 2)])
+@pytest.mark.parametrize(("runtime", "tp", "pp", "model"), [
+    ("hf", 1, 1, "llama"), ("vllm-ref", 2, 1, "llama"), ("vllm-ref", 2, 2, "llama"),
+    ("vllm-ref", 2, 1, "moe"), ("vllm-ref", 2, 1, "moe-ep")])
 def test_staged_payloads_applied_through_the_plugin_equal_a_dense_load_on_every_rank(
-        servers: Servers, runtime: str, tp: int, pp: int) -> None:
-    """Also with two pipeline stages of two TP ranks: each stage applies what it holds,
-    and every rank checks its tensors and regions against the manifest."""
+        servers: Servers, moe_root: Path, runtime: str, tp: int, pp: int,
+        model: str) -> None:
+    """Also with two pipeline stages of two TP ranks, where each stage applies what it
+    holds, and with a MoE whose experts each rank shards, or holds whole and skips the
+    other rank's (``--expert-parallel``); every rank checks its tensors and regions
+    against the manifest."""
     extra = ("--pp-size", str(pp)) if pp > 1 else ()
+    if model != "llama":
+        servers.root = moe_root
+        extra += ("--expert-parallel",) if model == "moe-ep" else ()
     refit = servers.start(runtime, tp=tp, extra=extra)
     dense = servers.start(runtime, tp=tp, extra=extra)
     tensors = canonical(servers.root / "v0")
     profile = refit.engine.prewarm(tensors).profile
     assert set(profile.tensors) == {t.name for t in tensors}
     assert bool(profile.regions) == (tp > 1)
+    experts = [n for n in profile.tensors if ".experts." in n]
+    assert bool(experts) == (model != "llama")
+    # sharded experts are checked by region; an EP rank holds its experts whole
+    assert [n for n in experts if n in profile.regions] == ([] if model == "moe-ep"
+                                                             else experts)
     start = refit.engine.fingerprint()
     ranks = tp * pp
     assert len(start) == ranks

@@ -26,6 +26,7 @@ class RuntimeOptions:
     tp_rank: int = 0  # vllm-ref: this rank
     pp_size: int = 1  # vllm-ref: pipeline stages
     pp_rank: int = 0  # vllm-ref: this stage
+    ep: bool = False  # vllm-ref: experts split across the TP ranks instead of sharded
     fp8: tuple[str, ...] = ()  # vllm-ref: module suffixes stored as FP8
     device: str = "cpu"  # hf: where the weights live
 
@@ -45,13 +46,20 @@ def _vllm_reference(config: Any, o: RuntimeOptions) -> Runtime:
     from dcr.runtimes.vllm import VllmRuntime
     from dcr.runtimes.vllm_reference import ReferenceConfig, ReferenceModel
 
+    if getattr(config, "shared_expert_intermediate_size", 0):
+        raise ConfigError(f"The checkpoint's {config.model_type} has shared experts "
+                          f"(shared_expert_intermediate_size "
+                          f"{config.shared_expert_intermediate_size}), which the vLLM-layout "
+                          "reference does not model.")
     ref = ReferenceConfig(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers,
         num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
         tie_word_embeddings=bool(config.tie_word_embeddings), fp8_modules=o.fp8,
+        num_experts=int(getattr(config, "num_experts", 0) or 0),
+        moe_intermediate_size=int(getattr(config, "moe_intermediate_size", 0) or 0),
     )
-    return VllmRuntime(ReferenceModel(ref, tp_size=o.tp_size, tp_rank=o.tp_rank,
+    return VllmRuntime(ReferenceModel(ref, tp_size=o.tp_size, tp_rank=o.tp_rank, ep=o.ep,
                                       pp_size=o.pp_size, pp_rank=o.pp_rank))
 
 
@@ -62,8 +70,8 @@ RUNTIMES: dict[str, Callable[[Any, RuntimeOptions], Runtime]] = {
 
 
 def build_runtime(kind: str, model_dir: Path, *, tp_size: int = 1, tp_rank: int = 0,
-                  pp_size: int = 1, pp_rank: int = 0, fp8: tuple[str, ...] = (),
-                  device: str = "cpu") -> Runtime:
+                  pp_size: int = 1, pp_rank: int = 0, ep: bool = False,
+                  fp8: tuple[str, ...] = (), device: str = "cpu") -> Runtime:
     """A runtime of ``kind`` shaped by ``model_dir``'s ``config.json`` (weights not loaded)."""
     try:
         builder = RUNTIMES[kind]
@@ -75,4 +83,4 @@ def build_runtime(kind: str, model_dir: Path, *, tp_size: int = 1, tp_rank: int 
     if device != "cpu" and kind != "hf":
         raise ConfigError(f"Runtime {kind!r} holds its weights on the CPU only, not on {device!r}.")
     return builder(config, RuntimeOptions(tp_size=tp_size, tp_rank=tp_rank, pp_size=pp_size,
-                                          pp_rank=pp_rank, fp8=fp8, device=device))
+                                          pp_rank=pp_rank, ep=ep, fp8=fp8, device=device))

@@ -45,6 +45,10 @@ class ServeSettings:
                           doc="vllm-ref: pipeline stages, each of --tp-size ranks, every "
                           "one a worker in this process; rank = stage * tp-size + TP rank, "
                           "as vLLM numbers them")
+    expert_parallel: bool = option(False, doc="vllm-ref: split a MoE model's experts "
+                                   "across the --tp-size ranks (each holds whole experts, "
+                                   "vLLM's --enable-expert-parallel) instead of sharding every "
+                                   "expert")
     peers: tuple[str, ...] = option((), flag="--peer", metavar="URL",
                                     doc="another dcr serve holding more ranks of this "
                                     "replica (a worker pod of a group; repeatable): plugin "
@@ -89,10 +93,11 @@ class ServeSettings:
         _, sep, port = self.listen.rpartition(":")
         if not sep or not port.isdigit() or int(port) > 65535:
             raise ConfigError(f"--listen {self.listen!r} is not HOST:PORT.")
-        if self.runtime == "hf" and (self.tp_size != 1 or self.pp_size != 1 or self.fp8):
+        if self.runtime == "hf" and (self.tp_size != 1 or self.pp_size != 1 or self.fp8
+                                     or self.expert_parallel):
             raise ConfigError(f"--runtime hf holds one rank in BF16; --tp-size {self.tp_size}, "
-                              f"--pp-size {self.pp_size} and --fp8 {list(self.fp8)} are for "
-                              "vllm-ref.")
+                              f"--pp-size {self.pp_size}, --fp8 {list(self.fp8)} and "
+                              "--expert-parallel are for vllm-ref.")
         if self.tp_rank is not None and self.pp_size != 1:
             raise ConfigError(f"--tp-rank {self.tp_rank} holds one rank of one stage; with "
                               f"--pp-size {self.pp_size} this process holds every rank.")

@@ -80,7 +80,8 @@ def build_workers(s: ServeSettings, rank_options: dict[str, Any] | None = None
     for rank in s.ranks:
         stage, tp_rank = divmod(rank, s.tp_size)
         runtime = build_runtime(s.runtime, s.model, tp_size=s.tp_size, tp_rank=tp_rank,
-                                pp_size=s.pp_size, pp_rank=stage, fp8=s.fp8, device=s.device)
+                                pp_size=s.pp_size, pp_rank=stage, ep=s.expert_parallel,
+                                fp8=s.fp8, device=s.device)
         assert isinstance(runtime, HFRuntime | VllmRuntime)  # what build_runtime makes
         with Checkpoint(s.model) as ckpt:
             runtime.load_weights(checkpoint_tensors(ckpt).items())
