@@ -126,6 +126,8 @@ def test_shard_maps_refuse_what_they_cannot_project() -> None:
         ShardMap(kind="rows", canonical=("w",), shape=(4, 4), dtype="BF16", rank=0, ranks=3)
     with pytest.raises(ConfigError, match="needs a 2-D tensor"):
         ShardMap(kind="columns", canonical=("w",), shape=(4, 4, 4), dtype="BF16", ranks=2)
+    with pytest.raises(ConfigError, match="padding rows need a rows split with a span"):
+        ShardMap(kind="rows", canonical=("w",), shape=(4, 4), dtype="BF16", ranks=2, pad=2)
     with pytest.raises(ConfigError, match="names 2 canonical tensors"):
         ShardMap(kind="gate_up", canonical=("g",), shape=(4, 4), dtype="BF16")
     with pytest.raises(ConfigError, match=r"outside 0\.\.1"):
@@ -271,4 +273,48 @@ def test_owners_carry_region_parts_from_step_to_step_as_a_fresh_pass_would_find_
             fresh.of(name, o.maps[name], o.baseline[name], sum_regions(o.maps[name], profile),
                      3, {})
         assert o.parts.base == fresh.base
+    coord.close()
+
+
+def test_megatron_vocabulary_padding_is_held_by_the_ranks_and_never_sent(
+        tmp_path: Path) -> None:
+    """Megatron pads a vocabulary of 128 to a multiple of 48 x 2 ranks (192): rank 0 holds
+    rows 0-95, rank 1 rows 96-127 and 64 padding rows, for the embedding and the output
+    layer. The padding changes every step (it is whatever the trainer left there) and is
+    never sent; TP 2 and TP 1 receivers end bit-exact with the target."""
+    from dcr.owner.layouts import megatron_vocab
+
+    old = random_checkpoint(DENSE, 0)
+    new = perturbed(old, 0.02, 5)
+
+    def shards(sd: dict[str, torch.Tensor], rank: int, step: int) -> tuple[dict, dict]:
+        maps, local = tp_bits(sd, rank, 2)
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            m = megatron_vocab(name, tuple(sd[name].shape), "BF16", rank=rank, ranks=2,
+                               divisible_by=48)
+            assert m.span is not None
+            garbage = np.random.default_rng(10 * step + rank).integers(
+                0, 1 << 16, size=(m.pad, sd[name].shape[1]), dtype=np.uint16)
+            maps[name] = m
+            local[name] = np.concatenate([bits(sd[name][m.span[0]:m.span[1]]), garbage])
+        return maps, local
+
+    assert [shards(old, r, 0)[0]["lm_head.weight"].pad for r in (0, 1)] == [0, 64]
+    store = MemoryStore()
+    rx, models = receivers(DENSE, old, store, (2, 1), tmp_path)
+    owners = []
+    for rank in range(2):
+        maps, base = shards(old, rank, 0)
+        enc = ShardEncoder(store=store, maps=maps, baseline=base, version=0, owner=rank,
+                           owners=2, profile=profile_of(rx))
+        enc.set_candidate(shards(new, rank, 1)[1], 1)
+        owners.append(enc)
+    coord = Coordinator(SqliteCommitStore(tmp_path / "c.db", V0), owners, rx)
+    coord.refit(1, "v1")
+    assert [h.outcome for h in coord.history] == ["committed"]
+    assert exact(DENSE, models, new)
+    want = sum(int((bits(new[n]) != bits(old[n])).sum()) for n in new)
+    sent = sum(o.manifests[-1].stats.changed_elements for o in owners)
+    replicated = sum(t.numel() for n, t in new.items() if t.dim() == 1)
+    assert want - replicated <= sent <= want  # no padding row among them
     coord.close()

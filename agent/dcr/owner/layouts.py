@@ -4,7 +4,7 @@
 split in ``torch.chunk`` order, so the last ranks may hold fewer rows or none) and plain
 replicated ones. Megatron-style tensor and expert parallel layouts are named directly with
 :class:`~dcr.owner.shards.ShardMap` kinds (``rows``, ``columns``, ``gate_up``, ``qkv``,
-``expert``). docs/trainer.md, "Owners in the ranks".
+``expert``); :func:`megatron_vocab` names a vocabulary-parallel tensor with its padding. docs/trainer.md, "Owners in the ranks".
 """
 
 from __future__ import annotations
@@ -72,4 +72,19 @@ def fsdp2_shards(module: torch.nn.Module, *, rank: int, ranks: int,
     return maps, tensors
 
 
-__all__ = ["dtype_name", "fsdp2_shards"]
+def megatron_vocab(name: str, shape: tuple[int, ...], dtype: str, *, rank: int, ranks: int,
+                   divisible_by: int = 128) -> ShardMap:
+    """The shard map of a Megatron vocabulary-parallel tensor (the embedding, or the output
+    layer) of canonical ``shape`` (vocabulary, hidden): Megatron pads the vocabulary to a
+    multiple of ``divisible_by`` x ``ranks`` (``make_vocab_size_divisible_by``) and gives
+    each rank an equal run of the padded rows, so the last ranks hold padding rows, or
+    only padding, which are never sent."""
+    vocab = shape[0]
+    multiple = divisible_by * ranks
+    per = -(-vocab // multiple) * multiple // ranks
+    start, stop = min(rank * per, vocab), min((rank + 1) * per, vocab)
+    return ShardMap(kind="rows", canonical=(name,), shape=shape, dtype=dtype, rank=rank,
+                    ranks=ranks, span=(start, stop), pad=per - (stop - start))
+
+
+__all__ = ["dtype_name", "fsdp2_shards", "megatron_vocab"]

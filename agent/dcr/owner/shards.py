@@ -51,6 +51,9 @@ class ShardMap:
     # ``rows`` only: this shard's rows [start, stop) of dimension 0, for splits that are
     # not ``ranks`` equal parts (FSDP2 chunks: the last ranks may hold fewer, or none).
     span: tuple[int, int] | None = None
+    # ``rows`` with ``span`` only: rows after the span that the local shard holds but the
+    # canonical tensor does not (Megatron's vocabulary padding); never sent.
+    pad: int = 0
     # ``qkv`` only: (attention heads, key/value heads). The local tensor is Megatron's
     # fused layout: this rank's query groups, each its query heads, then k, then v.
     heads: tuple[int, int] | None = None
@@ -71,6 +74,9 @@ class ShardMap:
                 self.kind != "rows" or not 0 <= self.span[0] <= self.span[1] <= self.shape[0]):
             raise ConfigError(f"{self.canonical[0]}: rows {list(self.span)} are not a span "
                               f"of a rows split of {list(self.shape)}.")
+        if self.pad and (self.span is None or self.pad < 0):
+            raise ConfigError(f"{self.canonical[0]}: {self.pad} padding rows need a rows split "
+                              "with a span (and a count of at least 0).")
         axis = 1 if self.kind == "columns" else 0
         if self.kind in ("rows", "columns", "gate_up") and self.span is None \
                 and self.shape[axis] % self.ranks:
@@ -100,7 +106,7 @@ class ShardMap:
         """The shape this rank's shard must have."""
         s = self.shape
         if self.span is not None:
-            return (self.span[1] - self.span[0], *s[1:])
+            return (self.span[1] - self.span[0] + self.pad, *s[1:])
         if self.kind == "rows":
             return (s[0] // self.ranks, *s[1:])
         if self.kind == "columns":
@@ -154,7 +160,8 @@ class ShardMap:
                 yield 0, _range_span(0, local.size), local
         elif self.kind == "rows":
             first = self.span[0] if self.span is not None else self.rank * local.shape[0]
-            yield 0, _range_span(first * row, local.size), local
+            real = local[: local.shape[0] - self.pad]  # padding rows are no canonical element
+            yield 0, _range_span(first * row, real.size), real
         elif self.kind == "gate_up":
             half = local.shape[0] // 2
             for k in range(2):
