@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from shardrig import DENSE, V0, bits, exact, perturbed, profile_of, receivers, tp_shards
+from shardrig import DENSE, MOE, V0, bits, exact, perturbed, profile_of, receivers, tp_shards
 
 from dcr.errors import BaselineError, ConfigError
 from dcr.owner.rank import RankOwner, host_bits, serve
@@ -193,3 +193,61 @@ def test_a_rank_refuses_a_weak_token() -> None:
                       dtype=torch.bfloat16)}, version=0)
     with pytest.raises(ConfigError, match="rank 0's encoder token is 5 characters"):
         serve(owner, token="short")
+
+
+def ep_ranks(sd: dict[str, torch.Tensor], rank: int, ranks: int
+             ) -> tuple[dict[str, ShardMap], dict[str, torch.Tensor]]:
+    """An expert-parallel rank as a trainer holds it: one stack per projection of its
+    experts, each expert named by a one-expert view of the stack (so the owner's baseline
+    copies each expert once), everything else replicated."""
+    maps: dict[str, ShardMap] = {}
+    local: dict[str, torch.Tensor] = {}
+    per = MOE.num_experts // ranks
+    for name, t in sd.items():
+        if ".experts." not in name:
+            maps[name] = ShardMap(kind="replicated", canonical=(name,), shape=tuple(t.shape),
+                                  dtype="BF16", rank=rank, ranks=ranks)
+            local[name] = t.clone()
+    for layer in range(MOE.num_layers):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            names = [f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
+                     for e in range(rank * per, (rank + 1) * per)]
+            stack = torch.stack([sd[n] for n in names])  # the trainer's grouped GEMM weight
+            for k, n in enumerate(names):
+                maps[n] = ShardMap(kind="expert", canonical=(n,), shape=tuple(sd[n].shape),
+                                   dtype="BF16", expert=0)
+                local[n] = stack[k : k + 1]
+    return maps, local
+
+
+def test_expert_parallel_rank_owners_refit_tp_ranks_that_shard_every_expert(
+        tmp_path: Path) -> None:
+    """Two expert-parallel trainer ranks (two experts each) publish to TP 2 receivers that
+    hold half of every expert: every expert reaches both receiver ranks, bit-exact, and
+    each receiver rank checks its half of every expert against the owners' region sums."""
+    v0 = random_checkpoint(MOE, 0)
+    v1 = perturbed(v0, 0.03, 1)
+    store = MemoryStore()
+    rx, models = receivers(MOE, v0, store, (2,), tmp_path)
+    profile = profile_of(rx)
+    owners, live = [], []
+    for r in range(2):
+        maps, tensors = ep_ranks(v0, r, 2)
+        owners.append(RankOwner(store=store, maps=maps, tensors=tensors, version=0, rank=r,
+                                ranks=2))
+        owners[-1].profile = profile
+        live.append(tensors)
+    for r, (o, tensors) in enumerate(zip(owners, live, strict=True)):
+        for k, t in ep_ranks(v1, r, 2)[1].items():
+            tensors[k].copy_(t)
+        o.offer(tensors, 1)
+    coord = Coordinator(SqliteCommitStore(tmp_path / "c.db", V0), owners, rx)
+    coord.refit(1, "v1")
+    assert [h.outcome for h in coord.history] == ["committed"]
+    assert exact(MOE, models, v1)
+    expert = "model.layers.0.mlp.experts.3.down_proj.weight"  # rank 1's
+    assert expert in profile.regions  # each TP receiver rank holds half of it
+    parts = [r for r in owners[1].manifests[-1].sums if r.tensor == expert]
+    assert len(parts) == 3  # its two TP halves and the whole, all from rank 1
+    assert not any(r.tensor == expert for r in owners[0].manifests[-1].sums)
+    coord.close()
