@@ -4,7 +4,8 @@
 split in ``torch.chunk`` order, so the last ranks may hold fewer rows or none) and plain
 replicated ones. Megatron-style tensor and expert parallel layouts are named directly with
 :class:`~dcr.owner.shards.ShardMap` kinds (``rows``, ``columns``, ``gate_up``, ``qkv``,
-``expert``); :func:`megatron_vocab` names a vocabulary-parallel tensor with its padding. docs/trainer.md, "Owners in the ranks".
+``expert``); :func:`megatron_vocab` names a vocabulary-parallel tensor with its padding.
+docs/trainer.md, "Owners in the ranks".
 """
 
 from __future__ import annotations
