@@ -608,7 +608,8 @@ class Applier:
 
     # --- post-apply checks -------------------------------------------------------------
 
-    def read_canonical(self, name: str) -> torch.Tensor:
+    def read_canonical(self, name: str,
+                       held: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
         """The canonical tensor's bits (flat, integer view) as this rank's storage holds
         them, for a tensor in :attr:`readable`: each of prewarm's writes is a same-dtype
         copy of a scratch view into a storage view, which no other write touches, so
@@ -618,7 +619,7 @@ class Applier:
                                   f"path is {self.plans[name].cls}, or the rank holds part.")
         t = self.tensors[name]
         size = DTYPES[t.dtype].itemsize
-        held = dict(self.runtime.named_tensors())
+        held = dict(self.runtime.named_tensors()) if held is None else held
         out = torch.empty(t.nbytes // size, dtype=BITS[size], device=self.device)
         for w in self.plans[name].writes:
             if w.src is None:
@@ -638,24 +639,25 @@ class Applier:
         (:attr:`regions`) to its ``sum64:...``. On the device path the hashing runs where
         the weights live (``xxh3.py``: 1/16 of each tensor's bytes reach the host, as
         per-block sums; ``sums.py``: 8 bytes)."""
-        held = {name: self._digest(self.read_canonical(name))
+        tensors = dict(self.runtime.named_tensors())  # once: a model has 10^5 of them
+        held = {name: self._digest(self.read_canonical(name, tensors))
                 for name in sorted(targets.keys() & self.readable)}
-        held |= {key: sum_text(self.region_sum(self._region_keys[key]))
+        held |= {key: sum_text(self.region_sum(self._region_keys[key], tensors))
                  for key in sorted(targets.keys() & self._region_keys.keys())}
         return {name: fp for name, fp in held.items() if fp != targets[name]}
 
-    def region_sum(self, name: str) -> int:
+    def region_sum(self, name: str, held: Mapping[str, torch.Tensor] | None = None) -> int:
         """The additive fingerprint (``dcr.codec.sums``) of the canonical elements this
         rank holds of ``name``: of the whole tensor for a readable one (read back), else
         of its region (:attr:`regions`): each write of its plan copied one span of the
         canonical tensor into one storage view, so the storage view holds that span's
         elements in its order."""
         t = self.tensors[name]
+        held = dict(self.runtime.named_tensors()) if held is None else held
         if name in self.readable:
             (span,) = whole(t.shape)
-            return self._span_sum(self.read_canonical(name), span)
+            return self._span_sum(self.read_canonical(name, held), span)
         size = DTYPES[t.dtype].itemsize
-        held = dict(self.runtime.named_tensors())
         total = 0
         for w in self.plans[name].writes:
             if w.src is None:

@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from dcr.codec import _native  # type: ignore[attr-defined]
-from dcr.format.regions import Span
+from dcr.format.regions import Span, extent
 
 MASK64 = (1 << 64) - 1
 KEY = 0x9E3779B97F4A7C15
@@ -63,12 +63,6 @@ def index_sum(bits: npt.NDArray[np.unsignedinteger], index: npt.NDArray[np.int64
     """The sum over elements given one by one: ``bits[k]`` at canonical ``index[k]``."""
     flat = np.ascontiguousarray(bits).reshape(-1)
     return int(_native.index_sum(flat, flat.itemsize, np.ascontiguousarray(index, np.int64)))
-
-
-def extent(span: Span) -> tuple[int, int]:
-    """The first and last canonical index a non-empty span reaches."""
-    offset, sizes, strides = span
-    return offset, offset + sum((n - 1) * t for n, t in zip(sizes, strides, strict=True))
 
 
 def span_at(span: Span, k: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:

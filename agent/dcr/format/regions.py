@@ -36,6 +36,12 @@ def region_key(tensor: str, spans: Sequence[Span]) -> str:
     return f"{tensor}@{';'.join(parts)}"
 
 
+def extent(span: Span) -> tuple[int, int]:
+    """The first and last canonical index a non-empty span reaches."""
+    offset, sizes, strides = span
+    return offset, offset + sum((n - 1) * t for n, t in zip(sizes, strides, strict=True))
+
+
 def whole(shape: Sequence[int]) -> Spans:
     """The region of every element of a tensor of ``shape``: what owners that hold no whole
     tensor (shard and rank owners) write a sum of, for the ranks that hold it whole."""
@@ -49,7 +55,7 @@ def check_spans(tensor: str, spans: Iterable[Span], shape: Sequence[int]) -> Non
         if len(sizes) != len(strides):
             raise ConfigError(f"A region of {tensor!r} has a span of sizes {list(sizes)} with "
                               f"strides {list(strides)}: one stride per size.")
-        last = offset + sum((n - 1) * t for n, t in zip(sizes, strides, strict=True))
+        last = extent((offset, sizes, strides))[1]
         if math.prod(sizes) and last >= numel:
             raise ConfigError(f"A region of {tensor!r} {list(shape)} has a span reaching "
                               f"element {last} (offset {offset}, sizes {list(sizes)}, strides "

@@ -91,6 +91,7 @@ class AgentService:
         self._obsolete: set[str] = set()
         self.weights = Weights(name, version, journal, AgentConflict)
         self._prewarmed: tuple[str, ReceiverProfile] | None = None  # instance, profile
+        self._checkable: frozenset[str] = frozenset()  # its region keys (region_sums)
         self._prewarming = False
         # The engine serves until the agent first pauses it; after a restart with unsettled
         # writes it may still be paused, and a dense load opens it.
@@ -183,8 +184,10 @@ class AgentService:
                 with self._cond:
                     self._prewarming = False
             profile = prewarmed.profile
+            checkable = self._regions_of(profile)  # once per prewarm, not per flush
             with self._cond:
                 self._prewarmed = (instance, profile)
+                self._checkable = checkable
                 if prewarmed.unfilled and self.weights.forget(
                         f"the engine computes {', '.join(prewarmed.unfilled[:3])} and other "
                         "layers from a form it derived after loading, whose loading form DCR "
@@ -567,15 +570,15 @@ class AgentService:
         ranks may hold, as its prewarm found them: the regions its profile names, and
         the whole of each ``xor`` tensor (a rank that holds it whole checks that)."""
         with self._cond:
-            prewarmed = self._prewarmed
-        if prewarmed is None:
-            return {}
-        profile = prewarmed[1]
-        held = {region_key(n, spans) for n, rs in profile.regions.items() for spans in rs}
-        shapes = {t.name: t.shape for t in self.canonical}
-        held |= {region_key(n, whole(shapes[n])) for n, cls in profile.tensors.items()
-                 if cls == "xor" and n in shapes}
+            held = self._checkable
         return {k: v for k, v in manifest.region_sums().items() if k in held}
+
+    def _regions_of(self, profile: ReceiverProfile) -> frozenset[str]:
+        """The region keys a prewarm's ranks may check (:meth:`region_sums`)."""
+        held = {region_key(n, spans) for n, rs in profile.regions.items() for spans in rs}
+        held |= {region_key(t.name, whole(t.shape)) for t in self.canonical
+                 if profile.tensors.get(t.name) == "xor"}
+        return frozenset(held)
 
     def fingerprint(self) -> dict[str, str]:
         """xxh3-128 of every parameter and buffer's integer view, per rank of the engine

@@ -114,8 +114,8 @@ class Workers:
                                 f"{list(PLUGIN_METHODS)}.")
         with self.lock:
             results = [getattr(w, method)(*args, **kwargs) for w in self.workers]
+            arg = json.loads(args[0]) if args and self.peers else None  # the one argument
             for peer in self.peers:
-                arg = json.loads(args[0]) if args else None
                 results += peer.rpc(method, arg, timeout_s=timeout_s)
             return results
 
