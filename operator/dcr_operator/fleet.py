@@ -35,6 +35,7 @@ from dcr_operator.reconcile import (
     agent_report,
     expired_refits,
     fleet_conditions,
+    groups_of,
     is_final,
     parse_time,
     receivers_of,
@@ -57,7 +58,8 @@ def selected_pods(kube: KubeClient, namespace: str, spec: RolloutFleetSpec
 
 
 def discover(kube: KubeClient, namespace: str, spec: RolloutFleetSpec) -> list[Receiver]:
-    return receivers_of(selected_pods(kube, namespace, spec), spec.agent)
+    """The fleet's receivers now: its Running pods, or its complete groups."""
+    return receivers_of(selected_pods(kube, namespace, spec), spec.agent, spec.groups)
 
 
 def write_secret(spec: RolloutFleetSpec) -> str | None:
@@ -166,13 +168,21 @@ def behind(st: AgentStatus, record: CommitRecord) -> bool:
     return idle and (st.dirty is not None or st.version != record.committed_version)
 
 
-def _report(client: AgentClient, url: str, at: str, catch_up: CommitRecord | None,
+def _entry(receiver: Receiver) -> dict[str, Any]:
+    """A receiver's status entry before its agent is asked: its name, address and pods."""
+    entry: dict[str, Any] = {"name": receiver.name, "url": receiver.url}
+    if receiver.pods:
+        entry["pods"] = list(receiver.pods)
+    return entry
+
+
+def _report(client: AgentClient, receiver: Receiver, at: str, catch_up: CommitRecord | None,
             from_store: bool) -> dict[str, Any]:
     """One receiver's status entry; with ``catch_up`` (no refit running on the fleet), an
     agent that is :func:`behind` is first brought to the committed version by a dense
     load, as a refit's admission would: built from the store's history (``from_store``),
     else of the committed checkpoint."""
-    entry: dict[str, Any] = {"name": client.name, "url": url}
+    entry = _entry(receiver)
     call: Call[..., Any, AgentStatus] = AgentApi.status
     try:
         st = client.status()
@@ -205,7 +215,8 @@ def refresh(kube: KubeClient, fleet: Mapping[str, Any], *, clock: Callable[[], s
     status = current.get("status") or {}
     at = clock()
     pods = selected_pods(kube, namespace, spec)
-    found = receivers_of(pods, spec.agent)
+    found, incomplete = (groups_of(pods, spec.agent, spec.groups) if spec.groups
+                         else (receivers_of(pods, spec.agent), []))
     no_agents = "no agent token"
     try:
         agents = clients(kube, namespace, spec, found, timeout_s=STATUS_TIMEOUT_S)
@@ -218,10 +229,11 @@ def refresh(kube: KubeClient, fleet: Mapping[str, Any], *, clock: Callable[[], s
     if agents:
         with ThreadPoolExecutor(min(AGENT_CALLS, len(agents))) as pool:
             reports = list(pool.map(
-                lambda p: _report(p[0], p[1].url, at, catch_up, spec.store is not None),
+                lambda p: _report(p[0], p[1], at, catch_up, spec.store is not None),
                 zip(agents, found, strict=True)))
     else:
-        reports = [{"name": r.name, "url": r.url, "error": no_agents} for r in found]
+        reports = [{**_entry(r), "error": no_agents} for r in found]
+    reports += [{"name": g.name, "pods": list(g.pods), "error": g.reason} for g in incomplete]
     for r in reports:
         ack = (acks or {}).get(r["name"]) or previous.get(r["name"], {}).get("lastAck")
         if ack:
@@ -242,6 +254,7 @@ def refresh(kube: KubeClient, fleet: Mapping[str, Any], *, clock: Callable[[], s
         "observedGeneration": meta.get("generation"),
         "receivers": shown[:RECEIVERS_SHOWN],
         "receiverCount": len(reports),
+        "podCount": sum(len(r.get("pods") or [r]) for r in reports),
         "readyReceivers": ready_count,
         "activeRefit": active,
         "conditions": fleet_conditions(

@@ -3,7 +3,9 @@
 * :func:`validate`: may this WeightRefit run against the fleet's commit record now, and if
   not, why (a condition reason and a sentence with the values)?
 * :func:`set_condition`, :func:`phase_of`: condition bookkeeping; the printer's phase.
-* :func:`receivers_of`: the selected pods that are Running, addressed only by pod IP.
+* :func:`receivers_of`: the selected pods that are Running, addressed only by pod IP;
+  with ``spec.groups``, one receiver per complete group, through its leader
+  (:func:`groups_of`).
 * :func:`secret_holders`: the selected pods handed a given Secret (the store's write key).
 * :func:`agent_failure`, :func:`agent_report`: status about an agent in our own words,
   never text the agent sent.
@@ -29,7 +31,7 @@ from dcr.protocol.coordinator import AttemptResult
 from dcr.protocol.records import CommitRecord
 from dcr.protocol.state import AttemptState
 from dcr_operator.api.conditions import FleetCondition, FleetReason, RefitCondition, RefitReason
-from dcr_operator.api.rolloutfleet import AgentSpec, LabelSelector
+from dcr_operator.api.rolloutfleet import AgentSpec, LabelSelector, ReplicaGroups
 from dcr_operator.api.weightrefit import Phase, WeightRefitSpec
 
 
@@ -148,8 +150,19 @@ def validate(name: str, spec: WeightRefitSpec, fleet: str, record: CommitRecord,
 
 @dataclass(frozen=True, kw_only=True)
 class Receiver:
-    name: str  # the pod's name
+    name: str  # the pod's name (a group's: its leader pod's)
     url: str
+    pods: tuple[str, ...] = ()  # a group's pods, its leader first; () for a single pod
+
+
+@dataclass(frozen=True)
+class Incomplete:
+    """A group that cannot take part now: named by its leader (else its first pod), with
+    its pods and a sentence saying why."""
+
+    name: str
+    pods: tuple[str, ...]
+    reason: str
 
 
 def selector_query(selector: LabelSelector) -> str:
@@ -172,17 +185,73 @@ def agent_url(pod_ip: object, agent: AgentSpec) -> str | None:
     return f"{agent.scheme}://{host}:{agent.port}"
 
 
-def receivers_of(pods: Iterable[Mapping[str, Any]], agent: AgentSpec) -> list[Receiver]:
-    """Every Running, not terminating pod with an IP as a receiver, sorted by name."""
+def _live(pod: Mapping[str, Any]) -> bool:
+    return not (pod.get("metadata") or {}).get("deletionTimestamp")
+
+
+def _running(pod: Mapping[str, Any]) -> bool:
+    return _live(pod) and (pod.get("status") or {}).get("phase") == "Running"
+
+
+def receivers_of(pods: Iterable[Mapping[str, Any]], agent: AgentSpec,
+                 groups: ReplicaGroups | None = None) -> list[Receiver]:
+    """Every Running, not terminating pod with an IP as a receiver, sorted by name; with
+    ``groups``, one receiver per complete group (:func:`groups_of`)."""
+    if groups is not None:
+        return groups_of(pods, agent, groups)[0]
     out = []
     for pod in pods:
-        meta, status = pod.get("metadata", {}), pod.get("status") or {}
-        if meta.get("deletionTimestamp") or status.get("phase") != "Running":
-            continue
-        url = agent_url(status.get("podIP"), agent)
-        if url:
-            out.append(Receiver(name=meta["name"], url=url))
+        url = agent_url((pod.get("status") or {}).get("podIP"), agent)
+        if _running(pod) and url:
+            out.append(Receiver(name=pod["metadata"]["name"], url=url))
     return sorted(out, key=lambda r: r.name)
+
+
+def groups_of(pods: Iterable[Mapping[str, Any]], agent: AgentSpec, groups: ReplicaGroups
+              ) -> tuple[list[Receiver], list[Incomplete]]:
+    """The selected pods as groups (by their ``groups.label`` value): a group is a receiver,
+    reached at its leader's IP, while it has exactly ``groups.size`` pods that are not
+    terminating, all Running, one of them its leader. Every other group, and every pod
+    without the label, is :class:`Incomplete`, saying why. Both sorted by name.
+
+    Any pod matching the selector can carry a group's label: a group with more pods or
+    more leaders than it should have is refused, never guessed at.
+    """
+    members: dict[str, list[Mapping[str, Any]]] = {}
+    incomplete: list[Incomplete] = []
+    for pod in filter(_live, pods):
+        name = pod["metadata"]["name"]
+        key = ((pod["metadata"].get("labels")) or {}).get(groups.label)
+        if key is None:
+            incomplete.append(Incomplete(name=name, pods=(name,), reason=(
+                f"Pod {name} carries no label {groups.label}: it is in no group "
+                "(spec.groups.label).")))
+        else:
+            members.setdefault(key, []).append(pod)
+    out: list[Receiver] = []
+    for key, group in members.items():
+        leaders = [p for p in group if (p["metadata"].get("labels") or {}).get(
+            groups.leader_label) == groups.leader_value]
+        ordered = sorted(group, key=lambda p: (p not in leaders, p["metadata"]["name"]))
+        names = tuple(p["metadata"]["name"] for p in ordered)
+        running = sum(map(_running, group))
+        url = agent_url((ordered[0].get("status") or {}).get("podIP"), agent)
+        where = f"Group {key} ({', '.join(names)})"
+        if len(leaders) != 1:
+            reason = (f"{where} has {len(leaders)} leader pods ({groups.leader_label}="
+                      f"{groups.leader_value}); a group has exactly one.")
+        elif len(group) > groups.size:
+            reason = f"{where} has {len(group)} pods; spec.groups.size is {groups.size}."
+        elif running < groups.size:
+            reason = (f"{where} has {running} of its {groups.size} pods Running; it takes "
+                      "part once all are.")
+        elif url is None:
+            reason = f"{where}: its leader pod {names[0]} has no IP address."
+        else:
+            out.append(Receiver(name=names[0], url=url, pods=names))
+            continue
+        incomplete.append(Incomplete(name=names[0], pods=names, reason=reason))
+    return (sorted(out, key=lambda r: r.name), sorted(incomplete, key=lambda g: g.name))
 
 
 NAMES_SHOWN = 10  # pod names in a condition or Event message; a count says how many in all
@@ -337,7 +406,8 @@ def fleet_conditions(conditions: Sequence[Mapping[str, Any]], *, record: CommitR
     out = set_condition(out, FleetCondition.DEGRADED, bool(unreachable),
                         (FleetReason.RECEIVERS_UNREACHABLE if unreachable
                          else FleetReason.ALL_RECEIVERS_REACHABLE),
-                        (f"Agents not answering: {some_names(unreachable)}." if unreachable
+                        (f"Receivers whose agent does not answer, or whose group is incomplete: "
+                         f"{some_names(unreachable)}." if unreachable
                          else "Every receiver's agent answers."), at=at, generation=generation)
     if write_secret is not None:
         out = _read_only(out, write_secret, write_holders, at=at, generation=generation)

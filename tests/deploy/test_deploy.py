@@ -533,8 +533,8 @@ def test_kubectl_get_shows_the_printer_columns(cluster: Cluster) -> None:
         lambda: (out := c.kubectl("-n", NS, "get", "rolloutfleets,weightrefits").splitlines())
         and out[1].split()[:4] == fleet_row and out, timeout_s=60,
         what="the fleet's row with every receiver ready")
-    assert lines[0].split() == ["NAME", "VERSION", "READY", "RECEIVERS", "REFIT", "STATUS",
-                                "AGE"]
+    assert lines[0].split() == ["NAME", "VERSION", "READY", "RECEIVERS", "PODS", "REFIT",
+                                "STATUS", "AGE"]
     header = next(line for line in lines if line.startswith("NAME") and "FLEET" in line)
     assert header.split() == ["NAME", "FLEET", "VERSION", "PHASE", "ATTEMPTS", "RECEIVERS",
                               "BYTES", "AGE"]

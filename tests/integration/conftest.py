@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from replica_group import export_llama_versions as export_versions
 from safetensors.torch import load_file, save_file
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -246,26 +247,6 @@ def s3_env(
 # === end of the S3 server section ======================================================
 
 
-def _export_llama_versions(root: Path, config: object, versions: int = 3) -> None:
-    """Versions ``0..versions-1`` of a transformers Llama under ``root/v<N>``, each a
-    ``save_pretrained`` directory in BF16, one real AdamW step (lr 1e-3, random tokens)
-    apart; seeded, so every call with the same config writes the same bits."""
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for v in range(versions):
-        if v:
-            ids = torch.randint(0, config.vocab_size, (2, 16))  # type: ignore[attr-defined]
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad()
-        export = LlamaForCausalLM(config)
-        export.load_state_dict(model.state_dict())
-        export.to(torch.bfloat16).save_pretrained(root / f"v{v}")
-
-
 @pytest.fixture(scope="session")
 def export_llama_versions() -> Callable[..., None]:
-    return _export_llama_versions
+    return export_versions

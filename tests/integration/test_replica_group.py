@@ -15,32 +15,26 @@ the group loads it densely and the refit commits.
 
 from __future__ import annotations
 
-import json
-import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from replica_group import TwoPodReplica
 from transformers import LlamaConfig
 
-from dcr.drivers.base import merge_fingerprints
 from dcr.files.history import HistoryStore
 from dcr.owner.process import ProcessOwner
 from dcr.protocol.commitstore import SqliteCommitStore
 from dcr.protocol.coordinator import Coordinator, CoordinatorSettings, RefitFailed
 from dcr.protocol.records import CommitRecord
 from dcr.receiver.member_api import MemberClient, MemberError
-from dcr.refit.launch import AgentProcess, ServeProcess
-from dcr.refit.trainer import reference_fingerprint
 from dcr.transport.store import FileStore
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow, pytest.mark.e2e]
 
 TOKEN = "group-test-token-0123456789abcdef"
-API_KEY = "group-test-api-key-0123456789abcd"
 LLAMA = LlamaConfig(vocab_size=2048, hidden_size=128, intermediate_size=256,
                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                     tie_word_embeddings=False)
@@ -57,54 +51,8 @@ def versions(tmp_path_factory: pytest.TempPathFactory,
     return root
 
 
-@dataclass(eq=False)
-class Pods:
-    """The two pods of one replica, each with its server, agent, staging and root."""
-
-    tmp: Path
-    versions: Path
-
-    def __post_init__(self) -> None:
-        self.store = self.tmp / "store"
-        self.store.mkdir()
-        for pod in ("leader", "worker"):
-            shutil.copytree(self.versions / "v0", self.root(pod) / "v0")
-            self.staging(pod).mkdir(parents=True)
-        self.worker_serve = self._serve("worker", ["--tp-rank", "1"])
-        self.leader_serve = self._serve("leader", ["--tp-rank", "0", "--peer",
-                                                   self.worker_serve.url])
-        self.member = self._agent("worker", ["--role", "member"])
-        self.leader = self._agent("leader", ["--engine-url", self.leader_serve.url,
-                                             "--member", self.member.url])
-        for p in (self.worker_serve, self.leader_serve, self.member, self.leader):
-            p.start()
-        for p in (self.worker_serve, self.leader_serve, self.member, self.leader):
-            p.wait_ready()
-        self.client = self.leader.client(timeout_s=120.0)
-        self.client.profile()  # the leader's agent has met and prewarmed both ranks
-
-    def root(self, pod: str) -> Path:
-        return self.tmp / pod / "ckpts"
-
-    def staging(self, pod: str) -> Path:
-        return self.tmp / pod / "staging"
-
-    def _serve(self, pod: str, extra: list[str]) -> ServeProcess:
-        return ServeProcess(
-            name=f"serve-{pod}", workdir=self.tmp / pod / "serve", api_key=API_KEY,
-            args=["--runtime", "vllm-ref", "--model", str(self.root(pod) / "v0"),
-                  "--tp-size", "2", "--staging-dir", str(self.staging(pod)),
-                  "--checkpoint-root", str(self.root(pod)), "--weight-version", "0", *extra])
-
-    def _agent(self, pod: str, extra: list[str]) -> AgentProcess:
-        key = self.tmp / pod / "engine-key"
-        key.write_text(API_KEY + "\n")
-        key.chmod(0o600)
-        return AgentProcess(
-            name=f"{pod}-agent", state_dir=self.tmp / pod / "agent", token=TOKEN,
-            args=["--store", self.store.as_uri(), "--staging-dir", str(self.staging(pod)),
-                  "--canonical", str(self.root(pod) / "v0"), "--model-version", "0",
-                  "--engine-api-key-file", str(key), "--staging-mib", "64", *extra])
+class Pods(TwoPodReplica):
+    """The replica, with a coordinator and an owner as a training side would run them."""
 
     def coordinator(self, owner: ProcessOwner, commits: SqliteCommitStore) -> Coordinator:
         history = HistoryStore(FileStore(self.store))
@@ -117,33 +65,11 @@ class Pods:
                             checkpoints=lambda v: self.versions / f"v{v}", version=0,
                             timeout_s=120.0)
 
-    def instance(self) -> str:
-        """The engine instance the leader's agent journaled: every rank's, joined."""
-        return str(json.loads((self.tmp / "leader" / "agent" / "journal.json")
-                              .read_text())["instance"])
-
-    def close(self) -> None:
-        for p in (self.leader, self.member, self.leader_serve, self.worker_serve):
-            p.kill()
-
-    def assert_holds(self, version: int) -> None:
-        """Both ranks, across both pods, hold a dense load of ``version`` bit for bit."""
-        want = merge_fingerprints([reference_fingerprint(self.versions / f"v{version}",
-                                                         "vllm-ref", tp_size=2, tp_rank=r)
-                                   for r in range(2)])
-        got = self.client.fingerprint()
-        assert got.keys() == want.keys()
-        assert [n for n in want if got[n] != want[n]] == []
-        st = self.client.status()
-        assert (st.version, st.dirty, st.unknown) == (version, None, None)
-        for pod in ("leader", "worker"):  # nothing left behind in either pod
-            assert [p.name for p in self.staging(pod).iterdir()
-                    if p.name.endswith(".dcrp")] == []
-
 
 @pytest.fixture
 def pods(tmp_path: Path, versions: Path) -> Iterator[Pods]:
-    p = Pods(tmp_path, versions)
+    (tmp_path / "store").mkdir()
+    p = Pods(tmp_path, versions, tmp_path / "store", TOKEN)
     yield p
     p.close()
 

@@ -2,8 +2,9 @@
 sidecar-engine contract of docs/engines.md.
 
 Every built-in object validates against the Kubernetes schemas (kubernetes-validate,
-strict), every RolloutFleet and WeightRefit against the operator's own models, and the
-real apiserver accepts them all with strict field validation. Each rollout pod (vLLM,
+strict; a LeaderWorkerSet's pod templates as pods), every RolloutFleet and WeightRefit
+against the operator's own models, and the real apiserver accepts them all with strict
+field validation (a LeaderWorkerSet against LeaderWorkerSet's own CRD). Each rollout pod (vLLM,
 SGLang, the reference engine) is checked for what the contract needs: the engine started
 with DCR's plugin and told where staging and checkpoints are mounted, the agent told the
 engine's loopback URL and its own mount of the same memory-backed staging volume, the
@@ -14,18 +15,19 @@ command line accepted by dcr's own argument parser.
 from __future__ import annotations
 
 import shlex
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
-from controlplane import ControlPlane
-from k8sutil import CHART, install_crds, path_of
+from controlplane import ControlPlane, ControlPlaneError, built, go_available
+from k8sutil import CHART, apply, install_crds, path_of, wait_established
 
 from dcr.cli import build_parser
 from dcr.drivers.sglang import LOADER
-from dcr_operator.api.rolloutfleet import RolloutFleetSpec
+from dcr_operator.api.rolloutfleet import LWS_GROUP_KEY, LWS_WORKER_INDEX, RolloutFleetSpec
 from dcr_operator.api.weightrefit import WeightRefitSpec
 from dcr_operator.kube import KubeClient
 from dcr_operator.reconcile import secret_holders
@@ -35,6 +37,7 @@ EXAMPLES = CHART / "examples"
 ROLLOUTS = {"rollout-vllm.yaml": "vllm", "rollout-sglang.yaml": "sglang",
             "rollout-reference.yaml": "vllm"}  # file -> the agent's --engine
 CUSTOM = {"RolloutFleet": RolloutFleetSpec, "WeightRefit": WeightRefitSpec}
+MULTINODE = "rollout-vllm-multinode.yaml"  # a LeaderWorkerSet: replicas of two pods
 
 
 def objects(name: str) -> list[dict[str, Any]]:
@@ -48,7 +51,7 @@ def every_example() -> list[str]:
 def test_the_examples_are_the_fleet_the_refit_and_one_rollout_pod_per_engine() -> None:
     assert every_example() == sorted(["rolloutfleet.yaml", "weightrefit.yaml",
                                       "encoder-endpoint.yaml", "training-cluster.yaml",
-                                      "mirror.yaml", *ROLLOUTS])
+                                      "mirror.yaml", MULTINODE, *ROLLOUTS])
 
 
 @pytest.mark.parametrize("name", every_example())
@@ -57,6 +60,10 @@ def test_example_objects_validate_against_kubernetes_schemas_and_the_operator(
     for obj in objects(name):
         if obj["kind"] in CUSTOM:
             CUSTOM[obj["kind"]].model_validate(obj["spec"])
+        elif obj["kind"] == "LeaderWorkerSet":  # not built in: its pods are
+            for role, spec in pod_specs(name).items():
+                kubernetes_validate.validate({"apiVersion": "v1", "kind": "Pod", "metadata": {
+                    "name": role}, "spec": spec}, KUBE_VERSION, strict=True)
         else:
             kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
 
@@ -65,6 +72,16 @@ def pod(name: str) -> dict[str, Any]:
     (deployment,) = [o for o in objects(name) if o["kind"] == "Deployment"]
     spec: dict[str, Any] = deployment["spec"]["template"]["spec"]
     return spec
+
+
+def pod_specs(name: str) -> dict[str, dict[str, Any]]:
+    """The rollout pods of an example, by role: a Deployment's pod, or a LeaderWorkerSet's
+    leader and worker."""
+    if name != MULTINODE:
+        return {"pod": pod(name)}
+    (lws,) = [o for o in objects(name) if o["kind"] == "LeaderWorkerSet"]
+    t = lws["spec"]["leaderWorkerTemplate"]
+    return {"leader": t["leaderTemplate"]["spec"], "worker": t["workerTemplate"]["spec"]}
 
 
 def arg(container: dict[str, Any], flag: str) -> str:
@@ -199,21 +216,23 @@ def test_encoders_read_the_training_checkpoints_which_no_rollout_pod_mounts(
     assert not claims & training, claims
 
 
-@pytest.mark.parametrize("name", [*sorted(ROLLOUTS), "mirror.yaml"])
+@pytest.mark.parametrize("name", [*sorted(ROLLOUTS), "mirror.yaml", MULTINODE])
 def test_rollout_pods_are_never_handed_the_stores_write_credentials(name: str) -> None:
     """Fails on b20bcff: every rollout example handed its pods ``weights-s3``, the Secret
     the fleet names for the encoders' writes, so a compromised engine could choose the
     weights of every replica; they hold a read-only key of their own."""
     (fleet,) = [o for o in objects("rolloutfleet.yaml") if o["kind"] == "RolloutFleet"]
     write = fleet["spec"]["store"]["credentialsSecretRef"]["name"]
-    pods = [{"metadata": {"name": name}, "spec": pod(name)}]
+    pods = [{"metadata": {"name": role}, "spec": spec}
+            for role, spec in pod_specs(name).items()]
     assert secret_holders(pods, write) == []
-    assert secret_holders(pods, f"{write}-read") == [name]
+    assert secret_holders(pods, f"{write}-read") == sorted(p["metadata"]["name"] for p in pods)
 
 
-@pytest.mark.parametrize("name", sorted(ROLLOUTS))
+@pytest.mark.parametrize("name", [*sorted(ROLLOUTS), MULTINODE])
 def test_every_dcr_command_line_of_a_rollout_pod_parses(name: str) -> None:
-    for c in pod(name).get("initContainers", []) + pod(name)["containers"]:
+    for c in [c for spec in pod_specs(name).values()
+              for c in spec.get("initContainers", []) + spec["containers"]]:
         if c["command"][0] != "dcr":
             continue
         argv = [*c["command"][1:], *c["args"]]
@@ -270,10 +289,76 @@ def test_the_warm_encoder_example_is_locked_down_and_serves_the_fleets_warm_prof
     assert objs["Deployment"]["spec"]["replicas"] == 1  # a stop reaches the publisher
 
 
+def test_the_multinode_example_drives_each_group_through_its_leader() -> None:
+    """rollout-vllm-multinode.yaml: the fleet's groups are the LeaderWorkerSet's (its
+    labels, its size); the leader's agent drives vLLM over loopback and names one member
+    per worker pod, at the name LeaderWorkerSet gives it, on the fleet's agent port; each
+    worker pod's agent is a member; in both pods the agent stages where that pod's ranks
+    read (the engine container's DCR_STAGING_DIR), a memory-backed volume, from the
+    fleet's store, with the fleet's token."""
+    objs = {o["kind"]: o for o in objects(MULTINODE)}
+    lws, fleet = objs["LeaderWorkerSet"], objs["RolloutFleet"]
+    template = lws["spec"]["leaderWorkerTemplate"]
+    spec = RolloutFleetSpec.model_validate(fleet["spec"])
+    assert spec.groups is not None
+    assert (spec.groups.size, spec.groups.label, spec.groups.leader_label,
+            spec.groups.leader_value) == (template["size"], LWS_GROUP_KEY, LWS_WORKER_INDEX,
+                                          "0")
+    for role in ("leaderTemplate", "workerTemplate"):
+        labels = template[role]["metadata"]["labels"]
+        assert fleet["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert spec.store is not None
+    agents = {}
+    for role, pod_spec in pod_specs(MULTINODE).items():
+        (agent,) = [c for c in pod_spec["containers"] if c["name"] == "agent"]
+        (engine,) = [c for c in pod_spec["containers"] if c["name"] != "agent"]
+        volumes = {v["name"]: v for v in pod_spec["volumes"]}
+        volume = mounts(engine)[env(engine)["DCR_STAGING_DIR"]]
+        assert volumes[volume]["emptyDir"]["medium"] == "Memory"
+        assert mounts(agent)[arg(agent, "--staging-dir")] == volume
+        assert arg(agent, "--store") == spec.store.uri
+        assert env(agent)["DCR_AGENT_TOKEN"] == {"secretKeyRef": {
+            "name": spec.agent.token_secret_ref.name, "key": spec.agent.token_secret_ref.key}}
+        assert spec.agent.port in [p["containerPort"] for p in agent["ports"]]
+        agents[role] = agent
+    (serve,) = pod_specs(MULTINODE)["leader"]["containers"][0]["args"]
+    assert "--worker-extension-cls=dcr.runtimes.vllm.DcrWorkerExtension" in serve
+    assert "--host=127.0.0.1" in serve
+    assert arg(agents["leader"], "--engine-url") == "http://127.0.0.1:8001"
+    name = lws["metadata"]["name"]
+    members = [a.split("=", 1)[1] for a in agents["leader"]["args"]
+               if a.startswith("--member=")]
+    assert members == [f"http://{name}-$(GROUP_INDEX)-{i}.{name}:{spec.agent.port}"
+                       for i in range(1, template["size"])]
+    assert env(agents["leader"])["GROUP_INDEX"] == {"fieldRef": {
+        "fieldPath": "metadata.labels['leaderworkerset.sigs.k8s.io/group-index']"}}
+    assert arg(agents["worker"], "--role") == "member"
+    assert not any(a.startswith(("--engine", "--member", "--client-listen"))
+                   for a in agents["worker"]["args"])
+
+
+@pytest.fixture(scope="session")
+def lws_crd(progress: Callable[[str], None]) -> dict[str, Any]:
+    """LeaderWorkerSet's CRD, from its Go module (tools/controlplane/build.sh lws-crds)."""
+    progress("tests/operator: build.sh lws-crds (cached after the first)")
+    try:
+        directory = built("lws-crds", progress=progress)["lws-crds"]
+    except ControlPlaneError:
+        if not go_available():
+            pytest.skip("no LeaderWorkerSet CRD and no Go toolchain to fetch it")
+        raise
+    crd: dict[str, Any] = yaml.safe_load(
+        (directory / "leaderworkerset.x-k8s.io_leaderworkersets.yaml").read_text())
+    return crd
+
+
 @pytest.mark.e2e
 def test_the_apiserver_accepts_every_example_with_strict_field_validation(
-        control_plane: ControlPlane, kube: KubeClient, tmp_path: Path) -> None:
+        control_plane: ControlPlane, kube: KubeClient, lws_crd: dict[str, Any],
+        tmp_path: Path) -> None:
     install_crds(kube)
+    apply(kube, [lws_crd])
+    wait_established(kube, [lws_crd])
     ns = "examples"
     kube.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
                                        "metadata": {"name": ns}})

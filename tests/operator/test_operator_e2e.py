@@ -468,9 +468,9 @@ def test_kubectl_get_shows_the_printer_columns(scenario: Scenario) -> None:
     (sc.tmp / "kubectl-get.txt").write_text("\n".join([out, wide, events]))
     print(out, wide, events, sep="\n")
     lines = out.splitlines()
-    assert lines[0].split() == ["NAME", "VERSION", "READY", "RECEIVERS", "REFIT", "STATUS",
-                                "AGE"]
-    assert lines[1].split()[:4] == [f"rolloutfleet.dcr.dev/{FLEET}", "3", "3", "3"]
+    assert lines[0].split() == ["NAME", "VERSION", "READY", "RECEIVERS", "PODS", "REFIT",
+                                "STATUS", "AGE"]
+    assert lines[1].split()[:5] == [f"rolloutfleet.dcr.dev/{FLEET}", "3", "3", "3", "3"]
     header = next(line for line in lines if line.startswith("NAME") and "FLEET" in line)
     assert header.split() == ["NAME", "FLEET", "VERSION", "PHASE", "ATTEMPTS", "RECEIVERS",
                               "BYTES", "AGE"]

@@ -9,13 +9,20 @@ import pytest
 from dcr.protocol.coordinator import AttemptResult
 from dcr.protocol.records import CommitRecord
 from dcr_operator.api.common import SecretKeyRef
-from dcr_operator.api.rolloutfleet import AgentSpec, LabelSelector
+from dcr_operator.api.rolloutfleet import (
+    LWS_GROUP_KEY,
+    LWS_WORKER_INDEX,
+    AgentSpec,
+    LabelSelector,
+    ReplicaGroups,
+)
 from dcr_operator.api.weightrefit import WeightRefitSpec
 from dcr_operator.reconcile import (
     abandoned,
     attempt_status,
     expired_refits,
     fleet_conditions,
+    groups_of,
     phase_of,
     receivers_of,
     secret_holders,
@@ -107,8 +114,10 @@ def test_phase_is_derived_from_the_conditions(true: tuple[str, ...], phase: str)
 
 
 def _pod(name: str, *, phase: str = "Running", ip: str | None = "10.0.0.7",
-         annotations: dict[str, str] | None = None, deleting: bool = False) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": name, "annotations": annotations or {}}
+         annotations: dict[str, str] | None = None, deleting: bool = False,
+         labels: dict[str, str] | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "annotations": annotations or {},
+                            "labels": labels or {}}
     if deleting:
         meta["deletionTimestamp"] = T0
     status: dict[str, Any] = {"phase": phase}
@@ -129,6 +138,56 @@ def test_receivers_are_running_pods_addressed_by_pod_ip_only() -> None:
     got = [(r.name, r.url) for r in receivers_of(pods, agent)]
     assert got == [("a", "http://10.0.0.8:9000"), ("c", "http://10.0.0.7:9000"),
                    ("v6", "http://[fd00::7]:9000")]
+
+
+def _member(name: str, group: str, index: int, **more: Any) -> dict[str, Any]:
+    """A LeaderWorkerSet pod: group ``group``, worker index ``index`` (0: the leader)."""
+    return _pod(name, labels={LWS_GROUP_KEY: group, LWS_WORKER_INDEX: str(index)}, **more)
+
+
+def test_a_group_is_one_receiver_through_its_leader_once_every_pod_runs() -> None:
+    """Fails without spec.groups: every pod was a receiver, so the operator drove a
+    worker pod's member agent as if it were a replica, and counted pods, not replicas."""
+    agent = AgentSpec(port=9000, token_secret_ref=SecretKeyRef(name="s"))
+    groups = ReplicaGroups(size=2)
+    pods = [
+        _member("g0-1", "g0", 1, ip="10.0.0.2"), _member("g0", "g0", 0, ip="10.0.0.1"),
+        _member("g1", "g1", 0), _member("g1-1", "g1", 1, phase="Pending"),
+        _member("g2", "g2", 0), _member("g2-1", "g2", 1), _member("g2-9", "g2", 1),
+        _member("g3-1", "g3", 1), _member("g3-2", "g3", 1),
+        _member("g4", "g4", 0, ip=None), _member("g4-1", "g4", 1),
+        _member("g5", "g5", 0), _member("g5-1", "g5", 1, deleting=True),
+        _pod("loose"),
+    ]
+    found, incomplete = groups_of(pods, agent, groups)
+    assert [(r.name, r.url, r.pods) for r in found] == [
+        ("g0", "http://10.0.0.1:9000", ("g0", "g0-1"))]
+    assert receivers_of(pods, agent, groups) == found
+    why = {g.name: (g.pods, g.reason) for g in incomplete}
+    assert why == {
+        "g1": (("g1", "g1-1"), "Group g1 (g1, g1-1) has 1 of its 2 pods Running; it takes "
+               "part once all are."),
+        "g2": (("g2", "g2-1", "g2-9"), "Group g2 (g2, g2-1, g2-9) has 3 pods; "
+               "spec.groups.size is 2."),
+        "g3-1": (("g3-1", "g3-2"), "Group g3 (g3-1, g3-2) has 0 leader pods "
+                 f"({LWS_WORKER_INDEX}=0); a group has exactly one."),
+        "g4": (("g4", "g4-1"), "Group g4 (g4, g4-1): its leader pod g4 has no IP address."),
+        "g5": (("g5",), "Group g5 (g5) has 1 of its 2 pods Running; it takes part once "
+               "all are."),
+        "loose": (("loose",), f"Pod loose carries no label {LWS_GROUP_KEY}: it is in no "
+                  "group (spec.groups.label)."),
+    }
+
+
+def test_a_pod_claiming_to_lead_a_group_that_has_a_leader_takes_the_group_out() -> None:
+    """Any pod matching the selector can carry a group's labels: two leaders are refused,
+    never one picked (the operator would send the agent token to whichever it chose)."""
+    agent = AgentSpec(port=9000, token_secret_ref=SecretKeyRef(name="s"))
+    found, (bad,) = groups_of([_member("g0", "g0", 0), _member("x", "g0", 0)], agent,
+                              ReplicaGroups(size=2))
+    assert found == []
+    assert bad.reason == (f"Group g0 (g0, x) has 2 leader pods ({LWS_WORKER_INDEX}=0); a "
+                          "group has exactly one.")
 
 
 def test_selector_query_spells_labels_and_expressions() -> None:

@@ -45,6 +45,8 @@ KINDS: dict[str, tuple[str, str, bool]] = {
     "ServiceMonitor": ("/apis/monitoring.coreos.com/v1", "servicemonitors", True),
     "PodMonitor": ("/apis/monitoring.coreos.com/v1", "podmonitors", True),
     "PrometheusRule": ("/apis/monitoring.coreos.com/v1", "prometheusrules", True),
+    # LeaderWorkerSet's (the multi-node rollout example; tests/operator/test_examples.py)
+    "LeaderWorkerSet": ("/apis/leaderworkerset.x-k8s.io/v1", "leaderworkersets", True),
 }
 
 

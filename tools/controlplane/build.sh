@@ -4,7 +4,8 @@
 # deploy tier's one-node cluster, the node and client side (kubelet, kube-scheduler, kube-proxy,
 # kubectl); versitygw, the S3 gateway whose bucket policies give receivers a read-only key; and
 # for the chart's monitoring, promtool (tests the alert rules) and prometheus-operator's CRDs
-# (monitoring-crds: a directory of the ServiceMonitor, PodMonitor and PrometheusRule CRDs).
+# (monitoring-crds: a directory of the ServiceMonitor, PodMonitor and PrometheusRule CRDs);
+# and LeaderWorkerSet's CRD (lws-crds), which the multi-node rollout example is checked against.
 #
 # Binaries land outside the repository, one directory per component and version:
 #   ${DCR_INFRA_CACHE:-$HOME/.cache/dcr-infra}/<component>-<version>/<component>
@@ -12,7 +13,7 @@
 #
 # Usage: tools/controlplane/build.sh [component ...]   (default: the control plane's four;
 #        `node` names the node's four, `monitoring` promtool and monitoring-crds, `all` all
-#        eleven)
+#        twelve)
 # Prints one line per component: "built|reused <component> <version> <path> ...".
 set -euo pipefail
 
@@ -24,13 +25,15 @@ readonly PROMETHEUS_VERSION=v0.316.0  # github.com/prometheus/prometheus (cmd/pr
 # github.com/prometheus-operator/prometheus-operator: its example/prometheus-operator-crd
 readonly PROMETHEUS_OPERATOR_VERSION=v0.85.0
 readonly MONITORING_CRDS=(servicemonitors podmonitors prometheusrules)
+readonly LWS_VERSION=v0.8.0  # sigs.k8s.io/lws: its config/crd/bases
+readonly LWS_CRD=leaderworkerset.x-k8s.io_leaderworkersets.yaml
 
 readonly HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 readonly CACHE="${DCR_INFRA_CACHE:-$HOME/.cache/dcr-infra}"
 readonly CONTROL_PLANE=(etcd kube-apiserver kube-controller-manager helm)
 readonly NODE=(kubelet kube-scheduler kube-proxy kubectl)
 readonly MONITORING=(promtool monitoring-crds)
-readonly ALL_COMPONENTS=("${CONTROL_PLANE[@]}" "${NODE[@]}" versitygw "${MONITORING[@]}")
+readonly ALL_COMPONENTS=("${CONTROL_PLANE[@]}" "${NODE[@]}" versitygw "${MONITORING[@]}" lws-crds)
 
 GO="${GO:-$(command -v go || echo /usr/local/go/bin/go)}"
 # Never fetch a different Go toolchain behind our back; static binaries, no cgo.
@@ -54,6 +57,7 @@ version_of() {
         versitygw) echo "$VERSITYGW_VERSION" ;;
         promtool) echo "$PROMETHEUS_VERSION" ;;
         monitoring-crds) echo "$PROMETHEUS_OPERATOR_VERSION" ;;
+        lws-crds) echo "$LWS_VERSION" ;;
         *) die "unknown component '$1' (known: ${ALL_COMPONENTS[*]})" ;;
     esac
 }
@@ -70,6 +74,7 @@ usable() {
                 [[ -s "$bin/monitoring.coreos.com_$crd.yaml" ]] || return 1
             done
             return 0 ;;
+        lws-crds) [[ -s "$bin/$LWS_CRD" ]]; return ;;
     esac
     [[ -x "$bin" ]] || return 1
     case "$component" in
@@ -162,6 +167,14 @@ build_one() {
                     "$tmp/" || return
             done
             rm -rf "$out" || return  # a directory: mv would move tmp into a stale one
+            ;;
+        lws-crds)
+            local dir
+            dir="$(cd "$CACHE" && "$GO" mod download -json "sigs.k8s.io/lws@$LWS_VERSION" |
+                sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')"
+            [[ -n "$dir" ]] || return 1
+            mkdir -p "$tmp" && cp "$dir/config/crd/bases/$LWS_CRD" "$tmp/" || return
+            rm -rf "$out" || return
             ;;
     esac
     mv -f "$tmp" "$out"

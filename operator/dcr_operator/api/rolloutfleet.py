@@ -85,6 +85,33 @@ class LabelSelector(SpecModel):
         return self
 
 
+LWS_GROUP_KEY = "leaderworkerset.sigs.k8s.io/group-key"
+LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
+MAX_GROUP_SIZE = 64  # pods per group: a leader's agent calls each member
+
+
+class ReplicaGroups(SpecModel):
+    """Replicas that span pods: the selected pods form groups (a LeaderWorkerSet's, by
+    default), and each group is one receiver, driven through its leader pod's agent.
+
+    A group takes part only while exactly ``size`` of its pods are Running and one of them
+    is its leader; the operator calls the leader's agent only, which reaches its members
+    itself (docs/engines.md, "Replicas across pods").
+    """
+
+    size: Annotated[int, Field(ge=2, le=MAX_GROUP_SIZE)] = Field(
+        description="Pods per group, its leader included (a LeaderWorkerSet's "
+        "leaderWorkerTemplate.size).")
+    label: Annotated[str, Field(min_length=1, max_length=317)] = Field(
+        default=LWS_GROUP_KEY, description="The pod label whose value names a pod's group; "
+        f"default {LWS_GROUP_KEY}.")
+    leader_label: Annotated[str, Field(min_length=1, max_length=317)] = Field(
+        default=LWS_WORKER_INDEX, description="The pod label that marks a group's leader "
+        f"(with leaderValue); default {LWS_WORKER_INDEX}.")
+    leader_value: Annotated[str, Field(max_length=63)] = Field(
+        default="0", description="The leaderLabel value of the leader pod; default 0.")
+
+
 class AgentSpec(SpecModel):
     """How the operator reaches each pod's agent sidecar."""
 
@@ -151,7 +178,8 @@ class CommitPolicy(SpecModel):
             "message": "minReceivers is a count of at least 1 or a percentage 0%-100%"}]})] = Field(
         default=DEFAULT_MIN_RECEIVERS, description="Receivers that must take part in an "
         "attempt: a count (at least 1), or a percentage of the Running pods the selector "
-        "matches when the refit starts, rounded down, at least 1. Default 90%: one dead pod "
+        "matches when the refit starts (with spec.groups: of the complete groups), rounded "
+        "down, at least 1. Default 90%: one dead pod "
         "of ten does not stall training; the attempt names who was left out, and they "
         "rejoin the committed version later.")
     attempt_timeout_seconds: Annotated[int, Field(ge=1, le=86400)] = Field(
@@ -353,6 +381,9 @@ class RolloutFleetSpec(SpecModel):
         default=None, description="The object store encoders publish to (or relay).")
     relay: RelaySpec | None = Field(
         default=None, description="The relay tree encoders publish to (or store).")
+    groups: ReplicaGroups | None = Field(
+        default=None, description="Replicas span pods: one receiver per group of selected "
+        "pods, through its leader's agent. Default: each selected pod is a receiver.")
     initial: InitialVersion
     commit_policy: CommitPolicy = Field(
         default_factory=CommitPolicy, description="When a refit may commit, and how long an "
@@ -389,8 +420,10 @@ class RolloutFleetSpec(SpecModel):
 class ReceiverState(StatusModel):
     """One rollout rank as its agent last reported it."""
 
-    name: str = Field(description="The pod's name.")
+    name: str = Field(description="The pod's name (a group's: its leader pod's).")
     url: str | None = Field(default=None, description="The agent's address (pod IP, port).")
+    pods: list[str] | None = Field(default=None, description="A group's pods (spec.groups), "
+                                   "its leader first.")
     version: int | None = Field(default=None, description="The version the pod serves.")
     state: str | None = Field(default=None, description="The agent's state (idle, staging, "
                               "staged, flushed, ...).")
@@ -417,7 +450,11 @@ class RolloutFleetStatus(StatusModel):
         "those behind the committed version or unreachable first, then by name, at most 100 "
         "(receiverCount and readyReceivers count all).")
     receiver_count: int | None = Field(
-        default=None, description="Receivers: Running pods the selector matches.")
+        default=None, description="Receivers: Running pods the selector matches (with "
+        "spec.groups: groups, complete or not).")
+    pod_count: int | None = Field(
+        default=None, description="Pods of the receivers counted (without spec.groups: "
+        "receiverCount).")
     ready_receivers: int | None = Field(
         default=None, description="Receivers reporting the committed version.")
     history: HistoryStatus | None = Field(
@@ -432,6 +469,7 @@ PRINTER_COLUMNS = [
     column("Version", ".status.commit.committedVersion", "integer"),
     column("Ready", ".status.readyReceivers", "integer"),
     column("Receivers", ".status.receiverCount", "integer"),
+    column("Pods", ".status.podCount", "integer"),
     column("Refit", ".status.activeRefit"),
     condition_column("Status", FleetCondition.READY, "status"),
     AGE,

@@ -102,7 +102,7 @@ class AttemptStatus(StatusModel):
     stages: dict[str, float] = Field(default={}, description="Wall seconds per stage.")
     payloads: int = Field(default=0, description="Payloads each receiver applied.")
     bytes: int = Field(default=0, description="Payload bytes applied, summed over receivers.")
-    receiver_count: int = Field(default=0, description="How many receivers (pods) took "
+    receiver_count: int = Field(default=0, description="How many receivers (pods, or groups) took "
                                 "part; their names are in the operator's log and the "
                                 "AttemptStarted Event.")
     rejoined: list[str] = Field(default_factory=list, description="Receivers that restored "
