@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-fast test-engines gpu-check lint bench tables evaluate schema crds cli-doc image clean
+.PHONY: install demo test test-fast test-engines gpu-check lint bench tables evaluate schema crds cli-doc image push clean
 
 install: $(STAMP)
 
@@ -92,6 +92,12 @@ crds: install
 # seconds after). Prints "image <role> <ref> <archive>" per image; docs/operations.md.
 image:
 	tools/image/build.sh
+
+# Push what make image built to REGISTRY as <REGISTRY>/dcr:<version> and dcr-serve:<version>
+# (credentials: podman login, or REGISTRY_AUTH_FILE); e.g. make push REGISTRY=ghcr.io/dcr-dev.
+push:
+	@test -n "$(REGISTRY)" || { echo "make push REGISTRY=host[:port][/path]" >&2; exit 2; }
+	tools/image/push.sh $(REGISTRY)
 
 clean:
 	rm -rf $(VENV) refit-out .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -15,6 +15,8 @@ packages missing); ``.ci/run`` installs the packages, so CI runs the tier.
 from __future__ import annotations
 
 import ipaddress
+import os
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,10 +32,12 @@ from node import (
     NodeError,
     missing_prerequisites,
 )
+from registry import Pushed, registry
 from s3server import S3Server, scoped_s3_server
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGE_SCRIPT = REPO / "tools" / "image" / "build.sh"
+PUSH_SCRIPT = REPO / "tools" / "image" / "push.sh"
 
 
 @pytest.fixture(scope="session")
@@ -82,6 +86,28 @@ def images(progress: Callable[[str], None], node: Node) -> Images:
                     f"{output[-3000:]}")
     progress(f"tests/deploy: images built and loaded in {time.monotonic() - started:.0f} s")
     return Images(dcr=refs["dcr"], serve=refs["serve"])
+
+
+@pytest.fixture(scope="session")
+def pushed(progress: Callable[[str], None], node: Node, images: Images,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pushed]:
+    """A registry on the node's bridge address (TLS, one login) that the node trusts, with
+    the dcr image pushed to it by ``tools/image/push.sh`` (``make push``)."""
+    with registry(tmp_path_factory.mktemp("registry"), host=GATEWAY,
+                  progress=progress) as reg:
+        node.trust_registry(reg.address, reg.ca)
+        progress(f"tests/deploy: make push REGISTRY={reg.address}/dcr-dev")
+        done = subprocess.run(
+            ["bash", str(PUSH_SCRIPT), f"{reg.address}/dcr-dev", "dcr"], capture_output=True,
+            text=True, timeout=600, check=False,
+            env={**os.environ, "REGISTRY_AUTH_FILE": str(reg.auth_file),
+                 "DCR_PUSH_CERT_DIR": str(reg.cert_dir)})
+        lines = [line.split() for line in done.stdout.splitlines()]
+        if done.returncode != 0 or len(lines) != 1 or lines[0][:2] != ["pushed", "dcr"]:
+            pytest.fail(f"{PUSH_SCRIPT} exited with {done.returncode}:\n{done.stdout}\n"
+                        f"{done.stderr[-3000:]}")
+        (_, _, ref, digest), = lines
+        yield Pushed(ref=ref, digest=digest, registry=reg)
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,10 @@
 """The deploy tier: the project as a user deploys it, on a node whose Pods really run.
 
 Nothing here runs as a host process of ours but the trainer (which writes checkpoints
-to a directory the node's Pods mount) and the S3 server. The chart is installed with
-``helm install`` using the images ``make image`` builds; the operator runs as a Pod under
-the chart's ServiceAccount; the chart's own examples are applied with ``kubectl apply``
+to a directory the node's Pods mount), the S3 server and the image registry. The chart is
+installed with ``helm install`` using the images ``make image`` builds, the operator's
+pulled from the registry (``make push``) with the login the chart's ``imagePullSecrets``
+names; the operator runs as a Pod under the chart's ServiceAccount; the chart's own examples are applied with ``kubectl apply``
 (adjusted only where a cluster differs: the images' names, the S3 endpoint, real secrets,
 a hostPath in place of the PersistentVolumeClaim, smaller resource requests); encoder
 Jobs run as Pods; rollout Pods run the agent sidecar next to the reference serving
@@ -11,7 +12,7 @@ engine (``dcr serve``), and mount no training checkpoint: an init container buil
 committed version from the store and the run's base model.
 
 The tests run in order, each on the state the previous one left:
-install -> fleet Ready -> a refit commits bit-exact through a two-owner encoder Job ->
+install (a pull from the registry; one without the login refused) -> fleet Ready -> a refit commits bit-exact through a two-owner encoder Job ->
 ``kubectl get`` columns -> a rollout Pod deleted mid-refit is replaced and rejoins ->
 the operator Pod killed mid-refit is replaced and the refit finishes -> a Pod added by
 scaling up starts at the committed version -> deleting a refit cleans its Jobs and the
@@ -49,6 +50,7 @@ from clusters import CLUSTER_TRAINER
 from controlplane import build_binaries
 from node import GATEWAY, Images, Node
 from promtext import Key, samples, value
+from registry import Pushed
 from s3server import S3Server
 
 from dcr.format.history import HISTORY_KEY, History
@@ -61,6 +63,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "charts" / "dcr" / "examples"
 SYSTEM, NS = "dcr-system", "rl"
+PULL_SECRET = "registry-login"  # the chart's imagePullSecrets: the registry's login
 RELEASE = "dcr"
 FLEET = "policy-rollout"
 REPLICAS = 2
@@ -99,6 +102,7 @@ class Cluster:
     trainer: Trainer
     agent_token: str
     rollout_link: Link  # the rollout Pods reach the store only through this emulated link
+    pushed: Pushed  # the dcr image in the node's registry: the chart's pods pull it
     transcript: list[str] = field(default_factory=list)
     fetched: dict[str, int] = field(default_factory=dict)  # init containers' bytes, by Pod
 
@@ -315,7 +319,7 @@ def volume_manifests(c: Cluster) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def cluster(node: Node, images: Images, node_s3: S3Server,
+def cluster(node: Node, images: Images, node_s3: S3Server, pushed: Pushed,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     from transformers.utils import logging as hf_logging
 
@@ -334,7 +338,7 @@ def cluster(node: Node, images: Images, node_s3: S3Server,
                 target=int(node_s3.endpoint.rsplit(":", 1)[1])).start()
     c = Cluster(node=node, images=images, s3=node_s3, helm=binaries.helm, tmp=tmp,
                 ckpts=ckpts, base=base, trainer=trainer, agent_token=secrets.token_hex(24),
-                rollout_link=link)
+                rollout_link=link, pushed=pushed)
     yield c
     link.stop()
     print(f"transcript: {tmp / 'deploy-transcript.txt'}", file=sys.stderr)
@@ -350,10 +354,15 @@ def test_helm_install_runs_the_operator_as_a_pod_under_its_service_account(
     # Encoder Jobs' pods, the rollout pods and the warm encoder must all meet it.
     c.kubectl("label", "namespace", NS, "pod-security.kubernetes.io/enforce=restricted",
               record=True)
-    repo, tag = c.images.dcr.rsplit(":", 1)
+    # The operator's image comes from the registry, with the login the chart names
+    # (imagePullSecrets); encoder Jobs run that image, which the node then holds.
+    c.kubectl("create", "namespace", SYSTEM, record=True)
+    c.apply([c.pushed.registry.pull_secret(PULL_SECRET)], namespace=SYSTEM)
+    repo, tag = c.pushed.ref.rsplit(":", 1)
     c.helm_run("install", RELEASE, str(REPO / "charts" / "dcr"), "--namespace", SYSTEM,
-               "--create-namespace", f"--set=image.repository={repo}", f"--set=image.tag={tag}",
-               "--set=image.pullPolicy=Never", "--set=encoder.pullPolicy=Never",
+               f"--set=image.repository={repo}", f"--set=image.tag={tag}",
+               "--set=image.pullPolicy=Always", f"--set=imagePullSecrets[0].name={PULL_SECRET}",
+               "--set=encoder.pullPolicy=Never",
                f"--set=watchNamespaces={{{NS}}}", "--set=settings.jobPollSeconds=1",
                "--set=settings.retrySeconds=2", "--set=settings.fleetStatusSeconds=3",
                "--set=peering.lifetimeSeconds=15", "--wait", "--timeout=300s")
@@ -361,12 +370,41 @@ def test_helm_install_runs_the_operator_as_a_pod_under_its_service_account(
                         what="the operator Pod Ready")
     c.kubectl("-n", SYSTEM, "get", "deployments,pods", record=True)
     assert pod["spec"]["serviceAccountName"] == f"{RELEASE}-operator"  # the chart's own
-    assert pod["spec"]["containers"][0]["image"] == c.images.dcr
+    assert pod["spec"]["containers"][0]["image"] == c.pushed.ref
     (status,) = pod["status"]["containerStatuses"]
+    assert status["imageID"] == f"{repo}@{c.pushed.digest}"  # pulled from the registry
+    pulled = [e for e in c.get("-n", SYSTEM, "events")["items"]
+              if e["involvedObject"]["name"] == pod["metadata"]["name"]
+              and e["reason"] == "Pulled"]
+    assert pulled, "the kubelet pulled the operator's image"
     assert status["restartCount"] == 0, c.node.pod_logs(SYSTEM, pod["metadata"]["name"])
     # It runs as the chart's non-root user, logged in to the apiserver in-cluster.
     logs = c.node.pod_logs(SYSTEM, pod["metadata"]["name"])
     assert "Traceback" not in logs, logs
+
+
+def test_the_registry_refuses_a_pull_without_the_login(cluster: Cluster) -> None:
+    """The registry is private: the image the operator pulled with the chart's pull
+    Secret is refused to a Pod that names none (it is not on the node under any other
+    name this Pod could use, and imagePullPolicy Always asks the registry again)."""
+    c = cluster
+    name = "pull-without-login"
+    c.apply([{"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+              "spec": {"restartPolicy": "Never", "automountServiceAccountToken": False,
+                       "containers": [{"name": "main", "image": c.pushed.ref,
+                                       "imagePullPolicy": "Always", "command": ["true"]}]}}],
+            namespace=SYSTEM)
+    try:
+        waiting = eventually(
+            lambda: next((s["state"]["waiting"] for s in (c.get("-n", SYSTEM, "pod", name)[
+                "status"].get("containerStatuses") or []) if "waiting" in s["state"]
+                and s["state"]["waiting"].get("reason") in ("ErrImagePull", "ImagePullBackOff")),
+                None), timeout_s=120, what="the pull refused")
+        events = " ".join(e.get("message", "") for e in c.get("-n", SYSTEM, "events")["items"]
+                          if e["involvedObject"]["name"] == name)
+        assert re.search(r"401|[Uu]nauthorized|authorization failed", events), (waiting, events)
+    finally:
+        c.kubectl("-n", SYSTEM, "delete", "pod", name, "--wait=false")
 
 
 def test_the_examples_apply_and_the_fleet_becomes_ready(cluster: Cluster) -> None:

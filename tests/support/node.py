@@ -16,8 +16,9 @@ bridge and a temporary directory:
   login resolves it) and nothing else.
 
 Images get onto the node with :meth:`Node.load_image` (``ctr images import`` of an
-archive, as a registry-less cluster loads them); Pods must use ``imagePullPolicy:
-IfNotPresent`` or ``Never``.
+archive, as a registry-less cluster loads them; Pods then use ``imagePullPolicy:
+IfNotPresent`` or ``Never``), or the kubelet pulls them from a registry the node trusts
+(:meth:`Node.trust_registry`: containerd's ``hosts.toml`` with the registry's CA).
 
 One node per machine at a time: the bridge, its subnet and kube-proxy's iptables chains
 are the host's, so :class:`Node` holds an exclusive lock file while it runs and removes
@@ -243,6 +244,16 @@ class Node:
         """Import an image archive (OCI or docker) into the node's containerd."""
         self._ctr("images", "import", "--all-platforms", str(archive), timeout_s=600)
 
+    def trust_registry(self, address: str, ca: Path) -> None:
+        """Let containerd pull from the registry at ``address`` (HOST:PORT) over TLS, its
+        certificate checked against ``ca`` (read at each pull: no restart)."""
+        d = self.workdir / "containerd" / "certs.d" / address
+        d.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ca, d / "ca.crt")
+        (d / "hosts.toml").write_text(
+            f'server = "https://{address}"\n\n[host."https://{address}"]\n'
+            f'  capabilities = ["pull", "resolve"]\n  ca = "{d / "ca.crt"}"\n')
+
     def pod_logs(self, namespace: str, pod: str, container: str | None = None) -> str:
         args = ["-n", namespace, "logs", pod, "--tail=200"]
         if container:
@@ -329,6 +340,8 @@ disabled_plugins = ["io.containerd.internal.v1.tracing", "io.containerd.snapshot
   [{cri}.cni]
     bin_dir = "{CNI_BIN}"
     conf_dir = "{d / 'cni'}"
+  [{cri}.registry]
+    config_path = "{d / 'certs.d'}"
 """)
         self._spawn("containerd", ["containerd", "--config", str(d / "config.toml"),
                                    "--log-level", "warn"])

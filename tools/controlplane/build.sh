@@ -5,7 +5,8 @@
 # kubectl); versitygw, the S3 gateway whose bucket policies give receivers a read-only key; and
 # for the chart's monitoring, promtool (tests the alert rules) and prometheus-operator's CRDs
 # (monitoring-crds: a directory of the ServiceMonitor, PodMonitor and PrometheusRule CRDs);
-# and LeaderWorkerSet's CRD (lws-crds), which the multi-node rollout example is checked against.
+# LeaderWorkerSet's CRD (lws-crds), which the multi-node rollout example is checked against;
+# and the image registry (registry, from distribution) the deploy tier's node pulls from.
 #
 # Binaries land outside the repository, one directory per component and version:
 #   ${DCR_INFRA_CACHE:-$HOME/.cache/dcr-infra}/<component>-<version>/<component>
@@ -13,7 +14,7 @@
 #
 # Usage: tools/controlplane/build.sh [component ...]   (default: the control plane's four;
 #        `node` names the node's four, `monitoring` promtool and monitoring-crds, `all` all
-#        twelve)
+#        thirteen)
 # Prints one line per component: "built|reused <component> <version> <path> ...".
 set -euo pipefail
 
@@ -26,6 +27,7 @@ readonly PROMETHEUS_VERSION=v0.316.0  # github.com/prometheus/prometheus (cmd/pr
 readonly PROMETHEUS_OPERATOR_VERSION=v0.85.0
 readonly MONITORING_CRDS=(servicemonitors podmonitors prometheusrules)
 readonly LWS_VERSION=v0.8.0  # sigs.k8s.io/lws: its config/crd/bases
+readonly REGISTRY_VERSION=v3.0.0  # github.com/distribution/distribution/v3 (cmd/registry)
 readonly LWS_CRD=leaderworkerset.x-k8s.io_leaderworkersets.yaml
 
 readonly HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -33,7 +35,7 @@ readonly CACHE="${DCR_INFRA_CACHE:-$HOME/.cache/dcr-infra}"
 readonly CONTROL_PLANE=(etcd kube-apiserver kube-controller-manager helm)
 readonly NODE=(kubelet kube-scheduler kube-proxy kubectl)
 readonly MONITORING=(promtool monitoring-crds)
-readonly ALL_COMPONENTS=("${CONTROL_PLANE[@]}" "${NODE[@]}" versitygw "${MONITORING[@]}" lws-crds)
+readonly ALL_COMPONENTS=("${CONTROL_PLANE[@]}" "${NODE[@]}" versitygw "${MONITORING[@]}" lws-crds registry)
 
 GO="${GO:-$(command -v go || echo /usr/local/go/bin/go)}"
 # Never fetch a different Go toolchain behind our back; static binaries, no cgo.
@@ -58,6 +60,7 @@ version_of() {
         promtool) echo "$PROMETHEUS_VERSION" ;;
         monitoring-crds) echo "$PROMETHEUS_OPERATOR_VERSION" ;;
         lws-crds) echo "$LWS_VERSION" ;;
+        registry) echo "$REGISTRY_VERSION" ;;
         *) die "unknown component '$1' (known: ${ALL_COMPONENTS[*]})" ;;
     esac
 }
@@ -149,6 +152,10 @@ build_one() {
             ;;
         versitygw)
             go_install "github.com/versity/versitygw/cmd/versitygw@$VERSITYGW_VERSION" \
+                "-s -w" "$tmp" || return
+            ;;
+        registry)
+            go_install "github.com/distribution/distribution/v3/cmd/registry@$REGISTRY_VERSION" \
                 "-s -w" "$tmp" || return
             ;;
         promtool)
