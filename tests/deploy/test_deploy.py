@@ -1,26 +1,27 @@
 """The deploy tier: the project as a user deploys it, on a node whose Pods really run.
 
 Nothing here runs as a host process of ours but the trainer (which writes checkpoints
-to a directory the node's Pods mount), the S3 server and the image registry. The chart is
-installed with ``helm install`` using the images ``make image`` builds, the operator's
-pulled from the registry (``make push``) with the login the chart's ``imagePullSecrets``
-names; the operator runs as a Pod under the chart's ServiceAccount; the chart's own examples are applied with ``kubectl apply``
-(adjusted only where a cluster differs: the images' names, the S3 endpoint, real secrets,
-a hostPath in place of the PersistentVolumeClaim, smaller resource requests); encoder
+to a directory the node's Pods mount), the S3 server and the image registry. The chart
+is installed with ``helm install`` using the images ``make image`` builds, the
+operator's pulled from the registry (``make push``) with the login the chart's
+``imagePullSecrets`` names; the operator runs as a Pod under the chart's
+ServiceAccount; the chart's own examples are applied with ``kubectl apply`` (adjusted
+only where a cluster differs: the images' names, the S3 endpoint, real secrets, a
+hostPath in place of the PersistentVolumeClaim, smaller resource requests); encoder
 Jobs run as Pods; rollout Pods run the agent sidecar next to the reference serving
 engine (``dcr serve``), and mount no training checkpoint: an init container builds the
 committed version from the store and the run's base model.
 
 The tests run in order, each on the state the previous one left:
-install (a pull from the registry; one without the login refused) -> fleet Ready -> a refit commits bit-exact through a two-owner encoder Job ->
-``kubectl get`` columns -> a rollout Pod deleted mid-refit is replaced and rejoins ->
-the operator Pod killed mid-refit is replaced and the refit finishes -> a Pod added by
-scaling up starts at the committed version -> deleting a refit cleans its Jobs and the
-payloads catch-up does not need -> the warm encoder example deployed and a refit through it
-(after one through Jobs, both latencies recorded) -> what crossed the rollout side's
-emulated link to the store (every rollout Pod reaches the store only through it) ->
-``helm upgrade`` -> ``helm
-uninstall`` and namespace deletion leave nothing behind.
+install (pulled from the registry; a pull without the login refused) -> fleet Ready ->
+a refit commits bit-exact through a two-owner encoder Job -> ``kubectl get`` columns ->
+a rollout Pod deleted mid-refit is replaced and rejoins -> the operator Pod killed
+mid-refit is replaced and the refit finishes -> a Pod added by scaling up starts at the
+committed version -> deleting a refit cleans its Jobs and the payloads catch-up does
+not need -> the warm encoder example deployed and a refit through it (after one through
+Jobs, both latencies recorded) -> what crossed the rollout side's emulated link to the
+store (every rollout Pod reaches the store only through it) -> ``helm upgrade`` ->
+``helm uninstall`` and namespace deletion leave nothing behind.
 
 What the commands print is kept under the session's temporary directory
 (``deploy-transcript.txt``): docs/operations.md quotes it.
