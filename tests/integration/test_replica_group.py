@@ -15,13 +15,14 @@ the group loads it densely and the refit commits.
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from replica_group import TwoPodReplica
+from replica_group import POD_NAMES, TwoPodReplica
 from transformers import LlamaConfig
 
 from dcr.files.history import HistoryStore
@@ -30,6 +31,8 @@ from dcr.protocol.commitstore import SqliteCommitStore
 from dcr.protocol.coordinator import Coordinator, CoordinatorSettings, RefitFailed
 from dcr.protocol.records import CommitRecord
 from dcr.receiver.member_api import MemberClient, MemberError
+from dcr.refit.job import start_relays
+from dcr.transport.relay.publish import TOKEN_ENV
 from dcr.transport.store import FileStore
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow, pytest.mark.e2e]
@@ -140,3 +143,43 @@ def test_a_worker_pod_killed_mid_refit_is_rebuilt_from_the_store_and_the_refit_c
     assert built, "the member built the committed version under the worker's own root"
     pods.assert_holds(2)
     c.close()
+
+
+def test_a_replica_of_two_pods_reads_from_its_relay_nodes_and_a_restarted_worker_rejoins(
+        tmp_path: Path, versions: Path) -> None:
+    """A relay fleet's group: each pod's agent (the leader's and the member) reads from its
+    own node of the relay tree, the owner publishes to the root, and nothing goes through
+    a store. A worker pod that restarts between refits leaves the group's weights unknown:
+    the next refit first dense-loads the committed checkpoint, which each pod holds at the
+    same path under its own root (a relay keeps no history to build from), then commits."""
+    tree = start_relays(tmp_path / "relay", 2)  # node 0 (the root) in the leader's pod
+    (tmp_path / "store").mkdir()  # unused: the agents are given the relay only
+    pods = Pods(tmp_path, versions, tmp_path / "store", TOKEN, relays=(tree.urls[0],
+                tree.urls[1]), relay_token_file=tree.read_token_file)
+    try:
+        for pod in POD_NAMES:  # the training side's checkpoints, on every pod's volume
+            for v in (1, 2):
+                shutil.copytree(versions / f"v{v}", pods.root(pod) / f"v{v}")
+        owner = ProcessOwner(store_uri=f"relay+http://{tree.urls[0].split('://', 1)[1]}",
+                             checkpoints=lambda v: versions / f"v{v}", version=0,
+                             timeout_s=120.0,
+                             env={TOKEN_ENV: tree.publish_token_file.read_text().strip()})
+        c = Coordinator(SqliteCommitStore(tmp_path / "commit.db", V0), [owner], [pods.client],
+                        settings=SETTINGS,
+                        dense_checkpoint=lambda v: str(pods.root("leader") / f"v{v}"))
+        c.refit(1, str(pods.root("leader") / "v1"))
+        pods.assert_holds(1)
+        assert "staging attempt" in pods.member.log_path.read_text()
+        assert not any((tmp_path / "store").iterdir())
+
+        pods.restart_worker()  # its rank is v0 again: the group's weights are unknown
+        record = c.refit(2, str(pods.root("leader") / "v2"))
+        assert record.committed_version == 2
+        assert c.history[-1].rejoined == ("leader-agent",)  # v1 from each pod's own root
+        pods.assert_holds(2)
+        c.close()
+    finally:
+        pods.close()
+        for proc in tree.procs:
+            proc.kill()
+            proc.wait()

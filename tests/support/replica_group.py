@@ -61,6 +61,10 @@ class TwoPodReplica:
     token: str
     hosts: tuple[str, str] = ("127.0.0.1", "127.0.0.1")
     agent_port: int | None = None  # default: a free port per agent
+    # Read from relay nodes instead of the store: (the leader pod's node, the worker's),
+    # and the file holding the tree's read token.
+    relays: tuple[str, str] | None = None
+    relay_token_file: Path | None = None
 
     def __post_init__(self) -> None:
         for pod in POD_NAMES:
@@ -104,10 +108,14 @@ class TwoPodReplica:
         key.write_text(API_KEY + "\n")
         key.chmod(0o600)
         host = self.host(pod)
+        source = ["--store", self.store.as_uri()]
+        if self.relays is not None:  # this pod's own node of the tree
+            source = ["--relay", self.relays[POD_NAMES.index(pod)],
+                      "--relay-token-file", str(self.relay_token_file)]
         return AgentProcess(
             name=f"{pod}-agent", state_dir=self.tmp / pod / "agent", token=self.token,
             host=host, port=self.agent_port or free_port_on(host),
-            args=["--store", self.store.as_uri(), "--staging-dir", str(self.staging(pod)),
+            args=[*source, "--staging-dir", str(self.staging(pod)),
                   "--canonical", str(self.root(pod) / "v0"), "--model-version", "0",
                   "--engine-api-key-file", str(key), "--staging-mib", "64", *extra])
 

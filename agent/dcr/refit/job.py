@@ -177,7 +177,7 @@ def _pod(i: int, n: int, out: Path, source: dict[str, Any], ckpts: Path,
 
 
 @dataclass(frozen=True, kw_only=True)
-class _RelayTree:
+class RelayTree:
     """The running ``dcr relay`` nodes: processes, URLs (the first is the root), and the
     two token files: agents get the read token, the owner the publish token."""
 
@@ -187,7 +187,7 @@ class _RelayTree:
     publish_token_file: Path
 
 
-def _start_relays(work: Path, n: int) -> _RelayTree:
+def start_relays(work: Path, n: int) -> RelayTree:
     """``dcr relay`` nodes, one per agent, in one tree."""
     work.mkdir(parents=True, exist_ok=True)
     read_file = write_token_file(work / "read-token", secrets.token_hex(16))
@@ -213,7 +213,7 @@ def _start_relays(work: Path, n: int) -> _RelayTree:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise DcrError(f"Relay node {url} did not start: {e}.") from e
                 time.sleep(0.05)
-    return _RelayTree(procs=procs, urls=urls, read_token_file=read_file,
+    return RelayTree(procs=procs, urls=urls, read_token_file=read_file,
                       publish_token_file=publish_file)
 
 
@@ -264,7 +264,7 @@ def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
         sources: list[dict[str, Any]] = [{"store": store}] * s.agents
         publish_to, owner_env = store, boundary.direct_env()
         if s.transport == "relay":
-            tree = _start_relays(out / "relay", s.agents)
+            tree = start_relays(out / "relay", s.agents)
             relays = tree.procs
             sources = [{"relay": u, "relay_token_file": tree.read_token_file}
                        for u in tree.urls]
