@@ -1,12 +1,13 @@
-"""The deploy tier's fixtures: a real node, the project's images loaded into it, and an
-S3 server the node's Pods reach.
+"""The deploy tier's fixtures: a real node, the project's images on it, an image registry
+and an S3 server the node's Pods reach.
 
 ``node`` starts once per session (:class:`node.Node`: a control plane on the bridge
 address, containerd, kubelet, kube-proxy, kube-scheduler, cluster DNS) and registers its
 bridge with the loopback guard, so the tests may call Pods by their IPs: that network
-never leaves this machine. ``images`` builds the images with ``tools/image/build.sh``
-(``make image``; minutes the first time, seconds after) and imports them into the node's
-containerd.
+never leaves this machine. ``built_images`` builds the images with
+``tools/image/build.sh`` (``make image``; minutes the first time, seconds after);
+``pushed`` pushes the dcr image to a registry on the node (``make push``), from which the
+kubelet pulls it; ``images`` imports the serve image into the node's containerd.
 
 Skipped, with the reason, where the machine cannot run a node (not root, or the Debian
 packages missing); ``.ci/run`` installs the packages, so CI runs the tier.
@@ -65,8 +66,8 @@ def node(progress: Callable[[str], None],
 
 
 @pytest.fixture(scope="session")
-def images(progress: Callable[[str], None], node: Node) -> Images:
-    """The project's images, built (``make image``) and imported into the node."""
+def built_images(progress: Callable[[str], None]) -> dict[str, tuple[str, Path]]:
+    """The project's images, built (``make image``): role -> (reference, archive)."""
     progress(f"tests/deploy: {IMAGE_SCRIPT.relative_to(REPO)} (minutes on a cold cache; "
              "its steps show here as they run)")
     started = time.monotonic()
@@ -74,22 +75,22 @@ def images(progress: Callable[[str], None], node: Node) -> Images:
                                    name="make image")
     if status != 0:
         pytest.fail(f"{IMAGE_SCRIPT} exited with {status}:\n{output[-3000:]}")
-    refs: dict[str, str] = {}
+    built: dict[str, tuple[str, Path]] = {}
     for line in output.splitlines():
         parts = line.split()
         if len(parts) == 4 and parts[0] == "image":
             _, role, ref, archive = parts
-            node.load_image(Path(archive))
-            refs[role] = ref
-    if set(refs) != {"dcr", "serve"}:
-        pytest.fail(f"{IMAGE_SCRIPT} reported images {sorted(refs)}, not dcr and serve:\n"
+            built[role] = (ref, Path(archive))
+    if set(built) != {"dcr", "serve"}:
+        pytest.fail(f"{IMAGE_SCRIPT} reported images {sorted(built)}, not dcr and serve:\n"
                     f"{output[-3000:]}")
-    progress(f"tests/deploy: images built and loaded in {time.monotonic() - started:.0f} s")
-    return Images(dcr=refs["dcr"], serve=refs["serve"])
+    progress(f"tests/deploy: images built in {time.monotonic() - started:.0f} s")
+    return built
 
 
 @pytest.fixture(scope="session")
-def pushed(progress: Callable[[str], None], node: Node, images: Images,
+def pushed(progress: Callable[[str], None], node: Node,
+           built_images: dict[str, tuple[str, Path]],
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pushed]:
     """A registry on the node's bridge address (TLS, one login) that the node trusts, with
     the dcr image pushed to it by ``tools/image/push.sh`` (``make push``)."""
@@ -106,8 +107,20 @@ def pushed(progress: Callable[[str], None], node: Node, images: Images,
         if done.returncode != 0 or len(lines) != 1 or lines[0][:2] != ["pushed", "dcr"]:
             pytest.fail(f"{PUSH_SCRIPT} exited with {done.returncode}:\n{done.stdout}\n"
                         f"{done.stderr[-3000:]}")
-        (_, _, ref, digest), = lines
+        ((_, _, ref, digest),) = lines
         yield Pushed(ref=ref, digest=digest, registry=reg)
+
+
+@pytest.fixture(scope="session")
+def images(node: Node, built_images: dict[str, tuple[str, Path]], pushed: Pushed) -> Images:
+    """The images as the node's Pods name them. The dcr image comes from the registry only:
+    the operator's Pod pulls it at install (the first test), and Pods after it that hold
+    the login find it there (the kubelet lets a Pod use an image pulled with a login only
+    if the Pod has it too, whatever name or pull policy it uses). The serve image is
+    imported (``ctr images import``)."""
+    ref, archive = built_images["serve"]
+    node.load_image(archive)
+    return Images(dcr=pushed.ref, serve=ref)
 
 
 @pytest.fixture(scope="session")

@@ -54,6 +54,7 @@ from promtext import Key, samples, value
 from registry import Pushed
 from s3server import S3Server
 
+from dcr.drivers.base import merge_fingerprints
 from dcr.format.history import HISTORY_KEY, History
 from dcr.protocol.agent_api import AgentClient
 from dcr.refit.boundary import Link
@@ -232,9 +233,8 @@ def _conditions(obj: dict[str, Any]) -> dict[str, tuple[str, str]]:
 # -- the chart's examples, adjusted for this cluster ------------------------------------------
 
 
-def fleet_manifests(c: Cluster, warm_url: str | None = None) -> list[dict[str, Any]]:
-    """The fleet example; ``warm_url``: where its "warm" profile's owners call (the
-    example names the encoder Service by DNS, which this node does not serve)."""
+def fleet_manifests(c: Cluster) -> list[dict[str, Any]]:
+    """The fleet example, for this cluster's S3, one cluster and small requests."""
     token_secret, fleet = _load(EXAMPLES / "rolloutfleet.yaml")
     token_secret["stringData"]["token"] = c.agent_token
     spec = fleet["spec"]
@@ -243,9 +243,6 @@ def fleet_manifests(c: Cluster, warm_url: str | None = None) -> list[dict[str, A
     # One cluster here: no training cluster for a profile's Jobs to run in (the operator
     # tier runs that one against a second control plane).
     spec["encoderProfiles"] = [p for p in spec["encoderProfiles"] if "cluster" not in p]
-    (warm,) = [p for p in spec["encoderProfiles"] if "endpoint" in p]
-    if warm_url is not None:
-        warm["endpoint"]["urls"] = [warm_url] * len(warm["endpoint"]["urls"])
     (profile,) = [p for p in spec["encoderProfiles"] if "endpoint" not in p]
     profile.pop("nodeSelector", None)  # one node, unlabelled
     profile["resources"] = {"requests": {"cpu": "100m", "memory": "256Mi"},
@@ -279,6 +276,125 @@ def rollout_manifests(c: Cluster) -> list[dict[str, Any]]:
     for volume in pod["volumes"]:  # the starting model only, never a later version
         assert "persistentVolumeClaim" not in volume or volume["name"] == "base-model"
     return [read_key, key_secret, deployment]
+
+
+def relay_manifests(c: Cluster) -> list[dict[str, Any]]:
+    """The relay example: its tree, fleet and rollout pods with this cluster's images,
+    random tokens and small requests; the rollout pods' engine key is rollout-reference's
+    Secret, which the store fleet's pods already use."""
+    objs = _load(EXAMPLES / "relay.yaml")
+    for obj in objs:
+        if obj["kind"] == "Secret":
+            obj["stringData"]["token"] = secrets.token_hex(24)
+        if obj["kind"] == "RolloutFleet":
+            obj["spec"]["commitPolicy"] = {"attemptTimeoutSeconds": 180}
+            (profile,) = obj["spec"]["encoderProfiles"]
+            profile["resources"] = {"requests": {"cpu": "100m", "memory": "256Mi"},
+                                    "limits": {"memory": "2Gi"}}
+            profile["imagePullPolicy"] = "Never"
+        if obj["kind"] in ("StatefulSet", "Deployment"):
+            for container in obj["spec"]["template"]["spec"]["containers"]:
+                container["image"] = (c.images.serve if container["name"] == "engine"
+                                      else c.images.dcr)
+                container["imagePullPolicy"] = "Never"
+                container["resources"] = {"requests": {"cpu": "100m", "memory": "256Mi"},
+                                          "limits": {"memory": "3Gi"}}
+    return objs
+
+
+GROUP = "policy-group"  # a replica of two pods, StatefulSets shaped like a group
+
+
+def group_manifests(c: Cluster) -> list[dict[str, Any]]:
+    """A replica spanning two pods, shaped as a LeaderWorkerSet group would be (no
+    LeaderWorkerSet controller runs here: its pod webhook needs certificates and a Service
+    the API server calls): two StatefulSets of one pod each on one headless Service, the
+    leader's ``dcr serve`` holding TP rank 0 and reaching the worker's (rank 1) with
+    ``--peer``, the leader's agent naming the worker's member agent with ``--member``,
+    both by their DNS names. Both start on the training side's v0 (read-only) and build
+    later versions from the fleet's own store prefix under their own volume. The fleet
+    groups them by labels of its own choosing (``spec.groups``)."""
+    prefix = f"s3://{c.s3.bucket}/{GROUP}"
+    worker = f"{GROUP}-worker-0.{GROUP}"
+    secure = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    small = {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "3Gi"}}
+    env = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+           {"name": "AWS_ENDPOINT_URL", "value": f"http://{GATEWAY}:{c.rollout_link.port}"},
+           {"name": "DCR_AGENT_TOKEN",
+            "valueFrom": {"secretKeyRef": {"name": "rollout-agent-token", "key": "token"}}}]
+    mounts = [{"name": "staging", "mountPath": "/dcr/staging"},
+              {"name": "checkpoints", "mountPath": "/checkpoints", "readOnly": True},
+              {"name": "engine-key", "mountPath": "/etc/dcr/engine-key", "readOnly": True}]
+    common = ["--staging-dir=/dcr/staging", "--checkpoint-root=/weights",
+              "--engine-api-key-file=/etc/dcr/engine-key/key"]
+
+    def statefulset(role: str, serve: list[str], agent: list[str]) -> dict[str, Any]:
+        labels = {"app": GROUP, "dcr.dev/group": "g0", "dcr.dev/group-role": role}
+        ready = "/readyz" if role == "leader" else "/healthz"  # a member has no engine
+        probe = {"httpGet": {"path": ready, "port": 8471}, "periodSeconds": 5}
+        return {
+            "apiVersion": "apps/v1", "kind": "StatefulSet",
+            "metadata": {"name": f"{GROUP}-{role}"},
+            "spec": {"serviceName": GROUP, "replicas": 1,
+                     "selector": {"matchLabels": labels},
+                     "template": {"metadata": {"labels": labels}, "spec": {
+                         "securityContext": {"fsGroup": 65532, "runAsNonRoot": True,
+                                             "seccompProfile": {"type": "RuntimeDefault"}},
+                         "containers": [
+                             {"name": "engine", "image": c.images.serve,
+                              "imagePullPolicy": "Never", "securityContext": secure,
+                              "command": ["dcr", "serve"], "resources": small,
+                              "args": ["--runtime=vllm-ref", "--tp-size=2",
+                                       "--model=/checkpoints/policy-a/v0",
+                                       "--staging-dir=/dcr/staging",
+                                       "--checkpoint-root=/weights",
+                                       "--api-key-file=/etc/dcr/engine-key/key", *serve],
+                              "volumeMounts": [*mounts, {"name": "weights",
+                                                         "mountPath": "/weights",
+                                                         "readOnly": True}]},
+                             {"name": "agent", "image": c.images.dcr,
+                              "imagePullPolicy": "Never", "securityContext": secure,
+                              "command": ["dcr", "agent"], "resources": small, "env": env,
+                              "args": ["--name=$(POD_NAME)", "--listen=0.0.0.0:8471",
+                                       f"--store={prefix}", "--model-version=0",
+                                       "--canonical=/checkpoints/policy-a/v0",
+                                       "--state-dir=/var/lib/dcr", *common, *agent],
+                              "envFrom": [{"secretRef": {"name": "weights-s3-read"}}],
+                              "ports": [{"containerPort": 8471}], "readinessProbe": probe,
+                              "volumeMounts": [*mounts,
+                                               {"name": "weights", "mountPath": "/weights"},
+                                               {"name": "state",
+                                                "mountPath": "/var/lib/dcr"}]}],
+                         "volumes": [
+                             {"name": "staging",
+                              "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
+                             {"name": "weights", "emptyDir": {}},
+                             {"name": "state", "emptyDir": {}},
+                             {"name": "checkpoints", "persistentVolumeClaim": {
+                                 "claimName": "policy-checkpoints", "readOnly": True}},
+                             {"name": "engine-key", "secret": {
+                                 "secretName": "rollout-engine-key", "defaultMode": 0o400}}],
+                     }}}}
+
+    (fleet,) = [o for o in fleet_manifests(c) if o["kind"] == "RolloutFleet"]
+    fleet["metadata"]["name"] = GROUP
+    fleet["spec"].update(
+        selector={"matchLabels": {"app": GROUP}},
+        groups={"size": 2, "label": "dcr.dev/group", "leaderLabel": "dcr.dev/group-role",
+                "leaderValue": "leader"},
+        store={**fleet["spec"]["store"], "uri": prefix})
+    fleet["spec"].pop("retention", None)
+    return [
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": GROUP},
+         "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                  "selector": {"app": GROUP}, "ports": [{"name": "agent", "port": 8471}]}},
+        statefulset("worker", ["--tp-rank=1", "--listen=0.0.0.0:8001"],
+                    ["--role=member", "--staging-mib=64"]),
+        statefulset("leader", ["--tp-rank=0", "--listen=127.0.0.1:8001",
+                               f"--peer=http://{worker}:8001"],
+                    ["--engine-url=http://127.0.0.1:8001", f"--member=http://{worker}:8471"]),
+        fleet,
+    ]
 
 
 def encoder_manifests(c: Cluster) -> list[dict[str, Any]]:
@@ -356,9 +472,15 @@ def test_helm_install_runs_the_operator_as_a_pod_under_its_service_account(
     c.kubectl("label", "namespace", NS, "pod-security.kubernetes.io/enforce=restricted",
               record=True)
     # The operator's image comes from the registry, with the login the chart names
-    # (imagePullSecrets); encoder Jobs run that image, which the node then holds.
+    # (imagePullSecrets). The kubelet lets a Pod use an image pulled with a login only if
+    # the Pod has that login too (even with imagePullPolicy Never), so the workloads'
+    # namespace gets it on its default ServiceAccount, which encoder Jobs and the rollout
+    # Pods run as.
     c.kubectl("create", "namespace", SYSTEM, record=True)
     c.apply([c.pushed.registry.pull_secret(PULL_SECRET)], namespace=SYSTEM)
+    c.apply([c.pushed.registry.pull_secret(PULL_SECRET)])
+    c.kubectl("-n", NS, "patch", "serviceaccount", "default", "-p",
+              json.dumps({"imagePullSecrets": [{"name": PULL_SECRET}]}), record=True)
     repo, tag = c.pushed.ref.rsplit(":", 1)
     c.helm_run("install", RELEASE, str(REPO / "charts" / "dcr"), "--namespace", SYSTEM,
                f"--set=image.repository={repo}", f"--set=image.tag={tag}",
@@ -686,7 +808,7 @@ def _latency(refit: dict[str, Any], observed_s: float) -> dict[str, Any]:
 def test_a_refit_through_the_warm_encoder_example_commits_bit_exact(
         cluster: Cluster, progress: Callable[[str], None]) -> None:
     """examples/encoder-endpoint.yaml deployed as written (but for this cluster's image,
-    S3 and checkpoint path), the fleet's "warm" profile pointed at its Service: a refit
+    S3 and checkpoint path), the fleet's "warm" profile naming its Service: a refit
     naming it starts no Job and commits bit-exact. The same run refits once through the
     Job profile first; both latencies (created -> Committed) are printed and, with
     $DCR_DEPLOY_LATENCY_OUT set, written there as JSON (recorded, never asserted)."""
@@ -700,10 +822,9 @@ def test_a_refit_through_the_warm_encoder_example_commits_bit_exact(
         described = c.kubectl("-n", NS, "describe", "pods", "-l", "app=dcr-encoder",
                               check=False)
         raise AssertionError(f"{e}\n{described}") from None
-    # The profile names the Pod's IP, as the operator reaches agents: between two Pods
-    # of this node's bridge a Service's ClusterIP does not work (the replies bypass
-    # kube-proxy's NAT; no br_netfilter here), and no DNS serves the Service's name.
-    c.apply(fleet_manifests(c, warm_url=f"http://{pod['status']['podIP']}:8472"))
+    # The fleet's "warm" profile names the example's Service as written: the operator's
+    # Pod reaches it by its DNS name (CoreDNS) and cluster IP (kube-proxy).
+    assert pod["status"]["podIP"]
     c.kubectl("-n", NS, "get", "deployments,services", "-l", "app=dcr-encoder", record=True)
     runs = []
     for v, profile in ((4, "training-pool"), (5, "warm")):
@@ -787,6 +908,119 @@ def test_the_fleet_keeps_at_most_refit_history_limit_finished_refits(cluster: Cl
     kept = eventually(pruned, timeout_s=120, what="the fleet's finished WeightRefits down to 2")
     assert kept == before[-2:]  # the newest two
     c.kubectl("-n", NS, "get", "weightrefits", record=True)
+
+
+def test_a_refit_through_the_relay_tree_survives_a_relay_pod_killed_mid_refit(
+        cluster: Cluster) -> None:
+    """examples/relay.yaml: a StatefulSet of three relay nodes that find each other by
+    name (cluster DNS), a relay fleet whose encoder Job publishes to the root, and two
+    rollout pods reading through the read Service. Relay node 1 is killed once the
+    attempt started; its replacement rejoins under the same name, the refit commits, and
+    both rollout pods hold v1 bit for bit."""
+    c = cluster
+    c.apply(relay_manifests(c))
+
+    def pods(app: str) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = c.get("-n", NS, "pods", "-l", f"app={app}")["items"]
+        return [p for p in items if "deletionTimestamp" not in p["metadata"] and _ready(p)]
+
+    try:
+        eventually(lambda: len(pods("rollout-relay")) == 3 and len(pods("relay-rollout")) == 2,
+                   timeout_s=300, what="three relay nodes and two rollout Pods Ready")
+        eventually(lambda: (c.get("-n", NS, "rolloutfleet", "relay-rollout").get("status")
+                            or {}).get("readyReceivers") == 2, timeout_s=180,
+                   what="the relay fleet Ready")
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{c.diagnostics()}") from None
+    (victim,) = [p for p in pods("rollout-relay")
+                 if p["metadata"]["name"] == "rollout-relay-1"]
+    refit = _load(EXAMPLES / "weightrefit.yaml")[0]
+    refit["metadata"]["name"] = "relay-rollout-v1"
+    refit["spec"].update(fleet="relay-rollout", baseVersion=0, targetVersion=1,
+                         source={"checkpoint": "/checkpoints/policy-a/v1"})
+    refit["spec"]["encoder"] = {"profile": "training-pool", "owners": 1}
+    c.apply([refit])
+    eventually(lambda: (c.refit("relay-rollout-v1").get("status") or {}).get("attempts"),
+               timeout_s=120, what="an attempt started")
+    c.kubectl("-n", NS, "delete", "pod", "rollout-relay-1", "--grace-period=0", "--force",
+              record=True)
+    c.wait_phase("relay-rollout-v1", "Committed", timeout_s=500)
+    back = eventually(lambda: [p for p in pods("rollout-relay")
+                               if p["metadata"]["name"] == "rollout-relay-1"],
+                      timeout_s=180, what="relay node 1 replaced and Ready")
+    assert back[0]["metadata"]["uid"] != victim["metadata"]["uid"]
+    want = reference_fingerprint(c.ckpts / "v1")
+    agents = [AgentClient(p["metadata"]["name"], f"http://{p['status']['podIP']}:8471",
+                          c.agent_token, timeout_s=30) for p in pods("relay-rollout")]
+    assert len(agents) == 2
+    assert all(a.fingerprint() == want for a in agents)
+    c.kubectl("-n", NS, "get", "statefulsets,pods", "-l", "app in (rollout-relay,relay-rollout)",
+              "-o", "wide", record=True)
+    # Leave the namespace as the tests after this one expect it.
+    for kind, name in (("weightrefit", "relay-rollout-v1"), ("deployment", "relay-rollout"),
+                       ("statefulset", "rollout-relay"), ("rolloutfleet", "relay-rollout")):
+        c.kubectl("-n", NS, "delete", kind, name, "--timeout=180s")
+
+
+def test_a_group_of_two_pods_refits_bit_exact_and_recovers_its_killed_worker_pod(
+        cluster: Cluster) -> None:
+    """spec.groups on real pods (:func:`group_manifests`): the fleet counts one receiver
+    of two pods; v1 commits through the leader's agent, bit-exact on both ranks; the
+    worker pod killed once the attempt started is replaced by its StatefulSet, the group
+    rebuilds v1 from the store under each pod's own volume, and v2 commits."""
+    c = cluster
+    c.apply(group_manifests(c))
+
+    def status() -> dict[str, Any]:
+        return c.get("-n", NS, "rolloutfleet", GROUP).get("status") or {}
+
+    def holds(v: int) -> bool:
+        want = merge_fingerprints([reference_fingerprint(c.ckpts / f"v{v}", "vllm-ref",
+                                                         tp_size=2, tp_rank=r)
+                                   for r in range(2)])
+        (leader,) = c.get("-n", NS, "pods", "-l", f"app={GROUP},dcr.dev/group-role=leader")[
+            "items"]
+        agent = AgentClient(GROUP, f"http://{leader['status']['podIP']}:8471", c.agent_token,
+                            timeout_s=60)
+        return agent.fingerprint() == want
+
+    try:
+        eventually(lambda: status().get("readyReceivers") == 1, timeout_s=300,
+                   what="the group Ready")
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{c.diagnostics()}") from None
+    st = status()
+    assert (st["receiverCount"], st["podCount"]) == (1, 2)
+    ((entry,),) = [st["receivers"]]
+    assert entry["pods"] == [f"{GROUP}-leader-0", f"{GROUP}-worker-0"]
+
+    def refit(name: str, base: int, target: int) -> None:
+        obj = _load(EXAMPLES / "weightrefit.yaml")[0]
+        obj["metadata"]["name"] = name
+        obj["spec"].update(fleet=GROUP, baseVersion=base, targetVersion=target,
+                           source={"checkpoint": f"/checkpoints/policy-a/v{target}"})
+        c.apply([obj])
+
+    refit(f"{GROUP}-v1", 0, 1)
+    c.wait_phase(f"{GROUP}-v1", "Committed")
+    assert holds(1)
+    (victim,) = c.get("-n", NS, "pods", "-l", f"app={GROUP},dcr.dev/group-role=worker")[
+        "items"]
+    if not (c.ckpts / "v2").exists():  # the store fleet's tests made it, if they ran
+        c.new_version(2)
+    refit(f"{GROUP}-v2", 1, 2)
+    eventually(lambda: (c.refit(f"{GROUP}-v2").get("status") or {}).get("attempts"),
+               timeout_s=120, what="an attempt started")
+    c.kubectl("-n", NS, "delete", "pod", victim["metadata"]["name"], "--grace-period=0",
+              "--force", record=True)
+    c.wait_phase(f"{GROUP}-v2", "Committed", timeout_s=500)
+    (back,) = c.get("-n", NS, "pods", "-l", f"app={GROUP},dcr.dev/group-role=worker")["items"]
+    assert back["metadata"]["uid"] != victim["metadata"]["uid"]
+    assert holds(2)
+    c.kubectl("-n", NS, "get", "rolloutfleet", GROUP, "-o", "wide", record=True)
+    for kind, name in (("statefulset", f"{GROUP}-leader"), ("statefulset", f"{GROUP}-worker"),
+                       ("rolloutfleet", GROUP)):
+        c.kubectl("-n", NS, "delete", kind, name, "--timeout=180s")
 
 
 def test_helm_upgrade_rolls_the_operator_with_the_new_value(cluster: Cluster) -> None:

@@ -24,6 +24,7 @@ import pytest
 import yaml
 from controlplane import ControlPlane, ControlPlaneError, built, go_available
 from k8sutil import CHART, apply, install_crds, path_of, wait_established
+from kubelet import expand
 
 from dcr.cli import build_parser
 from dcr.drivers.sglang import LOADER
@@ -38,6 +39,7 @@ ROLLOUTS = {"rollout-vllm.yaml": "vllm", "rollout-sglang.yaml": "sglang",
             "rollout-reference.yaml": "vllm"}  # file -> the agent's --engine
 CUSTOM = {"RolloutFleet": RolloutFleetSpec, "WeightRefit": WeightRefitSpec}
 MULTINODE = "rollout-vllm-multinode.yaml"  # a LeaderWorkerSet: replicas of two pods
+RELAY = "relay.yaml"  # the relay tree, its fleet and that fleet's rollout pods
 
 
 def objects(name: str) -> list[dict[str, Any]]:
@@ -51,7 +53,7 @@ def every_example() -> list[str]:
 def test_the_examples_are_the_fleet_the_refit_and_one_rollout_pod_per_engine() -> None:
     assert every_example() == sorted(["rolloutfleet.yaml", "weightrefit.yaml",
                                       "encoder-endpoint.yaml", "training-cluster.yaml",
-                                      "mirror.yaml", MULTINODE, *ROLLOUTS])
+                                      "mirror.yaml", MULTINODE, RELAY, *ROLLOUTS])
 
 
 @pytest.mark.parametrize("name", every_example())
@@ -77,6 +79,10 @@ def pod(name: str) -> dict[str, Any]:
 def pod_specs(name: str) -> dict[str, dict[str, Any]]:
     """The rollout pods of an example, by role: a Deployment's pod, or a LeaderWorkerSet's
     leader and worker."""
+    if name == RELAY:
+        kinds = {o["kind"]: o for o in objects(name)}
+        return {kind.lower(): kinds[kind]["spec"]["template"]["spec"]
+                for kind in ("StatefulSet", "Deployment")}
     if name != MULTINODE:
         return {"pod": pod(name)}
     (lws,) = [o for o in objects(name) if o["kind"] == "LeaderWorkerSet"]
@@ -229,13 +235,15 @@ def test_rollout_pods_are_never_handed_the_stores_write_credentials(name: str) -
     assert secret_holders(pods, f"{write}-read") == sorted(p["metadata"]["name"] for p in pods)
 
 
-@pytest.mark.parametrize("name", [*sorted(ROLLOUTS), MULTINODE])
+@pytest.mark.parametrize("name", [*sorted(ROLLOUTS), MULTINODE, RELAY])
 def test_every_dcr_command_line_of_a_rollout_pod_parses(name: str) -> None:
     for c in [c for spec in pod_specs(name).values()
               for c in spec.get("initContainers", []) + spec["containers"]]:
         if c["command"][0] != "dcr":
             continue
-        argv = [*c["command"][1:], *c["args"]]
+        # As the kubelet expands $(VAR): a field's value stands in for a fieldRef's.
+        known = {e["name"]: e.get("value", "1") for e in c.get("env", [])}
+        argv = [*c["command"][1:], *(expand(a, known) for a in c["args"])]
         try:
             build_parser(argv[0]).parse_args(argv)
         except SystemExit:
@@ -337,6 +345,64 @@ def test_the_multinode_example_drives_each_group_through_its_leader() -> None:
                    for a in agents["worker"]["args"])
 
 
+def test_the_relay_example_is_a_tree_its_fleet_publishes_to_and_its_pods_read() -> None:
+    """relay.yaml: the StatefulSet's members list names each of its pods on the headless
+    Service, in ordinal order (the pod's index from its pod-index label), the root first;
+    the fleet publishes to the root with the publish token's labelled Secret; the rollout
+    pods read through a Service over the nodes with the other (read) token; they start
+    from the fleet's initial checkpoint, which engine and agent resolve under the same
+    checkpoint root; each node mounts both tokens, each rollout pod only the read one."""
+    objs = objects(RELAY)
+    kinds = {o["kind"]: o for o in objs if o["kind"] not in ("Secret", "Service")}
+    services = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Service"}
+    tokens = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Secret"}
+    sts, fleet = kinds["StatefulSet"], kinds["RolloutFleet"]
+    spec = RolloutFleetSpec.model_validate(fleet["spec"])
+    assert spec.relay is not None
+    (relay,) = sts["spec"]["template"]["spec"]["containers"]
+    headless = services[sts["spec"]["serviceName"]]
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["selector"].items() <= sts["spec"]["template"]["metadata"][
+        "labels"].items()
+    port = headless["spec"]["ports"][0]["port"]
+    name = sts["metadata"]["name"]
+    members = arg(relay, "--members").split(",")
+    assert members == [f"{name}-{i}.{headless['metadata']['name']}:{port}"
+                       for i in range(sts["spec"]["replicas"])]
+    assert arg(relay, "--index") == "$(POD_INDEX)"
+    assert env(relay)["POD_INDEX"] == {"fieldRef": {
+        "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
+    assert spec.relay.url == f"http://{members[0]}"
+    publish = tokens[spec.relay.token_secret_ref.name]
+    assert publish["metadata"]["labels"] == {"dcr.dev/relay-token": "true"}
+    read = next(t for n, t in tokens.items() if n != spec.relay.token_secret_ref.name)
+    volumes = {v["name"]: v["secret"]["secretName"]
+               for v in sts["spec"]["template"]["spec"]["volumes"]}
+    by_mount = {m["mountPath"]: volumes[m["name"]] for m in relay["volumeMounts"]}
+    assert by_mount[arg(relay, "--token-file").rsplit("/", 1)[0]] == read["metadata"]["name"]
+    assert by_mount[arg(relay, "--publish-token-file").rsplit("/", 1)[0]] == (
+        publish["metadata"]["name"])
+
+    rollout = kinds["Deployment"]["spec"]["template"]
+    assert fleet["spec"]["selector"]["matchLabels"].items() <= rollout["metadata"][
+        "labels"].items()
+    (agent,) = [c for c in rollout["spec"]["containers"] if c["name"] == "agent"]
+    (engine,) = [c for c in rollout["spec"]["containers"] if c["name"] == "engine"]
+    url = arg(agent, "--relay")
+    reader = services[url.split("://", 1)[1].split(":", 1)[0]]
+    assert reader["spec"]["selector"] == headless["spec"]["selector"]
+    assert "clusterIP" not in reader["spec"]
+    secrets = {v["name"]: (v.get("secret") or {}).get("secretName")
+               for v in rollout["spec"]["volumes"]}
+    token_dir = arg(agent, "--relay-token-file").rsplit("/", 1)[0]
+    assert secrets[mounts(agent)[token_dir]] == read["metadata"]["name"]
+    assert publish["metadata"]["name"] not in secrets.values()
+    assert not any(a.startswith("--store") for a in agent["args"])
+    assert arg(engine, "--model") == spec.initial.checkpoint == arg(agent, "--canonical")
+    assert arg(engine, "--checkpoint-root") == arg(agent, "--checkpoint-root")
+    assert spec.initial.checkpoint.startswith(arg(agent, "--checkpoint-root") + "/")
+
+
 @pytest.fixture(scope="session")
 def lws_crd(progress: Callable[[str], None]) -> dict[str, Any]:
     """LeaderWorkerSet's CRD, from its Go module (tools/controlplane/build.sh lws-crds)."""
@@ -366,8 +432,8 @@ def test_the_apiserver_accepts_every_example_with_strict_field_validation(
         for name in every_example():
             for obj in objects(name):
                 if obj["kind"] in ("Deployment", "Secret", "NetworkPolicy"):
-                    obj = {**obj, "metadata": {**obj["metadata"],  # one of each per file
-                                               "name": f"{Path(name).stem}-{obj['kind'].lower()}"}}
+                    renamed = f"{Path(name).stem}-{obj['metadata']['name']}"  # files share
+                    obj = {**obj, "metadata": {**obj["metadata"], "name": renamed}}
                 path = path_of(obj, ns) if obj["kind"] != "NetworkPolicy" else (
                     f"/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies")
                 kube.create(path + "?fieldValidation=Strict", obj)

@@ -12,8 +12,11 @@ bridge and a temporary directory:
 - **kube-proxy** in iptables mode (the Service's cluster IP to the apiserver),
   **kube-scheduler**, and the **kubelet** (cgroupfs driver, cgroup v1 allowed, no swap
   check, eviction thresholds that ignore a full disk, cluster DNS at the gateway);
-- **dnsmasq** on the gateway answering ``kubernetes.default.svc`` (kopf's in-cluster
-  login resolves it) and nothing else.
+- **CoreDNS** (built by ``build.sh node``) on the gateway, the cluster's DNS: its
+  ``kubernetes`` plugin answers Services (``kubernetes.default.svc``, which kopf's
+  in-cluster login resolves), a headless Service's pods by hostname (a StatefulSet's
+  ``<pod>.<service>``) and pod addresses, from the API server; nothing outside
+  ``cluster.local``.
 
 Images get onto the node with :meth:`Node.load_image` (``ctr images import`` of an
 archive, as a registry-less cluster loads them; Pods then use ``imagePullPolicy:
@@ -24,7 +27,7 @@ One node per machine at a time: the bridge, its subnet and kube-proxy's iptables
 are the host's, so :class:`Node` holds an exclusive lock file while it runs and removes
 all of it on stop (``kube-proxy --cleanup``, the bridge, every mount under its directory).
 Needs root, and the Debian packages ``containerd runc containernetworking-plugins
-iptables dnsmasq-base`` (``.ci/run`` installs them).
+iptables`` (``.ci/run`` installs them).
 """
 
 from __future__ import annotations
@@ -64,8 +67,8 @@ NODE_NAME = "dcr-node"
 PAUSE_IMAGE = "localhost/dcr-pause:1"
 CNI_BIN = Path("/usr/lib/cni")
 LOCK = Path("/run/dcr-deploy-node.lock")
-PACKAGES = ("containerd", "runc", "containernetworking-plugins", "iptables", "dnsmasq-base")
-_NODE_COMPONENTS = ("kubelet", "kube-scheduler", "kube-proxy", "kubectl")
+PACKAGES = ("containerd", "runc", "containernetworking-plugins", "iptables")
+_NODE_COMPONENTS = ("kubelet", "kube-scheduler", "kube-proxy", "kubectl", "coredns")
 _PAUSE_C = r"""
 #include <signal.h>
 #include <unistd.h>
@@ -96,6 +99,7 @@ class NodeBinaries:
     kube_scheduler: Path
     kube_proxy: Path
     kubectl: Path
+    coredns: Path
 
 
 def missing_prerequisites() -> list[str]:
@@ -103,7 +107,7 @@ def missing_prerequisites() -> list[str]:
     missing = []
     if os.geteuid() != 0:
         missing.append("root")
-    for tool in ("containerd", "ctr", "runc", "iptables", "dnsmasq", "gcc", "ip"):
+    for tool in ("containerd", "ctr", "runc", "iptables", "gcc", "ip"):
         if shutil.which(tool) is None:
             missing.append(tool)
     if not (CNI_BIN / "bridge").exists():
@@ -124,7 +128,8 @@ def build_node_binaries(progress: Callable[[str], None] | None = None) -> NodeBi
     if missing:
         raise NodeError(f"{BUILD_SCRIPT} node did not report {sorted(missing)}")
     return NodeBinaries(kubelet=found["kubelet"], kube_scheduler=found["kube-scheduler"],
-                        kube_proxy=found["kube-proxy"], kubectl=found["kubectl"])
+                        kube_proxy=found["kube-proxy"], kubectl=found["kubectl"],
+                        coredns=found["coredns"])
 
 
 class Node:
@@ -198,9 +203,12 @@ class Node:
             self._start_containerd()
             self._import_pause_image()
             self._start_scheduler()
-            self._start_proxy()
             self._start_kubelet()
             self._wait_node_ready()
+            # After the Node exists: kube-proxy started before waits 30 s for it, then
+            # sees the node's IPs change and exits, leaving only the rules it had synced
+            # (no Service created later ever got one).
+            self._start_proxy()
         except BaseException:
             self.stop()
             raise
@@ -286,15 +294,23 @@ class Node:
         subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True, check=False)
 
     def _start_dns(self) -> None:
-        names = ["kubernetes.default.svc", "kubernetes.default.svc.cluster.local"]
-        service_ip = SERVICE_CLUSTER_IP_RANGE.rsplit(".", 1)[0] + ".1"
-        args = ["dnsmasq", "--keep-in-foreground", "--conf-file=/dev/null", "--no-resolv",
-                "--no-hosts", "--bind-interfaces", f"--listen-address={GATEWAY}",
-                "--except-interface=lo", "--user=root", "--log-facility=-",
-                f"--pid-file={self.workdir / 'dnsmasq.pid'}"]
-        args += [f"--host-record={name},{service_ip}" for name in names]
-        self._spawn("dnsmasq", args)
-        self._wait("dnsmasq", lambda: _udp_port_bound(GATEWAY, 53))
+        """CoreDNS on the gateway (the kubelet's ``clusterDNS``), serving ``cluster.local``
+        from the API server as the admin."""
+        assert self.binaries is not None
+        corefile = self.workdir / "Corefile"
+        corefile.write_text(f"""cluster.local:53 in-addr.arpa:53 ip6.arpa:53 {{
+    bind {GATEWAY}
+    errors
+    kubernetes cluster.local in-addr.arpa ip6.arpa {{
+        kubeconfig {self._kubeconfig()}
+        pods insecure
+        ttl 5
+    }}
+    cache 5
+}}
+""")
+        self._spawn("coredns", [str(self.binaries.coredns), "-conf", str(corefile)])
+        self._wait("coredns", lambda: _udp_port_bound(GATEWAY, 53))
 
     def _start_containerd(self) -> None:
         d = self.workdir / "containerd"

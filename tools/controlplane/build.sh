@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
 # Build (or reuse) the Kubernetes binaries the tests run, all from the Go module proxy:
-# the control plane on loopback (etcd, kube-apiserver, kube-controller-manager, helm) and, for the
-# deploy tier's one-node cluster, the node and client side (kubelet, kube-scheduler, kube-proxy,
-# kubectl); versitygw, the S3 gateway whose bucket policies give receivers a read-only key; and
-# for the chart's monitoring, promtool (tests the alert rules) and prometheus-operator's CRDs
-# (monitoring-crds: a directory of the ServiceMonitor, PodMonitor and PrometheusRule CRDs);
-# LeaderWorkerSet's CRD (lws-crds), which the multi-node rollout example is checked against;
-# and the image registry (registry, from distribution) the deploy tier's node pulls from.
+# the control plane on loopback (etcd, kube-apiserver, kube-controller-manager, helm) and, for
+# the deploy tier's one-node cluster, the node and client side (kubelet, kube-scheduler,
+# kube-proxy, kubectl, and coredns for cluster DNS); versitygw, the S3 gateway whose bucket
+# policies give receivers a read-only key; for the chart's monitoring, promtool (tests the
+# alert rules) and prometheus-operator's CRDs (monitoring-crds: a directory of the
+# ServiceMonitor, PodMonitor and PrometheusRule CRDs); LeaderWorkerSet's CRD (lws-crds),
+# which the multi-node rollout example is checked against; and the image registry
+# (registry, from distribution) the deploy tier's node pulls from.
 #
 # Binaries land outside the repository, one directory per component and version:
 #   ${DCR_INFRA_CACHE:-$HOME/.cache/dcr-infra}/<component>-<version>/<component>
 # A binary that exists and answers --version is reused; the whole run then takes well under 2 s.
 #
 # Usage: tools/controlplane/build.sh [component ...]   (default: the control plane's four;
-#        `node` names the node's four, `monitoring` promtool and monitoring-crds, `all` all
-#        thirteen)
+#        `node` names the node's five, `monitoring` promtool and monitoring-crds, `all` all
+#        fourteen)
 # Prints one line per component: "built|reused <component> <version> <path> ...".
 set -euo pipefail
 
@@ -28,12 +29,13 @@ readonly PROMETHEUS_OPERATOR_VERSION=v0.85.0
 readonly MONITORING_CRDS=(servicemonitors podmonitors prometheusrules)
 readonly LWS_VERSION=v0.8.0  # sigs.k8s.io/lws: its config/crd/bases
 readonly REGISTRY_VERSION=v3.0.0  # github.com/distribution/distribution/v3 (cmd/registry)
+readonly COREDNS_VERSION=v1.13.1  # github.com/coredns/coredns: the node's cluster DNS
 readonly LWS_CRD=leaderworkerset.x-k8s.io_leaderworkersets.yaml
 
 readonly HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 readonly CACHE="${DCR_INFRA_CACHE:-$HOME/.cache/dcr-infra}"
 readonly CONTROL_PLANE=(etcd kube-apiserver kube-controller-manager helm)
-readonly NODE=(kubelet kube-scheduler kube-proxy kubectl)
+readonly NODE=(kubelet kube-scheduler kube-proxy kubectl coredns)
 readonly MONITORING=(promtool monitoring-crds)
 readonly ALL_COMPONENTS=("${CONTROL_PLANE[@]}" "${NODE[@]}" versitygw "${MONITORING[@]}" lws-crds registry)
 
@@ -61,6 +63,7 @@ version_of() {
         monitoring-crds) echo "$PROMETHEUS_OPERATOR_VERSION" ;;
         lws-crds) echo "$LWS_VERSION" ;;
         registry) echo "$REGISTRY_VERSION" ;;
+        coredns) echo "$COREDNS_VERSION" ;;
         *) die "unknown component '$1' (known: ${ALL_COMPONENTS[*]})" ;;
     esac
 }
@@ -153,6 +156,9 @@ build_one() {
         versitygw)
             go_install "github.com/versity/versitygw/cmd/versitygw@$VERSITYGW_VERSION" \
                 "-s -w" "$tmp" || return
+            ;;
+        coredns)
+            go_install "github.com/coredns/coredns@$COREDNS_VERSION" "-s -w" "$tmp" || return
             ;;
         registry)
             go_install "github.com/distribution/distribution/v3/cmd/registry@$REGISTRY_VERSION" \

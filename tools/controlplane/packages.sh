@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The Debian packages the deploy tier needs: a node (containerd, runc, the CNI plugins,
-# iptables for kube-proxy, dnsmasq for cluster DNS) and the image build (mmdebstrap,
+# iptables for kube-proxy) and the image build (mmdebstrap,
 # podman, buildah, skopeo). Installs what is missing when run as root on Debian; otherwise
 # says what is missing and exits 0, and the deploy tier skips with that reason.
 #
 # Usage: tools/controlplane/packages.sh        (make test runs it)
 set -euo pipefail
 
-readonly PACKAGES=(containerd runc containernetworking-plugins iptables dnsmasq-base
+readonly PACKAGES=(containerd runc containernetworking-plugins iptables
                    mmdebstrap podman buildah skopeo uidmap fuse-overlayfs conmon)
 
 missing=()
