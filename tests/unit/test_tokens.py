@@ -205,7 +205,7 @@ def test_the_main_jobs_relay_tree_gets_two_private_token_files(
                         lambda *a, **k: contextlib.nullcontext())
     _NoProcess.started.clear()
     with _no_chmod_and_umask_0(monkeypatch):
-        tree = refit._start_relays(tmp_path / "relay", 3)
+        tree = refit.start_relays(tmp_path / "relay", 3)
     read, publish = tree.read_token_file, tree.publish_token_file
     _assert_private_file(read, read.read_text())
     _assert_private_file(publish, publish.read_text())
