@@ -27,6 +27,7 @@ from pathlib import Path
 
 import bcrypt
 from controlplane import built
+from s3server import stop_process
 from stubs import free_port_on
 
 USER = "dcr-deploy"
@@ -131,9 +132,4 @@ def registry(root: Path, *, host: str, progress: Callable[[str], None] | None = 
         yield Registry(address=address, ca=ca, cert_dir=cert_dir, auth_file=auth_file,
                        log=log, password=password)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)

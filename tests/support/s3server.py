@@ -67,7 +67,8 @@ def _start(argv: Callable[[int], Sequence[str]], env: dict[str, str], host: str,
     raise RuntimeError(f"{name} did not start:\n{log.read_text()}")
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """Terminate a server process; kill it if it has not exited within 10 s."""
     proc.terminate()
     try:
         proc.wait(timeout=10)
@@ -98,7 +99,7 @@ def s3_server(root: Path, *, host: str = "127.0.0.1", bucket: str = "dcr-test"
             region="us-east-1", data_dir=root / "data", bucket=bucket, log=log,
         )
     finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 def versitygw_binary(progress: Callable[[str], None] | None = None) -> Path:
@@ -153,4 +154,4 @@ def scoped_s3_server(root: Path, *, host: str = "127.0.0.1", bucket: str = "dcr-
             read_access_key=read_key, read_secret_key=read_secret,
         )
     finally:
-        _stop(proc)
+        stop_process(proc)
