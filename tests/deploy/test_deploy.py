@@ -319,7 +319,7 @@ def group_manifests(c: Cluster) -> list[dict[str, Any]]:
     secure = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
     small = {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "3Gi"}}
     env = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-           {"name": "AWS_ENDPOINT_URL", "value": f"http://{GATEWAY}:{c.rollout_link.port}"},
+           {"name": "AWS_ENDPOINT_URL", "value": c.s3.endpoint},
            {"name": "DCR_AGENT_TOKEN",
             "valueFrom": {"secretKeyRef": {"name": "rollout-agent-token", "key": "token"}}}]
     mounts = [{"name": "staging", "mountPath": "/dcr/staging"},

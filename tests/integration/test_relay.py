@@ -121,6 +121,7 @@ class Tree:
     root_dir: Path
     ports: list[int]
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    argvs: list[list[str]] = field(default_factory=list)
 
     @property
     def urls(self) -> list[str]:
@@ -132,6 +133,15 @@ class Tree:
     def kill(self, i: int) -> None:
         self.procs[i].send_signal(signal.SIGKILL)
         self.procs[i].wait(5)
+
+    def start(self, i: int) -> None:
+        """(Re)start member ``i`` on its port, as at first."""
+        with open(self.root_dir / f"member-{i}.log", "ab") as log:
+            proc = subprocess.Popen(self.argvs[i], stdout=log, stderr=subprocess.STDOUT)
+        if i < len(self.procs):
+            self.procs[i] = proc
+        else:
+            self.procs.append(proc)
 
     def stop(self) -> None:
         for p in self.procs:
@@ -153,14 +163,12 @@ def start_tree(root_dir: Path, n: int, fanout: int, *extra: str) -> Tree:
     tree = Tree(root_dir, free_ports(n))
     members = ",".join(f"127.0.0.1:{p}" for p in tree.ports)
     for i, port in enumerate(tree.ports):
-        with open(root_dir / f"member-{i}.log", "wb") as log:
-            tree.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "dcr", "relay", "--listen", f"127.0.0.1:{port}",
-                 "--members", members, "--index", str(i), "--fanout", str(fanout),
-                 "--token-file", str(token_file), "--publish-token-file", str(publish_file),
-                 *extra],
-                stdout=log, stderr=subprocess.STDOUT,
-            ))
+        tree.argvs.append(
+            [sys.executable, "-m", "dcr", "relay", "--listen", f"127.0.0.1:{port}",
+             "--members", members, "--index", str(i), "--fanout", str(fanout),
+             "--token-file", str(token_file), "--publish-token-file", str(publish_file),
+             *extra])
+        tree.start(i)
     try:
         asyncio.run(_wait_ready(tree))
     except BaseException:
@@ -693,6 +701,29 @@ def test_children_of_a_killed_interior_node_reattach_and_get_every_payload_once(
                 await until(detached, 10, f"member {i} to report detached", tree)
 
     asyncio.run(scenario())
+
+
+def test_an_agents_read_is_tried_again_until_its_node_answers(
+    trees: Callable[..., Tree],
+) -> None:
+    """An agent reading from a node that died (behind a Service, a retry reaches another
+    node; here the same one comes back) tries the read again for a few seconds instead
+    of failing the attempt at once; an answer with an error status (a wrong token) comes
+    through as that error. Fails without RelaySource's retry: the first listing raised
+    "connection refused"."""
+    tree = trees(2, 2)
+    tree.kill(1)
+    source = RelaySource(tree.urls[1], READ_TOKEN, "a-back")
+    try:
+        threading.Timer(1.0, tree.start, (1,)).start()
+        assert source.available() == []  # refused until the node is back, then answered
+        wrong = RelaySource(tree.urls[1], "not-the-read-token-0000", "a-back")
+        with pytest.raises(RelayError) as refused:
+            wrong.available()
+        assert refused.value.status == 401
+        wrong.close()
+    finally:
+        source.close()
 
 
 def test_a_member_that_lost_a_payload_gets_it_back_on_its_next_resync(
