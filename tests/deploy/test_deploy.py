@@ -1014,7 +1014,19 @@ def test_a_group_of_two_pods_refits_bit_exact_and_recovers_its_killed_worker_pod
     c.kubectl("-n", NS, "delete", "pod", victim["metadata"]["name"], "--grace-period=0",
               "--force", record=True)
     c.wait_phase(f"{GROUP}-v2", "Committed", timeout_s=500)
-    (back,) = c.get("-n", NS, "pods", "-l", f"app={GROUP},dcr.dev/group-role=worker")["items"]
+    # The attempt may commit before the kill lands; either way the replaced worker pod
+    # starts on v0 and the group is whole again only once the fleet rejoined it to v2.
+    (back,) = eventually(
+        lambda: [p for p in c.get("-n", NS, "pods", "-l",
+                                  f"app={GROUP},dcr.dev/group-role=worker")["items"]
+                 if p["metadata"]["uid"] != victim["metadata"]["uid"] and _ready(p)],
+        timeout_s=300, what="the worker pod replaced and Ready")
+
+    def rejoined() -> bool:
+        entry = (status().get("receivers") or [{}])[0]
+        return entry.get("version") == 2 and not entry.get("error")
+
+    eventually(rejoined, timeout_s=300, what="the group at v2 with its new worker pod")
     assert back["metadata"]["uid"] != victim["metadata"]["uid"]
     assert holds(2)
     c.kubectl("-n", NS, "get", "rolloutfleet", GROUP, "-o", "wide", record=True)
