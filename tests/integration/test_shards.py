@@ -9,6 +9,7 @@ including after a failed first attempt repaired by the overwrite retry.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,8 @@ from shardrig import (
     DENSE,
     MOE,
     V0,
+    Shards,
+    State,
     bits,
     ep_shards,
     exact,
@@ -38,19 +41,27 @@ from dcr.serve.local import LocalDriver
 from dcr.transport.store import MemoryStore
 
 
+def shard_owners(store: MemoryStore, old: State, new: State, local: Callable[[State, int], Shards],
+                 profile: ReceiverProfile | None = None) -> list[ShardEncoder]:
+    """Two shard owners (ranks 0 and 1) at version 0 over ``local(state, rank)``'s maps
+    and bits of ``old``, each with its bits of ``new`` as the candidate for version 1."""
+    owners = []
+    for rank in range(2):
+        maps, base = local(old, rank)
+        enc = ShardEncoder(store=store, maps=maps, baseline=base, version=0, owner=rank,
+                           owners=2, profile=profile)
+        enc.set_candidate(local(new, rank)[1], 1)
+        owners.append(enc)
+    return owners
+
+
 def test_tensor_parallel_trainer_ranks_refit_vllm_ranks_bit_exactly(tmp_path: Path) -> None:
     old = random_checkpoint(DENSE, 0)
     new = perturbed(old, 0.02, 1)
     store = MemoryStore()
     rx, models = receivers(DENSE, old, store, (2, 1), tmp_path)
     profile = profile_of(rx)
-    owners = []
-    for rank in range(2):
-        maps, base = tp_bits(old, rank, 2)
-        enc = ShardEncoder(store=store, maps=maps, baseline=base, version=0, owner=rank,
-                           owners=2, profile=profile)
-        enc.set_candidate(tp_bits(new, rank, 2)[1], 1)
-        owners.append(enc)
+    owners = shard_owners(store, old, new, lambda sd, r: tp_bits(sd, r, 2), profile=profile)
     commits = SqliteCommitStore(tmp_path / "c.db", V0)
     coord = Coordinator(commits, owners, rx)
     record = coord.refit(1, "v1")
@@ -85,13 +96,7 @@ def test_a_failed_first_attempt_of_shard_owners_is_repaired_by_overwrite(tmp_pat
             raise RuntimeError("rank 1 died mid-apply")
 
     engine._write_mapped = dying  # type: ignore[method-assign]
-    owners = []
-    for rank in range(2):
-        maps, base = tp_bits(old, rank, 2)
-        enc = ShardEncoder(store=store, maps=maps, baseline=base, version=0, owner=rank,
-                           owners=2)
-        enc.set_candidate(tp_bits(new, rank, 2)[1], 1)
-        owners.append(enc)
+    owners = shard_owners(store, old, new, lambda sd, r: tp_bits(sd, r, 2))
     commits = SqliteCommitStore(tmp_path / "c.db", V0)
     coord = Coordinator(commits, owners, rx)
     coord.refit(1, "v1")
@@ -108,13 +113,7 @@ def test_expert_parallel_ranks_publish_their_stacks_in_canonical_coordinates(
     new = perturbed(old, 0.03, 3)
     store = MemoryStore()
     rx, models = receivers(MOE, old, store, (2,), tmp_path)
-    owners = []
-    for rank in range(2):
-        maps, base = ep_shards(old, MOE, rank, 2)
-        enc = ShardEncoder(store=store, maps=maps, baseline=base, version=0, owner=rank,
-                           owners=2)
-        enc.set_candidate(ep_shards(new, MOE, rank, 2)[1], 1)
-        owners.append(enc)
+    owners = shard_owners(store, old, new, lambda sd, r: ep_shards(sd, MOE, r, 2))
     coord = Coordinator(SqliteCommitStore(tmp_path / "c.db", V0), owners, rx)
     coord.refit(1, "v1")
     assert exact(MOE, models, new)
@@ -226,13 +225,8 @@ def test_a_rank_holding_a_tensor_whole_checks_the_sum_the_shard_owners_write_of_
     held = dict(models[0][0].named_parameters())[name]
     with torch.no_grad():
         held.view(-1).view(torch.int16)[-1] ^= 1
-    owners = []
-    for rank in range(2):
-        maps, base = tp_bits(old, rank, 2)
-        enc = ShardEncoder(store=store, maps=maps, baseline=base, version=0, owner=rank,
-                           owners=2, profile=profile_of(rx))
-        enc.set_candidate(tp_bits(new, rank, 2)[1], 1)
-        owners.append(enc)
+    owners = shard_owners(store, old, new, lambda sd, r: tp_bits(sd, r, 2),
+                          profile=profile_of(rx))
     coord = Coordinator(SqliteCommitStore(tmp_path / "c.db", V0), owners, rx,
                         settings=CoordinatorSettings(max_attempts=1))
     with pytest.raises(RefitFailed):
@@ -302,13 +296,9 @@ def test_megatron_vocabulary_padding_is_held_by_the_ranks_and_never_sent(
     assert [shards(old, r, 0)[0]["lm_head.weight"].pad for r in (0, 1)] == [0, 64]
     store = MemoryStore()
     rx, models = receivers(DENSE, old, store, (2, 1), tmp_path)
-    owners = []
-    for rank in range(2):
-        maps, base = shards(old, rank, 0)
-        enc = ShardEncoder(store=store, maps=maps, baseline=base, version=0, owner=rank,
-                           owners=2, profile=profile_of(rx))
-        enc.set_candidate(shards(new, rank, 1)[1], 1)
-        owners.append(enc)
+    owners = shard_owners(store, old, new,
+                          lambda sd, r: shards(sd, r, 0 if sd is old else 1),
+                          profile=profile_of(rx))
     coord = Coordinator(SqliteCommitStore(tmp_path / "c.db", V0), owners, rx)
     coord.refit(1, "v1")
     assert [h.outcome for h in coord.history] == ["committed"]
