@@ -14,6 +14,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -65,22 +66,38 @@ class Recording:
         return call
 
 
+@contextmanager
+def serving(service: Recording, port: int = 0) -> Iterator[tuple[str, list[int]]]:
+    """The real app over ``service`` on loopback: its URL, and the client port of every
+    answered request (one per connection the client opened)."""
+    peers: list[int] = []
+
+    async def note_peer(request: web.Request, _: web.StreamResponse) -> None:
+        assert request.transport is not None
+        peers.append(request.transport.get_extra_info("peername")[1])
+
+    app = make_app(service, TOKEN)  # type: ignore[arg-type]
+    app.on_response_prepare.append(note_peer)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app, access_log=None)
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}", peers
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
+
+
 @pytest.fixture
 def served() -> Iterator[tuple[Recording, str]]:
     service = Recording()
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(make_app(service, TOKEN), access_log=None)  # type: ignore[arg-type]
-    loop.run_until_complete(runner.setup())
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    loop.run_until_complete(site.start())
-    port = runner.addresses[0][1]
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield service, f"http://127.0.0.1:{port}"
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(timeout=10)
-    loop.close()
+    with serving(service) as (url, _):
+        yield service, url
 
 
 def attempt() -> Attempt:
@@ -136,6 +153,34 @@ def test_every_row_travels_from_client_to_service_and_back(
     assert args["committed"] == args["stop_and_wait"] == (a.id,)
     assert args["rejoin"] == (1, "/ckpt/v1")
     assert args["status"] == args["close_gate"] == args["profile"] == ()
+
+
+def test_a_refits_calls_share_one_connection_that_outlives_no_agent() -> None:
+    """Fails on bc57880, whose client opened a connection per call (~7 per receiver per
+    refit, ~7,000 at 1,000 receivers): every call of one agent goes over one kept-alive
+    connection; once that agent's process is gone, the next call at its address opens
+    a new one instead of failing on the closed one."""
+    service = Recording()
+    client = AgentClient("r0", "http://127.0.0.1:1", TOKEN)
+    a = attempt()
+    with serving(service) as (url, peers):
+        client.url = url
+        client.prepare(a)
+        client.wait_staged(a)
+        client.close_gate()
+        client.open_apply(a)
+        client.flush(a)
+        client.committed(a.id)
+        client.open_gate()
+        AgentClient("r0", url, TOKEN).status()  # the fleet poll's own client
+        assert len(peers) == 8
+        assert len(set(peers)) == 1, peers
+    port = int(url.rsplit(":", 1)[1])
+    with serving(service, port) as (_, peers):  # the agent restarted at its address
+        assert client.status() == STATUS
+        assert client.status() == STATUS
+        assert len(peers) == 2
+        assert len(set(peers)) == 1
 
 
 def test_a_refusal_comes_back_as_an_agent_error_with_its_status_and_sentence(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import urllib.parse
 import urllib.request
-from typing import IO
+from typing import Protocol
 
 from dcr.errors import ConfigError
 
@@ -35,7 +35,11 @@ def check_url(url: str, what: str) -> str:
     return url.rstrip("/")
 
 
-def read_bounded(resp: IO[bytes], limit: int) -> bytes | None:
+class Readable(Protocol):
+    def read(self, amt: int, /) -> bytes: ...
+
+
+def read_bounded(resp: Readable, limit: int) -> bytes | None:
     """At most ``limit`` bytes of ``resp``; None when it holds more."""
     raw = bytes(resp.read(limit + 1))
     return None if len(raw) > limit else raw
@@ -51,7 +55,10 @@ def excerpt(text: str | bytes, limit: int = EXCERPT_CHARS) -> str:
 
 def unreachable_reason(e: BaseException) -> str:
     """Why a call got no answer, without the peer's bytes: an OS error's text or the
-    exception's class name."""
+    exception's class name, of the innermost error a client library wrapped."""
+    while (inner := e.__cause__ or next(
+            (a for a in e.args if isinstance(a, BaseException)), None)) is not None:
+        e = inner  # urllib's URLError(reason), urllib3's ProtocolError("...", error), ...
     reason = getattr(e, "reason", e)
     if isinstance(reason, str):
         return excerpt(reason, 80)

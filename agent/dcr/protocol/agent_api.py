@@ -25,18 +25,16 @@ import http.client
 import json
 import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Generic, Literal, ParamSpec, Protocol, TypeVar, overload
 
+import urllib3
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from dcr.errors import DcrError, HttpError, first_validation_error
 from dcr.format.names import ATTEMPT_PATTERN, Mode
-from dcr.http.direct import OPENER, check_url, read_bounded, unreachable_reason
+from dcr.http.direct import check_url, read_bounded, unreachable_reason
 from dcr.protocol.records import Attempt
 
 _ATTEMPT = ATTEMPT_PATTERN
@@ -309,10 +307,18 @@ class AgentApi:
         raise NotImplementedError(f"{type(self).__name__} does not carry out {call!r}.")
 
 
-# The client opens through dcr.http.direct.OPENER: HTTP(S) straight to the agent, no
-# redirect (the token is never sent to a second address), no proxy, no other scheme.
+# The client keeps its connections open between calls (a refit makes ~7 calls per agent,
+# the fleet poll one every interval), through urllib3's pools, one per agent address, the
+# least recently used closed beyond _POOLS. As direct.OPENER does for one-shot clients:
+# no redirect is followed (the token is never sent to a second address), no proxy is used,
+# nothing but http(s) is opened, and an idle connection the agent closed is noticed before
+# it is reused. Nothing is retried here: a call that fails is the caller's to judge.
+_POOLS = 4096  # agent addresses with connections kept (a fleet's receivers, and more)
+_PER_AGENT = 8  # idle connections kept per agent (its concurrent calls are at most ~3)
 _MAX_ANSWER = 256 << 20  # bytes of one answer (fingerprints of a large model are MiBs)
 _MAX_ERROR = 64 << 10  # bytes of an error body read for its sentence
+_POOL = urllib3.PoolManager(num_pools=_POOLS, maxsize=_PER_AGENT, block=False,
+                            retries=False)
 
 
 class AgentClient(AgentApi):
@@ -333,33 +339,44 @@ class AgentClient(AgentApi):
         return call.adapter.validate_json(raw)
 
     def _send(self, method: str, path: str, body: BaseModel | None, *, wait_s: float) -> bytes:
-        data = body.model_dump_json().encode() if body is not None else None
-        req = urllib.request.Request(
-            self.url + path, data=data, method=method,
-            headers={"Authorization": f"Bearer {self._token}",
-                     "Content-Type": "application/json"},
-        )
+        where = f"({method} {path})"
         try:
-            with OPENER.open(req, timeout=wait_s) as resp:
-                raw = read_bounded(resp, _MAX_ANSWER)
-        except urllib.error.HTTPError as e:
-            with e:  # closes the connection
-                if 300 <= e.code < 400:  # never followed: the token stays with this agent
-                    raise AgentError(f"Agent {self.name} ({method} {path}) answered HTTP "
-                                     f"{e.code}, a redirect; agent calls follow none.",
-                                     e.code) from None
-                try:
-                    err = json.loads(e.read(_MAX_ERROR))
-                    msg, kind = str(err["error"]), str(err.get("kind", ""))
-                except (ValueError, KeyError, TypeError, OSError):
-                    msg, kind = f"HTTP {e.code}", ""
-            raise AgentError(f"Agent {self.name} ({method} {path}): {msg}", e.code, kind) from e
-        except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
+            resp = _POOL.request(
+                method, self.url + path,
+                body=body.model_dump_json().encode() if body is not None else None,
+                headers={"Authorization": f"Bearer {self._token}",
+                         "Content-Type": "application/json"},
+                timeout=urllib3.Timeout(connect=wait_s, read=wait_s),
+                preload_content=False, redirect=False, retries=False)
+        except (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError) as e:
+            raise self._unreachable(where, e) from e
+        whole = False  # the answer read to its end: its connection may serve the next call
+        try:
+            if 300 <= resp.status < 400:  # never followed: the token stays with this agent
+                raise AgentError(f"Agent {self.name} {where} answered HTTP {resp.status}, a "
+                                 "redirect; agent calls follow none.", resp.status)
+            raw = read_bounded(resp, _MAX_ERROR if resp.status >= 400 else _MAX_ANSWER)
+            whole = raw is not None
+        except (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError) as e:
             # Our side's words only: an exception about a malformed answer (a bad status
             # line, say) would quote the peer's bytes, so those show by their class name.
-            raise AgentError(f"Agent {self.name} at {self.url} is unreachable ({method} "
-                             f"{path}): {unreachable_reason(e)}.") from e
+            raise self._unreachable(where, e) from e
+        finally:
+            if not whole:
+                resp.close()  # unread bytes: the connection is not used again
+            resp.release_conn()
+        if resp.status >= 400:
+            try:
+                err = json.loads(raw or b"")
+                msg, kind = str(err["error"]), str(err.get("kind", ""))
+            except (ValueError, KeyError, TypeError):
+                msg, kind = f"HTTP {resp.status}", ""
+            raise AgentError(f"Agent {self.name} {where}: {msg}", resp.status, kind)
         if raw is None:
-            raise AgentError(f"Agent {self.name} ({method} {path}) answered more than "
+            raise AgentError(f"Agent {self.name} {where} answered more than "
                              f"{_MAX_ANSWER} bytes.")
         return raw
+
+    def _unreachable(self, where: str, e: BaseException) -> AgentError:
+        return AgentError(f"Agent {self.name} at {self.url} is unreachable {where}: "
+                          f"{unreachable_reason(e)}.")
