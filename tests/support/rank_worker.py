@@ -4,7 +4,8 @@
 ``WORLD`` ranks (vLLM's tensor-parallel groups over it), then answers one JSON line per
 request read from stdin::
 
-    {"call": "build", "target": T, "arg": {"model": DIR, "quantization": null}}
+    {"call": "build", "target": T, "arg": {"model": DIR, "quantization": null,
+                                           "expert_parallel": false}}
         -> {param name: [shape]}      a vLLM model, wrapped as a worker with DCR's
                                        extension under the name T
     {"call": "dcr_...", "target": T, "arg": "<json>" | null}
@@ -59,7 +60,8 @@ def handle(req: dict[str, Any], workers: dict[str, vllm_cpu.Worker], world: int,
         return None
     if call == "build":
         model = vllm_cpu.build_model(Path(arg["model"]), tp=world, device=device,
-                                     quantization=arg.get("quantization"))
+                                     quantization=arg.get("quantization"),
+                                     expert_parallel=arg.get("expert_parallel", False))
         workers[req["target"]] = vllm_cpu.Worker(model)
         return {n: list(p.shape) for n, p in model.named_parameters()}
     if call == "compare":

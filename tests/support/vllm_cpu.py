@@ -153,7 +153,7 @@ def free_port() -> int:
 
 
 def vllm_config(model_dir: Path, *, tp: int = 1, quantization: str | None = None,
-                device: str = "cpu") -> Any:
+                device: str = "cpu", expert_parallel: bool = False) -> Any:
     from vllm.config import (
         DeviceConfig,
         LoadConfig,
@@ -167,7 +167,8 @@ def vllm_config(model_dir: Path, *, tp: int = 1, quantization: str | None = None
                                  skip_tokenizer_init=True, enforce_eager=True,
                                  quantization=quantization),
         device_config=DeviceConfig(device=device), load_config=LoadConfig(),
-        parallel_config=ParallelConfig(tensor_parallel_size=tp),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp,
+                                       enable_expert_parallel=expert_parallel),
     )
 
 
@@ -189,14 +190,16 @@ def init_distributed(model_dir: Path, *, world: int, rank: int, port: int) -> No
 
 
 def build_model(model_dir: Path, *, tp: int = 1, quantization: str | None = None,
-                device: str = "cpu") -> torch.nn.Module:
+                device: str = "cpu", expert_parallel: bool = False) -> torch.nn.Module:
     """The model class vLLM picks for ``model_dir``, built empty in BF16 (on the CPU
-    unless ``device`` says otherwise)."""
+    unless ``device`` says otherwise); with ``expert_parallel``, an MoE layer's experts
+    are split across the ranks, whole, instead of each expert across them."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
     from vllm.model_executor.model_loader.utils import get_model_architecture
 
-    cfg = vllm_config(model_dir, tp=tp, quantization=quantization, device=device)
+    cfg = vllm_config(model_dir, tp=tp, quantization=quantization, device=device,
+                      expert_parallel=expert_parallel)
     with set_current_vllm_config(cfg):
         model_cls, _ = get_model_architecture(cfg.model_config)
         old = torch.get_default_dtype()
