@@ -25,16 +25,19 @@ encoder`` on loopback, named by a fleet encoder profile's endpoint) with no Job,
 for and waited on by ``dcr.client`` as a training loop would; v5
 commits through Jobs in a second control plane (the training cluster), which the
 operator reaches only through a kubeconfig Secret; v6 leaves a dead agent out; v8 waits for
-v7; v9 and v10 are published by two FSDP2 training ranks serving their own shards, with no
-checkpoint written.
+v7; v9 and v10 are published by the example loop's two FSDP2 training ranks
+(``python -m dcr.loop``), serving their own shards and asking for each refit with
+``dcr.client``, with no checkpoint written.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -52,7 +55,6 @@ from kubernetes.client import ApiClient, Configuration
 from operatorproc import Operator, chart_namespace
 from promtext import matching, value
 from stubs import free_port_on
-from trainer_ranks import TrainerRanks
 
 from dcr.client import Progress
 from dcr.client import refit as client_refit
@@ -702,44 +704,67 @@ def test_a_refit_created_before_its_base_commits_waits_for_it_then_commits(
     assert sc.exact(8)
 
 
-def test_the_trainers_fsdp2_ranks_are_the_owners_and_no_checkpoint_is_written(
+def test_the_example_loops_fsdp2_ranks_are_the_owners_and_no_checkpoint_is_written(
         scenario: Scenario) -> None:
-    """Two FSDP2 ranks, started from v8, take real AdamW steps and serve their shards;
-    the fleet's encoder profile names their endpoints and dcr.client asks for v9 and v10.
-    Both commit bit-exact through the operator with no Job and no checkpoint of either
-    version (the ranks' dense exports exist only for this comparison); at v10 the ranks
-    advance by the commit record the operator's request carries."""
+    """The example loop (``python -m dcr.loop``) as two gloo ranks started from v8:
+    each step they train and offer, and rank 0 asks dcr.client for the refit (rollout-v9,
+    then rollout-v10). Both commit through the operator with no Job and no checkpoint of
+    either version written; the receivers hold, bit for bit, what rank 0 computes a dense
+    load of v10 gives from its gathered weights. At v10 the ranks advance by the commit
+    record the operator's request carries."""
     sc = scenario
     token = "e2e-rank-token-0123456789abcdef"
     workdir = sc.tmp / "ranks"
     workdir.mkdir()
+    (workdir / "token").write_text(token)
     apply(sc.kube, [{"apiVersion": "v1", "kind": "Secret",
                      "metadata": {"name": "rank-token",
                                   "labels": {"dcr.dev/encoder-token": "true"}},
                      "data": {"token": base64.b64encode(token.encode()).decode()}}], sc.ns)
-    with TrainerRanks.start(2, sc.ckpts[8], 8, sc.store.as_uri(), token, workdir) as ranks:
-        sc.kube.merge_patch(sc.path("rolloutfleets", FLEET), {"spec": {
-            "retention": {"snapshotEvery": None},  # a snapshot Job reads a checkpoint
-            "encoderProfiles": [{"name": "ranks", "endpoint": {
-                "urls": ranks.urls, "tokenSecretRef": {"name": "rank-token"}}}]}})
-        cp = sc.cp
-        with ApiClient(Configuration(host=cp.server, ssl_ca_cert=str(cp.ca_path),
-                                     cert_file=str(cp.admin_cert_path),
-                                     key_file=str(cp.admin_key_path))) as api:
-            for v in (9, 10):
-                assert all(ranks.step(v))
-                client_refit(FLEET, v, f"/ranks/policy/v{v}", namespace=sc.ns,
-                             name=f"policy-v{v}", encoder_profile="ranks", owners=2,
-                             api_client=api, progress_bar=False, timeout_s=240)
-                refit = sc.wait_phase(f"policy-v{v}", "Committed")
-                (attempt,) = refit["status"]["attempts"]
-                assert (attempt["endpoint"], attempt["outcome"]) == ("ranks", "Committed")
-                sc.ckpts[v] = ranks.out / f"v{v}"
-                assert sc.exact(v)
-        assert sc.fleet()["status"]["commit"]["baselineId"] == "/ranks/policy/v10"
-        assert sc.kube.get(sc.path("jobs", group="batch/v1"), labelSelector=(
-            "dcr.dev/component in (encoder,snapshot),dcr.dev/refit in (policy-v9,policy-v10)"
-        ))["items"] == []
-        logs = "".join(p.read_text() for p in workdir.glob("rank*.log"))
-        assert "baseline is now version 9" in logs  # advanced by v10's request
-        assert token not in logs + sc.primary.tail(10_000)
+    master, *ports = _distinct_ports(3)
+    sc.kube.merge_patch(sc.path("rolloutfleets", FLEET), {"spec": {
+        "retention": {"snapshotEvery": None},  # a snapshot Job reads a checkpoint
+        "encoderProfiles": [{"name": "ranks", "endpoint": {
+            "urls": [f"http://127.0.0.1:{p}" for p in ports],
+            "tokenSecretRef": {"name": "rank-token"}}}]}})
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(master), "KUBECONFIG": str(sc.cp.kubeconfig)}
+    procs = []
+    for rank, port in enumerate(ports):
+        with (workdir / f"rank{rank}.log").open("w") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "dcr.loop", "--checkpoint", str(sc.ckpts[8]),
+                 "--version", "8", "--steps", "2", "--fleet", FLEET, "--namespace", sc.ns,
+                 "--store", sc.store.as_uri(), "--token-file", str(workdir / "token"),
+                 "--listen", f"127.0.0.1:{port}", "--timeout-s", "240", "--fingerprint"],
+                env={**env, "RANK": str(rank)}, stderr=log, text=True,
+                stdout=subprocess.PIPE if rank == 0 else log))  # rank 0 prints the checks
+    try:
+        printed = procs[0].communicate(timeout=480)[0]
+        procs[1].wait(timeout=60)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    logs = "".join(p.read_text() for p in sorted(workdir.glob("rank*.log")))
+    assert [p.returncode for p in procs] == [0, 0], logs[-5000:]
+    dense = {d["version"]: d["fingerprint"] for d in map(json.loads, printed.splitlines())}
+    assert sorted(dense) == [9, 10]
+    assert dense[9] != dense[10]
+    for v in (9, 10):
+        (attempt,) = sc.wait_phase(f"{FLEET}-v{v}", "Committed")["status"]["attempts"]
+        assert (attempt["endpoint"], attempt["outcome"]) == ("ranks", "Committed")
+    assert all(a.client().fingerprint() == dense[10] for a in sc.agents)
+    assert sc.fleet()["status"]["commit"]["baselineId"] == f"/ranks/{FLEET}/v10"
+    assert sc.kube.get(sc.path("jobs", group="batch/v1"), labelSelector=(
+        f"dcr.dev/component in (encoder,snapshot),dcr.dev/refit in ({FLEET}-v9,{FLEET}-v10)"
+    ))["items"] == []
+    assert "baseline is now version 9" in logs  # advanced by v10's request
+    assert token not in logs + printed + sc.primary.tail(10_000)
+
+
+def _distinct_ports(n: int) -> list[int]:
+    ports: set[int] = set()
+    while len(ports) < n:
+        ports.add(free_port_on("127.0.0.1"))
+    return sorted(ports)

@@ -10,6 +10,7 @@ docs/trainer.md, "Owners in the ranks".
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -31,10 +32,13 @@ def dtype_name(t: torch.Tensor) -> str:
 
 def fsdp2_shards(module: torch.nn.Module, *, rank: int, ranks: int,
                  canonical: Callable[[str], str | None] = lambda name: name,
+                 dtype: torch.dtype | None = None,
                  ) -> tuple[dict[str, ShardMap], dict[str, torch.Tensor]]:
     """This rank's parameters of an FSDP2 ``module`` with their shard maps, keyed by the
     canonical (Hugging Face) name ``canonical`` gives each parameter name (None: not part
-    of the checkpoint). A replicated parameter is owned by rank 0."""
+    of the checkpoint). A replicated parameter is owned by rank 0. With ``dtype``, the
+    tensors are the parameters cast to it, as an export casts them (FP32 master weights
+    served as BF16): each a new local copy, of the shard's size."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     maps: dict[str, ShardMap] = {}
@@ -69,7 +73,11 @@ def fsdp2_shards(module: torch.nn.Module, *, rank: int, ranks: int,
             local = p
             m = ShardMap(kind="replicated", canonical=(name,), shape=tuple(p.shape),
                          dtype=dtype_name(p), rank=rank, ranks=ranks)
-        maps[name], tensors[name] = m, local.detach()
+        local = local.detach()
+        if dtype is not None and local.dtype != dtype:
+            local = local.to(dtype)
+            m = dataclasses.replace(m, dtype=dtype_name(local))
+        maps[name], tensors[name] = m, local
     return maps, tensors
 
 
