@@ -262,6 +262,17 @@ def test_serve_image_runs_the_reference_engine_on_debian_torch(built: Built) -> 
     assert out.split()[-1] == "True"
 
 
+def test_serve_image_runs_the_example_training_loop(built: Built) -> None:
+    """examples/trainer-ranks.yaml runs ``python -m dcr.loop`` from the serve image: FSDP2
+    ranks over gloo on Debian's torch, asking for refits with dcr.client (kubernetes)."""
+    image = built.refs["serve"]
+    out = python(image, "import torch.distributed as dist, kubernetes, dcr.client\n"
+                 "from torch.distributed.fsdp import fully_shard\n"
+                 "print(dist.is_gloo_available())")
+    assert out.split()[-1] == "True"
+    assert "usage: python -m dcr.loop" in succeeds(image, "python", "-m", "dcr.loop", "--help")
+
+
 @pytest.mark.parametrize("role", ["dcr", "serve"])
 def test_final_image_holds_no_compiler(built: Built, role: str) -> None:
     out = succeeds(built.refs[role], "sh", "-c",

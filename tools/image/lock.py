@@ -12,7 +12,8 @@ Roles (one lock each):
   compiles the C extension with; never in a final image.
 - ``dcr``: the project's dependencies plus the ``operator`` extra (operator, agent, encoder,
   relay), on the plain runtime base.
-- ``serve``: the dependencies plus the ``torch`` extra, in a venv that sees Debian's
+- ``serve``: the dependencies plus the ``torch`` and ``client`` extras (``dcr serve``, and
+  trainer ranks that ask for refits with ``dcr.client``), in a venv that sees Debian's
   site-packages (``python3-torch``, ``python3-safetensors`` and what they pull in). Whatever
   Debian already provides at a version that satisfies the requirements is left to Debian; the
   lock holds only the rest (transformers, tokenizers, ...).
@@ -70,9 +71,11 @@ def requirements(role: str) -> list[str]:
     if role == "build":
         reqs = list(project["build-system"]["requires"])
     else:
-        extra = {"dcr": "operator", "serve": "torch"}[role]
+        extras = {"dcr": ("operator",), "serve": ("torch", "client")}[role]
         deps = project["project"]
-        reqs = list(deps["dependencies"]) + list(deps["optional-dependencies"][extra])
+        reqs = list(deps["dependencies"])
+        for extra in extras:
+            reqs += [r for r in deps["optional-dependencies"][extra] if r not in reqs]
     skip, out = DEBIAN_ONLY.get(role, frozenset()), []
     for req in reqs:
         m = _NAME.match(req)
