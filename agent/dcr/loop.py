@@ -8,15 +8,18 @@ One process per rank, in torch.distributed's environment (``RANK``, ``WORLD_SIZE
         --token-file /var/run/dcr/encoder-token --listen 0.0.0.0:8472
 
 Every rank loads the first version's checkpoint (the only one this loop reads; it writes
-none) into FP32 master weights, shards them with ``fully_shard`` over gloo, and serves its
-shards as an owner (:func:`dcr.owner.rank.serve`: the warm-encoder protocol, so the fleet's
-encoder profile names the ranks' URLs). Then per step: an AdamW step on the main job's
-data (:class:`~dcr.refit.trainer.Trainer`'s text, a batch per rank), the shards offered as
-BF16 (what an export would hold), and rank 0 asks for the refit with :func:`dcr.client.refit`
-and waits for its commit while the others wait at a barrier, serving publishes. With
-``--fingerprint``, rank 0 prints (one JSON line per version) the fingerprints a dense load
-of each version gives ``dcr serve``'s loader, computed from the gathered weights in memory,
-for a check to compare receivers with. docs/trainer.md, "An example loop".
+none) into FP32 master weights, shards them with ``fully_shard`` over gloo (or, with
+``--sharding ddp``, keeps them whole, averages gradients and owns its chunk of each
+tensor's rows: FSDP2 on CPU needs torch 2.7, and the serve image holds Debian's 2.6), and
+serves its shards as an owner (:func:`dcr.owner.rank.serve`: the warm-encoder protocol, so
+the fleet's encoder profile names the ranks' URLs). Then per step: an AdamW step on the
+main job's data (:class:`~dcr.refit.trainer.Trainer`'s text, a batch per rank), the shards
+offered as BF16 (what an export would hold), and rank 0 asks for the refit with
+:func:`dcr.client.refit` and waits for its commit while the others wait at a barrier,
+serving publishes. With ``--fingerprint``, rank 0 prints (one JSON line per version) the
+fingerprints a dense load of each version gives ``dcr serve``'s loader, computed from the
+gathered weights in memory, for a check to compare receivers with. docs/trainer.md, "An
+example loop".
 """
 
 from __future__ import annotations
@@ -61,6 +64,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--token-file", type=Path, required=True,
                    help="the encoder token (the fleet's profile names its Secret)")
     p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT of this rank's owner")
+    p.add_argument("--sharding", choices=("fsdp2", "ddp"), default="fsdp2",
+                   help="fsdp2: fully_shard, each rank owns the rows it holds (torch >= 2.7 "
+                        "on CPU, any on GPU); ddp: every rank holds the whole model, "
+                        "averages gradients, and owns its chunk of each tensor's rows")
     p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate")
     p.add_argument("--timeout-s", type=float, default=900.0,
                    help="how long rank 0 waits for each refit, and every rank at a barrier")
@@ -100,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers import LlamaForCausalLM
 
     from dcr.client import refit
-    from dcr.owner.layouts import fsdp2_shards
+    from dcr.owner.layouts import fsdp2_shards, replicated_shards
     from dcr.owner.rank import RankOwner, serve
     from dcr.refit.trainer import TrainerSettings, corpus
     from dcr.transport.store import open_store
@@ -108,10 +115,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     timeout = datetime.timedelta(seconds=args.timeout_s)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
     model = LlamaForCausalLM.from_pretrained(args.checkpoint, torch_dtype=torch.float32)
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    if args.sharding == "fsdp2":
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     settings = TrainerSettings()
     text = torch.tensor(list(corpus(settings.corpus)), dtype=torch.long)
@@ -119,7 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     batches = torch.Generator().manual_seed(settings.seed + rank)  # each rank its own data
 
     def shards() -> tuple[dict[str, ShardMap], dict[str, torch.Tensor]]:
-        return fsdp2_shards(model, rank=rank, ranks=world, dtype=torch.bfloat16)
+        layout = fsdp2_shards if args.sharding == "fsdp2" else replicated_shards
+        return layout(model, rank=rank, ranks=world, dtype=torch.bfloat16)
 
     maps, tensors = shards()
     owner = RankOwner(store=open_store(args.store), maps=maps, tensors=tensors,
@@ -136,6 +145,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             batch = torch.stack([text[i : i + seq] for i in starts.tolist()])
             loss = model(input_ids=batch, labels=batch).loss
             loss.backward()
+            if args.sharding == "ddp":  # what DDP's hooks do: every rank the mean gradient
+                for param in model.parameters():
+                    assert param.grad is not None
+                    dist.all_reduce(param.grad)
+                    param.grad /= world
             optim.step()
             optim.zero_grad()
             overlay = owner.offer(shards()[1], version)

@@ -126,3 +126,27 @@ def test_a_parameter_on_a_two_dimensional_mesh_is_refused_by_name(tmp_path: Path
     assert done.returncode == 0, done.stderr[-2000:]
     assert "weight is placed (Replicate(), Shard(dim=0))" in done.stdout
     assert "Shard(0) on one mesh dimension" in done.stdout
+
+
+def test_data_parallel_ranks_own_every_element_once_in_the_dtype_asked() -> None:
+    """``replicated_shards``: ranks that each hold the whole module (DDP) own
+    ``torch.chunk``'s runs of every parameter's rows, cast as asked; a parameter of
+    fewer rows than ranks leaves the last ranks owning none of it."""
+    from dcr.owner.layouts import replicated_shards
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(8, 5), torch.nn.LayerNorm(5),
+                                 torch.nn.Linear(5, 1))
+    params = {n: p.detach() for n, p in module.named_parameters()}
+    owned = {n: torch.zeros(p.shape, dtype=torch.int32) for n, p in params.items()}
+    for rank in range(3):
+        maps, tensors = replicated_shards(module, rank=rank, ranks=3, dtype=torch.bfloat16)
+        assert set(maps) == set(params)
+        for name, m in maps.items():
+            assert m.span is not None
+            start, stop = m.span
+            assert (m.kind, m.dtype, m.shape) == ("rows", "BF16", tuple(params[name].shape))
+            assert torch.equal(tensors[name], params[name][start:stop].to(torch.bfloat16))
+            owned[name][start:stop] += 1
+    assert all(bool((count == 1).all()) for count in owned.values())
+    assert replicated_shards(module, rank=2, ranks=3)[1]["2.weight"].shape[0] == 0

@@ -2,10 +2,11 @@
 
 :func:`fsdp2_shards` reads FSDP2's ``DTensor`` parameters (``fully_shard``: dimension 0
 split in ``torch.chunk`` order, so the last ranks may hold fewer rows or none) and plain
-replicated ones. Megatron-style tensor and expert parallel layouts are named directly with
-:class:`~dcr.owner.shards.ShardMap` kinds (``rows``, ``columns``, ``gate_up``, ``qkv``,
-``expert``); :func:`megatron_vocab` names a vocabulary-parallel tensor with its padding.
-docs/trainer.md, "Owners in the ranks".
+replicated ones; :func:`replicated_shards` splits a module every rank holds whole (DDP) the
+same way, so data-parallel ranks share a publish. Megatron-style tensor and expert parallel
+layouts are named directly with :class:`~dcr.owner.shards.ShardMap` kinds (``rows``,
+``columns``, ``gate_up``, ``qkv``, ``expert``); :func:`megatron_vocab` names a vocabulary-
+parallel tensor with its padding. docs/trainer.md, "Owners in the ranks".
 """
 
 from __future__ import annotations
@@ -78,6 +79,37 @@ def fsdp2_shards(module: torch.nn.Module, *, rank: int, ranks: int,
             local = local.to(dtype)
             m = dataclasses.replace(m, dtype=dtype_name(local))
         maps[name], tensors[name] = m, local
+    return maps, tensors
+
+
+def replicated_shards(module: torch.nn.Module, *, rank: int, ranks: int,
+                      canonical: Callable[[str], str | None] = lambda name: name,
+                      dtype: torch.dtype | None = None,
+                      ) -> tuple[dict[str, ShardMap], dict[str, torch.Tensor]]:
+    """Owners for a module every rank holds whole (data parallel, DDP): rank ``rank``
+    owns rows ``torch.chunk`` gives it of each parameter's dimension 0 (the last ranks
+    may own fewer rows or none), so the ranks split a publish between them and every
+    element has one owner. ``canonical`` and ``dtype`` as :func:`fsdp2_shards`; the
+    tensors are views of the parameters' rows (copies when cast)."""
+    maps: dict[str, ShardMap] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for pname, p in module.named_parameters():
+        name = canonical(pname)
+        if name is None:
+            continue
+        if name in maps:
+            raise ConfigError(f"Parameters {pname} and another both map to {name}.")
+        n = p.shape[0]
+        chunk = -(-n // ranks)
+        start = min(rank * chunk, n)
+        stop = min(start + chunk, n)
+        local = p.detach()[start:stop]
+        if dtype is not None and local.dtype != dtype:
+            local = local.to(dtype)
+        maps[name] = ShardMap(kind="rows", canonical=(name,), shape=tuple(p.shape),
+                              dtype=dtype_name(local), rank=rank, ranks=ranks,
+                              span=(start, stop))
+        tensors[name] = local
     return maps, tensors
 
 
