@@ -107,6 +107,7 @@ class Cluster:
     pushed: Pushed  # the dcr image in the node's registry: the chart's pods pull it
     transcript: list[str] = field(default_factory=list)
     fetched: dict[str, int] = field(default_factory=dict)  # init containers' bytes, by Pod
+    latency: dict[str, Any] = field(default_factory=dict)  # created -> Committed, by way
 
     def kubectl(self, *args: str, input: str | None = None, check: bool = True,
                 record: bool = False) -> str:
@@ -788,9 +789,10 @@ def test_deleting_a_refit_removes_its_jobs_and_payloads(cluster: Cluster) -> Non
     assert (c.s3.data_dir / c.s3.bucket / "policy-a" / "v0000000003").is_dir()
 
 
-def _latency(refit: dict[str, Any], observed_s: float) -> dict[str, Any]:
+def _latency(refit: dict[str, Any], observed_s: float | None) -> dict[str, Any]:
     """WeightRefit created -> Committed, three ways: the apiserver's timestamps (whole
-    seconds), the attempt's stages (the operator's clock), and this test's clock."""
+    seconds), the attempt's stages (the operator's clock), and this test's clock (None
+    for a refit this test did not create)."""
     created = refit["metadata"]["creationTimestamp"]
     committed = next(c["lastTransitionTime"] for c in refit["status"]["conditions"]
                      if c["type"] == "Committed")
@@ -798,7 +800,7 @@ def _latency(refit: dict[str, Any], observed_s: float) -> dict[str, Any]:
     stamps = [dt.datetime.fromisoformat(t.replace("Z", "+00:00")) for t in (created, committed)]
     return {"refit": refit["metadata"]["name"], "created": created, "committed": committed,
             "created_to_committed_s": (stamps[1] - stamps[0]).total_seconds(),
-            "observed_s": round(observed_s, 2),
+            "observed_s": None if observed_s is None else round(observed_s, 2),
             "attempt_stages_s": attempt["stages"],
             "attempt_s": round(sum(attempt["stages"].values()), 3),
             "encoder": {"job": attempt["job"]} if "job" in attempt
@@ -844,25 +846,114 @@ def test_a_refit_through_the_warm_encoder_example_commits_bit_exact(
     assert warm_run["encoder"] == {"endpoint": "warm"}
     assert c.get("-n", NS, "jobs", "-l", "dcr.dev/refit=policy-rollout-v5")["items"] == []
     c.kubectl("-n", NS, "get", "weightrefits", record=True)
-    if not LATENCY_OUT:
+    c.latency.update(job=job_run, warm=warm_run)
+
+
+def trainer_manifests(c: Cluster) -> list[dict[str, Any]]:
+    """The trainer example for this cluster: the serve image, its S3, a random token, two
+    steps from v5, small requests; rank 0 prints each version's dense fingerprints."""
+    objs = _load(EXAMPLES / "trainer-ranks.yaml")
+    for obj in objs:
+        if obj["kind"] == "Secret":
+            obj["stringData"]["token"] = secrets.token_hex(24)
+        if obj["kind"] == "Job":
+            (container,) = obj["spec"]["template"]["spec"]["containers"]
+            container["image"] = c.images.serve
+            container["imagePullPolicy"] = "Never"
+            container["resources"] = {"requests": {"cpu": "100m", "memory": "256Mi"},
+                                      "limits": {"memory": "3Gi"}}
+            container["args"] = [a for a in container["args"] if not a.startswith("--steps=")]
+            container["args"] += ["--steps=2", "--fingerprint", "--timeout-s=400"]
+            for env in container["env"]:
+                env.update({"AWS_ENDPOINT_URL": {"value": c.s3.endpoint},
+                            "AWS_DEFAULT_REGION": {"value": c.s3.region}}.get(env["name"], {}))
+    return objs
+
+
+def test_a_training_loops_ranks_are_the_owners_on_pods_and_no_checkpoint_is_written(
+        cluster: Cluster, progress: Callable[[str], None]) -> None:
+    """examples/trainer-ranks.yaml: the example loop as an Indexed Job of two DDP ranks
+    (gloo between the pods by their names on the headless Service) started from v5. Rank 0
+    asks for v6 and v7 with dcr.client; both commit through the fleet's "ranks" profile,
+    which names the ranks' pods: no encoder Job, no checkpoint of v6 or v7 anywhere. Every
+    rollout Pod holds, bit for bit, what a dense load of v7 gives (rank 0 computes it from
+    its gathered weights). created -> Committed is recorded beside the Job's and the warm
+    encoder's from the test before (with $DCR_DEPLOY_LATENCY_OUT, as JSON)."""
+    c = cluster
+    objs = trainer_manifests(c)
+    urls = [f"http://trainer-{r}.trainer.{NS}.svc:8472" for r in range(2)]
+    c.kubectl("-n", NS, "patch", "rolloutfleet", FLEET, "--type=merge", "-p", json.dumps({
+        "spec": {"retention": {"snapshotEvery": None},  # a snapshot Job reads a checkpoint
+                 "encoderProfiles": [
+                     *c.fleet()["spec"]["encoderProfiles"],
+                     {"name": "ranks", "endpoint": {"urls": urls, "tokenSecretRef": {
+                         "name": "rank-token", "key": "token"}}}]}}), record=True)
+    c.apply(objs)
+
+    def job() -> dict[str, Any] | None:
+        status = c.get("-n", NS, "job", "trainer").get("status") or {}
+        return status if status.get("succeeded") == 2 or status.get("failed") else None
+
+    try:
+        done = eventually(job, timeout_s=600, what="the trainer Job's two ranks done")
+        assert done.get("succeeded") == 2, done
+    except AssertionError as e:
+        logs = "\n".join(c.node.pod_logs(NS, p["metadata"]["name"], "rank")[-4000:] for p in
+                         c.get("-n", NS, "pods", "-l", "app=trainer")["items"])
+        raise AssertionError(f"{e}\n{logs}\n{c.diagnostics()}") from None
+    (rank0,) = [p for p in c.get("-n", NS, "pods", "-l", "app=trainer")["items"]
+                if p["metadata"]["name"].startswith("trainer-0-")]
+    lines = c.node.pod_logs(NS, rank0["metadata"]["name"], "rank").splitlines()
+    dense = {d["version"]: d["fingerprint"]
+             for d in (json.loads(line) for line in lines if line.startswith('{"version"'))}
+    assert sorted(dense) == [6, 7]
+    runs = []
+    for v in (6, 7):
+        refit = c.wait_phase(f"{FLEET}-v{v}", "Committed")
+        (attempt,) = refit["status"]["attempts"]
+        assert attempt["endpoint"] == "ranks"
+        runs.append(_latency(refit, None))
+    assert c.get("-n", NS, "jobs", "-l", "dcr.dev/refit in (policy-rollout-v6,"
+                 "policy-rollout-v7)")["items"] == []
+    assert not any((c.ckpts / f"v{v}").exists() for v in (6, 7))
+    agents = c.agents()
+    assert len(agents) == REPLICAS
+    assert all(a.fingerprint() == dense[7] for a in agents), c.diagnostics(f"{FLEET}-v7")
+    assert c.fleet()["status"]["commit"]["baselineId"] == f"/ranks/{FLEET}/v7"
+    token = next(o for o in objs if o["kind"] == "Secret")["stringData"]["token"]
+    for pod in c.operator_pods():
+        assert token not in c.node.pod_logs(SYSTEM, pod["metadata"]["name"])
+    c.kubectl("-n", NS, "get", "jobs,pods", "-l", "app=trainer", "-o", "wide", record=True)
+    c.kubectl("-n", NS, "delete", "job", "trainer", "--timeout=120s")
+    c.latency["ranks"] = runs[-1]
+    for way in ("job", "warm", "ranks"):
+        run = c.latency.get(way)
+        if run:
+            progress(f"tests/deploy: created -> Committed through {way}: "
+                     f"{run['created_to_committed_s']:.0f} s (apiserver), attempt "
+                     f"{run['attempt_s']:.2f} s {run['attempt_stages_s']}")
+    if not LATENCY_OUT or set(c.latency) != {"job", "warm", "ranks"}:
         return
     out = Path(LATENCY_OUT)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "what": "WeightRefit created -> Committed on the deploy tier's one-node cluster "
-                "(real kubelet and images), the same model and run: one refit through the "
-                "encoder Job profile, then one through the warm encoder (dcr encoder)",
+                "(real kubelet and images), the same model and run, three ways: a refit "
+                "through the encoder Job profile, one through the warm encoder (dcr "
+                "encoder), then the training loop's own refits, its two data-parallel rank pods "
+                "the owners (python -m dcr.loop --sharding ddp; the second of its two steps)",
         "command": "DCR_DEPLOY_LATENCY_OUT=bench/results/operator-latency.json "
                    ".venv/bin/python -m pytest tests/deploy/test_deploy.py",
-        "test": "tests/deploy/test_deploy.py::"
-                "test_a_refit_through_the_warm_encoder_example_commits_bit_exact",
+        "tests": ["tests/deploy/test_deploy.py::"
+                  "test_a_refit_through_the_warm_encoder_example_commits_bit_exact",
+                  "tests/deploy/test_deploy.py::"
+                  "test_a_training_loops_ranks_are_the_owners_on_pods_and_no_checkpoint_is_written"],
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "machine": {"cpus": os.cpu_count(), "load_1m": round(os.getloadavg()[0], 2)},
         "model": {"trainer": dataclasses.asdict(TRAINER),
                   "checkpoint_bytes": sum(f.stat().st_size
                                           for f in (c.ckpts / "v5").glob("*.safetensors"))},
-        "owners": 2, "receivers": REPLICAS,
-        "job": job_run, "warm": warm_run}, indent=1) + "\n")
+        "owners": 2, "receivers": REPLICAS, **c.latency}, indent=1) + "\n")
 
 
 def test_the_rollout_side_reached_the_store_only_through_its_link(

@@ -28,6 +28,7 @@ from kubelet import expand
 
 from dcr.cli import build_parser
 from dcr.drivers.sglang import LOADER
+from dcr.loop import parser as ranks_parser
 from dcr_operator.api.rolloutfleet import LWS_GROUP_KEY, LWS_WORKER_INDEX, RolloutFleetSpec
 from dcr_operator.api.weightrefit import WeightRefitSpec
 from dcr_operator.kube import KubeClient
@@ -40,6 +41,7 @@ ROLLOUTS = {"rollout-vllm.yaml": "vllm", "rollout-sglang.yaml": "sglang",
 CUSTOM = {"RolloutFleet": RolloutFleetSpec, "WeightRefit": WeightRefitSpec}
 MULTINODE = "rollout-vllm-multinode.yaml"  # a LeaderWorkerSet: replicas of two pods
 RELAY = "relay.yaml"  # the relay tree, its fleet and that fleet's rollout pods
+TRAINER = "trainer-ranks.yaml"  # a training loop whose ranks are the owners
 
 
 def objects(name: str) -> list[dict[str, Any]]:
@@ -53,7 +55,7 @@ def every_example() -> list[str]:
 def test_the_examples_are_the_fleet_the_refit_and_one_rollout_pod_per_engine() -> None:
     assert every_example() == sorted(["rolloutfleet.yaml", "weightrefit.yaml",
                                       "encoder-endpoint.yaml", "training-cluster.yaml",
-                                      "mirror.yaml", MULTINODE, RELAY, *ROLLOUTS])
+                                      "mirror.yaml", MULTINODE, RELAY, TRAINER, *ROLLOUTS])
 
 
 @pytest.mark.parametrize("name", every_example())
@@ -295,6 +297,59 @@ def test_the_warm_encoder_example_is_locked_down_and_serves_the_fleets_warm_prof
         f"http://{service['metadata']['name']}.rl.svc:{port['port']}"}
     assert len(warm.endpoint.urls) <= int(arg(c, "--max-publishes"))
     assert objs["Deployment"]["spec"]["replicas"] == 1  # a stop reaches the publisher
+
+
+def test_the_trainer_example_runs_the_loop_as_ranks_with_only_the_rights_it_needs() -> None:
+    """examples/trainer-ranks.yaml: ``python -m dcr.loop`` from the serve image (its
+    arguments parse), one pod per rank of an Indexed Job whose index is the rank, meeting at
+    rank 0's name on the headless Service (resolvable before the pods are ready); the token
+    a file from the labelled Secret; the checkpoint claim read-only; the fleet's store; a
+    ServiceAccount that may create and watch WeightRefits and nothing else; the operator
+    the only caller of the owners' port."""
+    objs = {o["kind"]: o for o in objects(TRAINER)}
+    job = objs["Job"]
+    spec = job["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    assert c["image"].startswith("ghcr.io/dcr-dev/dcr-serve:")
+    assert c["command"] == ["python", "-m", "dcr.loop"]
+    args = ranks_parser().parse_args(c["args"])
+    world = int(env(c)["WORLD_SIZE"])
+    assert job["spec"]["completionMode"] == "Indexed"
+    assert job["spec"]["completions"] == job["spec"]["parallelism"] == world
+    assert env(c)["RANK"] == {"fieldRef": {
+        "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}
+    service = objs["Service"]
+    assert spec["subdomain"] == service["metadata"]["name"]
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["selector"] == {
+        "batch.kubernetes.io/job-name": job["metadata"]["name"]}
+    assert env(c)["MASTER_ADDR"] == f"{job['metadata']['name']}-0.{service['metadata']['name']}"
+    assert (spec["securityContext"]["runAsUser"], spec["securityContext"]["runAsNonRoot"]) == (
+        65532, True)
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    by_path = {m["mountPath"]: m for m in c["volumeMounts"]}
+    (token_mount,) = [m for p, m in by_path.items() if str(args.token_file).startswith(p + "/")]
+    secret = objs["Secret"]
+    assert volumes[token_mount["name"]]["secret"]["secretName"] == secret["metadata"]["name"]
+    assert secret["metadata"]["labels"] == {"dcr.dev/encoder-token": "true"}
+    (ckpt_mount,) = [m for p, m in by_path.items() if str(args.checkpoint).startswith(p + "/")]
+    assert ckpt_mount["readOnly"] is True
+    assert volumes[ckpt_mount["name"]]["persistentVolumeClaim"]["readOnly"] is True
+    (fleet,) = [o for o in objects("rolloutfleet.yaml") if o["kind"] == "RolloutFleet"]
+    assert args.store == fleet["spec"]["store"]["uri"]
+    assert args.fleet == fleet["metadata"]["name"]
+    assert spec["serviceAccountName"] == objs["ServiceAccount"]["metadata"]["name"]
+    assert objs["Role"]["rules"] == [{"apiGroups": ["dcr.dev"], "resources": ["weightrefits"],
+                                      "verbs": ["create", "get", "list", "watch"]}]
+    assert objs["RoleBinding"]["subjects"] == [
+        {"kind": "ServiceAccount", "name": objs["ServiceAccount"]["metadata"]["name"]}]
+    owner, peers = objs["NetworkPolicy"]["spec"]["ingress"]
+    assert owner["ports"] == [{"port": "owner"}]
+    assert owner["from"][0]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": "dcr-system"}
+    assert peers["from"] == [{"podSelector": {"matchLabels": {"app": "trainer"}}}]
 
 
 def test_the_multinode_example_drives_each_group_through_its_leader() -> None:
