@@ -189,7 +189,7 @@ class Node:
         self._workdir = Path(tempfile.mkdtemp(prefix="dcr-node-"))
         try:
             self.binaries = build_node_binaries(self._progress)
-            _reap_orphans()  # leftovers of a node killed before its stop() (we hold the lock)
+            _reap_orphans(self._workdir)  # a node killed before its stop() (we hold the lock)
             self._cleanup_network()
             self._make_bridge()
             self.cp = ControlPlane(build_binaries(progress=self._progress), controllers=("*",),
@@ -530,12 +530,14 @@ def _run(*args: str) -> None:
         raise NodeError(f"{' '.join(args)} exited with {proc.returncode}: {proc.stderr.strip()}")
 
 
-def _reap_orphans() -> None:
-    """Kill what a node killed before its ``stop()`` left running, and undo its mounts.
+def _reap_orphans(own: Path) -> None:
+    """Kill what a node killed before its ``stop()`` left running, undo its mounts and
+    remove all it stored but its logs (images, layers and etcd's data: gigabytes a run).
 
     Called under the lock, so whatever runs from a node's directory (``dcr-node-*``: the
     node's own processes, containerd's shims, the node's control plane, whose workdir is
-    ``dcr-node-cp-*``) or serves its bridge address belongs to a node that is gone.
+    ``dcr-node-cp-*``) or serves its bridge address belongs to a node that is gone, and
+    every such directory but ``own`` (this node's, just made) is a dead node's.
     Containers go through runc, whose state the node keeps in its directory.
     """
     tmp = tempfile.gettempdir()
@@ -557,8 +559,23 @@ def _reap_orphans() -> None:
         if any(m in line for m in marks):
             with contextlib.suppress(OSError):
                 os.kill(int(proc.name), 9)
-    for stale in Path(tmp).glob("dcr-node-*"):
+    _clear_dead_workdirs(Path(tmp), own)
+
+
+def _clear_dead_workdirs(tmp: Path, own: Path) -> None:
+    """Unmount every node directory under ``tmp``; empty all but ``own`` of all but logs."""
+    for stale in tmp.glob("dcr-node-*"):
         _unmount_under(stale)
+        if stale.resolve() != own.resolve():
+            _remove_all_but_logs(stale)
+
+
+def _remove_all_but_logs(root: Path) -> None:
+    for entry in root.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        elif entry.suffix != ".log":
+            entry.unlink(missing_ok=True)
 
 
 def _remove_kube_chains() -> None:
