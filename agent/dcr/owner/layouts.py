@@ -12,7 +12,7 @@ parallel tensor with its padding. docs/trainer.md, "Owners in the ranks".
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from dcr.errors import ConfigError
@@ -31,6 +31,29 @@ def dtype_name(t: torch.Tensor) -> str:
     raise ConfigError(f"A {t.dtype} tensor has no safetensors dtype.")
 
 
+def _canonical_parameters(module: torch.nn.Module, canonical: Callable[[str], str | None],
+                          ) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
+    """``module``'s parameters that are part of the checkpoint, as (parameter name,
+    canonical name, parameter); two parameters that map to one name are refused."""
+    seen: set[str] = set()
+    for pname, p in module.named_parameters():
+        name = canonical(pname)
+        if name is None:
+            continue
+        if name in seen:
+            raise ConfigError(f"Parameters {pname} and another both map to {name}.")
+        seen.add(name)
+        yield pname, name, p
+
+
+def _chunk_span(n: int, rank: int, ranks: int) -> tuple[int, int]:
+    """The rows ``torch.chunk`` gives ``rank`` of ``n`` split over ``ranks`` (the last
+    ranks may get fewer rows or none)."""
+    chunk = -(-n // ranks)
+    start = min(rank * chunk, n)
+    return start, min(start + chunk, n)
+
+
 def fsdp2_shards(module: torch.nn.Module, *, rank: int, ranks: int,
                  canonical: Callable[[str], str | None] = lambda name: name,
                  dtype: torch.dtype | None = None,
@@ -44,23 +67,15 @@ def fsdp2_shards(module: torch.nn.Module, *, rank: int, ranks: int,
 
     maps: dict[str, ShardMap] = {}
     tensors: dict[str, torch.Tensor] = {}
-    for pname, p in module.named_parameters():
-        name = canonical(pname)
-        if name is None:
-            continue
-        if name in maps:
-            raise ConfigError(f"Parameters {pname} and another both map to {name}.")
+    for pname, name, p in _canonical_parameters(module, canonical):
         if isinstance(p, DTensor):
             local, placements = p.to_local(), tuple(p.placements)
             if placements == (Shard(0),):
-                n = p.shape[0]
-                chunk = -(-n // ranks)
-                start = min(rank * chunk, n)
-                span = (start, min(start + chunk, n))
+                span = _chunk_span(p.shape[0], rank, ranks)
                 if local.shape[0] != span[1] - span[0]:
                     raise ConfigError(f"{pname}: rank {rank} holds {local.shape[0]} rows of "
-                                      f"{n}; a chunk split over {ranks} ranks gives it "
-                                      f"{span[1] - span[0]}.")
+                                      f"{p.shape[0]}; a chunk split over {ranks} ranks gives "
+                                      f"it {span[1] - span[0]}.")
                 m = ShardMap(kind="rows", canonical=(name,), shape=tuple(p.shape),
                              dtype=dtype_name(local), rank=rank, ranks=ranks, span=span)
             elif all(isinstance(x, Replicate) for x in placements):
@@ -93,16 +108,8 @@ def replicated_shards(module: torch.nn.Module, *, rank: int, ranks: int,
     tensors are views of the parameters' rows (copies when cast)."""
     maps: dict[str, ShardMap] = {}
     tensors: dict[str, torch.Tensor] = {}
-    for pname, p in module.named_parameters():
-        name = canonical(pname)
-        if name is None:
-            continue
-        if name in maps:
-            raise ConfigError(f"Parameters {pname} and another both map to {name}.")
-        n = p.shape[0]
-        chunk = -(-n // ranks)
-        start = min(rank * chunk, n)
-        stop = min(start + chunk, n)
+    for _, name, p in _canonical_parameters(module, canonical):
+        start, stop = _chunk_span(p.shape[0], rank, ranks)
         local = p.detach()[start:stop]
         if dtype is not None and local.dtype != dtype:
             local = local.to(dtype)
