@@ -1,10 +1,13 @@
-"""FSDP2 ranks are the owners of a refit: three gloo processes, their shards, no checkpoint.
+"""FSDP2 ranks are the owners of a refit: gloo processes, their shards, no checkpoint.
 
-Each rank (:mod:`fsdp2_rank`) trains a small Llama sharded by ``fully_shard`` (chunked
-rows, the last rank's chunks shorter), takes real AdamW steps and serves the warm-encoder
-protocol from its own process. A coordinator here asks both ranks to publish, as the
-operator does, carrying the commit record of the base in each request; vLLM-layout
-receivers (TP 2 and TP 1) end with the bits of a dense export of each version.
+Each rank (:mod:`fsdp2_rank`) trains a small Llama sharded by ``fully_shard`` (three ranks:
+chunked rows, the last rank's chunks shorter; four ranks as HSDP, two replicas of a
+two-way shard; four ranks as FSDP2 over tensor parallelism, 2 x 2, the TP row and column
+splits chunked again by FSDP and the norms on the data-parallel mesh alone), takes real
+AdamW steps and serves the warm-encoder protocol from its own process. A coordinator
+here asks every rank to publish, as the operator does, carrying the commit record of the
+base in each request; vLLM-layout receivers (TP 2 and TP 1) end with the bits of a dense
+export of each version.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from dcr.transport.store import FileStore
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 TOKEN = "fsdp2-rank-token-0123456789abcdef"
-WORLD = 3  # 3 does not divide the rows: FSDP2 gives the last rank shorter chunks
+# (layout, world): 3 does not divide the rows, so FSDP2 gives the last rank shorter chunks
+LAYOUTS = [("fsdp", 3), ("hsdp", 4), ("fsdp-tp", 4)]
 
 
 @dataclass
@@ -38,6 +42,7 @@ class RankEndpoint:
 
     client: EncoderClient
     index: int
+    owners: int
     profile: ReceiverProfile
     committed: str | None = None  # the attempt of the last commit record seen
 
@@ -45,7 +50,7 @@ class RankEndpoint:
         t = attempt.transition
         self.client.publish(PublishRequest(
             attempt=attempt.id, mode=attempt.mode, base_version=t.base_version,
-            target_version=t.target_version, owner=self.index, owners=WORLD,
+            target_version=t.target_version, owner=self.index, owners=self.owners,
             base=f"/ranks/v{t.base_version}", target=f"/ranks/v{t.target_version}",
             profile=self.profile, committed_attempt=self.committed), timeout_s=120)
 
@@ -53,22 +58,28 @@ class RankEndpoint:
         self.committed = record.attempt
 
 
-@pytest.fixture
-def ranks(tmp_path: Path) -> Iterator[TrainerRanks]:
+@pytest.fixture(params=LAYOUTS, ids=[layout for layout, _ in LAYOUTS])
+def ranks(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TrainerRanks]:
+    layout, world = request.param
     v0 = random_checkpoint(DENSE, 0)
     save_file(v0, str(tmp_path / "v0.safetensors"))
-    with TrainerRanks.start(WORLD, tmp_path / "v0.safetensors", 0,
-                            (tmp_path / "store").as_uri(), TOKEN, tmp_path) as started:
+    with TrainerRanks.start(world, tmp_path / "v0.safetensors", 0,
+                            (tmp_path / "store").as_uri(), TOKEN, tmp_path,
+                            layout=layout) as started:
         yield started
 
 
 def test_fsdp2_ranks_are_the_owners_and_receivers_end_bit_exact(ranks: TrainerRanks,
                                                                  tmp_path: Path) -> None:
+    """Every changed element is offered by exactly one rank (replicas and the copies a
+    sub-mesh leaves on the other dimension included), and receivers end bit-exact."""
     v0 = load_file(str(tmp_path / "v0.safetensors"))
     store = FileStore(tmp_path / "store")
     rx, models = receivers(DENSE, v0, store, (2, 1), tmp_path / "rx")
+    world = len(ranks.urls)
     owners = [RankEndpoint(client=EncoderClient(url, TOKEN, name=f"rank-{r}"), index=r,
-                           profile=profile_of(rx)) for r, url in enumerate(ranks.urls)]
+                           owners=world, profile=profile_of(rx))
+              for r, url in enumerate(ranks.urls)]
     coord = Coordinator(SqliteCommitStore(tmp_path / "c.db", V0), owners, rx)
     for version in (1, 2):
         changed = ranks.step(version)
@@ -82,16 +93,16 @@ def test_fsdp2_ranks_are_the_owners_and_receivers_end_bit_exact(ranks: TrainerRa
         assert [h.outcome for h in coord.history][-1] == "committed"
         assert exact(DENSE, models, target)
     parts = sorted(p.name for p in (tmp_path / "store").rglob("manifest-o*.dcrm"))
-    assert parts == sorted([f"manifest-o{r:04d}.dcrm" for r in range(WORLD)] * 2)
+    assert parts == sorted([f"manifest-o{r:04d}.dcrm" for r in range(world)] * 2)
     coord.close()
 
 
-MESH_2D = """
+PARTIAL = """
 import socket, sys
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial
 from dcr.errors import ConfigError
 from dcr.owner.layouts import fsdp2_shards
 
@@ -99,10 +110,9 @@ with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+mesh = init_device_mesh("cpu", (1,))
 module = torch.nn.Linear(8, 4, bias=False, dtype=torch.bfloat16)
-module.weight = torch.nn.Parameter(distribute_tensor(module.weight.data, mesh,
-                                                     [Replicate(), Shard(0)]))
+module.weight = torch.nn.Parameter(DTensor.from_local(module.weight.data, mesh, [Partial()]))
 try:
     fsdp2_shards(module, rank=0, ranks=1)
 except ConfigError as e:
@@ -114,18 +124,17 @@ sys.exit("no refusal")
 """
 
 
-def test_a_parameter_on_a_two_dimensional_mesh_is_refused_by_name(tmp_path: Path) -> None:
-    """HSDP (replicate x shard) and FSDP with TP place a parameter on two mesh dimensions,
-    which the FSDP2 projection does not read: refused naming the parameter and its
-    placements, never published as if it were a one-dimensional chunk."""
+def test_a_parameter_holding_partial_sums_is_refused_by_name(tmp_path: Path) -> None:
+    """A ``Partial`` placement holds summands of the parameter, not its elements: refused
+    naming the parameter and its placement, never published as if it were a shard."""
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", MESH_2D], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", PARTIAL], capture_output=True, text=True,
                           timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "weight is placed (Replicate(), Shard(dim=0))" in done.stdout
-    assert "Shard(0) on one mesh dimension" in done.stdout
+    assert "weight is placed (Partial(sum),)" in done.stdout
+    assert "reduce it before offering" in done.stdout
 
 
 def test_data_parallel_ranks_own_every_element_once_in_the_dtype_asked() -> None:

@@ -1,9 +1,12 @@
 """One FSDP2 training rank whose shards are a refit's owner: the trainer side of a rank test.
 
-``python fsdp2_rank.py RANK WORLD PORT CHECKPOINT VERSION STORE TOKEN_FILE OUT`` joins a
-gloo group of ``WORLD`` ranks, builds a Llama from ``CHECKPOINT`` (a Hugging Face
+``python fsdp2_rank.py RANK WORLD PORT CHECKPOINT VERSION STORE TOKEN_FILE OUT [LAYOUT]``
+joins a gloo group of ``WORLD`` ranks, builds a Llama from ``CHECKPOINT`` (a Hugging Face
 directory, or one safetensors file of :data:`CONFIG`'s model) as version ``VERSION``,
-shards it with ``fully_shard``, makes its shards a :class:`RankOwner` and serves the
+shards it (``LAYOUT``: ``fsdp``, ``fully_shard`` over all ranks; ``hsdp``, replicas of
+``fully_shard`` on a 2 x WORLD/2 mesh; ``fsdp-tp``, Llama's tensor-parallel plan on
+the mesh's second dimension and ``fully_shard`` on its first, the norms left to FSDP
+alone), makes its shards a :class:`RankOwner` and serves the
 warm-encoder protocol on loopback (one JSON line ``{"url"}``). Then, per line
 ``{"step": V}`` on stdin, it takes an AdamW step, offers version V and answers
 ``{"changed": N}``; rank 0 also writes the dense version V to ``OUT/vV/``, for the test
@@ -21,8 +24,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dcr.owner.layouts import fsdp2_shards
@@ -40,6 +50,7 @@ def main() -> None:
     rank, world, port = (int(a) for a in sys.argv[1:4])
     checkpoint, version, (store, token_file, out) = Path(sys.argv[4]), int(sys.argv[5]), \
         sys.argv[6:9]
+    layout = sys.argv[9] if len(sys.argv) > 9 else "fsdp"
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
@@ -48,10 +59,7 @@ def main() -> None:
     else:
         model = LlamaForCausalLM(CONFIG).to(torch.bfloat16)
         model.load_state_dict(load_file(checkpoint), strict=False)
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    shard(model, layout, world)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     maps, tensors = fsdp2_shards(model, rank=rank, ranks=world)
     owner = RankOwner(store=open_store(store), maps=maps, tensors=tensors, version=version,
@@ -76,6 +84,40 @@ def main() -> None:
         print(json.dumps({"changed": overlay.elements}), flush=True)
     server.close()
     dist.destroy_process_group()
+
+
+def shard(model: LlamaForCausalLM, layout: str, world: int) -> None:
+    if layout == "fsdp":
+        mesh = init_device_mesh("cpu", (world,))
+    elif layout == "hsdp":  # fully_shard on a 2-D mesh: replicate over dim 0, shard over 1
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    elif layout == "fsdp-tp":
+        world_mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+        tensor_parallel(model, world_mesh["tp"])
+        mesh = world_mesh["dp"]
+    else:
+        raise SystemExit(f"unknown layout {layout!r}")
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def tensor_parallel(model: LlamaForCausalLM, mesh: DeviceMesh) -> None:
+    """Megatron's split as torch's tensor parallel API writes it for a Llama: query, key,
+    value, gate and up by rows (output features), the attention and MLP outputs by
+    columns, the embedding by columns (hidden), the LM head by rows (vocabulary)."""
+    plan: dict[str, ParallelStyle] = {
+        "model.embed_tokens": ColwiseParallel(output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    }
+    for i in range(len(model.model.layers)):
+        at = f"model.layers.{i}"
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                     "mlp.gate_proj", "mlp.up_proj"):
+            plan[f"{at}.{name}"] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[f"{at}.{name}"] = RowwiseParallel()
+    parallelize_module(model, mesh, plan)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ class TrainerRanks:
 
     @classmethod
     def start(cls, world: int, checkpoint: Path, version: int, store: str, token: str,
-              workdir: Path) -> TrainerRanks:
+              workdir: Path, layout: str = "fsdp") -> TrainerRanks:
+        """``layout``: as :mod:`fsdp2_rank` takes it (``fsdp``, ``hsdp``, ``fsdp-tp``)."""
         token_file = workdir / "rank-token"
         token_file.write_text(token)
         port = free_port_on("127.0.0.1")
@@ -44,7 +45,8 @@ class TrainerRanks:
             with (workdir / f"rank{r}.log").open("w") as log:
                 procs.append(subprocess.Popen(
                     [sys.executable, str(WORKER), str(r), str(world), str(port),
-                     str(checkpoint), str(version), store, str(token_file), str(workdir)],
+                     str(checkpoint), str(version), store, str(token_file), str(workdir),
+                     layout],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True))
         ranks = cls(procs=procs, urls=[], out=workdir)
         try:

@@ -1,12 +1,13 @@
 """Shard maps read off a training framework's own layout, for :class:`~dcr.owner.rank.RankOwner`.
 
 :func:`fsdp2_shards` reads FSDP2's ``DTensor`` parameters (``fully_shard``: dimension 0
-split in ``torch.chunk`` order, so the last ranks may hold fewer rows or none) and plain
-replicated ones; :func:`replicated_shards` splits a module every rank holds whole (DDP) the
-same way, so data-parallel ranks share a publish. Megatron-style tensor and expert parallel
-layouts are named directly with :class:`~dcr.owner.shards.ShardMap` kinds (``rows``,
-``columns``, ``gate_up``, ``qkv``, ``expert``); :func:`megatron_vocab` names a vocabulary-
-parallel tensor with its padding. docs/trainer.md, "Owners in the ranks".
+split in ``torch.chunk`` order, so the last ranks may hold fewer rows or none; HSDP's
+replicas; FSDP2 over tensor parallelism) and plain replicated ones;
+:func:`replicated_shards` splits a module every rank holds whole (DDP) the same way, so
+data-parallel ranks share a publish. Megatron-style tensor and expert parallel layouts are
+named directly with :class:`~dcr.owner.shards.ShardMap` kinds (``rows``, ``columns``,
+``gate_up``, ``qkv``, ``expert``); :func:`megatron_vocab` names a vocabulary-parallel
+tensor with its padding. docs/trainer.md, "Owners in the ranks".
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dcr.owner.shards import ShardMap
 
 if TYPE_CHECKING:
     import torch
+    from torch.distributed.device_mesh import DeviceMesh
 
 def dtype_name(t: torch.Tensor) -> str:
     """``t``'s dtype as safetensors names it."""
@@ -60,31 +62,26 @@ def fsdp2_shards(module: torch.nn.Module, *, rank: int, ranks: int,
                  ) -> tuple[dict[str, ShardMap], dict[str, torch.Tensor]]:
     """This rank's parameters of an FSDP2 ``module`` with their shard maps, keyed by the
     canonical (Hugging Face) name ``canonical`` gives each parameter name (None: not part
-    of the checkpoint). A replicated parameter is owned by rank 0. With ``dtype``, the
-    tensors are the parameters cast to it, as an export casts them (FP32 master weights
-    served as BF16): each a new local copy, of the shard's size."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    of the checkpoint). ``rank`` and ``ranks`` are the global rank and world size.
+
+    A ``DTensor`` parameter may lie on a mesh of any dimensions, as long as each rank
+    holds one box of it: FSDP2's ``Shard(0)`` chunks, HSDP's replicas of them
+    (``Replicate``, ``Shard(0)``) and FSDP2 over tensor parallelism (FSDP's ``Shard(0)``
+    over a TP row or column split). Where a mesh dimension replicates the parameter, the
+    ranks at its first coordinate own it and the others leave it out, so every element
+    has one owner; a plain parameter is rank 0's. ``Partial`` sums are refused. With
+    ``dtype``, the tensors are the parameters cast to it, as an export casts them (FP32
+    master weights served as BF16): each a new local copy, of the shard's size."""
+    from torch.distributed.tensor import DTensor
 
     maps: dict[str, ShardMap] = {}
     tensors: dict[str, torch.Tensor] = {}
     for pname, name, p in _canonical_parameters(module, canonical):
         if isinstance(p, DTensor):
-            local, placements = p.to_local(), tuple(p.placements)
-            if placements == (Shard(0),):
-                span = _chunk_span(p.shape[0], rank, ranks)
-                if local.shape[0] != span[1] - span[0]:
-                    raise ConfigError(f"{pname}: rank {rank} holds {local.shape[0]} rows of "
-                                      f"{p.shape[0]}; a chunk split over {ranks} ranks gives "
-                                      f"it {span[1] - span[0]}.")
-                m = ShardMap(kind="rows", canonical=(name,), shape=tuple(p.shape),
-                             dtype=dtype_name(local), rank=rank, ranks=ranks, span=span)
-            elif all(isinstance(x, Replicate) for x in placements):
-                m = ShardMap(kind="replicated", canonical=(name,), shape=tuple(p.shape),
-                             dtype=dtype_name(local), rank=rank, ranks=ranks)
-            else:
-                raise ConfigError(f"{pname} is placed {placements}; FSDP2 shards name "
-                                  "Shard(0) on one mesh dimension (for other layouts "
-                                  "give ShardMaps yourself).")
+            local = p.to_local()
+            m = _dtensor_map(pname, name, p, local, rank, ranks)
+            if m is None:
+                continue  # a replica: the first coordinate of its replicated dimensions owns
         else:
             local = p
             m = ShardMap(kind="replicated", canonical=(name,), shape=tuple(p.shape),
@@ -95,6 +92,65 @@ def fsdp2_shards(module: torch.nn.Module, *, rank: int, ranks: int,
             m = dataclasses.replace(m, dtype=dtype_name(local))
         maps[name], tensors[name] = m, local
     return maps, tensors
+
+
+def _dtensor_map(pname: str, name: str, p: torch.distributed.tensor.DTensor,
+                 local: torch.Tensor, rank: int, ranks: int) -> ShardMap | None:
+    """Where ``p``'s local shard lies in the canonical tensor ``name``; None where a
+    replicated mesh dimension gives it to the ranks at that dimension's coordinate 0."""
+    from torch.distributed.tensor import Partial, Replicate
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    placements = tuple(p.placements)
+    if any(isinstance(x, Partial) for x in placements):
+        raise ConfigError(f"{pname} is placed {placements}: a Partial placement holds "
+                          "summands, not elements; reduce it before offering.")
+    coordinate = p.device_mesh.get_coordinate()
+    if coordinate is None:
+        raise ConfigError(f"{pname}: rank {rank} is not in its device mesh.")
+    if any(isinstance(x, Replicate) and c for x, c in zip(placements, coordinate, strict=True)):
+        return None
+    if _a_copy_elsewhere_owns(pname, p.device_mesh, ranks):
+        return None
+    shape = tuple(p.shape)
+    dt = dtype_name(local)
+    if all(isinstance(x, Replicate) for x in placements):
+        return ShardMap(kind="replicated", canonical=(name,), shape=shape, dtype=dt)
+    sizes, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, placements)
+    if tuple(local.shape) != tuple(sizes):
+        raise ConfigError(f"{pname} is placed {placements}: rank {rank} holds "
+                          f"{list(local.shape)}, not the {list(sizes)} box its placements "
+                          "give it; only layouts of one box per rank can be offered.")
+    rows = (offset[0], offset[0] + sizes[0])
+    if tuple(sizes[1:]) == shape[1:]:
+        return ShardMap(kind="rows", canonical=(name,), shape=shape, dtype=dt, rank=rank,
+                        ranks=ranks, span=rows)
+    if len(shape) == 2:
+        return ShardMap(kind="columns", canonical=(name,), shape=shape, dtype=dt,
+                        rank=rank, ranks=ranks, span=rows,
+                        cols=(offset[1], offset[1] + sizes[1]))
+    raise ConfigError(f"{pname} {list(shape)} is placed {placements}: rank {rank} holds a "
+                      f"{list(sizes)} box at {list(offset)}, split past the first two "
+                      "dimensions; give its ShardMap yourself.")
+
+
+def _a_copy_elsewhere_owns(pname: str, mesh: DeviceMesh, ranks: int) -> bool:
+    """Whether a parameter on ``mesh``, a sub-mesh of the world's (FSDP's data-parallel
+    dimension of a data x tensor parallel mesh: the norms TP leaves alone), is owned by
+    the copy on another sub-mesh: the world mesh's dimensions that ``mesh`` lacks hold
+    copies of it, and the ranks at coordinate 0 on each of them own it."""
+    if mesh.size() == ranks:
+        return False
+    root = mesh._get_root_mesh()
+    if root is mesh or root.size() != ranks or not mesh.mesh_dim_names \
+            or not root.mesh_dim_names:
+        raise ConfigError(f"{pname} lies on a mesh of {mesh.size()} of {ranks} ranks whose "
+                          "world mesh is unknown, so which copy owns it cannot be told; "
+                          "slice its mesh from a named world mesh (init_device_mesh).")
+    where = root.get_coordinate()
+    assert where is not None  # this rank is in the sub-mesh, so in its root
+    return any(c for name, c in zip(root.mesh_dim_names, where, strict=True)
+               if name not in mesh.mesh_dim_names)
 
 
 def replicated_shards(module: torch.nn.Module, *, rank: int, ranks: int,

@@ -48,9 +48,14 @@ class ShardMap:
     rank: int = 0
     ranks: int = 1
     expert: int = 0  # ``expert``: index into the local stack
-    # ``rows`` only: this shard's rows [start, stop) of dimension 0, for splits that are
-    # not ``ranks`` equal parts (FSDP2 chunks: the last ranks may hold fewer, or none).
+    # ``rows`` and ``columns``: this shard's rows [start, stop) of dimension 0, for splits
+    # that are not ``ranks`` equal parts (FSDP2 chunks: the last ranks may hold fewer, or
+    # none); a ``columns`` shard with a span is a block (FSDP2 over a tensor-parallel row
+    # split: some rows of a column slice).
     span: tuple[int, int] | None = None
+    # ``columns`` only: this shard's columns [start, stop), where they are not the
+    # ``rank``-th of ``ranks`` equal parts.
+    cols: tuple[int, int] | None = None
     # ``rows`` with ``span`` only: rows after the span that the local shard holds but the
     # canonical tensor does not (Megatron's vocabulary padding); never sent.
     pad: int = 0
@@ -70,15 +75,20 @@ class ShardMap:
         if self.kind == "columns" and len(self.shape) != 2:
             raise ConfigError(f"A columns split needs a 2-D tensor; {self.canonical[0]} is "
                               f"{list(self.shape)}.")
-        if self.span is not None and (
-                self.kind != "rows" or not 0 <= self.span[0] <= self.span[1] <= self.shape[0]):
+        if self.span is not None and (self.kind not in ("rows", "columns")
+                                      or not 0 <= self.span[0] <= self.span[1] <= self.shape[0]):
             raise ConfigError(f"{self.canonical[0]}: rows {list(self.span)} are not a span "
-                              f"of a rows split of {list(self.shape)}.")
-        if self.pad and (self.span is None or self.pad < 0):
+                              f"of a rows or columns split of {list(self.shape)}.")
+        if self.cols is not None and (self.kind != "columns"
+                                      or not 0 <= self.cols[0] <= self.cols[1] <= self.shape[1]):
+            raise ConfigError(f"{self.canonical[0]}: columns {list(self.cols)} are not a span "
+                              f"of a columns split of {list(self.shape)}.")
+        if self.pad and (self.kind != "rows" or self.span is None or self.pad < 0):
             raise ConfigError(f"{self.canonical[0]}: {self.pad} padding rows need a rows split "
                               "with a span (and a count of at least 0).")
         axis = 1 if self.kind == "columns" else 0
-        if self.kind in ("rows", "columns", "gate_up") and self.span is None \
+        spanned = self.cols if self.kind == "columns" else self.span
+        if self.kind in ("rows", "columns", "gate_up") and spanned is None \
                 and self.shape[axis] % self.ranks:
             raise ConfigError(f"{self.canonical[0]}: dimension {axis} of {list(self.shape)} "
                               f"does not split into {self.ranks} equal parts.")
@@ -105,12 +115,12 @@ class ShardMap:
     def local_shape(self) -> tuple[int, ...]:
         """The shape this rank's shard must have."""
         s = self.shape
+        if self.kind == "columns":
+            return (self._rows()[1], self._columns_held()[1])
         if self.span is not None:
             return (self.span[1] - self.span[0] + self.pad, *s[1:])
         if self.kind == "rows":
             return (s[0] // self.ranks, *s[1:])
-        if self.kind == "columns":
-            return (s[0], s[1] // self.ranks)
         if self.kind == "gate_up":
             return (2 * s[0] // self.ranks, *s[1:])
         if self.kind == "qkv":
@@ -170,9 +180,23 @@ class ShardMap:
         elif self.kind == "qkv":
             yield from self._qkv(local)
         else:
-            rows, cols = self.shape
-            width = cols // self.ranks
-            yield 0, (self.rank * width, (rows, width), (cols, 1)), local
+            first, rows = self._rows()
+            start, width = self._columns_held()
+            cols = self.shape[1]
+            yield 0, (first * cols + start, (rows, width), (cols, 1)), local
+
+    def _rows(self) -> tuple[int, int]:
+        """A columns split's first row and row count (all rows unless a span names some)."""
+        if self.span is None:
+            return 0, self.shape[0]
+        return self.span[0], self.span[1] - self.span[0]
+
+    def _columns_held(self) -> tuple[int, int]:
+        """A columns split's first column and width on this rank."""
+        if self.cols is not None:
+            return self.cols[0], self.cols[1] - self.cols[0]
+        width = self.shape[1] // self.ranks
+        return self.rank * width, width
 
     def _qkv(self, local: UInt) -> Iterator[tuple[int, Span, UInt]]:
         h, kv = self.heads or (1, 1)
@@ -202,12 +226,13 @@ class ShardMap:
     def _columns(self, ch: Changes, entry: EntryKind) -> Iterator[ItemDelta]:
         """A columns split's changes as one item per row: its columns there."""
         cols = self.shape[1]
-        width = cols // self.ranks
+        first, _ = self._rows()
+        column, width = self._columns_held()
         row_of = ch.positions // width
         cuts = np.flatnonzero(np.diff(row_of)) + 1
         for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, row_of.size], strict=True):
             r = int(row_of[lo])
-            start = r * cols + self.rank * width
+            start = (first + r) * cols + column
             yield self._delta(0, start, start + width, ch.positions[lo:hi] - r * width,
                               ch.old[lo:hi], ch.new[lo:hi], entry)
 
