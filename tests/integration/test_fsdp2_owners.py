@@ -97,12 +97,13 @@ def test_fsdp2_ranks_are_the_owners_and_receivers_end_bit_exact(ranks: TrainerRa
     coord.close()
 
 
-PARTIAL = """
+REFUSALS = """
 import socket, sys
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from dcr.errors import ConfigError
 from dcr.owner.layouts import fsdp2_shards
 
@@ -110,31 +111,52 @@ with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-mesh = init_device_mesh("cpu", (1,))
-module = torch.nn.Linear(8, 4, bias=False, dtype=torch.bfloat16)
-module.weight = torch.nn.Parameter(DTensor.from_local(module.weight.data, mesh, [Partial()]))
-try:
-    fsdp2_shards(module, rank=0, ranks=1)
-except ConfigError as e:
-    print(e)
-    sys.exit(0)
-finally:
-    dist.destroy_process_group()
-sys.exit("no refusal")
+world = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+
+def placed(mesh, placements, **kwargs):
+    module = torch.nn.Linear(8, 4, bias=False, dtype=torch.bfloat16)
+    module.weight = torch.nn.Parameter(DTensor.from_local(module.weight.data, mesh,
+                                                          placements))
+    try:
+        maps, _ = fsdp2_shards(module, rank=0, ranks=1, **kwargs)
+        print("accepted", maps["weight"].kind)
+    except ConfigError as e:
+        print("refused", e)
+
+placed(init_device_mesh("cpu", (1,)), [Partial()])
+placed(world, [Shard(0), _StridedShard(0, split_factor=2)])
+placed(world["dp"], [Shard(0)])
+placed(world["dp"], [Shard(0)], copies=("dp",))
+placed(world["dp"], [Shard(0)], copies=("tp",))
+placed(world, [_StridedShard(0, split_factor=1), Shard(0)])
+dist.destroy_process_group()
 """
 
 
-def test_a_parameter_holding_partial_sums_is_refused_by_name(tmp_path: Path) -> None:
-    """A ``Partial`` placement holds summands of the parameter, not its elements: refused
-    naming the parameter and its placement, never published as if it were a shard."""
+def test_layouts_that_would_be_guessed_at_are_refused_by_name(tmp_path: Path) -> None:
+    """Refused, naming the parameter, rather than published with a guessed owner or
+    span: a ``Partial`` placement (summands, not elements); a strided shard that gives a
+    rank interleaved rows; a parameter on a slice of the world mesh without ``copies``
+    (is the other dimension copies, as TP's, or other parameters, as pipeline stages?)
+    or with ``copies`` naming a dimension the slice has. Accepted: the slice with its
+    copies named, and FSDP2-over-TP's strided shard."""
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", PARTIAL], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", REFUSALS], capture_output=True, text=True,
                           timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "weight is placed (Partial(sum),)" in done.stdout
-    assert "reduce it before offering" in done.stdout
+    lines = done.stdout.splitlines()
+    assert len(lines) == 6, done.stdout
+    assert lines[0].startswith("refused weight is placed (Partial(sum),)")
+    assert "reduce it before offering" in lines[0]
+    assert lines[1].startswith("refused weight is placed (Shard(dim=0), _StridedShard(")
+    assert "do not run on contiguously" in lines[1]
+    assert lines[2].startswith("refused weight lies on the slice ['dp'] of the world mesh "
+                               "['dp', 'tp']: say which other dimensions hold copies")
+    assert lines[3] == "refused copies names ['dp']: not dimensions of the world mesh " \
+        "['dp', 'tp'] that weight's slice ['dp'] lacks."
+    assert lines[4:] == ["accepted rows", "accepted rows"]
 
 
 def test_data_parallel_ranks_own_every_element_once_in_the_dtype_asked() -> None:

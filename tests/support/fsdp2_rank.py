@@ -60,8 +60,10 @@ def main() -> None:
         model = LlamaForCausalLM(CONFIG).to(torch.bfloat16)
         model.load_state_dict(load_file(checkpoint), strict=False)
     shard(model, layout, world)
+    # FSDP2 over TP leaves the norms on the data-parallel slice: their copies lie along tp
+    copies = ("tp",) if layout == "fsdp-tp" else None
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    maps, tensors = fsdp2_shards(model, rank=rank, ranks=world)
+    maps, tensors = fsdp2_shards(model, rank=rank, ranks=world, copies=copies)
     owner = RankOwner(store=open_store(store), maps=maps, tensors=tensors, version=version,
                       rank=rank, ranks=world)
     server = serve(owner, token=Path(token_file).read_text().strip())
@@ -73,7 +75,7 @@ def main() -> None:
         model(input_ids=ids, labels=ids).loss.backward()
         optim.step()
         optim.zero_grad()
-        overlay = owner.offer(fsdp2_shards(model, rank=rank, ranks=world)[1], step)
+        overlay = owner.offer(fsdp2_shards(model, rank=rank, ranks=world, copies=copies)[1], step)
         dense = {n: p.full_tensor() for n, p in model.named_parameters()}  # collective
         if rank == 0:
             there = Path(out) / f"v{step}"

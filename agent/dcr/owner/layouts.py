@@ -13,7 +13,8 @@ tensor with its padding. docs/trainer.md, "Owners in the ranks".
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+import math
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from dcr.errors import ConfigError
@@ -22,6 +23,7 @@ from dcr.owner.shards import ShardMap
 if TYPE_CHECKING:
     import torch
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.placement_types import Placement
 
 def dtype_name(t: torch.Tensor) -> str:
     """``t``'s dtype as safetensors names it."""
@@ -58,7 +60,7 @@ def _chunk_span(n: int, rank: int, ranks: int) -> tuple[int, int]:
 
 def fsdp2_shards(module: torch.nn.Module, *, rank: int, ranks: int,
                  canonical: Callable[[str], str | None] = lambda name: name,
-                 dtype: torch.dtype | None = None,
+                 dtype: torch.dtype | None = None, copies: Sequence[str] | None = None,
                  ) -> tuple[dict[str, ShardMap], dict[str, torch.Tensor]]:
     """This rank's parameters of an FSDP2 ``module`` with their shard maps, keyed by the
     canonical (Hugging Face) name ``canonical`` gives each parameter name (None: not part
@@ -66,12 +68,20 @@ def fsdp2_shards(module: torch.nn.Module, *, rank: int, ranks: int,
 
     A ``DTensor`` parameter may lie on a mesh of any dimensions, as long as each rank
     holds one box of it: FSDP2's ``Shard(0)`` chunks, HSDP's replicas of them
-    (``Replicate``, ``Shard(0)``) and FSDP2 over tensor parallelism (FSDP's ``Shard(0)``
-    over a TP row or column split). Where a mesh dimension replicates the parameter, the
-    ranks at its first coordinate own it and the others leave it out, so every element
-    has one owner; a plain parameter is rank 0's. ``Partial`` sums are refused. With
-    ``dtype``, the tensors are the parameters cast to it, as an export casts them (FP32
-    master weights served as BF16): each a new local copy, of the shard's size."""
+    (``Replicate``, ``Shard(0)``) and FSDP2 over tensor parallelism (FSDP's strided
+    ``Shard(0)`` over a TP row or column split). Where a mesh dimension replicates the
+    parameter, the ranks at its coordinate 0 own it and the others leave it out, so every
+    element has one owner; a plain parameter is rank 0's. ``Partial`` sums, and strided
+    shards that do not leave one box per rank, are refused.
+
+    A parameter on a slice of the world mesh (the norms a TP plan leaves to FSDP on the
+    data-parallel dimension) needs ``copies``: the world-mesh dimensions whose other
+    coordinates hold copies of it (``("tp",)`` there), whose coordinate 0 then owns it.
+    ``()`` says the other dimensions hold other parameters (pipeline stages); without
+    ``copies`` such a parameter is refused rather than guessed at.
+
+    With ``dtype``, the tensors are the parameters cast to it, as an export casts them
+    (FP32 master weights served as BF16): each a new local copy, of the shard's size."""
     from torch.distributed.tensor import DTensor
 
     maps: dict[str, ShardMap] = {}
@@ -79,9 +89,9 @@ def fsdp2_shards(module: torch.nn.Module, *, rank: int, ranks: int,
     for pname, name, p in _canonical_parameters(module, canonical):
         if isinstance(p, DTensor):
             local = p.to_local()
-            m = _dtensor_map(pname, name, p, local, rank, ranks)
+            m = _dtensor_map(pname, name, p, local, rank, ranks, copies)
             if m is None:
-                continue  # a replica: the first coordinate of its replicated dimensions owns
+                continue  # a replica or a copy: another rank owns it
         else:
             local = p
             m = ShardMap(kind="replicated", canonical=(name,), shape=tuple(p.shape),
@@ -95,9 +105,10 @@ def fsdp2_shards(module: torch.nn.Module, *, rank: int, ranks: int,
 
 
 def _dtensor_map(pname: str, name: str, p: torch.distributed.tensor.DTensor,
-                 local: torch.Tensor, rank: int, ranks: int) -> ShardMap | None:
+                 local: torch.Tensor, rank: int, ranks: int, copies: Sequence[str] | None
+                 ) -> ShardMap | None:
     """Where ``p``'s local shard lies in the canonical tensor ``name``; None where a
-    replicated mesh dimension gives it to the ranks at that dimension's coordinate 0."""
+    replicated mesh dimension, or a copy on another slice of the world mesh, owns it."""
     from torch.distributed.tensor import Partial, Replicate
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -105,22 +116,25 @@ def _dtensor_map(pname: str, name: str, p: torch.distributed.tensor.DTensor,
     if any(isinstance(x, Partial) for x in placements):
         raise ConfigError(f"{pname} is placed {placements}: a Partial placement holds "
                           "summands, not elements; reduce it before offering.")
+    _check_strided(pname, placements, p.device_mesh)
     coordinate = p.device_mesh.get_coordinate()
     if coordinate is None:
         raise ConfigError(f"{pname}: rank {rank} is not in its device mesh.")
     if any(isinstance(x, Replicate) and c for x, c in zip(placements, coordinate, strict=True)):
         return None
-    if _a_copy_elsewhere_owns(pname, p.device_mesh, ranks):
+    if _a_copy_elsewhere_owns(pname, p.device_mesh, ranks, copies):
         return None
     shape = tuple(p.shape)
     dt = dtype_name(local)
     if all(isinstance(x, Replicate) for x in placements):
         return ShardMap(kind="replicated", canonical=(name,), shape=shape, dtype=dt)
+    # The box's first element: with the checks above, the rank's rows (and columns) run on
+    # from there contiguously, so the size and this offset say where all of it lies.
     sizes, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, placements)
     if tuple(local.shape) != tuple(sizes):
         raise ConfigError(f"{pname} is placed {placements}: rank {rank} holds "
-                          f"{list(local.shape)}, not the {list(sizes)} box its placements "
-                          "give it; only layouts of one box per rank can be offered.")
+                          f"{list(local.shape)}, not the {list(sizes)} its placements give "
+                          "it; only layouts of one box per rank can be offered.")
     rows = (offset[0], offset[0] + sizes[0])
     if tuple(sizes[1:]) == shape[1:]:
         return ShardMap(kind="rows", canonical=(name,), shape=shape, dtype=dt, rank=rank,
@@ -134,23 +148,59 @@ def _dtensor_map(pname: str, name: str, p: torch.distributed.tensor.DTensor,
                       "dimensions; give its ShardMap yourself.")
 
 
-def _a_copy_elsewhere_owns(pname: str, mesh: DeviceMesh, ranks: int) -> bool:
-    """Whether a parameter on ``mesh``, a sub-mesh of the world's (FSDP's data-parallel
-    dimension of a data x tensor parallel mesh: the norms TP leaves alone), is owned by
-    the copy on another sub-mesh: the world mesh's dimensions that ``mesh`` lacks hold
-    copies of it, and the ranks at coordinate 0 on each of them own it."""
-    if mesh.size() == ranks:
-        return False
+def _check_strided(pname: str, placements: tuple[Placement, ...], mesh: DeviceMesh) -> None:
+    """Refuse strided shards that leave a rank rows that do not run on contiguously.
+
+    Plain ``Shard`` placements split left to right, each a ``torch.chunk`` of the last:
+    one box per rank. A ``_StridedShard(d, split_factor=k)`` stands for a split made
+    before the plain ``Shard(d)`` after it (FSDP2 over TP: TP's rows first, FSDP's chunks
+    of them): a box exactly when those later splits make ``k`` parts and no split of
+    ``d`` comes before it. Any other use interleaves rows (``Shard(0)`` then
+    ``_StridedShard(0, split_factor=2)`` gives a rank rows 0 and 2).
+    """
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    for i, x in enumerate(placements):
+        if not isinstance(x, _StridedShard):
+            continue
+        before = [y for y in placements[:i] if isinstance(y, Shard | _StridedShard)
+                  and y.dim == x.dim]
+        later = math.prod(mesh.size(j) for j, y in enumerate(placements)
+                          if j > i and type(y) is Shard and y.dim == x.dim)
+        if before or later != x.split_factor:
+            raise ConfigError(f"{pname} is placed {placements}: its strided shard of "
+                              f"dimension {x.dim} leaves a rank rows that do not run on "
+                              "contiguously (FSDP2 over TP places _StridedShard(d, "
+                              "split_factor=k) before the TP Shard(d) of k parts); give "
+                              "its ShardMap yourself.")
+
+
+def _a_copy_elsewhere_owns(pname: str, mesh: DeviceMesh, ranks: int,
+                           copies: Sequence[str] | None) -> bool:
+    """Whether a copy of a parameter on another slice of the world mesh owns it: ``mesh``
+    is a slice, ``copies`` names world-mesh dimensions that hold copies, and this rank's
+    coordinate on one of them is not 0."""
     root = mesh._get_root_mesh()
-    if root is mesh or root.size() != ranks or not mesh.mesh_dim_names \
-            or not root.mesh_dim_names:
-        raise ConfigError(f"{pname} lies on a mesh of {mesh.size()} of {ranks} ranks whose "
-                          "world mesh is unknown, so which copy owns it cannot be told; "
-                          "slice its mesh from a named world mesh (init_device_mesh).")
+    if mesh.ndim >= root.ndim:  # the world mesh itself, not a slice of it
+        if mesh.size() != ranks:
+            raise ConfigError(f"{pname} lies on a mesh of {mesh.size()} of {ranks} ranks "
+                              "that is no slice of a world mesh, so which copy owns it "
+                              "cannot be told; slice its mesh from one (init_device_mesh).")
+        return False
+    names, world = mesh.mesh_dim_names or (), root.mesh_dim_names or ()
+    if copies is None:
+        raise ConfigError(f"{pname} lies on the slice {list(names)} of the world mesh "
+                          f"{list(world)}: say which other dimensions hold copies of it "
+                          "(copies=('tp',) for the norms of FSDP2 over TP; copies=() where "
+                          "they hold other parameters, as pipeline stages do).")
+    unknown = [c for c in copies if c not in world or c in names]
+    if unknown:
+        raise ConfigError(f"copies names {unknown}: not dimensions of the world mesh "
+                          f"{list(world)} that {pname}'s slice {list(names)} lacks.")
     where = root.get_coordinate()
-    assert where is not None  # this rank is in the sub-mesh, so in its root
-    return any(c for name, c in zip(root.mesh_dim_names, where, strict=True)
-               if name not in mesh.mesh_dim_names)
+    assert where is not None  # this rank is in the slice, so in the world mesh
+    return any(c for n, c in zip(world, where, strict=True) if n in copies)
 
 
 def replicated_shards(module: torch.nn.Module, *, rank: int, ranks: int,
