@@ -563,10 +563,16 @@ def _reap_orphans(own: Path) -> None:
 
 
 def _clear_dead_workdirs(tmp: Path, own: Path) -> None:
-    """Unmount every node directory under ``tmp``; empty all but ``own`` of all but logs."""
+    """Unmount every node directory under ``tmp``; empty all but ``own`` of all but logs.
+
+    Only real directories: a link named like one (anyone may make it in ``/tmp``) is
+    neither followed nor unmounted under, and a directory that still has a mount below it
+    is left whole rather than emptied into the mounted filesystem."""
     for stale in tmp.glob("dcr-node-*"):
+        if stale.is_symlink() or not stale.is_dir():
+            continue
         _unmount_under(stale)
-        if stale.resolve() != own.resolve():
+        if stale != own and not _mounts_under(stale):
             _remove_all_but_logs(stale)
 
 
@@ -575,7 +581,8 @@ def _remove_all_but_logs(root: Path) -> None:
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry, ignore_errors=True)
         elif entry.suffix != ".log":
-            entry.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                entry.unlink()
 
 
 def _remove_kube_chains() -> None:
@@ -609,10 +616,14 @@ def _udp_port_bound(host: str, port: int) -> bool:
 
 def _unmount_under(root: Path) -> None:
     """Lazily unmount everything mounted below ``root`` (volumes, overlay rootfs, shm)."""
+    for target in sorted(_mounts_under(root), key=len, reverse=True):
+        subprocess.run(["umount", "-l", target], capture_output=True, check=False)
+
+
+def _mounts_under(root: Path) -> list[str]:
     prefix = str(root.resolve()) + "/"
     mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()]
-    for target in sorted((m for m in mounts if m.startswith(prefix)), key=len, reverse=True):
-        subprocess.run(["umount", "-l", target], capture_output=True, check=False)
+    return [m for m in mounts if m.startswith(prefix)]
 
 
 def write_oci_archive(workdir: Path, files: dict[str, Path], ref: str, *,

@@ -28,6 +28,7 @@ def test_a_dead_nodes_directories_lose_all_but_their_logs(tmp_path: Path) -> Non
     unrelated = tmp_path / "other"
     unrelated.mkdir()
     (unrelated / "data").write_text("not a node's")
+    (tmp_path / "dcr-node-link").symlink_to(unrelated)  # anyone may plant one in /tmp
 
     node._clear_dead_workdirs(tmp_path, own)
 
@@ -38,4 +39,4 @@ def test_a_dead_nodes_directories_lose_all_but_their_logs(tmp_path: Path) -> Non
                                                      "kubelet.log"]
     assert (own / "containerd" / "io.containerd.content.v1.content" / "blob").stat().st_size \
         == 4096
-    assert (unrelated / "data").read_text() == "not a node's"
+    assert (unrelated / "data").read_text() == "not a node's"  # the link was not followed
