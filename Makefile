@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-fast test-engines gpu-check lint bench tables evaluate schema crds cli-doc image push clean
+.PHONY: install demo test test-fast test-engines test-vllm-pod gpu-check lint bench tables evaluate schema crds cli-doc image image-vllm-cpu push clean
 
 install: $(STAMP)
 
@@ -92,6 +92,19 @@ crds: install
 # seconds after). Prints "image <role> <ref> <archive>" per image; docs/operations.md.
 image:
 	tools/image/build.sh
+
+# The vllm-cpu image (opt-in: ~6 GB, ~10 minutes the first time): localhost/dcr-vllm-cpu:<version>,
+# `vllm serve` from vLLM's CPU build with DCR's worker extension, the engine container of
+# charts/dcr/examples/rollout-vllm.yaml on CPUs. PyPI's torch, a CUDA build, makes it that big.
+image-vllm-cpu:
+	DCR_IMAGES=vllm-cpu tools/image/build.sh
+
+# The rollout pod for real (opt-in): rollout-vllm.yaml's pod running `vllm serve` from the
+# vllm-cpu image beside the agent on the deploy tier's node, refit by the operator
+# (tests/deploy/test_vllm_pod.py; builds the image the first time).
+test-vllm-pod: install
+	@tools/controlplane/packages.sh
+	DCR_DEPLOY_VLLM=1 $(PY) -m pytest tests/deploy/test_vllm_pod.py
 
 # Push what make image built to REGISTRY as <REGISTRY>/dcr:<version> and dcr-serve:<version>
 # (credentials: podman login, or REGISTRY_AUTH_FILE); e.g. make push REGISTRY=ghcr.io/dcr-dev.

@@ -49,6 +49,7 @@ import pytest
 import yaml
 from clusters import CLUSTER_TRAINER
 from controlplane import build_binaries
+from k8sutil import fleet_example, host_claims
 from node import GATEWAY, Images, Node
 from promtext import Key, samples, value
 from registry import Pushed
@@ -235,26 +236,7 @@ def _conditions(obj: dict[str, Any]) -> dict[str, tuple[str, str]]:
 
 
 def fleet_manifests(c: Cluster) -> list[dict[str, Any]]:
-    """The fleet example, for this cluster's S3, one cluster and small requests."""
-    token_secret, fleet = _load(EXAMPLES / "rolloutfleet.yaml")
-    token_secret["stringData"]["token"] = c.agent_token
-    spec = fleet["spec"]
-    spec["store"].update(endpoint=c.s3.endpoint, region=c.s3.region)
-    spec["commitPolicy"]["attemptTimeoutSeconds"] = 180
-    # One cluster here: no training cluster for a profile's Jobs to run in (the operator
-    # tier runs that one against a second control plane).
-    spec["encoderProfiles"] = [p for p in spec["encoderProfiles"] if "cluster" not in p]
-    (profile,) = [p for p in spec["encoderProfiles"] if "endpoint" not in p]
-    profile.pop("nodeSelector", None)  # one node, unlabelled
-    profile["resources"] = {"requests": {"cpu": "100m", "memory": "256Mi"},
-                            "limits": {"memory": "2Gi"}}
-    profile["imagePullPolicy"] = "Never"
-    credentials = {"apiVersion": "v1", "kind": "Secret",
-                   "metadata": {"name": "weights-s3",
-                                "labels": {"dcr.dev/store-credentials": "true"}},
-                   "stringData": {"AWS_ACCESS_KEY_ID": c.s3.access_key,
-                                  "AWS_SECRET_ACCESS_KEY": c.s3.secret_key}}
-    return [token_secret, credentials, fleet]
+    return fleet_example(c.s3, c.agent_token, attempt_timeout_s=180)
 
 
 def rollout_manifests(c: Cluster) -> list[dict[str, Any]]:
@@ -416,24 +398,9 @@ def encoder_manifests(c: Cluster) -> list[dict[str, Any]]:
 
 
 def volume_manifests(c: Cluster) -> list[dict[str, Any]]:
-    """The claims the examples name, each bound to a node directory (a hostPath
-    PersistentVolume: the pods mount claims only, as the restricted level requires)."""
-    objs: list[dict[str, Any]] = []
-    for claim, path in (("policy-checkpoints", c.ckpts.parent), ("policy-base-model",
-                                                                  c.base.parent)):
-        objs.append({"apiVersion": "v1", "kind": "PersistentVolume",
-                     "metadata": {"name": f"{NS}-{claim}"},
-                     "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"],
-                              "persistentVolumeReclaimPolicy": "Retain",
-                              "storageClassName": "",
-                              "claimRef": {"namespace": NS, "name": claim},
-                              "hostPath": {"path": str(path), "type": "Directory"}}})
-        objs.append({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-                     "metadata": {"name": claim, "namespace": NS},
-                     "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "",
-                              "volumeName": f"{NS}-{claim}",
-                              "resources": {"requests": {"storage": "1Gi"}}}})
-    return objs
+    """The claims the examples name, each bound to a node directory."""
+    return host_claims(NS, {"policy-checkpoints": c.ckpts.parent,
+                            "policy-base-model": c.base.parent})
 
 
 @pytest.fixture(scope="module")

@@ -96,14 +96,16 @@ def wait_established(kube: KubeClient, crds: Iterable[dict[str, Any]]) -> None:
 
 
 def eventually(check: Callable[[], T | None], *, timeout_s: float = 60.0, what: str,
-               every_s: float = 0.2) -> T:
-    """Poll ``check`` until it returns something truthy (NotFound counts as not yet)."""
+               every_s: float = 0.2,
+               transient: tuple[type[BaseException], ...] = (NotFound,)) -> T:
+    """Poll ``check`` until it returns something truthy (``transient`` errors, NotFound
+    by default, count as not yet)."""
     deadline = time.monotonic() + timeout_s
     last: Any = None
     while True:
         try:
             last = check()
-        except NotFound as e:
+        except transient as e:
             last = e
         else:
             if last:
@@ -117,3 +119,50 @@ def helm_template(helm: Path, *args: str, release: str = "dcr") -> list[dict[str
     out = subprocess.run([str(helm), "template", release, str(CHART), *args],
                          capture_output=True, text=True, check=True, timeout=60)
     return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def host_claims(namespace: str, paths: dict[str, Path]) -> list[dict[str, Any]]:
+    """A read-only PersistentVolumeClaim per ``paths`` entry (claim name -> directory on
+    the node), each bound to a hostPath PersistentVolume of its own: Pods mount claims
+    only, as the restricted level requires."""
+    objs: list[dict[str, Any]] = []
+    for claim, path in paths.items():
+        objs.append({"apiVersion": "v1", "kind": "PersistentVolume",
+                     "metadata": {"name": f"{namespace}-{claim}"},
+                     "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"],
+                              "persistentVolumeReclaimPolicy": "Retain",
+                              "storageClassName": "",
+                              "claimRef": {"namespace": namespace, "name": claim},
+                              "hostPath": {"path": str(path), "type": "Directory"}}})
+        objs.append({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                     "metadata": {"name": claim, "namespace": namespace},
+                     "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "",
+                              "volumeName": f"{namespace}-{claim}",
+                              "resources": {"requests": {"storage": "1Gi"}}}})
+    return objs
+
+
+def fleet_example(s3: Any, token: str, *, attempt_timeout_s: int) -> list[dict[str, Any]]:
+    """charts/dcr/examples/rolloutfleet.yaml for a one-node cluster: ``s3``'s endpoint and
+    owners' key (an :class:`s3server.S3Server`), the agents' ``token``, and small encoder
+    pods of images already on the node."""
+    token_secret, fleet = [d for d in yaml.safe_load_all(
+        (CHART / "examples" / "rolloutfleet.yaml").read_text()) if d]
+    token_secret["stringData"]["token"] = token
+    spec = fleet["spec"]
+    spec["store"].update(endpoint=s3.endpoint, region=s3.region)
+    spec["commitPolicy"]["attemptTimeoutSeconds"] = attempt_timeout_s
+    # One cluster here: no training cluster for a profile's Jobs to run in (the operator
+    # tier runs that one against a second control plane).
+    spec["encoderProfiles"] = [p for p in spec["encoderProfiles"] if "cluster" not in p]
+    (profile,) = [p for p in spec["encoderProfiles"] if "endpoint" not in p]
+    profile.pop("nodeSelector", None)  # one node, unlabelled
+    profile["resources"] = {"requests": {"cpu": "100m", "memory": "256Mi"},
+                            "limits": {"memory": "2Gi"}}
+    profile["imagePullPolicy"] = "Never"
+    credentials = {"apiVersion": "v1", "kind": "Secret",
+                   "metadata": {"name": "weights-s3",
+                                "labels": {"dcr.dev/store-credentials": "true"}},
+                   "stringData": {"AWS_ACCESS_KEY_ID": s3.access_key,
+                                  "AWS_SECRET_ACCESS_KEY": s3.secret_key}}
+    return [token_secret, credentials, fleet]

@@ -252,6 +252,15 @@ class Node:
         """Import an image archive (OCI or docker) into the node's containerd."""
         self._ctr("images", "import", "--all-platforms", str(archive), timeout_s=600)
 
+    def kill_container(self, container_id: str) -> None:
+        """SIGKILL to every process of one running container (a pod status's
+        ``containerID``, ``containerd://<id>``), as an out-of-memory kill or a crash ends
+        it; the kubelet then restarts it by the pod's restart policy."""
+        runtime, _, cid = container_id.partition("://")
+        if runtime != "containerd" or not cid.isalnum():
+            raise NodeError(f"container id {container_id!r} is not containerd://<id>")
+        self._ctr("tasks", "kill", "--all", "-s", "SIGKILL", cid)
+
     def trust_registry(self, address: str, ca: Path) -> None:
         """Let containerd pull from the registry at ``address`` (HOST:PORT) over TLS, its
         certificate checked against ``ca`` (read at each pull: no restart)."""

@@ -183,10 +183,11 @@ def post(url: str, path: str, body: dict[str, Any], timeout_s: float = 120) -> A
         return json.loads(r.read())
 
 
-def greedy(url: str, prompt: list[int], tokens: int = 24) -> tuple[str, list[float]]:
+def greedy(url: str, prompt: list[int], tokens: int = 24, *, model: str = SERVED
+           ) -> tuple[str, list[float]]:
     """A greedy completion of ``prompt``: its text and every token's logprob."""
     answer = post(url, "/v1/completions", {
-        "model": SERVED, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
+        "model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
         "ignore_eos": True, "logprobs": 1})
     choice = answer["choices"][0]
     return choice["text"], choice["logprobs"]["token_logprobs"]
