@@ -22,7 +22,7 @@ computes with); and the engine's fingerprints of every parameter against that ne
 dense load through the same loader.
 
 Opt-in (``make test-vllm-pod``; CI runs it when the vllm-cpu image is in its cache): the
-image is ~7 GB; the module took 7 min here, 3 of them importing the image into the node.
+image is ~7 GB; the module took 4.5-7 min here, 1.5-3 of them importing the image.
 """
 
 from __future__ import annotations
