@@ -49,7 +49,7 @@ import pytest
 import yaml
 from clusters import CLUSTER_TRAINER
 from controlplane import build_binaries
-from k8sutil import fleet_example, host_claims
+from k8sutil import fleet_example, host_claims, load_yaml, pod_ready, world_readable
 from node import GATEWAY, Images, Node
 from promtext import Key, samples, value
 from registry import Pushed
@@ -155,11 +155,11 @@ class Cluster:
     def new_version(self, v: int) -> None:
         self.trainer.step()
         self.trainer.export(self.ckpts / f"v{v}")
-        _readable(self.ckpts)
+        world_readable(self.ckpts)
 
     def create_refit(self, name: str, base: int, target: int, profile: str | None = None
                      ) -> None:
-        refit = _load(EXAMPLES / "weightrefit.yaml")[0]
+        refit = load_yaml(EXAMPLES / "weightrefit.yaml")[0]
         refit["metadata"]["name"] = name
         refit["spec"].update(baseVersion=base, targetVersion=target,
                              source={"checkpoint": f"/checkpoints/policy-a/v{target}"})
@@ -212,22 +212,6 @@ def _fetched(log: str) -> int:
     return int(m[1].replace(",", ""))
 
 
-def _load(path: Path) -> list[dict[str, Any]]:
-    return [d for d in yaml.safe_load_all(path.read_text()) if d]
-
-
-def _readable(root: Path) -> None:
-    """The Pods run as a non-root user: checkpoints must be world-readable."""
-    root.chmod(0o755)
-    for p in root.rglob("*"):
-        p.chmod(0o755 if p.is_dir() else 0o644)
-
-
-def _ready(pod: dict[str, Any]) -> bool:
-    return any(c["type"] == "Ready" and c["status"] == "True"
-               for c in pod.get("status", {}).get("conditions", []))
-
-
 def _conditions(obj: dict[str, Any]) -> dict[str, tuple[str, str]]:
     return {c["type"]: (c["status"], c["reason"]) for c in obj["status"]["conditions"]}
 
@@ -241,7 +225,7 @@ def fleet_manifests(c: Cluster) -> list[dict[str, Any]]:
 
 def rollout_manifests(c: Cluster) -> list[dict[str, Any]]:
     """The reference rollout example, and its read-only store key (``weights-s3-read``)."""
-    key_secret, deployment = _load(EXAMPLES / "rollout-reference.yaml")
+    key_secret, deployment = load_yaml(EXAMPLES / "rollout-reference.yaml")
     read_key = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "weights-s3-read"},
                 "stringData": {"AWS_ACCESS_KEY_ID": c.s3.read_access_key,
                                "AWS_SECRET_ACCESS_KEY": c.s3.read_secret_key}}
@@ -265,7 +249,7 @@ def relay_manifests(c: Cluster) -> list[dict[str, Any]]:
     """The relay example: its tree, fleet and rollout pods with this cluster's images,
     random tokens and small requests; the rollout pods' engine key is rollout-reference's
     Secret, which the store fleet's pods already use."""
-    objs = _load(EXAMPLES / "relay.yaml")
+    objs = load_yaml(EXAMPLES / "relay.yaml")
     for obj in objs:
         if obj["kind"] == "Secret":
             obj["stringData"]["token"] = secrets.token_hex(24)
@@ -382,7 +366,7 @@ def group_manifests(c: Cluster) -> list[dict[str, Any]]:
 
 def encoder_manifests(c: Cluster) -> list[dict[str, Any]]:
     """The warm encoder example: this cluster's image, S3 endpoint and checkpoint path."""
-    objs = _load(EXAMPLES / "encoder-endpoint.yaml")
+    objs = load_yaml(EXAMPLES / "encoder-endpoint.yaml")
     by_kind = {o["kind"]: o for o in objs}
     by_kind["Secret"]["stringData"]["token"] = secrets.token_hex(24)
     pod = by_kind["Deployment"]["spec"]["template"]["spec"]
@@ -415,10 +399,10 @@ def cluster(node: Node, images: Images, node_s3: S3Server, pushed: Pushed,
     ckpts = tmp / "checkpoints" / "policy-a"
     trainer = Trainer(TRAINER)
     trainer.export(ckpts / "v0")
-    _readable(tmp / "checkpoints")
+    world_readable(tmp / "checkpoints")
     base = tmp / "base-models" / "policy-a"
     shutil.copytree(ckpts / "v0", base)
-    _readable(tmp / "base-models")
+    world_readable(tmp / "base-models")
     link = Link(name="rollout-side", host=GATEWAY, mbit=200, rtt_ms=20,
                 target=int(node_s3.endpoint.rsplit(":", 1)[1])).start()
     c = Cluster(node=node, images=images, s3=node_s3, helm=binaries.helm, tmp=tmp,
@@ -457,7 +441,7 @@ def test_helm_install_runs_the_operator_as_a_pod_under_its_service_account(
                f"--set=watchNamespaces={{{NS}}}", "--set=settings.jobPollSeconds=1",
                "--set=settings.retrySeconds=2", "--set=settings.fleetStatusSeconds=3",
                "--set=peering.lifetimeSeconds=15", "--wait", "--timeout=300s")
-    (pod,) = eventually(lambda: [p for p in c.operator_pods() if _ready(p)], timeout_s=180,
+    (pod,) = eventually(lambda: [p for p in c.operator_pods() if pod_ready(p)], timeout_s=180,
                         what="the operator Pod Ready")
     c.kubectl("-n", SYSTEM, "get", "deployments,pods", record=True)
     assert pod["spec"]["serviceAccountName"] == f"{RELEASE}-operator"  # the chart's own
@@ -507,7 +491,7 @@ def test_the_examples_apply_and_the_fleet_becomes_ready(cluster: Cluster) -> Non
     c.apply(fleet_manifests(c))
     c.apply(rollout_manifests(c))
     try:
-        eventually(lambda: len([p for p in c.rollout_pods() if _ready(p)]) == REPLICAS,
+        eventually(lambda: len([p for p in c.rollout_pods() if pod_ready(p)]) == REPLICAS,
                    timeout_s=300, what=f"{REPLICAS} rollout Pods Ready")
         status = eventually(
             lambda: (s := c.fleet().get("status") or {}).get("readyReceivers") == REPLICAS
@@ -686,7 +670,7 @@ def test_a_rollout_pod_deleted_mid_refit_is_replaced_and_rejoins(cluster: Cluste
     refit = c.wait_phase("policy-rollout-v2", "Committed")
     assert refit["status"]["committed"]["attempt"]
     names = eventually(
-        lambda: (pods := [p for p in c.rollout_pods() if _ready(p)]) and len(pods) == REPLICAS
+        lambda: (pods := [p for p in c.rollout_pods() if pod_ready(p)]) and len(pods) == REPLICAS
         and {p["metadata"]["name"] for p in pods}, timeout_s=300,
         what="the Deployment's replacement Pod Ready")
     assert victim not in names
@@ -713,7 +697,7 @@ def test_the_operator_pod_killed_mid_refit_is_replaced_and_the_refit_finishes(
     c.kubectl("-n", SYSTEM, "delete", "pod", old["metadata"]["name"], "--grace-period=0",
               "--force", record=True)
     c.wait_phase("policy-rollout-v3", "Committed", timeout_s=500)
-    (new,) = eventually(lambda: [p for p in c.operator_pods() if _ready(p)], timeout_s=120,
+    (new,) = eventually(lambda: [p for p in c.operator_pods() if pod_ready(p)], timeout_s=120,
                         what="the replacement operator Pod")
     assert new["metadata"]["name"] != old["metadata"]["name"]
     assert c.exact(3), c.diagnostics("policy-rollout-v3")
@@ -727,7 +711,7 @@ def test_a_pod_added_by_scaling_up_starts_at_the_committed_version(cluster: Clus
     c.kubectl("-n", NS, "scale", "deployment", FLEET, f"--replicas={REPLICAS + 1}",
               record=True)
     (added,) = eventually(
-        lambda: (new := [p for p in c.rollout_pods() if _ready(p)
+        lambda: (new := [p for p in c.rollout_pods() if pod_ready(p)
                          and p["metadata"]["name"] not in before]) and new,
         timeout_s=300, what="the added Pod Ready")
     name = added["metadata"]["name"]
@@ -786,7 +770,7 @@ def test_a_refit_through_the_warm_encoder_example_commits_bit_exact(
     try:
         (pod,) = eventually(
             lambda: [p for p in c.get("-n", NS, "pods", "-l", "app=dcr-encoder")["items"]
-                     if _ready(p)], timeout_s=180, what="the warm encoder Pod Ready")
+                     if pod_ready(p)], timeout_s=180, what="the warm encoder Pod Ready")
     except AssertionError as e:
         described = c.kubectl("-n", NS, "describe", "pods", "-l", "app=dcr-encoder",
                               check=False)
@@ -819,7 +803,7 @@ def test_a_refit_through_the_warm_encoder_example_commits_bit_exact(
 def trainer_manifests(c: Cluster) -> list[dict[str, Any]]:
     """The trainer example for this cluster: the serve image, its S3, a random token, two
     steps from v5, small requests; rank 0 prints each version's dense fingerprints."""
-    objs = _load(EXAMPLES / "trainer-ranks.yaml")
+    objs = load_yaml(EXAMPLES / "trainer-ranks.yaml")
     for obj in objs:
         if obj["kind"] == "Secret":
             obj["stringData"]["token"] = secrets.token_hex(24)
@@ -980,7 +964,7 @@ def test_a_refit_through_the_relay_tree_survives_a_relay_pod_killed_mid_refit(
 
     def pods(app: str) -> list[dict[str, Any]]:
         items: list[dict[str, Any]] = c.get("-n", NS, "pods", "-l", f"app={app}")["items"]
-        return [p for p in items if "deletionTimestamp" not in p["metadata"] and _ready(p)]
+        return [p for p in items if "deletionTimestamp" not in p["metadata"] and pod_ready(p)]
 
     try:
         eventually(lambda: len(pods("rollout-relay")) == 3 and len(pods("relay-rollout")) == 2,
@@ -992,7 +976,7 @@ def test_a_refit_through_the_relay_tree_survives_a_relay_pod_killed_mid_refit(
         raise AssertionError(f"{e}\n{c.diagnostics()}") from None
     (victim,) = [p for p in pods("rollout-relay")
                  if p["metadata"]["name"] == "rollout-relay-1"]
-    refit = _load(EXAMPLES / "weightrefit.yaml")[0]
+    refit = load_yaml(EXAMPLES / "weightrefit.yaml")[0]
     refit["metadata"]["name"] = "relay-rollout-v1"
     refit["spec"].update(fleet="relay-rollout", baseVersion=0, targetVersion=1,
                          source={"checkpoint": "/checkpoints/policy-a/v1"})
@@ -1053,7 +1037,7 @@ def test_a_group_of_two_pods_refits_bit_exact_and_recovers_its_killed_worker_pod
     assert entry["pods"] == [f"{GROUP}-leader-0", f"{GROUP}-worker-0"]
 
     def refit(name: str, base: int, target: int) -> None:
-        obj = _load(EXAMPLES / "weightrefit.yaml")[0]
+        obj = load_yaml(EXAMPLES / "weightrefit.yaml")[0]
         obj["metadata"]["name"] = name
         obj["spec"].update(fleet=GROUP, baseVersion=base, targetVersion=target,
                            source={"checkpoint": f"/checkpoints/policy-a/v{target}"})
@@ -1077,7 +1061,7 @@ def test_a_group_of_two_pods_refits_bit_exact_and_recovers_its_killed_worker_pod
     (back,) = eventually(
         lambda: [p for p in c.get("-n", NS, "pods", "-l",
                                   f"app={GROUP},dcr.dev/group-role=worker")["items"]
-                 if p["metadata"]["uid"] != victim["metadata"]["uid"] and _ready(p)],
+                 if p["metadata"]["uid"] != victim["metadata"]["uid"] and pod_ready(p)],
         timeout_s=300, what="the worker pod replaced and Ready")
 
     def rejoined() -> bool:
@@ -1098,7 +1082,7 @@ def test_helm_upgrade_rolls_the_operator_with_the_new_value(cluster: Cluster) ->
     (old,) = c.operator_pods()
     c.helm_run("upgrade", RELEASE, str(REPO / "charts" / "dcr"), "--namespace", SYSTEM,
                "--reuse-values", "--set=logLevel=DEBUG", "--wait", "--timeout=300s")
-    (new,) = eventually(lambda: [p for p in c.operator_pods() if _ready(p)
+    (new,) = eventually(lambda: [p for p in c.operator_pods() if pod_ready(p)
                                  and p["metadata"]["name"] != old["metadata"]["name"]],
                         timeout_s=180, what="the upgraded operator Pod")
     assert "--log-level=DEBUG" in new["spec"]["containers"][0]["args"]

@@ -42,7 +42,14 @@ from typing import Any
 import pytest
 import yaml
 from controlplane import build_binaries, run_reporting
-from k8sutil import eventually, fleet_example, host_claims
+from k8sutil import (
+    eventually,
+    fleet_example,
+    host_claims,
+    load_yaml,
+    pod_ready,
+    world_readable,
+)
 from node import Node
 from registry import Pushed
 from s3server import S3Server
@@ -83,7 +90,6 @@ class VllmCluster:
     image: str  # the vllm-cpu image, imported into the node's containerd
     helm: Path
     tmp: Path  # the pods' logs are kept here when a check fails
-    dirs: list[Path]  # v0..vSTEPS of the served model, under the checkpoints claim
     agent_token: str
     measured: dict[str, Any] = field(default_factory=dict)
 
@@ -103,7 +109,7 @@ class VllmCluster:
 
     def ready_pod(self, timeout_s: float = START_S) -> dict[str, Any]:
         try:
-            (pod,) = eventually(lambda: [p for p in self.pods() if ready(p)],
+            (pod,) = eventually(lambda: [p for p in self.pods() if pod_ready(p)],
                                 timeout_s=timeout_s, every_s=2, transient=TRANSIENT,
                                 what="the vLLM pod Ready")
         except AssertionError as e:
@@ -119,7 +125,7 @@ class VllmCluster:
                            self.agent_token, timeout_s=120)
 
     def refit_async(self, name: str, base: int, target: int) -> None:
-        refit = load(EXAMPLES / "weightrefit.yaml")[0]
+        refit = load_yaml(EXAMPLES / "weightrefit.yaml")[0]
         refit["metadata"]["name"] = name
         refit["spec"].update(baseVersion=base, targetVersion=target,
                              source={"checkpoint": f"/checkpoints/policy-a/v{target}"})
@@ -159,21 +165,6 @@ class VllmCluster:
         return "\n".join(parts)
 
 
-def load(path: Path) -> list[dict[str, Any]]:
-    return [d for d in yaml.safe_load_all(path.read_text()) if d]
-
-
-def ready(pod: dict[str, Any]) -> bool:
-    return any(c["type"] == "Ready" and c["status"] == "True"
-               for c in pod.get("status", {}).get("conditions", []))
-
-
-def readable(root: Path) -> None:
-    """The pods run as a non-root user: the checkpoints must be world-readable."""
-    for p in [root, *root.rglob("*")]:
-        p.chmod(0o755 if p.is_dir() else 0o644)
-
-
 @pytest.fixture(scope="module")
 def vllm_image(node: Node, progress: Callable[[str], None]) -> str:
     """``make image-vllm-cpu``, imported into the node's containerd."""
@@ -202,9 +193,9 @@ def vc(node: Node, node_s3: S3Server, pushed: Pushed, vllm_image: str,
     tmp = tmp_path_factory.mktemp("vllm-pod")
     dirs = vllm_serve.serve_versions(tmp / "checkpoints" / "policy-a", steps=STEPS, lr=LR)
     shutil.copytree(dirs[0], tmp / "base-models" / "policy-a")
-    readable(tmp)
+    world_readable(tmp)
     c = VllmCluster(node=node, s3=node_s3, pushed=pushed, image=vllm_image,
-                    helm=binaries.helm, tmp=tmp, dirs=dirs, agent_token=secrets.token_hex(24))
+                    helm=binaries.helm, tmp=tmp, agent_token=secrets.token_hex(24))
     install(c, tmp)
     yield c
     c.kubectl("delete", "namespace", NS, "--wait=false", check=False)
@@ -259,7 +250,7 @@ def cpu_engine(engine: dict[str, Any], image: str) -> None:
 
 def rollout(c: VllmCluster) -> list[dict[str, Any]]:
     """rollout-vllm.yaml with one replica, this cluster's images and S3, on a CPU."""
-    deployment, policy = load(EXAMPLES / "rollout-vllm.yaml")
+    deployment, policy = load_yaml(EXAMPLES / "rollout-vllm.yaml")
     deployment["spec"]["replicas"] = 1
     pod = deployment["spec"]["template"]["spec"]
     by_name = {x["name"]: x for x in pod["initContainers"] + pod["containers"]}
@@ -367,7 +358,7 @@ def test_a_new_pod_on_the_committed_version_computes_and_holds_the_same_bits(
     vc.kubectl("-n", NS, "delete", "pod", old, "--wait=false")
     started = time.monotonic()
     pod = eventually(lambda: next((p for p in vc.pods()
-                                   if p["metadata"]["name"] != old and ready(p)), None),
+                                   if p["metadata"]["name"] != old and pod_ready(p)), None),
                      timeout_s=START_S, every_s=2, transient=TRANSIENT,
                      what="the replacement pod Ready")
     def at_target() -> AgentStatus | None:

@@ -121,6 +121,23 @@ def helm_template(helm: Path, *args: str, release: str = "dcr") -> list[dict[str
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
+def load_yaml(path: Path) -> list[dict[str, Any]]:
+    """Every document of a YAML file (a chart example), empty ones left out."""
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def pod_ready(pod: dict[str, Any]) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True"
+               for c in pod.get("status", {}).get("conditions", []))
+
+
+def world_readable(root: Path) -> None:
+    """The node's Pods run as a non-root user: what they mount from ``root`` must be
+    world-readable."""
+    for p in [root, *root.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+
+
 def host_claims(namespace: str, paths: dict[str, Path]) -> list[dict[str, Any]]:
     """A read-only PersistentVolumeClaim per ``paths`` entry (claim name -> directory on
     the node), each bound to a hostPath PersistentVolume of its own: Pods mount claims
@@ -146,8 +163,7 @@ def fleet_example(s3: Any, token: str, *, attempt_timeout_s: int) -> list[dict[s
     """charts/dcr/examples/rolloutfleet.yaml for a one-node cluster: ``s3``'s endpoint and
     owners' key (an :class:`s3server.S3Server`), the agents' ``token``, and small encoder
     pods of images already on the node."""
-    token_secret, fleet = [d for d in yaml.safe_load_all(
-        (CHART / "examples" / "rolloutfleet.yaml").read_text()) if d]
+    token_secret, fleet = load_yaml(CHART / "examples" / "rolloutfleet.yaml")
     token_secret["stringData"]["token"] = token
     spec = fleet["spec"]
     spec["store"].update(endpoint=s3.endpoint, region=s3.region)

