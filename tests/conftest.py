@@ -7,7 +7,9 @@ The binaries come from ``tools/controlplane/build.sh``: a fraction of a second w
 but the first build takes minutes, longer than the per-test timeout. So the script runs once
 after collection, outside any test's timeout, and only when a selected test needs the
 control plane; its steps ("build.sh: building etcd ...", then "still building etcd (N s)"
-every 30 s) reach the terminal while it runs. The ``progress`` fixture gives any other long
+every 30 s) reach the terminal while it runs. Modules whose fixtures need other build.sh
+components say so with the ``builds`` marker (``pytest.mark.builds("promtool")``); those
+are built there too, for the same reason. The ``progress`` fixture gives any other long
 session setup the same live line, past pytest's output capture.
 """
 
@@ -27,6 +29,7 @@ from controlplane import (
     ControlPlane,
     ControlPlaneError,
     build_binaries,
+    built,
     go_available,
 )
 
@@ -117,15 +120,23 @@ def progress(pytestconfig: pytest.Config) -> Callable[[str], None]:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    if not any("control_plane" in getattr(item, "fixturenames", ()) for item in session.items):
-        return
     say = terminal_line(session.config)
-    say("tests/k8s: tools/controlplane/build.sh (minutes on a cold cache; "
-        "its steps show here as they run)")
-    try:
-        session.config.stash[_BINARIES] = build_binaries(progress=say)
-    except ControlPlaneError as e:
-        session.config.stash[_BINARIES] = e
+    if any("control_plane" in getattr(item, "fixturenames", ()) for item in session.items):
+        say("tests/k8s: tools/controlplane/build.sh (minutes on a cold cache; "
+            "its steps show here as they run)")
+        try:
+            session.config.stash[_BINARIES] = build_binaries(progress=say)
+        except ControlPlaneError as e:
+            session.config.stash[_BINARIES] = e
+    # Other components, named by the `builds` marker of the selected tests, for the same
+    # reason: cold, promtool alone takes about 5 minutes on 2 cores.
+    components = sorted({c for item in session.items
+                         for mark in item.iter_markers("builds") for c in mark.args})
+    if components:
+        say(f"tests: tools/controlplane/build.sh {' '.join(components)} "
+            "(minutes on a cold cache)")
+        with contextlib.suppress(ControlPlaneError):  # the fixture that needs one says why
+            built(*components, progress=say)
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from transitions import reference_transition
 from dcr.errors import StoreError
 from dcr.transport.s3 import S3Settings, S3Store
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.builds("versitygw")]
 
 FAST = S3Settings(max_attempts=2, base_backoff=0.0, max_backoff=0.0, multipart_threshold=5 << 20,
                   part_size=5 << 20)

@@ -474,6 +474,7 @@ def lws_crd(progress: Callable[[str], None]) -> dict[str, Any]:
 
 
 @pytest.mark.e2e
+@pytest.mark.builds("lws-crds")
 def test_the_apiserver_accepts_every_example_with_strict_field_validation(
         control_plane: ControlPlane, kube: KubeClient, lws_crd: dict[str, Any],
         tmp_path: Path) -> None:

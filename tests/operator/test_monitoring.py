@@ -31,6 +31,7 @@ from dcr_operator.errors import ApiError
 from dcr_operator.kube import KubeClient
 from dcr_operator.metrics import Metrics
 
+pytestmark = pytest.mark.builds("promtool", "monitoring-crds")
 HERE = Path(__file__).parent / "monitoring"
 ALL_ON = ["--set=metrics.serviceMonitor.enabled=true",
           "--set=metrics.agentPodMonitor.enabled=true",
