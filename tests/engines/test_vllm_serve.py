@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +46,7 @@ STEPS = 3
 LR = 1e-5
 TOKEN = "vllm-serve-agent-token-0123456789ab"
 PROMPT = [5, 6, 7, 8, 9]
+LONG = list(range(10, 170))  # whole KV blocks, which vLLM's prefix cache keeps
 
 
 @pytest.fixture(scope="module")
@@ -83,15 +84,20 @@ class Pod:
         other.wait_ready()
         return other
 
-    def assert_holds(self, v: int) -> None:
-        """Completions equal a fresh server of ``v``; then every rank's fingerprints
-        equal a dense load of ``v`` through this server; the agent says ``v``."""
+    def assert_holds(self, v: int, *, prompts: Sequence[list[int]] = (PROMPT,),
+                     also: Callable[[vllm_serve.VllmServer], None] | None = None) -> None:
+        """Completions of ``prompts`` equal a fresh server of ``v``'s (and ``also`` is
+        checked against that server); then every rank's fingerprints equal a dense load
+        of ``v`` through this server; the agent says ``v``."""
         st = self.client.status()
         assert (st.version, st.dirty, st.unknown, st.gate_open) == (v, None, None, True)
         fresh = self.fresh(v)
         try:
-            assert vllm_serve.greedy(self.server.url, PROMPT) == \
-                vllm_serve.greedy(fresh.url, PROMPT)
+            if also is not None:
+                also(fresh)
+            for prompt in prompts:
+                assert vllm_serve.greedy(self.server.url, prompt) == \
+                    vllm_serve.greedy(fresh.url, prompt)
         finally:
             fresh.kill()
         engine = self.server.engine()
@@ -111,10 +117,11 @@ class Pod:
 def pods(tmp_path: Path, dirs: list[Path]) -> Iterator[Callable[..., Pod]]:
     made: list[Pod] = []
 
-    def make(*, tp: int = 1, pause_mode: PauseMode = "keep") -> Pod:
+    def make(*, tp: int = 1, pause_mode: PauseMode = "keep", slow_steps: bool = False) -> Pod:
         staging = tmp_path / "staging"
         server = vllm_serve.VllmServer(name="rollout-0", model=dirs[0], root=dirs[0].parent,
-                                       staging=staging, workdir=tmp_path / "vllm", tp=tp)
+                                       staging=staging, workdir=tmp_path / "vllm", tp=tp,
+                                       slow_steps=slow_steps)
         server.start()
         server.wait_ready()
         store = tmp_path / "store"
@@ -243,9 +250,12 @@ def test_an_agent_killed_mid_refit_restarts_unknown_and_is_refit(
 def test_a_request_in_flight_across_a_refit(pods: Callable[..., Pod], mode: PauseMode,
                                             record_property: Callable[..., None]) -> None:
     """What a streamed request sees when a refit pauses the engine in each mode: how it
-    ends, how many tokens it got, and which weight versions its tokens carry."""
-    pod = pods(pause_mode=mode)
+    ends, how many tokens it got, and which weight versions its tokens carry. Each step of
+    the engine sleeps 20 ms first (vllm_steps), so the request lasts 4 s or more on any
+    machine and the refit's pause, asked for once it has 8 tokens, finds it in flight."""
+    pod = pods(pause_mode=mode, slow_steps=True)
     pod.refit(1)
+    vllm_serve.greedy(pod.server.url, LONG)  # its whole KV blocks now in the prefix cache
     flight = vllm_serve.Generation(pod.server.url, PROMPT, 200).start()
     flight.wait_tokens(8)
     t0 = time.perf_counter()
@@ -271,4 +281,18 @@ def test_a_request_in_flight_across_a_refit(pods: Callable[..., Pod], mode: Paus
         assert (flight.finish_reason, len(flight.token_ids)) == ("length", 200)
         assert [s[0] for s in spans] == ["1", "2"]
         assert (spans[0][1], spans[-1][2]) == (0, 200)
-    pod.assert_holds(2)
+
+    def frozen_request_resumed_on_the_target(fresh: vllm_serve.VllmServer) -> None:
+        """Its tokens after the pause, with their logprobs, are what the target makes of
+        the prompt and the tokens before the pause: nothing computed under version 1 (its
+        keys and values included) went on into version 2's tokens."""
+        k = spans[0][2]
+        rest = vllm_serve.Generation(fresh.url, PROMPT + flight.token_ids[:k], 200 - k)
+        rest.start().join()
+        assert rest.error is None
+        assert len(flight.logprobs) == 200
+        assert (rest.token_ids, rest.logprobs) == (flight.token_ids[k:], flight.logprobs[k:])
+
+    # LONG, cached under version 1, answers as on a fresh server: no stale prefix cache.
+    pod.assert_holds(2, prompts=[PROMPT, LONG],
+                     also=frozen_request_resumed_on_the_target if mode == "keep" else None)

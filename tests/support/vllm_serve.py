@@ -94,6 +94,7 @@ class VllmServer:
     staging: Path  # DCR_STAGING_DIR, shared with the agent
     workdir: Path
     tp: int = 1
+    slow_steps: bool = False  # every engine step sleeps vllm_steps.STEP_S first
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
@@ -120,6 +121,10 @@ class VllmServer:
         env = {**os.environ, **ENV, "DCR_STAGING_DIR": str(self.staging),
                "DCR_CHECKPOINT_ROOT": str(self.root),
                "VLLM_CACHE_ROOT": str(self.workdir / "vllm-cache")}
+        if self.slow_steps:
+            argv += ["--logits-processors", "vllm_steps:SlowSteps"]
+            env["PYTHONPATH"] = os.pathsep.join(
+                [str(Path(__file__).parent), *filter(None, [env.get("PYTHONPATH")])])
         log: IO[bytes] = open(self.log_path, "ab")  # noqa: SIM115 (owned by proc)
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
                                      stderr=subprocess.STDOUT, env=env,
@@ -203,6 +208,7 @@ class Generation:
     tokens: int
     times: list[float] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # each token's, as sampled
     finish_reason: str | None = None
     weight_versions: list[Any] | None = None
     error: str | None = None
@@ -228,7 +234,7 @@ class Generation:
     def _run(self) -> None:
         body = {"model": SERVED, "token_ids": self.prompt, "stream": True,
                 "sampling_params": {"max_tokens": self.tokens, "temperature": 0,
-                                    "ignore_eos": True}}
+                                    "ignore_eos": True, "logprobs": 0}}
         req = urllib.request.Request(self.url + "/inference/v1/generate",
                                      json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
@@ -240,6 +246,8 @@ class Generation:
                     for choice in json.loads(line[6:]).get("choices", []):
                         new = choice.get("token_ids") or []
                         self.token_ids.extend(new)
+                        content = (choice.get("logprobs") or {}).get("content") or []
+                        self.logprobs.extend(c["logprob"] for c in content)
                         self.times.extend([time.perf_counter()] * len(new))
                         if choice.get("finish_reason"):
                             self.finish_reason = choice["finish_reason"]
