@@ -49,7 +49,14 @@ import pytest
 import yaml
 from clusters import CLUSTER_TRAINER
 from controlplane import build_binaries
-from k8sutil import fleet_example, host_claims, load_yaml, pod_ready, world_readable
+from k8sutil import (
+    fleet_example,
+    host_claims,
+    load_yaml,
+    pod_ready,
+    refit_example,
+    world_readable,
+)
 from node import GATEWAY, Images, Node
 from promtext import Key, samples, value
 from registry import Pushed
@@ -159,10 +166,7 @@ class Cluster:
 
     def create_refit(self, name: str, base: int, target: int, profile: str | None = None
                      ) -> None:
-        refit = load_yaml(EXAMPLES / "weightrefit.yaml")[0]
-        refit["metadata"]["name"] = name
-        refit["spec"].update(baseVersion=base, targetVersion=target,
-                             source={"checkpoint": f"/checkpoints/policy-a/v{target}"})
+        refit = refit_example(name, base, target)
         if profile is not None:
             refit["spec"]["encoder"]["profile"] = profile
         self.apply([refit])
@@ -976,10 +980,7 @@ def test_a_refit_through_the_relay_tree_survives_a_relay_pod_killed_mid_refit(
         raise AssertionError(f"{e}\n{c.diagnostics()}") from None
     (victim,) = [p for p in pods("rollout-relay")
                  if p["metadata"]["name"] == "rollout-relay-1"]
-    refit = load_yaml(EXAMPLES / "weightrefit.yaml")[0]
-    refit["metadata"]["name"] = "relay-rollout-v1"
-    refit["spec"].update(fleet="relay-rollout", baseVersion=0, targetVersion=1,
-                         source={"checkpoint": "/checkpoints/policy-a/v1"})
+    refit = refit_example("relay-rollout-v1", 0, 1, fleet="relay-rollout")
     refit["spec"]["encoder"] = {"profile": "training-pool", "owners": 1}
     c.apply([refit])
     eventually(lambda: (c.refit("relay-rollout-v1").get("status") or {}).get("attempts"),
@@ -1037,11 +1038,7 @@ def test_a_group_of_two_pods_refits_bit_exact_and_recovers_its_killed_worker_pod
     assert entry["pods"] == [f"{GROUP}-leader-0", f"{GROUP}-worker-0"]
 
     def refit(name: str, base: int, target: int) -> None:
-        obj = load_yaml(EXAMPLES / "weightrefit.yaml")[0]
-        obj["metadata"]["name"] = name
-        obj["spec"].update(fleet=GROUP, baseVersion=base, targetVersion=target,
-                           source={"checkpoint": f"/checkpoints/policy-a/v{target}"})
-        c.apply([obj])
+        c.apply([refit_example(name, base, target, fleet=GROUP)])
 
     refit(f"{GROUP}-v1", 0, 1)
     c.wait_phase(f"{GROUP}-v1", "Committed")

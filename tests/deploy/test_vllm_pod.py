@@ -48,6 +48,7 @@ from k8sutil import (
     host_claims,
     load_yaml,
     pod_ready,
+    refit_example,
     world_readable,
 )
 from node import Node
@@ -125,17 +126,16 @@ class VllmCluster:
                            self.agent_token, timeout_s=120)
 
     def refit_async(self, name: str, base: int, target: int) -> None:
-        refit = load_yaml(EXAMPLES / "weightrefit.yaml")[0]
-        refit["metadata"]["name"] = name
-        refit["spec"].update(baseVersion=base, targetVersion=target,
-                             source={"checkpoint": f"/checkpoints/policy-a/v{target}"})
-        self.apply([refit])
+        self.apply([refit_example(name, base, target)])
+
+    def refit_status(self, name: str) -> dict[str, Any]:
+        status: dict[str, Any] = self.get("-n", NS, "weightrefit", name).get("status") or {}
+        return status
 
     def wait_refit(self, name: str) -> dict[str, Any]:
         """The refit, once it finished; it must have committed."""
         try:
-            eventually(lambda: (self.get("-n", NS, "weightrefit", name).get("status") or {}
-                                ).get("phase") in ("Committed", "Failed"),
+            eventually(lambda: self.refit_status(name).get("phase") in ("Committed", "Failed"),
                        timeout_s=900, every_s=1, transient=TRANSIENT,
                        what=f"WeightRefit {name} finished")
             obj: dict[str, Any] = self.get("-n", NS, "weightrefit", name)
@@ -318,16 +318,11 @@ def test_the_vllm_container_killed_mid_refit_restarts_and_the_refit_commits(
     pod = vc.ready_pod()
     (engine,) = [s for s in pod["status"]["containerStatuses"] if s["name"] == "vllm"]
     name = f"vllm-v{STEPS}"
-
-    def phase() -> Any:
-        return (vc.get("-n", NS, "weightrefit", name).get("status") or {}).get("phase")
-
     vc.refit_async(name, STEPS - 1, STEPS)
-    eventually(lambda: (vc.get("-n", NS, "weightrefit", name).get("status") or {}
-                        ).get("attempts"), timeout_s=300, every_s=0.1, transient=TRANSIENT,
-               what="the refit's first attempt started")
+    eventually(lambda: vc.refit_status(name).get("attempts"), timeout_s=300, every_s=0.1,
+               transient=TRANSIENT, what="the refit's first attempt started")
     vc.node.kill_container(engine["containerID"])
-    assert phase() != "Committed"  # the kill landed before the commit
+    assert vc.refit_status(name).get("phase") != "Committed"  # the kill landed before it
     started = time.monotonic()
     refit = vc.wait_refit(name)
     vc.measured["refit_with_kill_s"] = round(time.monotonic() - started, 1)
@@ -361,6 +356,7 @@ def test_a_new_pod_on_the_committed_version_computes_and_holds_the_same_bits(
                                    if p["metadata"]["name"] != old and pod_ready(p)), None),
                      timeout_s=START_S, every_s=2, transient=TRANSIENT,
                      what="the replacement pod Ready")
+
     def at_target() -> AgentStatus | None:
         st = vc.agent(pod).status()
         return st if st.version == STEPS else None

