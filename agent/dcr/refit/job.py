@@ -18,7 +18,7 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -47,9 +47,6 @@ from dcr.settings import option, to_argv
 from dcr.transport.relay.publish import TOKEN_ENV, RelayPublisher
 from dcr.transport.relay.settings import RelaySettings
 from dcr.transport.store import Store
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger(__name__)
 LAUNCHED = ("name", "listen", "state_dir", "token_file")  # AgentProcess passes these itself
