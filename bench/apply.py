@@ -91,7 +91,7 @@ def throughput(cfg: ReferenceConfig, tp: int, reps: int) -> dict[str, Any]:
         new = one_ulp(base, 0.01, seed=rep)
         store = MemoryStore()
         m = diff_checkpoints(source(base), source(new), store, EncodeSettings(
-            version=rep + 1, base_version=rep, profile=profile, attempt=f"a-{rep}"))
+            target_version=rep + 1, base_version=rep, profile=profile, attempt=f"a-{rep}"))
         payloads = [store.get(e.key) for e in m.payloads]
         t0 = time.perf_counter()
         report = engine.apply_payloads(payloads)
@@ -137,7 +137,7 @@ def bit_exact_run(cfg: ReferenceConfig, tp: int, ep: bool, mode: str, steps: int
         opt.step()
         new = export()
         m = diff_checkpoints(source(old), source(new), store, EncodeSettings(
-            version=v, base_version=v - 1, mode=mode, profile=profile))  # type: ignore[arg-type]
+            target_version=v, base_version=v - 1, mode=mode, profile=profile))  # type: ignore[arg-type]
         for e in engines:
             e.apply_payloads([store.get(x.key) for x in m.payloads])
         old = new
@@ -181,7 +181,7 @@ def hf_bit_exact_run(kind: str, mode: str, steps: int) -> bool:
         opt.step()
         new = export()
         m = diff_checkpoints(source(old), source(new), store, EncodeSettings(
-            version=v, base_version=v - 1, mode=mode, profile=profile))  # type: ignore[arg-type]
+            target_version=v, base_version=v - 1, mode=mode, profile=profile))  # type: ignore[arg-type]
         engine.apply_payloads([store.get(x.key) for x in m.payloads])
         old = new
     dense = build().to(torch.bfloat16)

@@ -208,7 +208,7 @@ def run_dataset(name: str, base: Arrays, target: Arrays, shapes: dict[str, tuple
         shutil.rmtree(d / store_dir, ignore_errors=True)
         with Checkpoint(d / "base.safetensors") as b, Checkpoint(d / "target.safetensors") as t:
             return diff_checkpoints(b, t, FileStore(d / store_dir), EncodeSettings(
-                version=1, base_version=0, mode=mode,  # type: ignore[arg-type]
+                target_version=1, base_version=0, mode=mode,  # type: ignore[arg-type]
                 threads=threads, bucket_bytes=bucket_mib << 20))
 
     for threads in (1, 2):

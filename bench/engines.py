@@ -225,7 +225,7 @@ def run_case(bench: Bench, name: str, new: State, *, repeat: int, dense_bytes: i
         store = MemoryStore()
         t0 = time.perf_counter()
         m = diff_checkpoints(as_source(old), as_source(new), store, EncodeSettings(
-            version=1, base_version=0, profile=bench.profile, attempt=f"a-{case_id}-{rep}"))
+            target_version=1, base_version=0, profile=bench.profile, attempt=f"a-{case_id}-{rep}"))
         encode_s.append(time.perf_counter() - t0)
         payload_sets.append([store.get(e.key) for e in m.payloads])
         wire = sum(e.size for e in m.payloads) + len(store.get(manifest_key(1)))

@@ -64,7 +64,7 @@ def compare(cfg: ReferenceConfig, tp: int, rate: float, reps: int) -> dict[str, 
         new = one_ulp(base, rate, seed=rep)
         store = MemoryStore()
         m = diff_checkpoints(source(base), source(new), store, EncodeSettings(
-            version=rep + 1, base_version=rep, profile=profile, attempt=f"a-{rep}"))
+            target_version=rep + 1, base_version=rep, profile=profile, attempt=f"a-{rep}"))
         payloads = [store.get(e.key) for e in m.payloads]
         for p in (PATHS if rep % 2 == 0 else PATHS[::-1]):
             t0 = time.perf_counter()

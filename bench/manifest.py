@@ -167,7 +167,7 @@ def _time(fn: Any) -> float:
 def encode(base: TensorSource, target: TensorSource, owners: int) -> list[Manifest]:
     store = MemoryStore()
     return [diff_checkpoints(base, target, store, EncodeSettings(
-        version=1, base_version=0, owner=k, owners=owners, attempt="a-bench",
+        target_version=1, base_version=0, owner=k, owners=owners, attempt="a-bench",
         attempt_manifest=True)) for k in range(owners)]
 
 

@@ -354,7 +354,7 @@ def node_main(args: argparse.Namespace) -> None:
 
 
 def encode_settings(owner: int, owners: int, threads: int) -> EncodeSettings:
-    return EncodeSettings(version=1, base_version=0, attempt=ATTEMPT, owner=owner,
+    return EncodeSettings(target_version=1, base_version=0, attempt=ATTEMPT, owner=owner,
                           owners=owners, threads=threads, bucket_bytes=BUCKET_BYTES,
                           attempt_manifest=owners > 1)
 

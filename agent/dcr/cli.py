@@ -108,7 +108,7 @@ def encode_settings(args: argparse.Namespace) -> EncodeSettings:
     """What ``dcr diff`` or ``dcr encode`` was told (the profile file not read yet)."""
     return from_args(
         EncodeSettings, args, attempt_manifest=args.attempt_manifest,
-        base_version=args.version - 1 if args.base_version is None else args.base_version)
+        base_version=args.target_version - 1 if args.base_version is None else args.base_version)
 
 
 def cmd_diff(args: argparse.Namespace) -> None:
@@ -143,13 +143,13 @@ def _held_manifest(store: Store, settings: EncodeSettings, args: argparse.Namesp
     """The attempt of the manifest ``store`` holds for the version, if any; refused unless
     ``--replace`` (a second diff of a version would replace what patches read)."""
     try:
-        attempt = load_manifest(store, settings.version).attempt
+        attempt = load_manifest(store, settings.target_version).attempt
     except ObjectNotFound:
         return None
     except DcrError:  # a damaged manifest is replaced the same way
         attempt = "unreadable"
     if not args.replace:
-        raise ConfigError(f"{store.uri} already holds version {settings.version} (attempt "
+        raise ConfigError(f"{store.uri} already holds version {settings.target_version} (attempt "
                           f"{attempt}); dcr diff --replace writes over its manifest.")
     return attempt
 

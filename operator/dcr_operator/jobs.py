@@ -84,7 +84,7 @@ def encode_args(*, base: str, target: str, store: str, attempt: Attempt, owners:
     """
     t = attempt.transition
     settings = EncodeSettings(
-        version=t.target_version, base_version=t.base_version, mode=attempt.mode,
+        target_version=t.target_version, base_version=t.base_version, mode=attempt.mode,
         attempt=attempt.id, owners=owners,
         bucket_bytes=EncodeSettings.bucket_bytes if bucket_mib is None else bucket_mib * MiB,
         threads=threads, profile_path=Path(PROFILE_DIR, PROFILE_KEY) if profile else None)

@@ -60,7 +60,7 @@ def test_refit_through_vllm_model_classes_matches_a_dense_load_bit_for_bit(
     store = MemoryStore()
     for v in range(1, len(dirs)):
         m = diff_checkpoints(Checkpoint(dirs[v - 1]), Checkpoint(dirs[v]), store, EncodeSettings(
-            version=v, base_version=v - 1, mode=mode, profile=profile))
+            target_version=v, base_version=v - 1, mode=mode, profile=profile))
         assert m.stats.changed_elements > 0
         with vllm_cpu.current(receiver):
             report = engine.apply_payloads([store.get(e.key) for e in m.payloads])
@@ -108,7 +108,7 @@ def test_padding_rows_stay_zero_after_a_refit(versions: Callable[[str], list[Pat
         profile = engine.prewarm(canonical(dirs[0]))
     store = MemoryStore()
     m = diff_checkpoints(Checkpoint(dirs[0]), Checkpoint(dirs[1]), store,
-                         EncodeSettings(version=1, base_version=0, profile=profile))
+                         EncodeSettings(target_version=1, base_version=0, profile=profile))
     with vllm_cpu.current(receiver):
         engine.apply_payloads([store.get(e.key) for e in m.payloads])
     padding = receiver.model.embed_tokens.weight[1000:]

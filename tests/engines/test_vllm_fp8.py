@@ -70,7 +70,7 @@ def test_fp8_receiver_refit_matches_a_dense_load(
     for v in range(1, len(dirs)):
         store = MemoryStore()
         m = diff_checkpoints(Checkpoint(dirs[v - 1]), Checkpoint(dirs[v]), store,
-                             EncodeSettings(version=v, base_version=v - 1, profile=profile))
+                             EncodeSettings(target_version=v, base_version=v - 1, profile=profile))
         names = [f"fp8-v{v}-{i}.dcrp" for i in range(len(m.payloads))]
         for name, e in zip(names, m.payloads, strict=True):
             (staging / name).write_bytes(store.get(e.key))

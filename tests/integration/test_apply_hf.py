@@ -87,7 +87,7 @@ def test_refits_of_real_adamw_steps_equal_a_dense_load(kind: str, tied: bool, mo
         opt.step()
         new = export(master, tied)
         m = diff_checkpoints(as_source(old), as_source(new), store, EncodeSettings(
-            version=version, base_version=version - 1, mode=mode, profile=profile))
+            target_version=version, base_version=version - 1, mode=mode, profile=profile))
         assert m.stats.changed_elements > 0
         report = engine.apply_payloads([store.get(e.key) for e in m.payloads])
         assert report.records == m.stats.changed_elements
@@ -115,7 +115,7 @@ def test_the_same_payload_applied_twice_is_refused() -> None:
     new = export(model, False)
     store = MemoryStore()
     m = diff_checkpoints(as_source(old), as_source(new), store,
-                         EncodeSettings(version=1, base_version=0))
+                         EncodeSettings(target_version=1, base_version=0))
     payloads = [store.get(e.key) for e in m.payloads]
     engine.apply_payloads(payloads)
     after = {n: t.clone() for n, t in receiver.state_dict().items()}
@@ -143,7 +143,7 @@ def test_a_receiver_that_casts_on_load_is_profiled_overwrite_and_refits_exactly(
     new = export(master, False)
     store = MemoryStore()
     m = diff_checkpoints(as_source(old), as_source(new), store,
-                         EncodeSettings(version=1, base_version=0, profile=profile))
+                         EncodeSettings(target_version=1, base_version=0, profile=profile))
     engine.apply_payloads([store.get(e.key) for e in m.payloads])
     dense = build("llama", False)
     HFRuntime(dense).load_weights(new.items())
@@ -177,7 +177,7 @@ def test_a_loader_that_replaces_storage_during_apply_fails_loudly() -> None:
     new = export(master, False)
     store = MemoryStore()
     m = diff_checkpoints(as_source(old), as_source(new), store,
-                         EncodeSettings(version=1, base_version=0))
+                         EncodeSettings(target_version=1, base_version=0))
     runtime.armed = True
     with pytest.raises(LoaderPathError, match=r"replaced the storage of \['model.norm.weight'\]"):
         engine.apply_payloads([store.get(e.key) for e in m.payloads])

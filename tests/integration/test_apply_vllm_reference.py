@@ -90,7 +90,7 @@ def refit_matrix(cfg: ReferenceConfig, tp: int, ep: bool, mode: Mode, steps: int
         trainer.step()
         new = trainer.export()
         m = diff_checkpoints(source(old), source(new), store, EncodeSettings(
-            version=version, base_version=version - 1, mode=mode, profile=profile))
+            target_version=version, base_version=version - 1, mode=mode, profile=profile))
         payloads = [store.get(e.key) for e in m.payloads]
         for rank, (model, engine) in enumerate(zip(ranks, engines, strict=True)):
             engine.apply_payloads(payloads)
@@ -136,7 +136,7 @@ def test_fp8_tensor_sent_as_xor_is_refused_before_any_write() -> None:
     trainer.step()
     store = MemoryStore()
     m = diff_checkpoints(source(old), source(trainer.export()), store,
-                         EncodeSettings(version=1, base_version=0))  # no profile: all XOR
+                         EncodeSettings(target_version=1, base_version=0))  # no profile: all XOR
     before = {n: t.clone() for n, t in dense_state(model).items()}
     with pytest.raises(TargetMismatch, match="through a dense path on this rank"):
         engine.apply_payloads([store.get(e.key) for e in m.payloads])
@@ -181,7 +181,7 @@ def test_crash_mid_apply_then_overwrite_retry_reaches_dense_bits(crash_after: in
     new = trainer.export()
     store = MemoryStore()
     first = diff_checkpoints(source(old), source(new), store, EncodeSettings(
-        version=1, base_version=0, profile=profile, attempt="a-first"))
+        target_version=1, base_version=0, profile=profile, attempt="a-first"))
     victim = engines[1]
     real = victim._write_mapped
     calls = 0
@@ -205,7 +205,7 @@ def test_crash_mid_apply_then_overwrite_retry_reaches_dense_bits(crash_after: in
     with pytest.raises(DuplicatePayload, match="already applied"):
         victim.apply_payloads(payloads)  # the crashed attempt's payloads never apply twice
     retry = diff_checkpoints(source(old), source(new), store, EncodeSettings(
-        version=1, base_version=0, profile=profile, mode="overwrite", attempt="a-retry"))
+        target_version=1, base_version=0, profile=profile, mode="overwrite", attempt="a-retry"))
     for model, engine, rank in zip(ranks, engines, range(tp), strict=True):
         engine.apply_payloads([store.get(e.key) for e in retry.payloads])
         want = ReferenceModel(MOE, tp_size=tp, tp_rank=rank)

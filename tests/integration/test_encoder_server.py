@@ -153,7 +153,7 @@ def test_a_publish_writes_byte_for_byte_what_dcr_encode_writes(
     for owner in (0, 1):
         req = request(pair, attempt=attempt, owner=owner, owners=2)
         warm = client.publish(req, timeout_s=120)
-        settings = EncodeSettings(version=1, base_version=0, mode="mixed", attempt=attempt,
+        settings = EncodeSettings(target_version=1, base_version=0, mode="mixed", attempt=attempt,
                                   owner=owner, owners=2, bucket_bytes=1 * MiB,
                                   profile_path=profile_file)
         # What an encoder Job's container runs (jobs.encode_args builds it the same way).
@@ -180,7 +180,7 @@ def test_the_settings_are_those_dcr_encode_parses_from_a_jobs_arguments(pair: Pa
 
     req = request(pair, owner=1, owners=3, mode="overwrite", bucket_mib=64)
     warm = publish_settings(req, threads=EncodeSettings.threads)
-    argv = EncodeSettings(version=1, base_version=0, mode="overwrite", attempt=ATTEMPT,
+    argv = EncodeSettings(target_version=1, base_version=0, mode="overwrite", attempt=ATTEMPT,
                           owner=1, owners=3, bucket_bytes=64 * MiB).argv(
         str(pair.base), str(pair.target), store="file:///x")
     cold = encode_settings(build_parser("encode").parse_args(argv))

@@ -59,7 +59,7 @@ def engine_at(root: Path, staging: Path, v: int) -> LocalDriver:
 
 def stage(root: Path, staging: Path) -> tuple[list[str], Manifest]:
     store = MemoryStore()
-    settings = EncodeSettings(version=1, base_version=0, mode="mixed", bucket_bytes=1 * MiB,
+    settings = EncodeSettings(target_version=1, base_version=0, mode="mixed", bucket_bytes=1 * MiB,
                               attempt_manifest=True)
     with Checkpoint(root / "v0") as b, Checkpoint(root / "v1") as t:
         manifest = diff_checkpoints(b, t, store, settings)

@@ -155,7 +155,7 @@ class Servers:
         """Diff version ``base`` -> ``target`` as an owner would, and write each payload
         to the staging directory; the file names in order, and the manifest."""
         store = MemoryStore()
-        settings = EncodeSettings(version=target, base_version=base, mode=mode,
+        settings = EncodeSettings(target_version=target, base_version=base, mode=mode,
                                   profile=profile, bucket_bytes=1 * MiB, attempt_manifest=True)
         with Checkpoint(self.root / f"v{base}") as b, Checkpoint(self.root / f"v{target}") as t:
             manifest = diff_checkpoints(b, t, store, settings)

@@ -206,7 +206,7 @@ def stage(root: Path, staging: Path, base: int, target: int, mode: Mode,
           profile: ReceiverProfile | None) -> tuple[list[str], Manifest]:
     """Diff ``base`` -> ``target`` as an owner would; the payloads written to staging."""
     store = MemoryStore()
-    settings = EncodeSettings(version=target, base_version=base, mode=mode, profile=profile,
+    settings = EncodeSettings(target_version=target, base_version=base, mode=mode, profile=profile,
                               bucket_bytes=1 * MiB, attempt_manifest=True)
     with Checkpoint(root / f"v{base}") as b, Checkpoint(root / f"v{target}") as t:
         manifest = diff_checkpoints(b, t, store, settings)

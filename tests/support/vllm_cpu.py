@@ -310,7 +310,7 @@ def stage(staging: Path, versions: list[Path], v: int, profile: ReceiverProfile,
     them; their names and the manifest."""
     store = MemoryStore()
     m = diff_checkpoints(Checkpoint(versions[v - 1]), Checkpoint(versions[v]), store,
-                         EncodeSettings(version=v, base_version=v - 1, mode=mode,
+                         EncodeSettings(target_version=v, base_version=v - 1, mode=mode,
                                         profile=profile))
     names = []
     for i, e in enumerate(m.payloads):

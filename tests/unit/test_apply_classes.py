@@ -68,7 +68,7 @@ def refit(load: Loader) -> tuple[str, bool]:
     store = MemoryStore()
     profile = ReceiverProfile(tensors={"w": cls})
     m = diff_checkpoints(src["old"], src["new"], store,
-                         EncodeSettings(version=1, base_version=0, profile=profile))
+                         EncodeSettings(target_version=1, base_version=0, profile=profile))
     engine.apply_payloads([store.get(e.key) for e in m.payloads])
     dense = Toy(load)
     dense.load_weights([("w", new)])

@@ -91,7 +91,7 @@ def payloads(old: State, new: State, engine: Applier, *, mode: Mode = "mixed",
     store = MemoryStore()
     profile = ReceiverProfile(tensors={n: p.cls for n, p in engine.plans.items()})
     m = diff_checkpoints(source(old), source(new), store, EncodeSettings(
-        version=1, base_version=0, profile=profile, mode=mode, attempt=attempt))
+        target_version=1, base_version=0, profile=profile, mode=mode, attempt=attempt))
     return [store.get(e.key) for e in m.payloads]
 
 

@@ -254,7 +254,7 @@ def test_device_path_refits_to_dense_bits_at_tp2(cfg: ReferenceConfig, ep: bool,
     store = MemoryStore()
     for version, new in enumerate(exports, start=1):
         m = diff_checkpoints(_source(old), _source(new), store, EncodeSettings(
-            version=version, base_version=version - 1, mode=mode, profile=profile))  # type: ignore[arg-type]
+            target_version=version, base_version=version - 1, mode=mode, profile=profile))  # type: ignore[arg-type]
         payloads = [store.get(e.key) for e in m.payloads]
         expect = {t.name: t.target for t in m.tensors} | m.region_sums()
         assert len(m.region_sums()) == sum(len(r) for r in profile.regions.values()) > 0

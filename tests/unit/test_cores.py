@@ -50,5 +50,5 @@ def test_an_encoders_threads_default_to_the_cores_it_may_use(
     """Fails on edd87f2: the default was 2 threads on any machine."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(12)))
     monkeypatch.setattr("dcr.cores.cgroup_cpu_limit", lambda root: None)
-    assert EncodeSettings(version=1, base_version=0).thread_count == 12
-    assert EncodeSettings(version=1, base_version=0, threads=3).thread_count == 3
+    assert EncodeSettings(target_version=1, base_version=0).thread_count == 12
+    assert EncodeSettings(target_version=1, base_version=0, threads=3).thread_count == 3

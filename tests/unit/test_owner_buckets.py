@@ -17,7 +17,7 @@ from dcr.transport.store import MemoryStore
 
 
 def settings(**kw: int) -> EncodeSettings:
-    return EncodeSettings(version=1, base_version=0, **kw)
+    return EncodeSettings(target_version=1, base_version=0, **kw)
 
 
 def test_bucket_limit_cuts_small_models_into_min_payloads_but_not_below_the_floor() -> None:

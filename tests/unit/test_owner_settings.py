@@ -27,7 +27,7 @@ from dcr.settings import MiB
 
 
 def test_encode_argv_parses_back_to_the_same_settings() -> None:
-    s = EncodeSettings(version=7, base_version=5, mode="overwrite", bucket_bytes=64 * MiB,
+    s = EncodeSettings(target_version=7, base_version=5, mode="overwrite", bucket_bytes=64 * MiB,
                        level=3, threads=4, overwrite=("lm_head.*", "x"), owner=1, owners=3,
                        attempt="a-0123456789ab", profile_path=Path("/p/profile.json"))
     argv = s.argv("/ckpt/v5", "/ckpt/v7", store="file:///tmp/s")
@@ -38,7 +38,7 @@ def test_encode_argv_parses_back_to_the_same_settings() -> None:
 
 
 def test_encode_argv_names_a_launcher_owner_and_needs_an_attempt() -> None:
-    s = EncodeSettings(version=3, base_version=2, attempt="a-1", owners=2)
+    s = EncodeSettings(target_version=3, base_version=2, attempt="a-1", owners=2)
     argv = s.argv("b", "t", store="s3://b/p", owner="$(DCR_OWNER)")
     assert argv[argv.index("--owner") + 1] == "$(DCR_OWNER)"
     with pytest.raises(ConfigError, match="version 3 needs an attempt id"):
@@ -47,8 +47,8 @@ def test_encode_argv_names_a_launcher_owner_and_needs_an_attempt() -> None:
 
 def test_diff_defaults_to_the_previous_version_and_the_settings_defaults() -> None:
     args = build_parser().parse_args(["diff", "b", "t", "--store", "s", "--version", "4"])
-    assert encode_settings(args) == EncodeSettings(version=4, base_version=3)
-    assert EncodeSettings(version=4, base_version=3).bucket_bytes == 256 * MiB
+    assert encode_settings(args) == EncodeSettings(target_version=4, base_version=3)
+    assert EncodeSettings(target_version=4, base_version=3).bucket_bytes == 256 * MiB
 
 
 def test_encode_settings_import_neither_numpy_nor_torch() -> None:

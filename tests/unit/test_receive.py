@@ -38,7 +38,7 @@ def published(attempt: str = "a-1", stride: int = 37) -> tuple[MemoryStore, dict
            for k, d in (("b", base), ("t", target))}
     full = MemoryStore()
     diff_checkpoints(src["b"], src["t"], full, EncodeSettings(
-        version=1, base_version=0, attempt=attempt, bucket_bytes=1 << 20))
+        target_version=1, base_version=0, attempt=attempt, bucket_bytes=1 << 20))
     return full, dict(full.objects)
 
 
@@ -210,7 +210,7 @@ def test_one_owners_payloads_are_staged_while_another_owner_still_streams() -> N
     full = MemoryStore()
     for owner in range(2):
         diff_checkpoints(src["b"], src["t"], full, EncodeSettings(
-            version=1, base_version=0, attempt="a-2", owner=owner, owners=2,
+            target_version=1, base_version=0, attempt="a-2", owner=owner, owners=2,
             bucket_bytes=1 << 20))
     ids = sorted(p for p in map(parse_payload_key, full.objects) if p is not None)
 
@@ -351,7 +351,7 @@ def test_several_owners_parts_are_fetched_only_once_listed() -> None:
     full = MemoryStore()
     for owner in range(2):
         diff_checkpoints(src["b"], src["t"], full, EncodeSettings(
-            version=1, base_version=0, attempt="a-2", owner=owner, owners=2,
+            target_version=1, base_version=0, attempt="a-2", owner=owner, owners=2,
             bucket_bytes=1 << 20))
     live = Logged()
 

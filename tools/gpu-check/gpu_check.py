@@ -417,8 +417,8 @@ def stage(ckpts: Path, staging: Path, base: int, target: int, profile: Any
     from dcr.transport.store import MemoryStore
 
     store = MemoryStore()
-    settings = EncodeSettings(version=target, base_version=base, mode="mixed", profile=profile,
-                              attempt_manifest=True)
+    settings = EncodeSettings(target_version=target, base_version=base, mode="mixed",
+                              profile=profile, attempt_manifest=True)
     with Checkpoint(ckpts / f"v{base}") as b, Checkpoint(ckpts / f"v{target}") as t:
         manifest = diff_checkpoints(b, t, store, settings)
     names = []

@@ -74,7 +74,7 @@ def compare_paths(ckpts: Path, steps: int, device: str,
     def apply_set(label: str, base: Any, target: Any, version: int) -> None:
         store = MemoryStore()
         m = diff_checkpoints(base, target, store, EncodeSettings(
-            version=version, base_version=version - 1, mode="mixed", profile=profile,
+            target_version=version, base_version=version - 1, mode="mixed", profile=profile,
             attempt=f"a-paths{version:04d}"))
         payloads = [store.get(e.key) for e in m.payloads]
         expect = {t.name: t.target for t in m.tensors}

@@ -101,7 +101,7 @@ def diff_checkpoints(
     settings: EncodeSettings,
     progress: Progress | None = None,
 ) -> Manifest:
-    """Write the payloads and then the manifest of ``settings.version``; return it.
+    """Write the payloads and then the manifest of ``settings.target_version``; return it.
 
     With several owners, this owner diffs only the tensors ``owner_of`` gives it; it, and
     any owner with ``attempt_manifest``, writes its part of the manifest under the
@@ -110,7 +110,8 @@ def diff_checkpoints(
     check_same_tensors(base, target)
     s = settings
     mine = [i for i in base if owner_of(i.name, s.owners) == s.owner]
-    writer = AttemptWriter(store=store, base_version=s.base_version, version=s.version,
+    writer = AttemptWriter(store=store, base_version=s.base_version,
+                           target_version=s.target_version,
                            attempt=s.attempt or new_attempt_id(), mode=s.mode, owner=s.owner,
                            level=s.level, per_attempt=s.per_attempt_manifest)
     changed = 0

@@ -33,7 +33,7 @@ class Encoder(OwnerState[TensorSource]):
         candidate = self.check_publish(attempt)
         t = attempt.transition
         settings = EncodeSettings(
-            version=t.target_version, base_version=t.base_version, mode=attempt.mode,
+            target_version=t.target_version, base_version=t.base_version, mode=attempt.mode,
             attempt=attempt.id, owner=self.owner, owners=self.owners, profile=self.profile,
             threads=self.threads, bucket_bytes=self.bucket_bytes, attempt_manifest=True)
         self.manifests.append(diff_checkpoints(self.baseline, candidate, self.store, settings))

@@ -53,7 +53,7 @@ class ProcessOwner(OwnerState[Path]):
             raise BaselineError(f"{self.who}: attempt {attempt.id} is for base "
                                 f"{t.base_version}; the committed baseline is {self.version}.")
         settings = EncodeSettings(
-            version=t.target_version, base_version=t.base_version, mode=attempt.mode,
+            target_version=t.target_version, base_version=t.base_version, mode=attempt.mode,
             attempt=attempt.id, owner=self.owner, owners=self.owners,
             bucket_bytes=self.bucket_mib * MiB, profile_path=self.profile_path)
         return [sys.executable, "-m", "dcr",

@@ -227,7 +227,7 @@ class RankOwner:
             overlay = self.offers[target_version]
             overlay.published.add(attempt)
             writer = AttemptWriter(store=store or self.store, base_version=base_version,
-                                   version=target_version, attempt=attempt, mode=mode,
+                                   target_version=target_version, attempt=attempt, mode=mode,
                                    owner=self.rank, level=self.level, per_attempt=True)
             pairs = ((n, self.baseline[n], overlay.bits(n, self.baseline[n]))
                      for n in sorted(self.maps))

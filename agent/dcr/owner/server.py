@@ -97,7 +97,7 @@ def publish_settings(req: PublishRequest, *, threads: int | None) -> EncodeSetti
     """The settings ``dcr encode`` runs with for this request (the operator's Job builds
     the same from ``EncodeSettings.argv``): the manifest part goes under the attempt."""
     return EncodeSettings(
-        version=req.target_version, base_version=req.base_version, mode=req.mode,
+        target_version=req.target_version, base_version=req.base_version, mode=req.mode,
         attempt=req.attempt, owner=req.owner, owners=req.owners, threads=threads,
         bucket_bytes=(EncodeSettings.bucket_bytes if req.bucket_mib is None
                       else req.bucket_mib * MiB),

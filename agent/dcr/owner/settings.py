@@ -25,7 +25,8 @@ from dcr.settings import MiB, option, to_argv
 class EncodeSettings:
     """How one owner diffs a baseline against a candidate and writes its payloads."""
 
-    version: int = option(doc="target version written to the store", metavar="N")
+    target_version: int = option(flag="--version", doc="target version written to the store",
+                                 metavar="N")
     base_version: int = option(doc="base version the receivers must hold", metavar="M")
     mode: Mode = option("mixed", doc="mixed: XOR where allowed; overwrite: every entry "
                         "absolute (what a retry sends)")
@@ -62,10 +63,11 @@ class EncodeSettings:
                                              "profile_path into it); None: all XOR")
 
     def __post_init__(self) -> None:
-        if self.base_version == self.version:
+        if self.base_version == self.target_version:
             raise ConfigError(f"--base-version {self.base_version} equals --version.")
-        if min(self.version, self.base_version) < 0:
-            raise ConfigError(f"Versions must be >= 0, got {self.base_version} -> {self.version}.")
+        if min(self.target_version, self.base_version) < 0:
+            raise ConfigError(f"Versions must be >= 0, got {self.base_version} -> "
+                              f"{self.target_version}.")
         if self.bucket_bytes < 1 * MiB:
             raise ConfigError(f"Bucket of {self.bucket_bytes} bytes is under 1 MiB.")
         if not 1 <= self.level <= 22:
@@ -114,7 +116,7 @@ class EncodeSettings:
         Job's ``$(DCR_OWNER)``). Every option is written, defaults included.
         """
         if self.attempt is None:
-            raise ConfigError(f"dcr encode of version {self.version} needs an attempt id.")
+            raise ConfigError(f"dcr encode of version {self.target_version} needs an attempt id.")
         flags = to_argv(self, skip=("owner",))
         return ["encode", base, target, "--store", store, *flags,
                 "--owner", str(self.owner) if owner is None else owner, "--json"]

@@ -318,7 +318,7 @@ class ShardEncoder(OwnerState[Mapping[str, UInt]]):
         candidate = self.check_publish(attempt)
         t = attempt.transition
         writer = AttemptWriter(store=self.store, base_version=t.base_version,
-                               version=t.target_version, attempt=attempt.id,
+                               target_version=t.target_version, attempt=attempt.id,
                                mode=attempt.mode, owner=self.owner, level=self.level,
                                per_attempt=True)
         pairs = ((n, self.baseline[n], candidate[n]) for n in sorted(self.maps))
@@ -373,7 +373,7 @@ def write_shards(writer: AttemptWriter, maps: Mapping[str, ShardMap],
     to stop)."""
     changed = total = dense = items = 0
     parts = parts if parts is not None else RegionParts()
-    version = writer.version
+    version = writer.target_version
     sums: dict[tuple[str, Spans], int] = {}
     b = writer.builder(0)
     for name, base, cand in pairs:

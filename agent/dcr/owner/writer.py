@@ -22,7 +22,7 @@ class AttemptWriter:
 
     store: Store
     base_version: int
-    version: int  # the target version
+    target_version: int
     attempt: str
     mode: Mode
     owner: int
@@ -32,7 +32,7 @@ class AttemptWriter:
 
     def builder(self, seq: int) -> PayloadBuilder:
         """An empty bucket: this owner's payload number ``seq`` of the attempt."""
-        return PayloadBuilder(base_version=self.base_version, target_version=self.version,
+        return PayloadBuilder(base_version=self.base_version, target_version=self.target_version,
                               attempt=self.attempt, owner=self.owner, seq=seq, mode=self.mode,
                               level=self.level)
 
@@ -40,7 +40,7 @@ class AttemptWriter:
         """Seal ``builder``, put it in the store and list it. Several may run at once;
         the manifest lists them in ``seq`` order."""
         data = builder.seal()
-        key = payload_key(self.version, self.attempt, self.owner, builder.seq)
+        key = payload_key(self.target_version, self.attempt, self.owner, builder.seq)
         self.store.put(key, data)
         entry = PayloadEntry(key=key, owner=self.owner, seq=builder.seq, size=len(data),
                              digest=object_digest(data), items=len(builder.items),
@@ -58,7 +58,7 @@ class AttemptWriter:
         this owner's parts of the regions receivers hold.
         """
         manifest = Manifest(
-            base_version=self.base_version, target_version=self.version,
+            base_version=self.base_version, target_version=self.target_version,
             attempt=self.attempt, mode=self.mode,
             payloads=tuple(sorted(self.entries, key=lambda e: e.seq)),
             tensors=tensors,
@@ -67,8 +67,8 @@ class AttemptWriter:
                         total_elements=total_elements, dense_bytes=dense_bytes,
                         payload_bytes=sum(e.size for e in self.entries)),
         )
-        key = (owner_manifest_key(self.version, self.attempt, self.owner)
-               if self.per_attempt else manifest_key(self.version))
+        key = (owner_manifest_key(self.target_version, self.attempt, self.owner)
+               if self.per_attempt else manifest_key(self.target_version))
         self.store.put(key, manifest.pack())
         return manifest
 
