@@ -1,26 +1,38 @@
-"""What the WeightRefit finalizer removes from the object store.
+"""What the WeightRefit finalizer removes: its Jobs, and its attempts from the object store.
 
-The objects of every attempt the refit recorded, and the version manifest only if it names
-one of them. Attempt ids come from status, which others may write: one that is not an
-attempt id (:data:`dcr.format.names.ATTEMPT_RE`) is never made into a key or a path, only
-reported (``Cleaned.rejected``), and a file store's directory is removed only under its root.
+Jobs still running in the refit's namespace, and every Job of a training cluster
+(:func:`delete_refit_jobs`); the objects of every attempt the refit recorded but the one the
+store's history says committed, and the version manifest only if it names one of them
+(:func:`clean_refit_store`). Attempt ids come from status, which others may write: one that
+is not an attempt id (:data:`dcr.format.names.ATTEMPT_RE`) is never made into a key or a
+path, only reported (``Cleaned.rejected``), and a file store's directory is removed only
+under its root.
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from dcr.errors import ManifestError
+from dcr.errors import DcrError, ManifestError
 from dcr.format.layout import manifest_key, version_prefix
 from dcr.format.manifest import Manifest
 from dcr.format.names import ATTEMPT_RE
-from dcr_operator.errors import InvalidResource
+from dcr_operator.api.rolloutfleet import RolloutFleetSpec
+from dcr_operator.api.weightrefit import WeightRefitSpec
+from dcr_operator.errors import InvalidResource, NotFound
+from dcr_operator.fleet import fleet_path, store_credentials
+from dcr_operator.history import committed_attempt
+from dcr_operator.jobs import delete_jobs, delete_profile_copy
+from dcr_operator.kube import KubeClient
+from dcr_operator.prefixes import S3Bucket, remove_under
+from dcr_operator.progress import Emit
+from dcr_operator.sites import Site, encoder_site
 
 log = logging.getLogger(__name__)
 
@@ -46,28 +58,12 @@ def _manifest_is_ours(data: bytes, attempts: set[str]) -> bool:
         return False
 
 
-def _remove_under(root: Path, prefixes: Iterable[str]) -> list[str]:
-    """Remove the directories ``prefixes`` name under a file store's ``root`` (never one
-    that resolves outside it); those that existed."""
-    removed = []
-    inside = root.resolve()
-    for prefix in prefixes:
-        path = root / prefix
-        if not path.resolve().is_relative_to(inside):  # a link out of the store
-            log.warning("not removing %s: it resolves outside the store %s", path, root)
-            continue
-        if path.is_dir():
-            shutil.rmtree(path)
-            removed.append(prefix)
-    return removed
-
-
 def clean_file_store(uri: str, version: int, attempts: Iterable[str]) -> Cleaned:
     root = Path(unquote(urlparse(uri).path))
     if not root.is_dir():
         return Cleaned(removed=(), skipped=f"{root} is not visible to the operator")
     ours = set(attempts)
-    removed = _remove_under(root, attempt_prefixes(version, ours))
+    removed = remove_under(root, attempt_prefixes(version, ours))
     manifest = root / manifest_key(version)
     if manifest.is_file() and _manifest_is_ours(manifest.read_bytes(), ours):
         manifest.unlink()
@@ -75,44 +71,10 @@ def clean_file_store(uri: str, version: int, attempts: Iterable[str]) -> Cleaned
     return Cleaned(removed=tuple(removed))
 
 
-class _S3:
-    """An S3 store's bucket and prefix, through a client with the fleet's credentials."""
-
-    def __init__(self, uri: str, *, endpoint: str | None, region: str | None,
-                 credentials: Mapping[str, str]) -> None:
-        import boto3  # only when an S3 store is cleaned
-        from botocore.config import Config
-
-        parsed = urlparse(uri)
-        self.bucket, self.base = parsed.netloc, parsed.path.strip("/")
-        self.client: Any = boto3.client(
-            "s3", endpoint_url=endpoint, region_name=region,
-            aws_access_key_id=credentials.get("AWS_ACCESS_KEY_ID"),
-            aws_secret_access_key=credentials.get("AWS_SECRET_ACCESS_KEY"),
-            aws_session_token=credentials.get("AWS_SESSION_TOKEN"),
-            config=Config(s3={"addressing_style": "path"}))
-
-    def key(self, k: str) -> str:
-        return f"{self.base}/{k}" if self.base else k
-
-    def remove(self, prefixes: Iterable[str]) -> list[str]:
-        removed = []
-        for prefix in prefixes:
-            keys = [o["Key"] for page in self.client.get_paginator("list_objects_v2")
-                    .paginate(Bucket=self.bucket, Prefix=self.key(prefix))
-                    for o in page.get("Contents", [])]
-            for i in range(0, len(keys), 1000):
-                self.client.delete_objects(Bucket=self.bucket, Delete={
-                    "Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
-            if keys:
-                removed.append(prefix)
-        return removed
-
-
 def clean_s3_store(uri: str, version: int, attempts: Iterable[str], *,
                    endpoint: str | None, region: str | None,
                    credentials: Mapping[str, str]) -> Cleaned:
-    s3 = _S3(uri, endpoint=endpoint, region=region, credentials=credentials)
+    s3 = S3Bucket(uri, endpoint=endpoint, region=region, credentials=credentials)
     ours = set(attempts)
     removed = s3.remove(attempt_prefixes(version, ours))
     client, bucket, key = s3.client, s3.bucket, s3.key(manifest_key(version))
@@ -124,17 +86,6 @@ def clean_s3_store(uri: str, version: int, attempts: Iterable[str], *,
         client.delete_object(Bucket=bucket, Key=key)
         removed.append(manifest_key(version))
     return Cleaned(removed=tuple(removed))
-
-
-def remove_prefixes(uri: str, prefixes: Iterable[str], *, endpoint: str | None = None,
-                    region: str | None = None,
-                    credentials: Mapping[str, str] | None = None) -> list[str]:
-    """Remove every object under ``prefixes`` (keys below the store's root, as the
-    history's pruning names them); the prefixes that held something."""
-    if urlparse(uri).scheme == "file":
-        return _remove_under(Path(unquote(urlparse(uri).path)), prefixes)
-    return _S3(uri, endpoint=endpoint, region=region, credentials=credentials or {}
-               ).remove(prefixes)
 
 
 def clean_store(uri: str, version: int, attempts: Iterable[str], *,
@@ -156,3 +107,82 @@ def clean_store(uri: str, version: int, attempts: Iterable[str], *,
     else:
         raise InvalidResource(f"Store URI {uri!r}: cannot clean scheme {scheme!r}.")
     return replace(done, rejected=rejected)
+
+
+# --- a deleted WeightRefit ------------------------------------------------------------
+
+
+def delete_refit_jobs(kube: KubeClient, refit: Mapping[str, Any], *, emit: Emit) -> None:
+    """Stop the refit's Jobs: in its namespace those still running (the garbage collector
+    takes the rest); in a training cluster all of them, and the profile copy, which no
+    ownerReference collects there."""
+    namespace = refit["metadata"]["namespace"]
+    delete_jobs(Site(kube, namespace), refit, running_only=True)
+    try:
+        site = _encoder_site(kube, refit)
+    except NotFound:
+        return  # no fleet: no profile says the Jobs ran elsewhere
+    except InvalidResource as e:  # its kubeconfig Secret is gone or changed
+        emit(refit, "Warning", "CleanupSkipped", f"The refit's encoder cluster cannot be "
+             f"reached ({e}); its Jobs there were not deleted (their TTL and deadline end "
+             "them).")
+        return
+    if site.remote:
+        delete_jobs(site, refit, running_only=False)
+        delete_profile_copy(site, refit)
+
+
+def _encoder_site(kube: KubeClient, refit: Mapping[str, Any]) -> Site:
+    spec = WeightRefitSpec.model_validate(refit["spec"])
+    namespace = refit["metadata"]["namespace"]
+    fleet = RolloutFleetSpec.model_validate(kube.get(fleet_path(namespace, spec.fleet))["spec"])
+    profile = fleet.encoder_profile(spec.encoder.profile)
+    if profile is None or profile.cluster is None:
+        return Site(kube, namespace)
+    return encoder_site(kube, namespace, profile)
+
+
+def clean_refit_store(kube: KubeClient, refit: Mapping[str, Any], *, emit: Emit) -> None:
+    """Remove the refit's attempts from its fleet's store, but the one the history says
+    committed its target (catch-up replays it) and the one its status names; each outcome
+    is an Event on the refit."""
+    meta, spec = refit["metadata"], refit["spec"]
+    attempts = [a["id"] for a in (refit.get("status") or {}).get("attempts") or []]
+    if not attempts:
+        return
+    try:
+        fleet = kube.get(fleet_path(meta["namespace"], spec["fleet"]))
+    except NotFound:
+        emit(refit, "Warning", "CleanupSkipped", f"RolloutFleet {spec['fleet']} is gone: "
+             f"the store of attempts {', '.join(attempts)} is unknown.")
+        return
+    fleet_spec = RolloutFleetSpec.model_validate(fleet["spec"])
+    store = fleet_spec.store
+    if store is None:  # a relay fleet: relays keep nothing past their memory budget
+        return
+    creds = store_credentials(kube, meta["namespace"], fleet_spec)
+    version = int(spec["targetVersion"])
+    try:  # catch-up replays the committed attempt: retention keeps it
+        kept = {committed_attempt(kube, meta["namespace"], fleet_spec, version)}
+    except DcrError as e:  # the detail goes to the log only: store bytes stay out of status
+        log.warning("cleanup of %s: the history of %s cannot be read: %s",
+                    meta["name"], store.uri, e)
+        emit(refit, "Warning", "CleanupSkipped", f"Store {store.uri}: its history cannot be "
+             "read, so what catch-up needs is unknown; nothing was removed (the operator's "
+             "log says why).")
+        return
+    # Status may be written by others: it can only keep more, never remove more.
+    kept.add(((refit.get("status") or {}).get("committed") or {}).get("attempt"))
+    attempts = [a for a in attempts if a not in kept]
+    t0 = time.monotonic()
+    done = clean_store(store.uri, version, attempts,
+                       endpoint=store.endpoint, region=store.region, credentials=creds)
+    if done.rejected:  # status is writable by more than the operator: never a path
+        emit(refit, "Warning", "CleanupRefused", f"Skipped {len(done.rejected)} attempt "
+             f"ids that are not attempt ids (nothing deleted for them): "
+             f"{', '.join(repr(a)[:80] for a in done.rejected[:5])}.")
+    if done.skipped:
+        emit(refit, "Warning", "CleanupSkipped", f"Store {store.uri}: {done.skipped}.")
+    else:
+        emit(refit, "Normal", "StoreCleaned", f"Removed {len(done.removed)} prefixes of "
+             f"{len(attempts)} attempts from {store.uri} in {time.monotonic() - t0:.2f} s.")

@@ -14,31 +14,25 @@ import datetime as dt
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import kopf
 
-from dcr.errors import DcrError
 from dcr_operator import metrics
 from dcr_operator.api.common import GROUP, VERSION
 from dcr_operator.api.rolloutfleet import PLURAL as FLEET_PLURAL
 from dcr_operator.api.rolloutfleet import RolloutFleetSpec
 from dcr_operator.api.weightrefit import PLURAL as REFIT_PLURAL
-from dcr_operator.api.weightrefit import WeightRefitSpec
-from dcr_operator.cleanup import clean_store
+from dcr_operator.cleanup import clean_refit_store, delete_refit_jobs
 from dcr_operator.commitstore import FleetCommitStore
 from dcr_operator.errors import ApiError, ApiUnreachable, InvalidResource, NotFound, NotYet
-from dcr_operator.fleet import fleet_path, prune_refits, refresh, store_credentials
-from dcr_operator.history import committed_attempt
-from dcr_operator.jobs import delete_jobs, delete_profile_copy
+from dcr_operator.fleet import fleet_path, prune_refits, refresh
 from dcr_operator.kube import KubeClient, api_path
 from dcr_operator.progress import Emit
 from dcr_operator.reconcile import is_final, now
 from dcr_operator.refit import RefitRun, holder
 from dcr_operator.settings import OperatorSettings
-from dcr_operator.sites import Site, encoder_site
 
 log = logging.getLogger(__name__)
 
@@ -285,9 +279,9 @@ async def refit_deleted(body: kopf.Body, memo: Any, namespace: str | None, name:
         run.stop("deleted")
     kube = _kube(memo)
     try:
-        await _blocking(_delete_jobs, kube, dict(body))
+        await _blocking(delete_refit_jobs, kube, dict(body), emit=emit)
         if SETTINGS.cleanup_store:
-            await _blocking(_clean, kube, dict(body))
+            await _blocking(clean_refit_store, kube, dict(body), emit=emit)
     except Exception as e:
         if runtime.total_seconds() > SETTINGS.cleanup_give_up_seconds:
             emit(body, "Warning", "CleanupAbandoned", f"Gave up cleaning up after "
@@ -295,76 +289,3 @@ async def refit_deleted(body: kopf.Body, memo: Any, namespace: str | None, name:
             return
         raise kopf.TemporaryError(f"Cleanup of WeightRefit {name}: {e}",
                                   delay=SETTINGS.retry_seconds) from e
-
-
-def _delete_jobs(kube: KubeClient, refit: Mapping[str, Any]) -> None:
-    """Stop the refit's Jobs: in its namespace those still running (the garbage collector
-    takes the rest); in a training cluster all of them, and the profile copy, which no
-    ownerReference collects there."""
-    namespace = refit["metadata"]["namespace"]
-    delete_jobs(Site(kube, namespace), refit, running_only=True)
-    try:
-        site = _encoder_site(kube, refit)
-    except NotFound:
-        return  # no fleet: no profile says the Jobs ran elsewhere
-    except InvalidResource as e:  # its kubeconfig Secret is gone or changed
-        emit(refit, "Warning", "CleanupSkipped", f"The refit's encoder cluster cannot be "
-             f"reached ({e}); its Jobs there were not deleted (their TTL and deadline end "
-             "them).")
-        return
-    if site.remote:
-        delete_jobs(site, refit, running_only=False)
-        delete_profile_copy(site, refit)
-
-
-def _encoder_site(kube: KubeClient, refit: Mapping[str, Any]) -> Site:
-    spec = WeightRefitSpec.model_validate(refit["spec"])
-    namespace = refit["metadata"]["namespace"]
-    fleet = RolloutFleetSpec.model_validate(kube.get(fleet_path(namespace, spec.fleet))["spec"])
-    profile = fleet.encoder_profile(spec.encoder.profile)
-    if profile is None or profile.cluster is None:
-        return Site(kube, namespace)
-    return encoder_site(kube, namespace, profile)
-
-
-def _clean(kube: KubeClient, refit: Mapping[str, Any]) -> None:
-    meta, spec = refit["metadata"], refit["spec"]
-    attempts = [a["id"] for a in (refit.get("status") or {}).get("attempts") or []]
-    if not attempts:
-        return
-    try:
-        fleet = kube.get(fleet_path(meta["namespace"], spec["fleet"]))
-    except NotFound:
-        emit(refit, "Warning", "CleanupSkipped", f"RolloutFleet {spec['fleet']} is gone: "
-             f"the store of attempts {', '.join(attempts)} is unknown.")
-        return
-    fleet_spec = RolloutFleetSpec.model_validate(fleet["spec"])
-    store = fleet_spec.store
-    if store is None:  # a relay fleet: relays keep nothing past their memory budget
-        return
-    creds = store_credentials(kube, meta["namespace"], fleet_spec)
-    version = int(spec["targetVersion"])
-    try:  # catch-up replays the committed attempt: retention keeps it
-        kept = {committed_attempt(kube, meta["namespace"], fleet_spec, version)}
-    except DcrError as e:  # the detail goes to the log only: store bytes stay out of status
-        log.warning("cleanup of %s: the history of %s cannot be read: %s",
-                    meta["name"], store.uri, e)
-        emit(refit, "Warning", "CleanupSkipped", f"Store {store.uri}: its history cannot be "
-             "read, so what catch-up needs is unknown; nothing was removed (the operator's "
-             "log says why).")
-        return
-    # Status may be written by others: it can only keep more, never remove more.
-    kept.add(((refit.get("status") or {}).get("committed") or {}).get("attempt"))
-    attempts = [a for a in attempts if a not in kept]
-    t0 = time.monotonic()
-    done = clean_store(store.uri, version, attempts,
-                       endpoint=store.endpoint, region=store.region, credentials=creds)
-    if done.rejected:  # status is writable by more than the operator: never a path
-        emit(refit, "Warning", "CleanupRefused", f"Skipped {len(done.rejected)} attempt "
-             f"ids that are not attempt ids (nothing deleted for them): "
-             f"{', '.join(repr(a)[:80] for a in done.rejected[:5])}.")
-    if done.skipped:
-        emit(refit, "Warning", "CleanupSkipped", f"Store {store.uri}: {done.skipped}.")
-    else:
-        emit(refit, "Normal", "StoreCleaned", f"Removed {len(done.removed)} prefixes of "
-             f"{len(attempts)} attempts from {store.uri} in {time.monotonic() - t0:.2f} s.")

@@ -15,9 +15,9 @@ from urllib.parse import unquote, urlparse
 from dcr.files.history import HistoryStore
 from dcr.transport.store import FileStore, Store
 from dcr_operator.api.rolloutfleet import RolloutFleetSpec
-from dcr_operator.cleanup import remove_prefixes
 from dcr_operator.fleet import fleet_path, store_credentials
 from dcr_operator.kube import KubeClient
+from dcr_operator.prefixes import remove_prefixes
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import pytest
 
 from dcr.format.layout import manifest_key, owner_manifest_key, payload_key
 from dcr.format.manifest import Manifest, Stats
-from dcr_operator.cleanup import clean_store
+from dcr_operator.cleanup import clean_refit_store, clean_store
 
 OURS, OTHER = ("a-000000000001", "a-000000000002"), "a-0000000000ff"
 
@@ -147,7 +147,7 @@ def test_an_s3_store_loses_exactly_the_refits_attempts(s3: dict[str, Any]) -> No
 
 
 class _Fleet:
-    """The one object ``_clean`` reads from the API server: the refit's fleet."""
+    """The one object ``clean_refit_store`` reads from the API server: the refit's fleet."""
 
     def __init__(self, store: Path) -> None:
         self.fleet = {"spec": {
@@ -180,30 +180,26 @@ def _history_naming(store: Path, attempt: str) -> None:
 
 
 def test_deleting_a_refit_keeps_the_attempt_the_history_says_committed(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path) -> None:
     """Catch-up replays each version's committed attempt from the store: the finalizer
     removes the refit's other attempts only. Without the history's say, status (which
     others may write) could only ever keep more. Fails on 37f4dd8, which removed every
     attempt the refit recorded."""
-    from dcr_operator import handlers
-
     for k, data in _layout(OURS[1]).items():
         (tmp_path / k).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / k).write_bytes(data)
     _history_naming(tmp_path, OURS[1])
     events: list[tuple[str, str]] = []
-    monkeypatch.setattr(handlers, "emit", lambda obj, t, reason, msg: events.append((t, reason)))
-    handlers._clean(_Fleet(tmp_path), _refit(OURS, status_committed=OURS[0]))  # type: ignore[arg-type]
+    clean_refit_store(_Fleet(tmp_path), _refit(OURS, status_committed=OURS[0]),  # type: ignore[arg-type]
+                      emit=lambda obj, t, reason, msg: events.append((t, reason)))
     left = {p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.dcr*")}
     assert any(f"/{OURS[1]}/" in k for k in left)  # the history's: kept
     assert any(f"/{OURS[0]}/" in k for k in left)  # status's: kept too (keeps more only)
     assert ("Normal", "StoreCleaned") in events
 
 
-def test_a_history_that_cannot_be_read_removes_nothing(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_history_that_cannot_be_read_removes_nothing(tmp_path: Path) -> None:
     from dcr.format.history import HISTORY_KEY
-    from dcr_operator import handlers
 
     objs = _layout(OURS[1])
     for k, data in objs.items():
@@ -211,7 +207,7 @@ def test_a_history_that_cannot_be_read_removes_nothing(
         (tmp_path / k).write_bytes(data)
     (tmp_path / HISTORY_KEY).write_bytes(b"{not a history")
     events: list[tuple[str, str]] = []
-    monkeypatch.setattr(handlers, "emit", lambda obj, t, reason, msg: events.append((t, reason)))
-    handlers._clean(_Fleet(tmp_path), _refit(OURS, status_committed=None))  # type: ignore[arg-type]
+    clean_refit_store(_Fleet(tmp_path), _refit(OURS, status_committed=None),  # type: ignore[arg-type]
+                      emit=lambda obj, t, reason, msg: events.append((t, reason)))
     assert all((tmp_path / k).exists() for k in objs)
     assert events == [("Warning", "CleanupSkipped")]
