@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-fast test-engines test-vllm-pod gpu-check lint bench tables evaluate schema crds cli-doc image image-vllm-cpu push clean
+.PHONY: install demo test test-fast test-engines test-vllm-pod gpu-check lint bench tables evaluate schema crds values-schema cli-doc image image-vllm-cpu push clean
 
 install: $(STAMP)
 
@@ -85,6 +85,11 @@ schema: install
 # them in sync).
 crds: install
 	$(PY) -m dcr_operator.api.generate
+
+# Regenerate the operator settings' part of charts/dcr/values.schema.json from their
+# declarations in dcr_operator/settings.py (a test keeps them in sync).
+values-schema: install
+	$(PY) -m dcr_operator.values_schema
 
 # The container images, offline: localhost/dcr:<version> (operator, agent, encoder, relay) and
 # localhost/dcr-serve:<version> (dcr serve on Debian's CPU torch), from Debian trixie packages

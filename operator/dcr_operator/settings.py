@@ -1,72 +1,136 @@
 """The operator's settings: one tree, parsed once from the environment at startup.
 
-Each field is ``DCR_OPERATOR_<FIELD>``, set by the Helm chart; an unknown ``DCR_OPERATOR_*``
-variable or a value that does not parse is an error naming it.
+Each field is declared once, here, with :func:`setting`: its variable
+(``DCR_OPERATOR_<FIELD>``), its unit (in its name), default, bounds, why (its doc), and the
+Helm value that sets it (a path into ``charts/dcr/values.yaml``). The chart's values schema
+is generated from these declarations (``python -m dcr_operator.values_schema``), and a test
+holds the chart's deployment template and ``values.yaml`` to them. An unknown
+``DCR_OPERATOR_*`` variable, a value that does not parse, or one out of bounds is an error
+naming it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import operator
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 from dcr.errors import ConfigError
+from dcr.settings import option
 
 PREFIX = "DCR_OPERATOR_"
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+
+# A bound, by its JSON-schema keyword: does a value keep it, and how an error says it.
+BOUNDS: dict[str, tuple[Callable[[Any, Any], bool], str]] = {
+    "minimum": (operator.ge, ">="),
+    "exclusiveMinimum": (operator.gt, ">"),
+    "maximum": (operator.le, "<="),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Declared:
+    """What a field declares besides its default and doc."""
+
+    value: str  # the Helm value that sets it: a dotted path into charts/dcr/values.yaml
+    bounds: Mapping[str, float]  # BOUNDS keyword -> limit, kept by the field and the chart
+    choices: tuple[str, ...]  # the only values allowed; () allows any
+    # The chart value's JSON schema where its form differs from the field's (a list the
+    # template joins with commas, a narrower range), over what the field implies.
+    chart: Mapping[str, Any]
+
+
+def setting(default: Any, *, doc: str, value: str, bounds: Mapping[str, float] | None = None,
+            choices: tuple[str, ...] = (), chart: Mapping[str, Any] | None = None) -> Any:
+    """A field of :class:`OperatorSettings`: ``doc`` says what it does and why the default;
+    ``value`` names the Helm value that sets it."""
+    declared = Declared(value=value, bounds=dict(bounds or {}), choices=choices,
+                        chart=dict(chart or {}))
+    base = option(default, doc=doc, cli=False)
+    return dataclasses.field(default=default, metadata={**base.metadata, "declared": declared})
+
+
+def env_name(field: dataclasses.Field[Any]) -> str:
+    """The environment variable that sets ``field``."""
+    return PREFIX + field.name.upper()
+
+
+def declared(field: dataclasses.Field[Any]) -> Declared:
+    """What ``field`` declares (every field of :class:`OperatorSettings` declares it)."""
+    found: Declared = field.metadata["declared"]
+    return found
 
 
 @dataclass(frozen=True, kw_only=True)
 class OperatorSettings:
-    # The image encoder Jobs run (it must provide the `dcr` command), unless the
-    # RolloutFleet's encoder profile names another that encoder_images allows.
-    encoder_image: str = "ghcr.io/dcr-dev/dcr:0.1.0"
-    encoder_image_pull_policy: str = "IfNotPresent"
-    # Images a RolloutFleet's encoder profiles may name besides encoder_image,
-    # comma-separated; an entry ending in "*" allows every image that starts with the
-    # rest ("registry.example/dcr:*"). Empty: encoder_image only. The cluster admin's
-    # say over what the operator's Jobs run, whoever writes the fleets.
-    encoder_images: str = ""
-    # ServiceAccount of encoder pods ("" = the namespace's default), unless the fleet's
-    # encoder profile names another.
-    encoder_service_account: str = ""
-    # ttlSecondsAfterFinished of encoder Jobs; 0 keeps them until their WeightRefit is
-    # deleted (owner references then remove them), which keeps them inspectable.
-    encoder_ttl_seconds: int = 0
-    # Seconds between polls of an encoder Job's status while an attempt waits for it.
-    job_poll_seconds: float = 1.0
-    # Seconds before a refit that waits (base version not committed yet, fleet busy, too
-    # few receivers, API server unreachable) is looked at again.
-    retry_seconds: float = 10.0
-    # Seconds between polls of every fleet's agents for status.receivers and Ready.
-    fleet_status_seconds: float = 30.0
-    # Delete a WeightRefit's payloads from the store when it is deleted (the finalizer).
-    cleanup_store: bool = True
-    # Seconds the finalizer keeps retrying a store it cannot clean before giving up
-    # (with a Warning event) so the WeightRefit can still be deleted.
-    cleanup_give_up_seconds: float = 300.0
-
-    # Seconds a peering record lives without a keepalive. A crashed operator's record
-    # pauses its successor of the same priority this long; a lower-priority standby takes
-    # over once it expires.
-    peering_lifetime_seconds: int = 60
-    # Port of the Prometheus endpoint (GET /metrics on all addresses); 0 turns it off.
-    metrics_port: int = 8081
+    encoder_image: str = setting(
+        "ghcr.io/dcr-dev/dcr:0.1.0", value="encoder.image",
+        doc="The image encoder Jobs run (it must provide the `dcr` command), unless a "
+            "RolloutFleet's encoder profile names another that the allowed images admit. "
+            "The chart's empty default is the operator's own image.")
+    encoder_image_pull_policy: str = setting(
+        "IfNotPresent", value="encoder.pullPolicy", choices=PULL_POLICIES,
+        doc="imagePullPolicy of encoder pods.")
+    encoder_images: str = setting(
+        "", value="encoder.allowedImages",
+        chart={"type": "array",
+               "items": {"type": "string", "minLength": 1, "pattern": "^[^,\\s]+$"}},
+        doc="Images a RolloutFleet's encoder profiles may name besides the encoder image, "
+            "comma-separated in the variable (a list in the chart); an entry ending in "
+            "\"*\" allows every image that starts with the rest (\"registry.example/dcr:*\"). "
+            "Empty: the encoder image only. The cluster admin's say over what the "
+            "operator's Jobs run, whoever writes the fleets.")
+    encoder_service_account: str = setting(
+        "", value="encoder.serviceAccount",
+        doc="ServiceAccount of encoder pods (empty: the namespace's default), unless the "
+            "fleet's encoder profile names another.")
+    encoder_ttl_seconds: int = setting(
+        0, value="encoder.ttlSecondsAfterFinished", bounds={"minimum": 0},
+        doc="ttlSecondsAfterFinished of encoder Jobs; 0 keeps them until their WeightRefit "
+            "is deleted (owner references then remove them), which keeps them inspectable.")
+    job_poll_seconds: float = setting(
+        1.0, value="settings.jobPollSeconds", bounds={"exclusiveMinimum": 0},
+        doc="Seconds between polls of an encoder Job's status while an attempt waits for "
+            "it.")
+    retry_seconds: float = setting(
+        10.0, value="settings.retrySeconds", bounds={"exclusiveMinimum": 0},
+        doc="Seconds before a refit that waits (base version not committed yet, fleet busy, "
+            "too few receivers, API server unreachable) is looked at again.")
+    fleet_status_seconds: float = setting(
+        30.0, value="settings.fleetStatusSeconds", bounds={"exclusiveMinimum": 0},
+        doc="Seconds between polls of every fleet's agents for status.receivers and Ready.")
+    cleanup_store: bool = setting(
+        True, value="settings.cleanupStore",
+        doc="Delete a WeightRefit's payloads from the store when it is deleted (the "
+            "finalizer).")
+    cleanup_give_up_seconds: float = setting(
+        300.0, value="settings.cleanupGiveUpSeconds", bounds={"exclusiveMinimum": 0},
+        doc="Seconds the finalizer keeps retrying a store it cannot clean before giving up "
+            "(with a Warning event) so the WeightRefit can still be deleted.")
+    peering_lifetime_seconds: int = setting(
+        60, value="peering.lifetimeSeconds", bounds={"minimum": 2},
+        doc="Seconds a peering record lives without a keepalive. A crashed operator's record "
+            "pauses its successor of the same priority this long; a lower-priority standby "
+            "takes over once it expires.")
+    metrics_port: int = setting(
+        8081, value="metrics.port", bounds={"minimum": 0, "maximum": 65535},
+        chart={"minimum": 1},
+        doc="Port of the Prometheus endpoint (GET /metrics on all addresses); 0 turns it "
+            "off, which the chart's metrics.enabled: false sets.")
 
     def __post_init__(self) -> None:
-        if self.job_poll_seconds <= 0 or self.retry_seconds <= 0:
-            raise ConfigError(f"Poll and retry intervals must be positive: {self}.")
-        if self.peering_lifetime_seconds < 2:
-            raise ConfigError(f"peering_lifetime_seconds must be >= 2: {self}.")
-        if not 0 <= self.metrics_port <= 65535:
-            raise ConfigError(f"{PREFIX}METRICS_PORT={self.metrics_port} is not a port.")
-        if self.fleet_status_seconds <= 0 or self.encoder_ttl_seconds < 0:
-            raise ConfigError(f"fleet_status_seconds must be positive and "
-                              f"encoder_ttl_seconds >= 0: {self}.")
-        if self.encoder_image_pull_policy not in ("Always", "IfNotPresent", "Never"):
-            raise ConfigError(f"{PREFIX}ENCODER_IMAGE_PULL_POLICY="
-                              f"{self.encoder_image_pull_policy!r}: Always, IfNotPresent or "
-                              "Never.")
+        for f in fields(self):
+            value, rules = getattr(self, f.name), declared(f)
+            if rules.choices and value not in rules.choices:
+                raise ConfigError(f"{env_name(f)}={value!r} is not one of "
+                                  f"{', '.join(rules.choices)}.")
+            for keyword, limit in rules.bounds.items():
+                holds, says = BOUNDS[keyword]
+                if not holds(value, limit):
+                    raise ConfigError(f"{env_name(f)}={value!r} must be {says} {limit}.")
 
     def allows_image(self, image: str) -> bool:
         """May an encoder profile name ``image`` (``encoder_image`` always may)?"""
@@ -79,15 +143,15 @@ class OperatorSettings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> OperatorSettings:
-        known = {f.name.upper(): f for f in fields(cls)}
+        known = {env_name(f): f for f in fields(cls)}
         values: dict[str, Any] = {}
         for key, raw in env.items():
             if not key.startswith(PREFIX):
                 continue
-            field = known.get(key[len(PREFIX):])
+            field = known.get(key)
             if field is None:
                 raise ConfigError(f"Unknown setting {key}; known: "
-                                  f"{', '.join(PREFIX + k for k in sorted(known))}.")
+                                  f"{', '.join(sorted(known))}.")
             values[field.name] = _parse(key, raw, field)
         return cls(**values)
 
