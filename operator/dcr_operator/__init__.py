@@ -2,5 +2,5 @@
 
 It is the refit coordinator: :class:`dcr.protocol.coordinator.Coordinator` over the fleet's
 agents, encoder Jobs or warm encoders, and a commit record on the fleet's status. It never
-imports torch (an import-linter contract). docs/operations.md argues the design.
+imports torch (an import-linter contract). docs/operator.md argues the design.
 """

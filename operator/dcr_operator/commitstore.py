@@ -4,7 +4,7 @@
 ``status.commit``. A CAS patches the status subresource under the ``resourceVersion`` it
 read, and succeeds only if the answer carries the record written; a 409 is settled by
 reading again.
-Why: docs/operations.md, "Inside the operator".
+Why: docs/operator.md, "Inside the operator".
 """
 
 from __future__ import annotations

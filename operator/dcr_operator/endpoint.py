@@ -3,7 +3,7 @@
 When a refit's encoder profile has an ``endpoint``, owner ``k`` is :class:`EndpointOwner`,
 which asks ``urls[k]`` to publish with a Job's arguments (:mod:`dcr.protocol.encoder_api`).
 The token goes in the Authorization header only, no redirect is followed, and one owner's
-failure stops the attempt on every endpoint. docs/operations.md, "Warm encoder".
+failure stops the attempt on every endpoint. docs/publishing.md, "Warm encoder".
 """
 
 from __future__ import annotations

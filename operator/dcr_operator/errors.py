@@ -11,7 +11,7 @@
     ├── EncoderEndpointFailed a warm encoder refused, failed or did not answer a publish
     └── NotYet                a refit cannot proceed now: look again later
 
-How the handlers map them to kopf's errors: docs/operations.md, "Inside the operator".
+How the handlers map them to kopf's errors: docs/operator.md, "Inside the operator".
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Each unfinished WeightRefit is a daemon running :class:`~dcr_operator.refit.RefitRun`; one
 operator-wide task refreshes every fleet. Why daemons, why so few finalizers:
-docs/operations.md, "Inside the operator"; before uninstalling: its "Uninstall".
+docs/operator.md, "Inside the operator"; before uninstalling: its "Uninstall".
 """
 
 from __future__ import annotations

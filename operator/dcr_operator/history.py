@@ -3,7 +3,7 @@
 The operator is the fleet's coordinator, so it is the history's one writer
 (:class:`dcr.files.history.HistoryStore`); it reaches the store with the fleet's own
 credentials Secret. A relay fleet keeps no history: its receivers rejoin from a
-checkpoint path (docs/operations.md, "Two clusters").
+checkpoint path (docs/two-clusters.md, "Two clusters").
 """
 
 from __future__ import annotations

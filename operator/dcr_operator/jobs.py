@@ -4,7 +4,7 @@ Index ``k`` runs ``dcr encode ... --owner k --owners N``. The Job's name is a fu
 the refit and the attempt (:func:`job_name`), so creating it again finds the same Job; what
 shapes its pods comes from the fleet's encoder profile, never the WeightRefit
 (:func:`encoder_pod`). :class:`JobOwner` waits for index ``k`` to complete.
-docs/operations.md, "What happens, and when things go wrong".
+docs/operator.md, "What happens, and when things go wrong".
 """
 
 from __future__ import annotations

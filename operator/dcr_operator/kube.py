@@ -3,7 +3,7 @@
 :class:`KubeClient`: JSON on the paths :func:`api_path` builds, on the official
 ``kubernetes`` package, with the operator's error tree and no redirects. The token lives in
 the library's ``Configuration`` only, never in a log line, message or ``repr``. Why:
-docs/operations.md, "Inside the operator"; docs/security.md.
+docs/operator.md, "Inside the operator"; docs/security.md.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The operator's Prometheus metrics: refits, attempts and their stages, bytes, and where
-each fleet stands (docs/operations.md, "Metrics").
+each fleet stands (docs/monitoring.md, "Metrics").
 
 One process-wide registry of ``prometheus_client`` instruments, fed by refit runs and fleet
 polls on any thread (the instruments lock themselves). The alerts in the chart

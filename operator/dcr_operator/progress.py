@@ -9,7 +9,7 @@ fleet has: a stage (an attempt starting, an encoder, an outcome) writes at once,
 receivers' acknowledgements are folded into one write per ``min_interval_s``; receivers
 are counted by state and listed only up to :data:`~dcr_operator.reconcile.RECEIVERS_SHOWN`
 (failing ones first), attempts count theirs, and messages name a few
-(docs/operations.md, "Watch it").
+(docs/monitoring.md, "Watch it").
 """
 
 from __future__ import annotations

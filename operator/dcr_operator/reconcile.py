@@ -428,7 +428,7 @@ def _read_only(conditions: Sequence[Mapping[str, Any]], secret: str, holders: Se
         f"{len(holders)} selected {'pods are' if len(holders) > 1 else 'pod is'} handed "
         f"Secret {secret}, the store's write credentials (spec.store.credentialsSecretRef): "
         f"{some_names(holders)}. Whoever controls one can choose the weights; give rollout "
-        "pods a read-only key (docs/security.md, \"A read-only key for receivers\").",
+        "pods a read-only key (docs/operations.md, \"A read-only key for receivers\").",
         at=at, generation=generation)
 
 

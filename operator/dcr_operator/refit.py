@@ -4,7 +4,7 @@
 record, takes the fleet, runs :class:`dcr.protocol.coordinator.Coordinator` with the agents,
 the encoder owners and :class:`~dcr_operator.commitstore.FleetCommitStore`, and records the
 outcome. Every attempt after a refit's first runs in overwrite mode, across operator restarts
-too. docs/operations.md, "What happens, and when things go wrong".
+too. docs/operator.md, "What happens, and when things go wrong".
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ fleet's owner labelled ``dcr.dev/encoder-cluster=true``. The kubeconfig is the f
 author's input, so :func:`kubeconfig_configuration` takes only what cannot reach into the
 operator's own pod: an https server and an inline token or client certificate; an exec
 plugin, an auth provider or a file path would run a command or read a file as the operator.
-docs/operations.md, "Two clusters"; docs/security.md.
+docs/two-clusters.md, "Two clusters"; docs/security.md.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ store (every rollout Pod reaches the store only through it) -> ``helm upgrade`` 
 ``helm uninstall`` and namespace deletion leave nothing behind.
 
 What the commands print is kept under the session's temporary directory
-(``deploy-transcript.txt``): docs/operations.md quotes it.
+(``deploy-transcript.txt``): docs/walkthrough.md quotes it.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ committed version from the store and the run's base model).
 
 vLLM's CPU build computes every linear layer from a copy it packs after loading, so the
 agent starts with its weights unknown and the fleet rejoins it densely, from the store,
-before the first delta (docs/engines.md, "Weights an engine derives after loading").
+before the first delta (docs/derived-weights.md, "Weights an engine derives after loading").
 
 The tests run in order, each on the state the previous one left: the pod starts unknown and
 the fleet rejoins it -> two refits commit through encoder pods -> a third has the vLLM

@@ -9,7 +9,7 @@ the engine to apply anything itself.
 
 vLLM's CPU build computes every linear layer from a oneDNN copy it packs after loading
 and empties the parameter, so the agent starts with the weights unknown and rejoins
-densely before the first delta (docs/engines.md, "Weights an engine derives after
+densely before the first delta (docs/derived-weights.md, "Weights an engine derives after
 loading"). Bits are checked three ways: the agent's own check of every attempt against
 the manifest's targets; greedy completions with logprobs against a fresh ``vllm serve``
 of the target; every rank's fingerprints against a dense load through the same server,

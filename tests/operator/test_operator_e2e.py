@@ -466,7 +466,7 @@ def test_kubectl_get_shows_the_printer_columns(scenario: Scenario) -> None:
     wide = kubectl("get", "rolloutfleets,weightrefits", "-o", "wide")
     events = kubectl("get", "events", "--sort-by=.metadata.creationTimestamp",
                      "--field-selector=involvedObject.name=policy-v2")
-    # docs/operations.md quotes these, captured from this apiserver.
+    # docs/monitoring.md quotes these, captured from this apiserver.
     (sc.tmp / "kubectl-get.txt").write_text("\n".join([out, wide, events]))
     print(out, wide, events, sep="\n")
     lines = out.splitlines()

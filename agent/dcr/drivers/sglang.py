@@ -4,7 +4,7 @@ Plugin calls ride ``POST /update_weights_from_tensor`` to the custom weight load
 (:mod:`dcr.runtimes.sglang`) inside a ``begin``/``end_weight_update`` session: one empty
 tensor per rank whose name carries the call, pickled without torch (:func:`call_pickle`)
 from globals on SGLang's allow-list. Each rank answers with a file in the staging directory,
-which this adapter reads and removes. docs/engines.md, "SGLang: the custom weight loader".
+which this adapter reads and removes. docs/sglang.md.
 """
 
 from __future__ import annotations

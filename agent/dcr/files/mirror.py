@@ -10,7 +10,7 @@ once and reads one whole version; the ``keep`` newest generations stay, so a rea
 started on the previous one can finish. Pods start and rejoin from it
 (``dcr materialize --seed <mirror>/current``, the agent's ``--mirror``): every tensor is
 checked against the history's fingerprints there, as from any seed.
-docs/operations.md, "A rollout-side mirror".
+docs/two-clusters.md, "A rollout-side mirror".
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 arguments; ``POST /v1/stop`` ends an attempt's publishes; every call but ``GET /healthz``
 needs the bearer token. Errors are ``{"error", "kind"}``; :class:`EncoderError` carries the
 sentence. Torch-free, for the operator. A publish's socket timeout comes from the caller,
-since it lasts as long as its attempt may. docs/operations.md, "Warm encoder".
+since it lasts as long as its attempt may. docs/publishing.md, "Warm encoder".
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ payload is applied only once every member has staged it, so every rank finds it 
 pod's staging directory, and then released there. A member that failed, restarted (it no
 longer holds the attempt) or does not answer fails the attempt, naming it; the engine's
 instance id covers the worker pods' ranks, so a worker pod's restart makes the weights
-unknown. docs/engines.md, "Replicas across pods".
+unknown. docs/replica-groups.md, "Replicas across pods".
 """
 
 from __future__ import annotations

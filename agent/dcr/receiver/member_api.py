@@ -6,7 +6,7 @@ payloads from its own pod's staging directory, so each worker pod runs an agent 
 ``member`` role: told an attempt, it fetches, verifies and stages every payload of it from
 the store, as the leader's agent does; the leader applies a payload once every member
 has staged it, then releases it there. For a dense load each member builds the version
-from the store's history under its own checkpoint root. docs/engines.md, "Replicas
+from the store's history under its own checkpoint root. docs/replica-groups.md, "Replicas
 across pods".
 
     POST /v1/member/stage    AttemptSpec               -> MemberStatus

@@ -60,7 +60,7 @@ class AgentSettings:
     role: Literal["agent", "member"] = option(
         "agent", doc="agent: drive the engine beside it (a replica's pod, or a group's "
         "leader pod); member: a worker pod of a group, which stages payloads for the "
-        "leader's agent and drives no engine (docs/engines.md, \"Replicas across pods\")")
+        "leader's agent and drives no engine (docs/replica-groups.md, \"Replicas across pods\")")
     members: tuple[str, ...] = option((), flag="--member", metavar="URL",
                                       doc="a member agent of this agent's group (a worker "
                                       "pod; repeatable): each payload is applied once "

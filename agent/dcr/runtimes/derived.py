@@ -23,7 +23,7 @@ what it is given) and carries the result into the tensors the engine computes wi
 their storage, as vLLM's own layerwise reload does (captured graphs keep pointing there).
 A layer whose quantization method processes its weights in place, leaving nothing to tell
 the loaded form from the compute form, is refused by :meth:`DerivedLayers.refuse`.
-docs/engines.md, "Weights an engine derives after loading".
+docs/derived-weights.md, "Weights an engine derives after loading".
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 :func:`dcr_weight_loader` decodes the call carried by one tensor's name, runs it through
 :class:`~dcr.runtimes.vllm.EngineRank` and writes the rank's answer as a file in
 ``$DCR_STAGING_DIR``; it never raises into SGLang's scheduler. Nothing here imports SGLang
-at module level. docs/engines.md, "SGLang: the custom weight loader".
+at module level. docs/sglang.md.
 """
 
 from __future__ import annotations

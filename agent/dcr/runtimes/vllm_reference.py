@@ -3,7 +3,7 @@
 The stand-in for vLLM where it cannot be installed (tests, benchmarks, the demo): one TP
 rank of a Llama or Qwen2-MoE model, parameters and loader only, no forward pass. Every
 ``weight_loader`` writes in place on views of ``param.data`` and never rebinds it, since DCR
-intercepts exactly those writes. What it models and what not: docs/engines.md, "Without
+intercepts exactly those writes. What it models and what not: docs/vllm-models.md, "Without
 vLLM: the vLLM-layout reference runtime".
 """
 

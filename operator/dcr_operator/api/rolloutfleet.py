@@ -1,6 +1,6 @@
 """The RolloutFleet kind: a set of rollout pods refit together, and its commit record.
 
-Its fields: docs/operations.md, "Describe a fleet and refit it".
+Its fields: docs/fleets.md, "Describe a fleet and refit it".
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class ReplicaGroups(SpecModel):
 
     A group takes part only while exactly ``size`` of its pods are Running and one of them
     is its leader; the operator calls the leader's agent only, which reaches its members
-    itself (docs/engines.md, "Replicas across pods").
+    itself (docs/replica-groups.md, "Replicas across pods").
     """
 
     size: Annotated[int, Field(ge=2, le=MAX_GROUP_SIZE)] = Field(
@@ -141,7 +141,7 @@ class StoreSpec(SpecModel):
 class RelaySpec(SpecModel):
     """The root of a relay tree encoder Jobs publish to (agents read from their own node).
 
-    The relay nodes run beside the agents (``dcr relay``, see docs/operations.md); each
+    The relay nodes run beside the agents (``dcr relay``, see docs/publishing.md); each
     payload crosses from the training side once. A relay carries one manifest per
     attempt, so refits of a relay fleet run one encoder owner.
     """
@@ -305,7 +305,7 @@ class EncoderCluster(SpecModel):
     snapshot Jobs run: the operator reaches it with the kubeconfig in
     ``kubeconfigSecretRef`` (a Secret labelled dcr.dev/encoder-cluster=true) and creates
     the Jobs, and the receiver profile's ConfigMap they mount, in ``namespace`` there.
-    docs/operations.md, "Two clusters"."""
+    docs/two-clusters.md, "Two clusters"."""
 
     kubeconfig_secret_ref: KubeconfigSecretRef = Field(
         description="Secret key holding a kubeconfig for the training cluster: its current "
@@ -354,7 +354,7 @@ class EncoderProfile(SpecModel):
         "readOnly is false.")
     endpoint: EncoderEndpoint | None = Field(
         default=None, description="Warm encoders to call instead of starting an encoder "
-        "Job per attempt (docs/operations.md, \"Warm encoder\"); the pod fields above "
+        "Job per attempt (docs/publishing.md, \"Warm encoder\"); the pod fields above "
         "then go unused.")
     cluster: EncoderCluster | None = Field(
         default=None, description="Run the Jobs in another cluster (the training cluster) "

@@ -2,7 +2,7 @@
 
 A :class:`ProfileVolume` is a claim, a host path or an NFS export (exactly one), mounted
 read-only unless the profile says otherwise. Mount paths are canonical, so that a string
-comparison keeps them off :data:`PROFILE_DIR`. Why: docs/operations.md, "Describe a fleet
+comparison keeps them off :data:`PROFILE_DIR`. Why: docs/fleets.md, "Describe a fleet
 and refit it".
 """
 

@@ -1,7 +1,7 @@
 """The WeightRefit kind: one transition of one RolloutFleet to a target version.
 
 Its spec is immutable; its status holds the phase, conditions, attempts and each receiver's
-progress (docs/operations.md, "Watch it").
+progress (docs/monitoring.md, "Watch it").
 """
 
 from __future__ import annotations
