@@ -1,7 +1,8 @@
 """One attempt's run on an agent: what it staged and applied, and the threads that do it.
 
 A receive thread stages payloads; once the gate is closed and drained, an apply thread has the
-engine apply them in order and checks the target fingerprints (docs/protocol.md).
+engine apply them in order and checks the target fingerprints (docs/protocol.md). The agent's
+refusals and failures are declared here, where attempts and rejoins (``rejoin.py``) raise them.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ from dcr.receiver.weights import short
 from dcr.transport.receive import ReceiveStopped, Source, receive
 
 S = AttemptState
+
+
+class AgentConflict(DcrError):
+    """The call does not fit the agent's state (wrong attempt, version or gate)."""
 
 
 class AttemptFailed(DcrError):

@@ -15,7 +15,6 @@ from typing import Any
 
 from dcr.drivers.base import Driver, PauseMode, TensorSpec, merge_fingerprints
 from dcr.drivers.errors import EngineError
-from dcr.errors import DcrError
 from dcr.format.manifest import Manifest
 from dcr.format.profile import ReceiverProfile
 from dcr.format.regions import region_key, whole
@@ -28,10 +27,17 @@ from dcr.protocol.agent_api import (
 )
 from dcr.protocol.records import Attempt
 from dcr.protocol.state import FINAL, AttemptState, advance
-from dcr.receiver.attempt import AttemptFailed, Counters, FingerprintMismatch, Run
-from dcr.receiver.fromstore import FromStore, NotVouched
+from dcr.receiver.attempt import (
+    AgentConflict,
+    AttemptFailed,
+    Counters,
+    FingerprintMismatch,
+    Run,
+)
+from dcr.receiver.fromstore import FromStore
 from dcr.receiver.group import Group, GroupError
 from dcr.receiver.journal import Journal
+from dcr.receiver.rejoin import restore
 from dcr.receiver.settings import AgentSettings
 from dcr.receiver.staging import StagingDir
 from dcr.receiver.weights import Weights, short
@@ -42,10 +48,6 @@ __all__ = ["AgentConflict", "AgentService", "AttemptFailed", "Counters",
 
 log = logging.getLogger(__name__)
 S = AttemptState
-
-
-class AgentConflict(DcrError):
-    """The call does not fit the agent's state (wrong attempt, version or gate)."""
 
 
 SourceFor = Callable[[AttemptSpec], Source]
@@ -438,119 +440,14 @@ class AgentService:
         return self.snapshot()
 
     def rejoin(self, version: int, checkpoint: str | None = None) -> AgentStatus:
-        """Restore ``version`` from a full checkpoint through the engine's loader.
-
-        Without ``checkpoint`` the agent builds the version from the store's history
-        under ``checkpoint_root`` (:func:`~dcr.files.materialize.materialize`: its last
-        copy advanced by the committed deltas, or a snapshot and the deltas after it).
-        The checkpoint must lie under ``checkpoint_root`` and hold the fingerprints the
-        history vouches for at ``version`` (without a history: those of the attempt this
-        agent committed to it, where it did). Every rank checks both, reading the whole
-        checkpoint, before anything is written (:meth:`Driver.check_dense`): a refused
-        load leaves the weights and the gate as they were. Errors name the check that
-        failed, never bytes of the file (the engine's sentences do not quote files).
-        """
-        relative = self._dense_path(checkpoint) if checkpoint is not None else None
-        with self._cond:
-            self._between_attempts("a dense refit")
-            self._not_loading("another dense refit")
-        instance = self.attach()  # a restarted engine is prewarmed before it loads
-        with self._cond:
-            self._between_attempts("a dense refit")
-            self._not_loading("another dense refit")
-            self._loading, was_open = version, self._gate_open
-        try:  # from here no attempt and no other dense load starts: the build is ours
-            expect = self._vouched(version)
-            if relative is None:
-                relative = self._dense_path(self._from_store(version))
-                if self.group is not None:  # the worker pods' ranks read their own roots
-                    try:
-                        self.group.dense(version, relative, self.max_wait_s)
-                    except GroupError as e:
-                        raise AgentConflict(f"{self.name}: {e}") from e
-            self._pause()
-            self.engine.check_dense(relative, expect)
-        except BaseException as e:
-            with self._cond:
-                self._loading = None
-                reopen = was_open and not self._gate_open
-            if reopen:
-                self._resume()  # nothing was written: serve as before
-            if isinstance(e, EngineError) and e.status is not None:
-                raise AgentConflict(f"{self.name}: dense load of version {version} refused: "
-                                    f"{e}") from e
-            raise
-        try:
-            with self._cond:
-                self.weights.loading(version)
-                self._journal()
-            self.engine.load_dense(relative, expect)
-            self.engine.sync()
-            differ = self.engine.check_targets(expect) if expect else {}
-            if differ:
-                raise FingerprintMismatch(f"{self.name}: after a dense load of version "
-                                          f"{version}, {len(differ)} tensors differ from its "
-                                          f"manifest's targets: {sorted(differ)[:3]}.")
-            now = self.engine.instance()
-            with self._cond:
-                self.seen(now)
-                if now != instance:
-                    raise AgentConflict(f"{self.name}: the engine restarted during the dense "
-                                        f"load of version {version}.")
-                self.weights.loaded(version)
-                self.counters.dense_loads += 1
-                self._journal()
-        finally:
-            with self._cond:
-                self._loading = None
-        log.info("%s: restored version %s by a dense load of %s", self.name, version,
-                 relative)
-        self._label(version)
-        return self.open_gate()
-
-    def _vouched(self, version: int) -> dict[str, str] | None:
-        """The fingerprints a dense load of ``version`` must have: the store history's,
-        or while it names nothing (or without one), those of the attempt this agent
-        committed to it (else None: unchecked)."""
-        vouched = None
-        if self.store is not None:
-            try:
-                vouched = self.store.vouched(version)
-            except NotVouched as e:
-                raise AgentConflict(f"{self.name}: dense load of version {version} refused: "
-                                    f"{e}") from e
-        return vouched if vouched is not None else self.weights.expected(version)
-
-    def _from_store(self, version: int) -> str:
-        """Build ``version`` from the store's history; the directory, relative to the
-        checkpoint root."""
-        if self.store is None:
-            raise AgentConflict(f"{self.name}: a dense load without a checkpoint path needs "
-                                "the store's history.")
-        try:
-            relative, done = self.store.build(version)
-        except NotVouched as e:
-            raise AgentConflict(f"{self.name}: {e}") from e
-        with self._cond:
-            self.counters.store_bytes_fetched += done.fetched_bytes
-        return relative
+        """Restore ``version`` from a full checkpoint through the engine's loader: one
+        under ``checkpoint_root``, or without ``checkpoint`` the version built from the
+        store's history (:func:`~dcr.receiver.rejoin.restore` says how it is checked)."""
+        return restore(self, version, checkpoint)
 
     def committed_in_store(self) -> int | None:
         """The newest version the store's history names, if the agent has one."""
         return self.store.committed() if self.store is not None else None
-
-    def _dense_path(self, checkpoint: str) -> str:
-        """``checkpoint`` relative to the checkpoint root, if it lies under it (links
-        resolved); the engine resolves it under its own root."""
-        root = self.checkpoint_root
-        if root is None:
-            raise AgentConflict(f"{self.name}: no checkpoint root is configured; dense loads "
-                                "are refused.")
-        path = (root / checkpoint).resolve()  # an absolute ``checkpoint`` replaces ``root``
-        if not path.is_relative_to(root) or path == root:
-            raise AgentConflict(f"{self.name}: dense loads come from under {root}; "
-                                f"{checkpoint!r} is not there.")
-        return path.relative_to(root).as_posix()
 
     # --- inspection ----------------------------------------------------------------
 
