@@ -28,7 +28,7 @@ from dcr.checkpoint import Checkpoint
 from dcr.errors import ConfigError
 from dcr.format.payload import Mode
 from dcr.format.profile import ReceiverProfile
-from dcr.runtimes.vllm import INSTANCE
+from dcr.runtimes.rank import INSTANCE
 from dcr.runtimes.weights import DenseRefused
 
 pytestmark = pytest.mark.usefixtures("tp1")

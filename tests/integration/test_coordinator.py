@@ -85,7 +85,7 @@ def test_a_receiver_killed_mid_apply_is_repaired_by_an_overwrite_retry(tmp_path:
     _, new, ranks, receivers, owner, commits = setup(tmp_path)
     engine = receivers[1].engine
     assert isinstance(engine, LocalDriver)
-    victim = engine.ranks[0].engine  # the rank's apply engine, made by prewarm
+    victim = engine.ranks[0].applier  # the rank's applier, made by prewarm
     assert victim is not None
     real, calls = victim._write_mapped, 0
 

@@ -101,7 +101,7 @@ def test_a_refit_through_four_ranks_of_two_stages_is_bit_exact_and_checked_per_s
         canonical=canonical, staging_dir=staging, version=0)
     profile = ReceiverProfile.model_validate(agent.profile())
     assert set(profile.tensors.values()) == {"xor"}  # skip on some ranks, held by another
-    per_rank = [r.engine.plans for r in engine.ranks]  # type: ignore[union-attr]
+    per_rank = [r.applier.plans for r in engine.ranks]  # type: ignore[union-attr]
     assert per_rank[0]["lm_head.weight"].cls == "skip"
     assert per_rank[-1]["model.embed_tokens.weight"].cls == "skip"
     layer0 = "model.layers.0.mlp.experts.1.down_proj.weight"

@@ -259,7 +259,7 @@ def test_warm_owners_refit_across_a_retry_and_close_each_checkpoint_as_it_is_del
         committed_version=0, baseline_id="v0", attempt=""))
     engine = receivers[1].engine
     assert isinstance(engine, LocalDriver)
-    victim = engine.ranks[0].engine
+    victim = engine.ranks[0].applier
     assert victim is not None
     real, calls = victim._write_mapped, 0
 

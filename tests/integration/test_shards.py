@@ -83,7 +83,7 @@ def test_a_failed_first_attempt_of_shard_owners_is_repaired_by_overwrite(tmp_pat
     rx, models = receivers(DENSE, old, store, (2,), tmp_path)
     local = rx[1].engine
     assert isinstance(local, LocalDriver)
-    engine = local.ranks[0].engine  # the rank's apply engine, made by prewarm
+    engine = local.ranks[0].applier  # the rank's applier, made by prewarm
     assert engine is not None
     real, calls = engine._write_mapped, 0
 

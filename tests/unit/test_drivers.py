@@ -40,7 +40,7 @@ WORLD = 2
 
 
 def plugin_answer(method: str, args: list[str], rank: int) -> dict[str, Any]:
-    """What DCR's plugin on ``rank`` answers (the contract in dcr.drivers.plugin)."""
+    """What DCR's plugin on ``rank`` answers (the contract in dcr.protocol.engine_api)."""
     arg = json.loads(args[0]) if args else None
     if method == "dcr_instance":
         return {"instance": f"{rank:02d}" * 8, "rank": rank, "world": WORLD}

@@ -1,9 +1,10 @@
-"""DCR's plugin inside the engine, as the agent calls it: seven methods, one answer per rank.
+"""DCR's plugin inside the engine, as the agent calls it: one answer per rank.
 
-:class:`PluginDriver` implements those calls of :class:`~dcr.drivers.base.Driver` on one
-primitive each adapter supplies (``_plugin``: carry a call to every rank, return the
-answers) and checks the answers like any input from a peer: one JSON object of the
-documented shape per rank, ranks exactly ``0..world-1``. docs/engines.md, "The plugin".
+:class:`PluginDriver` implements the calls of :class:`~dcr.drivers.base.Driver` that are
+rows of :class:`~dcr.protocol.engine_api.EngineApi` on one primitive each adapter supplies
+(``_plugin``: carry a call to every rank, return the answers), and checks the answers like
+any input from a peer: one of the row's answer model per rank, ranks exactly
+``0..world-1``. docs/engines.md, "The plugin".
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from dcr.drivers.base import (
     ApplyOutcome,
@@ -25,53 +26,13 @@ from dcr.drivers.base import (
 from dcr.drivers.errors import BadAnswer
 from dcr.drivers.http import JsonHttp
 from dcr.errors import first_validation_error
-from dcr.format.profile import ReceiverProfile, TensorClass, merge
+from dcr.format.profile import ReceiverProfile, merge
 from dcr.http.direct import excerpt
+from dcr.protocol.engine_api import EngineApi, PluginCall, RankAnswer, Request, Wait
 from dcr.settings import option
 
-M = TypeVar("M", bound="RankAnswer")
-
-
-class RankAnswer(BaseModel):
-    """What every rank's answer carries."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
-
-    rank: int = Field(ge=0, lt=1 << 16)
-
-
-class InstanceAnswer(RankAnswer):
-    instance: str = Field(pattern=r"^[0-9a-f]{8,64}$")
-    world: int = Field(ge=1, lt=1 << 16)
-
-
-class ProfileAnswer(RankAnswer):
-    profile: dict[str, TensorClass]
-    regions: dict[str, list[Any]] = {}  # checked as a ReceiverProfile's (lists, not tuples)
-    derived: int = Field(default=0, ge=0)  # layers computing from a form derived after loading
-    kept_bytes: int = Field(default=0, ge=0)  # the copies of their loading form DCR keeps
-    unfilled: list[str] = Field(default=[], max_length=64)  # of those, not loaded through DCR
-
-
-class DenseAnswer(RankAnswer):
-    rebuild_s: float = Field(default=0.0, ge=0)  # rebuilding derived layers' compute form
-
-
-class FingerprintAnswer(RankAnswer):
-    tensors: dict[str, str]
-
-
-class CheckAnswer(RankAnswer):
-    differ: dict[str, str]  # name -> the fingerprint this rank holds
-
-
-class ApplyAnswer(RankAnswer):
-    """A rank's apply report: the canonical tensors it wrote, and whatever else the
-    plugin reports (counts, ``*_s`` seconds), kept as sent."""
-
-    model_config = ConfigDict(frozen=True, extra="allow", strict=True)
-
-    names: list[str] = []
+M = TypeVar("M", bound=RankAnswer)
+Q = TypeVar("Q", bound=Request)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +51,10 @@ class EngineTimeouts:
                             "from the engine's disk")
     drain_s: float = option(600.0, metavar="S", doc="pause: in-flight generation finishing "
                             "(wait) or parking (keep)")
+
+    def of(self, wait: Wait) -> float:
+        """The timeout a plugin call waits by (its row's ``wait``)."""
+        return float(getattr(self, wait))
 
 
 def ranked(results: object, model: type[M], *, what: str, call: str) -> list[M]:
@@ -128,14 +93,18 @@ class PluginDriver:
         parsed JSON; the engine's own errors as :class:`EngineError`."""
         raise NotImplementedError
 
-    def _ranked(self, method: str, arg: Mapping[str, Any] | None, model: type[M], *,
-                call: str, timeout_s: float) -> list[M]:
-        results = self._plugin(method, arg, call=call, timeout_s=timeout_s)
-        return ranked(results, model, what=self.what, call=call)
+    def _ranked(self, call: PluginCall[Q, M], request: Mapping[str, Any] | None = None, *,
+                name: str = "") -> list[M]:
+        """Every rank's answer to ``call`` with ``request`` (checked against the row's
+        request model before it is sent); ``name``: how errors name the call."""
+        name = name or call.name
+        arg = None if request is None else call.parse(request).model_dump(mode="json")
+        results = self._plugin(call.method, arg, call=name,
+                               timeout_s=self.timeouts.of(call.wait))
+        return ranked(results, call.answer, what=self.what, call=name)
 
     def instance(self) -> str:
-        answers = self._ranked("dcr_instance", None, InstanceAnswer, call="instance",
-                               timeout_s=self.timeouts.call_s)
+        answers = self._ranked(EngineApi.instance)
         worlds = {a.world for a in answers}
         if worlds != {len(answers)}:
             raise BadAnswer(f"{self.what}: instance: {len(answers)} ranks answered, but they "
@@ -143,9 +112,8 @@ class PluginDriver:
         return "-".join(a.instance for a in answers)
 
     def prewarm(self, tensors: Iterable[TensorSpec]) -> Prewarmed:
-        arg = {"tensors": [[t.name, t.dtype, list(t.shape)] for t in tensors]}
-        answers = self._ranked("dcr_prewarm", arg, ProfileAnswer, call="prewarm",
-                               timeout_s=self.timeouts.prewarm_s)
+        request = {"tensors": [[t.name, t.dtype, list(t.shape)] for t in tensors]}
+        answers = self._ranked(EngineApi.prewarm, request)
         try:
             profiles = [ReceiverProfile(tensors=a.profile, regions=a.regions) for a in answers]
         except ValidationError as e:
@@ -156,22 +124,18 @@ class PluginDriver:
                          unfilled=tuple(sorted({n for a in answers for n in a.unfilled})))
 
     def apply(self, payloads: Sequence[str]) -> ApplyOutcome:
-        arg = {"payloads": [check_staged_name(p) for p in payloads]}
-        answers = self._ranked("dcr_apply", arg, ApplyAnswer, call="apply",
-                               timeout_s=self.timeouts.apply_s)
+        request = {"payloads": [check_staged_name(p) for p in payloads]}
+        answers = self._ranked(EngineApi.apply, request)
         return ApplyOutcome(reports=tuple(a.model_dump() for a in answers))
 
     def sync(self) -> None:
-        self._ranked("dcr_sync", None, RankAnswer, call="sync", timeout_s=self.timeouts.call_s)
+        self._ranked(EngineApi.sync)
 
     def fingerprint(self) -> list[dict[str, str]]:
-        answers = self._ranked("dcr_fingerprint", None, FingerprintAnswer,
-                               call="fingerprint", timeout_s=self.timeouts.call_s)
-        return [a.tensors for a in answers]
+        return [a.tensors for a in self._ranked(EngineApi.fingerprint)]
 
     def check_targets(self, expect: Mapping[str, str]) -> dict[str, str]:
-        answers = self._ranked("dcr_check_targets", {"expect": dict(expect)}, CheckAnswer,
-                               call="check_targets", timeout_s=self.timeouts.prewarm_s)
+        answers = self._ranked(EngineApi.check_targets, {"expect": dict(expect)})
         return {n: fp for a in answers for n, fp in sorted(a.differ.items())}
 
     def load_dense(self, checkpoint: str, expect: Mapping[str, str] | None = None) -> None:
@@ -182,11 +146,10 @@ class PluginDriver:
 
     def _dense(self, checkpoint: str, expect: Mapping[str, str] | None, *,
                check_only: bool) -> None:
-        arg = {"checkpoint": check_checkpoint_path(checkpoint),
-               "expect": None if expect is None else dict(expect), "check_only": check_only}
-        self._ranked("dcr_load_dense", arg, DenseAnswer,
-                     call="check_dense" if check_only else "load_dense",
-                     timeout_s=self.timeouts.dense_s)
+        request = {"checkpoint": check_checkpoint_path(checkpoint),
+                   "expect": None if expect is None else dict(expect), "check_only": check_only}
+        self._ranked(EngineApi.load_dense, request,
+                     name="check_dense" if check_only else "load_dense")
 
     def health(self) -> bool:
         return self.http.ok("/health", timeout_s=self.timeouts.call_s)
@@ -206,5 +169,4 @@ def encode_arg(arg: Mapping[str, Any] | None) -> list[str]:
     return [] if arg is None else [json.dumps(arg, separators=(",", ":"))]
 
 
-__all__ = ["ApplyAnswer", "CheckAnswer", "EngineTimeouts", "FingerprintAnswer", "InstanceAnswer",
-           "PluginDriver", "ProfileAnswer", "RankAnswer", "encode_arg", "ranked"]
+__all__ = ["EngineTimeouts", "PluginDriver", "encode_arg", "ranked"]

@@ -25,6 +25,7 @@ from dcr.drivers.errors import BadAnswer, EngineError
 from dcr.drivers.http import MAX_ANSWER, JsonHttp
 from dcr.drivers.plugin import EngineTimeouts, PluginDriver, encode_arg
 from dcr.http.direct import excerpt
+from dcr.protocol.engine_api import MAX_RANKS, EngineApi
 
 LOADER = "dcr.runtimes.sglang.dcr_weight_loader"  # --custom-weight-loader and load_format
 CALL_PREFIX = "dcr:"  # the name of the one named tensor that carries a call
@@ -111,7 +112,7 @@ class SglangDriver(PluginDriver):
             info = self.http.call("tp_size", "GET", "/server_info",
                                   timeout_s=self.timeouts.call_s)
             size = info.get("tp_size") if isinstance(info, dict) else None
-            if type(size) is not int or not 1 <= size < 1 << 16:
+            if type(size) is not int or not 1 <= size < MAX_RANKS:
                 raise BadAnswer(f"{self.what}: tp_size (GET /server_info) answered no "
                                 "usable tp_size; give it to the adapter.", call="tp_size")
             self._tp_size = size
@@ -125,7 +126,8 @@ class SglangDriver(PluginDriver):
         entry = base64.b64encode(call_pickle(name)).decode()
         # A weight change makes the prefix cache stale; SGLang cannot flush it while
         # requests sit frozen in place (pause mode in_place).
-        flush = method in ("dcr_apply", "dcr_load_dense") and self._paused != "keep"
+        flush = (method in (EngineApi.apply.method, EngineApi.load_dense.method)
+                 and self._paused != "keep")
         body = {"serialized_named_tensors": [entry] * self.tp_size, "load_format": self.loader,
                 "flush_cache": flush, "abort_all_requests": False}
         try:

@@ -1,7 +1,8 @@
 """DCR's plugin inside an SGLang server: the custom weight loader every TP rank runs.
 
-:func:`dcr_weight_loader` decodes the call carried by one tensor's name, runs it through
-:class:`~dcr.runtimes.vllm.EngineRank` and writes the rank's answer as a file in
+:func:`dcr_weight_loader` decodes the call carried by one tensor's name (a row of
+:class:`~dcr.protocol.engine_api.EngineApi`), runs it through
+:class:`~dcr.runtimes.rank.EngineRank` and writes the rank's answer as a file in
 ``$DCR_STAGING_DIR``; it never raises into SGLang's scheduler. Nothing here imports SGLang
 at module level. docs/sglang.md.
 """
@@ -16,24 +17,16 @@ import os
 import re
 import secrets
 import weakref
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError, field_validator
 
 from dcr.errors import ConfigError, first_validation_error
-from dcr.runtimes.vllm import (
-    STAGING_ENV,
-    ApplyRequest,
-    CheckTargetsRequest,
-    DenseLoadRequest,
-    EngineRank,
-    PrewarmRequest,
-    VllmRuntime,
-    engine_dir,
-    parse_request,
-)
+from dcr.protocol.engine_api import BY_METHOD, METHODS
+from dcr.runtimes.rank import STAGING_ENV, EngineRank, engine_dir
+from dcr.runtimes.vllm import VllmRuntime
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +35,6 @@ CALL_ID = re.compile(r"^[0-9a-f]{1,64}$")  # part of a file name; pydantic searc
 MAX_CALL = 64 << 20  # characters of a call's name (a prewarm lists every tensor)
 MAX_ERROR = 2000  # characters of an error answer (the agent keeps 240)
 
-Method = Literal["dcr_instance", "dcr_prewarm", "dcr_apply", "dcr_fingerprint",
-                 "dcr_load_dense", "dcr_check_targets", "dcr_sync"]
-
 
 class SglangCall(BaseModel):
     """One plugin call as it arrives in the tensor's name."""
@@ -52,8 +42,16 @@ class SglangCall(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     call: str = Field(pattern=CALL_ID.pattern)
-    method: Method
+    method: StrictStr  # one of the plugin's methods
     args: list[StrictStr] = Field(max_length=1)
+
+    @field_validator("method")
+    @classmethod
+    def _a_plugin_method(cls, method: str) -> str:
+        if method not in BY_METHOD:
+            raise ValueError(f"{method[:64]!r} is not one of the plugin's methods "
+                             f"{list(METHODS)}")
+        return method
 
 
 class SglangRuntime(VllmRuntime):
@@ -64,18 +62,6 @@ class SglangRuntime(VllmRuntime):
         loaded = self.model.load_weights(weights)
         return set() if loaded is None else set(loaded)
 
-
-# method -> (takes an argument, what it runs on the rank)
-CALLS: dict[str, tuple[bool, Callable[[EngineRank, str], dict[str, Any]]]] = {
-    "dcr_instance": (False, lambda r, _: r.instance()),
-    "dcr_prewarm": (True, lambda r, a: r.prewarm(parse_request(PrewarmRequest, a))),
-    "dcr_apply": (True, lambda r, a: r.apply(parse_request(ApplyRequest, a))),
-    "dcr_fingerprint": (False, lambda r, _: r.fingerprint()),
-    "dcr_load_dense": (True, lambda r, a: r.load_dense(parse_request(DenseLoadRequest, a))),
-    "dcr_check_targets": (True,
-                          lambda r, a: r.check_targets(parse_request(CheckTargetsRequest, a))),
-    "dcr_sync": (False, lambda r, _: r.sync()),
-}
 
 _RANKS: weakref.WeakKeyDictionary[Any, EngineRank] = weakref.WeakKeyDictionary()
 
@@ -136,12 +122,14 @@ def engine_rank(model: Any, rank: int, world: int) -> EngineRank:
 
 
 def run_call(model: Any, call: SglangCall, rank: int, world: int) -> dict[str, Any]:
-    takes_arg, run = CALLS[call.method]
+    row = BY_METHOD[call.method]
+    takes_arg = row.request is not None
     if len(call.args) != int(takes_arg):
         raise ConfigError(f"{call.method} takes {int(takes_arg)} argument(s), not "
                           f"{len(call.args)}.")
+    request = row.parse(call.args[0]) if takes_arg else None
     with torch.no_grad():
-        return run(engine_rank(model, rank, world), call.args[0] if takes_arg else "")
+        return engine_rank(model, rank, world).serve(row, request)
 
 
 def write_answer(call: str, rank: int, answer: dict[str, Any]) -> None:
@@ -207,5 +195,5 @@ def _answer(cid: str | None, rank: int, answer: dict[str, Any]) -> None:
                   rank, cid, e)
 
 
-__all__ = ["CALLS", "SglangCall", "SglangRuntime", "dcr_weight_loader", "parse_call",
+__all__ = ["SglangCall", "SglangRuntime", "dcr_weight_loader", "parse_call",
            "tp_rank_and_world", "write_answer"]

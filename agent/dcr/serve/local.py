@@ -20,7 +20,8 @@ from dcr.apply.applier import Loader
 from dcr.drivers.base import PauseMode
 from dcr.drivers.errors import EngineError
 from dcr.drivers.plugin import EngineTimeouts, PluginDriver, encode_arg
-from dcr.runtimes.vllm import DcrWorkerExtension, EngineRank
+from dcr.runtimes.rank import EngineRank
+from dcr.runtimes.vllm import DcrWorkerExtension
 from dcr.serve.gate import PauseGate
 from dcr.serve.workers import Workers, make_worker
 
