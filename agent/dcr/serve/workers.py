@@ -2,8 +2,9 @@
 
 As vLLM mixes its worker extension into the worker class, :func:`build_workers` makes each
 worker of a class based on :class:`ServeWorker` and
-:class:`~dcr.runtimes.vllm.DcrWorkerExtension`. :class:`Workers` calls the plugin on every
-rank in order under the model lock, so weights never change under a forward.
+:class:`~dcr.runtimes.vllm.DcrWorkerExtension`. :class:`Workers` calls the plugin (the
+methods of :class:`~dcr.protocol.engine_api.EngineApi`) on every rank in order under the
+model lock, so weights never change under a forward.
 """
 
 from __future__ import annotations
@@ -22,14 +23,12 @@ from dcr.apply.applier import Loader
 from dcr.checkpoint import Checkpoint
 from dcr.drivers.vllm import VllmDriver
 from dcr.errors import DcrError
+from dcr.protocol.engine_api import METHODS
 from dcr.runtimes import build_runtime
 from dcr.runtimes.hf import HFRuntime
 from dcr.runtimes.vllm import DcrWorkerExtension, VllmRuntime
 from dcr.runtimes.weights import checkpoint_tensors
 from dcr.serve.settings import ServeSettings
-
-PLUGIN_METHODS = ("dcr_instance", "dcr_prewarm", "dcr_apply", "dcr_fingerprint",
-                  "dcr_load_dense", "dcr_check_targets", "dcr_sync")
 
 
 class ServeWorker:
@@ -109,9 +108,9 @@ class Workers:
         """``method`` on every worker, here and then on each peer (vLLM's
         ``collective_rpc``); the answers carry their ranks. A peer that fails or does
         not answer fails the call, naming it."""
-        if method not in PLUGIN_METHODS:
+        if method not in METHODS:
             raise UnknownMethod(f"Method {method[:64]!r} is not one of DCR's plugin methods "
-                                f"{list(PLUGIN_METHODS)}.")
+                                f"{list(METHODS)}.")
         with self.lock:
             results = [getattr(w, method)(*args, **kwargs) for w in self.workers]
             arg = json.loads(args[0]) if args and self.peers else None  # the one argument
@@ -133,5 +132,5 @@ class Workers:
         return int(self.workers[0].model_runner.model.config.vocab_size)
 
 
-__all__ = ["PLUGIN_METHODS", "HfServeWorker", "ServeWorker", "UnknownMethod", "Workers",
+__all__ = ["HfServeWorker", "ServeWorker", "UnknownMethod", "Workers",
            "build_workers", "make_worker"]
