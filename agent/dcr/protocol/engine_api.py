@@ -23,7 +23,7 @@ Torch-free: the agent imports it. docs/engines.md, "The plugin".
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar, overload
 
 from pydantic import (
     BaseModel,
@@ -146,6 +146,13 @@ class PluginCall(Generic[Q, A]):
     """One row of :class:`EngineApi`: the method ``dcr_<name>``, its request (None: it
     takes no argument), every rank's answer, and the timeout the agent waits by."""
 
+    @overload
+    def __init__(self: PluginCall[Request, A], request: None, answer: type[A], *,
+                 wait: Wait, doc: str) -> None: ...
+
+    @overload
+    def __init__(self, request: type[Q], answer: type[A], *, wait: Wait, doc: str) -> None: ...
+
     def __init__(self, request: type[Q] | None, answer: type[A], *, wait: Wait,
                  doc: str) -> None:
         self.request, self.answer, self.wait, self.doc = request, answer, wait, doc
@@ -187,21 +194,17 @@ class EngineApi:
     method that makes the call and the :class:`~dcr.runtimes.rank.EngineRank` method that
     answers it."""
 
-    # A call without a request is typed with the base Request: it takes no argument.
-    instance: PluginCall[Request, InstanceAnswer] = PluginCall(
-        None, InstanceAnswer, wait="call_s", doc="process id, rank, world")
-    prewarm = PluginCall(
-        PrewarmRequest, ProfileAnswer, wait="prewarm_s", doc="classify canonical tensors")
-    apply = PluginCall(
-        ApplyRequest, ApplyAnswer, wait="apply_s", doc="apply staged payloads")
-    fingerprint: PluginCall[Request, FingerprintAnswer] = PluginCall(
-        None, FingerprintAnswer, wait="call_s", doc="xxh3-128 of every tensor")
-    load_dense = PluginCall(
-        DenseLoadRequest, DenseAnswer, wait="dense_s", doc="load a checkpoint densely")
-    check_targets = PluginCall(
-        CheckTargetsRequest, CheckAnswer, wait="prewarm_s", doc="targets whose bits differ")
-    sync: PluginCall[Request, RankAnswer] = PluginCall(
-        None, RankAnswer, wait="call_s", doc="every write has finished")
+    instance = PluginCall(None, InstanceAnswer, wait="call_s", doc="process id, rank, world")
+    prewarm = PluginCall(PrewarmRequest, ProfileAnswer, wait="prewarm_s",
+                         doc="classify canonical tensors")
+    apply = PluginCall(ApplyRequest, ApplyAnswer, wait="apply_s", doc="apply staged payloads")
+    fingerprint = PluginCall(None, FingerprintAnswer, wait="call_s",
+                             doc="xxh3-128 of every tensor")
+    load_dense = PluginCall(DenseLoadRequest, DenseAnswer, wait="dense_s",
+                            doc="load a checkpoint densely")
+    check_targets = PluginCall(CheckTargetsRequest, CheckAnswer, wait="prewarm_s",
+                               doc="targets whose bits differ")
+    sync = PluginCall(None, RankAnswer, wait="call_s", doc="every write has finished")
 
     @staticmethod
     def calls() -> list[PluginCall[Any, Any]]:
