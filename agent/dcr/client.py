@@ -35,17 +35,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from dcr.errors import DcrError
+from dcr.errors import RefitError
+from dcr.protocol.states import AttemptState, Phase
 
 GROUP, API_VERSION, PLURAL = "dcr.dev", "v1alpha1", "weightrefits"
 SUPERSEDED = ("BaseVersionMismatch", "TargetCommittedElsewhere")  # Failed reasons
 PUBLISHED = ("EncoderJobSucceeded", "EncoderEndpointSucceeded")  # Encoding reasons
-APPLIED = ("flushed", "committed")  # receiver states that count as applied
+APPLIED = (AttemptState.FLUSHED.value, AttemptState.COMMITTED.value)  # receivers' states
 Until = Literal["created", "published", "committed"]
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
-class WeightRefitError(DcrError):
+class WeightRefitError(RefitError):
     """A refit could not be asked for or waited on."""
 
 
@@ -76,7 +77,7 @@ class Progress:
     """A refit as its status shows it, each time the status changes."""
 
     name: str
-    phase: str  # Pending, Encoding, Applying, Committed or Failed
+    phase: str  # a Phase
     attempts: int
     receivers: int  # in the latest attempt
     applied: int  # of them, flushed or committed
@@ -87,7 +88,7 @@ class Progress:
     def of(cls, obj: Mapping[str, Any]) -> Progress:
         status = obj.get("status") or {}
         states = status.get("receiverStates") or []
-        return cls(name=obj["metadata"]["name"], phase=status.get("phase") or "Pending",
+        return cls(name=obj["metadata"]["name"], phase=status.get("phase") or Phase.PENDING,
                    attempts=int(status.get("attemptCount") or 0),
                    receivers=int(status.get("receiverCount") or 0),
                    applied=sum(int(s.get("count", 0)) for s in states

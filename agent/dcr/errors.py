@@ -1,88 +1,101 @@
-"""Every error DCR raises, under one root so callers can catch the package as a whole.
+"""Every error DCR raises, under one root, grouped by what a caller does about it.
 
-Hierarchy::
+Hierarchy (``(module)``: defined beside the code that raises it; the rest here)::
 
     DcrError
-    ├── ConfigError            bad settings or arguments (names the value)
-    ├── CheckpointError        a safetensors file or index is unreadable or inconsistent
-    │   └── DenseRefused       (runtimes.weights) not this rank's model at that version, or
-    │                          outside the checkpoint root; nothing was written
-    ├── PayloadError           a payload failed validation; nothing was written
-    │   ├── TruncatedPayload   fewer (or more) bytes than the preamble declares
-    │   ├── DigestMismatch     the BLAKE2b digest does not match the bytes
-    │   ├── LimitExceeded      a declared size is over a decode limit (bomb guard)
-    │   └── MalformedPayload   a field is out of range or inconsistent
-    ├── ManifestError          a manifest is missing, malformed, or disagrees with payloads
-    │   └── ForeignPayload     (transport.receive) an object under an attempt's prefix is
-    │                          not what its owner wrote (size or digest, or header ids)
-    ├── TargetMismatch         a payload does not fit the tensors it would be applied to
-    │   └── WrongBaseVersion   the target is not at the payload's base version
-    ├── HttpError              a peer answered with an error status or not at all;
-    │                          ``status`` is the HTTP status, or None without a response
-    │                          (the base of RelayError, AgentError and the operator's ApiError)
-    ├── StoreError             an object store read or write failed
-    │   ├── ObjectNotFound     the key does not exist
-    │   └── RelayError         a relay request failed (also an HttpError)
-    │       └── RelayNotFound  no such payload or manifest at the relay (also ObjectNotFound)
+    ├── ConfigError              settings or arguments are wrong: fix them (names the value)
     │
-    │   Defined beside the code that raises them (all subclass DcrError directly):
-    ├── LoaderPathError        (apply.intercept) the runtime's loader wrote storage in a
-    │                          way DCR cannot honour exactly, or bypassed the hook
-    ├── UnsupportedView        (apply.geometry) a copy's view cannot be inverted exactly
-    ├── DuplicatePayload       (apply.applier) a payload id was applied before
-    ├── PayloadConflict        (apply.applier) a payload id was seen with other bytes
-    ├── IllegalTransition      (protocol.state) an attempt cannot move to that state
-    ├── CommitStoreError       (protocol.commitstore) the commit record is unreadable
-    ├── CommitConflict         (protocol.coordinator) the record moved under the coordinator
-    ├── RefitFailed            (protocol.coordinator) every allowed attempt failed, or too
-    │                          few receivers could take part
-    ├── RefitAborted           (protocol.coordinator) an operator aborted between attempts
-    ├── CommitUnknown          (protocol.coordinator) a commit's outcome could not be
-    │                          learned; nothing was abandoned, the record decides later
-    ├── EngineError            (drivers.errors) a serving engine refused or failed a call,
-    │   │                      or is unreachable (an HttpError)
-    │   └── BadAnswer          a 2xx answer that breaks the plugin contract
-    ├── AgentError             (protocol.agent_api) an agent refused a call or is
-    │                          unreachable (an HttpError)
-    ├── EncoderError           (protocol.encoder_api) a warm encoder refused or failed a
-    │                          publish or stop, or is unreachable (an HttpError)
-    ├── BadRequest             (protocol.agent_api) an agent call's body failed validation
-    │                          (also a ValueError; 400)
-    ├── RelayRefused           (transport.relay.wire) a relay node refuses a request;
-    │                          ``status`` is the HTTP status it answers
-    ├── ReceiveStopped         (transport.receive) the receiver was told to stop
-    ├── AgentConflict          (receiver.service) a call does not fit the agent's state
-    ├── AttemptFailed          (receiver.attempt) the current attempt failed on this agent
-    ├── JournalError           (receiver.journal) the agent's journal is unreadable
-    ├── NotVouched             (receiver.fromstore) the store's history does not vouch for
-    │                          a version, or it cannot be built from it
-    ├── FingerprintMismatch    (receiver.attempt) after apply, a tensor's bits differ from
-    │                          the target fingerprint its manifest lists
-    ├── MemberError            (receiver.member_api) a group's member agent refused a call,
-    │                          answered something else, or is unreachable
-    ├── MemberConflict         (receiver.member) a member call names an attempt it does not
-    │                          hold, or a dense load it cannot build
-    ├── GroupError             (receiver.group) a member cannot stage, hold or build what
-    │                          its leader needs: the attempt or dense load fails
-    ├── BadPublish             (owner.server) a warm encoder refuses what a publish names (400)
-    ├── PublishConflict        (owner.server) that owner of that attempt publishes already,
-    │                          or the attempt was stopped (409)
-    ├── Busy                   (owner.server) every publish slot is taken (503)
-    ├── Stopped                (owner.server) a publish ended early: stopped, or its caller left
-    ├── ServeRefused           (serve.server) dcr serve refuses a request body (400)
-    ├── Unavailable            (serve.server) dcr serve cannot answer now (503)
-    ├── BadCompletion          (serve.completions) a completion request it cannot serve (400)
-    ├── UnknownMethod          (serve.workers) a collective_rpc method that is not the plugin's
-    ├── Paused                 (serve.gate) the request gate is closed to new requests (503)
-    ├── Aborted                (serve.gate) a request the gate aborted while it paused
-    ├── WeightRefitError       (client) a WeightRefit could not be asked for or waited on
-    │   ├── WeightRefitFailed  its Failed condition is True (``reason``, ``message``)
-    │   │   └── WeightRefitSuperseded  the fleet committed past it
-    │   └── WeightRefitTimeout neither committed nor failed in time
+    ├── Refused                  a server refuses a request as written; ``status`` (on the
+    │   │                        class) is the HTTP status every DCR server answers for it
+    │   ├── Invalid              400: malformed, or names what may not be asked: fix the request
+    │   │   ├── BadRequest       (protocol.agent_api) an agent or member call's body (a ValueError)
+    │   │   ├── BadPublish       (owner.server) what a publish names
+    │   │   ├── ServeRefused     (serve.server) a dcr serve request (a ValueError)
+    │   │   ├── BadCompletion    (serve.completions) a completion request (a ValueError)
+    │   │   └── UnknownMethod    (serve.workers) a collective_rpc method not the plugin's
+    │   ├── StateConflict        409: does not fit the state it meets: read the state again
+    │   │   ├── AgentConflict    (receiver.attempt) a call the agent's state does not allow
+    │   │   ├── MemberConflict   (receiver.member) an attempt the member does not hold
+    │   │   ├── PublishConflict  (owner.server) that owner of that attempt publishes already,
+    │   │   │                    or the attempt was stopped
+    │   │   ├── Stopped          (owner.server) a publish ended early: stopped, or its caller left
+    │   │   ├── BaselineError    an owner cannot vouch for that baseline version
+    │   │   ├── NotVouched       (receiver.fromstore) the store's history does not vouch for a
+    │   │   │                    version, or it cannot be built from it
+    │   │   ├── IllegalTransition (protocol.state) an attempt cannot move to that state
+    │   │   └── CommitConflict   (protocol.coordinator) the commit record moved under the
+    │   │                        coordinator
+    │   ├── TryLater             503: not now; the same request may succeed later
+    │   │   ├── Busy             every slot of a bounded pool is taken (publishes, waits)
+    │   │   ├── Unavailable      (serve.server) dcr serve cannot answer now
+    │   │   └── Paused           (serve.gate) the request gate is closed to new requests
+    │   └── RelayRefused         (transport.relay.wire) a relay node refuses a request;
+    │                            ``status`` is set per refusal (400, 404, 408, 409, 413, 503...)
     │
-    └── BaselineError          an owner cannot vouch for that baseline version (owner/)
+    ├── AttemptError             an attempt failed on this party; nothing it wrote counts: the
+    │   │                        coordinator fails the attempt and retries (overwrite mode)
+    │   ├── PayloadError         a payload failed validation; nothing was written
+    │   │   ├── TruncatedPayload fewer (or more) bytes than the preamble declares
+    │   │   ├── DigestMismatch   the BLAKE2b digest does not match the bytes
+    │   │   ├── LimitExceeded    a declared size is over a decode limit (bomb guard)
+    │   │   └── MalformedPayload a field is out of range or inconsistent
+    │   ├── ManifestError        a manifest is missing, malformed, or disagrees with payloads
+    │   │   └── ForeignPayload   (transport.receive) an object under an attempt's prefix is
+    │   │                        not what its owner wrote (size or digest, or header ids)
+    │   ├── TargetMismatch       a payload does not fit the tensors it would be applied to
+    │   │   └── WrongBaseVersion the target is not at the payload's base version
+    │   ├── DuplicatePayload     (apply.applier) a payload id was applied before
+    │   ├── PayloadConflict      (apply.applier) a payload id was seen with other bytes
+    │   ├── LoaderPathError      (apply.intercept) the runtime's loader wrote storage in a
+    │   │                        way DCR cannot honour exactly, or bypassed the hook
+    │   ├── UnsupportedView      (apply.geometry) a copy's view cannot be inverted exactly
+    │   ├── FingerprintMismatch  (receiver.attempt) after apply, a tensor's bits differ from
+    │   │                        the target fingerprint its manifest lists
+    │   ├── AttemptFailed        (receiver.attempt) the current attempt failed on this agent
+    │   └── GroupError           (receiver.group) a member cannot stage, hold or build what
+    │                            its leader needs
+    │
+    ├── ExternalError            something outside this process failed or did not answer (a
+    │   │                        peer, the store, a file): report it; a later call may succeed
+    │   ├── HttpError            a peer answered an error status or not at all; ``status`` is
+    │   │   │                    the HTTP status, or None without a response
+    │   │   ├── AgentError       (protocol.agent_api) an agent refused a call or is unreachable
+    │   │   ├── EncoderError     (protocol.encoder_api) a warm encoder refused or failed a
+    │   │   │                    publish or stop, or is unreachable
+    │   │   ├── EngineError      (drivers.errors) a serving engine refused or failed a call,
+    │   │   │   │                or is unreachable
+    │   │   │   └── BadAnswer    a 2xx answer that breaks the plugin contract
+    │   │   ├── MemberError      (receiver.member_api) a member agent refused a call, answered
+    │   │   │                    something else, or is unreachable
+    │   │   └── (RelayError, and the operator's ApiError)
+    │   ├── StoreError           an object store read or write failed
+    │   │   ├── ObjectNotFound   the key does not exist
+    │   │   └── RelayError       a relay request failed (also an HttpError)
+    │   │       └── RelayNotFound no such payload or manifest at the relay (also ObjectNotFound)
+    │   ├── CheckpointError      a safetensors file or index is unreadable or inconsistent
+    │   │   └── DenseRefused     (runtimes.weights) not this rank's model at that version, or
+    │   │                        outside the checkpoint root; nothing was written
+    │   ├── CommitStoreError     (protocol.commitstore) the commit record is unreadable
+    │   └── JournalError         (receiver.journal) the agent's journal is unreadable
+    │
+    ├── Interrupted              work stopped on purpose; nothing failed: end quietly
+    │   ├── ReceiveStopped       (transport.receive) the receiver was told to stop
+    │   └── Aborted              (serve.gate) a request the gate aborted while it paused
+    │
+    └── RefitError               a refit as a whole did not reach its target; the commit
+        │                        record (or the WeightRefit) says where it stands
+        ├── RefitFailed          (protocol.coordinator) every allowed attempt failed, or too
+        │                        few receivers could take part
+        ├── RefitAborted         (protocol.coordinator) an operator aborted between attempts
+        ├── CommitUnknown        (protocol.coordinator) a commit's outcome could not be
+        │                        learned; nothing was abandoned, the record decides later
+        └── WeightRefitError     (client) a WeightRefit could not be asked for or waited on
+            ├── WeightRefitFailed  its Failed condition is True (``reason``, ``message``)
+            │   └── WeightRefitSuperseded  the fleet committed past it
+            └── WeightRefitTimeout neither committed nor failed in time
 
-Messages are sentences that carry the offending values.
+A server answers a :class:`Refused` with its ``status`` and any other error by its own
+table (:mod:`dcr.http.edge`). Messages are sentences that carry the offending values.
 """
 
 from __future__ import annotations
@@ -105,15 +118,59 @@ class DcrError(Exception):
     """Root of every DCR error."""
 
 
+# --- the groups: what a caller does ------------------------------------------------------
+
 class ConfigError(DcrError):
     """Settings or command-line arguments are invalid."""
 
 
-class CheckpointError(DcrError):
+class Refused(DcrError):
+    """A server refuses a request as written; ``status`` is the HTTP status it answers."""
+
+    status: int = 400
+
+
+class Invalid(Refused):
+    """The request is malformed or names what may not be asked (400)."""
+
+    status = 400
+
+
+class StateConflict(Refused):
+    """The request does not fit the state it meets; read the state again (409)."""
+
+    status = 409
+
+
+class TryLater(Refused):
+    """Not now; the same request may succeed later (503)."""
+
+    status = 503
+
+
+class AttemptError(DcrError):
+    """An attempt failed on this party; the coordinator fails it and retries."""
+
+
+class ExternalError(DcrError):
+    """Something outside this process (a peer, the store, a file) failed or did not answer."""
+
+
+class Interrupted(DcrError):
+    """Work stopped on purpose (a stop, an abort); nothing failed."""
+
+
+class RefitError(DcrError):
+    """A refit as a whole did not reach its target."""
+
+
+# --- the classes defined here -------------------------------------------------------------
+
+class CheckpointError(ExternalError):
     """A checkpoint file or index cannot be read or is inconsistent."""
 
 
-class PayloadError(DcrError):
+class PayloadError(AttemptError):
     """A payload failed validation. Nothing was decoded into or written to a target."""
 
 
@@ -133,11 +190,11 @@ class MalformedPayload(PayloadError):
     """A field of the payload is out of range or inconsistent with another."""
 
 
-class ManifestError(DcrError):
+class ManifestError(AttemptError):
     """A manifest is missing, malformed, or disagrees with the payloads it lists."""
 
 
-class TargetMismatch(DcrError):
+class TargetMismatch(AttemptError):
     """A payload does not fit the tensors it would be applied to."""
 
 
@@ -145,7 +202,7 @@ class WrongBaseVersion(TargetMismatch):
     """The target holds bits that are neither the base nor the target version."""
 
 
-class HttpError(DcrError):
+class HttpError(ExternalError):
     """A peer answered an HTTP call with an error status, or could not be reached.
 
     ``status`` is the HTTP status, or None when no response came. Callers that only care
@@ -157,7 +214,7 @@ class HttpError(DcrError):
         self.status = status
 
 
-class StoreError(DcrError):
+class StoreError(ExternalError):
     """An object store operation failed."""
 
 
@@ -173,5 +230,14 @@ class RelayNotFound(RelayError, ObjectNotFound):
     """The relay holds no such payload or manifest."""
 
 
-class BaselineError(DcrError):
+class BaselineError(StateConflict):
     """An owner was asked to publish from, or advance to, a version it cannot vouch for."""
+
+
+class Busy(TryLater):
+    """Every slot of a bounded pool is taken (publishes, waits); one ends soon (503)."""
+
+
+GROUPS: tuple[type[DcrError], ...] = (ConfigError, Refused, AttemptError, ExternalError,
+                                      Interrupted, RefitError)
+"""The groups every DCR error sits under: what a caller does about it."""

@@ -9,21 +9,33 @@ written through.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import os
+import re
 import stat
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
+from unittest import mock
 
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
 
 from dcr.errors import ConfigError
+from dcr.http.edge import UNAUTHORIZED, host_port
 from dcr.http.tokens import bearer_matches, check_token, read_token, write_token_file
+from dcr.owner.server import EncoderService
+from dcr.owner.server import make_app as encoder_app
+from dcr.receiver.member import MemberService, make_member_app
+from dcr.receiver.server import make_app as agent_app
 from dcr.receiver.main import _token
 from dcr.refit import launch
+from dcr.transport.relay import RelayNode, RelaySettings
 
 GOOD = "0123456789abcdef0123"
 PLACEHOLDER = "change-me-to-a-long-random-token"  # charts/dcr/examples/rolloutfleet.yaml
@@ -120,6 +132,55 @@ def test_an_owner_refuses_a_weak_publish_token_before_it_connects(
 def test_only_the_exact_bearer_header_matches_and_nothing_raises(header: str | None) -> None:
     assert not bearer_matches(header, GOOD)
     assert bearer_matches(f"Bearer {GOOD}", GOOD)
+
+
+# --- the servers' guard ------------------------------------------------------------------
+
+
+def _guarded(app: web.Application, path: str, header: str | None) -> web.StreamResponse:
+    """What ``app``'s guard answers a GET of ``path`` (its handler: a 200)."""
+    async def ok(_: web.Request) -> web.StreamResponse:
+        return web.Response(text="ok")
+
+    headers = {} if header is None else {"Authorization": header}
+    request = make_mocked_request("GET", path, headers=headers, app=app)
+    return asyncio.run(app.middlewares[0](request, ok))
+
+
+def _apps(tmp_path: Path) -> dict[str, web.Application]:
+    store: Any = mock.Mock()  # the guard answers before any call reaches a service
+    members = MemberService("m0", lambda _: store, staging_dir=tmp_path, staging_bytes=1)
+    return {"agent": agent_app(store, GOOD), "member": make_member_app(members, GOOD),
+            "encoder": encoder_app(EncoderService(store, store), GOOD),
+            "relay": RelayNode(RelaySettings(index=0, members=("127.0.0.1:1",), token=GOOD,
+                                             publish_token=GOOD[::-1])).app()}
+
+
+@pytest.mark.parametrize("header", [None, f"Bearer {GOOD}x", "Bearer t\u00f6k"])
+def test_every_server_answers_one_401_with_the_bearer_challenge(
+        tmp_path: Path, header: str | None) -> None:
+    for name, app in _apps(tmp_path).items():
+        r = _guarded(app, "/v1/status", header)
+        assert isinstance(r, web.Response), name
+        assert (r.status, r.headers.get("WWW-Authenticate")) == (401, "Bearer"), name
+        assert json.loads(r.text or "") == UNAUTHORIZED, name
+        assert _guarded(app, "/healthz", header).status == 200, name
+    assert _guarded(_apps(tmp_path)["agent"], "/v1/status", f"Bearer {GOOD}").status == 200
+
+
+@pytest.mark.parametrize(("text", "want"), [
+    ("0.0.0.0:8471", ("0.0.0.0", 8471)), (":0", ("127.0.0.1", 0)),
+    ("[::1]:80", ("[::1]", 80)), (" relay-0.dcr:8470 ", ("relay-0.dcr", 8470))])
+def test_host_port_reads_a_listen_address(text: str, want: tuple[str, int]) -> None:
+    assert host_port(text, "--listen") == want
+
+
+@pytest.mark.parametrize("text", ["8471", "host:", "host:http", "host:65536", "host:-1"])
+def test_host_port_refuses_anything_else_naming_the_value(text: str) -> None:
+    with pytest.raises(ConfigError, match=rf"--listen {re.escape(repr(text))} is not HOST:PORT"):
+        host_port(text, "--listen")
+    with pytest.raises(ConfigError, match="Relay address ':80'"):
+        host_port(":80", "Relay address", default_host=None)
 
 
 # --- token files ------------------------------------------------------------------------

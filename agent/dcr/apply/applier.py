@@ -43,7 +43,7 @@ from dcr.checkpoint import fingerprint
 from dcr.codec import _native  # type: ignore[attr-defined]
 from dcr.codec.decode import DecodedItem, decode
 from dcr.codec.sums import MASK64, span_sum
-from dcr.errors import DcrError, MalformedPayload, TargetMismatch
+from dcr.errors import AttemptError, MalformedPayload, TargetMismatch
 from dcr.format.dtypes import DTYPES
 from dcr.format.payload import (
     DEFAULT_LIMITS,
@@ -79,11 +79,11 @@ class Loader(Protocol):
         ...
 
 
-class DuplicatePayload(DcrError):
+class DuplicatePayload(AttemptError):
     """A payload id was applied before: applying XOR masks twice restores the old bits."""
 
 
-class PayloadConflict(DcrError):
+class PayloadConflict(AttemptError):
     """A payload id was applied before with different bytes."""
 
 

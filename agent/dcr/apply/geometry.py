@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dcr.errors import DcrError
+from dcr.errors import AttemptError
 
 
-class UnsupportedView(DcrError):
+class UnsupportedView(AttemptError):
     """A copy's source or destination view cannot be inverted exactly."""
 
 

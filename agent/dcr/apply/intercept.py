@@ -14,12 +14,12 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dcr.errors import DcrError
+from dcr.errors import AttemptError
 
 aten = torch.ops.aten
 
 
-class LoaderPathError(DcrError):
+class LoaderPathError(AttemptError):
     """The runtime's loader wrote parameter storage in a way DCR cannot honour exactly."""
 
 

@@ -18,26 +18,32 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
+from aiohttp import web
 from pydantic import ValidationError
 
 from dcr.checkpoint import Checkpoint
-from dcr.errors import BaselineError, CheckpointError, ConfigError, DcrError, first_validation_error
+from dcr.errors import (
+    Busy,
+    CheckpointError,
+    ConfigError,
+    Invalid,
+    StateConflict,
+    first_validation_error,
+)
 from dcr.format.manifest import Manifest
-from dcr.http.tokens import bearer_matches, read_token
+from dcr.http.edge import Listening, Statuses, guard, start
+from dcr.http.tokens import read_token
 from dcr.owner.diff import diff_checkpoints, encode_summary
 from dcr.owner.settings import EncodeSettings
 from dcr.protocol.encoder_api import MAX_BODY_BYTES, PublishRequest, StopAnswer, StopRequest
 from dcr.settings import MiB, option
 from dcr.transport.store import Store, open_store
-
-if TYPE_CHECKING:
-    from aiohttp import web
 
 log = logging.getLogger(__name__)
 
@@ -77,19 +83,15 @@ class EncoderServerSettings:
                               "must be positive.")
 
 
-class BadPublish(DcrError):
+class BadPublish(Invalid):
     """A request names something the server refuses (400)."""
 
 
-class PublishConflict(DcrError):
+class PublishConflict(StateConflict):
     """That owner of that attempt is publishing already, or the attempt was stopped (409)."""
 
 
-class Busy(DcrError):
-    """Every publish slot is taken (503)."""
-
-
-class Stopped(DcrError):
+class Stopped(StateConflict):
     """A publish ended early: its attempt was stopped, or its caller went away."""
 
 
@@ -273,36 +275,15 @@ class EncoderService:
         return StopAnswer(attempt=attempt, stopped=len(mine) - running, running=running)
 
 
-Handler = Callable[["web.Request"], Awaitable["web.StreamResponse"]]
-_STATUS: tuple[tuple[type[Exception], int], ...] = (
-    (BadPublish, 400), (CheckpointError, 400), (ConfigError, 400), (BaselineError, 409),
-    (PublishConflict, 409), (Stopped, 409), (Busy, 503))
+# Beside each Refused's own status (BadPublish 400; BaselineError, PublishConflict and
+# Stopped 409; Busy 503): checkpoints a request names that cannot be read, and a request
+# the settings of a publish refuse.
+STATUS = Statuses(rows=((CheckpointError, 400), (ConfigError, 400)))
 
 
 def make_app(service: EncoderService, token: str) -> web.Application:
-    from aiohttp import web
-
     publishes = ThreadPoolExecutor(service.max_publishes, thread_name_prefix="encoder-publish")
     stops = ThreadPoolExecutor(2, thread_name_prefix="encoder-stop")
-
-    def error(status: int, message: str, kind: str) -> web.Response:
-        return web.json_response({"error": message, "kind": kind}, status=status)
-
-    @web.middleware
-    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-        authorized = bearer_matches(request.headers.get("Authorization"), token)
-        if request.path not in OPEN_PATHS and not authorized:
-            return error(401, "Missing or wrong bearer token.", "Unauthorized")
-        try:
-            return await handler(request)
-        except web.HTTPException:
-            raise
-        except Exception as e:
-            status = next((s for cls, s in _STATUS if isinstance(e, cls)), 500)
-            if status == 500:
-                log.exception("encoder call %s failed", request.path)
-            return error(status, str(e) if isinstance(e, DcrError)
-                         else f"{type(e).__name__}: {e}", type(e).__name__)
 
     async def body(request: web.Request, model: type[Any]) -> Any:
         raw = await request.read()  # aiohttp answers 413 beyond client_max_size
@@ -340,7 +321,8 @@ def make_app(service: EncoderService, token: str) -> web.Application:
         publishes.shutdown(wait=False, cancel_futures=True)
         stops.shutdown(wait=False, cancel_futures=True)
 
-    app = web.Application(middlewares=[guard], client_max_size=MAX_BODY_BYTES)
+    app = web.Application(middlewares=[guard(token, STATUS, open_paths=OPEN_PATHS)],
+                          client_max_size=MAX_BODY_BYTES)
     app.on_cleanup.append(shutdown)
     app.add_routes([web.post("/v1/publish", publish), web.post("/v1/stop", stop),
                     web.get("/healthz", healthz)])
@@ -353,29 +335,29 @@ class BackgroundServer:
 
     def __init__(self, service: EncoderService, token: str, *,
                  listen: str = "127.0.0.1:0") -> None:
-        from aiohttp import web
-
-        host, _, port = listen.rpartition(":")
         self._loop = asyncio.new_event_loop()
-        self._runner = web.AppRunner(make_app(service, token), access_log=None,
-                                     handler_cancellation=True)
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="encoder-http")
         self._thread.start()
 
-        async def start() -> int:
-            await self._runner.setup()
-            await web.TCPSite(self._runner, host or "127.0.0.1", int(port)).start()
-            return int(self._runner.addresses[0][1])
+        async def serve() -> Listening:
+            return await start(make_app(service, token), listen, "The warm encoder")
 
-        bound = asyncio.run_coroutine_threadsafe(start(), self._loop).result(30)
-        self.url = f"http://{host or '127.0.0.1'}:{bound}"
+        try:
+            self._server = asyncio.run_coroutine_threadsafe(serve(), self._loop).result(30)
+        except BaseException:
+            self._stop_loop()
+            raise
+        self.url = self._server.url
 
     def close(self) -> None:
         """Stop listening and end the thread (publishes still running are abandoned)."""
         if self._loop.is_closed():
             return
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(30)
+        asyncio.run_coroutine_threadsafe(self._server.close(), self._loop).result(30)
+        self._stop_loop()
+
+    def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(30)
         self._loop.close()

@@ -32,7 +32,7 @@ from typing import Annotated, Any, Generic, Literal, ParamSpec, Protocol, TypeVa
 import urllib3
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from dcr.errors import DcrError, HttpError, first_validation_error
+from dcr.errors import HttpError, Invalid, first_validation_error
 from dcr.format.names import ATTEMPT_PATTERN, Mode
 from dcr.http.direct import check_url, read_bounded, unreachable_reason
 from dcr.protocol.records import Attempt
@@ -141,7 +141,7 @@ class FlushAck(_Body):
     wait_s: float  # seconds the flush call waited
 
 
-class BadRequest(DcrError, ValueError):
+class BadRequest(Invalid, ValueError):
     """A request body failed validation (the message names the field)."""
 
 

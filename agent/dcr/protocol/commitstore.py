@@ -11,11 +11,11 @@ import sqlite3
 from pathlib import Path
 from typing import Protocol
 
-from dcr.errors import DcrError
+from dcr.errors import ExternalError
 from dcr.protocol.records import CommitOutcome, CommitRecord
 
 
-class CommitStoreError(DcrError):
+class CommitStoreError(ExternalError):
     """The commit record could not be read or written."""
 
 

@@ -17,12 +17,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, TypeVar
 
-from dcr.errors import ConfigError, DcrError
+from dcr.errors import ConfigError, DcrError, RefitError, StateConflict
 from dcr.format.payload import Mode
 from dcr.protocol.agent_api import AgentStatus, FlushAck
 from dcr.protocol.commitstore import CommitStore
 from dcr.protocol.records import Attempt, CommitOutcome, CommitRecord, Transition
-from dcr.protocol.state import FINAL, AttemptState
+from dcr.protocol.state import FINAL
+from dcr.protocol.states import AttemptState
 from dcr.settings import option
 
 log = logging.getLogger(__name__)
@@ -30,19 +31,19 @@ T = TypeVar("T")
 _FINAL = frozenset(s.value for s in FINAL)
 
 
-class CommitConflict(DcrError):
+class CommitConflict(StateConflict):
     """The commit record moved under the coordinator: another refit committed first."""
 
 
-class RefitFailed(DcrError):
+class RefitFailed(RefitError):
     """Every allowed attempt failed (or too few receivers could take part)."""
 
 
-class RefitAborted(DcrError):
+class RefitAborted(RefitError):
     """An operator aborted the refit between attempts."""
 
 
-class CommitUnknown(DcrError):
+class CommitUnknown(RefitError):
     """The commit's outcome could not be learned: nothing is abandoned; ``refit`` again
     reads the record and finishes or continues."""
 

@@ -1,4 +1,5 @@
-"""The life of an attempt, as a table of allowed transitions (docs/protocol.md).
+"""The life of an attempt, as a table of allowed transitions between its states
+(:class:`~dcr.protocol.states.AttemptState`, where each is documented; docs/protocol.md).
 
 Synchronous RL closes the gate while payloads stream (``streaming -> gate_closed``),
 asynchronous RL once all are staged (``staged -> gate_closed``). Any state before
@@ -7,23 +8,11 @@ asynchronous RL once all are staged (``staged -> gate_closed``). Any state befor
 
 from __future__ import annotations
 
-import enum
-
-from dcr.errors import DcrError
-
-
-class AttemptState(enum.Enum):
-    PREPARED = "prepared"  # receivers know the attempt id; other attempts' payloads dropped
-    STREAMING = "streaming"  # owners send payloads; receivers validate and stage them
-    STAGED = "staged"  # every expected payload is staged (asynchronous RL waits here)
-    GATE_CLOSED = "gate_closed"  # no new generation requests; weights may change
-    APPLYING = "applying"  # open_apply: payloads applied in declared order
-    FLUSHED = "flushed"  # every receiver acknowledged: all applied, devices synced, checked
-    COMMITTED = "committed"  # the commit record names the target version
-    OBSOLETE = "obsolete"  # abandoned; none of its writes may still happen once stopped
+from dcr.errors import StateConflict
+from dcr.protocol.states import AttemptState
 
 
-class IllegalTransition(DcrError):
+class IllegalTransition(StateConflict):
     """An attempt was asked to move to a state it cannot reach from where it is."""
 
 

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from dcr.drivers.base import Driver
-from dcr.errors import DcrError
+from dcr.errors import AttemptError, StateConflict
 from dcr.format.manifest import Manifest
 from dcr.format.payload import Payload
 from dcr.protocol.agent_api import AttemptSpec
-from dcr.protocol.state import AttemptState
+from dcr.protocol.states import AttemptState
 from dcr.receiver.group import Group
 from dcr.receiver.staging import StagingDir
 from dcr.receiver.weights import short
@@ -27,15 +27,15 @@ from dcr.transport.receive import ReceiveStopped, Source, receive
 S = AttemptState
 
 
-class AgentConflict(DcrError):
+class AgentConflict(StateConflict):
     """The call does not fit the agent's state (wrong attempt, version or gate)."""
 
 
-class AttemptFailed(DcrError):
+class AttemptFailed(AttemptError):
     """The current attempt failed on this agent; the cause is in the message."""
 
 
-class FingerprintMismatch(DcrError):
+class FingerprintMismatch(AttemptError):
     """After an attempt's payloads were applied, a tensor's bits differ from the target
     fingerprint its manifest lists."""
 

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dcr.errors import CheckpointError, DcrError, ManifestError, StoreError
+from dcr.errors import CheckpointError, DcrError, ManifestError, StateConflict, StoreError
 from dcr.files.history import HistoryStore
 from dcr.files.materialize import Materialized, materialize, recorded_version
 from dcr.files.mirror import Generation
@@ -29,7 +29,7 @@ FROM_STORE = "dcr-from-store"  # under the checkpoint root: the version built fr
 HISTORY_TTL_S = 5.0  # how long committed() trusts its last reading
 
 
-class NotVouched(DcrError):
+class NotVouched(StateConflict):
     """The store's history does not vouch for a version, or it cannot be built from it."""
 
 

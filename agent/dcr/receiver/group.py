@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from dcr.errors import DcrError
+from dcr.errors import AttemptError
 from dcr.protocol.agent_api import AttemptSpec
 from dcr.receiver.member_api import MemberClient, MemberError
 
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 POLL_S = (0.01, 0.25)  # first and longest wait between two looks at a member's staging
 
 
-class GroupError(DcrError):
+class GroupError(AttemptError):
     """A member cannot stage, hold or build what the leader needs: the attempt (or the
     dense load) fails, naming the member and why."""
 

@@ -11,10 +11,10 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dcr.errors import DcrError
+from dcr.errors import ExternalError
 
 
-class JournalError(DcrError):
+class JournalError(ExternalError):
     """The journal cannot be read or written."""
 
 

@@ -167,53 +167,39 @@ def attach_in_background(service: AgentService) -> threading.Thread:
 
 
 async def _serve(service: AgentService, token: str, s: AgentSettings) -> None:
-    from aiohttp import web
-
+    from dcr.http.edge import start
     from dcr.receiver.server import make_app
 
-    host, _, port = s.listen.rpartition(":")
     app = make_app(service, token, max_waits=s.max_waits,
                    liveness_timeout_s=s.liveness_timeout_s)
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, host or "127.0.0.1", int(port))
-    await site.start()
-    bound = runner.addresses[0][1]
-    shown: dict[str, Any] = {"url": f"http://{host or '127.0.0.1'}:{bound}",
-                             "name": service.name, "version": service.snapshot().version}
+    server = await start(app, s.listen, f"Agent {service.name!r}")
+    shown: dict[str, Any] = {"url": server.url, "name": service.name,
+                             "version": service.snapshot().version}
     if s.client_listen:
         from dcr.http.gateway import make_gateway
 
-        chost, _, cport = s.client_listen.rpartition(":")
-        clients = web.AppRunner(make_gateway(s.engine_url, s.client_route), access_log=None)
-        await clients.setup()
-        await web.TCPSite(clients, chost or "127.0.0.1", int(cport)).start()
-        shown["client_url"] = f"http://{chost or '127.0.0.1'}:{clients.addresses[0][1]}"
+        clients = await start(make_gateway(s.engine_url, s.client_route), s.client_listen,
+                              f"Agent {service.name!r}'s client door",
+                              handler_cancellation=False)
+        shown["client_url"] = clients.url
     print(json.dumps(shown), flush=True)
     attach_in_background(service)
     try:
         await asyncio.Event().wait()
     finally:
-        await runner.cleanup()
+        await server.close()
 
 
 async def _serve_member(member: MemberService, token: str, s: AgentSettings) -> None:
-    from aiohttp import web
-
+    from dcr.http.edge import start
     from dcr.receiver.member import make_member_app
 
-    host, _, port = s.listen.rpartition(":")
-    runner = web.AppRunner(make_member_app(member, token), access_log=None,
-                           handler_cancellation=True)
-    await runner.setup()
-    await web.TCPSite(runner, host or "127.0.0.1", int(port)).start()
-    bound = runner.addresses[0][1]
-    print(json.dumps({"url": f"http://{host or '127.0.0.1'}:{bound}", "name": member.name,
-                      "role": "member"}), flush=True)
+    server = await start(make_member_app(member, token), s.listen, f"Member {member.name!r}")
+    print(json.dumps({"url": server.url, "name": member.name, "role": "member"}), flush=True)
     try:
         await asyncio.Event().wait()
     finally:
-        await runner.cleanup()
+        await server.close()
 
 
 def run(s: AgentSettings) -> int:

@@ -21,18 +21,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dcr.errors import DcrError
+from dcr.errors import DcrError, StateConflict
 from dcr.format.payload import Payload
-from dcr.protocol.agent_api import AttemptSpec
+from dcr.http.edge import Statuses, guard
+from dcr.protocol.agent_api import AttemptSpec, BadRequest
 from dcr.receiver.fromstore import FromStore
-from dcr.receiver.member_api import MemberStatus
+from dcr.receiver.member_api import MemberError, MemberStatus, parse
 from dcr.receiver.staging import StagingDir
 from dcr.transport.receive import ReceiveStopped, Source, receive
 
 log = logging.getLogger(__name__)
+# Beside each Refused's own status (BadRequest 400; MemberConflict, NotVouched 409): any
+# other DCR error is what the member cannot do now (409).
+STATUS = Statuses(rows=((DcrError, 409),))
 
 
-class MemberConflict(DcrError):
+class MemberConflict(StateConflict):
     """A call this member cannot answer as asked (an attempt it does not hold)."""
 
 
@@ -188,60 +192,46 @@ def make_member_app(service: MemberService, token: str) -> Any:
 
     from aiohttp import web
 
-    from dcr.http.tokens import bearer_matches
-    from dcr.receiver.member_api import Dense, End, MemberError, Release, parse
+    from dcr.receiver.member_api import Dense, End, Release
 
     pool = ThreadPoolExecutor(4, thread_name_prefix="member")
     dense_pool = ThreadPoolExecutor(1, thread_name_prefix="member-dense")
 
-    def error(status: int, message: str, kind: str) -> web.Response:
-        return web.json_response({"error": message, "kind": kind}, status=status)
-
-    @web.middleware
-    async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
-        authorized = bearer_matches(request.headers.get("Authorization"), token)
-        if request.path != "/healthz" and not authorized:
-            return error(401, "Missing or wrong bearer token.", "Unauthorized")
-        try:
-            response: web.StreamResponse = await handler(request)
-            return response
-        except MemberError as e:
-            return error(400, str(e), "BadRequest")
-        except DcrError as e:  # MemberConflict, NotVouched: what it cannot do now
-            return error(409, str(e), type(e).__name__)
-        except Exception as e:  # the message names the value; the stack goes to the log
-            log.exception("member call %s failed", request.path)
-            return error(500, f"{type(e).__name__}: {e}", type(e).__name__)
-
     async def run(fn: Any, *args: Any, on: ThreadPoolExecutor = pool) -> Any:
         return await asyncio.get_running_loop().run_in_executor(on, fn, *args)
+
+    def body(model: type[Any], raw: bytes | dict[str, Any]) -> Any:
+        try:
+            return parse(model, raw)
+        except MemberError as e:  # a request the member refuses as written
+            raise BadRequest(str(e)) from None
 
     def answer(status: MemberStatus) -> web.Response:
         return web.Response(body=status.model_dump_json(), content_type="application/json")
 
     async def stage(request: web.Request) -> web.StreamResponse:
-        spec = parse(AttemptSpec, await request.read())
+        spec = body(AttemptSpec, await request.read())
         return answer(await run(service.stage, spec))
 
     async def status(request: web.Request) -> web.StreamResponse:
-        body = parse(End, {"attempt": request.query.get("attempt", "")})
-        return answer(await run(service.status, body.attempt))
+        ref = body(End, {"attempt": request.query.get("attempt", "")})
+        return answer(await run(service.status, ref.attempt))
 
     async def release(request: web.Request) -> web.StreamResponse:
-        body = parse(Release, await request.read())
+        names = body(Release, await request.read())
         try:
-            body.checked()
+            names.checked()
         except DcrError as e:
-            raise MemberError(str(e)) from None
-        return answer(await run(service.release, body.attempt, body.names))
+            raise BadRequest(str(e)) from None
+        return answer(await run(service.release, names.attempt, names.names))
 
     async def end(request: web.Request) -> web.StreamResponse:
-        body = parse(End, await request.read())
-        return answer(await run(service.end, body.attempt))
+        ref = body(End, await request.read())
+        return answer(await run(service.end, ref.attempt))
 
     async def dense(request: web.Request) -> web.StreamResponse:
-        body = parse(Dense, await request.read())
-        built = await run(service.dense, body.version, on=dense_pool)
+        req = body(Dense, await request.read())
+        built = await run(service.dense, req.version, on=dense_pool)
         return web.json_response({"checkpoint": built})
 
     async def healthz(_: web.Request) -> web.StreamResponse:
@@ -251,7 +241,8 @@ def make_member_app(service: MemberService, token: str) -> Any:
         pool.shutdown(wait=False, cancel_futures=True)
         dense_pool.shutdown(wait=False, cancel_futures=True)
 
-    app = web.Application(middlewares=[guard], client_max_size=1 << 20)
+    app = web.Application(middlewares=[guard(token, STATUS, open_paths={"/healthz"})],
+                          client_max_size=1 << 20)
     app.add_routes([web.post("/v1/member/stage", stage), web.get("/v1/member/status", status),
                     web.post("/v1/member/release", release), web.post("/v1/member/end", end),
                     web.post("/v1/member/dense", dense), web.get("/healthz", healthz)])

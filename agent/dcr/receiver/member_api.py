@@ -25,14 +25,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from dcr.drivers.base import check_staged_name
 from dcr.drivers.errors import EngineError
 from dcr.drivers.http import JsonHttp
-from dcr.errors import DcrError, first_validation_error
+from dcr.errors import HttpError, first_validation_error
 from dcr.format.names import ATTEMPT_PATTERN
 from dcr.protocol.agent_api import AttemptSpec
 
 MAX_NAMES = 1 << 16  # staged names in one answer or release
 
 
-class MemberError(DcrError):
+class MemberError(HttpError):
     """A member agent refused a call, answered something else, or did not answer."""
 
 

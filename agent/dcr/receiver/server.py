@@ -9,31 +9,29 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
-import logging
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from dcr.drivers.errors import EngineError
+from dcr.errors import Busy
+from dcr.http.edge import Statuses, guard
 from dcr.http.prometheus import Family, render
-from dcr.http.tokens import bearer_matches
-from dcr.protocol.agent_api import AgentApi, AttemptDeadline, BadRequest, Call, parse_body
-from dcr.protocol.state import IllegalTransition
-from dcr.receiver.service import AgentConflict, AgentService, AttemptFailed
+from dcr.protocol.agent_api import AgentApi, AttemptDeadline, Call, parse_body
+from dcr.receiver.service import AgentService, AttemptFailed
 from dcr.receiver.settings import AgentSettings
 
-log = logging.getLogger(__name__)
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 # Which pool runs a call (by its row's name; "control" otherwise), and each pool's threads.
 POOLS = {"status": "status", "stop_and_wait": "stop", "wait_staged": "wait", "flush": "wait"}
 POOL_THREADS = {"status": 2, "stop": 2, "control": 4}  # "wait": max_waits
 DISCONNECT_POLL_S = 0.2  # how often a wait looks whether its client is still there
+# Beside each Refused's own status (BadRequest 400, AgentConflict and IllegalTransition 409,
+# Busy 503): an attempt that failed here, and an engine that failed or did not answer.
+STATUS = Statuses(rows=((AttemptFailed, 422), (EngineError, 503)))
 
 
 if TYPE_CHECKING:
@@ -42,10 +40,6 @@ if TYPE_CHECKING:
     def _in_process(service: AgentService) -> ReceiverHandle:
         """mypy holds the service to the seam that these routes serve over HTTP."""
         return service
-
-
-def _error(status: int, message: str, kind: str) -> web.Response:
-    return web.json_response({"error": message, "kind": kind}, status=status)
 
 
 def make_app(service: AgentService, token: str, *, max_waits: int = AgentSettings.max_waits,
@@ -62,10 +56,8 @@ def make_app(service: AgentService, token: str, *, max_waits: int = AgentSetting
     async def wait(request: web.Request, fn: Callable[..., Any], key: AttemptDeadline) -> Any:
         """Run a waiting call; set its key's ``cancel`` when the client goes away."""
         if waits.locked():
-            raise web.HTTPServiceUnavailable(
-                text=json.dumps({"error": f"{service.name}: {max_waits} waits are in "
-                                 "progress; try again when one has ended.", "kind": "Busy"}),
-                content_type="application/json")
+            raise Busy(f"{service.name}: {max_waits} waits are in progress; try again when "
+                       "one has ended.")
         cancel = threading.Event()
         async with waits:
             job = asyncio.ensure_future(run("wait", fn, dataclasses.replace(key,
@@ -79,27 +71,6 @@ def make_app(service: AgentService, token: str, *, max_waits: int = AgentSetting
                     cancel.set()
                     pools["stop"].submit(service.wake)
             return await job
-
-    @web.middleware
-    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-        authorized = bearer_matches(request.headers.get("Authorization"), token)  # total
-        if request.path not in OPEN_PATHS and not authorized:
-            return _error(401, "Missing or wrong bearer token.", "Unauthorized")
-        try:
-            return await handler(request)
-        except BadRequest as e:
-            return _error(400, str(e), "BadRequest")
-        except (AgentConflict, IllegalTransition) as e:
-            return _error(409, str(e), type(e).__name__)
-        except AttemptFailed as e:
-            return _error(422, str(e), type(e).__name__)
-        except EngineError as e:  # the engine failed the call or did not answer
-            return _error(503, str(e), type(e).__name__)
-        except web.HTTPException:
-            raise
-        except Exception as e:  # the message names the value; the stack goes to the log
-            log.exception("agent call %s failed", request.path)
-            return _error(500, f"{type(e).__name__}: {e}", type(e).__name__)
 
     def route(call: Call[..., Any, Any]) -> web.RouteDef:
         fn: Callable[..., Any] = getattr(service, call.name)
@@ -145,7 +116,8 @@ def make_app(service: AgentService, token: str, *, max_waits: int = AgentSetting
         for pool in pools.values():
             pool.shutdown(wait=False, cancel_futures=True)
 
-    app = web.Application(middlewares=[guard], client_max_size=1 << 20)
+    app = web.Application(middlewares=[guard(token, STATUS, open_paths=OPEN_PATHS)],
+                          client_max_size=1 << 20)
     app.on_cleanup.append(shutdown)
     app.add_routes([
         *(route(call) for call in AgentApi.calls()),

@@ -12,6 +12,7 @@ from typing import Literal
 
 from dcr.errors import ConfigError
 from dcr.http.direct import check_url
+from dcr.http.edge import host_port
 from dcr.settings import GiB, MiB, option
 
 CLIENT_ROUTES: tuple[str, ...] = (
@@ -143,15 +144,9 @@ class AgentSettings:
         if len(given) != 1:
             raise ConfigError(f"Agent {self.name!r}: give exactly one of --store and --relay; "
                               f"got store={self.store!r}, relay={self.relay!r}.")
-        _, sep, port = self.listen.rpartition(":")
-        if not sep or not port.isdigit() or int(port) > 65535:
-            raise ConfigError(f"Agent {self.name!r}: --listen {self.listen!r} is not "
-                              "HOST:PORT.")
+        host_port(self.listen, f"Agent {self.name!r}: --listen")
         if self.client_listen is not None:
-            _, sep, cport = self.client_listen.rpartition(":")
-            if not sep or not cport.isdigit() or int(cport) > 65535:
-                raise ConfigError(f"Agent {self.name!r}: --client-listen "
-                                  f"{self.client_listen!r} is not HOST:PORT.")
+            host_port(self.client_listen, f"Agent {self.name!r}: --client-listen")
             from dcr.http.gateway import parse_routes
 
             try:

@@ -16,11 +16,11 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dcr.errors import DcrError, first_validation_error
+from dcr.errors import Invalid, first_validation_error
 from dcr.serve.gate import Aborted, PauseGate
 
 
-class BadCompletion(DcrError, ValueError):
+class BadCompletion(Invalid, ValueError):
     """A completion body the server refuses (the message names the field or value)."""
 
 

@@ -13,16 +13,16 @@ import threading
 from dataclasses import dataclass
 from typing import Literal
 
-from dcr.errors import DcrError
+from dcr.errors import Interrupted, TryLater
 
 Mode = Literal["abort", "wait", "keep"]
 
 
-class Paused(DcrError):
+class Paused(TryLater):
     """The gate refuses new completions (vLLM answers 503 until /resume)."""
 
 
-class Aborted(DcrError):
+class Aborted(Interrupted):
     """A pause in ``abort`` mode ended this completion."""
 
 

@@ -42,24 +42,17 @@ def api_key(s: ServeSettings) -> str | None:
 
 
 async def _serve(s: ServeSettings, key: str | None) -> None:
-    from aiohttp import web
-
+    from dcr.http.edge import start
     from dcr.serve.server import make_app, new_workers
 
     workers = new_workers(s, key)
-    runner = web.AppRunner(make_app(s, workers, key), access_log=None,
-                           handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, s.host.strip("[]"), s.port)
-    await site.start()
-    bound = runner.addresses[0][1]
-    print(json.dumps({"url": f"http://{s.host}:{bound}", "runtime": s.runtime,
-                      "ranks": s.ranks}), flush=True)
-    log.info("serving %s (%s, ranks %s) on %s:%s", s.model, s.runtime, s.ranks, s.host, bound)
+    server = await start(make_app(s, workers, key), s.listen, "dcr serve")
+    print(json.dumps({"url": server.url, "runtime": s.runtime, "ranks": s.ranks}), flush=True)
+    log.info("serving %s (%s, ranks %s) on %s", s.model, s.runtime, s.ranks, server.url)
     try:
         await asyncio.Event().wait()
     finally:
-        await runner.cleanup()
+        await server.close()
 
 
 def run(s: ServeSettings) -> int:

@@ -10,28 +10,33 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Annotated, Any
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dcr.errors import DcrError, first_validation_error
+from dcr.errors import DcrError, Invalid, TryLater, first_validation_error
 from dcr.http.direct import excerpt
+from dcr.http.edge import Statuses, guard
 from dcr.http.prometheus import Family, render
-from dcr.http.tokens import bearer_matches
 from dcr.serve.completions import greedy, parse_completion, response
-from dcr.serve.gate import Mode, Paused, PauseGate
+from dcr.serve.gate import Mode, PauseGate
 from dcr.serve.settings import ServeSettings
 from dcr.serve.workers import Workers
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers carry no secret
 MODES: tuple[Mode, ...] = ("abort", "wait", "keep")
 MESSAGE_CHARS = 500  # characters of an error message
+# Beside each Refused's own status (ServeRefused, BadCompletion, UnknownMethod 400;
+# Unavailable, Paused 503), as vLLM answers: any other DCR error or ValueError is the
+# request's (400), a route this runtime lacks is 501.
+STATUS = Statuses(rows=((DcrError, 400), (ValueError, 400), (NotImplementedError, 501)))
+ERROR_TYPES = {400: "BadRequestError", 501: "NotImplementedError",
+               503: "ServiceUnavailableError"}  # vLLM's error "type" by status
 
 
 class RpcBody(BaseModel):
@@ -49,15 +54,17 @@ class VersionBody(BaseModel):
     new_version: Annotated[str, Field(max_length=256)]
 
 
-class ServeRefused(DcrError, ValueError):
+class ServeRefused(Invalid, ValueError):
     """A request the server refuses (400)."""
 
 
-class Unavailable(DcrError):
+class Unavailable(TryLater):
     """Not now (503): busy."""
 
 
-def _error(status: int, message: str, kind: str) -> web.Response:
+def _error(status: int, message: str, _: str) -> web.Response:
+    """An error in vLLM's (OpenAI's) shape; its ``type`` says the status, not the class."""
+    kind = ERROR_TYPES.get(status, "InternalServerError")
     return web.json_response({"error": {"message": excerpt(message, MESSAGE_CHARS),
                                         "type": kind, "param": None, "code": status}},
                              status=status)
@@ -91,25 +98,6 @@ class State:
 
 def make_app(s: ServeSettings, workers: Workers, api_key: str | None) -> web.Application:
     st = State(s, workers)
-
-    @web.middleware
-    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if (api_key is not None and request.path not in OPEN_PATHS
-                and not bearer_matches(request.headers.get("Authorization"), api_key)):
-            return web.json_response({"error": "Unauthorized"}, status=401)
-        try:
-            return await handler(request)
-        except (Paused, Unavailable) as e:
-            return _error(503, str(e), "ServiceUnavailableError")
-        except (DcrError, ValueError) as e:
-            return _error(400, str(e), "BadRequestError")
-        except NotImplementedError as e:
-            return _error(501, str(e), "NotImplementedError")
-        except web.HTTPException:
-            raise
-        except Exception as e:  # the sentence names the value; the stack goes to the log
-            log.exception("%s %s failed", request.method, request.path)
-            return _error(500, f"{type(e).__name__}: {e}", "InternalServerError")
 
     async def collective_rpc(request: web.Request) -> web.StreamResponse:
         body: RpcBody = _parse(RpcBody, await request.read())
@@ -184,7 +172,9 @@ def make_app(s: ServeSettings, workers: Workers, api_key: str | None) -> web.App
         for pool in st.pools.values():
             pool.shutdown(wait=False, cancel_futures=True)
 
-    app = web.Application(middlewares=[guard], client_max_size=s.max_body_bytes)
+    app = web.Application(middlewares=[guard(api_key, STATUS, open_paths=OPEN_PATHS,
+                                             render=_error)],
+                          client_max_size=s.max_body_bytes)
     app.on_cleanup.append(shutdown)
     app.add_routes([
         web.post("/collective_rpc", collective_rpc),

@@ -14,6 +14,7 @@ from typing import Literal
 
 from dcr.errors import ConfigError
 from dcr.http.direct import check_url
+from dcr.http.edge import host_port
 from dcr.settings import option
 
 API_KEY_ENV = "DCR_SERVE_API_KEY"
@@ -90,9 +91,7 @@ class ServeSettings:
                                  "of a large model lists every tensor")
 
     def __post_init__(self) -> None:
-        _, sep, port = self.listen.rpartition(":")
-        if not sep or not port.isdigit() or int(port) > 65535:
-            raise ConfigError(f"--listen {self.listen!r} is not HOST:PORT.")
+        host_port(self.listen, "--listen")
         if self.runtime == "hf" and (self.tp_size != 1 or self.pp_size != 1 or self.fp8
                                      or self.expert_parallel):
             raise ConfigError(f"--runtime hf holds one rank in BF16; --tp-size {self.tp_size}, "
@@ -116,11 +115,11 @@ class ServeSettings:
 
     @property
     def host(self) -> str:
-        return self.listen.rpartition(":")[0] or "127.0.0.1"
+        return host_port(self.listen, "--listen")[0]
 
     @property
     def port(self) -> int:
-        return int(self.listen.rpartition(":")[2])
+        return host_port(self.listen, "--listen")[1]
 
     @property
     def loopback(self) -> bool:

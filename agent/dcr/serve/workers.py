@@ -22,7 +22,7 @@ from transformers import PreTrainedModel
 from dcr.apply.applier import Loader
 from dcr.checkpoint import Checkpoint
 from dcr.drivers.vllm import VllmDriver
-from dcr.errors import DcrError
+from dcr.errors import Invalid
 from dcr.protocol.engine_api import METHODS
 from dcr.runtimes import build_runtime
 from dcr.runtimes.hf import HFRuntime
@@ -89,7 +89,7 @@ def build_workers(s: ServeSettings, rank_options: dict[str, Any] | None = None
     return workers
 
 
-class UnknownMethod(DcrError, ValueError):
+class UnknownMethod(Invalid, ValueError):
     """``/collective_rpc`` named a method that is not one of the plugin's."""
 
 

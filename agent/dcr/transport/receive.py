@@ -19,7 +19,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
-from dcr.errors import DcrError, ManifestError, ObjectNotFound
+from dcr.errors import Interrupted, ManifestError, ObjectNotFound
 from dcr.format.layout import (
     attempt_prefix,
     manifest_key,
@@ -46,7 +46,7 @@ PayloadId = tuple[int, int]  # (owner, seq)
 Release = Literal["when_listed", "on_arrival"]
 
 
-class ReceiveStopped(DcrError):
+class ReceiveStopped(Interrupted):
     """The receiver was told to stop (its attempt became obsolete)."""
 
 

@@ -26,11 +26,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from dcr.errors import ConfigError, RelayError
 from dcr.format.names import ATTEMPT_PATTERN, object_hasher
 from dcr.format.payload import PREAMBLE_SIZE
+from dcr.http.edge import Listening, Statuses, answer_errors, json_error, start, unauthorized
 from dcr.http.tokens import bearer_matches
 from dcr.transport.relay.client import RelayClient
 from dcr.transport.relay.settings import MiB, RelaySettings
 from dcr.transport.relay.staging import Blob, Staging, staged_body, verify
-from dcr.transport.relay.tree import ancestors_of, children_of, parent_of, parse_address
+from dcr.transport.relay.tree import ancestors_of, children_of, parent_of
 from dcr.transport.relay.wire import (
     MAX_LIST_WAIT_S,
     Chunk,
@@ -48,6 +49,8 @@ Role = Literal["read", "publish"]
 WRITES = frozenset({"PUT", "DELETE", "POST"})  # push, drop, subscribe: the publish token
 _Attempt = Annotated[str, Field(pattern=ATTEMPT_PATTERN)]
 _TAG = re.compile(r"[0-9a-f]{1,64}")
+# A RelayRefused answers its own status; any other error is aiohttp's 500.
+STATUS = Statuses(otherwise=None)
 
 
 class _Subscription(BaseModel):
@@ -112,7 +115,7 @@ class RelayNode:
         self._inflight: dict[tuple[int, str], set[asyncio.Task[Any]]] = {}
         self._clients: dict[int, RelayClient] = {}
         self._session: aiohttp.ClientSession | None = None
-        self._runner: web.AppRunner | None = None
+        self._server: Listening | None = None
         self._spool: Path | None = None
         self._change = asyncio.Event()  # set (and replaced) whenever a blob is staged
 
@@ -142,14 +145,13 @@ class RelayNode:
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=s.connect_timeout_s)
         )
-        self._runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=1.0)
-        await self._runner.setup()
-        host, port = parse_address(s.listen)
         try:
-            await web.TCPSite(self._runner, host, port, reuse_address=True).start()
-        except OSError as e:
+            self._server = await start(self.app(), s.listen, f"Relay member {s.index}",
+                                       handler_cancellation=False, shutdown_timeout=1.0,
+                                       reuse_address=True)
+        except ConfigError:
             await self.stop()
-            raise ConfigError(f"Relay member {s.index} cannot listen on {s.listen}: {e}.") from e
+            raise
         if self.static_parent is not None:
             self._spawn(self._watch_parent())
         log.info("relay member %d of %d listening on %s (parent %s, children %s, budget %d "
@@ -160,8 +162,8 @@ class RelayNode:
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._runner is not None:
-            await self._runner.cleanup()
+        if self._server is not None:
+            await self._server.close()
         if self._session is not None:
             await self._session.close()
         if self._spool is not None:
@@ -214,20 +216,12 @@ class RelayNode:
             role = self._role(request.headers.get("Authorization"))
             if role is None:
                 self.counters["unauthorized"] += 1
-                return web.json_response(
-                    {"error": "missing or wrong bearer token"}, status=401,
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
+                return unauthorized()
             if request.method in WRITES and role != "publish":
                 self.counters["forbidden"] += 1
-                return web.json_response(
-                    {"error": "the read token cannot push, delete or subscribe; that takes "
-                              "the publish token"}, status=403,
-                )
-        try:
-            return await handler(request)
-        except RelayRefused as e:
-            return web.json_response({"error": str(e)}, status=e.status)
+                return json_error(403, "the read token cannot push, delete or subscribe; "
+                                  "that takes the publish token", "Forbidden")
+        return await answer_errors(request, handler, STATUS)
 
     def _role(self, header: str | None) -> Role | None:
         """What an ``Authorization`` header may do: publish (also read), read, or nothing."""
@@ -312,7 +306,7 @@ class RelayNode:
             log.info("upload of %s broke off after %d of %d bytes: %r",
                      key.label, blob.received, size, str(e) or type(e).__name__)
             if isinstance(e, ConnectionError):
-                return web.json_response({"error": "body broke off"}, status=400)
+                return json_error(400, "body broke off", "BrokenBody")
             raise
         self.staging.commit(blob, digest)
         self._change.set()  # wake listings waiting for a change

@@ -5,7 +5,7 @@ Every node derives the same tree from the same list (docs/relay.md, "Choices, an
 
 from __future__ import annotations
 
-from dcr.errors import ConfigError
+from dcr.http.edge import host_port
 
 
 def parent_of(index: int, fanout: int) -> int | None:
@@ -40,8 +40,6 @@ def tree_depth(size: int, fanout: int) -> int:
 
 
 def parse_address(text: str) -> tuple[str, int]:
-    """``"host:port"`` -> ``(host, port)``; ConfigError names the value otherwise."""
-    host, sep, port = text.strip().rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"Relay address {text!r} is not host:port.")
-    return host, int(port)
+    """``"host:port"`` -> ``(host, port)``, a host required; ConfigError names the value
+    otherwise."""
+    return host_port(text, "Relay address", default_host=None)

@@ -13,14 +13,14 @@ from typing import Literal
 
 from aiohttp import web
 
-from dcr.errors import DcrError
+from dcr.errors import Refused
 from dcr.format.names import ATTEMPT_RE
 
 MAX_ID = 2**31 - 1  # largest owner or seq (FORMAT.md)
 Chunk = bytes | memoryview
 
 
-class RelayRefused(DcrError):
+class RelayRefused(Refused):
     """Raised inside a handler; the middleware answers ``status`` with the message."""
 
     def __init__(self, status: int, message: str) -> None:
