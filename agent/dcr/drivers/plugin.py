@@ -3,7 +3,7 @@
 :class:`PluginDriver` implements the calls of :class:`~dcr.drivers.base.Driver` that are
 rows of :class:`~dcr.protocol.engine_api.EngineApi` on one primitive each adapter supplies
 (``_plugin``: carry a call to every rank, return the answers), and checks the answers like
-any input from a peer: one of the row's answer model per rank, ranks exactly
+any input from a peer: one answer of the row's model per rank, ranks exactly
 ``0..world-1``. docs/engines.md, "The plugin".
 """
 
