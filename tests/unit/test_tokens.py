@@ -31,9 +31,9 @@ from dcr.http.edge import UNAUTHORIZED, host_port
 from dcr.http.tokens import bearer_matches, check_token, read_token, write_token_file
 from dcr.owner.server import EncoderService
 from dcr.owner.server import make_app as encoder_app
+from dcr.receiver.main import _token
 from dcr.receiver.member import MemberService, make_member_app
 from dcr.receiver.server import make_app as agent_app
-from dcr.receiver.main import _token
 from dcr.refit import launch
 from dcr.transport.relay import RelayNode, RelaySettings
 
