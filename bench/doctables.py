@@ -1,5 +1,6 @@
-"""The number tables of docs/benchmarks.md, apply.md, trainer.md and evaluation.md (outside
-the part ``bench/evaluate.py`` writes), written from bench/results.
+"""The number tables of docs/benchmarks.md, apply.md, trainer.md, evaluation-catchup.md and
+evaluation-peer.md, written from bench/results (``bench/evaluate.py`` writes
+docs/evaluation.md's).
 
 Each table sits between ``<!-- table NAME -->`` and ``<!-- /table -->`` in its doc and is
 written from the JSON a benchmark left; the prose around the markers is written by hand.
@@ -215,7 +216,7 @@ def expand() -> str:
                   "of which expand s", "bit-exact"], rows, left=(0, 9))
 
 
-# --- docs/evaluation.md -------------------------------------------------------------------
+# --- docs/evaluation-catchup.md, docs/evaluation-peer.md -----------------------------------
 
 WAYS = {"replay": "replay the committed deltas", "snapshot": "snapshot + the deltas after it",
         "mirror": "copy the rollout cluster's mirror", "full": "download the full checkpoint"}
@@ -267,7 +268,7 @@ def rank_owner() -> str:
                   "host memory / shard"], rows)
 
 
-# --- docs/protocol.md --------------------------------------------------------------------
+# --- docs/benchmarks.md, region sums -------------------------------------------------------
 
 
 def region_sums() -> str:
@@ -281,12 +282,12 @@ def region_sums() -> str:
 TABLES: dict[str, dict[str, Callable[[], str]]] = {
     "docs/benchmarks.md": {"codec-size": codec_size, "codec-speed": codec_speed,
                            "manifest": manifest, "transport": transport,
-                           "protocol": protocol},
+                           "protocol": protocol, "region-sums": region_sums},
     "docs/apply.md": {"coverage": coverage, "engines": engines, "reference": reference,
                       "expand": expand},
-    "docs/evaluation.md": {"catchup": catchup, "peer": peer},
+    "docs/evaluation-catchup.md": {"catchup": catchup},
+    "docs/evaluation-peer.md": {"peer": peer},
     "docs/trainer.md": {"rank-owner": rank_owner},
-    "docs/protocol.md": {"region-sums": region_sums},
 }
 
 

@@ -1,4 +1,4 @@
-"""The refit protocol's fault-injection matrix over in-process parties (docs/protocol.md).
+"""The refit protocol's fault-injection matrix over in-process parties (docs/failures.md).
 
 Every scenario runs a real fleet: three receivers (two vLLM-layout TP ranks of the
 reference runtime and a transformers ``LlamaForCausalLM``), each an ``AgentService``

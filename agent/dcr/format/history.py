@@ -5,8 +5,8 @@ and that attempt's manifest parts by size and digest) and the **snapshots** kept
 index object by size and digest). A **snapshot index** names the files of one version's
 checkpoint, each in pieces by size and digest, and every tensor's fingerprint. So one
 digest of the history vouches for everything a catch-up fetches: parts name payloads by
-digest, and fingerprints check the bits before and after every step (docs/protocol.md,
-"Catch-up from the store").
+digest, and fingerprints check the bits before and after every step (docs/catch-up.md,
+"The trust chain").
 """
 
 from __future__ import annotations

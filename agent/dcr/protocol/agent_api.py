@@ -1,7 +1,7 @@
 """The agent's HTTP control API, declared once: one table of calls, bodies and a client.
 
 :class:`AgentApi` is the table; the aiohttp routes, :class:`AgentClient` and the operator's
-``TrackedReceiver`` are built from it (docs/protocol.md, "The agent's HTTP API"). A new call
+``TrackedReceiver`` are built from it (docs/agent-api.md, "One table"). A new call
 is one row here and one ``AgentService`` method. A test keeps this list equal to
 :meth:`AgentApi.describe`::
 

@@ -5,7 +5,7 @@ A build goes to ``dcr-from-store`` under the checkpoint root (the pod's own volu
 the engine reads too): the last build advanced by the committed deltas (its version is
 recorded there), else the seed (the checkpoint the engine started from) advanced, else a
 snapshot and the deltas after it (:func:`~dcr.files.materialize.materialize`).
-docs/protocol.md, "Catch-up from the store".
+docs/catch-up.md, "The agent".
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 One route per row of :class:`~dcr.protocol.agent_api.AgentApi`. Blocking calls never run on
 the event loop, and each kind of call has its own pool (:data:`POOLS`), so waits cannot
-starve ``status`` or ``stop`` (docs/protocol.md, "The agent's HTTP API").
+starve ``status`` or ``stop`` (docs/agent-api.md, "Threads, locks and waits").
 """
 
 from __future__ import annotations
