@@ -35,7 +35,7 @@ from dcr.format.profile import coverage, merge
 from dcr.owner.diff import diff_checkpoints
 from dcr.owner.settings import EncodeSettings
 from dcr.runtimes.hf import HFRuntime
-from dcr.runtimes.vllm import VllmRuntime
+from dcr.runtimes.loader import VllmRuntime
 from dcr.runtimes.vllm_reference import (
     ReferenceConfig,
     ReferenceModel,

@@ -70,7 +70,7 @@ from dcr.format.layout import manifest_key
 from dcr.format.profile import ReceiverProfile
 from dcr.owner.diff import diff_checkpoints
 from dcr.owner.settings import EncodeSettings
-from dcr.runtimes.vllm import VllmRuntime
+from dcr.runtimes.loader import VllmRuntime
 from dcr.transport.store import MemoryStore
 
 OUT = Path(__file__).resolve().parent / "results" / "engines.json"

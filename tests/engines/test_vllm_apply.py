@@ -27,7 +27,7 @@ from dcr.checkpoint import Checkpoint
 from dcr.format.payload import Mode
 from dcr.owner.diff import diff_checkpoints
 from dcr.owner.settings import EncodeSettings
-from dcr.runtimes.vllm import VllmRuntime
+from dcr.runtimes.loader import VllmRuntime
 from dcr.transport.store import MemoryStore
 
 pytestmark = pytest.mark.usefixtures("tp1")

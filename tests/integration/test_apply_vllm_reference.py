@@ -26,7 +26,7 @@ from dcr.format.payload import Mode
 from dcr.format.profile import ReceiverProfile, merge
 from dcr.owner.diff import diff_checkpoints
 from dcr.owner.settings import EncodeSettings
-from dcr.runtimes.vllm import VllmRuntime
+from dcr.runtimes.loader import VllmRuntime
 from dcr.runtimes.vllm_reference import (
     ReferenceConfig,
     ReferenceModel,

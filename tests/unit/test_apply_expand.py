@@ -36,7 +36,7 @@ from dcr.format.profile import merge
 from dcr.format.regions import region_key
 from dcr.owner.diff import diff_checkpoints, target_sums
 from dcr.owner.settings import EncodeSettings
-from dcr.runtimes.vllm import VllmRuntime
+from dcr.runtimes.loader import VllmRuntime
 from dcr.runtimes.vllm_reference import (
     ReferenceConfig,
     ReferenceModel,

@@ -43,7 +43,7 @@ def _hf(config: Any, o: RuntimeOptions) -> Runtime:
 
 
 def _vllm_reference(config: Any, o: RuntimeOptions) -> Runtime:
-    from dcr.runtimes.vllm import VllmRuntime
+    from dcr.runtimes.loader import VllmRuntime
     from dcr.runtimes.vllm_reference import ReferenceConfig, ReferenceModel
 
     if getattr(config, "shared_expert_intermediate_size", 0):

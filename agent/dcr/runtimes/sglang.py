@@ -25,8 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError, f
 
 from dcr.errors import ConfigError, first_validation_error
 from dcr.protocol.engine_api import BY_METHOD, METHODS
+from dcr.runtimes.loader import VllmRuntime
 from dcr.runtimes.rank import STAGING_ENV, EngineRank, engine_dir
-from dcr.runtimes.vllm import VllmRuntime
 
 log = logging.getLogger(__name__)
 

@@ -5,62 +5,23 @@
 plugin (:class:`~dcr.runtimes.rank.EngineRank`) into every vLLM worker, reached through
 ``POST /collective_rpc``: one ``dcr_*`` method per row of
 :class:`~dcr.protocol.engine_api.EngineApi`, one JSON string in, a dict with the rank out.
-Nothing here imports vLLM at module level. The contract and its choices: docs/engines.md.
+The adapter lives in :mod:`dcr.runtimes.loader`, shared with SGLang. Nothing here imports
+vLLM at module level. The contract and its choices: docs/engines.md.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-import itertools
-from collections.abc import Iterable, Iterator
-from typing import Any, Protocol
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 from dcr.apply.applier import Loader
 from dcr.protocol.engine_api import EngineApi, PluginCall, RawRequest
-from dcr.runtimes.base import RequestGate
-from dcr.runtimes.derived import DerivedLayers
+from dcr.runtimes.loader import VllmRuntime
 from dcr.runtimes.rank import EngineRank
-
-
-class VllmStyleModel(Protocol):
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]: ...
-
-    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]: ...
-
-    def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]: ...
-
-
-class VllmRuntime:
-    """A module whose ``load_weights`` follows vLLM's contract (returns loaded names).
-
-    Layers whose compute form vLLM derived after loading are seen through
-    :class:`~dcr.runtimes.derived.DerivedLayers`: their kept loading form stands in the
-    layer while DCR loads, and in place of what the engine left there in
-    :meth:`named_tensors`.
-    """
-
-    def __init__(self, model: VllmStyleModel) -> None:
-        self.model = model
-        self.gate = RequestGate()
-        self.derived = DerivedLayers(model)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        with self.derived.loading():
-            return set(self.model.load_weights(weights))
-
-    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from self.derived.named_tensors(
-            itertools.chain(self.model.named_parameters(), self.model.named_buffers()))
-
-    def close_gate(self) -> None:
-        self.gate.close()
-
-    def open_gate(self) -> None:
-        self.gate.open()
-
 
 # --- the vLLM worker extension --------------------------------------------------------------
 

@@ -26,7 +26,8 @@ from dcr.errors import Invalid
 from dcr.protocol.engine_api import METHODS
 from dcr.runtimes import build_runtime
 from dcr.runtimes.hf import HFRuntime
-from dcr.runtimes.vllm import DcrWorkerExtension, VllmRuntime
+from dcr.runtimes.loader import VllmRuntime
+from dcr.runtimes.vllm import DcrWorkerExtension
 from dcr.runtimes.weights import checkpoint_tensors
 from dcr.serve.settings import ServeSettings
 
