@@ -61,7 +61,7 @@ from dcr.protocol.records import Attempt, CommitOutcome, CommitRecord, Transitio
 from dcr.receiver.journal import Journal
 from dcr.receiver.service import AgentService
 from dcr.runtimes.hf import HFRuntime
-from dcr.runtimes.vllm import VllmRuntime
+from dcr.runtimes.loader import VllmRuntime
 from dcr.runtimes.vllm_reference import ReferenceConfig, ReferenceModel, random_checkpoint
 from dcr.runtimes.weights import checkpoint_tensors
 from dcr.serve.local import LocalDriver
