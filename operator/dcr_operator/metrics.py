@@ -24,6 +24,7 @@ from prometheus_client import (
 
 from dcr.format.names import Mode
 from dcr.protocol.coordinator import AttemptResult
+from dcr.protocol.states import AttemptOutcome, Phase
 from dcr_operator.reconcile import OUTCOMES
 
 # No *_created series: the counters restart with the process anyway.
@@ -33,8 +34,8 @@ disable_created_metrics()  # type: ignore[no-untyped-call]
 REFIT_BUCKETS = (1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800)
 STAGE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 FLEET = ("namespace", "fleet")
-REFIT_OUTCOMES = ("Committed", "Failed")
-ATTEMPT_OUTCOMES = tuple(o for o in OUTCOMES.values() if o != "Running")  # ended ones
+REFIT_OUTCOMES = (Phase.COMMITTED, Phase.FAILED)
+ATTEMPT_OUTCOMES = tuple(o for o in OUTCOMES.values() if o != AttemptOutcome.RUNNING)  # ended
 MODES = get_args(Mode)
 
 
@@ -87,20 +88,20 @@ class Metrics:
 
     def refit_committed(self, *, namespace: str, fleet: str, version: int, seconds: float,
                         payload_bytes: int, at: float) -> None:
-        self.refits.labels(namespace, fleet, "Committed").inc()
+        self.refits.labels(namespace, fleet, Phase.COMMITTED).inc()
         self.refit_seconds.labels(namespace, fleet).observe(seconds)
         self.payload_bytes.labels(namespace, fleet).inc(payload_bytes)
         self.committed.labels(namespace, fleet).set(version)
         self.last_commit.labels(namespace, fleet).set(at)
 
     def refit_failed(self, *, namespace: str, fleet: str, reason: str) -> None:
-        self.refits.labels(namespace, fleet, "Failed").inc()
+        self.refits.labels(namespace, fleet, Phase.FAILED).inc()
         self.refit_failures.labels(namespace, fleet, reason).inc()
 
     def attempt_ended(self, result: AttemptResult, *, namespace: str, fleet: str, mode: str,
                       outcome: str) -> None:
         self.attempts.labels(namespace, fleet, mode, outcome).inc()
-        if outcome != "Committed":
+        if outcome != AttemptOutcome.COMMITTED:
             self.attempt_failures.labels(namespace, fleet, result.error or "Unknown").inc()
         for stage, seconds in result.stages.items():
             self.stage_seconds.labels(stage).observe(seconds)
@@ -109,8 +110,8 @@ class Metrics:
                      committed_at: float | None, receivers: int, behind: int) -> None:
         """Where the fleet stands; its outcome counters start at 0 here, so that alerts on
         their increase see the first failure (a series born at 1 shows no increase)."""
-        for outcome in REFIT_OUTCOMES:
-            self.refits.labels(namespace, fleet, outcome)
+        for phase in REFIT_OUTCOMES:
+            self.refits.labels(namespace, fleet, phase)
         for mode, outcome in itertools.product(MODES, ATTEMPT_OUTCOMES):
             self.attempts.labels(namespace, fleet, mode, outcome)
         self.payload_bytes.labels(namespace, fleet)

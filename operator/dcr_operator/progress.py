@@ -27,6 +27,8 @@ from dcr.format.payload import Mode
 from dcr.protocol.agent_api import AgentApi, AgentError, Call, FlushAck
 from dcr.protocol.coordinator import AttemptResult, ReceiverHandle
 from dcr.protocol.records import Attempt
+from dcr.protocol.states import AttemptOutcome, ReceiverStep
+from dcr.protocol.states import AttemptState as S
 from dcr_operator.api.common import GROUP, VERSION
 from dcr_operator.api.conditions import RefitCondition, RefitReason
 from dcr_operator.api.weightrefit import PLURAL as REFIT_PLURAL
@@ -44,6 +46,7 @@ from dcr_operator.reconcile import (
 )
 
 log = logging.getLogger(__name__)
+RUNNING = AttemptOutcome.RUNNING
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -111,7 +114,7 @@ class Recorder:
                 return
             self._started.add(attempt.id)
             self.attempts[attempt.id] = {
-                "id": attempt.id, "mode": mode, "outcome": "Running",
+                "id": attempt.id, "mode": mode, "outcome": AttemptOutcome.RUNNING,
                 "startTime": self.clock(), "receiverCount": len(attempt.receivers)}
         log.info("%s: attempt %s (%s) on receivers %s", self.path, attempt.id, mode,
                  ", ".join(attempt.receivers))
@@ -180,7 +183,7 @@ class Recorder:
         """Receiver ``name`` flushed ``attempt`` (the id we sent, not one it answered)."""
         with self._lock:
             self.payloads[attempt] = max(self.payloads.get(attempt, 0), ack.payloads)
-        self.receiver(name, attempt=attempt, state="flushed", payloads=ack.payloads,
+        self.receiver(name, attempt=attempt, state=S.FLUSHED.value, payloads=ack.payloads,
                       bytes=ack.bytes, applySeconds=round(ack.apply_s, 4),
                       lastAck=self.clock(), error=None)
         self.flush(soon=True)
@@ -200,10 +203,10 @@ class Recorder:
                     job=self.jobs.get(result.attempt, old.get("job")),
                     mode=self.forced_mode,
                     endpoint=self.endpoints.get(result.attempt, old.get("endpoint")))
-                if new["outcome"] != "Running" and old.get("outcome") in (None, "Running"):
+                if new["outcome"] != RUNNING and old.get("outcome") in (None, RUNNING):
                     METRICS.attempt_ended(result, namespace=self.namespace, fleet=self.fleet,
                                           mode=str(new["mode"]), outcome=str(new["outcome"]))
-                    if new["outcome"] in ("Failed", "Conflict"):
+                    if new["outcome"] in (AttemptOutcome.FAILED, AttemptOutcome.CONFLICT):
                         failed.append(new)
         for a in failed:
             self.emit(self.refit, "Warning", "AttemptFailed",
@@ -293,14 +296,14 @@ class Step:
 FROM_STORE = "what it built from the store's history"  # a rejoin named no checkpoint
 STEPS: dict[str, Step] = {
     "prepare": Step(label="prepare", starts_attempt=True, after={
-        "state": "prepared", "error": None, "payloads": 0, "bytes": 0}),
-    "open_apply": Step(label="open_apply", after={"state": "applying"}),
-    "wait_staged": Step(label="wait_staged", after={"state": "staged"}),
+        "state": S.PREPARED.value, "error": None, "payloads": 0, "bytes": 0}),
+    "open_apply": Step(label="open_apply", after={"state": S.APPLYING.value}),
+    "wait_staged": Step(label="wait_staged", after={"state": S.STAGED.value}),
     "flush": Step(label="flush", ack=True),
-    "committed": Step(label="commit", after={"state": "committed"}),
-    "stop_and_wait": Step(label="stop", after={"state": "stopped"}),
-    "rejoin": Step(label="rejoin", before={"state": "rejoining"},
-                   after={"state": "rejoined", "error": None},
+    "committed": Step(label="commit", after={"state": S.COMMITTED.value}),
+    "stop_and_wait": Step(label="stop", after={"state": ReceiverStep.STOPPED}),
+    "rejoin": Step(label="rejoin", before={"state": ReceiverStep.REJOINING},
+                   after={"state": ReceiverStep.REJOINED, "error": None},
                    event=("ReceiverRejoined", "Receiver {name} restored version {0} by a "
                           "dense load of {1}.")),
 }
@@ -341,7 +344,8 @@ class TrackedReceiver(AgentApi):
             out: R = fn(*map(self._mode, args), **{k: self._mode(v) for k, v in kwargs.items()})
         except Exception as e:
             said = agent_failure(self.name, call, e)
-            self.recorder.receiver(self.name, state=f"{step.label} failed", error=said[:1024])
+            self.recorder.receiver(self.name, state=ReceiverStep.failed(step.label),
+                                   error=said[:1024])
             if said == str(e):
                 raise
             log.info("receiver %s: %s failed: %r", self.name, call.name, e)

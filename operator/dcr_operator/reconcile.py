@@ -29,10 +29,10 @@ from dcr.format.names import ATTEMPT_RE
 from dcr.protocol.agent_api import AgentStatus, Call
 from dcr.protocol.coordinator import AttemptResult
 from dcr.protocol.records import CommitRecord
-from dcr.protocol.state import AttemptState
+from dcr.protocol.states import FINAL_PHASES, AttemptOutcome, AttemptState, Phase
 from dcr_operator.api.conditions import FleetCondition, FleetReason, RefitCondition, RefitReason
 from dcr_operator.api.rolloutfleet import AgentSpec, LabelSelector, ReplicaGroups
-from dcr_operator.api.weightrefit import Phase, WeightRefitSpec
+from dcr_operator.api.weightrefit import WeightRefitSpec
 
 
 def now() -> str:
@@ -77,19 +77,20 @@ def set_condition(conditions: Sequence[Mapping[str, Any]], type_: str, status: b
 # The order decides: the first true condition names the phase. Receivers apply while the
 # encoders still publish, so the phase reads Encoding until the encoder Job is done.
 _PHASES: tuple[tuple[str, Phase], ...] = (
-    (RefitCondition.COMMITTED, "Committed"), (RefitCondition.FAILED, "Failed"),
-    (RefitCondition.ENCODING, "Encoding"), (RefitCondition.APPLYING, "Applying"),
+    (RefitCondition.COMMITTED, Phase.COMMITTED), (RefitCondition.FAILED, Phase.FAILED),
+    (RefitCondition.ENCODING, Phase.ENCODING), (RefitCondition.APPLYING, Phase.APPLYING),
 )
 
 
 def phase_of(conditions: Iterable[Mapping[str, Any]]) -> Phase:
     """The WeightRefit phase its conditions imply (Pending until one of them is true)."""
     conditions = list(conditions)
-    return next((phase for type_, phase in _PHASES if is_true(conditions, type_)), "Pending")
+    return next((phase for type_, phase in _PHASES if is_true(conditions, type_)),
+                Phase.PENDING)
 
 
 def is_final(phase: str | None) -> bool:
-    return phase in ("Committed", "Failed")
+    return phase in FINAL_PHASES
 
 
 # --- validation -----------------------------------------------------------------------
@@ -335,8 +336,9 @@ def agent_report(st: AgentStatus) -> dict[str, Any]:
 
 # --- status ---------------------------------------------------------------------------
 
-OUTCOMES = {"running": "Running", "committed": "Committed", "failed": "Failed",
-            "conflict": "Conflict"}
+# The first word of a coordinator's AttemptResult.outcome; any other shows as Failed.
+OUTCOMES = {"running": AttemptOutcome.RUNNING, "committed": AttemptOutcome.COMMITTED,
+            "failed": AttemptOutcome.FAILED, "conflict": AttemptOutcome.CONFLICT}
 
 
 def attempt_status(result: AttemptResult, *, start: str, end: str | None, payloads: int,
@@ -346,7 +348,7 @@ def attempt_status(result: AttemptResult, *, start: str, end: str | None, payloa
     word, _, reason = result.outcome.partition(": ")
     out: dict[str, Any] = {
         "id": result.attempt, "mode": mode or result.mode,
-        "outcome": OUTCOMES.get(word, "Failed"), "startTime": start,
+        "outcome": OUTCOMES.get(word, AttemptOutcome.FAILED), "startTime": start,
         "stages": {k: round(v, 4) for k, v in result.stages.items()},
         "payloads": payloads, "bytes": result.payload_bytes,
         "receiverCount": len(result.receivers),
@@ -369,8 +371,8 @@ def abandoned(attempts: Iterable[Mapping[str, Any]], *, at: str) -> list[dict[st
     out = []
     for a in attempts:
         a = dict(a)
-        if a.get("outcome") == "Running":
-            a.update(outcome="Abandoned", completionTime=at,
+        if a.get("outcome") == AttemptOutcome.RUNNING:
+            a.update(outcome=AttemptOutcome.ABANDONED, completionTime=at,
                      reason="the operator restarted during this attempt")
         out.append(a)
     return out

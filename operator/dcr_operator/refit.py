@@ -34,6 +34,7 @@ from dcr.protocol.coordinator import (
     RefitFailed,
 )
 from dcr.protocol.records import Attempt, CommitRecord
+from dcr.protocol.states import AttemptOutcome, Phase
 from dcr_operator.api.conditions import RefitCondition, RefitReason
 from dcr_operator.api.rolloutfleet import RolloutFleetSpec
 from dcr_operator.api.weightrefit import WeightRefitSpec
@@ -352,7 +353,7 @@ class RefitRun:
             profile=self._profile(agents, need)[1], forced_mode=forced,
             on_started=rec.endpoint_started, on_finished=rec.endpoint_finished)
         left = [a["id"] for a in (self.refit.get("status") or {}).get("attempts") or []
-                if a.get("outcome") == "Running"]
+                if a.get("outcome") == AttemptOutcome.RUNNING]
         endpoints.stop(left)  # a previous operator's attempts: obsolete now
         return [EndpointOwner(endpoints=endpoints, index=k)
                 for k in range(spec.encoder.owners)]
@@ -377,7 +378,7 @@ class RefitRun:
                                 payload_bytes=int(st["bytes"]), at=time.time())
         self.emit(fleet, "Normal", "Committed", f"Version {record.committed_version} "
                   f"committed by WeightRefit {self.name} (attempt {record.attempt}).")
-        return "Committed"
+        return Phase.COMMITTED
 
     def _fail(self, rec: Recorder, reason: str, message: str, *,
               validated: bool = True) -> str:
@@ -389,7 +390,7 @@ class RefitRun:
         rec.finish(completionTime=self.clock())
         rec.flush()
         METRICS.refit_failed(namespace=self.namespace, fleet=self.fleet, reason=reason)
-        return "Failed"
+        return Phase.FAILED
 
     def _profile(self, agents: list[AgentClient], need: int, site: Site | None = None
                  ) -> tuple[str, ReceiverProfile]:

@@ -11,7 +11,8 @@ import pytest
 from dcr.errors import ConfigError
 from dcr.protocol.commitstore import SqliteCommitStore
 from dcr.protocol.records import Attempt, CommitOutcome, CommitRecord, Transition
-from dcr.protocol.state import FINAL, AttemptState, IllegalTransition, advance
+from dcr.protocol.state import FINAL, IllegalTransition, advance
+from dcr.protocol.states import AttemptState
 
 S = AttemptState
 V0 = CommitRecord(committed_version=0, baseline_id="b0", attempt="")

@@ -26,7 +26,8 @@ from dcr.protocol.agent_api import (
     seconds_left,
 )
 from dcr.protocol.records import Attempt
-from dcr.protocol.state import FINAL, AttemptState, advance
+from dcr.protocol.state import FINAL, advance
+from dcr.protocol.states import AttemptState
 from dcr.receiver.attempt import (
     AgentConflict,
     AttemptFailed,

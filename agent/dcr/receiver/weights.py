@@ -9,9 +9,12 @@ from __future__ import annotations
 import logging
 
 from dcr.protocol.agent_api import AttemptSpec
+from dcr.protocol.states import AttemptState
 from dcr.receiver.journal import Journal, JournalEntry
 
 log = logging.getLogger(__name__)
+# Journaled attempt states in which the engine's weights may hold the attempt's writes.
+_WRITING = (AttemptState.APPLYING.value, AttemptState.FLUSHED.value)
 
 
 def short(instance: str | None) -> str:
@@ -37,7 +40,7 @@ class Weights:
         if last is None:
             return
         self.instance = last.instance
-        if last.dirty is not None or last.state in ("applying", "flushed") or last.version is None:
+        if last.dirty is not None or last.state in _WRITING or last.version is None:
             # Unknown stays unknown across restarts (the journal says version None) until
             # a dense load settles it.
             self.version = None

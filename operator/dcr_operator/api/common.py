@@ -6,6 +6,7 @@ add fields); both take Kubernetes' camelCase keys, and status times are RFC 3339
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -103,12 +104,20 @@ class CommitRecordStatus(StatusModel):
 
 
 def column(name: str, path: str, kind: str = "string", *,
-           priority: int | None = None) -> dict[str, Any]:
+           priority: int | None = None, description: str | None = None) -> dict[str, Any]:
     """A printer column; priority 1 shows only with ``kubectl get -o wide``."""
     out: dict[str, Any] = {"name": name, "type": kind, "jsonPath": path}
     if priority is not None:
         out["priority"] = priority
+    if description is not None:
+        out["description"] = description
     return out
+
+
+def one_of(words: Iterable[str]) -> str:
+    """The states a description names, as ``one of a, b, c``: built from the constants of
+    ``dcr.protocol.states``, and read back by the test that holds the CRDs to them."""
+    return "one of " + ", ".join(words)
 
 
 def condition_column(name: str, type_: str, field: str, *,

@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from dcr.protocol.states import AttemptState
 from dcr_operator.api.common import (
     AGE,
     CONDITIONS_LIST,
@@ -28,6 +29,7 @@ from dcr_operator.api.common import (
     column,
     condition_column,
     list_map,
+    one_of,
 )
 from dcr_operator.api.conditions import FleetCondition
 from dcr_operator.api.volumes import CheckpointPath, ProfileVolumes
@@ -425,8 +427,10 @@ class ReceiverState(StatusModel):
     pods: list[str] | None = Field(default=None, description="A group's pods (spec.groups), "
                                    "its leader first.")
     version: int | None = Field(default=None, description="The version the pod serves.")
-    state: str | None = Field(default=None, description="The agent's state (idle, staging, "
-                              "staged, flushed, ...).")
+    state: str | None = Field(
+        default=None, description="Where the attempt it takes part in stands, "
+        f"{one_of(s.value for s in AttemptState)}; unset between attempts "
+        "(dcr/protocol/states.py).")
     attempt: str | None = Field(default=None, description="The attempt it takes part in.")
     error: str | None = Field(default=None, description="Why its agent did not answer, if "
                               "it did not.")

@@ -10,6 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field
 
+from dcr.protocol.states import REFIT_RECEIVER_STATES, AttemptOutcome, Phase
 from dcr_operator.api.common import (
     AGE,
     CONDITIONS_LIST,
@@ -24,6 +25,7 @@ from dcr_operator.api.common import (
     column,
     condition_column,
     list_map,
+    one_of,
 )
 from dcr_operator.api.conditions import RefitCondition
 from dcr_operator.api.rolloutfleet import DEFAULT_PROFILE
@@ -33,6 +35,10 @@ KIND = "WeightRefit"
 PLURAL = "weightrefits"
 SHORT_NAMES = ["wr", "refit"]
 DESCRIPTION = "One transition of one RolloutFleet to a target version."
+
+PHASE_TEXT = (f"The refit's phase, {one_of(Phase)}: the first true of the Committed, Failed, "
+              f"Encoding and Applying conditions, {Phase.PENDING} while none is.")
+
 
 class RefitEncoder(SpecModel):
     """What a WeightRefit chooses of its encoder Job: a profile of its fleet and the split.
@@ -82,10 +88,6 @@ class WeightRefitSpec(SpecModel):
         default=None, description="Seconds from creation after which no attempt starts.")
 
 
-Phase = Literal["Pending", "Encoding", "Applying", "Committed", "Failed"]
-AttemptOutcome = Literal["Running", "Committed", "Failed", "Conflict", "Abandoned"]
-
-
 class AttemptStatus(StatusModel):
     """One attempt of the refit: its mode, outcome and numbers."""
 
@@ -93,7 +95,8 @@ class AttemptStatus(StatusModel):
     mode: Literal["mixed", "overwrite"] = Field(
         description="mixed: XOR where the loaders allow; overwrite: absolute values.")
     outcome: AttemptOutcome = Field(
-        description="Running, Committed, Failed, Conflict or Abandoned.")
+        description=f"How it ended, or that it has not: {one_of(AttemptOutcome)} "
+        "(dcr/protocol/states.py).")
     reason: str | None = Field(default=None, description="Why it did not commit, if not.")
     start_time: Annotated[str, Field(json_schema_extra=RFC3339)] = Field(
         description="When it started (RFC 3339, UTC).")
@@ -123,8 +126,9 @@ class ReceiverProgress(StatusModel):
 
     name: str = Field(description="The pod's name.")
     attempt: str | None = Field(default=None, description="The attempt it reported on.")
-    state: str | None = Field(default=None, description="Its agent's state (staging, "
-                              "staged, flushed, ...).")
+    state: str | None = Field(
+        default=None, description=f"Its last step: {one_of(REFIT_RECEIVER_STATES)}; or "
+        "'<call> failed' when an agent call failed, with its error (dcr/protocol/states.py).")
     payloads: int = Field(default=0, description="Payloads it applied; default 0.")
     bytes: int = Field(default=0, description="Payload bytes it applied; default 0.")
     apply_seconds: float | None = Field(
@@ -137,8 +141,7 @@ class ReceiverProgress(StatusModel):
 class StateCount(StatusModel):
     """How many receivers are in one state."""
 
-    state: str = Field(description="An agent's state (prepared, flushed, committed, flush "
-                       "failed, ...).")
+    state: str = Field(description="A receiver's state, as receivers[].state names it.")
     count: int = Field(description="How many receivers are in it.")
 
 
@@ -148,8 +151,7 @@ class WeightRefitStatus(StatusModel):
     observed_generation: int | None = Field(
         default=None, description="The metadata.generation this status was written for.")
     phase: Phase | None = Field(
-        default=None, description="Pending, Encoding, Applying, Committed or Failed: the "
-        "first true of the Committed, Failed, Encoding and Applying conditions.")
+        default=None, description=PHASE_TEXT)
     attempts: list[AttemptStatus] = Field(
         default_factory=list, json_schema_extra=list_map("id"),
         description="Every attempt, oldest first.")
@@ -179,7 +181,7 @@ class WeightRefitStatus(StatusModel):
 PRINTER_COLUMNS = [
     column("Fleet", ".spec.fleet"),
     column("Version", ".spec.targetVersion", "integer"),
-    column("Phase", ".status.phase"),
+    column("Phase", ".status.phase", description=PHASE_TEXT),
     column("Attempts", ".status.attemptCount", "integer"),
     column("Receivers", ".status.receiverCount", "integer"),
     column("Bytes", ".status.bytes", "integer"),
