@@ -20,9 +20,10 @@ test: install
 	@tools/controlplane/packages.sh
 	$(PY) -m pytest
 
-# The unit and integration tiers: no control plane, no images.
+# The unit and integration tiers, and the tests of tests/operator that start no control plane
+# and run no helm (tests/conftest.py marks those that do `controlplane`): no images.
 test-fast: install
-	$(PY) -m pytest tests/unit tests/integration
+	$(PY) -m pytest tests/unit tests/integration tests/operator -m "not controlplane"
 
 # The engine tier (opt-in): DCR through vLLM's real model classes, and a real `vllm serve`
 # refit by the agent, on CPU; once per flavour in VLLM_FLAVOURS, each from its own venv,

@@ -11,6 +11,10 @@ every 30 s) reach the terminal while it runs. Modules whose fixtures need other 
 components say so with the ``builds`` marker (``pytest.mark.builds("promtool")``); those
 are built there too, for the same reason. The ``progress`` fixture gives any other long
 session setup the same live line, past pytest's output capture.
+
+Tiers go by what a test starts: every test whose fixtures (at any depth) include the
+control plane or helm is marked ``controlplane`` here, so ``make test-fast`` runs every
+other test, tests/operator's pure ones among them, with ``-m "not controlplane"``.
 """
 
 from __future__ import annotations
@@ -117,6 +121,17 @@ def terminal_line(config: pytest.Config) -> Callable[[str], None]:
 def progress(pytestconfig: pytest.Config) -> Callable[[str], None]:
     """``progress(line)``: say what a long session setup is doing, on the terminal, live."""
     return terminal_line(pytestconfig)
+
+
+# Fixtures that start tools/controlplane/build.sh's binaries: the control plane, helm.
+CONTROL_PLANE_FIXTURES = frozenset({"control_plane", "helm"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by it
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if CONTROL_PLANE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.controlplane)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

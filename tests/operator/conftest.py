@@ -2,7 +2,9 @@
 
 ``control_plane`` and ``namespace`` come from tests/conftest.py (shared with tests/k8s, so
 one session starts one control plane). Tests that need them skip only when the binaries are
-missing and cannot be built (no Go toolchain). Unit tests here need neither.
+missing and cannot be built (no Go toolchain). Tests here that need neither them nor
+``helm`` start nothing of Kubernetes' and run in ``make test-fast`` too (tests/conftest.py
+marks the others ``controlplane``).
 """
 
 from __future__ import annotations
