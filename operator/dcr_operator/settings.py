@@ -29,6 +29,7 @@ BOUNDS: dict[str, tuple[Callable[[Any, Any], bool], str]] = {
     "exclusiveMinimum": (operator.gt, ">"),
     "maximum": (operator.le, "<="),
 }
+POSITIVE = {"exclusiveMinimum": 0}  # an interval or deadline: 0 would spin or give up at once
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,22 +93,22 @@ class OperatorSettings:
         doc="ttlSecondsAfterFinished of encoder Jobs; 0 keeps them until their WeightRefit "
             "is deleted (owner references then remove them), which keeps them inspectable.")
     job_poll_seconds: float = setting(
-        1.0, value="settings.jobPollSeconds", bounds={"exclusiveMinimum": 0},
+        1.0, value="settings.jobPollSeconds", bounds=POSITIVE,
         doc="Seconds between polls of an encoder Job's status while an attempt waits for "
             "it.")
     retry_seconds: float = setting(
-        10.0, value="settings.retrySeconds", bounds={"exclusiveMinimum": 0},
+        10.0, value="settings.retrySeconds", bounds=POSITIVE,
         doc="Seconds before a refit that waits (base version not committed yet, fleet busy, "
             "too few receivers, API server unreachable) is looked at again.")
     fleet_status_seconds: float = setting(
-        30.0, value="settings.fleetStatusSeconds", bounds={"exclusiveMinimum": 0},
+        30.0, value="settings.fleetStatusSeconds", bounds=POSITIVE,
         doc="Seconds between polls of every fleet's agents for status.receivers and Ready.")
     cleanup_store: bool = setting(
         True, value="settings.cleanupStore",
         doc="Delete a WeightRefit's payloads from the store when it is deleted (the "
             "finalizer).")
     cleanup_give_up_seconds: float = setting(
-        300.0, value="settings.cleanupGiveUpSeconds", bounds={"exclusiveMinimum": 0},
+        300.0, value="settings.cleanupGiveUpSeconds", bounds=POSITIVE,
         doc="Seconds the finalizer keeps retrying a store it cannot clean before giving up "
             "(with a Warning event) so the WeightRefit can still be deleted.")
     peering_lifetime_seconds: int = setting(
