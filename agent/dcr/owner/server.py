@@ -4,7 +4,7 @@
 runs for the same arguments (:func:`publish_settings`) and answers its summary. A request
 cannot name the store and reads only checkpoints that resolve under a ``--checkpoint-root``;
 a stop ends an attempt's publishes before their manifest part. Stops run on a pool of their
-own, never queued behind the publishes they end. docs/operations.md, "Warm encoder".
+own, never queued behind the publishes they end. docs/publishing.md, "Warm encoder".
 """
 
 from __future__ import annotations
