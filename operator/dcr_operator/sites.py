@@ -6,7 +6,9 @@ fleet's owner labelled ``dcr.dev/encoder-cluster=true``. The kubeconfig is the f
 author's input, so :func:`kubeconfig_configuration` takes only what cannot reach into the
 operator's own pod: an https server and an inline token or client certificate; an exec
 plugin, an auth provider or a file path would run a command or read a file as the operator.
-docs/two-clusters.md, "Two clusters"; docs/security.md.
+Its YAML is read with a loader that refuses anchors and aliases (a few hundred bytes of
+nested aliases expand to billions of nodes when rendered), within :data:`KUBECONFIG_MAX_BYTES`,
+and every value taken must be a string. docs/two-clusters.md, "Two clusters"; docs/security.md.
 """
 
 from __future__ import annotations
@@ -32,6 +34,48 @@ from dcr_operator.kube import KubeClient
 USER_KEYS = frozenset({"token", "client-certificate-data", "client-key-data"})
 CLUSTER_KEYS = frozenset({"server", "certificate-authority-data", "tls-server-name"})
 UID_LABEL = f"{GROUP}/refit-uid"
+# Bytes of a kubeconfig: inline CA, client certificate and key are a few KiB together.
+KUBECONFIG_MAX_BYTES = 64 << 10
+
+
+class _Aliased(yaml.YAMLError):
+    """The document has an anchor or an alias."""
+
+
+class _NoAliases(yaml.SafeLoader):
+    """The safe loader without anchors and aliases: every node is written out once, so
+    what the document holds costs what its bytes cost."""
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        event = self.peek_event()  # type: ignore[no-untyped-call]
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            raise _Aliased
+        return super().compose_node(parent, index)
+
+
+def _load(text: str, where: str) -> Any:
+    """``text`` as plain YAML; InvalidResource if it is too large, not YAML, or has an
+    anchor or alias (never quoting it)."""
+    size = len(text.encode())
+    if size > KUBECONFIG_MAX_BYTES:
+        raise InvalidResource(f"{where} holds {size} bytes, more than the "
+                              f"{KUBECONFIG_MAX_BYTES} a kubeconfig may have.")
+    try:
+        return yaml.load(text, Loader=_NoAliases)  # a SafeLoader: no Python objects
+    except _Aliased:
+        raise InvalidResource(f"{where} uses YAML anchors or aliases (&name, *name): the "
+                              "operator takes only a plain kubeconfig, every value written "
+                              "out.") from None
+    except yaml.YAMLError:
+        raise InvalidResource(f"{where} is not YAML.") from None
+
+
+def _strings(values: dict[str, Any], what: str, where: str) -> dict[str, Any]:
+    """``values`` if each is a string; else InvalidResource naming the key."""
+    for key, value in values.items():
+        if not isinstance(value, str):
+            raise InvalidResource(f"{where}: the {what}'s {key!r} is not a string.")
+    return values
 
 
 @dataclass(frozen=True)
@@ -69,6 +113,9 @@ def owner_reference(obj: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _one(items: Any, name: Any, kind: str, where: str) -> dict[str, Any]:
+    if not isinstance(name, str) or not isinstance(items, list | None):
+        raise InvalidResource(f"{where}: the current context's {kind} is not named by a "
+                              "string in a list.")
     found = [i for i in items or [] if isinstance(i, dict) and i.get("name") == name]
     if len(found) != 1 or not isinstance(found[0].get(kind), dict):
         raise InvalidResource(f"{where}: the current context's {kind} {name!r} is not "
@@ -81,12 +128,11 @@ def kubeconfig_configuration(text: str, where: str) -> Configuration:
 
     InvalidResource naming the offending key (never a value) unless its user has only
     an inline token or client certificate and its cluster an https server with inline
-    CA data: nothing that runs a command or reads a file on the operator's pod.
+    CA data: nothing that runs a command or reads a file on the operator's pod; and
+    unless it is plain YAML (no anchor or alias) of at most :data:`KUBECONFIG_MAX_BYTES`
+    whose taken values are strings.
     """
-    try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError:
-        raise InvalidResource(f"{where} is not YAML.") from None
+    doc = _load(text, where)
     if not isinstance(doc, dict) or not isinstance(doc.get("current-context"), str):
         raise InvalidResource(f"{where} is not a kubeconfig with a current-context.")
     current = doc["current-context"]
@@ -94,13 +140,15 @@ def kubeconfig_configuration(text: str, where: str) -> Configuration:
     cluster = _one(doc.get("clusters"), context.get("cluster"), "cluster", where)
     user = _one(doc.get("users"), context.get("user"), "user", where)
     for keys, allowed, what in ((user, USER_KEYS, "user"), (cluster, CLUSTER_KEYS, "cluster")):
-        extra = sorted(set(keys) - allowed)
+        extra = sorted(set(keys) - allowed, key=str)
         if extra:
             raise InvalidResource(
                 f"{where}: the {what}'s {', '.join(map(repr, extra))} is not accepted: the "
                 f"operator takes only {', '.join(sorted(allowed))} (nothing that runs a "
                 "command or reads a file on its pod).")
-    server = urllib.parse.urlsplit(str(cluster.get("server", "")))
+    for values, what in ((context, "context"), (cluster, "cluster"), (user, "user")):
+        _strings(values, what, where)
+    server = urllib.parse.urlsplit(cluster.get("server", ""))
     if server.scheme != "https" or not server.hostname:
         raise InvalidResource(f"{where}: the cluster's server must be an https:// URL.")
     if "token" not in user and not {"client-certificate-data", "client-key-data"} <= set(user):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import base64
 import copy
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -114,3 +116,60 @@ def test_a_profile_names_at_most_one_of_warm_encoders_and_a_cluster() -> None:
                                               "tokenSecretRef": {"name": "t"}},
                                  "cluster": {"kubeconfigSecretRef": {"name": "k"},
                                              "namespace": "encoders"}}]})
+
+
+def alias_bomb(depth: int) -> str:
+    """A kubeconfig of ~60 bytes per level whose server is a list of 10**depth strings,
+    written once each level through aliases: cheap to load, huge to render."""
+    levels = ['l0: &l0 ["x","x","x","x","x","x","x","x","x","x"]']
+    levels += [f"l{i}: &l{i} [{','.join([f'*l{i - 1}'] * 10)}]" for i in range(1, depth)]
+    return "\n".join([*levels, "current-context: t",
+                      "contexts: [{name: t, context: {cluster: c, user: u}}]",
+                      f"clusters: [{{name: c, cluster: {{server: *l{depth - 1}}}}}]",
+                      "users: [{name: u, user: {token: x}}]"]) + "\n"
+
+
+_BOMB_RUN = """
+import resource, sys
+from dcr_operator.errors import InvalidResource
+from dcr_operator.sites import kubeconfig_configuration
+soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+used = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) << 10
+resource.setrlimit(resource.RLIMIT_AS, (used + (256 << 20), hard))
+try:
+    kubeconfig_configuration(sys.stdin.read(), "Secret ns/train key 'kubeconfig'")
+except InvalidResource as e:
+    print(e)
+"""
+
+
+def test_a_kubeconfig_of_nested_aliases_is_refused_before_it_expands() -> None:
+    """Fails without the alias-refusing loader: ``str(server)`` renders 10**9 strings
+    (gigabytes), so the child hits its 256 MiB allowance (MemoryError) or the bound of
+    300 s. It runs in a child process with both bounds so that the old code can neither
+    hang the suite nor exhaust the machine."""
+    bomb = alias_bomb(9)
+    assert len(bomb) < 1024  # a Secret of well under a KiB
+    done = subprocess.run([sys.executable, "-c", _BOMB_RUN], input=bomb, text=True,
+                          capture_output=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Secret ns/train key 'kubeconfig' uses YAML anchors or aliases" in done.stdout
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ("x: &a y\ncurrent-context: t\n", "anchors or aliases"),  # an anchor alone is refused
+    (config(user={"token": ["a", "list"]}), "the user's 'token' is not a string"),
+    (config(cluster={"tls-server-name": {"a": "map"}}),
+     "the cluster's 'tls-server-name' is not a string"),
+    (config(cluster={"server": 6443}), "the cluster's 'server' is not a string"),
+    (config({"contexts": [{"name": "train", "context": {"cluster": ["c"], "user": "u"}}]}),
+     "context's cluster is not named by a string"),
+    (config(user={"token": TOKEN, "x" * 70_000: "y"}), r"holds \d+ bytes, more than the 65536"),
+])
+def test_a_kubeconfig_must_be_plain_small_and_of_strings(text: str, match: str) -> None:
+    """Fails without the plain loader, the size bound and the string checks: the anchor
+    loads, the list and map reach the library, the oversized document is parsed."""
+    with pytest.raises(InvalidResource, match=match) as e:
+        kubeconfig_configuration(text, "Secret ns/train key 'kubeconfig'")
+    assert str(e.value).startswith("Secret ns/train key 'kubeconfig'")
+    assert TOKEN not in str(e.value)
