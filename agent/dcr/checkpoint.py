@@ -63,13 +63,19 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             raw = f.read(hlen)
     except OSError as e:
         raise CheckpointError(f"Cannot read {path}: {e}.") from e
+    return parse_header(path, raw, size)
+
+
+def parse_header(path: Path, raw: bytes, size: int) -> dict[str, TensorInfo]:
+    """The tensors a safetensors header ``raw`` names, in a file of ``size`` bytes, checked
+    (also for bytes read from elsewhere than a file, such as a store's pieces)."""
     try:
         meta = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: header is not JSON: {e}.") from e
     if not isinstance(meta, dict):
         raise CheckpointError(f"{path}: header is not a JSON object.")
-    data_start = 8 + hlen
+    data_start = 8 + len(raw)
     tensors: dict[str, TensorInfo] = {}
     spans: list[tuple[int, int, str]] = []
     for name, spec in meta.items():

@@ -320,12 +320,14 @@ def cmd_materialize(args: argparse.Namespace) -> None:
     p = done.plan
     summary = {"version": p.target, "route": p.route, "from": p.start, "deltas": p.steps,
                "fetched_bytes": done.fetched_bytes, "out": str(out),
-               "seconds": round(seconds, 4)}
+               "seconds": round(seconds, 4), "refused": list(done.refused)}
     via = {"held": "already held", "replay": f"{p.steps} deltas replayed from version "
            f"{p.start}", "snapshot": f"the snapshot of version {p.start} and {p.steps} "
            "deltas"}[p.route]
-    _emit(args, summary, f"{out}: version {p.target} from {via}; {done.fetched_bytes:,} "
-                         f"bytes fetched; every file checked; {seconds:.2f} s")
+    tried = f"; refused first: {'; '.join(done.refused)}" if done.refused else ""
+    _emit(args, summary, f"{out}: version {p.target} from {via} (route {p.route}{tried}); "
+                         f"{done.fetched_bytes:,} bytes fetched; every file checked; "
+                         f"{seconds:.2f} s")
 
 
 def cmd_mirror(args: argparse.Namespace) -> None:

@@ -30,7 +30,15 @@ from dcr.errors import CheckpointError, ManifestError
 from dcr.files.history import HistoryStore
 from dcr.files.materialize import materialize, plan
 from dcr.files.snapshot import write_snapshot
-from dcr.format.history import HISTORY_KEY, History
+from dcr.format.history import (
+    HISTORY_KEY,
+    History,
+    ObjectRef,
+    Piece,
+    Snapshot,
+    SnapshotFile,
+    SnapshotIndex,
+)
 from dcr.format.names import object_digest
 from dcr.format.profile import ReceiverProfile
 from dcr.owner.encoder import Encoder
@@ -483,3 +491,153 @@ def test_dcr_mirror_once_prints_what_it_built_and_a_second_run_fetches_nothing_n
     assert bits_of(root / "current") == bits_of(run.train / f"v{LAST}")
     again = mirror()
     assert (again["route"], again["fetched_bytes"]) == ("held", 0)
+
+
+def store_copy(run: Run, tmp_path: Path) -> tuple[FileStore, HistoryStore]:
+    shutil.copytree(run.store.root, tmp_path / "store")
+    store = FileStore(tmp_path / "store")
+    return store, HistoryStore(store)
+
+
+def plant_snapshot(store: FileStore, version: int, files: dict[str, bytes],
+                   tensors: dict[str, str]) -> ObjectRef:
+    """What a store writer can write: pieces with the digests its index names, and the
+    index with the fingerprints every manifest makes public."""
+    prefix, listed = f"snapshots/v{version:010d}/", []
+    for name, data in files.items():
+        pieces = []
+        for i, off in enumerate(range(0, len(data), 4096)):
+            chunk = data[off:off + 4096]
+            store.put(f"{prefix}{name}.p{i:05d}", chunk)
+            pieces.append(Piece(key=f"{prefix}{name}.p{i:05d}", size=len(chunk),
+                                digest=object_digest(chunk)))
+        listed.append(SnapshotFile(name=name, size=len(data), pieces=tuple(pieces)))
+    data = SnapshotIndex(version=version, files=tuple(listed), tensors=tensors).pack()
+    store.put(f"{prefix}index.dcrs", data)
+    return ObjectRef(key=f"{prefix}index.dcrs", size=len(data), digest=object_digest(data))
+
+
+def assert_every_named_version_builds(run: Run, store: FileStore, tmp_path: Path) -> None:
+    """The invariant retention keeps: every version the history names is built from the
+    store, from a snapshot at or below it, or below the oldest from the public base model."""
+    h = HistoryStore(store).read()
+    base = tmp_path / "seed-v0"  # the public base model, on the pod's side
+    shutil.copytree(run.train / "v0", base)
+    for v in sorted({c.version for c in h.versions} | {s.version for s in h.snapshots}):
+        out = tmp_path / f"built-v{v}"
+        below = not any(s.version <= v for s in h.snapshots)
+        materialize(store, out, version=v, **({"held": 0, "seed": base} if below else {}))
+        assert bits_of(out) == bits_of(run.train / f"v{v}"), v
+
+
+@pytest.mark.parametrize("bits", ["random", "v2"])
+def test_a_planted_snapshot_is_not_adopted_and_pruning_keeps_every_version_buildable(
+        run: Run, tmp_path: Path, bits: str) -> None:
+    """A store writer plants an index for v3 carrying v3's (public) fingerprints over 4 KiB
+    of random bytes, or over v2's real checkpoint. Adoption reads every piece back and
+    fingerprints the tensors from those bytes, so neither is adopted; keepSnapshots: 1
+    then prunes nothing, and once the real v3 snapshot is written, adopted and the rest
+    pruned, every version the history names still builds. Adopted on the index's word,
+    the plant made retention delete v2's snapshot and v1-v2, and v3 unbuildable."""
+    store, hs = store_copy(run, tmp_path)
+    fps = hs.fingerprints(hs.read(), 3)
+    data = (np.random.default_rng(3).bytes(4096) if bits == "random"
+            else (run.train / "v2" / "model.safetensors").read_bytes())
+    plant_snapshot(store, 3, {"model.safetensors": data}, fps)
+    hs._write(hs.adopt(hs.read()))  # what the next commit does
+    assert [s.version for s in hs.read().snapshots] == [2]
+    assert hs.prune(1)[1] == []
+    assert_every_named_version_builds(run, store, tmp_path / "before")
+    for key in store.list("snapshots/v0000000003/"):
+        (store.root / key).unlink()
+    write_snapshot(store, run.train / "v3", 3, piece_bytes=4096)
+    hs._write(hs.adopt(hs.read()))
+    kept, gone = hs.prune(1)
+    assert ([s.version for s in kept.snapshots], [c.version for c in kept.versions]) == (
+        [3], [3])
+    assert "snapshots/v0000000002/" in gone
+    assert_every_named_version_builds(run, store, tmp_path / "after")
+
+
+def test_a_snapshot_that_cannot_be_built_gives_way_to_the_next_route(
+        run: Run, tmp_path: Path) -> None:
+    """A history that names a garbage snapshot of v3 declaring 1 byte (one no reader
+    vouches for by digest): the plan tries it first, it is refused on fetching, and the
+    build falls back to the next route, replay from the seed or the snapshot of v2, and
+    says which it used and what it refused. It failed outright before."""
+    store, hs = store_copy(run, tmp_path)
+    ref = plant_snapshot(store, 3, {"model.safetensors": b"\0" * 4096},
+                         hs.fingerprints(hs.read(), 3))
+    hs.snapshot(Snapshot(version=3, index=ref, bytes=1))
+    assert plan(hs.read(), 3, 0).snapshot == Snapshot(version=3, index=ref, bytes=1)
+    base = run.rollout_root("fallback") / "v0"
+    seeded = materialize(store, tmp_path / "seeded", held=0, seed=base)
+    assert (seeded.plan.route, seeded.plan.start) == ("replay", 0)
+    assert len(seeded.refused) == 1
+    assert seeded.refused[0].startswith("snapshot from version 3")
+    fresh = materialize(store, tmp_path / "fresh")
+    assert (fresh.plan.route, fresh.plan.start) == ("snapshot", 2)
+    for out in ("seeded", "fresh"):
+        assert bits_of(tmp_path / out) == bits_of(run.train / "v3")
+
+
+def test_only_tensor_files_and_the_seeds_allow_listed_files_reach_a_built_checkpoint(
+        run: Run, tmp_path: Path) -> None:
+    """A store writer adds config.json, modeling_x.py and a 20 MiB blob to a snapshot
+    whose tensors are real (so it is adopted); the seed holds its own config and
+    tokenizer beside a blob and notes. A build from the snapshot fetches no file but the
+    tensors, and takes config and tokenizer from the seed only; nothing off the
+    allow-list is copied. Before, every file of both reached the pod."""
+    store, hs = store_copy(run, tmp_path)
+    write_snapshot(store, run.train / "v3", 3, piece_bytes=4096)
+    index = SnapshotIndex.parse(store.get("snapshots/v0000000003/index.dcrs"), "t")
+    planted = {"config.json": b'{"planted": 1}', "modeling_x.py": b"import os\n",
+               "blob.bin": b"\1" * (20 << 20)}
+    plant_snapshot(store, 3, {**{f.name: b"".join(store.get(p.key) for p in f.pieces)
+                                 for f in index.files}, **planted}, index.tensors)
+    hs._write(hs.adopt(hs.read()))
+    assert [s.version for s in hs.read().snapshots] == [2, 3]
+    bare = materialize(store, tmp_path / "bare")
+    assert bare.plan.route == "snapshot"
+    assert sorted(p.name for p in (tmp_path / "bare").iterdir()) == [
+        ".dcr-version", "model.safetensors"]
+    assert bare.fetched_bytes < (20 << 20)
+    base = run.rollout_root("vouched") / "v0"
+    for name, data in {"config.json": b'{"seed": 1}', "tokenizer.json": b"{}",
+                       "blob.bin": b"\2" * 1024, "notes.txt": b"x"}.items():
+        (base / name).write_bytes(data)
+    for route in ("snapshot", "replay"):
+        out = tmp_path / route
+        materialize(store, out, held=0, seed=base, route=route)  # type: ignore[arg-type]
+        assert sorted(p.name for p in out.iterdir()) == [
+            ".dcr-version", "config.json", "model.safetensors", "tokenizer.json"], route
+        assert (out / "config.json").read_bytes() == b'{"seed": 1}'
+
+
+@pytest.mark.parametrize(("name", "count", "size", "match"), [
+    ("tokenizer.json", 1, (64 << 20) + 1, r"tokenizer.json is 67108865 bytes"),
+    ("modeling_{}.py", 33, 1, r"modeling_32.py is carried file 33; at most 32")])
+def test_a_seed_over_the_carried_file_bounds_is_refused_by_name(
+        run: Run, tmp_path: Path, name: str, count: int, size: int, match: str) -> None:
+    base = run.rollout_root(f"bounds-{count}") / "v0"
+    for i in range(count):
+        with (base / name.format(f"{i:02d}")).open("wb") as f:
+            f.truncate(size)
+    with pytest.raises(CheckpointError, match=match):
+        materialize(run.store, tmp_path / "out", held=0, seed=base)
+
+
+def test_a_mirror_generation_carries_only_vouched_files_to_the_next(
+        run: Run, tmp_path: Path) -> None:
+    """Whoever writes the mirror volume adds a blob and a modeling_*.py to the current
+    generation: the next generation, built from hard links of it, carries neither
+    (config.json, from the seed, goes on). Before, every file was linked on."""
+    from dcr.files.mirror import sync
+
+    base, root = run.rollout_root("mirror-vouched") / "v0", tmp_path / "mirror"
+    (base / "config.json").write_bytes(b"{}")
+    first = sync(run.store, root, version=1, seed=(0, base))
+    (first.current.path / "blob.bin").write_bytes(b"\1" * 1024)
+    second = sync(run.store, root, version=2)
+    assert sorted(p.name for p in second.current.path.iterdir()) == [
+        ".dcr-version", "config.json", "model.safetensors"]

@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass, field
 
 from dcr.errors import ManifestError, ObjectNotFound
+from dcr.files.readback import read_back
+from dcr.files.vouched import is_tensor_file
 from dcr.format.history import (
     HISTORY_KEY,
     Committed,
@@ -54,6 +56,7 @@ class HistoryStore:
     digest: str | None = None
     limits: ManifestLimits = DEFAULT_MANIFEST_LIMITS  # a receiver's own (limits_for)
     _manifests: dict[int, Manifest] = field(default_factory=dict, repr=False)
+    _refused: set[str] = field(default_factory=set, repr=False)  # snapshot index digests
 
     def read(self) -> History:
         where = f"{self.store.uri}/{HISTORY_KEY}"
@@ -110,33 +113,56 @@ class HistoryStore:
 
     def adopt(self, history: History) -> History:
         """``history`` with the snapshots the store holds that it does not name yet, each
-        only if its index lists the fingerprints the history vouches for at its version
-        (so whoever may write snapshot objects never writes the history)."""
+        only once it was read back whole: every piece of its tensor files fetched and
+        checked by digest, and the fingerprints of the tensors computed from those bytes
+        equal to those the history vouches for at its version (so whoever may write
+        snapshot objects never writes the history, and a snapshot retention may prune
+        older data for is one a reader can build from)."""
         named = {s.version for s in history.snapshots}
         found = []
         for key in self.store.list(SNAPSHOTS):
             m = _INDEX_KEY.fullmatch(key)
             if m is None or int(m[1]) in named:
                 continue
-            version = int(m[1])
             try:
-                expect = self.fingerprints(history, version)
-                data = self.store.get(key)
-                index = SnapshotIndex.parse(data, f"{self.store.uri}/{key}")
-            except ManifestError as e:  # not vouched for (yet), or not an index
+                expect = self.fingerprints(history, int(m[1]))
+            except ManifestError as e:  # not vouched for (yet)
                 log.info("history: snapshot %s not adopted: %s", key, e)
                 continue
-            if index.version != version or index.tensors != expect:
-                log.warning("history: snapshot %s is not the committed version %s; not "
-                            "adopted", key, version)
-                continue
-            found.append(Snapshot(version=version, index=ObjectRef(
-                key=key, size=len(data), digest=object_digest(data)),
-                bytes=index.total_bytes))
+            try:
+                found.append(self._read_back(int(m[1]), key, expect))
+            except (ManifestError, ObjectNotFound) as e:
+                log.warning("history: snapshot %s not adopted: %s", key, e)
         if not found:
             return history
         snaps = tuple(sorted([*history.snapshots, *found], key=lambda s: s.version))
         return history.model_copy(update={"snapshots": snaps})
+
+    def _read_back(self, version: int, key: str, expect: dict[str, str]) -> Snapshot:
+        data = self.store.get(key)
+        digest = object_digest(data)
+        if digest in self._refused:
+            raise ManifestError(f"its index {digest} was refused before")
+        index = SnapshotIndex.parse(data, f"{self.store.uri}/{key}")
+        try:
+            if index.version != version or index.tensors != expect:
+                raise ManifestError(f"its index names version {index.version} or other "
+                                    f"fingerprints than the history's of version {version}")
+            have = read_back(index, lambda p: get_checked(self.store, ObjectRef(
+                key=p.key, size=p.size, digest=p.digest), "Snapshot piece"), key)
+            wrong = sorted(n for n in {*have, *expect} if have.get(n) != expect.get(n))
+            if wrong:
+                raise ManifestError(f"read back, {len(wrong)} tensors differ from the "
+                                    f"fingerprints the history vouches for at version "
+                                    f"{version}, first {wrong[:3]}")
+        except (ManifestError, ObjectNotFound):
+            self._refused.add(digest)  # read once: a refused index costs one read back
+            raise
+        read = sum(f.size for f in index.files if is_tensor_file(f.name))
+        log.info("history: snapshot of version %s read back whole (%d bytes); adopted",
+                 version, read)
+        return Snapshot(version=version, index=ObjectRef(key=key, size=len(data),
+                                                         digest=digest), bytes=read)
 
     def snapshot(self, snap: Snapshot) -> str:
         """Record a snapshot the store now holds; the history's new digest. Only where no

@@ -9,7 +9,8 @@ touched), and only then moves ``current`` with one rename. A reader resolves ``c
 once and reads one whole version; the ``keep`` newest generations stay, so a reader that
 started on the previous one can finish. Pods start and rejoin from it
 (``dcr materialize --seed <mirror>/current``, the agent's ``--mirror``): every tensor is
-checked against the history's fingerprints there, as from any seed.
+checked against the history's fingerprints there, as from any seed, and only tensor files
+and the seed's allow-listed files pass from one generation to the next.
 docs/two-clusters.md, "A rollout-side mirror".
 """
 
@@ -26,6 +27,7 @@ from dcr.errors import CheckpointError
 from dcr.files.history import HistoryStore
 from dcr.files.materialize import VERSION_FILE, Materialized, materialize, recorded_version
 from dcr.files.patch import fsync_dir, reader_limits
+from dcr.files.vouched import copy_vouched
 from dcr.format.manifest import DEFAULT_MANIFEST_LIMITS
 from dcr.transport.store import Store
 
@@ -121,12 +123,8 @@ def sync(store: Store, root: Path, *, version: int | None = None,
 
 
 def _link_tree(src: Path, dst: Path) -> None:
-    """``dst`` as ``src`` with every file hard-linked (the patch path replaces the files it
-    changes, never writing into them), except the recorded version, which is copied."""
-    def link(s: str, d: str) -> None:
-        if Path(s).name == VERSION_FILE:
-            shutil.copy2(s, d)
-        else:
-            os.link(s, d)
-
-    shutil.copytree(src, dst, symlinks=False, copy_function=link)
+    """``dst`` as ``src``'s tensor files and carried files (:mod:`dcr.files.vouched`),
+    each hard-linked (the patch path replaces the files it changes, never writing into
+    them), and its recorded version, copied. Nothing else on the volume is carried on."""
+    copy_vouched(src, dst, copy=os.link)
+    shutil.copy2(src / VERSION_FILE, dst / VERSION_FILE)

@@ -1,11 +1,12 @@
 """Snapshots: one version's whole checkpoint in a store, in pieces, and fetched back.
 
-The training side writes every file of the checkpoint directory in pieces of
+The training side writes the checkpoint's tensor files in pieces of
 ``PIECE_BYTES`` (each its own object, so a reader fetches them in parallel and checks
 each by digest as it lands), then an index naming the pieces and every tensor's
 fingerprint. A reader compares the index's fingerprints with those the history vouches
 for before it fetches a piece, and the files' own tensors with them after, and only then
-moves the directory into place: a refused snapshot leaves nothing behind.
+moves the directory into place: a refused snapshot leaves nothing behind. Nothing but
+tensor files is written or fetched (:mod:`dcr.files.vouched` says why).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 from dcr.checkpoint import Checkpoint
 from dcr.errors import CheckpointError, ManifestError
 from dcr.files.history import get_checked
+from dcr.files.vouched import is_tensor_file, tensor_files
 from dcr.format.history import (
     PIECE_BYTES,
     ObjectRef,
@@ -42,8 +44,8 @@ def write_snapshot(store: Store, checkpoint: Path, version: int, *,
                    expect: dict[str, str] | None = None,
                    piece_bytes: int = PIECE_BYTES) -> Snapshot:
     """Put ``checkpoint``'s files and their index into ``store`` as version ``version``'s
-    snapshot; what the history records of it. Every regular file at the top of the
-    directory goes (configs and tokenizer too, so an engine can start from it). With
+    snapshot; what the history records of it. Its tensor files go, nothing else: a
+    reader takes configs and tokenizer from its seed (:mod:`dcr.files.vouched`). With
     ``expect`` (the fingerprints the history vouches for), a checkpoint with other bits
     is refused before anything is written."""
     if not 0 < piece_bytes <= PIECE_BYTES:
@@ -55,8 +57,7 @@ def write_snapshot(store: Store, checkpoint: Path, version: int, *,
                             f"differ from the history's fingerprints, first {wrong[:3]}. "
                             "Nothing was written.")
     prefix = snapshot_prefix(version)
-    names = sorted(p.name for p in checkpoint.iterdir()
-                   if p.is_file() and not p.is_symlink() and not p.name.startswith("."))
+    names = sorted(p.name for p in tensor_files(checkpoint))
 
     def put_piece(job: tuple[Path, int, int, str]) -> Piece:
         path, offset, size, key = job
@@ -107,6 +108,11 @@ def fetch_snapshot(store: Store, snap: Snapshot, out: Path, expect: dict[str, st
         _fetch_files(store, index, tmp, progress)
         with Checkpoint(tmp) as ckpt:
             have = {n: ckpt.fingerprint(n) for n in ckpt.names()}
+            unread = sorted({f.name for f in index.files if f.name.endswith(".safetensors")}
+                            - {p.name for p in ckpt.files})
+        if unread:
+            raise ManifestError(f"Snapshot of version {snap.version}: {unread[:3]} hold no "
+                                "tensor the checkpoint reads; nothing unchecked is kept.")
         if have != expect:
             names = differing(have, expect)
             raise ManifestError(f"Snapshot of version {snap.version}: after fetching, "
@@ -138,7 +144,8 @@ def _fetch_files(store: Store, index: SnapshotIndex, into: Path,
             progress(len(data))
 
     jobs = []
-    for f in index.files:
+    files = [f for f in index.files if is_tensor_file(f.name)]  # nothing else is vouched for
+    for f in files:
         path = into / f.name  # the name's pattern keeps it one level down, no dot
         with path.open("xb") as fh:
             fh.truncate(f.size)
@@ -148,6 +155,6 @@ def _fetch_files(store: Store, index: SnapshotIndex, into: Path,
             offset += piece.size
     with ThreadPoolExecutor(PARALLEL) as pool:
         list(pool.map(fetch, jobs))
-    for f in index.files:
+    for f in files:
         with (into / f.name).open("rb") as done:
             os.fsync(done.fileno())
