@@ -7,11 +7,17 @@ splits chunked again by FSDP and the norms on the data-parallel mesh alone), tak
 AdamW steps and serves the warm-encoder protocol from its own process. A coordinator
 here asks every rank to publish, as the operator does, carrying the commit record of the
 base in each request; vLLM-layout receivers (TP 2 and TP 1) end with the bits of a dense
-export of each version.
+export of each version. The coordinator writes the store's history after each commit, as
+the operator does, and it vouches for every tensor: an engine restarted after the last
+commit rejoins from the store, and ``dcr materialize --held 0 --seed`` reaches it.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,12 +28,18 @@ from safetensors.torch import load_file, save_file
 from shardrig import DENSE, V0, exact, profile_of, receivers
 from trainer_ranks import TrainerRanks
 
+from dcr.apply.plan import CanonicalTensor
+from dcr.files.history import HistoryStore
 from dcr.format.profile import ReceiverProfile
 from dcr.protocol.commitstore import SqliteCommitStore
 from dcr.protocol.coordinator import Coordinator
 from dcr.protocol.encoder_api import EncoderClient, PublishRequest
 from dcr.protocol.records import Attempt, CommitRecord
-from dcr.runtimes.vllm_reference import random_checkpoint
+from dcr.receiver.fromstore import FromStore
+from dcr.receiver.service import AgentService
+from dcr.runtimes.vllm_reference import ReferenceModel, random_checkpoint
+from dcr.serve.local import LocalDriver
+from dcr.transport.receive import StoreSource
 from dcr.transport.store import FileStore
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -69,10 +81,13 @@ def ranks(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TrainerRan
         yield started
 
 
-def test_fsdp2_ranks_are_the_owners_and_receivers_end_bit_exact(ranks: TrainerRanks,
-                                                                 tmp_path: Path) -> None:
+def test_fsdp2_ranks_are_the_owners_and_late_receivers_rejoin_from_the_store_bit_exact(
+        ranks: TrainerRanks, tmp_path: Path) -> None:
     """Every changed element is offered by exactly one rank (replicas and the copies a
-    sub-mesh leaves on the other dimension included), and receivers end bit-exact."""
+    sub-mesh leaves on the other dimension included), receivers end bit-exact, and the
+    history the coordinator writes vouches for every tensor by the ranks' sums: engines
+    restarted after the last commit rejoin from the store, and a late pod's ``dcr
+    materialize --held 0 --seed`` reaches it."""
     v0 = load_file(str(tmp_path / "v0.safetensors"))
     store = FileStore(tmp_path / "store")
     rx, models = receivers(DENSE, v0, store, (2, 1), tmp_path / "rx")
@@ -80,7 +95,13 @@ def test_fsdp2_ranks_are_the_owners_and_receivers_end_bit_exact(ranks: TrainerRa
     owners = [RankEndpoint(client=EncoderClient(url, TOKEN, name=f"rank-{r}"), index=r,
                            owners=world, profile=profile_of(rx))
               for r, url in enumerate(ranks.urls)]
-    coord = Coordinator(SqliteCommitStore(tmp_path / "c.db", V0), owners, rx)
+    history = HistoryStore(store)
+
+    def record(rec: CommitRecord, n: int) -> None:  # what the operator does at each commit
+        history.commit(rec.committed_version, rec.attempt, n)
+
+    coord = Coordinator(SqliteCommitStore(tmp_path / "c.db", V0), owners, rx,
+                        on_commit=record)
     for version in (1, 2):
         changed = ranks.step(version)
         target = load_file(str(ranks.out / f"v{version}" / "model.safetensors"))
@@ -95,6 +116,56 @@ def test_fsdp2_ranks_are_the_owners_and_receivers_end_bit_exact(ranks: TrainerRa
     parts = sorted(p.name for p in (tmp_path / "store").rglob("manifest-o*.dcrm"))
     assert parts == sorted([f"manifest-o{r:04d}.dcrm" for r in range(world)] * 2)
     coord.close()
+    target = load_file(str(ranks.out / "v2" / "model.safetensors"))
+    for tp in (1, 2):
+        assert restarted_engine_rejoins(tmp_path / f"late-tp{tp}", v0, store, tp) == 2
+    assert exact_files(materialized(tmp_path, store), target)
+
+
+def restarted_engine_rejoins(root: Path, v0: dict[str, torch.Tensor], store: FileStore,
+                             tp: int) -> int:
+    """An engine restarted on the starting model (the last rank of a TP ``tp`` engine)
+    rejoins from the store: its agent builds the committed version from its own copy of
+    v0 and the committed deltas, every tensor checked against the history's sums before
+    the load and the tensors it holds whole after. Its version once restored."""
+    (root / "v0").mkdir(parents=True)
+    save_file(v0, str(root / "v0" / "model.safetensors"))
+    model = ReferenceModel(DENSE, tp_size=tp, tp_rank=tp - 1)
+    model.load_weights(v0.items())
+    staging = root.parent / f"{root.name}-staging"
+    engine = LocalDriver([model], staging_dir=staging, checkpoint_root=root)
+    canonical = [CanonicalTensor(name=n, dtype="BF16", shape=tuple(t.shape))
+                 for n, t in v0.items()]
+    agent = AgentService(
+        root.name, engine, lambda spec: StoreSource(store=store, version=spec.target_version,
+                                                    attempt=spec.attempt, owners=spec.owners),
+        canonical=canonical, staging_dir=staging, version=0, checkpoint_root=root,
+        store=FromStore(HistoryStore(store), root, seed=(0, root / "v0")))
+    committed = HistoryStore(store).read().committed
+    version = agent.rejoin(committed).version
+    assert version is not None
+    return version
+
+
+def materialized(tmp_path: Path, store: FileStore) -> Path:
+    """A late pod's init container: ``dcr materialize --held 0 --seed`` from the public
+    starting model reaches the committed version."""
+    seed = tmp_path / "public-v0"
+    seed.mkdir()
+    shutil.copy(tmp_path / "v0.safetensors", seed / "model.safetensors")
+    out = tmp_path / "pod" / "weights"
+    run = subprocess.run([sys.executable, "-m", "dcr", "materialize", "--store", store.uri,
+                          "--out", str(out), "--held", "0", "--seed", str(seed), "--json"],
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["version"] == 2
+    return out
+
+
+def exact_files(out: Path, target: dict[str, torch.Tensor]) -> bool:
+    built = load_file(str(out / "model.safetensors"))
+    return built.keys() == target.keys() and all(
+        torch.equal(built[n].view(torch.int16), t.view(torch.int16)) for n, t in target.items())
 
 
 REFUSALS = """

@@ -10,9 +10,11 @@ import hashlib
 import json
 import struct
 
+import numpy as np
 import pytest
 import zstandard
 
+from dcr.codec.sums import fingerprint_as, piece_sum, whole_sum
 from dcr.errors import ManifestError
 from dcr.format.manifest import (
     DEFAULT_MANIFEST_LIMITS,
@@ -20,10 +22,12 @@ from dcr.format.manifest import (
     Manifest,
     ManifestLimits,
     json_schema,
+    merge_manifests,
     open_document,
     seal_document,
 )
 from dcr.format.payload import MAGIC as PAYLOAD_MAGIC
+from dcr.format.regions import Span, sum_text, whole
 
 FP = "xxh3-128:" + "0" * 32
 MAGIC = b"\x89DCM\r\n\x1a\n"
@@ -276,9 +280,57 @@ def test_a_relay_reads_the_attempt_from_the_documents_head_and_parses_nothing_el
     assert manifest_attempt(seal_document(good), "t") == "a-1"
     assert manifest_attempt(seal_document(good[:200] + b"{{{ not json"), "t") == "a-1"
     reordered = json.dumps({"attempt": "a-1", **manifest()}).encode()
-    with pytest.raises(ManifestError, match="does not begin as a version 2 document"):
+    with pytest.raises(ManifestError, match="does not begin as a version 2 or 3 document"):
         manifest_attempt(seal_document(reordered), "t")
     bad = bytearray(seal_document(good))
     bad[-1] ^= 1
     with pytest.raises(ManifestError, match="digest mismatch"):
         manifest_attempt(bytes(bad), "t")
+
+
+def ranks_part(base: int, target: int) -> Manifest:
+    """A trainer rank's part: its share of the whole tensor's sums (format version 3)."""
+    return Manifest.model_validate(manifest(
+        format_version=3, payloads=[],
+        tensors=[{"name": "w", "dtype": "BF16", "shape": [2, 2],
+                  "base": sum_text(base), "target": sum_text(target)}]))
+
+
+def test_ranks_parts_of_a_tensors_sums_add_into_the_whole_tensors_fingerprints() -> None:
+    """Ranks each hold part of ``w``; merged, the manifest lists ``w`` once with the sum
+    of their parts, which a reader of a whole copy recomputes (``whole_sum``)."""
+    bits = np.arange(4, dtype=np.uint16)
+    old = np.zeros(4, dtype=np.uint16)
+    parts = [ranks_part(piece_sum(_range(2 * k, 2), old[2 * k: 2 * k + 2], whole((4,)))
+                        or 0, piece_sum(_range(2 * k, 2), bits[2 * k: 2 * k + 2],
+                                        whole((4,))) or 0) for k in range(2)]
+    m = merge_manifests(parts, "a-1")
+    assert m.format_version == 3
+    assert [(t.name, t.base, t.target) for t in m.tensors] == [
+        ("w", whole_sum(old), whole_sum(bits))]
+    assert fingerprint_as(m.tensors[0].target, bits, lambda b: "unused") == whole_sum(bits)
+    assert Manifest.parse(m.pack(), "t") == m
+
+
+@pytest.mark.parametrize(("override", "needle"), [
+    ({"tensors": [{"name": "w", "dtype": "BF16", "shape": [4], "base": "sum64:" + "0" * 16,
+                   "target": "sum64:" + "0" * 16}]}, "exactly when it is version 3"),
+    ({"format_version": 3}, "exactly when it is version 3"),
+    ({"format_version": 3, "tensors": [{"name": "w", "dtype": "BF16", "shape": [4],
+                                        "base": FP, "target": "sum64:" + "0" * 16}]},
+     "of two kinds"),
+])
+def test_sums_as_fingerprints_need_version_3_and_one_kind_per_tensor(
+        override: dict[str, object], needle: str) -> None:
+    with pytest.raises(ManifestError, match=needle):
+        Manifest.parse(sealed(**override), "t")
+
+
+def test_a_tensor_listed_whole_by_two_parts_is_still_refused() -> None:
+    part = Manifest.model_validate(manifest(payloads=[]))
+    with pytest.raises(ManifestError, match="listed twice"):
+        merge_manifests([part, part], "a-1")
+
+
+def _range(start: int, count: int) -> Span:
+    return start, (count,), (1,)

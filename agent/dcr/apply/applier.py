@@ -635,16 +635,23 @@ class Applier:
         """Compare the fingerprints among ``targets`` that this rank can recompute with
         what storage holds; return those that differ, each with the fingerprint it holds.
         ``targets`` maps a readable tensor's name to ``xxh3-128:...`` of its canonical
-        bits, as a manifest lists them, and the key of a region this rank holds
+        bits (or ``sum64:`` of them where the owners were ranks), as a manifest lists
+        them, and the key of a region this rank holds
         (:attr:`regions`) to its ``sum64:...``. On the device path the hashing runs where
         the weights live (``xxh3.py``: 1/16 of each tensor's bytes reach the host, as
         per-block sums; ``sums.py``: 8 bytes)."""
         tensors = dict(self.runtime.named_tensors())  # once: a model has 10^5 of them
-        held = {name: self._digest(self.read_canonical(name, tensors))
+        held = {name: self._held_print(name, targets[name], tensors)
                 for name in sorted(targets.keys() & self.readable)}
         held |= {key: sum_text(self.region_sum(self._region_keys[key], tensors))
                  for key in sorted(targets.keys() & self._region_keys.keys())}
         return {name: fp for name, fp in held.items() if fp != targets[name]}
+
+    def _held_print(self, name: str, want: str, held: Mapping[str, torch.Tensor]) -> str:
+        """A readable tensor's fingerprint, of the kind ``want`` is."""
+        if want.startswith("sum64:"):
+            return sum_text(self.region_sum(name, held))
+        return self._digest(self.read_canonical(name, held))
 
     def region_sum(self, name: str, held: Mapping[str, torch.Tensor] | None = None) -> int:
         """The additive fingerprint (``dcr.codec.sums``) of the canonical elements this

@@ -18,13 +18,13 @@ operations (``dcr.apply.sums``), for tensors on a device.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
 
 from dcr.codec import _native  # type: ignore[attr-defined]
-from dcr.format.regions import Span, extent
+from dcr.format.regions import Span, extent, sum_text, whole
 
 MASK64 = (1 << 64) - 1
 KEY = 0x9E3779B97F4A7C15
@@ -37,6 +37,20 @@ def span_sum(bits: npt.NDArray[np.unsignedinteger], span: Span) -> int:
     flat = np.ascontiguousarray(bits).reshape(-1)
     return int(_native.span_sum(flat, flat.itemsize, offset, np.asarray(sizes, np.int64),
                                 np.asarray(strides, np.int64)))
+
+
+def whole_sum(bits: npt.NDArray[np.unsignedinteger]) -> str:
+    """``sum64:`` of a whole canonical tensor whose bits ``bits`` holds in row-major order:
+    what a manifest lists for a tensor its owners each hold part of."""
+    flat = np.ascontiguousarray(bits).reshape(-1)
+    return sum_text(span_sum(flat, whole(flat.shape)[0]))
+
+
+def fingerprint_as(want: str, bits: npt.NDArray[np.unsignedinteger],
+                   xxh3: Callable[[npt.NDArray[np.unsignedinteger]], str]) -> str:
+    """The fingerprint of a whole canonical tensor's ``bits`` of the kind ``want`` is (a
+    manifest's, ``TensorEntry``): the sum for ``sum64:``, else ``xxh3`` of them."""
+    return whole_sum(bits) if want.startswith("sum64:") else xxh3(bits)
 
 
 def gather(flat: npt.NDArray[np.unsignedinteger], span: Span) -> npt.NDArray[np.unsignedinteger]:

@@ -24,6 +24,7 @@ from dcr.checkpoint import Checkpoint
 from dcr.errors import CheckpointError, ManifestError, ObjectNotFound
 from dcr.files.history import HistoryStore
 from dcr.files.patch import patch_chain
+from dcr.files.prints import held_prints
 from dcr.files.snapshot import differing, fetch_snapshot
 from dcr.files.vouched import copy_vouched
 from dcr.format.history import History, Snapshot
@@ -203,7 +204,7 @@ def _check_held(hs: HistoryStore, history: History, out: Path, held: int) -> Non
     expect = hs.fingerprints(history, held)
     try:
         with Checkpoint(out) as ckpt:
-            have = {n: ckpt.fingerprint(n) for n in ckpt.names()}
+            have = held_prints(ckpt, expect)  # sums where the owners were ranks
     except CheckpointError as e:
         raise CheckpointError(f"{out} should hold version {held}: {e}") from e
     differ = differing(have, expect)

@@ -25,6 +25,7 @@ import numpy as np
 
 from dcr.checkpoint import Checkpoint, TensorInfo, UInt, fingerprint, read_header
 from dcr.codec.decode import DecodedItem, Target, apply_items, decode
+from dcr.codec.sums import fingerprint_as
 from dcr.errors import (
     CheckpointError,
     MalformedPayload,
@@ -32,6 +33,8 @@ from dcr.errors import (
     TargetMismatch,
     WrongBaseVersion,
 )
+from dcr.files.prints import held_prints
+from dcr.files.snapshot import differing
 from dcr.format.layout import manifest_key
 from dcr.format.manifest import (
     DEFAULT_MANIFEST_LIMITS,
@@ -129,7 +132,8 @@ def _classify(ckpt: Checkpoint, manifest: Manifest) -> tuple[list[Path], list[Pa
         by_file[info.file].append(info)
     todo, done = [], []
     for path, infos in sorted(by_file.items()):
-        prints = {i.name: ckpt.fingerprint(i.name) for i in infos}
+        prints = {i.name: fingerprint_as(entries[i.name].base, ckpt.bits(i.name), fingerprint)
+                  for i in infos}
         at_base = all(prints[n] == entries[n].base for n in prints)
         at_target = all(prints[n] == entries[n].target for n in prints)
         if at_target:  # includes files no tensor of which changes
@@ -145,6 +149,10 @@ def _classify(ckpt: Checkpoint, manifest: Manifest) -> tuple[list[Path], list[Pa
                 f"{'other' if strays else 'target-version'} bits. Nothing was changed."
             )
     return todo, done
+
+
+def _print(t: Target, want: str) -> str:
+    return fingerprint_as(want, t.bits, fingerprint)
 
 
 def _view(mm: mmap.mmap, info: TensorInfo) -> UInt:
@@ -190,7 +198,8 @@ def _patch_file(
                 for name, i in infos.items()
             }
             applied = apply_items(items, targets)
-            wrong = [n for n, t in targets.items() if fingerprint(t.bits) != entries[n].target]
+            wrong = [n for n, t in targets.items()
+                     if fingerprint_as(entries[n].target, t.bits, fingerprint) != entries[n].target]
             if wrong:
                 raise TargetMismatch(
                     f"{path}: after applying, tensors {wrong[:5]} do not match the target "
@@ -282,8 +291,7 @@ def patch_chain(root: Path, store: Store, manifests: list[Manifest], *,
         for m in manifests:
             _check_layout(ckpt, m)
         first = {t.name: t.base for t in manifests[0].tensors}
-        wrong = [] if base_checked else [n for n in ckpt.names()
-                                         if ckpt.fingerprint(n) != first[n]]
+        wrong = [] if base_checked else differing(held_prints(ckpt, first), first)
         if wrong:
             raise WrongBaseVersion(f"{root} is not at version {manifests[0].base_version}: "
                                    f"tensors {wrong[:5]} hold other bits. Nothing was changed.")
@@ -305,13 +313,13 @@ def patch_chain(root: Path, store: Store, manifests: list[Manifest], *,
             applied += apply_items(items, targets)
             want = {t.name: t.target for t in m.tensors}
             touched = {it.header.name for it in items}
-            bad = [n for n in sorted(touched) if fingerprint(targets[n].bits) != want[n]]
+            bad = [n for n in sorted(touched) if _print(targets[n], want[n]) != want[n]]
             if bad:
                 raise TargetMismatch(f"{root}: after version {m.target_version}'s payloads, "
                                      f"tensors {bad[:5]} do not match its target fingerprints."
                                      " The checkpoint is unchanged.")
         last = {t.name: t.target for t in manifests[-1].tensors}
-        bad = [n for n, t in targets.items() if fingerprint(t.bits) != last[n]]
+        bad = [n for n, t in targets.items() if _print(t, last[n]) != last[n]]
         if bad:
             raise TargetMismatch(f"{root}: tensors {bad[:5]} do not match version "
                                  f"{manifests[-1].target_version}'s target fingerprints. The "

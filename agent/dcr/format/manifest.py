@@ -1,7 +1,9 @@
-"""The per-attempt manifest, version 2: the payloads a receiver must apply, written last.
+"""The per-attempt manifest, version 2 or 3: the payloads a receiver must apply, written last.
 
 It names the transition, the attempt, every payload with its size and digest in apply
-order, and every tensor's base and target fingerprints: JSON (``manifest.schema.json``,
+order, and every tensor's base and target fingerprints (version 3: also an owner's part
+of a whole tensor's additive sum, where the owners are ranks that each hold part of it,
+added up when parts are merged): JSON (``manifest.schema.json``,
 generated from the model below) sealed in a small zstd container, whose size, digest and
 entry count are checked before anything is decompressed or parsed. ``FORMAT.md``,
 "Manifest", has the bytes, the limits and why.
@@ -37,7 +39,7 @@ PREAMBLE_SIZE = _PREAMBLE.size + DIGEST_SIZE  # 40
 LEVEL = 1  # writers' zstd level: smaller than 3 or 9 here, within 4% of 19; readers take any
 
 _HEX32 = r"^[0-9a-f]{32}$"
-_FINGERPRINT = r"^xxh3-128:[0-9a-f]{32}$"
+_FINGERPRINT = r"^(xxh3-128:[0-9a-f]{32}|sum64:[0-9a-f]{16})$"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,11 +91,21 @@ class PayloadEntry(_Model):
 
 
 class TensorEntry(_Model):
+    """A canonical tensor's fingerprints at the base and the target: ``xxh3-128:`` of its
+    bits, from an owner that holds it whole; or ``sum64:``, an owner's part of the sum
+    over the whole tensor (``dcr.codec.sums``), from owners that each hold part of it
+    (trainer ranks), which :func:`merge_manifests` adds into the whole tensor's."""
+
     name: Annotated[str, Field(min_length=1)]
     dtype: str
     shape: tuple[Annotated[int, Field(ge=0)], ...]
     base: Annotated[str, Field(pattern=_FINGERPRINT)]
     target: Annotated[str, Field(pattern=_FINGERPRINT)]
+
+    @property
+    def summed(self) -> bool:
+        """Whether the fingerprints are additive sums (parts that add up)."""
+        return self.base.startswith("sum64:")
 
 
 class RegionSum(_Model):
@@ -115,7 +127,7 @@ class Stats(_Model):
 
 class Manifest(_Model):
     format: Literal["dcr-manifest"] = "dcr-manifest"
-    format_version: Literal[2] = 2
+    format_version: Literal[2, 3] = 2  # 3 exactly when some tensor's fingerprints are sums
     base_version: Annotated[int, Field(ge=0)]
     target_version: Annotated[int, Field(ge=0)]
     attempt: Annotated[str, Field(pattern=ATTEMPT_PATTERN)]
@@ -135,6 +147,13 @@ class Manifest(_Model):
         names = [t.name for t in self.tensors]
         if len(set(names)) != len(names):
             raise ValueError("a tensor is listed twice")
+        kinds = {(t.base.split(":")[0], t.target.split(":")[0]) for t in self.tensors}
+        if kinds - {("xxh3-128", "xxh3-128"), ("sum64", "sum64")}:
+            raise ValueError(f"a tensor's base and target fingerprints are of two kinds "
+                             f"{sorted(kinds)}")
+        if self.format_version != (3 if any(t.summed for t in self.tensors) else 2):
+            raise ValueError(f"format_version is {self.format_version}, but a document lists "
+                             "sum64 fingerprints exactly when it is version 3")
         return self
 
     def region_sums(self) -> dict[str, str]:
@@ -198,7 +217,7 @@ def open_document(data: bytes | memoryview, where: str,
     return doc
 
 
-_HEAD = re.compile(rb'\{"format":"dcr-manifest","format_version":2,"base_version":\d+,'
+_HEAD = re.compile(rb'\{"format":"dcr-manifest","format_version":[23],"base_version":\d+,'
                    rb'"target_version":\d+,"attempt":"([^"\\]{1,128})"')
 _HEAD_BYTES = 512
 
@@ -216,8 +235,8 @@ def manifest_attempt(data: bytes | memoryview, where: str,
         raise ManifestError(f"Manifest {where}: the document's frame is corrupt: {e}.") from e
     m = _HEAD.match(head)
     if m is None or not ATTEMPT_RE.fullmatch(m[1].decode("ascii", "replace")):
-        raise ManifestError(f"Manifest {where} does not begin as a version 2 document naming "
-                            "its attempt (fields in schema order).")
+        raise ManifestError(f"Manifest {where} does not begin as a version 2 or 3 document "
+                            "naming its attempt (fields in schema order).")
     return m[1].decode()
 
 
@@ -294,8 +313,9 @@ def merge_manifests(parts: list[Manifest], where: str) -> Manifest:
     """One manifest from the parts several owners wrote for the same attempt.
 
     Owners split tensors by name, so the parts must agree on the transition, attempt
-    and mode, and must not share a tensor or a payload id. Their region sums are kept
-    side by side: owners of parts of one tensor each write their part of a region.
+    and mode, and must not share a payload id, nor a tensor unless every part lists it
+    with sums: owners of parts of one tensor (trainer ranks) each write their part of its
+    sums, added here into the whole tensor's. Their region sums are kept side by side.
     """
     if not parts:
         raise ManifestError(f"No manifest parts to merge for {where}.")
@@ -313,7 +333,8 @@ def merge_manifests(parts: list[Manifest], where: str) -> Manifest:
             base_version=first.base_version, target_version=first.target_version,
             attempt=first.attempt, mode=first.mode,
             payloads=tuple(e for p in parts for e in p.payloads),
-            tensors=tuple(t for p in parts for t in p.tensors),
+            format_version=max(p.format_version for p in parts),
+            tensors=_added(parts, where),
             sums=tuple(r for p in parts for r in p.sums),
             stats=Stats(**{
                 f: sum(getattr(p.stats, f) for p in parts) for f in Stats.model_fields
@@ -321,3 +342,26 @@ def merge_manifests(parts: list[Manifest], where: str) -> Manifest:
         )
     except ValidationError as e:
         raise ManifestError(f"Manifest parts of {where} overlap: {e.errors()[0]['msg']}.") from e
+
+
+def _added(parts: list[Manifest], where: str) -> tuple[TensorEntry, ...]:
+    """The parts' tensors, each summed tensor's parts added into one entry (in the order
+    each name first appears); a tensor listed with ``xxh3-128`` stays as it is, and a
+    repeat of it is left for the model to refuse."""
+    out: list[TensorEntry] = []
+    summed: dict[str, int] = {}  # name -> its index in out
+    for t in (t for p in parts for t in p.tensors):
+        at = summed.get(t.name)
+        if at is None or not t.summed:
+            if t.summed:
+                summed[t.name] = len(out)
+            out.append(t)
+            continue
+        have = out[at]
+        if (have.dtype, have.shape) != (t.dtype, t.shape):
+            raise ManifestError(f"Manifest parts of {where} list tensor {t.name!r} as "
+                                f"{have.dtype}{list(have.shape)} and {t.dtype}{list(t.shape)}.")
+        out[at] = have.model_copy(update={
+            "base": sum_text(sum_value(have.base) + sum_value(t.base)),
+            "target": sum_text(sum_value(have.target) + sum_value(t.target))})
+    return tuple(out)

@@ -21,7 +21,7 @@ from dcr.codec.planes import UInt
 from dcr.codec.sums import MASK64, delta_sum, piece_sum, span_at
 from dcr.errors import ConfigError
 from dcr.format.dtypes import dtype as dtype_of
-from dcr.format.manifest import Manifest, RegionSum
+from dcr.format.manifest import Manifest, RegionSum, TensorEntry
 from dcr.format.names import EntryKind
 from dcr.format.payload import DEFAULT_LIMITS
 from dcr.format.profile import ReceiverProfile
@@ -258,8 +258,9 @@ class RegionParts:
 
     def of(self, local: str, m: ShardMap, base: UInt, regions: dict[str, tuple[Spans, ...]],
            version: int, moved: Mapping[tuple[str, Spans], int]
-           ) -> dict[tuple[str, Spans], int]:
-        """The parts over ``version``'s target of the regions ``local`` meets."""
+           ) -> dict[tuple[str, Spans], tuple[int, int]]:
+        """The parts over the base and over ``version``'s target of the regions ``local``
+        meets."""
         keys = [(local, n, spans) for n, r in regions.items() for spans in r]
         if missing := [k for k in keys if k not in self.base]:
             want: dict[str, tuple[Spans, ...]] = {}
@@ -269,11 +270,11 @@ class RegionParts:
             for n, spans, value in m.sums(base, want):
                 self.base[local, n, spans] = value
         target = self.targets.setdefault(version, {})
-        out: dict[tuple[str, Spans], int] = {}
+        out: dict[tuple[str, Spans], tuple[int, int]] = {}
         for k in keys:
             if (part := self.base[k]) is not None:
-                out[k[1:]] = (part + moved.get(k[1:], 0)) & MASK64
-            target[k] = out.get(k[1:])  # None: the region does not meet this tensor
+                out[k[1:]] = (part, (part + moved.get(k[1:], 0)) & MASK64)
+            target[k] = out[k[1:]][1] if k[1:] in out else None  # None: does not meet it
         return out
 
     def advance(self, version: int) -> None:
@@ -349,16 +350,29 @@ def shard_entry(m: ShardMap, mode: str, profile: ReceiverProfile | None) -> Entr
 def sum_regions(m: ShardMap, profile: ReceiverProfile | None) -> dict[str, tuple[Spans, ...]]:
     """The regions of ``m``'s canonical tensors to write sums of: each one the receivers'
     profile names (checked to lie inside the tensor), and the whole tensor, which no
-    owner of parts can fingerprint otherwise, for the ranks that hold it whole."""
+    owner of parts can fingerprint otherwise: its sums are the tensor's fingerprints
+    (``TensorEntry``), what a reader of the history checks a whole copy by, and a region
+    sum too where the receivers may hold it whole on an ``xor`` path."""
     out = {}
     for which, n in enumerate(m.canonical):
         shape = m.canonical_shape(which)
         named = profile.regions.get(n, ()) if profile is not None else ()
         for spans in named:
             check_spans(n, spans, shape)
-        cls = profile.tensors.get(n, "xor") if profile is not None else "xor"
-        out[n] = (*named, whole(shape)) if cls == "xor" else named
+        out[n] = (*named, whole(shape)) if whole(shape) not in named else named
     return out
+
+
+def region_sums_for(sums: Mapping[tuple[str, Spans], int], profile: ReceiverProfile | None
+                    ) -> tuple[RegionSum, ...]:
+    """The region sums a part lists: every region but the whole of a tensor the receivers
+    do not hold on an ``xor`` path (its sum is in the tensor's entry all the same)."""
+    def listed(n: str, spans: Spans) -> bool:
+        cls = profile.tensors.get(n, "xor") if profile is not None else "xor"
+        named = profile.regions.get(n, ()) if profile is not None else ()
+        return cls == "xor" or spans in named
+    return tuple(RegionSum(tensor=n, spans=spans, sum=sum_text(v))
+                 for (n, spans), v in sorted(sums.items()) if listed(n, spans))
 
 
 def write_shards(writer: AttemptWriter, maps: Mapping[str, ShardMap],
@@ -375,6 +389,7 @@ def write_shards(writer: AttemptWriter, maps: Mapping[str, ShardMap],
     parts = parts if parts is not None else RegionParts()
     version = writer.target_version
     sums: dict[tuple[str, Spans], int] = {}
+    wholes: dict[str, tuple[TensorEntry, int, int]] = {}  # its entry, base and target sums
     b = writer.builder(0)
     for name, base, cand in pairs:
         m = maps[name]
@@ -397,8 +412,13 @@ def write_shards(writer: AttemptWriter, maps: Mapping[str, ShardMap],
             changed += delta.positions.size
             b.add(encode_item(delta), dense_bytes=0)
             items += 1
-        for (n, spans), part in parts.of(name, m, base, regions, version, moved).items():
+        for (n, spans), (was, part) in parts.of(name, m, base, regions, version,
+                                                moved).items():
             sums[n, spans] = sums.get((n, spans), 0) + part
+            shape = m.canonical_shape(m.canonical.index(n))
+            if spans == whole(shape):
+                entry_of, b0, t0 = wholes.get(n, (_summed(n, m.dtype, shape), 0, 0))
+                wholes[n] = (entry_of, b0 + was, t0 + part)
         b.dense_bytes += base.nbytes
         if b.dense_bytes >= bucket_bytes and b.items:
             writer.seal(b)
@@ -407,7 +427,14 @@ def write_shards(writer: AttemptWriter, maps: Mapping[str, ShardMap],
             progress(items)
     if b.items:
         writer.seal(b)
-    return writer.finish(tensors=(), tensor_count=len(maps), changed_elements=changed,
+    tensors = tuple(e.model_copy(update={"base": sum_text(b0), "target": sum_text(t0)})
+                    for _, (e, b0, t0) in sorted(wholes.items()))
+    return writer.finish(tensors=tensors, tensor_count=len(maps), changed_elements=changed,
                          total_elements=total, dense_bytes=dense,
-                         sums=tuple(RegionSum(tensor=n, spans=spans, sum=sum_text(v))
-                                    for (n, spans), v in sorted(sums.items())))
+                         sums=region_sums_for(sums, profile))
+
+
+def _summed(name: str, dtype: str, shape: tuple[int, ...]) -> TensorEntry:
+    """A tensor's entry in a rank's part, its sums still to fill in (``write_shards``)."""
+    zero = sum_text(0)
+    return TensorEntry(name=name, dtype=dtype, shape=shape, base=zero, target=zero)

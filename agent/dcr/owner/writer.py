@@ -53,13 +53,15 @@ class AttemptWriter:
                sums: tuple[RegionSum, ...] = ()) -> Manifest:
         """Write the manifest of every payload sealed so far; return it.
 
-        ``tensors`` lists fingerprints where the owner has them (the shard path has none);
+        ``tensors`` lists fingerprints: of the bits where the owner holds tensors whole,
+        else its parts of their sums (the shard path; the document is then version 3);
         ``tensor_count`` counts the tensors this owner compared either way; ``sums`` are
         this owner's parts of the regions receivers hold.
         """
         manifest = Manifest(
             base_version=self.base_version, target_version=self.target_version,
             attempt=self.attempt, mode=self.mode,
+            format_version=3 if any(t.summed for t in tensors) else 2,
             payloads=tuple(sorted(self.entries, key=lambda e: e.seq)),
             tensors=tensors,
             sums=sums,

@@ -16,6 +16,7 @@ import torch
 from dcr.apply import xxh3
 from dcr.apply.applier import BITS, TORCH_DTYPES, Loader
 from dcr.checkpoint import Checkpoint, fingerprint
+from dcr.codec.sums import fingerprint_as
 from dcr.errors import CheckpointError
 
 Tensors = dict[str, torch.Tensor]
@@ -29,15 +30,16 @@ class DenseRefused(CheckpointError):
 def checkpoint_tensors(ckpt: Checkpoint, expect: Mapping[str, str] | None = None) -> Tensors:
     """Every tensor of a checkpoint as torch tensors over copies of its stored bits.
 
-    With ``expect`` (name -> fingerprint of the version's canonical bits), each listed
-    tensor's copy must have that fingerprint: the bits checked are the bits loaded.
+    With ``expect`` (name -> fingerprint of the version's canonical bits: xxh3-128, or
+    the whole tensor's sum where the owners were ranks), each listed tensor's copy must
+    have that fingerprint: the bits checked are the bits loaded.
     """
     out = {}
     for info in ckpt:
         size = info.dtype.itemsize
         bits = np.array(ckpt.bits(info.name))  # a copy: the loader may keep a reference
         want = None if expect is None else expect.get(info.name)
-        if want is not None and fingerprint(bits) != want:
+        if want is not None and fingerprint_as(want, bits, fingerprint) != want:
             raise DenseRefused(f"Tensor {info.name!r} of checkpoint {ckpt.root} is not the "
                                f"version's: its fingerprint differs from {want}.")
         t = torch.from_numpy(bits.view(f"<i{size}" if size > 1 else "u1"))
