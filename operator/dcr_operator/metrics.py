@@ -4,13 +4,20 @@ each fleet stands (docs/monitoring.md, "Metrics").
 One process-wide registry of ``prometheus_client`` instruments, fed by refit runs and fleet
 polls on any thread (the instruments lock themselves). The alerts in the chart
 (``charts/dcr/files/prometheus-rules.yaml``) and its dashboard read these names.
+
+Every series labelled with a fleet is made through :meth:`Metrics._of`, which remembers it
+under its fleet, so that a deleted fleet's series (counters and histograms of its refits
+too) leave the scrape with it (:meth:`Metrics.fleet_deleted`, :meth:`Metrics.keep_fleets`):
+fleets come and go, and a registry that kept them all would grow without bound.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import get_args
+import threading
+from collections.abc import Iterable
+from typing import TypeVar, get_args
 
 from aiohttp import web
 from prometheus_client import (
@@ -37,6 +44,9 @@ FLEET = ("namespace", "fleet")
 REFIT_OUTCOMES = (Phase.COMMITTED, Phase.FAILED)
 ATTEMPT_OUTCOMES = tuple(o for o in OUTCOMES.values() if o != AttemptOutcome.RUNNING)  # ended
 MODES = get_args(Mode)
+Instrument = Counter | Gauge | Histogram
+M = TypeVar("M", Counter, Gauge, Histogram)
+FleetKey = tuple[str, str]  # (namespace, fleet)
 
 
 class Metrics:
@@ -79,6 +89,16 @@ class Metrics:
             registry=r)
         self.unfinished = Gauge("dcr_operator_fleet_refits_unfinished", "WeightRefits of "
                                 "the fleet neither committed nor failed.", FLEET, registry=r)
+        self._lock = threading.Lock()
+        self._series: dict[FleetKey, set[tuple[Instrument, tuple[str, ...]]]] = {}
+
+    def _of(self, instrument: M, namespace: str, fleet: str, *rest: str) -> M:
+        """The child of ``instrument`` for one fleet's series, remembered under the fleet."""
+        labels = (namespace, fleet, *rest)
+        with self._lock:
+            self._series.setdefault((namespace, fleet), set()).add((instrument, labels))
+        child: M = instrument.labels(*labels)
+        return child
 
     def refit_started(self) -> None:
         self.running.inc()
@@ -88,21 +108,21 @@ class Metrics:
 
     def refit_committed(self, *, namespace: str, fleet: str, version: int, seconds: float,
                         payload_bytes: int, at: float) -> None:
-        self.refits.labels(namespace, fleet, Phase.COMMITTED).inc()
-        self.refit_seconds.labels(namespace, fleet).observe(seconds)
-        self.payload_bytes.labels(namespace, fleet).inc(payload_bytes)
-        self.committed.labels(namespace, fleet).set(version)
-        self.last_commit.labels(namespace, fleet).set(at)
+        self._of(self.refits, namespace, fleet, Phase.COMMITTED).inc()
+        self._of(self.refit_seconds, namespace, fleet).observe(seconds)
+        self._of(self.payload_bytes, namespace, fleet).inc(payload_bytes)
+        self._of(self.committed, namespace, fleet).set(version)
+        self._of(self.last_commit, namespace, fleet).set(at)
 
     def refit_failed(self, *, namespace: str, fleet: str, reason: str) -> None:
-        self.refits.labels(namespace, fleet, Phase.FAILED).inc()
-        self.refit_failures.labels(namespace, fleet, reason).inc()
+        self._of(self.refits, namespace, fleet, Phase.FAILED).inc()
+        self._of(self.refit_failures, namespace, fleet, reason).inc()
 
     def attempt_ended(self, result: AttemptResult, *, namespace: str, fleet: str, mode: str,
                       outcome: str) -> None:
-        self.attempts.labels(namespace, fleet, mode, outcome).inc()
+        self._of(self.attempts, namespace, fleet, mode, outcome).inc()
         if outcome != AttemptOutcome.COMMITTED:
-            self.attempt_failures.labels(namespace, fleet, result.error or "Unknown").inc()
+            self._of(self.attempt_failures, namespace, fleet, result.error or "Unknown").inc()
         for stage, seconds in result.stages.items():
             self.stage_seconds.labels(stage).observe(seconds)
 
@@ -111,25 +131,39 @@ class Metrics:
         """Where the fleet stands; its outcome counters start at 0 here, so that alerts on
         their increase see the first failure (a series born at 1 shows no increase)."""
         for phase in REFIT_OUTCOMES:
-            self.refits.labels(namespace, fleet, phase)
+            self._of(self.refits, namespace, fleet, phase)
         for mode, outcome in itertools.product(MODES, ATTEMPT_OUTCOMES):
-            self.attempts.labels(namespace, fleet, mode, outcome)
-        self.payload_bytes.labels(namespace, fleet)
-        self.committed.labels(namespace, fleet).set(version)
+            self._of(self.attempts, namespace, fleet, mode, outcome)
+        self._of(self.payload_bytes, namespace, fleet)
+        self._of(self.committed, namespace, fleet).set(version)
         if committed_at is not None:
-            self.last_commit.labels(namespace, fleet).set(committed_at)
-        self.receivers.labels(namespace, fleet).set(receivers)
-        self.behind.labels(namespace, fleet).set(behind)
+            self._of(self.last_commit, namespace, fleet).set(committed_at)
+        self._of(self.receivers, namespace, fleet).set(receivers)
+        self._of(self.behind, namespace, fleet).set(behind)
 
     def fleet_refits(self, *, namespace: str, fleet: str, unfinished: int) -> None:
-        self.unfinished.labels(namespace, fleet).set(unfinished)
+        self._of(self.unfinished, namespace, fleet).set(unfinished)
 
     def fleet_deleted(self, *, namespace: str, fleet: str) -> None:
-        """Drop a deleted fleet's gauges (its histogram samples stay: they are history)."""
-        for gauge in (self.committed, self.last_commit, self.receivers, self.behind,
-                      self.unfinished):
-            with contextlib.suppress(KeyError):  # never set for this fleet
-                gauge.remove(namespace, fleet)
+        """Drop every series of a deleted fleet: gauges, counters and histograms."""
+        with self._lock:
+            series = self._series.pop((namespace, fleet), set())
+        for instrument, labels in series:
+            with contextlib.suppress(KeyError):  # removed already
+                instrument.remove(*labels)
+
+    def fleets(self) -> set[FleetKey]:
+        """The fleets that have series."""
+        with self._lock:
+            return set(self._series)
+
+    def keep_fleets(self, fleets: Iterable[FleetKey]) -> list[FleetKey]:
+        """Drop the series of every fleet not in ``fleets`` (those that exist); the fleets
+        dropped. A refit that ends after its fleet's deletion leaves none behind."""
+        gone = sorted(self.fleets() - set(fleets))
+        for namespace, fleet in gone:
+            self.fleet_deleted(namespace=namespace, fleet=fleet)
+        return gone
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()

@@ -87,5 +87,35 @@ def test_fleet_polls_set_where_each_fleet_stands_and_a_deleted_fleet_drops_it() 
                   "dcr_operator_fleet_refits_unfinished"):
         assert not matching(s, gauge, **FLEET), gauge
     assert value(s, "dcr_operator_fleet_receivers_behind", **other) == 0
-    # The refit histogram keeps the deleted fleet's history.
-    assert value(s, "dcr_operator_refit_duration_seconds_count", **FLEET) == 1
+    # Its counters and its refit histogram go too: nothing of a deleted fleet stays.
+    assert not [k for k in s if {("namespace", "team-a"), ("fleet", "policy")} <= k[1]]
+
+
+def churn(m: Metrics, namespace: str, fleet: str) -> None:
+    """Everything a fleet's life records: polls, refits, attempts, failures."""
+    where = {"namespace": namespace, "fleet": fleet}
+    m.fleet_polled(version=1, committed_at=1.0, receivers=4, behind=1, **where)
+    m.fleet_refits(unfinished=1, **where)
+    m.refit_committed(version=2, seconds=3.0, payload_bytes=10, at=2.0, **where)
+    m.refit_failed(reason="RetryLimitReached", **where)
+    m.attempt_ended(AttemptResult(attempt="a1", mode="mixed", receivers=("r0",),
+                                  outcome="failed: x", stages={"flush": 1.0},
+                                  error="AgentError"), mode="mixed", outcome="Failed", **where)
+
+
+def test_churned_fleets_leave_the_scrape_as_it_was() -> None:
+    """Fails without forgetting a deleted fleet's counters and histograms: each of the
+    100 deleted fleets kept 9 counter series at 0 (more once counted) and its refit
+    histogram's 15; the 100 swept ones are the poll's second line (``keep_fleets``)."""
+    m = Metrics()
+    churn(m, "team-a", "stays")
+    baseline = samples(m.render())
+    for i in range(100):
+        churn(m, "churn", f"fleet-{i}")
+        m.fleet_deleted(namespace="churn", fleet=f"fleet-{i}")
+    assert set(samples(m.render())) == set(baseline)  # the same series, no more
+    for i in range(100):  # a refit that ended after its fleet went: swept by the poll
+        churn(m, "late", f"fleet-{i}")
+    assert m.keep_fleets([("team-a", "stays")]) == sorted(
+        ("late", f"fleet-{i}") for i in range(100))
+    assert set(samples(m.render())) == set(baseline)  # the same series, no more
