@@ -24,18 +24,32 @@ Built on the official ``kubernetes`` client (``pip install 'dcr[client]'``): its
 configuration loaders (kubeconfig, else in-cluster), ``CustomObjectsApi`` and watches.
 The trainer needs create, get, list and watch on ``weightrefits`` in its namespace, no
 more (``docs/trainer.md``).
+
+Which refit made a sample: an engine asked for ``return_weight_versions`` answers each
+choice's ``weight_versions``, spans ``[{version, start, end}]`` over its output tokens
+(vLLM 0.33's field; ``dcr serve`` the same, streamed or not; SGLang's spans through
+:func:`dcr.drivers.sglang.weight_versions`). DCR labels the weights with the committed
+version as it commits, before the gate reopens, so :func:`token_versions` gives the
+version that computed each token, and :func:`sample_commits` names each version's
+commit as the store's history holds it (its attempt and the digests of that attempt's
+manifest parts), read from the history the fleet's ``status.commit.historyDigest`` vouches
+for (:func:`read_history`).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from dcr.errors import RefitError
+from dcr.drivers import sglang
+from dcr.errors import ManifestError, RefitError
+from dcr.format.history import History
+from dcr.format.names import object_digest
 from dcr.protocol.states import AttemptState, Phase
 
 GROUP, API_VERSION, PLURAL = "dcr.dev", "v1alpha1", "weightrefits"
@@ -309,3 +323,149 @@ def _said(e: Any) -> str:
     except (TypeError, ValueError, AttributeError):
         return str(e.reason)
 
+
+
+# --- which refit made a sample --------------------------------------------------------
+
+
+class SampleVersionError(WeightRefitError):
+    """An answer's weight versions are missing or malformed, or name no committed refit
+    of the history read."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Span:
+    """Output tokens ``[start, end)`` were computed by the weights labelled ``version``."""
+
+    version: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampleCommit:
+    """A committed refit as the store's history names it: the proof of a sample's weights."""
+
+    version: int
+    base_version: int
+    attempt: str  # the attempt whose payloads took base_version to version
+    manifests: tuple[str, ...]  # BLAKE2b-128 of each owner's manifest part, in order
+    history_digest: str  # BLAKE2b-128 of the history that says so
+
+
+def read_events(lines: Iterable[bytes | str]) -> Iterator[dict[str, Any]]:
+    """The JSON chunks of a server-sent-event stream (``data: {...}`` lines), until
+    ``data: [DONE]``; an error chunk raises :class:`SampleVersionError` with its message."""
+    for raw in lines:
+        line = (raw.decode() if isinstance(raw, bytes) else raw).strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        chunk = json.loads(data)
+        if isinstance(chunk, dict) and "error" in chunk:
+            raise SampleVersionError(f"The stream ended with an error: {chunk['error']}")
+        yield chunk
+
+
+def weight_versions(answer: Mapping[str, Any] | Iterable[Mapping[str, Any]], *,
+                    choice: int = 0) -> list[Span]:
+    """The spans of one choice of ``answer``: a JSON answer of vLLM, ``dcr serve`` or
+    SGLang, or the chunks of a streamed one (where the last chunk of the choice carries
+    them), checked to cover its output tokens from the first, without gap or overlap."""
+    chunks = [answer] if isinstance(answer, Mapping) else list(answer)
+    raw: Any = None
+    count: int | None = 0
+    for chunk in chunks:
+        got, tokens = _choice_spans(chunk, choice)
+        raw = got if got is not None else raw
+        if "choices" not in chunk:  # SGLang's /generate: each chunk counts every token
+            count = tokens
+        else:
+            count = None if count is None or tokens is None else count + tokens
+    if raw is None:
+        raise SampleVersionError(f"Choice {choice} of the answer carries no weight_versions: "
+                                 "ask with return_weight_versions: true (vLLM 0.33 or later, "
+                                 "dcr serve, SGLang).")
+    return _checked(raw, count, choice)
+
+
+def _choice_spans(chunk: Mapping[str, Any], choice: int) -> tuple[Any, int | None]:
+    """One answer or chunk's spans for ``choice`` (None if it has none) and how many
+    output tokens it holds (None where it does not say)."""
+    for c in chunk.get("choices") or []:
+        if isinstance(c, Mapping) and c.get("index", 0) == choice:
+            ids = c.get("token_ids")
+            return c.get("weight_versions"), len(ids) if isinstance(ids, list) else None
+    if choice == 0 and "choices" not in chunk:  # SGLang's /generate
+        return sglang.weight_versions(chunk), sglang.output_tokens(chunk)
+    if choice == 0:  # SGLang's /v1/completions: the spans beside the choices
+        return sglang.weight_versions(chunk), None
+    return None, 0
+
+
+def _checked(raw: Any, count: int | None, choice: int) -> list[Span]:
+    spans: list[Span] = []
+    for item in raw if isinstance(raw, list) else [raw]:
+        ok = isinstance(item, Mapping) and isinstance(item.get("version"), str) and all(
+            type(item.get(k)) is int for k in ("start", "end"))
+        at = spans[-1].end if spans else 0
+        if not ok or item["start"] != at or item["end"] < item["start"]:
+            raise SampleVersionError(f"Choice {choice}: weight_versions span {item!r} does not "
+                                     f"follow on at token {at} (spans are [{{version, start, "
+                                     "end}]: contiguous, from token 0).")
+        spans.append(Span(version=item["version"], start=item["start"], end=item["end"]))
+    end = spans[-1].end if spans else 0
+    if count is not None and end != count:
+        raise SampleVersionError(f"Choice {choice}: weight_versions cover {end} tokens; the "
+                                 f"answer holds {count}.")
+    return spans
+
+
+def token_versions(answer: Mapping[str, Any] | Iterable[Mapping[str, Any]], *,
+                   choice: int = 0) -> list[str]:
+    """The weight-version label of each output token of one choice, in order."""
+    return [s.version for s in weight_versions(answer, choice=choice)
+            for _ in range(s.start, s.end)]
+
+
+def read_history(store_uri: str, history_digest: str) -> History:
+    """The store's history that ``history_digest`` (the fleet's
+    ``status.commit.historyDigest``) vouches for; any other is refused."""
+    from dcr.files.history import HistoryStore
+    from dcr.transport.store import open_store
+
+    if not re.fullmatch(r"[0-9a-f]{32}", history_digest):
+        raise SampleVersionError(f"History digest {history_digest!r} is not 32 hex digits "
+                                 "(the fleet's status.commit.historyDigest).")
+    return HistoryStore(open_store(store_uri), history_digest).read()
+
+
+def sample_commits(labels: Iterable[str], history: History) -> dict[str, SampleCommit]:
+    """Each distinct label (as :func:`token_versions` gives them) and the commit of its
+    version in ``history``; :class:`SampleVersionError` names a label that is no version
+    DCR committed there (the weights an engine started with, a label set by hand, a
+    version newer than the history read or pruned from it)."""
+    digest = history_digest_of(history)
+    out: dict[str, SampleCommit] = {}
+    for label in dict.fromkeys(labels):
+        if not re.fullmatch(r"[0-9]{1,18}", label):
+            raise SampleVersionError(f"Weight version {label[:64]!r} is not a version DCR "
+                                     "committed: DCR labels the weights with the committed "
+                                     "version number.")
+        try:
+            entry = history.entry(int(label))
+        except ManifestError as e:
+            raise SampleVersionError(f"Weight version {label}: {e} A newer commit is in a "
+                                     "newer history; an older one may be pruned.") from None
+        out[label] = SampleCommit(version=entry.version, base_version=entry.base_version,
+                                  attempt=entry.attempt,
+                                  manifests=tuple(p.digest for p in entry.parts),
+                                  history_digest=digest)
+    return out
+
+
+def history_digest_of(history: History) -> str:
+    """The digest a history has in the store (what ``historyDigest`` names)."""
+    return object_digest(history.pack())

@@ -20,11 +20,12 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,18 +35,22 @@ from promtext import matching, samples
 from safetensors.torch import save_file
 from transformers import LlamaConfig, Qwen2MoeConfig
 
+import vllm_serve  # the coordinator as `dcr refit` runs it; needs no vLLM
 from dcr.apply.plan import CanonicalTensor
 from dcr.checkpoint import Checkpoint
+from dcr.client import read_events, read_history, sample_commits, token_versions
 from dcr.drivers import EngineError, VllmDriver
 from dcr.errors import ConfigError
+from dcr.files.history import HistoryStore
 from dcr.format.manifest import Manifest
 from dcr.format.names import Mode
 from dcr.format.profile import ReceiverProfile
 from dcr.owner.diff import diff_checkpoints
 from dcr.owner.settings import EncodeSettings
+from dcr.refit.launch import AgentProcess
 from dcr.runtimes.vllm_reference import ReferenceConfig, random_checkpoint
 from dcr.settings import MiB
-from dcr.transport.store import MemoryStore
+from dcr.transport.store import MemoryStore, open_store
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow, pytest.mark.e2e]
 
@@ -129,11 +134,12 @@ class Servers:
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def start(self, runtime: str = "hf", *, tp: int = 1, port: int = 0,
-              extra: tuple[str, ...] = ()) -> Server:
+              extra: tuple[str, ...] = (), version: int = 0) -> Server:
         cmd = [sys.executable, "-m", "dcr", "serve", "--runtime", runtime,
-               "--model", str(self.root / "v0"), "--listen", f"127.0.0.1:{port}",
+               "--model", str(self.root / f"v{version}"), "--listen", f"127.0.0.1:{port}",
                "--api-key-file", str(self.key_file), "--staging-dir", str(self.staging),
-               "--checkpoint-root", str(self.root), "--weight-version", "0", *extra]
+               "--checkpoint-root", str(self.root), "--weight-version", str(version),
+               *extra]
         if tp > 1:
             cmd += ["--tp-size", str(tp)]
         log = self.tmp / f"serve-{len(self.procs)}.log"
@@ -200,6 +206,50 @@ def post(url: str, path: str, body: Any, key: str | None = KEY) -> tuple[int, An
 def complete(server: Server, tokens: int, **kw: Any) -> tuple[int, Any]:
     return post(server.url, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": tokens,
                                                 "return_weight_versions": True, **kw})
+
+
+@dataclass(eq=False)
+class Streamed:
+    """A streamed completion read in a thread: its chunks as they arrive."""
+
+    server: Server
+    prompt: list[int]
+    tokens: int
+    chunks: list[dict[str, Any]] = field(default_factory=list)
+    raw: list[bytes] = field(default_factory=list)
+    status: int | None = None
+    error: BaseException | None = None
+
+    def __post_init__(self) -> None:
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        parts = urllib.parse.urlsplit(self.server.url)
+        conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=300)
+        try:
+            conn.request("POST", "/v1/completions", json.dumps({
+                "prompt": self.prompt, "max_tokens": self.tokens, "stream": True,
+                "return_weight_versions": True}), {"Content-Type": "application/json",
+                                                   "Authorization": f"Bearer {KEY}"})
+            resp = conn.getresponse()
+            self.status = resp.status
+            for line in resp:
+                self.raw.append(line)
+                self.chunks.extend(read_events([line]))
+        except BaseException as e:
+            self.error = e
+        finally:
+            conn.close()
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for c in self.chunks for t in c["choices"][0]["token_ids"]]
+
+    def join(self) -> Streamed:
+        self.thread.join(300)
+        assert self.error is None, self.error
+        return self
 
 
 def metric(server: Server, name: str) -> int:
@@ -427,3 +477,96 @@ def test_a_restarted_server_is_seen_as_a_new_instance_and_calls_need_the_api_key
     conn.endheaders()
     assert conn.getresponse().status == 401  # a non-ASCII header is a 401, not a 500
     conn.close()
+
+
+class PauseWhenInFlight:
+    """The agent's client to a coordinator, whose ``close_gate`` first calls ``before``: the
+    refit's pause lands on completions known to be in flight, however long encoding took."""
+
+    def __init__(self, client: Any, before: Callable[[], None]) -> None:
+        self._client, self._before = client, before
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def close_gate(self) -> Any:
+        self._before()
+        return self._client.close_gate()
+
+
+FLIGHT = 120  # tokens of each completion frozen across the refit: 6 s at STEP_S
+
+
+def test_a_completion_frozen_by_keep_across_a_refit_reports_both_versions_where_they_changed(
+        servers: Servers, tmp_path: Path) -> None:
+    """A real refit (``dcr agent --pause-mode keep``, ``dcr encode`` owners, a coordinator
+    recording the store's history) lands while two completions are in flight, one
+    streamed and one not. Each reports version 1 up to the token where the pause froze it
+    and version 2 from there, those tokens are version 1's own continuation before and a
+    fresh version-2 server's after, and each label names the commit that made it."""
+    server = servers.start(extra=("--min-step-s", str(STEP_S)))
+    dirs = [servers.root / f"v{v}" for v in range(3)]
+    store = tmp_path / "store"
+    agent = AgentProcess(name="rollout-0", state_dir=tmp_path / "agent",
+                         token="agent-test-token-0123456789abcdef",
+                         args=["--store", store.as_uri(), "--engine-url", server.url,
+                               "--engine-api-key-file", str(servers.key_file),
+                               "--staging-dir", str(servers.staging),
+                               "--canonical", str(dirs[0]), "--model-version", "0",
+                               "--pause-mode", "keep"])
+    agent.start()
+    try:
+        agent.wait_ready()
+        client = agent.client(timeout_s=300)
+        flights: list[Any] = []
+        pool = ThreadPoolExecutor(1)
+
+        def start_flights() -> None:
+            if flights:
+                return
+            flights.append(Streamed(server, [1, 2, 3], FLIGHT))
+            flights.append(pool.submit(complete, server, FLIGHT))
+            until(server, "num_requests_running", 2)
+            deadline = time.monotonic() + 60
+            while len(flights[0].token_ids) < 4:
+                assert time.monotonic() < deadline, "the streamed completion did not start"
+                time.sleep(0.01)
+
+        _, coordinator = vllm_serve.refitter(tmp_path, dirs, client, store)
+        history = HistoryStore(open_store(store.as_uri()))
+        digests: list[str] = []
+        coordinator.on_commit = lambda record, owners: digests.append(
+            history.commit(record.committed_version, record.attempt, owners))
+        first = coordinator.refit(1, str(dirs[1]))
+        _, before = complete(server, FLIGHT)  # version 1's own continuation
+        coordinator.receivers = [PauseWhenInFlight(client, start_flights)]
+        second = coordinator.refit(2, str(dirs[2]))
+        streamed = flights[0].join()
+        status, answer = flights[1].result(timeout=300)
+        pool.shutdown()
+        coordinator.close()
+    finally:
+        agent.kill()
+
+    assert (streamed.status, status) == (200, 200)
+    assert streamed.raw[-2:] == [b"data: [DONE]\n", b"\n"]
+    assert [len(c["choices"][0]["token_ids"]) for c in streamed.chunks] == [1] * FLIGHT + [0]
+    assert streamed.chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all("weight_versions" not in c["choices"][0] for c in streamed.chunks[:-1])
+    fresh = servers.start(version=2)  # the target, loaded densely
+    proof = sample_commits(["1", "2"], read_history(store.as_uri(), digests[-1]))
+    assert [(c.version, c.attempt) for c in proof.values()] == [
+        (1, first.attempt), (2, second.attempt)]
+    assert all(len(c.manifests) == 1 and c.history_digest == digests[-1]
+               for c in proof.values())
+    for got, tokens in ((streamed.chunks, streamed.token_ids),
+                        (answer, answer["choices"][0]["token_ids"])):
+        versions = token_versions(got)
+        k = versions.index("2")
+        assert 0 < k < FLIGHT, "the pause did not find the completion in flight"
+        assert versions == ["1"] * k + ["2"] * (FLIGHT - k)
+        assert tokens[:k] == before["choices"][0]["token_ids"][:k]
+        _, rest = post(fresh.url, "/v1/completions", {"prompt": [1, 2, 3, *tokens[:k]],
+                                                      "max_tokens": FLIGHT - k})
+        assert tokens[k:] == rest["choices"][0]["token_ids"]
+        assert tokens[k:] != before["choices"][0]["token_ids"][k:]  # the label is not vacuous

@@ -4,7 +4,8 @@ Plugin calls ride ``POST /update_weights_from_tensor`` to the custom weight load
 (:mod:`dcr.runtimes.sglang`) inside a ``begin``/``end_weight_update`` session: one empty
 tensor per rank whose name carries the call, pickled without torch (:func:`call_pickle`)
 from globals on SGLang's allow-list. Each rank answers with a file in the staging directory,
-which this adapter reads and removes. docs/sglang.md.
+which this adapter reads and removes. :func:`weight_versions` reads SGLang's per-token
+version spans in vLLM's shape. docs/sglang.md.
 """
 
 from __future__ import annotations
@@ -81,6 +82,29 @@ def _read_regular(path: Path, limit: int) -> bytes:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             raise OSError(f"{path} is not a regular file")
         return f.read(limit)
+
+
+def weight_versions(answer: Any) -> list[dict[str, Any]] | None:
+    """SGLang's per-token spans in vLLM's shape: the ``weight_versions`` of the answer's one
+    choice, ``[{version, start, end}]`` over its output tokens, from ``meta_info`` (``/generate``
+    and each of its stream chunks) or ``metadata`` (``/v1/completions``); None where the
+    answer carries none. SGLang's spans already have vLLM's fields; they are copied as
+    they are, and :mod:`dcr.client` checks them as it checks vLLM's. docs/sglang.md."""
+    if not isinstance(answer, Mapping):
+        return None
+    for holder in ("meta_info", "metadata"):
+        info = answer.get(holder)
+        if isinstance(info, Mapping) and isinstance(info.get("weight_versions"), list):
+            return [dict(s) if isinstance(s, Mapping) else {"span": s}
+                    for s in info["weight_versions"]]
+    return None
+
+
+def output_tokens(answer: Any) -> int | None:
+    """How many tokens an SGLang ``/generate`` answer's spans cover, where it says."""
+    info = answer.get("meta_info") if isinstance(answer, Mapping) else None
+    count = info.get("completion_tokens") if isinstance(info, Mapping) else None
+    return count if type(count) is int else None
 
 
 class SglangDriver(PluginDriver):
@@ -198,4 +222,4 @@ class SglangDriver(PluginDriver):
 
 
 __all__ = ["CALL_PREFIX", "LOADER", "PICKLE_GLOBALS", "SglangDriver", "call_pickle",
-           "result_name"]
+           "output_tokens", "result_name", "weight_versions"]

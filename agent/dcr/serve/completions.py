@@ -2,16 +2,22 @@
 
 Only the part of vLLM's request a refit test needs; anything else is a 400 naming the field.
 :func:`greedy` passes the pause gate's :meth:`~dcr.serve.gate.PauseGate.step` before each
-token.
+token and reads the weight-version label under the model lock with the forward that makes
+the token, so a label changed between two steps (by a refit, while the gate holds the
+completion) switches exactly at the first token of the new weights. Answers are vLLM's
+``CompletionResponse``, or with ``stream`` its server-sent ``CompletionStreamResponse``
+chunks: one per token, then one carrying ``finish_reason`` and (asked for with
+``return_weight_versions``) the spans over the whole output, as vLLM 0.33 sends them.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -32,7 +38,7 @@ class CompletionBody(BaseModel):
     model: str | None = None
     temperature: Annotated[float, Field(ge=0, le=0)] | None = None  # greedy only
     return_weight_versions: bool = False
-    stream: Literal[False] = False  # one JSON answer; no server-sent events
+    stream: bool = False  # server-sent events, one chunk per token
 
 
 def parse_completion(raw: bytes, *, vocab: int, max_input: int,
@@ -63,10 +69,12 @@ class Completion:
 
 
 def greedy(model: Callable[[torch.Tensor], torch.Tensor], prompt: list[int], max_tokens: int,
-           *, gate: PauseGate, lock: Any, label: Callable[[], str],
-           min_step_s: float = 0.0) -> Completion:
+           *, gate: PauseGate, lock: Any, label: Callable[[], str], min_step_s: float = 0.0,
+           on_token: Callable[[int], object] | None = None,
+           gone: Callable[[], bool] | None = None) -> Completion:
     """Greedy decoding of ``max_tokens`` tokens behind the gate (:class:`~dcr.serve.gate.Paused`
-    when it refuses new completions)."""
+    when it refuses new completions). ``on_token`` is called with each token as it is made;
+    ``gone`` (the client left) ends the completion at its next step, as an abort."""
     ticket = gate.admit()
     out = Completion()
     try:
@@ -77,12 +85,17 @@ def greedy(model: Callable[[torch.Tensor], torch.Tensor], prompt: list[int], max
             except Aborted:
                 out.finish_reason = "abort"
                 break
+            if gone is not None and gone():
+                out.finish_reason = "abort"
+                break
             started = time.monotonic()
             with lock, torch.inference_mode():
                 token = int(model(ids)[0, -1].argmax())
                 out.versions.append(label())
             time.sleep(max(0.0, min_step_s - (time.monotonic() - started)))
             out.tokens.append(token)
+            if on_token is not None:
+                on_token(token)
             ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
     finally:
         gate.leave(ticket)
@@ -100,18 +113,56 @@ def spans(versions: list[str]) -> list[dict[str, Any]]:
     return out
 
 
+def _choice(tokens: list[int], finish_reason: str | None) -> dict[str, Any]:
+    return {"index": 0, "text": "", "token_ids": tokens, "finish_reason": finish_reason,
+            "logprobs": None, "stop_reason": None}
+
+
+def _head(body: CompletionBody, served: str, cid: str, created: int) -> dict[str, Any]:
+    return {"id": cid, "object": "text_completion", "created": created,
+            "model": body.model or served}
+
+
 def response(body: CompletionBody, c: Completion, served: str) -> dict[str, Any]:
     """vLLM's ``CompletionResponse`` for one choice."""
-    choice: dict[str, Any] = {"index": 0, "text": "", "token_ids": c.tokens,
-                              "finish_reason": c.finish_reason, "logprobs": None,
-                              "stop_reason": None}
+    choice = _choice(c.tokens, c.finish_reason)
     if body.return_weight_versions:
         choice["weight_versions"] = spans(c.versions)
-    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-            "created": int(time.time()), "model": body.model or served, "choices": [choice],
+    return {**_head(body, served, f"cmpl-{uuid.uuid4().hex}", int(time.time())),
+            "choices": [choice],
             "usage": {"prompt_tokens": len(body.prompt), "completion_tokens": len(c.tokens),
                       "total_tokens": len(body.prompt) + len(c.tokens)}}
 
 
-__all__ = ["BadCompletion", "Completion", "CompletionBody", "greedy", "parse_completion",
-           "response", "spans"]
+@dataclass(frozen=True)
+class Stream:
+    """The chunks of one streamed completion (vLLM's ``CompletionStreamResponse``), each
+    an event ``data: {...}``; the stream ends with ``data: [DONE]``."""
+
+    body: CompletionBody
+    served: str
+    id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def token(self, token: int) -> bytes:
+        return self._event([token], None)
+
+    def last(self, c: Completion) -> bytes:
+        """The closing chunk: no token, the finish reason, and the spans over the whole
+        output where they were asked for."""
+        return self._event([], c.finish_reason, spans(c.versions)
+                           if self.body.return_weight_versions else None)
+
+    def _event(self, tokens: list[int], finish: str | None,
+               versions: list[dict[str, Any]] | None = None) -> bytes:
+        choice = _choice(tokens, finish)
+        if versions is not None:
+            choice["weight_versions"] = versions
+        chunk = {**_head(self.body, self.served, self.id, self.created), "choices": [choice]}
+        return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+
+__all__ = ["DONE", "BadCompletion", "Completion", "CompletionBody", "Stream", "greedy",
+           "parse_completion", "response", "spans"]

@@ -1,13 +1,15 @@
 """The reference server's HTTP API on aiohttp, in vLLM's dialect.
 
-The endpoints, bodies and errors are vLLM's (docs/engines.md, "The reference engine"), but
-stricter: every path but ``/health`` and ``/metrics`` needs the API key, and
-``/collective_rpc`` runs only the plugin's methods, one at a time under the model lock.
+The endpoints, bodies and errors are vLLM's (docs/engines.md, "The reference engine"),
+streamed completions included (server-sent events in vLLM's chunk shape), but stricter:
+every path but ``/health`` and ``/metrics`` needs the API key, and ``/collective_rpc``
+runs only the plugin's methods, one at a time under the model lock.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 from collections.abc import Callable
@@ -21,7 +23,7 @@ from dcr.errors import DcrError, Invalid, TryLater, first_validation_error
 from dcr.http.direct import excerpt
 from dcr.http.edge import Statuses, guard
 from dcr.http.prometheus import Family, render
-from dcr.serve.completions import greedy, parse_completion, response
+from dcr.serve.completions import DONE, Stream, greedy, parse_completion, response
 from dcr.serve.gate import Mode, PauseGate
 from dcr.serve.settings import ServeSettings
 from dcr.serve.workers import Workers
@@ -160,6 +162,8 @@ def make_app(s: ServeSettings, workers: Workers, api_key: str | None) -> web.App
             raise Unavailable(f"{s.max_running} completions are running; retry later.")
         st.running += 1
         try:
+            if body.stream:
+                return await _stream(request, st, Stream(body, s.model.name), forward)
             done = await st.run("generate", lambda: greedy(
                 forward, body.prompt, body.max_tokens, gate=st.gate, lock=workers.lock,
                 label=lambda: st.label, min_step_s=s.min_step_s))
@@ -188,6 +192,57 @@ def make_app(s: ServeSettings, workers: Workers, api_key: str | None) -> web.App
         web.post("/v1/completions", completions),
     ])
     return app
+
+
+async def _stream(request: web.Request, st: State, sse: Stream,
+                  forward: Callable[[Any], Any]) -> web.StreamResponse:
+    """Server-sent events as the tokens are made. The status and headers wait for the first
+    token (or the end), so a completion the gate refuses is the same JSON error as
+    unstreamed; a client that leaves ends the completion at its next step."""
+    loop = asyncio.get_running_loop()
+    tokens: asyncio.Queue[int] = asyncio.Queue()
+    left = threading.Event()
+    body = sse.body
+    job = asyncio.ensure_future(st.run("generate", lambda: greedy(
+        forward, body.prompt, body.max_tokens, gate=st.gate, lock=st.workers.lock,
+        label=lambda: st.label, min_step_s=st.settings.min_step_s, gone=left.is_set,
+        on_token=lambda t: loop.call_soon_threadsafe(tokens.put_nowait, t))))
+    try:
+        first = await _next(tokens, job)
+        if first is None:
+            await job  # refused before any token: the error answers as JSON
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                          "Cache-Control": "no-cache"})
+        await out.prepare(request)
+        while first is not None:
+            await out.write(sse.token(first))
+            first = await _next(tokens, job)
+        try:
+            await out.write(sse.last(await job))
+        except Exception as e:  # the status is sent: the error goes in the stream
+            log.exception("streamed completion %s failed", sse.id)
+            await out.write(b"data: " + json.dumps({"error": {
+                "message": excerpt(f"{type(e).__name__}: {e}", MESSAGE_CHARS),
+                "type": "InternalServerError", "param": None, "code": 500}}).encode()
+                + b"\n\n")
+        await out.write(DONE)
+        await out.write_eof()
+        return out
+    finally:
+        left.set()  # a no-op once generation ended; else the client has left
+
+
+async def _next(tokens: asyncio.Queue[int], job: asyncio.Future[Any]) -> int | None:
+    """The next token made, or None once generation has ended and every token was
+    taken (a token is queued before its job can end: both come through the loop in
+    order)."""
+    if tokens.empty() and not job.done():
+        get = asyncio.ensure_future(tokens.get())
+        await asyncio.wait({get, job}, return_when=asyncio.FIRST_COMPLETED)
+        if get.done():
+            return get.result()
+        get.cancel()
+    return None if tokens.empty() else tokens.get_nowait()
 
 
 def new_workers(s: ServeSettings, api_key: str | None = None) -> Workers:
