@@ -1,8 +1,9 @@
 """The kopf handlers: what the operator does when RolloutFleets and WeightRefits change.
 
-Each unfinished WeightRefit is a daemon running :class:`~dcr_operator.refit.RefitRun`; one
-operator-wide task refreshes every fleet. Why daemons, why so few finalizers:
-docs/operator.md, "Inside the operator"; before uninstalling: its "Uninstall".
+Each unfinished WeightRefit is a daemon running :class:`~dcr_operator.refit.RefitRun`; each
+fleet's status is refreshed by its own poll (:class:`~dcr_operator.polls.FleetPolls`). Why
+daemons, why so few finalizers: docs/operator.md, "Inside the operator"; before
+uninstalling: its "Uninstall".
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 import contextlib
 import contextvars
 import datetime as dt
+import functools
 import logging
 import os
 import threading
@@ -29,6 +31,7 @@ from dcr_operator.commitstore import FleetCommitStore
 from dcr_operator.errors import ApiError, ApiUnreachable, InvalidResource, NotFound, NotYet
 from dcr_operator.fleet import fleet_path, prune_refits, refresh
 from dcr_operator.kube import KubeClient, api_path
+from dcr_operator.polls import FleetPolls
 from dcr_operator.progress import Emit
 from dcr_operator.reconcile import is_final, now
 from dcr_operator.refit import RefitRun, holder
@@ -131,7 +134,8 @@ async def fleet_changed(body: kopf.Body, memo: Any, namespace: str | None, name:
         if not had:
             emit(body, "Normal", "Initialized", f"Commit record at version "
                  f"{record.committed_version} ({record.baseline_id}).")
-        await _blocking(_refresh_fleet, kube, body)
+        # After the refresh in flight, if any: updates never pile threads up on one fleet.
+        await _polls(memo).run_one((namespace, name), lambda: _refresh_fleet(kube, body))
     except (ApiError, ApiUnreachable) as e:
         raise kopf.TemporaryError(str(e), delay=SETTINGS.retry_seconds) from e
 
@@ -149,10 +153,37 @@ def fleets(namespace: str | None, name: str, **_: Any) -> dict[tuple[str, str], 
     return {(namespace, name): True}
 
 
+def _polls(memo: Any) -> FleetPolls:
+    polls: FleetPolls = memo.polls
+    return polls
+
+
+def _poll_fleet(kube: KubeClient, namespace: str, name: str) -> None:
+    """One poll of a fleet: read it and refresh its status."""
+    try:
+        fleet = kube.get(fleet_path(namespace, name))
+    except NotFound:  # deleted since it was indexed
+        metrics.METRICS.fleet_deleted(namespace=namespace, fleet=name)
+        return
+    _refresh_fleet(kube, fleet)
+
+
 @kopf.on.startup()
 async def start_fleet_polls(memo: kopf.Memo, **kwargs: Any) -> None:
+    """Poll every indexed fleet on its own schedule, every ``fleet_status_seconds``.
+
+    The index fills while kopf serves, so a standby paused from its start polls nothing.
+    One that served and was then paused behind a peer of higher priority keeps polling
+    the fleets it knew, reporting no refit running on them (it runs none), until it
+    restarts; the chart runs one replica. A fleet gone from the index stops being polled
+    and its metrics go with it; one fleet's failure or slowness never holds another's.
+    """
     index: kopf.Index[tuple[str, str], bool] = kwargs["fleets"]  # kopf passes indices by id
-    memo.fleet_polls = asyncio.create_task(_poll_fleets(_kube(memo), index))
+    kube = _kube(memo)
+    memo.polls = FleetPolls(functools.partial(_poll_fleet, kube),
+                            interval_s=SETTINGS.fleet_status_seconds,
+                            forget=metrics.METRICS.keep_fleets)
+    memo.fleet_polls = asyncio.create_task(memo.polls.run(lambda: list(index)))
 
 
 @kopf.on.cleanup()
@@ -162,28 +193,6 @@ async def stop_fleet_polls(memo: kopf.Memo, **_: Any) -> None:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-
-
-async def _poll_fleets(kube: KubeClient, index: kopf.Index[tuple[str, str], bool]) -> None:
-    """Refresh every indexed fleet's status every ``fleet_status_seconds``, concurrently.
-
-    The index fills while kopf serves, so a standby paused from its start polls nothing.
-    One that served and was then paused behind a peer of higher priority keeps polling
-    the fleets it knew, reporting no refit running on them (it runs none), until it
-    restarts; the chart runs one replica. One fleet's failure never stops the others'.
-    """
-    async def one(namespace: str, name: str) -> None:
-        try:
-            fleet = await _blocking(kube.get, fleet_path(namespace, name))
-            await _blocking(_refresh_fleet, kube, fleet)
-        except NotFound:  # deleted since it was indexed
-            metrics.METRICS.fleet_deleted(namespace=namespace, fleet=name)
-        except Exception as e:  # the next round tries again, as kopf retried the timer
-            log.warning("RolloutFleet %s/%s: status not refreshed: %s", namespace, name, e)
-
-    while True:
-        await asyncio.sleep(SETTINGS.fleet_status_seconds)
-        await asyncio.gather(*(one(ns, name) for ns, name in list(index)))
 
 
 # --- WeightRefit ----------------------------------------------------------------------

@@ -5,12 +5,16 @@ Each :class:`Stub` listens on one address (any of 127.0.0.0/8: Linux routes all 
 records every request it gets (path, headers with the bearer token among them, and
 body), and answers (once :attr:`Stub.hold` is set, if it has one) with
 :attr:`Stub.answer`: ``(status, headers, body)``, or raw bytes that are not HTTP at all.
+With :attr:`Stub.trickle_s` set, raw bytes are sent one byte per ``trickle_s`` seconds,
+then ``a`` every ``trickle_s`` for as long as the client listens (a slow peer's answer
+that never ends, each byte well inside any read timeout).
 """
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -43,6 +47,8 @@ class Stub:
     seen: list[tuple[str, dict[str, str]]] = field(default_factory=list)
     bodies: list[bytes] = field(default_factory=list)  # request bodies, in order
     hold: threading.Event | None = None  # when set: answer only once it is set
+    trickle_s: float | None = None  # raw answers: one byte per this many seconds, forever
+    stopped: threading.Event = field(default_factory=threading.Event)
 
     @property
     def url(self) -> str:
@@ -60,6 +66,9 @@ def _handler(stub: Stub) -> type[BaseHTTPRequestHandler]:
             stub.bodies.append(self.rfile.read(length) if length else b"")
             if stub.hold is not None:
                 stub.hold.wait(60)
+            if isinstance(stub.answer, bytes) and stub.trickle_s is not None:
+                self._trickle(stub.answer, stub.trickle_s)
+                return
             if isinstance(stub.answer, bytes):
                 self.wfile.write(stub.answer)
                 return
@@ -69,6 +78,16 @@ def _handler(stub: Stub) -> type[BaseHTTPRequestHandler]:
                 self.send_header(k, v)
             self.end_headers()
             self.wfile.write(body)
+
+        def _trickle(self, answer: bytes, pause_s: float) -> None:
+            rest = iter(answer)
+            while not stub.stopped.is_set():
+                try:
+                    self.wfile.write(bytes([next(rest, ord("a"))]))
+                    self.wfile.flush()
+                except OSError:  # the client went away
+                    return
+                time.sleep(pause_s)
 
         do_GET = do_POST = _any  # noqa: N815 (http.server's names)
 
@@ -90,6 +109,8 @@ def stubs(*hosts: str, port: int | None = None) -> Iterator[list[Stub]]:
     try:
         yield made
     finally:
+        for stub in made:
+            stub.stopped.set()
         for srv in servers:
             srv.shutdown()
             srv.server_close()

@@ -34,12 +34,15 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from dcr.errors import HttpError, Invalid, first_validation_error
 from dcr.format.names import ATTEMPT_PATTERN, Mode
+from dcr.http.deadline import POOL_CLASSES, deadline
 from dcr.http.direct import check_url, read_bounded, unreachable_reason
 from dcr.protocol.records import Attempt
 
 _ATTEMPT = ATTEMPT_PATTERN
 DRAIN_S = 60.0  # how long closing the gate waits for generation requests in flight
 DENSE_S = 600.0  # how long a client waits for a dense load beyond its own timeout
+_MAX_ANSWER = 256 << 20  # bytes of an open-ended answer (fingerprints of a large model: MiBs)
+_SMALL_ANSWER = 64 << 10  # bytes of a fixed-shape answer (AgentStatus, FlushAck: < 1 KiB)
 
 P = ParamSpec("P")
 Q = TypeVar("Q")  # a call's request body (None without one)
@@ -218,15 +221,20 @@ class Call(Generic[P, Q, R]):
 
     ``encode`` turns the handle's arguments into the request body (None: no body);
     ``decode`` turns a validated body back into the service method's arguments;
-    ``wait`` gives the client's socket timeout from its own timeout and the body.
+    ``wait`` gives the client's deadline for the whole call (connect, headers and body)
+    from its own timeout and the body; ``answer_bytes`` bounds the answer (default: small
+    for a fixed-shape body such as :class:`AgentStatus`, large for the open-ended maps).
     """
 
     def __init__(self, method: Literal["GET", "POST"], path: str, request: type[Q] | None,
                  response: type[R], *, encode: Callable[P, Q],
                  decode: Callable[[Q], tuple[Any, ...]] = _as_is,
-                 wait: Callable[[float, Q], float] = _own, doc: str) -> None:
+                 wait: Callable[[float, Q], float] = _own, doc: str,
+                 answer_bytes: int | None = None) -> None:
         self.method, self.path, self.request, self.response = method, path, request, response
         self.encode, self.decode, self.wait, self.doc = encode, decode, wait, doc
+        fixed = isinstance(response, type) and issubclass(response, _Body)
+        self.answer_bytes = answer_bytes or (_SMALL_ANSWER if fixed else _MAX_ANSWER)
         self.adapter: TypeAdapter[R] = TypeAdapter(response)
         self.name = ""  # the attribute name in the table: the handle's and service's method
 
@@ -313,12 +321,14 @@ class AgentApi:
 # no redirect is followed (the token is never sent to a second address), no proxy is used,
 # nothing but http(s) is opened, and an idle connection the agent closed is noticed before
 # it is reused. Nothing is retried here: a call that fails is the caller's to judge.
+# Each call has one deadline for all of it (dcr.http.deadline): an agent that trickles its
+# answer holds the caller's thread no longer than the call's wait.
 _POOLS = 4096  # agent addresses with connections kept (a fleet's receivers, and more)
 _PER_AGENT = 8  # idle connections kept per agent (its concurrent calls are at most ~3)
-_MAX_ANSWER = 256 << 20  # bytes of one answer (fingerprints of a large model are MiBs)
 _MAX_ERROR = 64 << 10  # bytes of an error body read for its sentence
 _POOL = urllib3.PoolManager(num_pools=_POOLS, maxsize=_PER_AGENT, block=False,
                             retries=False)
+_POOL.pool_classes_by_scheme = dict(POOL_CLASSES)
 
 
 class AgentClient(AgentApi):
@@ -335,12 +345,29 @@ class AgentClient(AgentApi):
 
     def _invoke(self, call: Call[P, Any, R], *args: P.args, **kwargs: P.kwargs) -> R:
         body = call.encode(*args, **kwargs)
-        raw = self._send(call.method, call.path, body, wait_s=call.wait(self.timeout_s, body))
+        wait_s = call.wait(self.timeout_s, body)
+        where = f"({call.method} {call.path})"
+        with deadline(wait_s) as limit:
+            try:
+                raw = self._send(call, body, limit.left)
+            except AgentError as e:
+                if not limit.expired or e.status is not None:
+                    raise
+                raise self._late(where, wait_s) from e
+            if limit.expired:  # an answer without a length just ends when cut
+                raise self._late(where, wait_s)
         return call.adapter.validate_json(raw)
 
-    def _send(self, method: str, path: str, body: BaseModel | None, *, wait_s: float) -> bytes:
+    def _late(self, where: str, wait_s: float) -> AgentError:
+        return AgentError(f"Agent {self.name} {where} did not answer within {wait_s:g} s "
+                          "(a call's deadline covers its whole answer).")
+
+    def _send(self, call: Call[..., Any, Any], body: BaseModel | None,
+              left: Callable[[], float]) -> bytes:
+        method, path = call.method, call.path
         where = f"({method} {path})"
         try:
+            wait_s = left()
             resp = _POOL.request(
                 method, self.url + path,
                 body=body.model_dump_json().encode() if body is not None else None,
@@ -355,7 +382,7 @@ class AgentClient(AgentApi):
             if 300 <= resp.status < 400:  # never followed: the token stays with this agent
                 raise AgentError(f"Agent {self.name} {where} answered HTTP {resp.status}, a "
                                  "redirect; agent calls follow none.", resp.status)
-            raw = read_bounded(resp, _MAX_ERROR if resp.status >= 400 else _MAX_ANSWER)
+            raw = read_bounded(resp, _MAX_ERROR if resp.status >= 400 else call.answer_bytes)
             whole = raw is not None
         except (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError) as e:
             # Our side's words only: an exception about a malformed answer (a bad status
@@ -374,7 +401,7 @@ class AgentClient(AgentApi):
             raise AgentError(f"Agent {self.name} {where}: {msg}", resp.status, kind)
         if raw is None:
             raise AgentError(f"Agent {self.name} {where} answered more than "
-                             f"{_MAX_ANSWER} bytes.")
+                             f"{call.answer_bytes} bytes.")
         return raw
 
     def _unreachable(self, where: str, e: BaseException) -> AgentError:
