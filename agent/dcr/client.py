@@ -394,14 +394,15 @@ def weight_versions(answer: Mapping[str, Any] | Iterable[Mapping[str, Any]], *,
 def _choice_spans(chunk: Mapping[str, Any], choice: int) -> tuple[Any, int | None]:
     """One answer or chunk's spans for ``choice`` (None if it has none) and how many
     output tokens it holds (None where it does not say)."""
+    if "choices" not in chunk:  # SGLang's /generate
+        return sglang.weight_versions(chunk), sglang.output_tokens(chunk)
     for c in chunk.get("choices") or []:
         if isinstance(c, Mapping) and c.get("index", 0) == choice:
             ids = c.get("token_ids")
-            return c.get("weight_versions"), len(ids) if isinstance(ids, list) else None
-    if choice == 0 and "choices" not in chunk:  # SGLang's /generate
-        return sglang.weight_versions(chunk), sglang.output_tokens(chunk)
-    if choice == 0:  # SGLang's /v1/completions: the spans beside the choices
-        return sglang.weight_versions(chunk), None
+            spans = c.get("weight_versions")
+            if spans is None and choice == 0:  # SGLang's /v1/completions: beside the choices
+                spans = sglang.weight_versions(chunk)
+            return spans, len(ids) if isinstance(ids, list) else None
     return None, 0
 
 
