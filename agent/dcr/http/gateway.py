@@ -5,24 +5,54 @@ An engine in dev mode (vLLM's ``VLLM_SERVER_DEV_MODE=1``, which the refit needs)
 port, none guarded by its API key: a client that reaches that port can change the weights
 without the agent knowing. So the engine listens on loopback and the agent's
 ``--client-listen`` serves the pod's clients: each request whose method and path are an
-exact entry of the route list is forwarded to the engine as it came (body and answer
-streamed, so server-sent events pass as they are produced); any other is a 404 that
-never reaches the engine. docs/engines.md, "Deploying"; docs/security.md.
+exact entry of the route list is forwarded to the engine as it came; any other is a 404
+that never reaches the engine. docs/engines.md, "Deploying"; docs/security.md.
+
+Choices, and why:
+
+- No cap of its own: the connector to the engine allows ``max_connections`` (a setting,
+  default far above what an engine batches), so every request a client sends reaches the
+  engine's scheduler at once; queueing is the engine's business.
+- Bodies and answers stream: each chunk the engine writes is written to the client as it
+  is read (server-sent events pass token by token); a small body with a Content-Length is
+  read whole and sent with its length, which the engine parses fastest.
+- Per-connection headers (RFC 9110, 7.6.1) are the hop's own, in both directions: the
+  fixed list and every name the Connection header lists. Framing is aiohttp's: its parser
+  refuses a request with both Content-Length and Transfer-Encoding, and the door sets
+  the engine-side framing itself, so what the engine parses is what the door parsed.
+- Staleness (docs/engines.md, "Versions a trainer can bound"): ``X-DCR-Min-Version: N``
+  is answered at once with a 409 when the committed version is older;
+  ``X-DCR-Max-Version-Span: K`` ends a request, with its reason, at the first chunk read
+  after a refit under ``keep`` took the committed version more than K past the version
+  it started on, so its answer is never silently mixed beyond the bound.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
-from aiohttp import ClientError, ClientSession, ClientTimeout, web
+from aiohttp import ClientError, ClientResponse, ClientSession, ClientTimeout, TCPConnector, web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from dcr.http.edge import json_error
+from dcr.http.prometheus import Family
 
 log = logging.getLogger(__name__)
 
-# Per-connection headers (RFC 9110, 7.6.1) are the hop's own; Host names the engine.
-_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
-                  "te", "trailer", "transfer-encoding", "upgrade", "host", "content-length"})
-_CHUNK = 64 << 10
+# Per-connection headers (RFC 9110, 7.6.1, and Proxy-Connection, which clients still send);
+# Host names the engine; the framing headers are set anew on each hop.
+_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "proxy-authenticate",
+                  "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade",
+                  "host", "content-length"})
+MIN_VERSION = "X-DCR-Min-Version"  # the oldest committed version the request accepts
+MAX_SPAN = "X-DCR-Max-Version-Span"  # the most versions its answer may span under keep
+_OURS = frozenset({MIN_VERSION.lower(), MAX_SPAN.lower()})  # never forwarded
+SMALL_BODY = 1 << 20  # a body up to this many bytes with a Content-Length is read whole
+Version = Callable[[], int | None]  # the engine's committed version now (None: unknown)
 
 
 def parse_routes(routes: Iterable[str]) -> frozenset[tuple[str, str]]:
@@ -37,49 +67,229 @@ def parse_routes(routes: Iterable[str]) -> frozenset[tuple[str, str]]:
     return frozenset(out)
 
 
-def make_gateway(upstream: str, routes: Iterable[str], *,
-                 timeout_s: float = 3600.0) -> web.Application:
-    """An app forwarding exactly ``routes`` to ``upstream`` (the engine's loopback URL)."""
+def end_to_end(headers: Mapping[str, str], *, drop: frozenset[str] = frozenset()
+               ) -> CIMultiDict[str]:
+    """``headers`` without the per-connection ones: the fixed list, every name the
+    Connection headers list (all of them, comma-separated), and ``drop``."""
+    listed = {name.strip().lower() for key, value in headers.items()
+              if key.lower() in ("connection", "proxy-connection") for name in value.split(",")}
+    gone = _HOP | listed | drop
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in gone)
+
+
+@dataclass
+class DoorCounters:
+    """What the door has done since it started (the agent's ``/metrics``)."""
+
+    requests: dict[str, int] = field(default_factory=dict)  # by outcome (OUTCOMES)
+    in_flight: int = 0
+    bytes_in: int = 0  # request body bytes forwarded to the engine
+    bytes_out: int = 0  # answer body bytes forwarded to clients
+
+    def ended(self, outcome: str) -> None:
+        self.requests[outcome] = self.requests.get(outcome, 0) + 1
+
+    def families(self) -> list[Family]:
+        return [
+            Family("dcr_door_requests_total", "counter", "Client requests the door ended, "
+                   "by outcome: " + ", ".join(f"{k} ({v})" for k, v in OUTCOMES.items()) + ".",
+                   [({"outcome": k}, self.requests.get(k, 0)) for k in OUTCOMES]),
+            Family("dcr_door_requests_in_flight", "gauge", "Client requests the door is "
+                   "forwarding now.", [({}, self.in_flight)]),
+            Family("dcr_door_errors_total", "counter", "Client requests the door itself "
+                   "answered with an error (every outcome but forwarded).",
+                   [({}, sum(v for k, v in self.requests.items() if k != "forwarded"))]),
+            Family("dcr_door_bytes_total", "counter", "Body bytes through the door, by "
+                   "direction (in: to the engine, out: to clients).",
+                   [({"direction": "in"}, self.bytes_in),
+                    ({"direction": "out"}, self.bytes_out)]),
+        ]
+
+
+OUTCOMES = {
+    "forwarded": "the engine's answer passed to the client, whatever its status",
+    "not_served": "404: not a client route",
+    "bad_request": "400: a malformed X-DCR header",
+    "stale": "409: the committed version is older than X-DCR-Min-Version",
+    "span_exceeded": "ended: a refit took the version past X-DCR-Max-Version-Span",
+    "unreachable": "502: the engine did not answer",
+    "client_gone": "the client left before the answer ended",
+}
+
+
+class _Refusal(Exception):
+    def __init__(self, status: int, kind: str, outcome: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.outcome = status, kind, outcome
+
+
+def _header_int(request: web.Request, name: str) -> int | None:
+    text = request.headers.get(name)
+    if text is None:
+        return None
+    if not text.strip().isdigit():
+        raise _Refusal(400, "BadRequest", "bad_request",
+                       f"{name} {text[:40]!r} is not a version number (0 or more).")
+    return int(text)
+
+
+@dataclass(frozen=True)
+class _Bound:
+    """A request's staleness bound: the version it started on and how far it may span."""
+
+    start: int | None
+    span: int | None
+
+    def exceeded(self, now: int | None) -> str | None:
+        if self.span is None or self.start is None or now is None or (
+                now - self.start <= self.span):
+            return None
+        return (f"a refit under keep took the committed version from {self.start} to {now}, "
+                f"more than the {self.span} versions X-DCR-Max-Version-Span allows; the "
+                "answer would mix them")
+
+
+def _admit(request: web.Request, version: Version | None, keep: bool) -> _Bound:
+    """The request's bound; a :class:`_Refusal` if its headers are malformed or the
+    committed version is older than it accepts."""
+    least, span = _header_int(request, MIN_VERSION), _header_int(request, MAX_SPAN)
+    now = version() if version is not None else None
+    if least is not None and (now is None or now < least):
+        raise _Refusal(409, "StaleVersion", "stale",
+                       f"The engine's committed version is {now}; the request accepts "
+                       f"{least} or newer ({MIN_VERSION}).")
+    return _Bound(now, span if keep else None)
+
+
+def make_gateway(upstream: str, routes: Iterable[str], *, timeout_s: float = 3600.0,
+                 max_connections: int = 4096, version: Version | None = None,
+                 keep: bool = False, counters: DoorCounters | None = None
+                 ) -> web.Application:
+    """An app forwarding exactly ``routes`` to ``upstream`` (the engine's loopback URL).
+
+    ``max_connections``: connections to the engine at once (0: no bound); ``version``:
+    the engine's committed version (None: staleness headers see it unknown); ``keep``:
+    the agent pauses with ``keep``, so X-DCR-Max-Version-Span applies; ``counters``: where
+    the door counts (the agent's ``/metrics``).
+    """
     allowed = parse_routes(routes)
     base = upstream.rstrip("/")
+    count = counters if counters is not None else DoorCounters()
     app = web.Application(client_max_size=0)  # bodies stream through; the engine bounds them
-
     sessions: list[ClientSession] = []  # one, made on the server's event loop
 
     async def session(_: web.Application) -> AsyncIterator[None]:
-        sessions.append(ClientSession(timeout=ClientTimeout(total=timeout_s),
-                                      auto_decompress=False))
+        sessions.append(ClientSession(
+            connector=TCPConnector(limit=max_connections, limit_per_host=0),
+            timeout=ClientTimeout(total=timeout_s), auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding")))
         yield
         await sessions.pop().close()
 
+    async def body(request: web.Request) -> Any:
+        if not request.body_exists:
+            return None
+        if request.content_length is not None and request.content_length <= SMALL_BODY:
+            data = await request.read()
+            count.bytes_in += len(data)
+            return data
+        return _counted(request, count)
+
     async def forward(request: web.Request) -> web.StreamResponse:
         if (request.method, request.path) not in allowed:
-            return web.json_response({"error": f"{request.method} {request.path} is not "
-                                      "served to clients here", "kind": "NotServed"},
-                                     status=404)
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+            count.ended("not_served")
+            return json_error(404, f"{request.method} {request.path} is not served to clients "
+                          "here", "NotServed")
+        try:
+            bound = _admit(request, version, keep)
+        except _Refusal as e:
+            count.ended(e.outcome)
+            return json_error(e.status, str(e), e.kind)
         query = f"?{request.query_string}" if request.query_string else ""
-        try:  # the path matched, as decoded: that is what the engine is asked for
-            up = await sessions[0].request(
-                request.method, base + request.path + query, headers=headers,
-                allow_redirects=False, data=request.content if request.body_exists else None)
-        except (ClientError, OSError) as e:
-            log.warning("client gateway: %s %s: the engine did not answer: %s",
-                        request.method, request.path, e)
-            return web.json_response({"error": "the engine did not answer",
-                                      "kind": "EngineUnreachable"}, status=502)
-        async with up:
-            out = web.StreamResponse(status=up.status, reason=up.reason, headers={
-                k: v for k, v in up.headers.items() if k.lower() not in _HOP})
-            await out.prepare(request)
-            async for chunk in up.content.iter_chunked(_CHUNK):
-                await out.write(chunk)
-            await out.write_eof()
-            return out
+        count.in_flight += 1
+        try:
+            try:  # the path matched, as decoded: that is what the engine is asked for
+                up = await sessions[0].request(
+                    request.method, base + request.path + query,
+                    headers=end_to_end(request.headers, drop=_OURS), allow_redirects=False,
+                    data=await body(request))
+            except (ClientError, OSError) as e:
+                log.warning("client door: %s %s: the engine did not answer: %s",
+                            request.method, request.path, e)
+                count.ended("unreachable")
+                return json_error(502, "the engine did not answer", "EngineUnreachable")
+            async with up:
+                return await _relay(request, up, bound, version, count)
+        finally:
+            count.in_flight -= 1
 
     app.cleanup_ctx.append(session)
     app.router.add_route("*", "/{tail:.*}", forward)
     return app
 
 
-__all__ = ["make_gateway", "parse_routes"]
+async def _counted(request: web.Request, count: DoorCounters) -> AsyncIterator[bytes]:
+    async for chunk in request.content.iter_any():
+        count.bytes_in += len(chunk)
+        yield chunk
+
+
+def _answer_headers(up: ClientResponse) -> CIMultiDict[str]:
+    headers = end_to_end(up.headers)
+    length = up.headers.get("Content-Length")
+    if length is not None and "Transfer-Encoding" not in up.headers:
+        headers["Content-Length"] = length  # the bytes pass as they are (no decompression)
+    return headers
+
+
+async def _relay(request: web.Request, up: ClientResponse, bound: _Bound,
+                 version: Version | None, count: DoorCounters) -> web.StreamResponse:
+    """The engine's answer to the client, chunk by chunk; ended with its reason when a
+    refit takes the version past the request's bound."""
+    def exceeded() -> str | None:
+        return bound.exceeded(version()) if version is not None else None
+
+    reason = exceeded()
+    if reason is not None:  # nothing sent yet: a plain 409
+        count.ended("span_exceeded")
+        up.close()
+        return json_error(409, f"The request was ended: {reason}.", "VersionSpanExceeded")
+    out = web.StreamResponse(status=up.status, reason=up.reason, headers=_answer_headers(up))
+    try:
+        await out.prepare(request)
+        async for chunk in up.content.iter_any():
+            reason = exceeded()
+            if reason is not None:
+                await _end_stream(out, up, reason, _is_events(up.headers))
+                count.ended("span_exceeded")
+                return out
+            count.bytes_out += len(chunk)
+            await out.write(chunk)
+        await out.write_eof()
+    except (ConnectionResetError, ClientError) as e:  # the client, or the engine, left
+        log.debug("client door: %s %s ended early: %s", request.method, request.path, e)
+        count.ended("client_gone")
+        return out
+    count.ended("forwarded")
+    return out
+
+
+def _is_events(headers: CIMultiDictProxy[str]) -> bool:
+    return headers.get("Content-Type", "").startswith("text/event-stream")
+
+
+async def _end_stream(out: web.StreamResponse, up: ClientResponse, reason: str,
+                      events: bool) -> None:
+    """End an answer already under way: an error event with the reason (server-sent
+    events; no ``[DONE]``), the engine's request dropped, the connection closed."""
+    up.close()  # the engine sees its client leave and aborts the request
+    if events:
+        error = {"error": {"message": f"The request was ended: {reason}.",
+                           "type": "VersionSpanExceeded", "code": 409}}
+        await out.write(f"data: {json.dumps(error)}\n\n".encode())
+    out.force_close()
+    await out.write_eof()
+
+
+__all__ = ["MAX_SPAN", "MIN_VERSION", "OUTCOMES", "DoorCounters", "Version", "end_to_end",
+           "make_gateway", "parse_routes"]

@@ -168,17 +168,22 @@ def attach_in_background(service: AgentService) -> threading.Thread:
 
 async def _serve(service: AgentService, token: str, s: AgentSettings) -> None:
     from dcr.http.edge import start
+    from dcr.http.gateway import DoorCounters, make_gateway
     from dcr.receiver.server import make_app
 
+    door = DoorCounters() if s.client_listen else None
     app = make_app(service, token, max_waits=s.max_waits,
-                   liveness_timeout_s=s.liveness_timeout_s)
+                   liveness_timeout_s=s.liveness_timeout_s,
+                   more_metrics=door.families if door else None)
     server = await start(app, s.listen, f"Agent {service.name!r}")
     shown: dict[str, Any] = {"url": server.url, "name": service.name,
                              "version": service.snapshot().version}
     if s.client_listen:
-        from dcr.http.gateway import make_gateway
-
-        clients = await start(make_gateway(s.engine_url, s.client_route), s.client_listen,
+        gateway = make_gateway(s.engine_url, s.client_route,
+                               max_connections=s.client_max_connections,
+                               version=lambda: service.weights.version,
+                               keep=s.pause_mode == "keep", counters=door)
+        clients = await start(gateway, s.client_listen,
                               f"Agent {service.name!r}'s client door",
                               handler_cancellation=False)
         shown["client_url"] = clients.url

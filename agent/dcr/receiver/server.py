@@ -43,7 +43,10 @@ if TYPE_CHECKING:
 
 
 def make_app(service: AgentService, token: str, *, max_waits: int = AgentSettings.max_waits,
-             liveness_timeout_s: float = AgentSettings.liveness_timeout_s) -> web.Application:
+             liveness_timeout_s: float = AgentSettings.liveness_timeout_s,
+             more_metrics: Callable[[], list[Family]] | None = None) -> web.Application:
+    """The agent's routes; ``more_metrics``: families its ``/metrics`` adds (the client
+    door's)."""
     sizes = {**POOL_THREADS, "wait": max_waits}
     pools: dict[str, Executor] = {
         name: ThreadPoolExecutor(n, thread_name_prefix=f"agent-{name}")
@@ -109,7 +112,7 @@ def make_app(service: AgentService, token: str, *, max_waits: int = AgentSetting
         return web.Response(text=f"version {st.version}\n")
 
     async def metrics(_: web.Request) -> web.StreamResponse:
-        text = await run("status", render_metrics, service)
+        text = await run("status", render_metrics, service, more_metrics)
         return web.Response(text=text, content_type="text/plain")
 
     async def shutdown(_: web.Application) -> None:
@@ -128,10 +131,11 @@ def make_app(service: AgentService, token: str, *, max_waits: int = AgentSetting
     return app
 
 
-def render_metrics(service: AgentService) -> str:
-    """Prometheus text exposition of the agent's counters and gauges."""
+def render_metrics(service: AgentService,
+                   more: Callable[[], list[Family]] | None = None) -> str:
+    """Prometheus text exposition of the agent's counters and gauges, and ``more``'s."""
     st, c = service.snapshot(), service.counters
-    return render([
+    return render([*(more() if more else ()),
         Family("dcr_agent_version", "gauge", "Version the weights hold (-1: none).",
                [({}, -1 if st.version is None else st.version)]),
         Family("dcr_agent_gate_open", "gauge", "1 while generation requests may pass.",

@@ -16,8 +16,10 @@ from dcr.http.edge import host_port
 from dcr.settings import GiB, MiB, option
 
 CLIENT_ROUTES: tuple[str, ...] = (
-    "POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health")
-"""What rollout clients call by default (the agent's ``--client-listen``)."""
+    "POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health",
+    "GET /metrics")
+"""What rollout clients call by default (the agent's ``--client-listen``); ``/metrics`` is
+the engine's, for Prometheus to scrape on the client port."""
 
 AGENT_TOKEN_ENV = "DCR_AGENT_TOKEN"
 RELAY_TOKEN_ENV = "DCR_RELAY_TOKEN"
@@ -44,6 +46,11 @@ class AgentSettings:
         CLIENT_ROUTES, metavar="'METHOD /path'",
         doc="a request clients may make through --client-listen (exact path; repeat for "
         "more; default: " + ", ".join(CLIENT_ROUTES) + ")")
+    client_max_connections: int = option(
+        4096, metavar="N", doc="connections the client door keeps to the engine at once, "
+        "so requests in flight through it (0: no bound): far above what an engine batches "
+        "(vLLM's max_num_seqs is 256 to 1024), so the engine, not the door, queues; the "
+        "bound only caps the pod's sockets")
     token_file: Path | None = option(None, metavar="PATH",
                                      doc="file holding the control API's bearer token: 16 "
                                      "or more printable ASCII characters, not a change-me "
@@ -164,6 +171,9 @@ class AgentSettings:
                               "--member and --client-listen belong on the leader's agent.")
         for url in self.members:
             check_url(url, f"Agent {self.name!r}: --member")
+        if self.client_max_connections < 0:
+            raise ConfigError(f"Agent {self.name!r}: --client-max-connections "
+                              f"{self.client_max_connections} is negative (0: no bound).")
         limits = (self.max_waits, self.max_wait_s, self.liveness_timeout_s)
         if min(limits) <= 0:
             raise ConfigError(f"Agent {self.name!r}: max_waits, max_wait_s and "
