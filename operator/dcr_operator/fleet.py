@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import base64
 import logging
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -199,6 +200,13 @@ def _report(client: AgentClient, receiver: Receiver, at: str, catch_up: CommitRe
     return {k: v for k, v in entry.items() if v is not None}
 
 
+def serving_versions(reports: Sequence[Mapping[str, Any]]) -> list[dict[str, int]]:
+    """``[{version, receivers}]``, newest first, over the receivers that answered."""
+    counts = Counter(r["version"] for r in reports if r.get("version") is not None
+                     and not r.get("error"))
+    return [{"version": v, "receivers": n} for v, n in sorted(counts.items(), reverse=True)]
+
+
 def refresh(kube: KubeClient, fleet: Mapping[str, Any], *, clock: Callable[[], str],
             active: str | None, acks: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Poll the fleet's agents and write its status (not the commit record); the status.
@@ -256,6 +264,7 @@ def refresh(kube: KubeClient, fleet: Mapping[str, Any], *, clock: Callable[[], s
         "receiverCount": len(reports),
         "podCount": sum(len(r.get("pods") or [r]) for r in reports),
         "readyReceivers": ready_count,
+        "servingVersions": serving_versions(reports),
         "activeRefit": active,
         "conditions": fleet_conditions(
             status.get("conditions") or [], record=record, receivers=reports, active=active,

@@ -14,7 +14,7 @@ import pytest
 
 from dcr.protocol.agent_api import AgentStatus
 from dcr.protocol.records import CommitRecord
-from dcr_operator.fleet import behind
+from dcr_operator.fleet import behind, serving_versions
 
 RECORD = CommitRecord(committed_version=2, baseline_id="/checkpoints/policy-a/v2",
                       attempt="a-0123456789ab")
@@ -43,3 +43,11 @@ def _status(**over: Any) -> AgentStatus:
 def test_an_idle_agent_off_the_committed_bits_is_behind(status: dict[str, Any],
                                                         expected: bool) -> None:
     assert behind(_status(**status), RECORD) is expected
+
+
+def test_the_fleet_status_counts_the_versions_its_receivers_serve_newest_first() -> None:
+    reports = [{"name": "r0", "version": 3}, {"name": "r1", "version": 2},
+               {"name": "r2", "version": 3}, {"name": "r3", "error": "no answer"},
+               {"name": "r4", "version": 1, "error": "timed out"}, {"name": "r5"}]
+    assert serving_versions(reports) == [{"version": 3, "receivers": 2},
+                                         {"version": 2, "receivers": 1}]

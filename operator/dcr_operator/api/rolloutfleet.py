@@ -440,6 +440,14 @@ class ReceiverState(StatusModel):
         default=None, description="When its agent last answered (RFC 3339, UTC).")
 
 
+class ServingVersion(StatusModel):
+    """How many receivers serve one version."""
+
+    version: int = Field(description="A version the receivers' weights hold.")
+    receivers: int = Field(description="Receivers whose agents report it (all of them, "
+                           "not only those listed under receivers).")
+
+
 class RolloutFleetStatus(StatusModel):
     """The fleet's commit record, its receivers and its conditions, as the operator saw them."""
 
@@ -461,6 +469,10 @@ class RolloutFleetStatus(StatusModel):
         "receiverCount).")
     ready_receivers: int | None = Field(
         default=None, description="Receivers reporting the committed version.")
+    serving_versions: list[ServingVersion] = Field(
+        default_factory=list, json_schema_extra=list_map("version"),
+        description="The versions the receivers serve, newest first, with how many serve "
+        "each: what a trainer bounding staleness (X-DCR-Min-Version) may be answered with.")
     history: HistoryStatus | None = Field(
         default=None, description="What the store keeps for catch-up (a store fleet).")
     conditions: list[Condition] = Field(
