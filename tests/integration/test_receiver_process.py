@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 import torch
 from promtext import samples, value
+from replica_group import flip_bits
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dcr.drivers.base import merge_fingerprints
@@ -129,6 +130,7 @@ class Fleet:
         self.store = tmp / "store"
         self.servers: dict[str, ServeProcess] = {}
         self.agents: list[AgentProcess] = []
+        self.models: dict[str, Path] = {}  # what a pod's server loads at start (default v0)
 
     def server(self, name: str, runtime: str) -> ServeProcess:
         """The pod's reference server, started if it is not running."""
@@ -136,7 +138,8 @@ class Fleet:
         if server is None:
             server = ServeProcess(
                 name=f"serve-{name}", workdir=self.tmp / name / "serve",
-                args=["--runtime", runtime, "--model", str(self.ckpts.dir(0)),
+                args=["--runtime", runtime,
+                      "--model", str(self.models.get(name, self.ckpts.dir(0))),
                       "--tp-size", str(TP[runtime]), "--staging-dir", str(self.staging(name)),
                       "--checkpoint-root", str(self.ckpts.root), "--weight-version", "0"])
             self.servers[name] = server
@@ -191,6 +194,16 @@ class Fleet:
         st = agent.client.status()
         assert (st.version, st.dirty, st.unknown, st.gate_open) == (version, None, None, True)
         assert agent.server.engine().version() == str(version)  # the engine's label
+
+
+@pytest.fixture(scope="module")
+def adamw_checkpoints(tmp_path_factory: pytest.TempPathFactory,
+                      export_llama_versions: Callable[..., None]) -> Checkpoints:
+    """Versions 0..2 one AdamW step apart: every matrix changes from step to step, the
+    RMSNorm weights (1.0 less a step of 1e-3) stay as they are in BF16."""
+    ckpts = Checkpoints(root=tmp_path_factory.mktemp("adamw"))
+    export_llama_versions(ckpts.root, LLAMA)
+    return ckpts
 
 
 @pytest.fixture
@@ -540,3 +553,52 @@ def test_a_server_restarted_mid_refit_is_seen_as_a_new_instance_and_rejoined_den
     assert "the engine restarted (instance" in b.process.log_path.read_text()
     fleet.assert_holds(a, 1)
     fleet.assert_holds(b, 1)
+
+
+# A bit of rank 1's shard of a tensor every step changes; one of a tensor each rank holds
+# whole and the AdamW step leaves as it is in BF16.
+TOUCHED = {"lm_head.weight": 3000 * 256 + 7}
+UNTOUCHED = {"model.layers.1.input_layernorm.weight": 9}
+
+
+@pytest.mark.parametrize("flips", [TOUCHED | UNTOUCHED, UNTOUCHED], ids=["both", "untouched"])
+def test_a_tp_server_whose_ranks_loaded_wrong_bits_is_rejoined_before_the_fleet_commits(
+        tmp_path: Path, adamw_checkpoints: Checkpoints, flips: dict[str, int]) -> None:
+    """One pod's TP 2 server started from v0 with a bit flipped in a tensor every step
+    changes (in rank 1's shard of it) and one in a tensor each rank holds whole. The flush
+    compares every tensor and region each rank holds, touched or not: that pod fails the
+    attempt, is rejoined densely, and v1 commits with every rank of both pods equal to a
+    dense load of v1."""
+    fleet = Fleet(tmp_path, adamw_checkpoints)
+    checkpoints = adamw_checkpoints
+    fleet.models["flipped"] = fleet.tmp / "flipped-v0"  # outside the root: a rejoin reads v0
+    flip_bits(checkpoints.dir(0), fleet.models["flipped"], flips)
+    try:
+        _commits_after_rejoin(fleet, checkpoints, flips)
+    finally:
+        fleet.close()
+
+
+def _commits_after_rejoin(fleet: Fleet, checkpoints: Checkpoints, flips: dict[str, int]
+                          ) -> None:
+    clean, flipped = fleet.start(("clean", "vllm-ref"), ("flipped", "vllm-ref"))
+    assert flipped.client.fingerprint() != clean.client.fingerprint()
+    owner = fleet.owner(profile_path=profile_file(fleet.tmp, [clean, flipped]))
+    c = Coordinator(SqliteCommitStore(fleet.tmp / "commit.db", V0), [owner],
+                    [clean.client, flipped.client], settings=SETTINGS,
+                    dense_checkpoint=checkpoints.dense)
+    assert c.refit(1, "ckpt-1").committed_version == 1
+    first, last = c.history[0], c.history[-1]
+    assert "flipped: attempt" in first.outcome
+    assert "differ from the manifest's target at flush" in first.outcome
+    quoted = {n: f"'{n}@" if n in TOUCHED else f"'{n}'" for n in flips}  # a region: rank 1's
+    assert all(q in first.outcome for q in quoted.values())
+    assert (last.outcome, last.rejoined) == ("committed", ("flipped",))
+    want = dense_fingerprint(checkpoints, "vllm-ref", 1)  # the norms are v0's too
+    for a in (clean, flipped):
+        got = a.client.fingerprint()
+        assert got.keys() == want.keys()
+        assert [n for n in want if got[n] != want[n]] == [], a.name
+        st = a.client.status()
+        assert (st.version, st.dirty, st.unknown, st.gate_open) == (1, None, None, True)
+    c.close()

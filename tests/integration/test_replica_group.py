@@ -22,10 +22,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from replica_group import POD_NAMES, TwoPodReplica
+from replica_group import POD_NAMES, TwoPodReplica, flip_bits
 from transformers import LlamaConfig
 
 from dcr.files.history import HistoryStore
+from dcr.format.profile import ReceiverProfile, dumps
 from dcr.owner.process import ProcessOwner
 from dcr.protocol.commitstore import SqliteCommitStore
 from dcr.protocol.coordinator import Coordinator, CoordinatorSettings, RefitFailed
@@ -64,9 +65,13 @@ class Pods(TwoPodReplica):
                                                                    rec.attempt, n))
 
     def owner(self) -> ProcessOwner:
+        """The encoder, given the group's profile as the main job and the operator give
+        theirs: it writes the sums of the regions each TP rank holds."""
+        profile = self.tmp / "profile.json"
+        profile.write_text(dumps(ReceiverProfile.model_validate(self.client.profile())))
         return ProcessOwner(store_uri=self.store.as_uri(),
                             checkpoints=lambda v: self.versions / f"v{v}", version=0,
-                            timeout_s=120.0)
+                            timeout_s=120.0, profile_path=profile)
 
 
 @pytest.fixture
@@ -89,6 +94,37 @@ def test_a_replica_of_two_pods_refits_bit_exact_on_every_rank(pods: Pods) -> Non
     log = pods.member.log_path.read_text()
     assert all(f"staging attempt {h.attempt}" in log for h in c.history)
     c.close()
+
+
+# One element of a tensor every step changes (its rows past 1024 are TP rank 1's shard)
+# and one of a tensor the AdamW step leaves as it is in BF16 (every rank holds it whole).
+TOUCHED = {"lm_head.weight": 1500 * 128 + 3}
+UNTOUCHED = {"model.norm.weight": 5}
+CHECKED = {"lm_head.weight": "'lm_head.weight@", "model.norm.weight": "'model.norm.weight'"}
+
+
+@pytest.mark.parametrize("flips", [TOUCHED | UNTOUCHED, UNTOUCHED], ids=["both", "untouched"])
+def test_a_worker_rank_holding_wrong_bits_is_repaired_before_the_group_commits(
+        tmp_path: Path, versions: Path, flips: dict[str, int]) -> None:
+    """The worker's rank loaded v0 with a bit flipped in a tensor the delta touches and one
+    in a tensor it does not (or only the latter): the flush compares every tensor and
+    region the ranks hold, so the attempt fails and the group rejoins densely from the
+    pods' own seeds before v1 commits, every rank's bits then those of a dense load of v1."""
+    (tmp_path / "store").mkdir()
+    flip_bits(versions / "v0", tmp_path / "flipped", flips)
+    pods = Pods(tmp_path, versions, tmp_path / "store", TOKEN, worker_model=tmp_path / "flipped")
+    try:
+        c = pods.coordinator(pods.owner(), SqliteCommitStore(tmp_path / "commit.db", V0))
+        record = c.refit(1, "ckpt-1")
+        assert record.committed_version == 1
+        first, last = c.history[0], c.history[-1]
+        assert "differ from the manifest's target at flush" in first.outcome
+        assert all(CHECKED[n] in first.outcome for n in flips)  # rank 1's region of lm_head
+        assert (last.outcome, last.rejoined) == ("committed", ("leader-agent",))
+        pods.assert_holds(1)
+        c.close()
+    finally:
+        pods.close()
 
 
 def test_the_member_refuses_without_the_token_and_names_an_attempt_it_does_not_hold(

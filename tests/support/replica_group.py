@@ -47,6 +47,26 @@ def export_llama_versions(root: Path, config: object, versions: int = 3) -> None
         export.to(torch.bfloat16).save_pretrained(root / f"v{v}")
 
 
+def flip_bits(src: Path, dst: Path, flips: dict[str, int]) -> None:
+    """A copy of checkpoint ``src`` at ``dst`` with the lowest bit of one element flipped
+    in each tensor of ``flips`` (name -> flat element index): a rank that loads it holds
+    bits no version has."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    for file in sorted(dst.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            meta = f.metadata()
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        hit = flips.keys() & tensors.keys()
+        for name in hit:
+            bits = tensors[name].view(-1).view(torch.int16)  # BF16 checkpoints
+            bits[flips[name]] ^= 1
+        if hit:
+            save_file(tensors, str(file), metadata=meta)
+
+
 @dataclass(eq=False)
 class TwoPodReplica:
     """The two pods of one replica, each with its server, agent, staging and root.
@@ -65,6 +85,9 @@ class TwoPodReplica:
     # and the file holding the tree's read token.
     relays: tuple[str, str] | None = None
     relay_token_file: Path | None = None
+    # The checkpoint the worker pod's server loads at start (default: its root's v0): one
+    # other than the pod's seed holds bits the pod's agents were not told about.
+    worker_model: Path | None = None
 
     def __post_init__(self) -> None:
         for pod in POD_NAMES:
@@ -96,10 +119,13 @@ class TwoPodReplica:
         host = self.host(pod)
         while (port := free_port_on(host)) == self.agent_port:
             pass
+        model = self.root(pod) / "v0"
+        if pod == "worker" and self.worker_model is not None:
+            model = self.worker_model
         return ServeProcess(
             name=f"serve-{pod}", workdir=self.tmp / pod / "serve", api_key=API_KEY,
             host=host, port=port,
-            args=["--runtime", "vllm-ref", "--model", str(self.root(pod) / "v0"),
+            args=["--runtime", "vllm-ref", "--model", str(model),
                   "--tp-size", "2", "--staging-dir", str(self.staging(pod)),
                   "--checkpoint-root", str(self.root(pod)), "--weight-version", "0", *extra])
 

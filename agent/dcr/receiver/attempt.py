@@ -1,7 +1,10 @@
 """One attempt's run on an agent: what it staged and applied, and the threads that do it.
 
 A receive thread stages payloads; once the gate is closed and drained, an apply thread has the
-engine apply them in order and checks the target fingerprints (docs/protocol.md). The agent's
+engine apply them in order and checks every target fingerprint and region sum the manifest
+carries against what every rank holds, whether the attempt wrote it or not: a rank whose
+bits were wrong before the attempt fails the flush like one the attempt left wrong
+(docs/protocol.md, "What is checked before and after apply"). The agent's
 refusals and failures are declared here, where attempts and rejoins (``rejoin.py``) raise them.
 """
 
@@ -36,8 +39,9 @@ class AttemptFailed(AttemptError):
 
 
 class FingerprintMismatch(AttemptError):
-    """After an attempt's payloads were applied, a tensor's bits differ from the target
-    fingerprint its manifest lists."""
+    """After an attempt's payloads were applied, a tensor's or region's bits on some rank
+    differ from the target fingerprint its manifest lists (whether the attempt wrote
+    them or not)."""
 
 
 @dataclass(kw_only=True)
@@ -100,7 +104,6 @@ class Run:
     applied: int = 0
     applied_bytes: int = 0
     apply_s: float = 0.0
-    touched: set[str] = field(default_factory=set)  # canonical tensors the payloads wrote
     checked: bool = False  # all applied, the engine synchronized, fingerprints compared
     error: str | None = None
     threads: list[threading.Thread] = field(default_factory=list)
@@ -201,7 +204,7 @@ class Run:
                 if self.stop.is_set():
                     return
             t0 = time.perf_counter()
-            outcome = agent.engine.apply([staged.name])  # every rank reads the file
+            agent.engine.apply([staged.name])  # every rank reads the file
             seconds = time.perf_counter() - t0
             agent.staging.remove(staged.name)
             if agent.group is not None:
@@ -212,7 +215,6 @@ class Run:
                 self.applied += 1
                 self.applied_bytes += staged.size
                 self.apply_s += seconds
-                self.touched |= outcome.names
                 counters.payloads_applied += 1
                 counters.payload_bytes_applied += staged.size
                 counters.apply_seconds += seconds
@@ -220,20 +222,22 @@ class Run:
         self._check()
 
     def _check(self) -> None:
-        """Synchronize, then compare the fingerprints of what the attempt wrote, on the
+        """Synchronize, then compare every fingerprint the manifest carries that the
+        engine's ranks can recompute (every tensor and region, written or not), on the
         engine instance the attempt began with."""
         engine = self.agent.engine
         engine.sync()
         assert self.manifest is not None
-        targets = {t.name: t.target for t in self.manifest.tensors if t.name in self.touched}
-        targets |= {k: fp for k, fp in self.agent.region_sums(self.manifest).items()
-                    if k.partition("@")[0] in self.touched}
+        targets = {t.name: t.target for t in self.manifest.tensors}
+        targets |= self.agent.region_sums(self.manifest)
         differ = engine.check_targets(targets) if targets else {}
         if differ:
             said = "; ".join(f"{n!r} holds {fp}, the manifest says {targets[n]}"
                              for n, fp in list(differ.items())[:3])
             raise FingerprintMismatch(f"{len(differ)} tensors or regions differ from the "
-                                      f"manifest's target after apply: {said}.")
+                                      f"manifest's target at flush (every one a rank holds "
+                                      f"is compared, written by the attempt or not): "
+                                      f"{said}.")
         instance = engine.instance()
         if instance != self.instance:
             with self.cond:

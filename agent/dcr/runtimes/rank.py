@@ -16,6 +16,7 @@ import logging
 import os
 import secrets
 import stat
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from dcr.drivers.base import check_checkpoint_path, check_staged_name
 from dcr.errors import CheckpointError, ConfigError
 from dcr.format.dtypes import DTYPES
 from dcr.format.payload import NAME_RE
+from dcr.format.regions import region_key, whole
 from dcr.protocol.engine_api import (
     MAX_UNFILLED,
     ApplyAnswer,
@@ -104,6 +106,25 @@ def confined_checkpoint(root: Path, relative: str) -> Path:
     if not path.is_relative_to(root):
         raise ConfigError(f"Checkpoint {relative!r} resolves outside {root}.")
     return path
+
+
+def uncovered(applier: Applier, keys: AbstractSet[str]) -> list[str]:
+    """The ``xor`` tensors this rank holds some canonical element of whose bits no key in
+    ``keys`` checks: neither the whole tensor's fingerprint (or whole region sum) for one
+    it reads back, nor its region's sum for a shard."""
+    out = []
+    for name, plan in sorted(applier.plans.items()):
+        if plan.cls != "xor" or all(w.src is None for w in plan.writes):
+            continue  # overwrite and dense paths hold no canonical bits to compare
+        t = applier.tensors[name]
+        if name in applier.readable:
+            checks = {name, region_key(name, whole(t.shape))}
+        else:
+            checks = {region_key(name, applier.regions[name])} if name in applier.regions \
+                else set()
+        if not checks & keys:
+            out.append(name)
+    return out
 
 
 class EngineRank:
@@ -196,11 +217,21 @@ class EngineRank:
         return FingerprintAnswer(rank=self.rank, tensors=runtime_fingerprint(self.runtime))
 
     def check_targets(self, req: CheckTargetsRequest) -> CheckAnswer:
-        """The tensors among ``expect`` that this rank holds whole on a bit-preserving
-        path (prewarm's readable set) and whose bits differ from their fingerprint."""
+        """The tensors and regions among ``expect`` that this rank holds on a
+        bit-preserving path (prewarm's readable set and regions) and whose bits differ from
+        their fingerprint. The agent sends every fingerprint its manifest carries, so this
+        is the rank's whole state, touched or not; an ``xor`` tensor the rank holds that no
+        fingerprint covers is logged (docs/protocol.md, "What is checked before and after
+        apply")."""
         applier = self._prewarmed("check_targets")
         self.derived.check_filled("check_targets", self.rank)
         self.sync()
+        unchecked = uncovered(applier, req.expect.keys())
+        if unchecked:
+            log.warning("Rank %s: %d tensors it holds have no fingerprint it can recompute "
+                        "among the %d expected, e.g. %s (a shard needs its region's sum: "
+                        "give the owners the receivers' profile)", self.rank, len(unchecked),
+                        len(req.expect), unchecked[:3])
         return CheckAnswer(rank=self.rank, differ=applier.check_targets(req.expect))
 
     def load_dense(self, req: DenseLoadRequest) -> DenseAnswer:
@@ -270,4 +301,4 @@ class EngineRank:
 
 
 __all__ = ["CHECKPOINT_ROOT_ENV", "INSTANCE", "STAGING_ENV", "EngineRank", "canonical_tensors",
-           "confined_checkpoint", "engine_dir", "read_staged"]
+           "confined_checkpoint", "engine_dir", "read_staged", "uncovered"]
