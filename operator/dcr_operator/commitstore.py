@@ -1,7 +1,7 @@
 """The commit record in a RolloutFleet's status, changed only by compare-and-set.
 
-:class:`FleetCommitStore` keeps ``(committedVersion, baselineId, attempt)`` in
-``status.commit``. A CAS patches the status subresource under the ``resourceVersion`` it
+:class:`FleetCommitStore` keeps ``(committedVersion, baselineId, attempt, historyDigest)``
+in ``status.commit``. A CAS patches the status subresource under the ``resourceVersion`` it
 read, and succeeds only if the answer carries the record written; a 409 is settled by
 reading again.
 Why: docs/operator.md, "Inside the operator".
@@ -37,13 +37,16 @@ def record_of(fleet: Mapping[str, Any]) -> CommitRecord:
     if not commit:
         return initial_record(fleet)
     return CommitRecord(committed_version=int(commit["committedVersion"]),
-                        baseline_id=str(commit["baselineId"]), attempt=str(commit["attempt"]))
+                        baseline_id=str(commit["baselineId"]), attempt=str(commit["attempt"]),
+                        history_digest=str(commit.get("historyDigest") or ""))
 
 
 def commit_status(record: CommitRecord, *, refit: str | None = None,
                   at: str | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"committedVersion": record.committed_version,
                            "baselineId": record.baseline_id, "attempt": record.attempt}
+    if record.history_digest:
+        out["historyDigest"] = record.history_digest
     if refit is not None:
         out["refit"] = refit
     if at is not None:

@@ -37,8 +37,11 @@ def fleet_store(kube: KubeClient, namespace: str, spec: RolloutFleetSpec) -> Sto
 
 def fleet_history(kube: KubeClient, namespace: str, spec: RolloutFleetSpec
                   ) -> HistoryStore | None:
+    """The fleet's history as its coordinator keeps it: retention applied as each commit's
+    history is staged, so the commit record vouches for the pruned one."""
     store = fleet_store(kube, namespace, spec)
-    return HistoryStore(store) if store is not None else None
+    return HistoryStore(store, keep_snapshots=spec.retention.keep_snapshots) \
+        if store is not None else None
 
 
 def committed_attempt(kube: KubeClient, namespace: str, spec: RolloutFleetSpec,
@@ -54,19 +57,17 @@ def committed_attempt(kube: KubeClient, namespace: str, spec: RolloutFleetSpec,
 
 def keep_history(kube: KubeClient, namespace: str, fleet: str, spec: RolloutFleetSpec,
                  history: HistoryStore) -> None:
-    """After a commit: prune by the fleet's retention (the history first, then the objects
-    it no longer names) and show what is kept in the fleet's status. Best effort: the
-    commit stands whatever happens here, and the next commit tries again."""
+    """After a commit's history is written: remove the objects it no longer names (the
+    fleet's retention pruned them as it was staged) and show what is kept in the fleet's
+    status. Best effort: the commit stands whatever happens here."""
     pruned: list[str] = []
     try:
-        keep = spec.retention.keep_snapshots
-        if keep is None or spec.store is None:
-            kept = history.read()
-        else:
-            kept, prefixes = history.prune(keep)
-            pruned = remove_prefixes(spec.store.uri, prefixes, endpoint=spec.store.endpoint,
-                                     region=spec.store.region,
+        kept = history.read()
+        if history.pruned and spec.store is not None:
+            pruned = remove_prefixes(spec.store.uri, history.pruned,
+                                     endpoint=spec.store.endpoint, region=spec.store.region,
                                      credentials=store_credentials(kube, namespace, spec))
+            history.pruned = []
         kube.merge_patch(fleet_path(namespace, fleet, "status"), {"status": {"history": {
             "oldestVersion": kept.versions[0].version if kept.versions else None,
             "committedVersion": kept.committed if kept.versions else None,

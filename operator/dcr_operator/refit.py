@@ -19,7 +19,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from dcr.errors import ConfigError, first_validation_error
+from dcr.errors import ConfigError, ManifestError, StoreError, first_validation_error
+from dcr.format.manifest import limits_for
 from dcr.format.payload import Mode
 from dcr.format.profile import ReceiverProfile, dumps, merge
 from dcr.protocol.agent_api import AgentApi, AgentClient
@@ -272,10 +273,13 @@ class RefitRun:
         # A store fleet's receivers rejoin from the store's history, which this coordinator
         # writes after each commit; a relay fleet's dense-load the committed checkpoint.
         history = fleet_history(self.kube, self.namespace, fleet_spec)
+        if history is not None and verdict.action == "run":
+            # Manifest parts are read with what the fleet's receivers can use, never more.
+            tensors = len(self._merged_profile(agents, need)[1].tensors)
+            history.limits = limits_for(tensors)
 
         def recorded(committed: CommitRecord, owner_count: int) -> None:
-            assert history is not None
-            history.commit(committed.committed_version, committed.attempt, owner_count)
+            assert history is not None  # the coordinator wrote its history just before
             keep_history(self.kube, self.namespace, spec.fleet, fleet_spec, history)
             every = fleet_spec.retention.snapshot_every
             if every and committed.committed_version % every == 0:
@@ -289,7 +293,8 @@ class RefitRun:
         policy = fleet_spec.commit_policy
         coordinator = Coordinator(
             store, owners, tracked, dense_checkpoint=None if history else dense,
-            on_commit=recorded if history else None, settings=CoordinatorSettings(
+            on_commit=recorded if history else None, history=history,
+            settings=CoordinatorSettings(
                 max_attempts=max(1, remaining), gate="sync" if policy.gate == "Sync" else "async",
                 attempt_timeout_s=float(policy.attempt_timeout_seconds), min_receivers=need))
         self._coordinator = coordinator
@@ -313,6 +318,8 @@ class RefitRun:
             return self._fail(rec, RefitReason.RETRY_LIMIT_REACHED, str(e))
         except (CommitStoreError, CommitUnknown, ApiError, ApiUnreachable) as e:
             raise NotYet(f"Kubernetes API: {e}") from e
+        except (ManifestError, StoreError) as e:  # every gate is settled: retried later
+            raise NotYet(f"The store's history: {e}") from e
         finally:
             METRICS.refit_stopped()
             if timer is not None:

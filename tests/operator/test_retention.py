@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dcr.files.history import HistoryStore
+from dcr.files.history import HistoryStore, retained
 from dcr.format.history import Committed, History, ObjectRef, Snapshot
 from dcr.format.layout import owner_manifest_key, version_prefix
 from dcr.transport.store import FileStore
@@ -61,6 +61,8 @@ def store_of_ten_versions(root: Path) -> HistoryStore:
 def test_keeping_two_snapshots_removes_what_only_older_versions_needed(tmp_path: Path) -> None:
     hs = store_of_ten_versions(tmp_path)
     kube = Kube()
+    staged, hs.pruned = retained(hs.read(), 2)  # as the commit's history is staged
+    hs._write(staged)
     keep_history(kube, "rl", "f", fleet(tmp_path, keep=2), hs)  # type: ignore[arg-type]
     kept = hs.read()
     # Snapshots 4 and 8 stay, and every version from 4 on (4's own entry vouches for it).

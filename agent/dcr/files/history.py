@@ -27,10 +27,12 @@ from dcr.format.history import (
 from dcr.format.layout import owner_manifest_key, version_prefix
 from dcr.format.manifest import DEFAULT_MANIFEST_LIMITS, Manifest, ManifestLimits, merge_manifests
 from dcr.format.names import object_digest
-from dcr.transport.store import Store
+from dcr.protocol.records import CommitRecord
+from dcr.transport.store import Store, Tagged
 
 log = logging.getLogger(__name__)
 SNAPSHOTS = "snapshots/"
+COPIES = "histories/"  # each history a coordinator commits with, under its digest
 _INDEX_KEY = re.compile(r"snapshots/v(\d{10})/index\.dcrs")
 
 
@@ -47,6 +49,36 @@ def get_checked(store: Store, ref: ObjectRef, what: str) -> bytes:
     return data
 
 
+def copy_key(digest: str) -> str:
+    """Where the coordinator stores the history it commits with, by its digest: a history
+    put back in the history object's place is repaired from there."""
+    return f"{COPIES}{digest}.dcrh"
+
+
+class HistoryRefused(ManifestError):
+    """The store's history is not the one vouched for, and no copy of that one is left."""
+
+
+def retained(history: History, keep_snapshots: int | None) -> tuple[History, list[str]]:
+    """``history`` keeping the newest ``keep_snapshots`` snapshots and the committed
+    versions from the oldest of them on (its own entry too: its fingerprints check that
+    snapshot), and the store prefixes it no longer names. Unchanged while fewer snapshots
+    exist, or without ``keep_snapshots``."""
+    if keep_snapshots is None or len(history.snapshots) <= keep_snapshots:
+        return history, []
+    kept = history.snapshots[-keep_snapshots:]
+    oldest = kept[0].version
+    dropped = [c for c in history.versions if c.version < oldest]
+    gone = [s for s in history.snapshots if s not in kept]
+    log.info("history: pruned %d versions and %d snapshots below version %s",
+             len(dropped), len(gone), oldest)
+    return history.model_copy(update={
+        "versions": tuple(c for c in history.versions if c.version >= oldest),
+        "snapshots": tuple(kept)}), (
+        [f"{version_prefix(c.version)}/{c.attempt}/" for c in dropped]
+        + [f"{SNAPSHOTS}v{s.version:010d}/" for s in gone])
+
+
 @dataclass
 class HistoryStore:
     """One store's history. ``digest``: what the history object must hash to (a reader
@@ -55,28 +87,118 @@ class HistoryStore:
     store: Store
     digest: str | None = None
     limits: ManifestLimits = DEFAULT_MANIFEST_LIMITS  # a receiver's own (limits_for)
+    keep_snapshots: int | None = None  # retention the coordinator applies as it stages
+    pruned: list[str] = field(default_factory=list)  # prefixes the last staged one dropped
     _manifests: dict[int, Manifest] = field(default_factory=dict, repr=False)
+    _parsed: tuple[str, History] | None = field(default=None, repr=False)
+    _latest: tuple[str, History] | None = field(default=None, repr=False)  # by store tag
     _refused: set[str] = field(default_factory=set, repr=False)  # snapshot index digests
 
     def read(self) -> History:
-        where = f"{self.store.uri}/{HISTORY_KEY}"
+        """The history: the one ``digest`` names (from its copy if another was put in its
+        place), else as the store holds it."""
+        if self.digest is not None:
+            if self._parsed is not None and self._parsed[0] == self.digest:
+                return self._parsed[1]  # a digest names one history: never fetched again
+            return self._parse(self._vouched(self.digest), self.digest)
         try:
             data = self.store.get(HISTORY_KEY)
         except ObjectNotFound:
-            if self.digest is not None:
-                raise ManifestError(f"History {where} does not exist, but the caller "
-                                    f"vouches for one with digest {self.digest}.") from None
             return History()
-        if self.digest is not None and object_digest(data) != self.digest:
-            raise ManifestError(f"History {where}: digest {object_digest(data)} is not the "
-                                f"{self.digest} the caller vouches for.")
-        return History.parse(data, where)
+        return self._parse(data, None)
+
+    def latest(self) -> History:
+        """The history as the store holds it now, whoever wrote it (for ``/readyz``, which
+        asks whether a newer version was committed): fetched again only once the store's
+        tag for it changed (S3's ETag, a file's mtime and size)."""
+        tag = self.store.tag(HISTORY_KEY) if isinstance(self.store, Tagged) else None
+        if tag is not None and self._latest is not None and self._latest[0] == tag:
+            return self._latest[1]
+        history = HistoryStore(self.store, limits=self.limits).read()
+        self._latest = (tag, history) if tag is not None else None
+        return history
+
+    def _parse(self, data: bytes, digest: str | None) -> History:
+        """``data`` parsed, or the last history parsed when it had the same digest."""
+        digest = digest or object_digest(data)
+        if self._parsed is None or self._parsed[0] != digest:
+            self._parsed = (digest, History.parse(data, f"{self.store.uri}/{HISTORY_KEY}"))
+        return self._parsed[1]
+
+    def _vouched(self, digest: str) -> bytes:
+        """The bytes of the history whose digest is ``digest``: the history object if it is
+        that one, else the copy the coordinator stored under the digest. Raises
+        :class:`HistoryRefused` naming both when neither is."""
+        try:
+            data = self.store.get(HISTORY_KEY)
+            if object_digest(data) == digest:
+                return data
+            found: str | None = object_digest(data)
+        except ObjectNotFound:
+            found = None
+        log.warning("history %s/%s is %s, not the %s vouched for: reading its copy",
+                    self.store.uri, HISTORY_KEY, found or "missing", digest)
+        return self._copy(digest, found)
+
+    def _copy(self, digest: str, found: str | None) -> bytes:
+        """The coordinator's copy of the history ``digest`` names; :class:`HistoryRefused`
+        naming both digests when it is gone or altered."""
+        try:
+            copy = self.store.get(copy_key(digest))
+        except ObjectNotFound:
+            copy = b""
+        if object_digest(copy) == digest:
+            return copy
+        raise HistoryRefused(f"History {self.store.uri}/{HISTORY_KEY} "
+                             f"{'has digest ' + found if found else 'does not exist'}: it is "
+                             f"not the {digest} the caller vouches for, and the copy "
+                             f"{copy_key(digest)} the coordinator wrote is gone or altered.")
 
     def _write(self, history: History) -> str:
         data = history.pack()
         self.store.put(HISTORY_KEY, data)
         self.digest = object_digest(data)
         return self.digest
+
+    def vouched(self, record: CommitRecord) -> History:
+        """The history ``record`` vouches for (as the store holds it for a record that
+        carries no digest). Raises :class:`HistoryRefused`."""
+        if not record.history_digest:
+            return HistoryStore(self.store, limits=self.limits).read()
+        return self._parse(self._vouched(record.history_digest), record.history_digest)
+
+    def stage(self, base: CommitRecord, version: int, attempt: str, owners: int) -> str:
+        """The digest of the history that records ``attempt`` committing ``version`` after
+        the history ``base`` vouches for (snapshots adopted, ``keep_snapshots`` applied),
+        stored under its digest; the history object is unchanged until :meth:`publish`.
+        The prefixes it no longer names are left in ``pruned``."""
+        history = self.vouched(base)
+        entry = self._entry(history, version, attempt, owners)
+        staged = self.adopt(history.model_copy(update={"versions": (*history.versions, entry)}))
+        staged, self.pruned = retained(staged, self.keep_snapshots)
+        data = staged.pack()
+        digest = object_digest(data)
+        self.store.put(copy_key(digest), data)
+        log.info("history: staged %s, naming version %s committed by %s", digest, version,
+                 attempt)
+        return digest
+
+    def publish(self, record: CommitRecord, owners: int) -> None:
+        """Make the store's history the one ``record`` vouches for: put it back from its
+        copy where another stands in its place (idempotent). A record that carries no
+        digest is recorded as :meth:`commit` does."""
+        if not record.history_digest:
+            self.commit(record.committed_version, record.attempt, owners)
+            return
+        try:
+            current: str | None = object_digest(self.store.get(HISTORY_KEY))
+        except ObjectNotFound:
+            current = None
+        if current != record.history_digest:
+            self.store.put(HISTORY_KEY, self._copy(record.history_digest, current))
+            log.info("history: %s now names version %s (was %s)", record.history_digest,
+                     record.committed_version, current)
+        self.digest = record.history_digest
 
     # --- the coordinator's side ----------------------------------------------------------
 
@@ -91,6 +213,16 @@ class HistoryStore:
                 raise ManifestError(f"The history says attempt {done.attempt} committed "
                                     f"version {version}, not {attempt}.")
             return object_digest(history.pack())
+        entry = self._entry(history, version, attempt, owners)
+        history = history.model_copy(update={"versions": (*history.versions, entry)})
+        digest = self._write(self.adopt(history))
+        log.info("history: version %s committed by %s (%d payload bytes)", version, attempt,
+                 entry.payload_bytes)
+        return digest
+
+    def _entry(self, history: History, version: int, attempt: str, owners: int) -> Committed:
+        """The entry that records ``attempt`` committing ``version``, from its manifest
+        parts, which must name that version and follow the history's last version."""
         refs, parts = [], []
         for k in range(owners):
             key = owner_manifest_key(version, attempt, k)
@@ -103,13 +235,8 @@ class HistoryStore:
             raise ManifestError(f"Attempt {attempt} takes {m.base_version} -> "
                                 f"{m.target_version}; the history holds {history.span()} "
                                 f"and records version {version}.")
-        entry = Committed(version=version, base_version=m.base_version, attempt=attempt,
-                          parts=tuple(refs), payload_bytes=m.stats.payload_bytes)
-        history = history.model_copy(update={"versions": (*history.versions, entry)})
-        digest = self._write(self.adopt(history))
-        log.info("history: version %s committed by %s (%d payload bytes)", version, attempt,
-                 entry.payload_bytes)
-        return digest
+        return Committed(version=version, base_version=m.base_version, attempt=attempt,
+                         parts=tuple(refs), payload_bytes=m.stats.payload_bytes)
 
     def adopt(self, history: History) -> History:
         """``history`` with the snapshots the store holds that it does not name yet, each
@@ -178,29 +305,24 @@ class HistoryStore:
         the history without the rest. The history as it now is, and the store prefixes it
         no longer names, for the caller to remove. Nothing is pruned while fewer snapshots
         exist."""
-        history = self.read()
-        if len(history.snapshots) <= keep_snapshots:
-            return history, []
-        kept = history.snapshots[-keep_snapshots:]
-        oldest = kept[0].version
-        dropped = [c for c in history.versions if c.version < oldest]
-        gone = [s for s in history.snapshots if s not in kept]
-        history = history.model_copy(update={
-            "versions": tuple(c for c in history.versions if c.version >= oldest),
-            "snapshots": tuple(kept)})
-        self._write(history)
-        log.info("history: pruned %d versions and %d snapshots below version %s",
-                 len(dropped), len(gone), oldest)
-        return history, ([f"{version_prefix(c.version)}/{c.attempt}/" for c in dropped]
-                         + [f"{SNAPSHOTS}v{s.version:010d}/" for s in gone])
+        history, prefixes = retained(self.read(), keep_snapshots)
+        if prefixes:
+            self._write(history)
+        return history, prefixes
 
     # --- the receivers' side -------------------------------------------------------------
 
     def manifest(self, entry: Committed) -> Manifest:
         """The committed attempt's manifest, its parts checked against the history."""
         if entry.version not in self._manifests:
+            named = sum(ref.size for ref in entry.parts)
+            if named > self.limits.max_bytes:  # refused before anything is fetched
+                raise ManifestError(f"The manifest of version {entry.version} is "
+                                    f"{named} bytes in {len(entry.parts)} parts, over this "
+                                    f"reader's limit of {self.limits.max_bytes}.")
             parts = [Manifest.parse(get_checked(self.store, ref, "Manifest part"),
-                                    f"{self.store.uri}/{ref.key}") for ref in entry.parts]
+                                    f"{self.store.uri}/{ref.key}", self.limits)
+                     for ref in entry.parts]
             m = merge_manifests(parts, f"version {entry.version}")
             if (m.base_version, m.target_version, m.attempt) != (
                     entry.base_version, entry.version, entry.attempt):

@@ -39,6 +39,7 @@ from dcr.http.direct import check_url, read_bounded, unreachable_reason
 from dcr.protocol.records import Attempt
 
 _ATTEMPT = ATTEMPT_PATTERN
+_HEX32 = r"^[0-9a-f]{32}$"  # a BLAKE2b-128 digest
 DRAIN_S = 60.0  # how long closing the gate waits for generation requests in flight
 DENSE_S = 600.0  # how long a client waits for a dense load beyond its own timeout
 _MAX_ANSWER = 256 << 20  # bytes of an open-ended answer (fingerprints of a large model: MiBs)
@@ -95,6 +96,10 @@ class AttemptSpec(_Body):
     mode: Mode
     owners: Annotated[int, Field(ge=1, le=4096)] = 1
     deadline: float  # time.time() seconds
+    # The base record's history digest: the only store history the agent reads from now
+    # on (left out of the JSON when absent, so agents that predate it read the call).
+    history_digest: Annotated[str | None, Field(pattern=_HEX32)] = Field(
+        default=None, exclude_if=lambda d: d is None)
 
     @classmethod
     def of(cls, attempt: Attempt | AttemptSpec) -> AttemptSpec:
@@ -103,7 +108,7 @@ class AttemptSpec(_Body):
         t = attempt.transition
         return cls(attempt=attempt.id, base_version=t.base_version,
                    target_version=t.target_version, mode=attempt.mode, owners=attempt.owners,
-                   deadline=attempt.deadline)
+                   deadline=attempt.deadline, history_digest=attempt.history_digest or None)
 
 
 class AttemptRef(_Body):
@@ -120,6 +125,9 @@ class DenseRequest(_Body):
     # taken from there); checked against the version's fingerprints where the agent has them.
     # None: the agent builds the version from its store's history, checked throughout.
     checkpoint: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
+    # The committed record's history digest: a build from the store reads only that one.
+    history_digest: Annotated[str | None, Field(pattern=_HEX32)] = Field(
+        default=None, exclude_if=lambda d: d is None)
 
 
 class AgentStatus(_Body):
@@ -174,8 +182,9 @@ def _ref_by_id(attempt: str) -> AttemptRef:
     return AttemptRef(attempt=attempt)
 
 
-def _dense(version: int, checkpoint: str | None = None) -> DenseRequest:
-    return DenseRequest(version=version, checkpoint=checkpoint)
+def _dense(version: int, checkpoint: str | None = None,
+           history_digest: str | None = None) -> DenseRequest:
+    return DenseRequest(version=version, checkpoint=checkpoint, history_digest=history_digest)
 
 
 def _as_is(body: Any) -> tuple[Any, ...]:
@@ -190,8 +199,10 @@ def _as_id(body: AttemptRef) -> tuple[str]:
     return (body.attempt,)
 
 
-def _as_dense(body: DenseRequest) -> tuple[int, str | None]:
-    return (body.version, body.checkpoint)
+def _as_dense(body: DenseRequest) -> tuple[int, str | None] | tuple[int, str | None, str]:
+    if body.history_digest is None:  # the call as agents that predate the digest take it
+        return (body.version, body.checkpoint)
+    return (body.version, body.checkpoint, body.history_digest)
 
 
 # Timeout rules: the client's own timeout (seconds) and the body -> how long to wait.

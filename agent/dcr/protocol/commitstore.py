@@ -30,9 +30,12 @@ CREATE TABLE IF NOT EXISTS commit_record (
     id INTEGER PRIMARY KEY CHECK (id = 1),
     committed_version INTEGER NOT NULL,
     baseline_id TEXT NOT NULL,
-    attempt TEXT NOT NULL
+    attempt TEXT NOT NULL,
+    history_digest TEXT NOT NULL DEFAULT ''
 )
 """
+# A record file made before the history digest was carried gains the column, empty.
+_ADD_DIGEST = "ALTER TABLE commit_record ADD COLUMN history_digest TEXT NOT NULL DEFAULT ''"
 
 
 class SqliteCommitStore:
@@ -44,9 +47,13 @@ class SqliteCommitStore:
         with self._connect() as db:
             db.execute("BEGIN IMMEDIATE")
             db.execute(_SCHEMA)
+            columns = {row[1] for row in db.execute("PRAGMA table_info(commit_record)")}
+            if "history_digest" not in columns:
+                db.execute(_ADD_DIGEST)
             db.execute(
-                "INSERT OR IGNORE INTO commit_record VALUES (1, ?, ?, ?)",
-                (initial.committed_version, initial.baseline_id, initial.attempt),
+                "INSERT OR IGNORE INTO commit_record VALUES (1, ?, ?, ?, ?)",
+                (initial.committed_version, initial.baseline_id, initial.attempt,
+                 initial.history_digest),
             )
             db.execute("COMMIT")
 
@@ -63,7 +70,8 @@ class SqliteCommitStore:
         db = self._connect()
         try:
             row = db.execute(
-                "SELECT committed_version, baseline_id, attempt FROM commit_record"
+                "SELECT committed_version, baseline_id, attempt, history_digest "
+                "FROM commit_record"
             ).fetchone()
         except sqlite3.Error as e:
             raise CommitStoreError(f"Cannot read the commit record at {self.path}: {e}.") from e
@@ -71,7 +79,8 @@ class SqliteCommitStore:
             db.close()
         if row is None:
             raise CommitStoreError(f"The commit record at {self.path} is missing.")
-        return CommitRecord(committed_version=row[0], baseline_id=row[1], attempt=row[2])
+        return CommitRecord(committed_version=row[0], baseline_id=row[1], attempt=row[2],
+                            history_digest=row[3])
 
     def compare_and_set(self, expected: CommitRecord, new: CommitRecord) -> CommitOutcome:
         """Write ``new`` if the record is ``expected``; CONFLICT if it is not.
@@ -86,10 +95,12 @@ class SqliteCommitStore:
         try:
             db.execute("BEGIN IMMEDIATE")
             cur = db.execute(
-                "UPDATE commit_record SET committed_version = ?, baseline_id = ?, attempt = ? "
-                "WHERE id = 1 AND committed_version = ? AND baseline_id = ? AND attempt = ?",
-                (new.committed_version, new.baseline_id, new.attempt,
-                 expected.committed_version, expected.baseline_id, expected.attempt),
+                "UPDATE commit_record SET committed_version = ?, baseline_id = ?, attempt = ?, "
+                "history_digest = ? WHERE id = 1 AND committed_version = ? AND baseline_id = ? "
+                "AND attempt = ? AND history_digest = ?",
+                (new.committed_version, new.baseline_id, new.attempt, new.history_digest,
+                 expected.committed_version, expected.baseline_id, expected.attempt,
+                 expected.history_digest),
             )
             if cur.rowcount != 1:
                 db.execute("ROLLBACK")

@@ -77,9 +77,29 @@ class ReceiverHandle(Protocol):
 
     def open_gate(self) -> AgentStatus: ...
 
-    def rejoin(self, version: int, checkpoint: str | None = None) -> AgentStatus:
+    def rejoin(self, version: int, checkpoint: str | None = None,
+               history_digest: str | None = None) -> AgentStatus:
         """Restore ``version`` (between attempts): a dense load of ``checkpoint``, or
-        without one, from the store's history, checked by its fingerprints."""
+        without one, from the store's history (the one ``history_digest`` names, where
+        given), checked by its fingerprints."""
+        ...
+
+
+class HistoryWriter(Protocol):
+    """The store's history as its one writer keeps it (``dcr.files.history.HistoryStore``):
+    the commit record vouches for it by digest."""
+
+    def vouched(self, record: CommitRecord) -> object:
+        """Read the history ``record`` vouches for; raise when the store holds no copy of it."""
+        ...
+
+    def stage(self, base: CommitRecord, version: int, attempt: str, owners: int) -> str:
+        """Store, under its digest, the history that records ``attempt`` committing
+        ``version`` after ``base``'s; that digest (the history object is not changed)."""
+        ...
+
+    def publish(self, record: CommitRecord, owners: int) -> None:
+        """Make the store's history the one ``record`` vouches for (idempotent)."""
         ...
 
 
@@ -135,18 +155,21 @@ class Coordinator:
                  receivers: Sequence[ReceiverHandle], *,
                  settings: CoordinatorSettings | None = None,
                  dense_checkpoint: Callable[[int], str] | None = None,
-                 on_commit: Callable[[CommitRecord, int], None] | None = None) -> None:
+                 on_commit: Callable[[CommitRecord, int], None] | None = None,
+                 history: HistoryWriter | None = None) -> None:
         """``dense_checkpoint(v)`` names a full checkpoint of version ``v`` for rejoins;
-        without it a receiver rejoins from its store's history. ``on_commit(record,
-        owners)`` runs once the record names a new version, before anyone advances (the
-        store's history is written there); it must be idempotent, as a refit that
-        finishes a committed transition again calls it again."""
+        without it a receiver rejoins from its store's history. ``history``: the store's
+        history, staged before each commit so the record carries its digest and written
+        once receivers are settled. ``on_commit(record, owners)`` runs after that, once the
+        record names a new version; it must be idempotent, as a refit that finishes a
+        committed transition again calls it again."""
         self.commits = commits
         self.owners = owners
         self.receivers = receivers
         self.settings = settings or CoordinatorSettings()
         self.dense_checkpoint = dense_checkpoint
         self.on_commit = on_commit
+        self.writer = history
         self.abort = threading.Event()  # set by an operator: no further attempt starts
         self.history: list[AttemptResult] = []
         self._pool = ThreadPoolExecutor(
@@ -171,6 +194,8 @@ class Coordinator:
                 f"The commit record already names version {start.committed_version} "
                 f"({start.baseline_id}); cannot refit to {target_version}."
             )
+        if self.writer is not None:  # refused before any gate closes
+            self.writer.vouched(start)
         transition = Transition(base_version=start.committed_version,
                                 target_version=target_version)
         mode: Mode = "mixed"
@@ -179,10 +204,11 @@ class Coordinator:
             if self.abort.is_set():
                 raise RefitAborted(f"Refit to {target_version} aborted after "
                                    f"{len(self.history)} attempts; last: {last}.")
-            live, rejoined, mixed = self._admit(transition)
+            live, rejoined, mixed = self._admit(transition, start)
             if mixed:
                 mode = "overwrite"
             attempt = Attempt(transition=transition, mode=mode, owners=len(self.owners),
+                              history_digest=start.history_digest,
                               receivers=tuple(r.name for r in live),
                               deadline=time.time() + self.settings.attempt_timeout_s)
             left_out = tuple(r.name for r in self.receivers if r.name not in attempt.receivers)
@@ -228,7 +254,7 @@ class Coordinator:
 
     # --- admission -----------------------------------------------------------------
 
-    def _admit(self, t: Transition
+    def _admit(self, t: Transition, start: CommitRecord
                ) -> tuple[list[ReceiverHandle], tuple[str, ...], bool]:
         """The receivers that take part, those rejoined, and whether any holds a mix."""
         def check(r: ReceiverHandle) -> tuple[ReceiverHandle, str]:
@@ -245,7 +271,8 @@ class Coordinator:
             log.info("%s holds %s (dirty %s, %s): rejoins at %s", r.name, st.version,
                      st.dirty, st.unknown, t.base_version)
             dense = self.dense_checkpoint
-            r.rejoin(t.base_version, dense(t.base_version) if dense else None)
+            r.rejoin(t.base_version, dense(t.base_version) if dense else None,
+                     start.history_digest or None)
             return r, "rejoined"
 
         live: list[ReceiverHandle] = []
@@ -292,9 +319,12 @@ class Coordinator:
         result.payload_bytes = sum(a.bytes for a in acks)
         if attempt.expired:
             raise DcrError(f"Attempt {attempt.id} passed its deadline before commit.")
-        new = CommitRecord(committed_version=attempt.transition.target_version,
-                           baseline_id=baseline_id, attempt=attempt.id)
+        target = attempt.transition.target_version
         with clock("commit"):
+            digest = "" if self.writer is None else self.writer.stage(
+                start, target, attempt.id, len(self.owners))
+            new = CommitRecord(committed_version=target, baseline_id=baseline_id,
+                               attempt=attempt.id, history_digest=digest)
             outcome = self.commits.compare_and_set(start, new)
             if outcome is CommitOutcome.UNKNOWN:
                 seen = self._read_settled(attempt)
@@ -324,16 +354,14 @@ class Coordinator:
     def _finish(self, record: CommitRecord,
                 receivers: Sequence[ReceiverHandle] | None = None,
                 ours: set[str] | None = None) -> None:
-        """After a commit: owners advance, receivers learn it, gates reopen.
+        """After a commit: receivers learn it, gates reopen, owners advance, and only then
+        is the store's history written (a failure there raises with every gate settled:
+        ``refit`` again writes it).
 
         Without ``receivers`` (failover, or a commit learned late), each receiver is asked:
         one that flushed the committed attempt, or another attempt of this coordinator
         (``ours``) of the same transition, holds the target's bits and learns the commit.
         """
-        if self.on_commit is not None and record.attempt:
-            self.on_commit(record, len(self.owners))
-        for o in self.owners:  # only now, with the record naming the new version
-            o.advance_baseline(record)
         settled = {record.attempt} | (ours or set())
 
         def settle(r: ReceiverHandle) -> None:
@@ -353,6 +381,12 @@ class Coordinator:
                   if isinstance(e, Exception)]
         for e in errors:  # the record stands; such a receiver rejoins later
             log.warning("after commit %s: %s", record.attempt, e)
+        for o in self.owners:  # only now, with the record naming the new version
+            o.advance_baseline(record)
+        if record.attempt and self.writer is not None:
+            self.writer.publish(record, len(self.owners))
+        if record.attempt and self.on_commit is not None:
+            self.on_commit(record, len(self.owners))
 
     def _abandon(self, attempt: Attempt, live: list[ReceiverHandle]) -> None:
         def stop(r: ReceiverHandle) -> None:

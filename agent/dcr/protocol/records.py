@@ -1,8 +1,10 @@
 """Transitions, attempts, and the commit record that binds a version to its baseline.
 
-The record ``(committed_version, baseline_id, attempt)`` is the one durable fact of a
-refit: a version counts as delivered exactly when the record names it, and the record
-changes only by compare-and-set (:mod:`dcr.protocol.commitstore`).
+The record ``(committed_version, baseline_id, attempt, history_digest)`` is the one durable
+fact of a refit: a version counts as delivered exactly when the record names it, and the
+record changes only by compare-and-set (:mod:`dcr.protocol.commitstore`). Its history digest
+vouches for the store's history written with the commit (docs/catch-up.md, "The trust
+chain"), so whoever may write the store cannot put another history in its place.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ class CommitRecord:
     # the main job, the operator (RolloutFleet status.commit.baselineId) and the tests.
     baseline_id: str
     attempt: str  # the attempt that committed it ("" for the initial record)
+    # BLAKE2b-128 of the store's history written with this commit: readers given the
+    # version are given this too, and refuse any other history ("" where no history is
+    # kept: a relay fleet, the initial record, or a record from before it was carried).
+    history_digest: str = ""
 
 
 class CommitOutcome(enum.Enum):
@@ -53,6 +59,7 @@ class Attempt:
     receivers: tuple[str, ...]
     deadline: float  # time.time() seconds by which flush must have succeeded
     owners: int = 1  # owner processes; receivers wait for every owner's manifest part
+    history_digest: str = ""  # the base record's: the history receivers may read
     id: str = field(default_factory=new_attempt_id)
 
     def __post_init__(self) -> None:

@@ -45,7 +45,15 @@ class FromStore:
     seed: tuple[int, Path] | None = None
     mirror: Path | None = None  # a rollout-side mirror (dcr mirror --dir)
     _lock: threading.Lock = field(default_factory=threading.Lock)  # one build at a time
-    _committed: tuple[float, int | None] = (-HISTORY_TTL_S, None)  # when read, what
+    _refresh: threading.Lock = field(default_factory=threading.Lock)  # one read at a time
+    _committed: tuple[float, int | None] | None = None  # when read, what
+
+    def vouch(self, digest: str | None) -> None:
+        """From now on read only the history ``digest`` names (the commit record's, as
+        the coordinator gives it); None keeps the one given before."""
+        if digest is not None and digest != self.history.digest:
+            log.info("the store's history is now the one with digest %s", digest)
+            self.history.digest = digest
 
     def vouched(self, version: int) -> dict[str, str] | None:
         """Every tensor's fingerprint at ``version``, or None while the history names no
@@ -96,15 +104,26 @@ class FromStore:
             return None
 
     def committed(self) -> int | None:
-        """The newest version the history names (read at most every ``HISTORY_TTL_S``), or
-        None while it names none or cannot be read."""
-        now = time.monotonic()
-        if now - self._committed[0] >= HISTORY_TTL_S:
+        """The newest version committed, as far as this agent can tell, or None while
+        nothing is known: the history the coordinator vouched for (read once per digest)
+        and the store's (which may be newer; fetched again only once it changed), looked
+        at most every ``HISTORY_TTL_S`` by one caller at a time."""
+        with self._refresh:  # concurrent /readyz calls wait for one reading
+            now = time.monotonic()
+            if self._committed is None or now - self._committed[0] >= HISTORY_TTL_S:
+                self._committed = (now, self._newest())
+            return self._committed[1]
+
+    def _newest(self) -> int | None:
+        seen: list[int] = []
+        reads = (self.history.latest, self.history.read) if self.history.digest \
+            else (self.history.latest,)
+        for read in reads:
             try:
-                history = self.history.read()
-                seen = history.committed if history.versions else None
+                history = read()
             except (ManifestError, StoreError) as e:
                 log.warning("the store's history cannot be read: %s", e)
-                seen = None
-            self._committed = (now, seen)
-        return self._committed[1]
+                continue
+            if history.versions:
+                seen.append(history.committed)
+        return max(seen, default=None)

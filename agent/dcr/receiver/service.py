@@ -287,6 +287,8 @@ class AgentService:
 
     def prepare(self, attempt: Attempt | AttemptSpec) -> AgentStatus:
         spec = AttemptSpec.of(attempt)
+        if self.store is not None:
+            self.store.vouch(spec.history_digest)
         with self._cond:
             self._between_attempts("a new attempt")
             self._not_loading("a new attempt")
@@ -440,10 +442,14 @@ class AgentService:
             self.group.end(attempt)
         return self.snapshot()
 
-    def rejoin(self, version: int, checkpoint: str | None = None) -> AgentStatus:
+    def rejoin(self, version: int, checkpoint: str | None = None,
+               history_digest: str | None = None) -> AgentStatus:
         """Restore ``version`` from a full checkpoint through the engine's loader: one
         under ``checkpoint_root``, or without ``checkpoint`` the version built from the
-        store's history (:func:`~dcr.receiver.rejoin.restore` says how it is checked)."""
+        store's history, the one ``history_digest`` names where the coordinator gave it
+        (:func:`~dcr.receiver.rejoin.restore` says how it is checked)."""
+        if self.store is not None:
+            self.store.vouch(history_digest)
         return restore(self, version, checkpoint)
 
     def committed_in_store(self) -> int | None:

@@ -293,7 +293,7 @@ def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
             commits, [Held(owner=o, point=kills) for o in owners], clients,
             settings=s.coordinator,
             dense_checkpoint=None if history else lambda v: str(ckpts / f"v{v}"),
-            on_commit=(lambda rec, n: _record(history, rec, n)) if history else None)
+            history=history)
         job = _Job(trainer=trainer, ckpts=ckpts, pods=pods, coordinator=coordinator,
                    owners=owners, kills=kills, full=_full_stores(boundary),
                    from_store=history is not None)
@@ -336,11 +336,6 @@ def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
     if not exact:
         raise DcrError("A receiver differs from a dense load of the trainer's export.")
     return rows
-
-
-def _record(history: HistoryStore, record: CommitRecord, owners: int) -> None:
-    """The coordinator's ``on_commit``: the store's history names the new version."""
-    history.commit(record.committed_version, record.attempt, owners)
 
 
 def _store_bytes_fetched(pod: _Pod) -> int:

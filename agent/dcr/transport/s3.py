@@ -478,6 +478,21 @@ class S3Store:
 
         return self._attempt("HEAD", key, once)
 
+    def tag(self, key: str) -> str | None:
+        """The object's ETag (a HEAD), or None when there is none."""
+        okey = self._key(key)
+
+        def once() -> str | None:
+            try:
+                answer = self._client.head_object(Bucket=self.bucket, Key=okey)
+            except ClientError as e:
+                if _status(e) == 404:
+                    return None
+                raise
+            return str(answer["ETag"])
+
+        return self._attempt("HEAD", key, once)
+
     def list(self, prefix: str) -> list[str]:
         """Keys under the store that start with ``prefix``, sorted."""
         keys: list[str] = []

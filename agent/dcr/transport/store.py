@@ -11,7 +11,7 @@ import os
 import tempfile
 import threading
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 from urllib.parse import unquote, urlparse
 
 from dcr.errors import ConfigError, ObjectNotFound, StoreError
@@ -28,6 +28,17 @@ class Store(Protocol):
     def exists(self, key: str) -> bool: ...
 
     def list(self, prefix: str) -> list[str]: ...
+
+
+@runtime_checkable
+class Tagged(Protocol):
+    """A store that tells, without a GET, whether an object changed: a reader re-fetches
+    only when the tag differs from the one it read with."""
+
+    def tag(self, key: str) -> str | None:
+        """A value that changes whenever the object does (S3's ETag, a file's mtime and
+        size); None when there is no such object."""
+        ...
 
 
 class FileStore:
@@ -73,6 +84,15 @@ class FileStore:
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
 
+    def tag(self, key: str) -> str | None:
+        try:
+            st = self._path(key).stat()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise StoreError(f"Cannot stat {key!r} in {self.uri}: {e}.") from e
+        return f"{st.st_ino}-{st.st_mtime_ns}-{st.st_size}"  # puts replace the file
+
     def list(self, prefix: str) -> list[str]:
         base = self.root / prefix if prefix else self.root
         if not base.is_dir():
@@ -94,12 +114,20 @@ class MemoryStore:
     def __init__(self) -> None:
         self.uri = "memory://"
         self.objects: dict[str, bytes] = {}
+        self._puts: dict[str, int] = {}  # key -> the put that wrote it (its tag)
+        self._count = 0
         self._lock = threading.Lock()
 
     def put(self, key: str, data: bytes) -> None:
         data = bytes(data)
         with self._lock:
             self.objects[check_key(key)] = data
+            self._count += 1
+            self._puts[key] = self._count
+
+    def tag(self, key: str) -> str | None:
+        with self._lock:
+            return str(self._puts[key]) if key in self.objects else None
 
     def get(self, key: str) -> bytes:
         try:

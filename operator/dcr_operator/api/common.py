@@ -98,6 +98,10 @@ class CommitRecordStatus(StatusModel):
         description="The version every receiver holds once it has applied the commit.")
     baseline_id: str = Field(description="The committed version's checkpoint (its source).")
     attempt: str = Field(description="The attempt that committed it; empty initially.")
+    history_digest: Annotated[str | None, Field(pattern=r"^[0-9a-f]{32}$")] = Field(
+        default=None, description="BLAKE2b-128 of the store's history written with this "
+        "commit: readers of the store (agents, init containers, mirrors) refuse any other "
+        "history. Absent for a relay fleet and before the first commit.")
     refit: str | None = Field(default=None, description="The WeightRefit that committed it.")
     committed_at: Annotated[str | None, Field(json_schema_extra=RFC3339)] = Field(
         default=None, description="When it was committed (RFC 3339, UTC).")

@@ -1,0 +1,236 @@
+"""The commit record vouches for the store's history, and what a reader of it pays.
+
+A coordinator that keeps the store's history stages each commit's history under its digest
+before the compare-and-set, so the record carries that digest; it writes the history only
+once every receiver is settled. A store writer who puts an older, genuine history back
+then wedges nothing: the coordinator repairs it from its own copy, and where that copy is
+gone too, it refuses by name with every gate open. Readers bound what they parse by their
+own limits, and ``/readyz``'s reading is fetched again only once the history changed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dcr.apply.plan import CanonicalTensor
+from dcr.checkpoint import ArrayCheckpoint
+from dcr.errors import ManifestError
+from dcr.files.history import COPIES, HistoryRefused, HistoryStore
+from dcr.format.history import HISTORY_KEY
+from dcr.format.manifest import ManifestLimits, limits_for
+from dcr.format.names import object_digest
+from dcr.format.profile import ReceiverProfile
+from dcr.owner.encoder import Encoder
+from dcr.protocol.commitstore import SqliteCommitStore
+from dcr.protocol.coordinator import Coordinator
+from dcr.protocol.records import CommitOutcome, CommitRecord
+from dcr.receiver import fromstore
+from dcr.receiver.fromstore import FromStore
+from dcr.receiver.service import AgentService
+from dcr.runtimes.vllm_reference import ReferenceConfig, ReferenceModel, random_checkpoint
+from dcr.serve.local import LocalDriver
+from dcr.transport.receive import StoreSource
+from dcr.transport.store import FileStore
+
+pytestmark = pytest.mark.timeout(120)
+
+CFG = ReferenceConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1,
+                      num_heads=2, num_kv_heads=2, tie_word_embeddings=False)
+
+
+def source(state: dict[str, torch.Tensor]) -> ArrayCheckpoint:
+    return ArrayCheckpoint({n: ("BF16", tuple(t.shape), t.view(torch.int16).numpy()
+                                .view(np.uint16)) for n, t in state.items()})
+
+
+def states(n: int) -> list[dict[str, torch.Tensor]]:
+    out = [random_checkpoint(CFG, 0)]
+    for v in range(1, n + 1):
+        gen = torch.Generator().manual_seed(v)
+        out.append({k: (t.float() + 1e-2 * torch.randn(t.shape, generator=gen))
+                    .to(torch.bfloat16) for k, t in out[-1].items()})
+    return out
+
+
+class PutBack:
+    """A commit store after whose successful compare-and-set a store writer puts
+    ``history`` (an older, genuine one) back, and optionally deletes the coordinator's
+    copies: the window between the record moving and the history being written."""
+
+    def __init__(self, inner: SqliteCommitStore, store: FileStore) -> None:
+        self.inner, self.store = inner, store
+        self.history: bytes | None = None
+        self.delete_copies = False
+
+    def read(self) -> CommitRecord:
+        return self.inner.read()
+
+    def compare_and_set(self, expected: CommitRecord, new: CommitRecord) -> CommitOutcome:
+        outcome = self.inner.compare_and_set(expected, new)
+        if outcome is CommitOutcome.SUCCESS and self.history is not None:
+            self.store.put(HISTORY_KEY, self.history)
+            if self.delete_copies:
+                for key in self.store.list(COPIES):
+                    (self.store.root / key).unlink()
+        return outcome
+
+
+class Fleet:
+    def __init__(self, tmp: Path) -> None:
+        self.states = states(3)
+        self.store = FileStore(tmp / "store")
+        root = tmp / "rollout"
+        root.mkdir()
+        staging = tmp / "staging"
+        engine = LocalDriver([ReferenceModel(CFG, tp_size=1, tp_rank=0)], staging_dir=staging,
+                             checkpoint_root=root)
+        from safetensors.torch import save_file
+
+        (root / "v0").mkdir()
+        save_file(self.states[0], str(root / "v0" / "model.safetensors"))
+        engine.load_dense("v0")
+        canonical = [CanonicalTensor(name=n, dtype="BF16", shape=tuple(t.shape))
+                     for n, t in self.states[0].items()]
+        store = self.store
+        self.rx = AgentService(
+            "rx", engine, lambda spec: StoreSource(store=store, version=spec.target_version,
+                                                   attempt=spec.attempt, owners=spec.owners),
+            canonical=canonical, staging_dir=staging, version=0, checkpoint_root=root,
+            store=FromStore(HistoryStore(store), root))
+        self.owner = Encoder(store=store, baseline=source(self.states[0]), version=0,
+                             profile=ReceiverProfile.model_validate(self.rx.profile()))
+        self.commits = PutBack(SqliteCommitStore(tmp / "commit.db", CommitRecord(
+            committed_version=0, baseline_id="v0", attempt="")), store)
+        self.coord = Coordinator(self.commits, [self.owner], [self.rx],
+                                 history=HistoryStore(store))
+
+    def refit(self, v: int) -> CommitRecord:
+        self.owner.set_candidate(source(self.states[v]), v)
+        return self.coord.refit(v, f"v{v}")
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    f = Fleet(tmp_path)
+    yield f
+    f.coord.close()
+
+
+def test_an_older_history_put_back_after_the_commit_is_repaired_from_the_coordinators_copy(
+        fleet: Fleet) -> None:
+    """Without the record's digest, the commit of v3 re-read the history v1 left (put back
+    by a store writer the moment the record moved), refused the attempt, and every retry
+    raised again: record 3, the receiver flushed, its gate closed. Now the record vouches
+    for the history staged before it moved, which is put back in place from its copy."""
+    fleet.refit(1)
+    older = fleet.store.get(HISTORY_KEY)
+    two = fleet.refit(2)
+    assert two.history_digest == object_digest(fleet.store.get(HISTORY_KEY))
+    fleet.commits.history = older
+    three = fleet.refit(3)
+    st = fleet.rx.status()
+    assert (three.committed_version, st.version, st.gate_open) == (3, 3, True)
+    assert object_digest(fleet.store.get(HISTORY_KEY)) == three.history_digest
+    assert HistoryStore(fleet.store, three.history_digest).read().committed == 3
+
+
+def test_a_history_that_cannot_be_repaired_is_refused_by_name_with_every_gate_open(
+        fleet: Fleet) -> None:
+    """With the coordinator's copies deleted too, the history is refused, naming the digest
+    the record vouches for; the receiver has already learned the commit and serves."""
+    fleet.refit(1)
+    older = fleet.store.get(HISTORY_KEY)
+    fleet.refit(2)
+    fleet.commits.history, fleet.commits.delete_copies = older, True
+    with pytest.raises(HistoryRefused, match=r"is not the .* the caller vouches for"):
+        fleet.refit(3)
+    record, st = fleet.commits.read(), fleet.rx.status()
+    assert (record.committed_version, st.version, st.gate_open, st.dirty) == (3, 3, True, None)
+    with pytest.raises(HistoryRefused, match=record.history_digest):
+        HistoryStore(fleet.store, record.history_digest).read()
+
+
+def test_a_refit_over_a_history_other_than_the_recorded_one_closes_no_gate(
+        fleet: Fleet) -> None:
+    """A history the record does not vouch for, with no copy to repair it from, is refused
+    before any attempt starts: nothing is prepared, the gate never closes."""
+    fleet.refit(1)
+    older = fleet.store.get(HISTORY_KEY)
+    fleet.refit(2)
+    for key in fleet.store.list(COPIES):
+        (fleet.store.root / key).unlink()
+    fleet.store.put(HISTORY_KEY, older)
+    fleet.owner.set_candidate(source(fleet.states[3]), 3)
+    attempts = len(fleet.coord.history)
+    with pytest.raises(HistoryRefused):
+        fleet.coord.refit(3, "v3")
+    assert len(fleet.coord.history) == attempts
+    st = fleet.rx.status()
+    assert (st.version, st.gate_open, st.attempt) == (2, True, fleet.commits.read().attempt)
+
+
+def test_a_receiver_given_the_digest_rejoins_from_the_vouched_history_alone(
+        fleet: Fleet, tmp_path: Path) -> None:
+    """A rejoin told the record's digest reads that history (from its copy when another
+    stands in its place), never the one a store writer put back."""
+    fleet.refit(1)
+    older = fleet.store.get(HISTORY_KEY)
+    two = fleet.refit(2)
+    fleet.store.put(HISTORY_KEY, older)
+    hs = HistoryStore(fleet.store)
+    assert hs.read().committed == 1  # as the store holds it
+    hs.digest = two.history_digest
+    assert hs.read().committed == 2
+
+
+def test_manifest_parts_the_history_names_are_read_with_the_readers_limits(
+        fleet: Fleet) -> None:
+    """A reader reads at most what its limits allow: the committed part of v1, genuine
+    but larger than this reader's limit, is refused before it is fetched (the defaults,
+    which every history reader used, took any part up to 64 MiB)."""
+    fleet.refit(1)
+    entry = HistoryStore(fleet.store).read().entry(1)
+    small = ManifestLimits(max_bytes=entry.parts[0].size - 1, max_json_bytes=1 << 20,
+                           max_entries=1 << 10)
+    with pytest.raises(ManifestError, match="over this reader's limit"):
+        HistoryStore(fleet.store, limits=small).manifest(entry)
+    assert HistoryStore(fleet.store, limits=limits_for(64)).manifest(entry).target_version == 1
+
+
+class Counting(FileStore):
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.reads = 0
+
+    def get(self, key: str) -> bytes:
+        self.reads += key == HISTORY_KEY
+        return super().get(key)
+
+
+def test_readyz_fetches_the_history_again_only_once_it_changed_and_once_for_many_callers(
+        fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every look at the committed version fetched and parsed the whole history; now an
+    unchanged history is not fetched again, and callers at once share one reading."""
+    fleet.refit(1)
+    counting = Counting(fleet.store.root)
+    fs = FromStore(HistoryStore(counting), None)
+    monkeypatch.setattr(fromstore, "HISTORY_TTL_S", 0.0)
+    assert [fs.committed() for _ in range(5)] == [1] * 5
+    assert counting.reads == 1
+    fleet.refit(2)
+    assert fs.committed() == 2
+    assert counting.reads == 2
+    monkeypatch.setattr(fromstore, "HISTORY_TTL_S", 3600.0)
+    fs = FromStore(HistoryStore(counting), None)
+    threads = [threading.Thread(target=fs.committed) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert counting.reads == 3
