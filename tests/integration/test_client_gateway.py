@@ -12,12 +12,14 @@ request away for any client the NetworkPolicy admits.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
 from aiohttp import ClientSession, TCPConnector, web
-from aiohttp.test_utils import TestServer
+from aiohttp.test_utils import BaseTestServer, TestServer
 
 from dcr.http.gateway import MAX_SPAN, MIN_VERSION, DoorCounters, make_gateway, parse_routes
 from dcr.http.prometheus import render, sample
@@ -113,6 +115,21 @@ def test_a_route_that_is_not_method_and_exact_path_is_refused(route: str) -> Non
 # --- a door that costs nothing: no cap, chunks as they come, hop headers, metrics ---------
 
 HELD = 150  # more than the 100 connections aiohttp's default connector allows
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@contextlib.asynccontextmanager
+async def door_before(completions: Handler, **door: Any
+                      ) -> AsyncIterator[tuple[ClientSession, BaseTestServer]]:
+    """A client, and the door (``make_gateway(**door)``) before a stub engine whose
+    ``/v1/completions`` is ``completions``."""
+    stub = web.Application()
+    stub.router.add_post("/v1/completions", completions)
+    async with (TestServer(stub, host="127.0.0.1") as up,
+                TestServer(make_gateway(str(up.make_url("")), CLIENT_ROUTES, **door),
+                           host="127.0.0.1") as gw,
+                ClientSession(connector=TCPConnector(limit=0)) as http):
+        yield http, gw
 
 
 def test_more_than_a_hundred_requests_reach_the_engine_at_once() -> None:
@@ -127,12 +144,7 @@ def test_more_than_a_hundred_requests_reach_the_engine_at_once() -> None:
             await release.wait()  # each request stays in the engine until all have come
             return web.json_response({"ok": True})
 
-        stub = web.Application()
-        stub.router.add_post("/v1/completions", hold)
-        async with (TestServer(stub, host="127.0.0.1") as up,
-                    TestServer(make_gateway(str(up.make_url("")), CLIENT_ROUTES),
-                               host="127.0.0.1") as gw,
-                    ClientSession(connector=TCPConnector(limit=0)) as http):
+        async with door_before(hold) as (http, gw):
             async def one() -> int:
                 async with http.post(gw.make_url("/v1/completions"), json={}) as r:
                     return r.status
@@ -160,11 +172,7 @@ def test_each_streamed_chunk_reaches_the_client_before_the_answer_ends() -> None
             await out.write_eof()
             return out
 
-        stub = web.Application()
-        stub.router.add_post("/v1/completions", stream)
-        async with (TestServer(stub, host="127.0.0.1") as up,
-                    TestServer(make_gateway(str(up.make_url("")), CLIENT_ROUTES),
-                               host="127.0.0.1") as gw, ClientSession() as http,
+        async with (door_before(stream) as (http, gw),
                     http.post(gw.make_url("/v1/completions"), json={}) as r):
             first = await asyncio.wait_for(r.content.readline(), 45)
             assert first == b"data: first\n"
@@ -278,14 +286,9 @@ def test_a_stream_a_keep_refit_takes_past_its_span_is_ended_with_the_reason() ->
                 raise
             return out
 
-        stub = web.Application()
-        stub.router.add_post("/v1/completions", stream)
-        async with TestServer(stub, host="127.0.0.1") as up:
-            door = make_gateway(str(up.make_url("")), CLIENT_ROUTES, keep=True,
-                                version=lambda: committed[0])
-            async with (TestServer(door, host="127.0.0.1") as gw, ClientSession() as http,
-                        http.post(gw.make_url("/v1/completions"), json={},
-                                  headers={MAX_SPAN: "1"}) as r):
+        async with door_before(stream, keep=True, version=lambda: committed[0]) as (http, gw):
+            async with http.post(gw.make_url("/v1/completions"), json={},
+                                 headers={MAX_SPAN: "1"}) as r:
                 assert await r.content.readline() == b'data: {"token": "before"}\n'
                 committed[0] = 9  # two versions on: more than the span of 1
                 refit.set()
@@ -312,14 +315,9 @@ def test_a_keep_refit_within_the_span_passes_the_stream_whole() -> None:
             await out.write_eof()
             return out
 
-        stub = web.Application()
-        stub.router.add_post("/v1/completions", stream)
-        async with TestServer(stub, host="127.0.0.1") as up:
-            door = make_gateway(str(up.make_url("")), CLIENT_ROUTES, keep=True,
-                                version=lambda: committed[0])
-            async with (TestServer(door, host="127.0.0.1") as gw, ClientSession() as http,
-                        http.post(gw.make_url("/v1/completions"), json={},
-                                  headers={MAX_SPAN: "1"}) as r):
-                lines = [line async for line in r.content if line.startswith(b"data: ")]
+        async with (door_before(stream, keep=True, version=lambda: committed[0]) as (http, gw),
+                    http.post(gw.make_url("/v1/completions"), json={},
+                              headers={MAX_SPAN: "1"}) as r):
+            lines = [line async for line in r.content if line.startswith(b"data: ")]
         assert lines[-1] == b"data: [DONE]\n"
     asyncio.run(go())

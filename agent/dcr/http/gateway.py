@@ -6,7 +6,7 @@ port, none guarded by its API key: a client that reaches that port can change th
 without the agent knowing. So the engine listens on loopback and the agent's
 ``--client-listen`` serves the pod's clients: each request whose method and path are an
 exact entry of the route list is forwarded to the engine as it came; any other is a 404
-that never reaches the engine. docs/engines.md, "Deploying"; docs/security.md.
+that never reaches the engine. docs/client-door.md; docs/security.md.
 
 Choices, and why:
 
@@ -20,7 +20,7 @@ Choices, and why:
   fixed list and every name the Connection header lists. Framing is aiohttp's: its parser
   refuses a request with both Content-Length and Transfer-Encoding, and the door sets
   the engine-side framing itself, so what the engine parses is what the door parsed.
-- Staleness (docs/engines.md, "Versions a trainer can bound"): ``X-DCR-Min-Version: N``
+- Staleness (docs/client-door.md, "Staleness a trainer can bound"): ``X-DCR-Min-Version: N``
   is answered at once with a 409 when the committed version is older;
   ``X-DCR-Max-Version-Span: K`` ends a request, with its reason, at the first chunk read
   after a refit under ``keep`` took the committed version more than K past the version
@@ -156,7 +156,8 @@ def _admit(request: web.Request, version: Version | None, keep: bool) -> _Bound:
     now = version() if version is not None else None
     if least is not None and (now is None or now < least):
         raise _Refusal(409, "StaleVersion", "stale",
-                       f"The engine's committed version is {now}; the request accepts "
+                       f"The engine's committed version is "
+                       f"{'unknown' if now is None else now}; the request accepts "
                        f"{least} or newer ({MIN_VERSION}).")
     return _Bound(now, span if keep else None)
 
