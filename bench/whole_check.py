@@ -17,8 +17,6 @@ import argparse
 import json
 import os
 import platform
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,17 +25,9 @@ import numpy as np
 from dcr.checkpoint import fingerprint
 from dcr.codec.sums import span_sum
 from dcr.settings import GiB, MiB
+from region_sums import timed  # the median of repeated runs, as that bench times
 
 RESULTS = Path(__file__).resolve().parent / "results" / "whole-check.json"
-
-
-def timed(fn: Callable[[], object], repeat: int) -> float:
-    runs = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        runs.append(time.perf_counter() - t0)
-    return sorted(runs)[len(runs) // 2]
 
 
 def measure(mib: int, repeat: int) -> dict[str, Any]:
