@@ -22,6 +22,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +34,7 @@ if vllm_serve.cpu_build() is None:
     pytest.skip("needs vLLM's CPU build (DCR_VLLM_FLAVOUR=cpu tools/engines/setup.sh): only "
                 "it runs `vllm serve` without a GPU", allow_module_level=True)
 
+from dcr.client import token_versions
 from dcr.drivers.base import PauseMode
 from dcr.errors import DcrError
 from dcr.owner.process import ProcessOwner
@@ -256,6 +258,7 @@ def test_a_request_in_flight_across_a_refit(pods: Callable[..., Pod], mode: Paus
     pod = pods(pause_mode=mode, slow_steps=True)
     pod.refit(1)
     vllm_serve.greedy(pod.server.url, LONG)  # its whole KV blocks now in the prefix cache
+    before = vllm_serve.Generation(pod.server.url, PROMPT, 200).start().join()  # version 1's
     flight = vllm_serve.Generation(pod.server.url, PROMPT, 200).start()
     flight.wait_tokens(8)
     t0 = time.perf_counter()
@@ -281,18 +284,47 @@ def test_a_request_in_flight_across_a_refit(pods: Callable[..., Pod], mode: Paus
         assert (flight.finish_reason, len(flight.token_ids)) == ("length", 200)
         assert [s[0] for s in spans] == ["1", "2"]
         assert (spans[0][1], spans[-1][2]) == (0, 200)
+        assert token_versions([{"choices": [{"index": 0, "weight_versions":
+                                             flight.weight_versions}]}]) == \
+            ["1"] * spans[0][2] + ["2"] * (200 - spans[0][2])
+    k = spans[0][2]  # version 1's tokens are its own continuation, logprobs and all
+    assert (flight.token_ids[:k], flight.logprobs[:k]) == (before.token_ids[:k],
+                                                           before.logprobs[:k])
 
     def frozen_request_resumed_on_the_target(fresh: vllm_serve.VllmServer) -> None:
         """Its tokens after the pause, with their logprobs, are what the target makes of
         the prompt and the tokens before the pause: nothing computed under version 1 (its
         keys and values included) went on into version 2's tokens."""
-        k = spans[0][2]
         rest = vllm_serve.Generation(fresh.url, PROMPT + flight.token_ids[:k], 200 - k)
         rest.start().join()
         assert rest.error is None
         assert len(flight.logprobs) == 200
         assert (rest.token_ids, rest.logprobs) == (flight.token_ids[k:], flight.logprobs[k:])
+        assert flight.logprobs[k:] != before.logprobs[k:]  # the boundary is where it says
 
     # LONG, cached under version 1, answers as on a fresh server: no stale prefix cache.
     pod.assert_holds(2, prompts=[PROMPT, LONG],
                      also=frozen_request_resumed_on_the_target if mode == "keep" else None)
+
+
+@pytest.mark.skipif(tuple(int(p) for p in (vllm_serve.cpu_build() or "0").split(".")[:2])
+                    < (0, 33), reason=f"vLLM {vllm_serve.cpu_build()}'s /v1/completions has "
+                    "no return_weight_versions (vLLM 0.33 adds it); the in-flight test checks "
+                    "the spans of /inference/v1/generate instead")
+def test_completions_report_weight_versions_across_a_keep_refit(
+        pods: Callable[..., Pod]) -> None:
+    """vLLM 0.33's ``/v1/completions`` with ``return_weight_versions``, not streamed: a
+    completion frozen by keep reports version 1, then 2 from the token the refit froze it at."""
+    pod = pods(pause_mode="keep", slow_steps=True)
+    pod.refit(1)
+    body = {"model": vllm_serve.SERVED, "prompt": PROMPT, "max_tokens": 200,
+            "temperature": 0, "ignore_eos": True, "return_weight_versions": True,
+            "return_token_ids": True}
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(vllm_serve.post, pod.server.url, "/v1/completions", body, 600)
+        time.sleep(1)  # vllm_steps: 20 ms a step, so the refit finds it in flight
+        pod.refit(2)
+        versions = token_versions(answer.result())
+    k = versions.index("2")
+    assert 0 < k < 200
+    assert versions == ["1"] * k + ["2"] * (200 - k)
