@@ -75,6 +75,8 @@ Hierarchy (``(module)``: defined beside the code that raises it; the rest here):
     │   ├── CheckpointError      a safetensors file or index is unreadable or inconsistent
     │   │   └── DenseRefused     (runtimes.weights) not this rank's model at that version, or
     │   │                        outside the checkpoint root; nothing was written
+    │   ├── OwnerEndpointFailed  (protocol.owner_endpoints) an owner endpoint refused, failed
+    │   │                        or did not answer a publish, or wrote to another store
     │   ├── CommitStoreError     (protocol.commitstore) the commit record is unreadable
     │   └── JournalError         (receiver.journal) the agent's journal is unreadable
     │

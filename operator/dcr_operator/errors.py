@@ -9,6 +9,7 @@
     ├── InvalidResource       a RolloutFleet or WeightRefit cannot be acted on as written
     ├── EncoderJobFailed      an encoder Job failed or vanished during an attempt
     ├── EncoderEndpointFailed a warm encoder refused, failed or did not answer a publish
+    │                         (a dcr.protocol.owner_endpoints.OwnerEndpointFailed)
     └── NotYet                a refit cannot proceed now: look again later
 
 How the handlers map them to kopf's errors: docs/operator.md, "Inside the operator".
@@ -17,6 +18,7 @@ How the handlers map them to kopf's errors: docs/operator.md, "Inside the operat
 from __future__ import annotations
 
 from dcr.errors import DcrError, HttpError
+from dcr.protocol.owner_endpoints import OwnerEndpointFailed
 
 
 class OperatorError(DcrError):
@@ -53,7 +55,7 @@ class EncoderJobFailed(OperatorError):
     """An encoder Job failed, was deleted, or did not finish by the attempt's deadline."""
 
 
-class EncoderEndpointFailed(OperatorError):
+class EncoderEndpointFailed(OperatorError, OwnerEndpointFailed):
     """A warm encoder (``dcr encoder``) refused or failed a publish, did not answer by the
     attempt's deadline, or wrote to another store than the fleet's."""
 
