@@ -15,6 +15,7 @@ from urllib.parse import unquote, urlparse
 from dcr.files.history import HistoryStore
 from dcr.transport.store import FileStore, Store
 from dcr_operator.api.rolloutfleet import RolloutFleetSpec
+from dcr_operator.api.weightrefit import MAX_REFIT_OWNERS
 from dcr_operator.fleet import fleet_path, store_credentials
 from dcr_operator.kube import KubeClient
 from dcr_operator.prefixes import remove_prefixes
@@ -40,8 +41,8 @@ def fleet_history(kube: KubeClient, namespace: str, spec: RolloutFleetSpec
     """The fleet's history as its coordinator keeps it: retention applied as each commit's
     history is staged, so the commit record vouches for the pruned one."""
     store = fleet_store(kube, namespace, spec)
-    return HistoryStore(store, keep_snapshots=spec.retention.keep_snapshots) \
-        if store is not None else None
+    return HistoryStore(store, keep_snapshots=spec.retention.keep_snapshots,
+                        owners=MAX_REFIT_OWNERS) if store is not None else None
 
 
 def committed_attempt(kube: KubeClient, namespace: str, spec: RolloutFleetSpec,

@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 
 def remove_under(root: Path, prefixes: Iterable[str]) -> list[str]:
     """Remove the directories ``prefixes`` name under a file store's ``root`` (never one
-    that resolves outside it); those that existed."""
+    that resolves outside it), or the one object a prefix names (a history's copy); those
+    that existed."""
     removed = []
     inside = root.resolve()
     for prefix in prefixes:
@@ -30,6 +31,9 @@ def remove_under(root: Path, prefixes: Iterable[str]) -> list[str]:
             continue
         if path.is_dir():
             shutil.rmtree(path)
+            removed.append(prefix)
+        elif path.is_file():
+            path.unlink()
             removed.append(prefix)
     return removed
 

@@ -10,6 +10,7 @@ own limits, and ``/readyz``'s reading is fetched again only once the history cha
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,8 +22,19 @@ import torch
 from dcr.apply.plan import CanonicalTensor
 from dcr.checkpoint import ArrayCheckpoint
 from dcr.errors import ManifestError
-from dcr.files.history import COPIES, HistoryRefused, HistoryStore
-from dcr.format.history import HISTORY_KEY
+from dcr.files import history as history_mod
+from dcr.files.history import COPIES, HistoryRefused, HistoryStore, copy_key
+from dcr.format.history import (
+    AHEAD_VERSIONS,
+    HISTORY_KEY,
+    PIECE_BYTES,
+    History,
+    Piece,
+    SnapshotFile,
+    SnapshotIndex,
+    history_bound,
+)
+from dcr.format.layout import MAX_OWNERS
 from dcr.format.manifest import ManifestLimits, limits_for
 from dcr.format.names import object_digest
 from dcr.format.profile import ReceiverProfile
@@ -37,6 +49,7 @@ from dcr.runtimes.vllm_reference import ReferenceConfig, ReferenceModel, random_
 from dcr.serve.local import LocalDriver
 from dcr.transport.receive import StoreSource
 from dcr.transport.store import FileStore
+from dcr_operator.prefixes import remove_under
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -234,3 +247,80 @@ def test_readyz_fetches_the_history_again_only_once_it_changed_and_once_for_many
     for t in threads:
         t.join()
     assert counting.reads == 3
+
+
+def test_a_history_entry_naming_more_parts_than_owners_is_refused_by_count() -> None:
+    """A committed version names one manifest part per owner; a history naming more than
+    an attempt can have owners is refused naming the count, before any part is fetched
+    (it parsed, and every reader then fetched and parsed each part)."""
+    ref = {"key": "v0000000001/a-1/manifest-o0000.dcrm", "size": 1, "digest": "0" * 32}
+    entry = {"version": 1, "base_version": 0, "attempt": "a-1",
+             "parts": [ref] * (MAX_OWNERS + 1), "payload_bytes": 0}
+    data = json.dumps({"versions": [entry]}).encode()
+    with pytest.raises(ManifestError, match=f"names {MAX_OWNERS + 1} manifest parts, over "
+                                            f"the limit of {MAX_OWNERS} owners"):
+        History.parse(data, "test")
+
+
+def test_a_history_longer_than_the_reader_was_told_is_refused_by_size_unparsed(
+        fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An agent told version 1 by one owner expects a history of a few kB; a store writer's
+    history of 2 MiB (here the genuine one, padded) is refused by its size before it is
+    parsed, where every reader parsed up to 64 MiB of it (on each /readyz)."""
+    fleet.refit(1)
+    bound = history_bound(1 + AHEAD_VERSIONS, 1)
+    assert fleet.rx.store is not None
+    assert fleet.rx.store.history.max_bytes == bound
+    genuine = fleet.store.get(HISTORY_KEY)
+    fleet.store.put(HISTORY_KEY, genuine[:-1] + b" " * (2 << 20) + genuine[-1:])
+    parsed: list[int] = []
+    monkeypatch.setattr(History, "model_validate_json",
+                        classmethod(lambda cls, data, **kw: parsed.append(len(data))))
+    with pytest.raises(ManifestError, match=f"over the limit of {bound}"):
+        fleet.rx.store.history.latest()
+    assert parsed == []
+
+
+class Gets(FileStore):
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.keys: list[str] = []
+
+    def get(self, key: str) -> bytes:
+        self.keys.append(key)
+        return super().get(key)
+
+
+def test_a_planted_index_declaring_more_bytes_than_its_tensors_is_refused_before_a_fetch(
+        fleet: Fleet) -> None:
+    """An index for v1 with v1's (public) fingerprints whose one file declares 1 GiB in 64
+    MiB pieces: the tensors the history vouches for at v1 take a few kB, so it is refused
+    by its declared size before a piece is fetched (the read back fetched them all)."""
+    fleet.refit(1)
+    hs = HistoryStore(Gets(fleet.store.root))
+    history = hs.read()
+    pieces = tuple(Piece(key=f"snapshots/v0000000001/model.safetensors.{i:05d}",
+                         size=PIECE_BYTES, digest="0" * 32) for i in range(16))
+    index = SnapshotIndex(version=1, tensors=hs.fingerprints(history, 1), files=(
+        SnapshotFile(name="model.safetensors", size=16 * PIECE_BYTES, pieces=pieces),))
+    fleet.store.put("snapshots/v0000000001/index.dcrs", index.pack())
+    assert hs.adopt(history).snapshots == ()
+    assert isinstance(hs.store, Gets)
+    assert [k for k in hs.store.keys if k.startswith("snapshots/")] == [
+        "snapshots/v0000000001/index.dcrs"]
+
+
+def test_copies_of_histories_the_record_no_longer_vouches_for_are_pruned_beyond_the_newest(
+        fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each commit leaves a copy of its history; beyond the newest few (here none) besides
+    the one staged and the one the record vouched for, the copies are named for removal
+    with retention's prefixes, and removed they leave every vouched history readable."""
+    monkeypatch.setattr(history_mod, "KEEP_COPIES", 0)
+    one, two, three = fleet.refit(1), fleet.refit(2), fleet.refit(3)
+    writer = fleet.coord.writer
+    assert isinstance(writer, HistoryStore)
+    assert writer.pruned == [copy_key(one.history_digest)]
+    assert remove_under(fleet.store.root, writer.pruned) == writer.pruned
+    assert sorted(fleet.store.list(COPIES)) == sorted(
+        copy_key(r.history_digest) for r in (two, three))
+    assert HistoryStore(fleet.store, three.history_digest).read().committed == 3

@@ -26,6 +26,7 @@ from replica_group import POD_NAMES, TwoPodReplica, flip_bits
 from transformers import LlamaConfig
 
 from dcr.files.history import HistoryStore
+from dcr.format.history import HISTORY_KEY, History
 from dcr.format.profile import ReceiverProfile, dumps
 from dcr.owner.process import ProcessOwner
 from dcr.protocol.commitstore import SqliteCommitStore
@@ -219,3 +220,24 @@ def test_a_replica_of_two_pods_reads_from_its_relay_nodes_and_a_restarted_worker
         for proc in tree.procs:
             proc.kill()
             proc.wait()
+
+
+def test_a_member_builds_from_the_history_its_leader_was_given_not_the_stores(
+        pods: Pods) -> None:
+    """The commit record vouches for the history; a store writer puts another (here the
+    genuine, empty one from before v1) in its place. The leader's agent, given the
+    record's digest with the rejoin, passes it on with the dense request, so the worker
+    pod's member builds v1 from the coordinator's copy of the vouched history too, and
+    the group's dense load succeeds on both ranks."""
+    commits = SqliteCommitStore(pods.tmp / "commit.db", V0)
+    c = Coordinator(commits, [pods.owner()], [pods.client], settings=SETTINGS,
+                    history=HistoryStore(FileStore(pods.store)))
+    record = c.refit(1, "ckpt-1")
+    assert record.history_digest
+    (pods.store / HISTORY_KEY).write_bytes(History().pack())  # the store writer's doing
+    st = pods.client.rejoin(1, None, record.history_digest)
+    assert st.version == 1
+    assert f"history is now the one with digest {record.history_digest}" in \
+        pods.member.log_path.read_text()
+    pods.assert_holds(1)
+    c.close()

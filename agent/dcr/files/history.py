@@ -10,22 +10,32 @@ and digest, and the fingerprints they list check the bits (``dcr.format.history`
 from __future__ import annotations
 
 import logging
+import math
 import re
 from dataclasses import dataclass, field
 
 from dcr.errors import ManifestError, ObjectNotFound
-from dcr.files.readback import read_back
+from dcr.files.readback import declared_fits, read_back
 from dcr.files.vouched import is_tensor_file
+from dcr.format.dtypes import DTYPES
 from dcr.format.history import (
     HISTORY_KEY,
+    MAX_HISTORY_BYTES,
     Committed,
     History,
     ObjectRef,
     Snapshot,
     SnapshotIndex,
+    history_bound,
 )
-from dcr.format.layout import owner_manifest_key, version_prefix
-from dcr.format.manifest import DEFAULT_MANIFEST_LIMITS, Manifest, ManifestLimits, merge_manifests
+from dcr.format.layout import MAX_OWNERS, owner_manifest_key, version_prefix
+from dcr.format.manifest import (
+    DEFAULT_MANIFEST_LIMITS,
+    Manifest,
+    ManifestLimits,
+    TensorEntry,
+    merge_manifests,
+)
 from dcr.format.names import object_digest
 from dcr.protocol.records import CommitRecord
 from dcr.transport.store import Store, Tagged
@@ -33,6 +43,7 @@ from dcr.transport.store import Store, Tagged
 log = logging.getLogger(__name__)
 SNAPSHOTS = "snapshots/"
 COPIES = "histories/"  # each history a coordinator commits with, under its digest
+KEEP_COPIES = 4  # older copies kept for readers given an older digest (an agent mid-attempt)
 _INDEX_KEY = re.compile(r"snapshots/v(\d{10})/index\.dcrs")
 
 
@@ -47,6 +58,13 @@ def get_checked(store: Store, ref: ObjectRef, what: str) -> bytes:
         raise ManifestError(f"{what} {ref.key}: digest mismatch (expected {ref.digest}, got "
                             f"{got}).")
     return data
+
+
+def _itemsize(dtype: str) -> int:
+    """Bytes per element of a manifest's dtype (the widest for one this reader does not
+    know: an upper bound is what a size check needs)."""
+    known = DTYPES.get(dtype)
+    return known.itemsize if known is not None else max(d.itemsize for d in DTYPES.values())
 
 
 def copy_key(digest: str) -> str:
@@ -87,12 +105,22 @@ class HistoryStore:
     store: Store
     digest: str | None = None
     limits: ManifestLimits = DEFAULT_MANIFEST_LIMITS  # a receiver's own (limits_for)
+    owners: int = MAX_OWNERS  # the most owners an attempt of this fleet has
+    max_bytes: int = MAX_HISTORY_BYTES  # what this reader parses at most (expect())
     keep_snapshots: int | None = None  # retention the coordinator applies as it stages
     pruned: list[str] = field(default_factory=list)  # prefixes the last staged one dropped
     _manifests: dict[int, Manifest] = field(default_factory=dict, repr=False)
     _parsed: tuple[str, History] | None = field(default=None, repr=False)
     _latest: tuple[str, History] | None = field(default=None, repr=False)  # by store tag
     _refused: set[str] = field(default_factory=set, repr=False)  # snapshot index digests
+    _copies: dict[str, int] = field(default_factory=dict, repr=False)  # digest -> version
+
+    def expect(self, versions: int, owners: int | None = None) -> None:
+        """From now on parse no history larger than one naming ``versions`` committed
+        versions, each by ``owners`` manifest parts (default: as set before), can be: what
+        the caller was told the fleet committed, by whoever told it the version."""
+        self.owners = owners if owners is not None else self.owners
+        self.max_bytes = history_bound(versions, self.owners)
 
     def read(self) -> History:
         """The history: the one ``digest`` names (from its copy if another was put in its
@@ -114,7 +142,7 @@ class HistoryStore:
         tag = self.store.tag(HISTORY_KEY) if isinstance(self.store, Tagged) else None
         if tag is not None and self._latest is not None and self._latest[0] == tag:
             return self._latest[1]
-        history = HistoryStore(self.store, limits=self.limits).read()
+        history = self._unvouched().read()
         self._latest = (tag, history) if tag is not None else None
         return history
 
@@ -122,7 +150,8 @@ class HistoryStore:
         """``data`` parsed, or the last history parsed when it had the same digest."""
         digest = digest or object_digest(data)
         if self._parsed is None or self._parsed[0] != digest:
-            self._parsed = (digest, History.parse(data, f"{self.store.uri}/{HISTORY_KEY}"))
+            self._parsed = (digest, History.parse(data, f"{self.store.uri}/{HISTORY_KEY}",
+                                                  self.max_bytes))
         return self._parsed[1]
 
     def _vouched(self, digest: str) -> bytes:
@@ -154,6 +183,11 @@ class HistoryStore:
                              f"not the {digest} the caller vouches for, and the copy "
                              f"{copy_key(digest)} the coordinator wrote is gone or altered.")
 
+    def _unvouched(self) -> HistoryStore:
+        """A reader of the store's history as it is, with this one's limits."""
+        return HistoryStore(self.store, limits=self.limits, owners=self.owners,
+                            max_bytes=self.max_bytes)
+
     def _write(self, history: History) -> str:
         data = history.pack()
         self.store.put(HISTORY_KEY, data)
@@ -164,7 +198,7 @@ class HistoryStore:
         """The history ``record`` vouches for (as the store holds it for a record that
         carries no digest). Raises :class:`HistoryRefused`."""
         if not record.history_digest:
-            return HistoryStore(self.store, limits=self.limits).read()
+            return self._unvouched().read()
         return self._parse(self._vouched(record.history_digest), record.history_digest)
 
     def stage(self, base: CommitRecord, version: int, attempt: str, owners: int) -> str:
@@ -172,6 +206,7 @@ class HistoryStore:
         the history ``base`` vouches for (snapshots adopted, ``keep_snapshots`` applied),
         stored under its digest; the history object is unchanged until :meth:`publish`.
         The prefixes it no longer names are left in ``pruned``."""
+        self.expect(base.committed_version)  # no more versions than the record names
         history = self.vouched(base)
         entry = self._entry(history, version, attempt, owners)
         staged = self.adopt(history.model_copy(update={"versions": (*history.versions, entry)}))
@@ -179,9 +214,34 @@ class HistoryStore:
         data = staged.pack()
         digest = object_digest(data)
         self.store.put(copy_key(digest), data)
+        self.pruned += self._old_copies({digest, base.history_digest})
         log.info("history: staged %s, naming version %s committed by %s", digest, version,
                  attempt)
         return digest
+
+    def _old_copies(self, keep: set[str]) -> list[str]:
+        """The coordinator's copies of histories beyond the ``KEEP_COPIES`` newest besides
+        ``keep`` (the one staged and the one the record vouches for), oldest first by the
+        version each names; one that is no history of this store's (its bytes are not the
+        digest its key names, or do not parse) counts as oldest."""
+        aged: list[tuple[int, str]] = []
+        for key in self.store.list(COPIES):
+            digest = key[len(COPIES):].removesuffix(".dcrh")
+            if digest not in keep:
+                aged.append((self._copy_version(key, digest), key))
+        aged.sort()
+        return [key for _, key in aged[:max(0, len(aged) - KEEP_COPIES)]]
+
+    def _copy_version(self, key: str, digest: str) -> int:
+        if digest not in self._copies:
+            try:
+                data = self.store.get(key)
+                ok = object_digest(data) == digest
+                version = History.parse(data, key, self.max_bytes).committed if ok else -1
+            except (ManifestError, ObjectNotFound):
+                version = -1
+            self._copies[digest] = version
+        return self._copies[digest]
 
     def publish(self, record: CommitRecord, owners: int) -> None:
         """Make the store's history the one ``record`` vouches for: put it back from its
@@ -253,11 +313,12 @@ class HistoryStore:
                 continue
             try:
                 expect = self.fingerprints(history, int(m[1]))
+                size = self.tensor_bytes(history, int(m[1]))
             except ManifestError as e:  # not vouched for (yet)
                 log.info("history: snapshot %s not adopted: %s", key, e)
                 continue
             try:
-                found.append(self._read_back(int(m[1]), key, expect))
+                found.append(self._read_back(int(m[1]), key, expect, size))
             except (ManifestError, ObjectNotFound) as e:
                 log.warning("history: snapshot %s not adopted: %s", key, e)
         if not found:
@@ -265,7 +326,8 @@ class HistoryStore:
         snaps = tuple(sorted([*history.snapshots, *found], key=lambda s: s.version))
         return history.model_copy(update={"snapshots": snaps})
 
-    def _read_back(self, version: int, key: str, expect: dict[str, str]) -> Snapshot:
+    def _read_back(self, version: int, key: str, expect: dict[str, str],
+                   tensor_bytes: int) -> Snapshot:
         data = self.store.get(key)
         digest = object_digest(data)
         if digest in self._refused:
@@ -275,6 +337,7 @@ class HistoryStore:
             if index.version != version or index.tensors != expect:
                 raise ManifestError(f"its index names version {index.version} or other "
                                     f"fingerprints than the history's of version {version}")
+            declared_fits(index, tensor_bytes, f"{self.store.uri}/{key}")
             have = read_back(index, lambda p: get_checked(self.store, ObjectRef(
                 key=p.key, size=p.size, digest=p.digest), "Snapshot piece"), key)
             wrong = sorted(n for n in {*have, *expect} if have.get(n) != expect.get(n))
@@ -337,11 +400,23 @@ class HistoryStore:
         """Every tensor's fingerprint at ``version``, as the committed manifests list them:
         the targets of the attempt that committed it, or for the first base, the bases of
         the attempt that left it."""
+        tensors, at_target = self._tensors(history, version)
+        return {t.name: t.target if at_target else t.base for t in tensors}
+
+    def tensor_bytes(self, history: History, version: int) -> int:
+        """The bytes of every tensor at ``version`` (shape times element size, as the
+        committed manifests list them): what a whole checkpoint of it holds, headers aside."""
+        return sum(math.prod(t.shape) * _itemsize(t.dtype)
+                   for t in self._tensors(history, version)[0])
+
+    def _tensors(self, history: History, version: int) -> tuple[tuple[TensorEntry, ...], bool]:
+        """The manifest tensors that vouch for ``version``, and whether their targets do
+        (else their bases: the first base)."""
         for c in history.versions:
             if c.version == version:
-                return {t.name: t.target for t in self.manifest(c).tensors}
+                return self.manifest(c).tensors, True
         for c in history.versions:
             if c.base_version == version:
-                return {t.name: t.base for t in self.manifest(c).tensors}
+                return self.manifest(c).tensors, False
         raise ManifestError(f"The history vouches for no fingerprints of version {version} "
                             f"(it holds {history.span()}).")

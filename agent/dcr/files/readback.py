@@ -24,6 +24,23 @@ from dcr.files.vouched import is_tensor_file
 from dcr.format.history import Piece, SnapshotFile, SnapshotIndex
 
 MAX_WEIGHT_MAP_BYTES = 64 << 20
+_PER_TENSOR = 4096  # header and shard-index bytes a tensor may take beyond its data
+_PER_FILE = 8 + (64 << 10)  # a file's length prefix and its header's metadata
+
+
+def declared_fits(index: SnapshotIndex, tensor_bytes: int, where: str) -> None:
+    """Refuse, before any piece is fetched, an index whose tensor files declare more bytes
+    than a checkpoint of its tensors can hold: ``tensor_bytes`` of data (shape times
+    element size, as the manifests list them) and a bounded header per tensor and file.
+    A self-consistent index cannot make a reader fetch more than that."""
+    files = [f for f in index.files if is_tensor_file(f.name)]
+    declared = sum(f.size for f in files)
+    tensors = len(index.tensors)
+    bound = tensor_bytes + tensors * _PER_TENSOR + len(files) * _PER_FILE
+    if len(files) > tensors + 1 or declared > bound:
+        raise ManifestError(f"Snapshot {where}: its {len(files)} tensor files declare "
+                            f"{declared} bytes; {tensors} tensors of {tensor_bytes} bytes fit "
+                            f"in {tensors + 1} files of at most {bound}.")
 
 
 class TensorStream:

@@ -16,10 +16,12 @@ from typing import Annotated, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dcr.errors import ManifestError, first_validation_error
+from dcr.format.layout import MAX_OWNERS, owner_manifest_key
 from dcr.format.names import ATTEMPT_PATTERN, object_digest
 
 HISTORY_KEY = "history.dcrh"
 MAX_HISTORY_BYTES = 64 << 20  # ~250 B per version: a few hundred thousand versions
+AHEAD_VERSIONS = 64  # how far past the version a reader was told of the store's may be
 MAX_INDEX_BYTES = 64 << 20  # ~100 B per piece or tensor
 PIECE_BYTES = 64 << 20  # snapshot files are stored in pieces of this size
 
@@ -49,6 +51,9 @@ class Committed(_Model):
 
     @model_validator(mode="after")
     def _forward(self) -> Committed:
+        if len(self.parts) > MAX_OWNERS:
+            raise ValueError(f"version {self.version} names {len(self.parts)} manifest "
+                             f"parts, over the limit of {MAX_OWNERS} owners")
         if self.version <= self.base_version or not self.parts:
             raise ValueError(f"version {self.version} must follow its base "
                              f"{self.base_version} and name its manifest parts")
@@ -108,8 +113,36 @@ class History(_Model):
         return self.model_dump_json().encode()
 
     @classmethod
-    def parse(cls, data: bytes, where: str) -> History:
-        return _parse(cls, data, where, MAX_HISTORY_BYTES, "History")
+    def parse(cls, data: bytes, where: str, limit: int = MAX_HISTORY_BYTES) -> History:
+        """``data`` as a history, refused unread when over ``limit`` bytes (a reader's
+        :func:`history_bound`)."""
+        return _parse(cls, data, where, min(limit, MAX_HISTORY_BYTES), "History")
+
+
+def _widest(parts: int) -> int:
+    """The packed size of a history of one committed version with ``parts`` manifest parts
+    and one snapshot, every number and name as long as a writer makes them."""
+    big, attempt = 10**10 - 1, "a" * 64
+    ref = ObjectRef(key=owner_manifest_key(big, attempt, MAX_OWNERS - 1), size=2**63 - 1,
+                    digest="0" * 32)
+    return len(History(
+        versions=(Committed(version=big, base_version=big - 1, attempt=attempt,
+                            parts=(ref,) * parts, payload_bytes=2**63 - 1),),
+        snapshots=(Snapshot(version=big, index=ref, bytes=2**63 - 1),)).pack())
+
+
+_ONE, _PART = _widest(1), _widest(2) - _widest(1)  # a version with its snapshot; a part
+_EMPTY = len(History().pack())
+
+
+def history_bound(versions: int, owners: int) -> int:
+    """The most bytes a history the coordinator writes can take when it names at most
+    ``versions`` committed versions (a fleet's newest: retention only keeps fewer), each
+    by at most ``owners`` manifest parts, and a snapshot of each: what a reader that
+    knows both refuses to parse beyond (never more than :data:`MAX_HISTORY_BYTES`)."""
+    owners = max(1, min(owners, MAX_OWNERS))
+    each = _ONE - _EMPTY + (owners - 1) * _PART + 1  # the comma between entries
+    return min(MAX_HISTORY_BYTES, _EMPTY + (max(versions, 0) + 1) * each)
 
 
 class Piece(_Model):

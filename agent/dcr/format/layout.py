@@ -51,6 +51,9 @@ def manifest_key(version: int) -> str:
     return f"{version_prefix(version)}/manifest.dcrm"
 
 
+MAX_OWNERS = 4096  # owners of one attempt, so manifest parts of one committed version
+
+
 def owner_manifest_key(version: int, attempt: str, owner: int) -> str:
     """Where owner ``owner`` of a several-owner attempt writes its part of the manifest."""
     return f"{attempt_prefix(version, attempt)}manifest-o{owner:04d}.dcrm"

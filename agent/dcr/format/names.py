@@ -17,6 +17,7 @@ EntryKind = Literal["xor", "overwrite"]  # how one item's records travel
 
 # An attempt id: in payload headers, manifests, store keys, relay ids and URLs.
 ATTEMPT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+DIGEST_PATTERN = r"^[0-9a-f]{32}$"  # an object_digest
 ATTEMPT_RE = re.compile(ATTEMPT_PATTERN)  # anchored: use fullmatch (``$`` allows a final newline)
 ATTEMPT_BODY = ATTEMPT_PATTERN[1:-1]  # unanchored, for embedding in larger patterns (keys)
 

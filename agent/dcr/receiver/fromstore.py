@@ -22,6 +22,7 @@ from dcr.files.history import HistoryStore
 from dcr.files.materialize import Materialized, materialize, recorded_version
 from dcr.files.mirror import Generation
 from dcr.files.mirror import current as mirror_current
+from dcr.format.history import AHEAD_VERSIONS
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +48,20 @@ class FromStore:
     _lock: threading.Lock = field(default_factory=threading.Lock)  # one build at a time
     _refresh: threading.Lock = field(default_factory=threading.Lock)  # one read at a time
     _committed: tuple[float, int | None] | None = None  # when read, what
+    told: int = 0  # the newest version a coordinator named to this agent
 
-    def vouch(self, digest: str | None) -> None:
+    def vouch(self, digest: str | None, version: int | None = None,
+              owners: int | None = None) -> None:
         """From now on read only the history ``digest`` names (the commit record's, as
-        the coordinator gives it); None keeps the one given before."""
+        the coordinator gives it); None keeps the one given before. ``version``: the
+        newest the caller named (with ``owners``, the most an attempt has, where it said):
+        no history longer than one that names it and ``AHEAD_VERSIONS`` more is parsed."""
         if digest is not None and digest != self.history.digest:
             log.info("the store's history is now the one with digest %s", digest)
             self.history.digest = digest
+        if version is not None:
+            self.told = max(self.told, version)
+            self.history.expect(self.told + AHEAD_VERSIONS, owners)
 
     def vouched(self, version: int) -> dict[str, str] | None:
         """Every tensor's fingerprint at ``version``, or None while the history names no

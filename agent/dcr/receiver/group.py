@@ -91,12 +91,14 @@ class Group:
             except MemberError as e:
                 log.warning("attempt %s: %s", attempt, e)
 
-    def dense(self, version: int, relative: str, timeout_s: float) -> None:
+    def dense(self, version: int, relative: str, timeout_s: float,
+              history_digest: str | None = None) -> None:
         """Have every member build ``version`` under its checkpoint root, at the same
-        relative path as the leader's (``relative``), before the engine loads it."""
+        relative path as the leader's (``relative``), from the history ``history_digest``
+        names (the leader's, as the coordinator gave it), before the engine loads it."""
         for m in self.members:
             try:
-                built = m.dense(version, timeout_s)
+                built = m.dense(version, timeout_s, history_digest)
             except MemberError as e:
                 raise GroupError(f"dense load of version {version}: {e}") from e
             if built != relative:

@@ -72,7 +72,10 @@ class MemberService:
     # --- calls ---------------------------------------------------------------------
 
     def stage(self, spec: AttemptSpec) -> MemberStatus:
-        """Start staging ``spec``'s payloads (again: idempotent); any other attempt ends."""
+        """Start staging ``spec``'s payloads (again: idempotent); any other attempt ends.
+        The history it names is the only one this member reads from now on."""
+        if self.store is not None:
+            self.store.vouch(spec.history_digest, spec.target_version, spec.owners)
         with self._lock:
             cur = self._current
             if cur is not None and cur.spec.attempt == spec.attempt:
@@ -114,12 +117,14 @@ class MemberService:
         self._end(run)
         return MemberStatus(name=self.name)
 
-    def dense(self, version: int) -> str:
-        """Build ``version`` from the store's history under the checkpoint root; the
-        directory relative to it (the same the leader's agent builds)."""
+    def dense(self, version: int, history_digest: str | None = None) -> str:
+        """Build ``version`` from the store's history (the one ``history_digest`` names,
+        as the leader passes it on) under the checkpoint root; the directory relative to
+        it (the same the leader's agent builds)."""
         if self.store is None:
             raise MemberConflict(f"{self.name}: a dense load needs the store's history; this "
                                  "member has no --store and --checkpoint-root.")
+        self.store.vouch(history_digest, version)
         with self._dense:
             relative, _ = self.store.build(version)
         return relative
@@ -231,7 +236,7 @@ def make_member_app(service: MemberService, token: str) -> Any:
 
     async def dense(request: web.Request) -> web.StreamResponse:
         req = body(Dense, await request.read())
-        built = await run(service.dense, req.version, on=dense_pool)
+        built = await run(service.dense, req.version, req.history_digest, on=dense_pool)
         return web.json_response({"checkpoint": built})
 
     async def healthz(_: web.Request) -> web.StreamResponse:

@@ -13,7 +13,12 @@ across pods".
     GET  /v1/member/status   ?attempt=A                -> MemberStatus
     POST /v1/member/release  {attempt, names}          -> MemberStatus
     POST /v1/member/end      {attempt}                 -> MemberStatus
-    POST /v1/member/dense    {version}                 -> {"checkpoint": relative path}
+    POST /v1/member/dense    {version, history_digest} -> {"checkpoint": relative path}
+
+The leader passes on what the coordinator gave it: the attempt's history digest with the
+attempt, the committed record's with a dense load (``history_digest``, left out of the
+JSON when it has none, so members that predate it take the call), so a member reads only
+the history the commit record vouches for.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from dcr.drivers.base import check_staged_name
 from dcr.drivers.errors import EngineError
 from dcr.drivers.http import JsonHttp
 from dcr.errors import HttpError, first_validation_error
-from dcr.format.names import ATTEMPT_PATTERN
+from dcr.format.names import ATTEMPT_PATTERN, DIGEST_PATTERN
 from dcr.protocol.agent_api import AttemptSpec
 
 MAX_NAMES = 1 << 16  # staged names in one answer or release
@@ -67,6 +72,8 @@ class End(_Body):
 
 class Dense(_Body):
     version: Annotated[int, Field(ge=0)]
+    history_digest: Annotated[str | None, Field(pattern=DIGEST_PATTERN)] = Field(
+        default=None, exclude_if=lambda d: d is None)
 
 
 class Built(_Body):
@@ -119,8 +126,10 @@ class MemberClient:
         return self._status("end", self._call("end", "POST", "/v1/member/end",
                                               {"attempt": attempt}))
 
-    def dense(self, version: int, timeout_s: float) -> str:
-        answer = self._call("dense", "POST", "/v1/member/dense", {"version": version},
+    def dense(self, version: int, timeout_s: float, history_digest: str | None = None
+              ) -> str:
+        body = Dense(version=version, history_digest=history_digest)
+        answer = self._call("dense", "POST", "/v1/member/dense", body.model_dump(mode="json"),
                             timeout_s=timeout_s)
         built: Built = self._parse("dense", Built, answer)
         return built.checkpoint

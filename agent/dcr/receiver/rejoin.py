@@ -85,7 +85,8 @@ def _checked(agent: Host, version: int, relative: str | None, was_open: bool
             relative = _dense_path(agent, _from_store(agent, version))
             if agent.group is not None:  # the worker pods' ranks read their own roots
                 try:
-                    agent.group.dense(version, relative, agent.max_wait_s)
+                    agent.group.dense(version, relative, agent.max_wait_s,
+                                      _digest(agent))
                 except GroupError as e:
                     raise AgentConflict(f"{agent.name}: {e}") from e
         agent._pause()
@@ -131,6 +132,11 @@ def _load(agent: Host, version: int, relative: str, expect: dict[str, str] | Non
     finally:
         with agent._cond:
             agent._loading = None
+
+
+def _digest(agent: Host) -> str | None:
+    """The history digest the coordinator gave this agent, for its members to read by."""
+    return agent.store.history.digest if agent.store is not None else None
 
 
 def _vouched(agent: Host, version: int) -> dict[str, str] | None:

@@ -288,7 +288,7 @@ class AgentService:
     def prepare(self, attempt: Attempt | AttemptSpec) -> AgentStatus:
         spec = AttemptSpec.of(attempt)
         if self.store is not None:
-            self.store.vouch(spec.history_digest)
+            self.store.vouch(spec.history_digest, spec.target_version, spec.owners)
         with self._cond:
             self._between_attempts("a new attempt")
             self._not_loading("a new attempt")
@@ -360,6 +360,7 @@ class AgentService:
         wait_s = min(seconds_left(attempt), self.max_wait_s)
         with self._cond:
             run = self._current(attempt.id)
+            run.owners_published()  # the coordinator asks once the owners have published
             if not self._wait(lambda: run.received or run.error is not None
                               or run.stop.is_set(), wait_s, attempt):
                 raise AttemptFailed(f"{self.name}: attempt {attempt.id} not staged after "
@@ -376,6 +377,7 @@ class AgentService:
             run = self._current(attempt.id)
             if not run.apply_open.is_set():
                 raise AgentConflict(f"{self.name}: flush before open_apply of {attempt.id}.")
+            run.owners_published()  # the coordinator asks once the owners have published
             done = self._wait(lambda: run.error is not None or run.stop.is_set()
                               or run.checked, wait_s, attempt)
             if run.error:
@@ -449,7 +451,7 @@ class AgentService:
         store's history, the one ``history_digest`` names where the coordinator gave it
         (:func:`~dcr.receiver.rejoin.restore` says how it is checked)."""
         if self.store is not None:
-            self.store.vouch(history_digest)
+            self.store.vouch(history_digest, version)
         return restore(self, version, checkpoint)
 
     def committed_in_store(self) -> int | None:

@@ -32,6 +32,7 @@ from dcr_operator.api.rolloutfleet import DEFAULT_PROFILE
 from dcr_operator.api.volumes import CheckpointPath
 
 KIND = "WeightRefit"
+MAX_REFIT_OWNERS = 256  # owners of one refit (Job completions)
 PLURAL = "weightrefits"
 SHORT_NAMES = ["wr", "refit"]
 DESCRIPTION = "One transition of one RolloutFleet to a target version."
@@ -49,7 +50,7 @@ class RefitEncoder(SpecModel):
 
     profile: DnsLabel = Field(
         default=DEFAULT_PROFILE, description="One of the fleet's spec.encoderProfiles.")
-    owners: Annotated[int, Field(ge=1, le=256)] = Field(
+    owners: Annotated[int, Field(ge=1, le=MAX_REFIT_OWNERS)] = Field(
         default=1, description="Parallel owners: Job completions, tensors split by name.")
     bucket_mib: Annotated[int | None, Field(ge=1, le=4096, alias="bucketMiB")] = Field(
         default=None, description="MiB of tensors per payload; default: the encoder's own.")
