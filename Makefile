@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-fast test-engines test-vllm-pod gpu-check lint bench tables evaluate schema crds values-schema cli-doc image image-vllm-cpu push clean
+.PHONY: install demo demo-rl test test-fast test-engines test-vllm-pod gpu-check lint bench tables evaluate schema crds values-schema cli-doc image image-vllm-cpu push clean
 
 install: $(STAMP)
 
@@ -15,6 +15,11 @@ $(STAMP): pyproject.toml
 
 demo: install
 	$(VENV)/bin/dcr refit --kill-receiver-every 2
+
+# GRPO (TRL) on the main job's pods: rollouts through their client doors, a DCR refit through
+# S3 after every step, an agent killed mid-refit; rl-out/summary.json and rl-out/rl.png.
+demo-rl: install
+	$(PY) -m dcr.rl.job --steps 30
 
 test: install
 	@tools/controlplane/packages.sh

@@ -427,7 +427,8 @@ def test_pause_modes_drain_abort_or_park_completions_in_flight_and_gate_new_ones
 
     for body, named in (({"prompt": [1, 600], "max_tokens": 2}, "token id 600"),
                         ({"prompt": [1], "max_tokens": 100_000}, "max_tokens"),
-                        ({"prompt": [1], "temperature": 0.7}, "temperature"),
+                        ({"prompt": [1], "temperature": -1.0}, "temperature"),
+                        ({"prompt": [1], "logprobs": 1}, "logprobs"),
                         ({"prompt": [1], "n": 2}, "n")):
         status, answer = post(server.url, "/v1/completions", body)
         assert status == 400

@@ -1,4 +1,7 @@
-"""``POST /v1/completions`` of the reference server: greedy tokens from token-id prompts.
+"""``POST /v1/completions`` of the reference server: tokens from token-id prompts, greedy
+or (``temperature`` > 0) sampled with the request's ``seed``, each with its logprob under
+the distribution it was drawn from (vLLM's ``logprobs: 0`` with processed logprobs, what
+an RL trainer takes as the behaviour policy's).
 
 Only the part of vLLM's request a refit test needs; anything else is a 400 naming the field.
 :func:`greedy` passes the pause gate's :meth:`~dcr.serve.gate.PauseGate.step` before each
@@ -36,7 +39,9 @@ class CompletionBody(BaseModel):
     prompt: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] = 16
     model: str | None = None
-    temperature: Annotated[float, Field(ge=0, le=0)] | None = None  # greedy only
+    temperature: Annotated[float, Field(ge=0, le=100)] | None = None  # 0 or None: greedy
+    seed: Annotated[int, Field(ge=0, lt=1 << 63)] | None = None  # the sampler's, per request
+    logprobs: Annotated[int, Field(ge=0, le=0)] | None = None  # 0: the chosen token's only
     return_weight_versions: bool = False
     stream: bool = False  # server-sent events, one chunk per token
 
@@ -54,6 +59,8 @@ def parse_completion(raw: bytes, *, vocab: int, max_input: int,
     if body.max_tokens > max_tokens:
         raise BadCompletion(f"completions: max_tokens: {body.max_tokens}; at most "
                             f"{max_tokens}.")
+    if body.stream and body.logprobs is not None:
+        raise BadCompletion("completions: logprobs: answered unstreamed only (stream: false).")
     bad = next((i for i in body.prompt if i >= vocab), None)
     if bad is not None:
         raise BadCompletion(f"completions: prompt: token id {bad} is outside the vocabulary "
@@ -66,17 +73,33 @@ class Completion:
     tokens: list[int] = field(default_factory=list)
     finish_reason: str = "length"
     versions: list[str] = field(default_factory=list)  # the label at each token
+    logprobs: list[float] = field(default_factory=list)  # each token's, as it was drawn
+
+
+def pick(logits: torch.Tensor, temperature: float | None,
+         gen: torch.Generator) -> tuple[int, float]:
+    """The next token and its logprob: the argmax at temperature 0 (or None), else a draw
+    from ``softmax(logits / temperature)`` with ``gen``."""
+    t = temperature or 1.0
+    logp = torch.log_softmax(logits.float() / t, dim=-1)
+    token = (int(logp.argmax()) if not temperature
+             else int(torch.multinomial(logp.exp(), 1, generator=gen)))
+    return token, float(logp[token])
 
 
 def greedy(model: Callable[[torch.Tensor], torch.Tensor], prompt: list[int], max_tokens: int,
            *, gate: PauseGate, lock: Any, label: Callable[[], str], min_step_s: float = 0.0,
            on_token: Callable[[int], object] | None = None,
-           gone: Callable[[], bool] | None = None) -> Completion:
-    """Greedy decoding of ``max_tokens`` tokens behind the gate (:class:`~dcr.serve.gate.Paused`
-    when it refuses new completions). ``on_token`` is called with each token as it is made;
-    ``gone`` (the client left) ends the completion at its next step, as an abort."""
+           gone: Callable[[], bool] | None = None, temperature: float | None = None,
+           seed: int | None = None) -> Completion:
+    """Decoding of ``max_tokens`` tokens behind the gate (:class:`~dcr.serve.gate.Paused`
+    when it refuses new completions), greedy unless ``temperature`` (:func:`pick`).
+    ``on_token`` is called with each token as it is made; ``gone`` (the client left) ends
+    the completion at its next step, as an abort."""
     ticket = gate.admit()
     out = Completion()
+    gen = torch.Generator()
+    gen.manual_seed(seed) if seed is not None else gen.seed()
     try:
         ids = torch.tensor([prompt], dtype=torch.long)
         for _ in range(max_tokens):
@@ -90,10 +113,11 @@ def greedy(model: Callable[[torch.Tensor], torch.Tensor], prompt: list[int], max
                 break
             started = time.monotonic()
             with lock, torch.inference_mode():
-                token = int(model(ids)[0, -1].argmax())
+                token, logprob = pick(model(ids)[0, -1], temperature, gen)
                 out.versions.append(label())
             time.sleep(max(0.0, min_step_s - (time.monotonic() - started)))
             out.tokens.append(token)
+            out.logprobs.append(logprob)
             if on_token is not None:
                 on_token(token)
             ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
@@ -128,6 +152,11 @@ def response(body: CompletionBody, c: Completion, served: str) -> dict[str, Any]
     choice = _choice(c.tokens, c.finish_reason)
     if body.return_weight_versions:
         choice["weight_versions"] = spans(c.versions)
+    if body.logprobs is not None:  # vLLM's (OpenAI's) legacy completions shape
+        choice["logprobs"] = {"tokens": [f"token_id:{t}" for t in c.tokens],
+                              "token_logprobs": c.logprobs,
+                              "top_logprobs": [{} for _ in c.tokens],
+                              "text_offset": [0 for _ in c.tokens]}
     return {**_head(body, served, f"cmpl-{uuid.uuid4().hex}", int(time.time())),
             "choices": [choice],
             "usage": {"prompt_tokens": len(body.prompt), "completion_tokens": len(c.tokens),
@@ -165,4 +194,4 @@ class Stream:
 DONE = b"data: [DONE]\n\n"
 
 __all__ = ["DONE", "BadCompletion", "Completion", "CompletionBody", "Stream", "greedy",
-           "parse_completion", "response", "spans"]
+           "parse_completion", "pick", "response", "spans"]

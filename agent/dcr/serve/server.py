@@ -166,7 +166,8 @@ def make_app(s: ServeSettings, workers: Workers, api_key: str | None) -> web.App
                 return await _stream(request, st, Stream(body, s.model.name), forward)
             done = await st.run("generate", lambda: greedy(
                 forward, body.prompt, body.max_tokens, gate=st.gate, lock=workers.lock,
-                label=lambda: st.label, min_step_s=s.min_step_s))
+                label=lambda: st.label, min_step_s=s.min_step_s,
+                temperature=body.temperature, seed=body.seed))
         finally:
             st.running -= 1
         return web.json_response(response(body, done, s.model.name))
@@ -206,6 +207,7 @@ async def _stream(request: web.Request, st: State, sse: Stream,
     job = asyncio.ensure_future(st.run("generate", lambda: greedy(
         forward, body.prompt, body.max_tokens, gate=st.gate, lock=st.workers.lock,
         label=lambda: st.label, min_step_s=st.settings.min_step_s, gone=left.is_set,
+        temperature=body.temperature, seed=body.seed,
         on_token=lambda t: loop.call_soon_threadsafe(tokens.put_nowait, t))))
     try:
         first = await _next(tokens, job)

@@ -1,0 +1,1 @@
+"""Glue between DCR and training frameworks, each behind its own extra (``dcr[trl]``)."""
