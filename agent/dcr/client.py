@@ -17,8 +17,14 @@ A refit that fails raises :class:`WeightRefitFailed` carrying its Failed conditi
 message; one overtaken by the fleet (another checkpoint committed as its target, or the
 fleet moved past its base) raises :class:`WeightRefitSuperseded`, a kind of it; one that is
 neither committed nor failed when ``timeout_s`` runs out raises :class:`WeightRefitTimeout`
-with the phase and condition it was in. Asking again for a refit that exists with the same
-spec waits on it (a restarted loop resumes); a different spec under that name is refused.
+with the phase and condition it was in. ``timeout_s`` is the caller's deadline for the whole
+call: the API server not answering (refused or dropped connections, timeouts, 429 and 5xx
+answers) is retried with backoff until then, a dropped watch resumes from the last
+resourceVersion seen (a 410 Gone reads the object again), and only when the deadline
+passes without an answer does :class:`WeightRefitUnreachable` name the call and the last
+error; any other refusal raises :class:`WeightRefitRefused` with its status. Asking again
+for a refit that exists with the same spec waits on it (a restarted loop resumes); a
+different spec under that name is refused.
 
 Built on the official ``kubernetes`` client (``pip install 'dcr[client]'``): its
 configuration loaders (kubeconfig, else in-cluster), ``CustomObjectsApi`` and watches.
@@ -38,13 +44,15 @@ for (:func:`read_history`).
 
 from __future__ import annotations
 
+import http.client
 import json
+import logging
 import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from dcr.drivers import sglang
 from dcr.errors import ManifestError, RefitError
@@ -58,6 +66,11 @@ PUBLISHED = ("EncoderJobSucceeded", "EncoderEndpointSucceeded")  # Encoding reas
 APPLIED = (AttemptState.FLUSHED.value, AttemptState.COMMITTED.value)  # receivers' states
 Until = Literal["created", "published", "committed"]
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+RETRY_FIRST_S = 0.5  # the first wait after the API server did not answer; doubles per retry
+RETRY_MAX_S = 8.0  # the longest wait between retries: an API server restart takes seconds
+TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})  # answers worth asking again
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class WeightRefitError(RefitError):
@@ -75,6 +88,24 @@ class WeightRefitFailed(WeightRefitError):
 class WeightRefitSuperseded(WeightRefitFailed):
     """The fleet committed past this refit: its target from another checkpoint, or a
     version beyond its base. Usually the loop asks for the next version."""
+
+
+class WeightRefitUnreachable(WeightRefitError):
+    """The API server gave no answer (or only 429 and 5xx ones) to ``call`` until the
+    caller's deadline; ``last`` is the last error seen."""
+
+    def __init__(self, call: str, seconds: float, last: BaseException) -> None:
+        super().__init__(f"{call}: the API server did not answer for {seconds:.1f} s, until "
+                         f"the deadline; last: {_short(last)}.")
+        self.call, self.last = call, last
+
+
+class WeightRefitRefused(WeightRefitError):
+    """The API server refused ``call`` (403, 404, 422...): ``status`` is its HTTP status."""
+
+    def __init__(self, call: str, status: int, reason: str, said: str) -> None:
+        super().__init__(f"{call}: {status} {reason}{': ' + said if said else ''}")
+        self.call, self.status = call, status
 
 
 class WeightRefitTimeout(WeightRefitError):
@@ -153,10 +184,21 @@ class Refit:
         self._on_progress, self._bar = on_progress, bar
         self._last: Progress | None = None
 
-    def get(self) -> dict[str, Any]:
-        """The WeightRefit object as the API server has it now."""
-        return dict(self._api.get_namespaced_custom_object(
-            GROUP, API_VERSION, self.namespace, PLURAL, self.name))
+    def get(self, *, timeout_s: float = 60.0) -> dict[str, Any]:
+        """The WeightRefit object as the API server has it now (asked again with backoff
+        for up to ``timeout_s`` while the API server does not answer)."""
+        return self._get(time.monotonic() + timeout_s)
+
+    def _get(self, deadline: float) -> dict[str, Any]:
+        call = f"Reading WeightRefit {self.namespace}/{self.name}"
+        try:
+            return dict(_call(call, deadline, lambda: self._api.get_namespaced_custom_object(
+                GROUP, API_VERSION, self.namespace, PLURAL, self.name,
+                _request_timeout=_request_timeout(deadline))))
+        except WeightRefitError:
+            raise
+        except Exception as e:
+            raise _refused(call, e) from e
 
     @property
     def progress(self) -> Progress:
@@ -165,10 +207,14 @@ class Refit:
     def wait(self, until: Until = "committed", *, timeout_s: float = 3600.0) -> Refit:
         """Return once the refit has got as far as ``until``; raise :class:`WeightRefitFailed`
         (or :class:`WeightRefitSuperseded`) if it fails, :class:`WeightRefitTimeout` if time runs
-        out first."""
-        deadline = time.monotonic() + timeout_s
+        out first; :class:`WeightRefitUnreachable` if the API server gave no answer until
+        then."""
+        return self._wait(until, timeout_s, time.monotonic() + timeout_s)
+
+    def _wait(self, until: Until, timeout_s: float, deadline: float) -> Refit:
         bar = _Bar(self.name) if self._bar else None
-        obj: Mapping[str, Any] = self.get()
+        backoff = _Backoff(f"Watching WeightRefit {self.namespace}/{self.name}", deadline)
+        obj: Mapping[str, Any] = self._get(deadline)
         try:
             while True:
                 self._report(obj, bar)
@@ -176,37 +222,49 @@ class Refit:
                     return self
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    backoff.give_up()  # the watch went unanswered to the end: say so
                     p = Progress.of(obj)
                     raise WeightRefitTimeout(self.name, timeout_s, p.phase, p.message)
-                obj = self._next(obj, left)
+                try:
+                    obj = self._next(obj, left, deadline)
+                except Exception as e:  # a dropped watch: watched again from ``obj``
+                    if not _transient(e):
+                        raise
+                    backoff.wait(e)
+                    continue
+                backoff.reset()
         finally:
             if bar is not None:
                 bar.close()
 
-    def _next(self, obj: Mapping[str, Any], left: float) -> Mapping[str, Any]:
-        """The object's next version, watched from the one in hand; the object itself
-        again when the watch ends without a change (its time, or a 410 Gone)."""
+    def _next(self, obj: Mapping[str, Any], left: float, deadline: float
+              ) -> Mapping[str, Any]:
+        """The object's next version, watched from the one in hand; the object read again
+        when the watch ends without a change (its time, or a 410 Gone: the version in
+        hand is too old to watch from). A dropped watch raises what dropped it."""
         from kubernetes import watch
         from kubernetes.client.exceptions import ApiException
 
         w = watch.Watch()  # type: ignore[no-untyped-call]
+        seconds = max(1, min(60, int(left + 0.999)))
         try:
             for event in w.stream(  # type: ignore[no-untyped-call]
                     self._api.list_namespaced_custom_object, GROUP, API_VERSION,
                     self.namespace, PLURAL, field_selector=f"metadata.name={self.name}",
                     resource_version=obj["metadata"]["resourceVersion"],
-                    timeout_seconds=max(1, min(60, int(left + 0.999)))):
+                    timeout_seconds=seconds, _request_timeout=(10.0, seconds + 10.0)):
                 if event["type"] == "DELETED":
                     raise WeightRefitError(f"WeightRefit {self.name} was deleted while waited on.")
                 if event["type"] in ("ADDED", "MODIFIED"):
                     return dict(event["object"])
         except ApiException as e:
-            if e.status != 410:  # 410: the version in hand is too old to watch from
-                raise WeightRefitError(f"Watching WeightRefit {self.name}: {e.status} "
-                                 f"{e.reason}") from e
+            if e.status != 410 and not _transient(e):
+                raise _refused(f"Watching WeightRefit {self.namespace}/{self.name}", e) from e
+            if e.status != 410:
+                raise
         finally:
             w.stop()  # type: ignore[no-untyped-call]
-        return self.get()
+        return self._get(deadline)
 
     def _report(self, obj: Mapping[str, Any], bar: _Bar | None) -> None:
         p = Progress.of(obj)
@@ -250,6 +308,7 @@ def refit(fleet: str, version: int, checkpoint: str, *, namespace: str = "defaul
     is a terminal; ``api_client`` to one from the kubeconfig or the pod's service account.
     ``extra_spec`` adds WeightRefit spec fields (``modePolicy``, ``retryLimit``,
     ``deadlineSeconds``, ...) as the CRD names them."""
+    deadline = time.monotonic() + timeout_s
     if version < 1:
         raise WeightRefitError(f"version must be at least 1, got {version}.")
     base = version - 1 if base_version is None else base_version
@@ -266,10 +325,10 @@ def refit(fleet: str, version: int, checkpoint: str, *, namespace: str = "defaul
     if encoder:
         spec["encoder"] = encoder
     spec.update(extra_spec or {})
-    _create_or_attach(api, namespace, name, spec)
+    _create_or_attach(api, namespace, name, spec, deadline)
     handle = Refit(api, namespace, name, on_progress=on_progress,
                    bar=sys.stderr.isatty() if progress_bar is None else progress_bar)
-    return handle if wait == "created" else handle.wait(wait, timeout_s=timeout_s)
+    return handle if wait == "created" else handle._wait(wait, timeout_s, deadline)
 
 
 def _custom_objects(api_client: Any) -> Any:
@@ -285,24 +344,104 @@ def _custom_objects(api_client: Any) -> Any:
     return client.CustomObjectsApi(api_client)
 
 
-def _create_or_attach(api: Any, namespace: str, name: str, spec: Mapping[str, Any]) -> None:
+def _create_or_attach(api: Any, namespace: str, name: str, spec: Mapping[str, Any],
+                      deadline: float) -> None:
+    """Create the WeightRefit, or attach to one of the same spec (also what a create
+    whose answer was lost, asked again, finds)."""
     from kubernetes.client.exceptions import ApiException
 
     body = {"apiVersion": f"{GROUP}/{API_VERSION}", "kind": "WeightRefit",
             "metadata": {"name": name, "namespace": namespace}, "spec": dict(spec)}
+    call = f"Creating WeightRefit {namespace}/{name}"
     try:
-        api.create_namespaced_custom_object(GROUP, API_VERSION, namespace, PLURAL, body)
+        _call(call, deadline, lambda: api.create_namespaced_custom_object(
+            GROUP, API_VERSION, namespace, PLURAL, body,
+            _request_timeout=_request_timeout(deadline)))
         return
     except ApiException as e:
         if e.status != 409:
-            raise WeightRefitError(f"Creating WeightRefit {namespace}/{name}: {e.status} "
-                             f"{e.reason}: {_said(e)}") from e
-    held = api.get_namespaced_custom_object(GROUP, API_VERSION, namespace, PLURAL,
-                                            name)["spec"]
+            raise _refused(call, e) from e
+    held = Refit(api, namespace, name, on_progress=None, bar=False)._get(deadline)["spec"]
     differ = sorted(k for k in spec if held.get(k) != _with_defaults(spec, held)[k])
     if differ:
         raise WeightRefitError(f"WeightRefit {namespace}/{name} exists with another spec "
                          f"({', '.join(differ)} differ): name the refit, or delete that one.")
+
+
+def _transient(e: BaseException) -> bool:
+    """Whether ``e`` says the API server did not answer (a refused, reset or dropped
+    connection, a timeout, a 429 or 5xx answer): worth asking again."""
+    from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import HTTPError as TransportError
+
+    if isinstance(e, ApiException):
+        return not e.status or e.status in TRANSIENT_STATUS
+    return isinstance(e, TransportError | http.client.HTTPException | OSError)
+
+
+def _refused(call: str, e: BaseException) -> WeightRefitError:
+    """A refusal the API server answered, as our error (anything else raised in process
+    is wrapped with its own words)."""
+    from kubernetes.client.exceptions import ApiException
+
+    if isinstance(e, ApiException):
+        return WeightRefitRefused(call, int(e.status or 0), str(e.reason or ""), _said(e))
+    return WeightRefitError(f"{call}: {_short(e)}")
+
+
+def _short(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def _request_timeout(deadline: float) -> float:
+    """Seconds one call may wait for its answer: at most 30, never past the deadline."""
+    return max(1.0, min(30.0, deadline - time.monotonic()))
+
+
+def _call(call: str, deadline: float, fn: Callable[[], T]) -> T:
+    """``fn()``, asked again with backoff while the API server does not answer; anything
+    else it raises as it is."""
+    backoff = _Backoff(call, deadline)
+    while True:
+        try:
+            return fn()
+        except Exception as e:
+            if not _transient(e):
+                raise
+            backoff.wait(e)
+
+
+class _Backoff:
+    """Waits between retries of one call: ``RETRY_FIRST_S`` doubling to ``RETRY_MAX_S``,
+    never past the deadline; past it, :class:`WeightRefitUnreachable`."""
+
+    def __init__(self, call: str, deadline: float) -> None:
+        self.call, self.deadline = call, deadline
+        self.reset()
+
+    def reset(self) -> None:
+        self.delay: float = RETRY_FIRST_S
+        self.since: float | None = None  # when the call first went unanswered
+        self.last: BaseException | None = None  # what it last raised
+
+    def give_up(self) -> None:
+        """At the deadline: :class:`WeightRefitUnreachable` if the call is unanswered."""
+        if self.last is not None and self.since is not None:
+            raise WeightRefitUnreachable(self.call, time.monotonic() - self.since,
+                                         self.last) from self.last
+
+    def wait(self, e: BaseException) -> None:
+        now = time.monotonic()
+        self.since = now if self.since is None else self.since
+        self.last = e
+        if self.deadline - now <= 0:
+            self.give_up()
+        left = self.deadline - now
+        pause = min(self.delay, left)
+        log.warning("%s: the API server did not answer (%s); asking again in %.1f s",
+                    self.call, _short(e), pause)
+        time.sleep(pause)
+        self.delay = min(2 * self.delay, RETRY_MAX_S)
 
 
 def _with_defaults(spec: Mapping[str, Any], held: Mapping[str, Any]) -> dict[str, Any]:

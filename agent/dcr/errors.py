@@ -94,6 +94,8 @@ Hierarchy (``(module)``: defined beside the code that raises it; the rest here):
         └── WeightRefitError     (client) a WeightRefit could not be asked for or waited on
             ├── WeightRefitFailed  its Failed condition is True (``reason``, ``message``)
             │   └── WeightRefitSuperseded  the fleet committed past it
+            ├── WeightRefitRefused the API server refused a call (``status``: 403, 422...)
+            ├── WeightRefitUnreachable the API server did not answer until the deadline
             └── WeightRefitTimeout neither committed nor failed in time
 
 A server answers a :class:`Refused` with its ``status`` and any other error by its own

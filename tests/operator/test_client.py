@@ -24,6 +24,7 @@ from kubernetes.client import ApiClient, Configuration
 
 from dcr.client import (
     Progress,
+    Refit,
     WeightRefitError,
     WeightRefitFailed,
     WeightRefitSuperseded,
@@ -234,3 +235,35 @@ def test_a_refit_deleted_while_waited_on_is_an_error(
     with pytest.raises(WeightRefitError, match="policy-v7 was deleted while waited on"):
         refit("policy", 7, CKPT, namespace=namespace, api_client=api, progress_bar=False,
               timeout_s=30)
+
+
+def test_a_refit_rides_through_api_server_restarts_before_and_during_its_wait(
+        control_plane: ControlPlane, kube: KubeClient, api: ApiClient,
+        namespace: str) -> None:
+    """The API server is down when the loop asks (the create is asked again until it is
+    back) and restarts again while the loop watches (the dropped watch resumes); the
+    commit written after that is the one ``refit`` returns at."""
+    seen: list[Progress] = []
+    outcome: list[BaseException | Refit] = []
+
+    def loop() -> None:
+        try:
+            outcome.append(refit("policy", 7, CKPT, namespace=namespace, api_client=api,
+                                 on_progress=seen.append, progress_bar=False,
+                                 timeout_s=300))
+        except BaseException as e:
+            outcome.append(e)
+
+    asking = threading.Thread(target=loop, daemon=True)
+    control_plane.restart_apiserver(while_down=lambda: (asking.start(), time.sleep(3.0)))
+    Operator(kube, namespace, "policy-v7", [ENCODING], every_s=0.0).run()
+    deadline = time.monotonic() + 120
+    while not any(p.phase == "Encoding" for p in seen) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert any(p.phase == "Encoding" for p in seen), "the loop never saw its refit encoding"
+    control_plane.restart_apiserver(while_down=lambda: time.sleep(3.0))
+    Operator(kube, namespace, "policy-v7", [PUBLISHED, COMMITTED], every_s=0.0).run()
+    asking.join(240)
+    assert [type(o).__name__ for o in outcome] == ["Refit"], outcome
+    assert seen[-1].phase == "Committed"
+    assert kube.get(_path(namespace, "policy-v7"))["spec"]["targetVersion"] == 7

@@ -341,6 +341,15 @@ class ControlPlane:
         self._workdir = None
         self._server = None
 
+    def restart_apiserver(self, while_down: Callable[[], None] | None = None) -> None:
+        """Kill kube-apiserver and start it again on the same port (etcd keeps every
+        object); ``while_down`` runs in between. Clients see refused connections and
+        dropped watches, as in an API server's rolling restart."""
+        _kill_group(self._processes.pop("kube-apiserver"), "kube-apiserver")
+        if while_down is not None:
+            while_down()
+        self._start_apiserver(self._ports["apiserver"])
+
     def write_kubeconfig_for_token(
         self, token: str, path: Path, *, namespace: str | None = None
     ) -> Path:
@@ -420,8 +429,8 @@ class ControlPlane:
         )
         self._wait_until("etcd", lambda: _http_ok("127.0.0.1", client, "/health", tls=None))
 
-    def _start_apiserver(self) -> None:
-        port = _free_port()
+    def _start_apiserver(self, port: int | None = None) -> None:
+        port = port or _free_port()
         self._ports["apiserver"] = port
         self._server = f"https://{self._address}:{port}"
         pki = self.workdir / "pki"
