@@ -22,6 +22,7 @@ from typing import Any
 
 from dcr.format.payload import Mode
 from dcr.owner.settings import EncodeSettings
+from dcr.protocol import termination
 from dcr.protocol.records import Attempt, CommitRecord
 from dcr.settings import MiB
 from dcr_operator.api.common import GROUP
@@ -52,6 +53,8 @@ POD_SECURITY: dict[str, Any] = {"runAsNonRoot": True, "seccompProfile": {"type":
 CONTAINER_SECURITY: dict[str, Any] = {"allowPrivilegeEscalation": False,
                                       "readOnlyRootFilesystem": True,
                                       "capabilities": {"drop": ["ALL"]}}
+COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
+MESSAGE_BYTES, MESSAGES_SHOWN = 512, 2  # of each failed pod's message, and how many differ
 OWNER_REF = "$(DCR_OWNER)"  # the one reference the kubelet expands: the completion index
 _MAX_JOB_NAME = 52  # pods of indexed Jobs are named <job>-<index>-<5 chars>; hostnames <= 63
 
@@ -147,7 +150,7 @@ def _pod(shape: EncoderProfile, fleet: RolloutFleetSpec, args: list[str],
     Every argument reaches ``dcr`` as written (:func:`kubelet_literal`), but the owner
     index reference."""
     store = fleet.store
-    env = list(env)
+    env = [*env, {"name": termination.PATH_ENV, "value": termination.KUBERNETES_PATH}]
     if store is not None and store.endpoint:
         env.append({"name": "AWS_ENDPOINT_URL", "value": store.endpoint})
     if store is not None and store.region:
@@ -157,7 +160,10 @@ def _pod(shape: EncoderProfile, fleet: RolloutFleetSpec, args: list[str],
                                  "command": ["dcr"], "env": env,
                                  "args": [a if a == OWNER_REF else kubelet_literal(a)
                                           for a in args],
-                                 "securityContext": CONTAINER_SECURITY}
+                                 "securityContext": CONTAINER_SECURITY,
+                                 # dcr writes why it failed there, one sanitized sentence
+                                 "terminationMessagePath": termination.KUBERNETES_PATH,
+                                 "terminationMessagePolicy": "File"}
     if store is not None and store.credentials_secret_ref is not None:
         container["envFrom"] = [{"secretRef": {"name": store.credentials_secret_ref.name}}]
     if shape.resources is not None:
@@ -190,7 +196,7 @@ def job_manifest(*, refit: Mapping[str, Any], spec: WeightRefitSpec, fleet: Roll
               "dcr-operator", COMPONENT_LABEL: "encoder", REFIT_LABEL: short_name(refit_name, 63),
               ATTEMPT_LABEL: attempt.id, **site.labels(refit)}
     env: list[dict[str, Any]] = [{"name": "DCR_OWNER", "valueFrom": {"fieldRef": {
-        "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}}]
+        "fieldPath": f"metadata.annotations['{COMPLETION_INDEX}']"}}}]
     if relay is not None:  # the token from its Secret, never in the arguments
         env.append({"name": "DCR_RELAY_TOKEN", "valueFrom": {"secretKeyRef": {
             "name": relay.token_secret_ref.name, "key": relay.token_secret_ref.key}}})
@@ -291,6 +297,25 @@ def job_failure(job: Mapping[str, Any]) -> str:
     return "failed"
 
 
+def pod_failures(pods: Mapping[str, Any]) -> str:
+    """What the failed pods of a Job (a pod list) said as they ended: each distinct
+    termination message once, with the owner index of its first pod, sanitized again (a
+    pod writes what it likes there), "" if none said anything."""
+    ended: list[tuple[int, str]] = []
+    for pod in pods.get("items") or []:
+        index = (pod.get("metadata", {}).get("annotations") or {}).get(COMPLETION_INDEX, "")
+        for c in (pod.get("status") or {}).get("containerStatuses") or []:
+            state = (c.get("state") or {}).get("terminated") or {}
+            message = termination.sanitize(str(state.get("message") or ""), MESSAGE_BYTES)
+            if state.get("exitCode") and message:
+                ended.append((int(index) if str(index).isdigit() else -1, message))
+    said: dict[str, int] = {}
+    for index, message in sorted(ended):
+        said.setdefault(message, index)
+    return "; ".join(f"owner {index}: {message}"
+                     for message, index in list(said.items())[:MESSAGES_SHOWN])
+
+
 @dataclass(kw_only=True)
 class EncoderJobs:
     """The encoder Jobs of one WeightRefit run (shared by its owner handles)."""
@@ -361,7 +386,7 @@ class EncoderJobs:
                     self._finished(attempt, name, index, None)
                     return
                 if state == "failed":
-                    reason = job_failure(job)
+                    reason = self._failure(job, name)
                     self._finished(attempt, name, index, reason)
                     raise EncoderJobFailed(f"Encoder Job {name} (owner {index} of attempt "
                                            f"{attempt.id}) failed: {reason}.")
@@ -370,6 +395,18 @@ class EncoderJobs:
                 raise EncoderJobFailed(f"Encoder Job {name} (owner {index}) did not finish "
                                        f"by attempt {attempt.id}'s deadline.")
             time.sleep(self.settings.job_poll_seconds)
+
+    def _failure(self, job: Mapping[str, Any], name: str) -> str:
+        """The Job's failure condition, and what its failed pods wrote as they ended."""
+        reason = job_failure(job)
+        try:
+            pods = self.kube.get(api_path("", "v1", "pods", self.namespace),
+                                 labelSelector=f"batch.kubernetes.io/job-name={name}")
+        except ApiError as e:  # the condition alone still says that it failed
+            log.warning("encoder Job %s: its pods are unreadable: %s", name, e)
+            return reason
+        said = pod_failures(pods)
+        return f"{reason}; {said}" if said else reason
 
     def _finished(self, attempt: Attempt, name: str, index: int, failure: str | None) -> None:
         with self._lock:

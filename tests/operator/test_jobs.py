@@ -20,6 +20,7 @@ from dcr_operator.jobs import (
     job_name,
     job_state,
     parse_indexes,
+    pod_failures,
     snapshot_job_manifest,
 )
 from dcr_operator.kube import KubeClient
@@ -434,3 +435,33 @@ def test_encoder_pods_meet_the_restricted_pod_security_level_and_carry_no_api_to
         assert c["securityContext"] == {"allowPrivilegeEscalation": False,
                                         "readOnlyRootFilesystem": True,
                                         "capabilities": {"drop": ["ALL"]}}
+
+
+def _failed_pod(index: int, message: str, code: int = 1) -> dict[str, Any]:
+    return {"metadata": {"annotations": {"batch.kubernetes.io/job-completion-index":
+                                         str(index)}},
+            "status": {"containerStatuses": [{"state": {"terminated": {
+                "exitCode": code, "message": message}}}]}}
+
+
+def test_a_failed_jobs_pods_say_why_once_each_sanitized_and_bounded() -> None:
+    """Fails without ``pod_failures``: a failed encoder Job's condition said only
+    "BackoffLimitExceeded"; what the pod wrote as it ended is carried now, never trusted."""
+    pods = {"items": [
+        _failed_pod(1, "StoreError: Store s3://b/p\nunreachable."),
+        _failed_pod(0, "StoreError: Store s3://b/p\nunreachable."),
+        _failed_pod(2, "\x1b[2J" + "y" * 9000),
+        _failed_pod(3, "ok", code=0), _failed_pod(4, "")]}
+    said = pod_failures(pods)
+    assert said.startswith("owner 0: StoreError: Store s3://b/p unreachable.; owner 2: ?[2J")
+    assert len(said) < 2 * 512 + 40
+    assert "\n" not in said
+    assert "owner 3" not in said
+    assert pod_failures({"items": []}) == ""
+
+
+def test_the_encoder_container_writes_its_termination_message_where_kubernetes_reads() -> None:
+    container = manifest()["spec"]["template"]["spec"]["containers"][0]
+    assert (container["terminationMessagePath"], container["terminationMessagePolicy"]) == (
+        "/dev/termination-log", "File")
+    assert {"name": "DCR_TERMINATION_LOG", "value": "/dev/termination-log"} in container["env"]

@@ -704,6 +704,30 @@ def test_a_refit_created_before_its_base_commits_waits_for_it_then_commits(
     assert sc.exact(8)
 
 
+def test_a_failed_encoder_job_says_why_in_the_refits_condition_and_event(
+        scenario: Scenario) -> None:
+    """Fails without the termination message: the condition and the Event said only
+    "BackoffLimitExceeded", and why ``dcr encode`` failed sat in a pod log (often in
+    another cluster). Now the encoder's own sentence, sanitized, is carried there."""
+    sc = scenario
+    committed = eventually(lambda: (sc.fleet().get("status") or {}).get("commit"),
+                           timeout_s=60, what="a commit record")["committedVersion"]
+    missing = sc.tmp / "ckpts" / "never-written"
+    apply(sc.kube, [{"apiVersion": "dcr.dev/v1alpha1", "kind": "WeightRefit",
+                     "metadata": {"name": "policy-missing"},
+                     "spec": {"fleet": FLEET, "baseVersion": committed,
+                              "targetVersion": committed + 1,
+                              "source": {"checkpoint": str(missing)}}}], sc.ns)
+    refit = sc.wait_phase("policy-missing", "Failed")
+    said = "CheckpointError: Checkpoint "
+    assert all(said in a["reason"] and "does not exist" in a["reason"]
+               for a in refit["status"]["attempts"]), refit["status"]["attempts"]
+    failed = [e for e in sc.events("policy-missing") if e[1] == "EncoderJobFailed"]
+    assert failed
+    assert all(said in e[2] and "\n" not in e[2] for e in failed), failed
+    assert sc.fleet()["status"]["commit"]["committedVersion"] == committed
+
+
 def test_the_example_loops_fsdp2_ranks_are_the_owners_and_no_checkpoint_is_written(
         scenario: Scenario) -> None:
     """The example loop (``python -m dcr.loop``) as two gloo ranks started from v8:

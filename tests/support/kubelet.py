@@ -7,7 +7,8 @@ would start it, and reports the exit as the pod's phase, so the real Job control
 indexes complete or fail. It honours what the operator's Job manifest uses and nothing
 more: ``env`` values and ``fieldRef`` to annotations, ``$(VAR)`` expansion in ``args``,
 ``configMap`` volumes (materialized in a temporary directory, paths under the mount
-rewritten), and ``command: ["dcr"]`` (this interpreter's ``python -m dcr``).
+rewritten), ``terminationMessagePath`` (a local file, read into the terminated state's
+``message`` as the kubelet does), and ``command: ["dcr"]`` (this interpreter's ``python -m dcr``).
 
 ``hold`` pauses pods a predicate picks until ``release``: tests use it to keep an
 attempt's encoder running while they restart the operator. ``release(zombies=True)``
@@ -18,6 +19,7 @@ keeps writing after its Job is gone.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import subprocess
 import sys
@@ -34,6 +36,7 @@ from dcr_operator.kube import KubeClient, api_path
 # As the kubelet expands args: ``$$`` is one ``$`` (never the start of a reference), and
 # ``$(NAME)`` is NAME's value if the container has it, else left as written.
 _VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+_MESSAGE_BYTES = 4096  # what the kubelet keeps of a termination message
 _ANNOTATION = re.compile(r"^metadata\.annotations\['([^']+)'\]$")
 
 
@@ -114,11 +117,27 @@ class FakeKubelet:
                 return  # deleted while held: a real kubelet would never start it
         with tempfile.TemporaryDirectory(dir=self.workdir, prefix=f"{name}-") as tmp:
             argv = self._argv(pod, Path(tmp))
+            env, message_file = self._termination_file(pod, Path(tmp))
             done = subprocess.run(argv, capture_output=True, text=True, timeout=300,
-                                  check=False)
+                                  check=False, env=env)
+            message = (message_file.read_bytes()[:_MESSAGE_BYTES].decode(errors="replace")
+                       if message_file is not None and message_file.exists() else "")
         self.logs[name] = f"$ {' '.join(argv)}\n{done.stdout}{done.stderr}"
         self.finished[name] = done.returncode
-        self._report(pod, done.returncode)
+        self._report(pod, done.returncode, message)
+
+    @staticmethod
+    def _termination_file(pod: dict[str, Any], tmp: Path
+                          ) -> tuple[dict[str, str] | None, Path | None]:
+        """The process environment and the local file standing in for the container's
+        ``terminationMessagePath`` (an env value naming that path is pointed at it)."""
+        (c,) = pod["spec"]["containers"]
+        path = c.get("terminationMessagePath")
+        if not path:
+            return None, None
+        local = tmp / "termination-log"
+        named = {e["name"]: str(local) for e in c.get("env", []) if e.get("value") == path}
+        return {**os.environ, **named}, local
 
     def _argv(self, pod: dict[str, Any], tmp: Path) -> list[str]:
         spec = pod["spec"]
@@ -154,14 +173,15 @@ class FakeKubelet:
         assert command == ["dcr"], f"the stand-in kubelet runs `dcr` only, not {command}"
         return [sys.executable, "-m", "dcr", *(resolve(a) for a in c.get("args", []))]
 
-    def _report(self, pod: dict[str, Any], code: int) -> None:
+    def _report(self, pod: dict[str, Any], code: int, message: str = "") -> None:
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         c = pod["spec"]["containers"][0]
         status = {"phase": "Succeeded" if code == 0 else "Failed", "containerStatuses": [{
             "name": c["name"], "image": c["image"], "imageID": "", "ready": False,
             "restartCount": 0, "state": {"terminated": {
                 "exitCode": code, "reason": "Completed" if code == 0 else "Error",
-                "startedAt": now, "finishedAt": now}}}]}
+                "startedAt": now, "finishedAt": now,
+                **({"message": message} if message else {})}}}]}
         with contextlib.suppress(NotFound):
             self.kube.merge_patch(api_path("", "v1", "pods", self.namespace,
                                            pod["metadata"]["name"], "status"),
