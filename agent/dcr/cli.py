@@ -18,20 +18,27 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dcr.checkpoint import Checkpoint
-from dcr.errors import ConfigError, DcrError, ObjectNotFound
-from dcr.files.inspect import describe, render
+from dcr.errors import AttemptError, ConfigError, DcrError, ObjectNotFound, StoreError
+from dcr.files.inspect import (
+    NO_HISTORY,
+    committed_manifest,
+    describe,
+    history_report,
+    render,
+    render_history,
+)
 from dcr.files.patch import load_manifest, patch_checkpoint
 from dcr.format.profile import load_profile
 from dcr.owner.diff import diff_checkpoints, encode_summary
 from dcr.owner.settings import EncodeSettings
+from dcr.protocol import termination
 from dcr.settings import add_options, doc, from_args
 from dcr.transport.store import Store, open_store
 
 if TYPE_CHECKING:  # the relay node loads only when ``dcr relay`` runs
     from dcr.transport.relay import RelaySettings
 
-EPILOG = """\
-examples:
+EPILOG = r"""examples:
   dcr diff ckpt/v1 ckpt/v2 --store file:///tmp/deltas --version 2 --json
   dcr patch rollout/ckpt --store file:///tmp/deltas --version 2
   dcr inspect --store file:///tmp/deltas --version 2
@@ -61,6 +68,11 @@ def _emit(args: argparse.Namespace, summary: dict[str, Any], text: str) -> None:
 STORE_WRITE_HELP = ("where to write: file:///abs/path (or a plain path), s3://bucket/prefix "
                     "(credentials and endpoint from the AWS_* environment), or "
                     "relay+http(s)://host:port, a relay tree's root")
+HISTORY_DIGEST_HELP = ("BLAKE2b-128 the history object must have (else the store's is "
+                       "trusted)")
+COMMIT_FILE_HELP = ("the fleet's commit file (its <fleet>-commit ConfigMap, mounted): the "
+                    "version to build and the history digest that vouches for it; while "
+                    "it is missing, the store's newest history is trusted")
 STORE_READ_HELP = ("the store version N is in: file:///abs/path (or a plain path) or "
                    "s3://bucket/prefix (credentials and endpoint from the AWS_* environment)")
 
@@ -146,8 +158,11 @@ def _held_manifest(store: Store, settings: EncodeSettings, args: argparse.Namesp
         attempt = load_manifest(store, settings.target_version).attempt
     except ObjectNotFound:
         return None
-    except DcrError:  # a damaged manifest is replaced the same way
+    except AttemptError:  # a damaged manifest is replaced the same way
         attempt = "unreadable"
+    except StoreError as e:  # no credentials, no endpoint: not a version held
+        raise StoreError(f"Cannot tell whether {store.uri} holds version "
+                         f"{settings.target_version}: {e}") from e
     if not args.replace:
         raise ConfigError(f"{store.uri} already holds version {settings.target_version} (attempt "
                           f"{attempt}); dcr diff --replace writes over its manifest.")
@@ -183,9 +198,17 @@ def cmd_patch(args: argparse.Namespace) -> None:
 
 def cmd_inspect(args: argparse.Namespace) -> None:
     store = open_store(args.store)
-    m = load_manifest(store, args.version)
+    try:
+        m = load_manifest(store, args.version)  # what `dcr diff` wrote
+    except ObjectNotFound:  # a coordinator's commit: its owners' parts, by the history
+        m = committed_manifest(store, args.version, args.history_digest)
     report = describe(store, m)
     _emit(args, report, render(report))
+
+
+def cmd_history(args: argparse.Namespace) -> None:
+    report = history_report(open_store(args.store), args.history_digest)
+    _emit(args, report, render_history(report))
 
 
 def cmd_agent(args: argparse.Namespace) -> None:
@@ -308,12 +331,45 @@ _BUILT_WHEN_RUN: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]
 }
 
 
+def committed(args: argparse.Namespace) -> tuple[int | None, str | None]:
+    """The version to build and the history digest that vouches for it: from
+    ``--commit-file`` (read again on every call: a kubelet updates a mounted ConfigMap
+    within its sync period), else ``--version`` and ``--history-digest``, else the store's
+    newest history, trusted (docs/two-clusters.md, "What a pod is told")."""
+    import logging
+
+    from dcr.format.commitfile import read_commit_file
+
+    if args.commit_file is None:
+        return getattr(args, "version", None), args.history_digest
+    if getattr(args, "version", None) is not None or args.history_digest is not None:
+        raise ConfigError(f"--commit-file {args.commit_file} gives the version and the "
+                          "history digest; --version and --history-digest contradict it.")
+    pinned = read_commit_file(Path(args.commit_file))
+    if pinned is None:
+        logging.getLogger("dcr.cli").warning(
+            "%s: no commit file (its optional volume is empty until the fleet's first "
+            "commit): building the newest version the store's own history names, trusting "
+            "whoever may write %s", args.commit_file, args.store)
+        return None, None
+    return pinned.committed_version, pinned.history_digest
+
+
 def cmd_materialize(args: argparse.Namespace) -> None:
+    from dcr.files.inspect import NoHistory
     from dcr.files.materialize import materialize
+    from dcr.format.history import HISTORY_KEY
+    from dcr.format.layout import manifest_key
 
     out = Path(args.out)
+    store = open_store(args.store)
+    args.version, args.history_digest = committed(args)  # the rest builds what it says
+    # No history and nothing to start from, or a version `dcr diff` wrote: nothing to build.
+    diffed = args.seed is None or store.exists(manifest_key(args.version or 1))
+    if args.history_digest is None and diffed and not store.exists(HISTORY_KEY):
+        raise NoHistory(NO_HISTORY.format(uri=store.uri))
     t0 = time.perf_counter()
-    done = materialize(open_store(args.store), out, version=args.version, held=args.held,
+    done = materialize(store, out, version=args.version, held=args.held,
                        seed=Path(args.seed) if args.seed else None,
                        digest=args.history_digest)
     seconds = time.perf_counter() - t0
@@ -344,7 +400,8 @@ def cmd_mirror(args: argparse.Namespace) -> None:
     while True:
         t0 = time.perf_counter()
         try:
-            done = sync(store, root, seed=seed, digest=args.history_digest, keep=args.keep)
+            want, digest = committed(args)
+            done = sync(store, root, version=want, seed=seed, digest=digest, keep=args.keep)
         except DcrError as e:
             if args.once:
                 raise
@@ -382,6 +439,17 @@ def cmd_snapshot(args: argparse.Namespace) -> None:
              else "the coordinator's next commit adopts it into the history"))
 
 
+def package_version() -> str:
+    """The installed distribution's version (``dcr --version``)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("dcr")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown (not installed)"
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; a command of :data:`_BUILT_WHEN_RUN` gets its options only when it is
     ``command`` (or ``command`` is None)."""
@@ -391,6 +459,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument("--version", action="version", version=f"dcr {package_version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     _add_encode_commands(sub)
@@ -417,9 +486,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                     "has (the run's public starting model), or one that records its version "
                     "(a mirror's current generation): DIR starts as its copy, unless an "
                     "earlier run recorded a version there")
-    ma.add_argument("--history-digest", metavar="HEX",
-                    help="BLAKE2b-128 the history object must have (else the store's is "
-                    "trusted)")
+    ma.add_argument("--history-digest", metavar="HEX", help=HISTORY_DIGEST_HELP)
+    ma.add_argument("--commit-file", metavar="PATH", help=COMMIT_FILE_HELP)
     ma.add_argument("--json", action="store_true", help="print the summary as JSON")
     ma.set_defaults(func=cmd_materialize)
 
@@ -439,9 +507,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                     help="seconds between reads of the history (default 10)")
     mi.add_argument("--once", action="store_true", help="sync once and exit (an error "
                     "exits non-zero)")
-    mi.add_argument("--history-digest", metavar="HEX",
-                    help="BLAKE2b-128 the history object must have (else the store's is "
-                    "trusted)")
+    mi.add_argument("--history-digest", metavar="HEX", help=HISTORY_DIGEST_HELP)
+    mi.add_argument("--commit-file", metavar="PATH", help=COMMIT_FILE_HELP + "; read "
+                    "again before every sync")
     mi.add_argument("--json", action="store_true", help="print each sync's summary as JSON")
     mi.set_defaults(func=cmd_mirror)
 
@@ -458,12 +526,22 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sn.add_argument("--json", action="store_true", help="print the summary as JSON")
     sn.set_defaults(func=cmd_snapshot)
 
-    i = sub.add_parser("inspect", help="summarise the delta of version N")
+    i = sub.add_parser("inspect", help="summarise the delta of version N (one `dcr diff` "
+                       "wrote, or one a coordinator committed)")
     i.add_argument("--store", required=True, metavar="URI", help=STORE_READ_HELP)
     i.add_argument("--version", type=version, required=True, metavar="N",
                    help="the version whose delta to describe")
+    i.add_argument("--history-digest", metavar="HEX", help=HISTORY_DIGEST_HELP)
     i.add_argument("--json", action="store_true", help="print the report as JSON")
     i.set_defaults(func=cmd_inspect)
+
+    h = sub.add_parser("history", help="list what a store's history commits and keeps: "
+                       "versions, their attempts and bytes, snapshots")
+    h.add_argument("--store", required=True, metavar="URI",
+                   help="the store the history is in (file://, s3://)")
+    h.add_argument("--history-digest", metavar="HEX", help=HISTORY_DIGEST_HELP)
+    h.add_argument("--json", action="store_true", help="print the report as JSON")
+    h.set_defaults(func=cmd_history)
 
     for name, (help_, options) in _BUILT_WHEN_RUN.items():
         # No abbreviations: a flag that moved elsewhere (the agent's --model is dcr
@@ -505,8 +583,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args.func(args)
     except DcrError as e:
+        termination.write(e)
         print(f"dcr: error: {e}", file=sys.stderr)
         return 1
+    except Exception as e:
+        termination.write(e)
+        raise
     return 0
 
 

@@ -641,3 +641,32 @@ def test_a_mirror_generation_carries_only_vouched_files_to_the_next(
     second = sync(run.store, root, version=2)
     assert sorted(p.name for p in second.current.path.iterdir()) == [
         ".dcr-version", "config.json", "model.safetensors"]
+
+
+def test_dcr_history_lists_the_commits_and_snapshots_and_inspect_reads_a_committed_version(
+        run: Run, capsys: pytest.CaptureFixture[str]) -> None:
+    """Fails without ``dcr history`` and the history route of ``dcr inspect``: nothing
+    showed a store's history, and inspect read only manifests ``dcr diff`` wrote."""
+    import json
+
+    from dcr.cli import main
+
+    uri = run.store.root.as_uri()
+    assert main(["history", "--store", uri, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    h = run.history.read()
+    assert report["committed"] == LAST
+    assert [(v["base_version"], v["version"], v["attempt"]) for v in report["versions"]] == [
+        (c.base_version, c.version, c.attempt) for c in h.versions]
+    assert [s["version"] for s in report["snapshots"]] == [2]
+    assert main(["history", "--store", uri]) == 0
+    assert f"committed version {LAST}; {LAST} versions, 1 snapshots kept" in (
+        capsys.readouterr().out)
+    assert main(["inspect", "--store", uri, "--version", "2", "--json"]) == 0
+    described = json.loads(capsys.readouterr().out)
+    assert described["version"] == 2
+    assert described["attempt"] == h.versions[1].attempt
+    assert sum(t["changed"] for t in described["tensor_rows"]) > 0
+    assert main(["inspect", "--store", uri, "--version", "9"]) == 1
+    assert "its history commits no such version (it commits: 1, 2, 3)" in (
+        capsys.readouterr().err)

@@ -1,4 +1,5 @@
-"""``dcr inspect``: what a version's delta holds, per tensor.
+"""``dcr inspect`` and ``dcr history``: what a version's delta holds, per tensor, and
+what a store's history commits and keeps.
 
 Streams are shared by all items of a payload, so a tensor's wire bytes are estimated by
 giving each item the share of every stream's compressed size that its raw bytes take.
@@ -10,10 +11,17 @@ import math
 from collections import defaultdict
 from typing import Any
 
+from dcr.errors import ConfigError, ObjectNotFound
+from dcr.files.history import HistoryStore
 from dcr.format.dtypes import DTYPES
+from dcr.format.history import HISTORY_KEY
 from dcr.format.manifest import Manifest
 from dcr.format.payload import read_payload
 from dcr.transport.store import Store
+
+
+class NoHistory(ConfigError):
+    """The store holds no history (a ``dcr diff`` store): nothing to read or build from."""
 
 
 def describe(store: Store, m: Manifest) -> dict[str, Any]:
@@ -75,3 +83,47 @@ def render(report: dict[str, Any]) -> str:
     )
     return "\n".join(lines)
 
+
+
+NO_HISTORY = ("{uri} holds no history: only a coordinator (the operator, dcr.client, "
+              "dcr refit) writes one as it commits; versions `dcr diff` wrote are read "
+              "with `dcr inspect --version N` and applied with `dcr patch`.")
+
+
+def history_report(store: Store, digest: str | None = None) -> dict[str, Any]:
+    """What the store's history holds: every committed version (its base, attempt,
+    manifest parts and payload bytes) and the snapshots kept. NoHistory if it has none."""
+    hs = HistoryStore(store, digest)
+    history = hs.read()
+    if digest is None and not store.exists(HISTORY_KEY):
+        raise NoHistory(NO_HISTORY.format(uri=store.uri))
+    return {"committed": history.committed,
+            "versions": [{"version": c.version, "base_version": c.base_version,
+                          "attempt": c.attempt, "parts": len(c.parts),
+                          "payload_bytes": c.payload_bytes} for c in history.versions],
+            "snapshots": [{"version": s.version, "bytes": s.bytes, "index": s.index.key}
+                          for s in history.snapshots]}
+
+
+def render_history(report: dict[str, Any]) -> str:
+    lines = [f"committed version {report['committed']}; {len(report['versions'])} versions, "
+             f"{len(report['snapshots'])} snapshots kept", "",
+             f"{'version':>7}  {'base':>5}  {'attempt':<16} {'parts':>5} {'payload bytes':>15}"]
+    lines += [f"{v['version']:>7}  {v['base_version']:>5}  {v['attempt']:<16} {v['parts']:>5} "
+              f"{v['payload_bytes']:>15,}" for v in report["versions"]]
+    lines += ["", f"{'snapshot':>8}  {'bytes':>15}  index"]
+    lines += [f"{s['version']:>8}  {s['bytes']:>15,}  {s['index']}" for s in report["snapshots"]]
+    return "\n".join(lines)
+
+
+def committed_manifest(store: Store, version: int, digest: str | None = None) -> Manifest:
+    """The manifest of a version a coordinator committed (its owners' parts, merged and
+    checked against the history): what ``dcr inspect`` reads where no ``dcr diff`` wrote."""
+    hs = HistoryStore(store, digest)
+    history = hs.read()
+    entry = next((c for c in history.versions if c.version == version), None)
+    if entry is None:
+        kept = ", ".join(str(c.version) for c in history.versions) or "none"
+        raise ObjectNotFound(f"{store.uri} holds no manifest of version {version}, and its "
+                             f"history commits no such version (it commits: {kept}).")
+    return hs.manifest(entry)
