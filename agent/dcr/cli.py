@@ -70,6 +70,9 @@ STORE_WRITE_HELP = ("where to write: file:///abs/path (or a plain path), s3://bu
                     "relay+http(s)://host:port, a relay tree's root")
 HISTORY_DIGEST_HELP = ("BLAKE2b-128 the history object must have (else the store's is "
                        "trusted)")
+COMMIT_FILE_HELP = ("the fleet's commit file (its <fleet>-commit ConfigMap, mounted): the "
+                    "version to build and the history digest that vouches for it; while "
+                    "it is missing, the store's newest history is trusted")
 STORE_READ_HELP = ("the store version N is in: file:///abs/path (or a plain path) or "
                    "s3://bucket/prefix (credentials and endpoint from the AWS_* environment)")
 
@@ -328,6 +331,30 @@ _BUILT_WHEN_RUN: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]
 }
 
 
+def committed(args: argparse.Namespace) -> tuple[int | None, str | None]:
+    """The version to build and the history digest that vouches for it: from
+    ``--commit-file`` (read again on every call: a kubelet updates a mounted ConfigMap
+    within its sync period), else ``--version`` and ``--history-digest``, else the store's
+    newest history, trusted (docs/two-clusters.md, "What a pod is told")."""
+    import logging
+
+    from dcr.format.commitfile import read_commit_file
+
+    if args.commit_file is None:
+        return getattr(args, "version", None), args.history_digest
+    if getattr(args, "version", None) is not None or args.history_digest is not None:
+        raise ConfigError(f"--commit-file {args.commit_file} gives the version and the "
+                          "history digest; --version and --history-digest contradict it.")
+    pinned = read_commit_file(Path(args.commit_file))
+    if pinned is None:
+        logging.getLogger("dcr.cli").warning(
+            "%s: no commit file (its optional volume is empty until the fleet's first "
+            "commit): building the newest version the store's own history names, trusting "
+            "whoever may write %s", args.commit_file, args.store)
+        return None, None
+    return pinned.committed_version, pinned.history_digest
+
+
 def cmd_materialize(args: argparse.Namespace) -> None:
     from dcr.files.inspect import NoHistory
     from dcr.files.materialize import materialize
@@ -336,6 +363,7 @@ def cmd_materialize(args: argparse.Namespace) -> None:
 
     out = Path(args.out)
     store = open_store(args.store)
+    args.version, args.history_digest = committed(args)  # the rest builds what it says
     # No history and nothing to start from, or a version `dcr diff` wrote: nothing to build.
     diffed = args.seed is None or store.exists(manifest_key(args.version or 1))
     if args.history_digest is None and diffed and not store.exists(HISTORY_KEY):
@@ -372,7 +400,8 @@ def cmd_mirror(args: argparse.Namespace) -> None:
     while True:
         t0 = time.perf_counter()
         try:
-            done = sync(store, root, seed=seed, digest=args.history_digest, keep=args.keep)
+            want, digest = committed(args)
+            done = sync(store, root, version=want, seed=seed, digest=digest, keep=args.keep)
         except DcrError as e:
             if args.once:
                 raise
@@ -458,6 +487,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                     "(a mirror's current generation): DIR starts as its copy, unless an "
                     "earlier run recorded a version there")
     ma.add_argument("--history-digest", metavar="HEX", help=HISTORY_DIGEST_HELP)
+    ma.add_argument("--commit-file", metavar="PATH", help=COMMIT_FILE_HELP)
     ma.add_argument("--json", action="store_true", help="print the summary as JSON")
     ma.set_defaults(func=cmd_materialize)
 
@@ -478,6 +508,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     mi.add_argument("--once", action="store_true", help="sync once and exit (an error "
                     "exits non-zero)")
     mi.add_argument("--history-digest", metavar="HEX", help=HISTORY_DIGEST_HELP)
+    mi.add_argument("--commit-file", metavar="PATH", help=COMMIT_FILE_HELP + "; read "
+                    "again before every sync")
     mi.add_argument("--json", action="store_true", help="print each sync's summary as JSON")
     mi.set_defaults(func=cmd_mirror)
 

@@ -1,9 +1,10 @@
 """The commit record in a RolloutFleet's status, changed only by compare-and-set.
 
 :class:`FleetCommitStore` keeps ``(committedVersion, baselineId, attempt, historyDigest)``
-in ``status.commit``. A CAS patches the status subresource under the ``resourceVersion`` it
-read, and succeeds only if the answer carries the record written; a 409 is settled by
-reading again.
+in ``status.commit``, and publishes it to the fleet's pods as it writes it
+(:mod:`dcr_operator.commitmap`). A CAS patches the status subresource under the
+``resourceVersion`` it read, and succeeds only if the answer carries the record written; a
+409 is settled by reading again.
 Why: docs/operator.md, "Inside the operator".
 """
 
@@ -17,7 +18,7 @@ from dcr.protocol.commitstore import CommitStoreError
 from dcr.protocol.records import CommitOutcome, CommitRecord
 from dcr_operator.api.common import GROUP, VERSION
 from dcr_operator.api.rolloutfleet import PLURAL as FLEET_PLURAL
-from dcr_operator.errors import ApiError, ApiUnreachable, Conflict, NotFound
+from dcr_operator.errors import ApiError, ApiUnreachable, Conflict, InvalidResource, NotFound
 from dcr_operator.kube import KubeClient, api_path
 from dcr_operator.reconcile import now
 
@@ -117,8 +118,20 @@ class FleetCommitStore:
                 return CommitOutcome.UNKNOWN
             log.info("%r: committed version %s (%s) by %s", self, new.committed_version,
                      new.baseline_id, new.attempt)
+            self._publish()
             return CommitOutcome.SUCCESS
         return CommitOutcome.UNKNOWN
+
+    def _publish(self) -> None:
+        """Publish the record to the fleet's pods (``<fleet>-commit``). A failure changes
+        no outcome: the record moved, and each fleet poll publishes it again."""
+        from dcr_operator.commitmap import publish_commit  # it imports this module
+
+        try:
+            publish_commit(self.kube, self.namespace, self.name)
+        except (ApiError, ApiUnreachable, InvalidResource) as e:
+            log.warning("%r: the commit is recorded, but not yet published to the fleet's "
+                        "pods: %s", self, e)
 
     def initialize(self) -> CommitRecord:
         """Write the initial record into a fleet that has none yet; return the record."""
@@ -134,6 +147,7 @@ class FleetCommitStore:
             except Conflict:
                 continue
             if _carries(answer, record):
+                self._publish()
                 return record
         raise CommitStoreError(f"Could not initialize the commit record of RolloutFleet "
                                f"{self.namespace}/{self.name}: it kept changing.")

@@ -27,6 +27,7 @@ from dcr_operator.api.rolloutfleet import PLURAL as FLEET_PLURAL
 from dcr_operator.api.rolloutfleet import RolloutFleetSpec
 from dcr_operator.api.weightrefit import PLURAL as REFIT_PLURAL
 from dcr_operator.cleanup import clean_refit_store, delete_refit_jobs
+from dcr_operator.commitmap import publish_commit
 from dcr_operator.commitstore import FleetCommitStore
 from dcr_operator.errors import ApiError, ApiUnreachable, InvalidResource, NotFound, NotYet
 from dcr_operator.fleet import fleet_path, prune_refits, refresh
@@ -144,6 +145,11 @@ def _refresh_fleet(kube: KubeClient, fleet: Mapping[str, Any]) -> None:
     meta = fleet["metadata"]
     refresh(kube, fleet, clock=now, active=holder(meta["namespace"], meta["name"]))
     prune_refits(kube, fleet, at=now())
+    try:  # what a failed or lost publish at the commit left behind
+        publish_commit(kube, meta["namespace"], meta["name"])
+    except (ApiError, ApiUnreachable, InvalidResource) as e:
+        log.warning("RolloutFleet %s/%s: its commit is not published to its pods: %s",
+                    meta["namespace"], meta["name"], e)
 
 
 @kopf.index(GROUP, VERSION, FLEET_PLURAL)

@@ -19,11 +19,15 @@ import numpy as np
 import pytest
 import torch
 
+from dcr import cli
 from dcr.apply.plan import CanonicalTensor
 from dcr.checkpoint import ArrayCheckpoint
 from dcr.errors import ManifestError
 from dcr.files import history as history_mod
 from dcr.files.history import COPIES, HistoryRefused, HistoryStore, copy_key
+from dcr.files.materialize import recorded_version
+from dcr.files.mirror import current
+from dcr.format.commitfile import COMMIT_FILE_KEY, CommitFile
 from dcr.format.history import (
     AHEAD_VERSIONS,
     HISTORY_KEY,
@@ -324,3 +328,95 @@ def test_copies_of_histories_the_record_no_longer_vouches_for_are_pruned_beyond_
     assert sorted(fleet.store.list(COPIES)) == sorted(
         copy_key(r.history_digest) for r in (two, three))
     assert HistoryStore(fleet.store, three.history_digest).read().committed == 3
+
+
+def _pin(path: Path, record: CommitRecord) -> Path:
+    """What the operator publishes in the fleet's ``<fleet>-commit`` ConfigMap."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(CommitFile(committed_version=record.committed_version,
+                               history_digest=record.history_digest).pack())
+    return path
+
+
+def _holds(fleet: Fleet, ckpt: Path, v: int) -> bool:
+    """Does ``ckpt`` hold version ``v``'s bits, every tensor?"""
+    from safetensors.torch import load_file
+
+    got = {n: t for f in sorted(ckpt.glob("*.safetensors")) for n, t in load_file(f).items()}
+    want = fleet.states[v]
+    return got.keys() == want.keys() and all(
+        torch.equal(got[n].view(torch.int16), want[n].view(torch.int16)) for n in want)
+
+
+def test_a_store_writer_putting_back_an_older_history_steers_no_pod_given_the_commit_file(
+        fleet: Fleet, tmp_path: Path) -> None:
+    """``dcr materialize`` and ``dcr mirror`` read the version and the history digest from
+    the commit file the operator publishes: a store writer who puts v1's genuine history
+    back after v2's commit steers neither off v2's bits (without the file, both build v1:
+    the store's newest history is all they have)."""
+    fleet.refit(1)
+    one = fleet.commits.read()
+    older = fleet.store.get(HISTORY_KEY)
+    two = fleet.refit(2)
+    fleet.store.put(HISTORY_KEY, older)
+    uri, seed = fleet.store.uri, tmp_path / "rollout" / "v0"
+    start = ["--seed", str(seed), "--held", "0"]
+    assert cli.main(["materialize", "--store", uri, "--out", str(tmp_path / "steered"),
+                     *start]) == 0
+    assert recorded_version(tmp_path / "steered") == 1  # what the store alone says
+
+    pinned = _pin(tmp_path / "commit" / COMMIT_FILE_KEY, two)
+    out = tmp_path / "pod"
+    assert cli.main(["materialize", "--store", uri, "--out", str(out), *start,
+                     "--commit-file", str(pinned)]) == 0
+    assert recorded_version(out) == 2
+    assert _holds(fleet, out, 2)
+
+    mirror, once = tmp_path / "mirror", ["--dir", str(tmp_path / "mirror"), "--once"]
+    _pin(pinned, one)  # each sync reads the file again: the mirror follows it
+    assert cli.main(["mirror", "--store", uri, *once, *start, "--commit-file",
+                     str(pinned)]) == 0
+    gen = current(mirror)
+    assert gen is not None
+    assert gen.version == 1
+    _pin(pinned, two)
+    assert cli.main(["mirror", "--store", uri, *once, "--commit-file", str(pinned)]) == 0
+    gen = current(mirror)
+    assert gen is not None
+    assert gen.version == 2
+    assert _holds(fleet, gen.path, 2)
+
+
+def test_a_missing_commit_file_trusts_the_store_by_name_and_a_bad_one_is_refused(
+        fleet: Fleet, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Before the fleet's first commit its optional volume is empty: the pod builds what
+    the store's history names, and says whom it trusts. A file that is not the operator's
+    (a version as a string, a digest of another shape, a field it never writes, too large)
+    is refused naming the value, and nothing is built."""
+    two = [fleet.refit(1), fleet.refit(2)][-1]
+    base = ["materialize", "--store", fleet.store.uri, "--seed",
+            str(tmp_path / "rollout" / "v0"), "--held", "0"]
+    missing = tmp_path / "empty" / COMMIT_FILE_KEY
+    assert cli.main([*base, "--out", str(tmp_path / "a"), "--commit-file", str(missing)]) == 0
+    assert recorded_version(tmp_path / "a") == 2
+    assert "trusting whoever may write" in caplog.text
+    assert str(missing) in caplog.text
+    bad = tmp_path / "bad" / COMMIT_FILE_KEY
+    bad.parent.mkdir()
+    good = json.loads(CommitFile(committed_version=2, history_digest=two.history_digest)
+                      .pack())
+    for doc, needle in [({**good, "committed_version": "2"}, "'2'"),
+                        ({**good, "history_digest": "AB" * 16}, "AB" * 16),
+                        ({**good, "baseline": "x"}, "baseline"),
+                        ({**good, "pad": "x" * 2000}, "over 1024 bytes")]:
+        bad.write_text(json.dumps(doc))
+        out = tmp_path / "refused"
+        assert cli.main([*base, "--out", str(out), "--commit-file", str(bad)]) == 1
+        err = capsys.readouterr().err
+        assert f"Commit file {bad}" in err, err
+        assert needle in err, err
+        assert recorded_version(out) is None
+    assert cli.main([*base, "--out", str(tmp_path / "b"), "--commit-file", str(missing),
+                     "--version", "1"]) == 1
+    assert "contradict" in capsys.readouterr().err

@@ -82,6 +82,7 @@ USED = [
     ("patch", "rolloutfleets", "dcr.dev", "status"),
     ("patch", "weightrefits", "dcr.dev", "status"),
     ("list", "pods", "", ""), ("get", "secrets", "", ""), ("create", "configmaps", "", ""),
+    ("patch", "configmaps", "", ""),
     ("create", "events", "", ""), ("create", "jobs", "batch", ""),
     ("delete", "jobs", "batch", ""), ("get", "jobs", "batch", ""),
 ]

@@ -3,6 +3,7 @@ what the CRDs' schemas and CEL rules make that apiserver refuse."""
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 from typing import Any
@@ -11,9 +12,12 @@ import pytest
 from k8sutil import apply, install_crds
 from kubernetes.client import Configuration
 
+from dcr.format.commitfile import COMMIT_FILE_KEY
 from dcr.protocol.commitstore import CommitStoreError
 from dcr.protocol.records import CommitOutcome, CommitRecord
+from dcr_operator.commitmap import publish_commit
 from dcr_operator.commitstore import FleetCommitStore
+from dcr_operator.errors import InvalidResource
 from dcr_operator.kube import KubeClient
 
 pytestmark = pytest.mark.e2e
@@ -69,14 +73,16 @@ def test_an_unrelated_status_write_in_between_is_not_a_conflict(
         """Another writer patches the fleet's receivers right after each of our reads."""
         nonlocal calls
         out = real_get(path, **query)
-        calls += 1
+        calls += path == store.path
         if calls == 1:
             kube.merge_patch(store.path + "/status", {"status": {"receiverCount": 7}})
         return out
 
     kube.get = racing_get  # type: ignore[method-assign]
     assert store.compare_and_set(V0, V1) is CommitOutcome.SUCCESS
-    assert calls == 2  # the precondition failed once (409), the record had not moved
+    # the precondition failed once (409), the record had not moved; then the record is
+    # read twice more as it is published to the pods (before and after the write)
+    assert calls == 4
     kube.get = real_get  # type: ignore[method-assign]
     status = kube.get(store.path)["status"]
     assert (status["receiverCount"], status["commit"]["attempt"]) == (7, V1.attempt)
@@ -239,3 +245,45 @@ def test_the_apiserver_keeps_no_pod_shaping_field_of_a_weightrefit(
     assert e.value.status == 400
     created = _create(kube, namespace, _refit(encoder=shaping))  # pruned, as any unknown
     assert created["spec"]["encoder"] == {"owners": 1, "profile": "default"}
+
+
+def _published(kube: KubeClient, namespace: str) -> dict[str, Any]:
+    cm = kube.get(f"/api/v1/namespaces/{namespace}/configmaps/fleet-commit")
+    published: dict[str, Any] = json.loads(cm["data"][COMMIT_FILE_KEY])
+    return published
+
+
+def test_the_fleets_commit_configmap_appears_with_the_record_and_follows_each_commit(
+        store: FleetCommitStore, kube: KubeClient, namespace: str) -> None:
+    """The operator publishes the record to the fleet's pods in ``<fleet>-commit`` (owned by
+    the fleet; pods mount it and pass ``--commit-file``) as it writes ``status.commit``; a
+    poll puts a ConfigMap edited by hand right again, and one the fleet does not own is
+    left alone."""
+    store.initialize()
+    assert _published(kube, namespace) == {"format": "dcr-commit", "format_version": 1,
+                                           "committed_version": 0, "history_digest": None}
+    one = CommitRecord(committed_version=1, baseline_id="/ckpt/v1", attempt="a-000000000001",
+                       history_digest="ab" * 16)
+    assert store.compare_and_set(V0, one) is CommitOutcome.SUCCESS
+    assert _published(kube, namespace) == {"format": "dcr-commit", "format_version": 1,
+                                           "committed_version": 1, "history_digest": "ab" * 16}
+    cm = kube.get(f"/api/v1/namespaces/{namespace}/configmaps/fleet-commit")
+    (owner,) = cm["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["uid"]) == ("RolloutFleet",
+                                             kube.get(store.path)["metadata"]["uid"])
+    assert publish_commit(kube, namespace, "fleet") is False  # nothing to change
+
+    kube.merge_patch(f"/api/v1/namespaces/{namespace}/configmaps/fleet-commit",
+                     {"data": {COMMIT_FILE_KEY: '{"committed_version": 9}'}})
+    assert publish_commit(kube, namespace, "fleet") is True
+    assert _published(kube, namespace)["history_digest"] == "ab" * 16
+
+    apply(kube, [fleet("other"), {"apiVersion": "v1", "kind": "ConfigMap",
+                                  "metadata": {"name": "other-commit"}, "data": {"x": "y"}}],
+          namespace)
+    other = FleetCommitStore(kube, namespace, "other")
+    assert other.initialize() == V0  # the commit is recorded all the same
+    with pytest.raises(InvalidResource, match="is not RolloutFleet other's"):
+        publish_commit(kube, namespace, "other")
+    assert kube.get(f"/api/v1/namespaces/{namespace}/configmaps/other-commit")["data"] == {
+        "x": "y"}

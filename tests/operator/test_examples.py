@@ -28,9 +28,11 @@ from kubelet import expand
 
 from dcr.cli import build_parser
 from dcr.drivers.sglang import LOADER
+from dcr.format.commitfile import COMMIT_FILE_KEY
 from dcr.loop import parser as ranks_parser
 from dcr_operator.api.rolloutfleet import LWS_GROUP_KEY, LWS_WORKER_INDEX, RolloutFleetSpec
 from dcr_operator.api.weightrefit import WeightRefitSpec
+from dcr_operator.commitmap import commit_map_name
 from dcr_operator.kube import KubeClient
 from dcr_operator.reconcile import secret_holders
 
@@ -237,7 +239,27 @@ def test_rollout_pods_are_never_handed_the_stores_write_credentials(name: str) -
     assert secret_holders(pods, f"{write}-read") == sorted(p["metadata"]["name"] for p in pods)
 
 
-@pytest.mark.parametrize("name", [*sorted(ROLLOUTS), MULTINODE, RELAY])
+@pytest.mark.parametrize("name", [*sorted(ROLLOUTS), "mirror.yaml", MULTINODE])
+def test_pods_build_the_version_the_fleets_commit_configmap_names(name: str) -> None:
+    """``dcr materialize`` and ``dcr mirror`` are given the committed version and history
+    digest in the file of the ConfigMap the operator keeps for the fleet, mounted
+    read-only as an optional volume (no API token; absent before the fleet's first
+    record): a store writer cannot steer them (docs/two-clusters.md)."""
+    fleet = "policy-rollout-mn" if name == MULTINODE else "policy-rollout"
+    builders = [(spec, c) for spec in pod_specs(name).values()
+                for c in spec.get("initContainers", []) + spec["containers"]
+                if c["command"][:2] in (["dcr", "materialize"], ["dcr", "mirror"])]
+    assert builders
+    for spec, c in builders:
+        path = Path(arg(c, "--commit-file"))
+        assert path.name == COMMIT_FILE_KEY
+        (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == str(path.parent)]
+        assert mount["readOnly"] is True
+        (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+        assert volume["configMap"] == {"name": commit_map_name(fleet), "optional": True}
+
+
+@pytest.mark.parametrize("name", [*sorted(ROLLOUTS), "mirror.yaml", MULTINODE, RELAY])
 def test_every_dcr_command_line_of_a_rollout_pod_parses(name: str) -> None:
     for c in [c for spec in pod_specs(name).values()
               for c in spec.get("initContainers", []) + spec["containers"]]:

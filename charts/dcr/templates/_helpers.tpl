@@ -76,10 +76,11 @@ is granted per namespace (rbac.workloadNamespaces) unless rbac.workloadsClusterW
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get"]
-# The merged receiver profile handed to encoder Jobs.
+# The merged receiver profile handed to encoder Jobs; each fleet's commit (<fleet>-commit),
+# which its pods mount, kept equal to the record (patch).
 - apiGroups: [""]
   resources: ["configmaps"]
-  verbs: ["get", "create"]
+  verbs: ["get", "create", "patch"]
 # Encoder Jobs: one per attempt; obsolete ones are deleted.
 - apiGroups: ["batch"]
   resources: ["jobs"]
