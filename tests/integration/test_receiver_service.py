@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from dcr.apply.plan import CanonicalTensor
 from dcr.checkpoint import ArrayCheckpoint
 from dcr.drivers.base import PauseMode
+from dcr.drivers.errors import EngineError
 from dcr.format.manifest import Manifest
 from dcr.format.profile import ReceiverProfile
 from dcr.owner.encoder import Encoder
@@ -216,7 +217,7 @@ def test_prepare_is_refused_while_a_dense_load_runs(versions: Versions) -> None:
         draining()
         real_pause(mode)
 
-    def load(checkpoint: str, expect: dict[str, str] | None = None) -> None:
+    def load(checkpoint: str, expect: Mapping[str, str] | None = None) -> None:
         loading()
         real_load(checkpoint, expect)
 
@@ -287,17 +288,25 @@ def committed(versions: Versions, tmp_path: Path) -> AgentService:
     """An agent that committed v1 through a refit: it knows v1's target fingerprints."""
     store = MemoryStore()
     svc = service(versions, store=store)
+    refit_to_1(svc, store, versions, tmp_path)
+    assert svc.status().version == 1
+    return svc
+
+
+def refit_to_1(svc: AgentService, store: MemoryStore, versions: Versions,
+               tmp_path: Path) -> CommitRecord:
+    """Refit ``svc`` from v0 to v1 through a coordinator; the record it committed."""
     owner = Encoder(store=store, baseline=versions.source(0), version=0,
                     profile=ReceiverProfile.model_validate(svc.profile()))
     owner.set_candidate(versions.source(1), 1)
-    c = Coordinator(SqliteCommitStore(tmp_path / "commit.db", CommitRecord(
-        committed_version=0, baseline_id="v0", attempt="")), [owner], [svc])
+    commits = SqliteCommitStore(tmp_path / "commit.db", CommitRecord(
+        committed_version=0, baseline_id="v0", attempt=""))
+    c = Coordinator(commits, [owner], [svc])
     try:
         c.refit(1, "v1")
     finally:
         c.close()
-    assert svc.status().version == 1
-    return svc
+    return commits.read()
 
 
 def test_a_dense_load_under_a_wrong_version_label_is_refused_and_writes_nothing(
@@ -384,3 +393,73 @@ def test_a_restarted_engine_makes_the_journaled_version_unknown_until_a_dense_lo
     assert entry is not None
     assert (entry.version, entry.instance) == (0, engine.instance())
     assert engine.version() == "0"  # the engine's label follows the version
+
+
+# --- the version label and the gate ---------------------------------------------------
+
+
+class LabelFails(LocalDriver):
+    """An engine whose ``set_version`` fails its next ``failures`` calls (-1: every call)
+    as an engine that does not answer would; everything else works."""
+
+    failures = 0
+    tries = 0
+
+    def set_version(self, label: str) -> None:
+        self.tries += 1
+        if self.failures:
+            self.failures -= 1
+            raise EngineError(f"{self.what}: set_version: the engine does not answer.",
+                              None, call="set_version")
+        super().set_version(label)
+
+
+def labelled_service(versions: Versions, store: MemoryStore, failures: int
+                     ) -> tuple[AgentService, LabelFails]:
+    engine = LabelFails([ReferenceModel(CFG, tp_size=1, tp_rank=0)],
+                        staging_dir=versions.root.parent / "staging",
+                        checkpoint_root=versions.root)
+    engine.load_dense("v0")
+    engine.failures = failures
+    svc = service(versions, store=store, engine=engine)
+    svc.label_retry_s = (0.0, 0.01)  # three tries, quickly
+    return svc, engine
+
+
+def test_a_label_call_that_fails_once_is_retried_before_the_gate_reopens(
+        versions: Versions, tmp_path: Path) -> None:
+    """The engine fails the first label call after the commit and then answers: the
+    agent tries again, and the gate reopens with the engine labelling the committed
+    version. Fails on 30d8475, which tried once, logged, and served v1 as "default"."""
+    store = MemoryStore()
+    svc, engine = labelled_service(versions, store, failures=1)
+    assert refit_to_1(svc, store, versions, tmp_path).committed_version == 1
+    st = svc.status()
+    assert (st.version, st.gate_open, st.error) == (1, True, None)
+    assert (engine.version(), engine.tries, engine.gate.paused) == ("1", 2, False)
+
+
+def test_a_label_that_cannot_be_set_keeps_the_gate_closed_until_it_is(
+        versions: Versions, tmp_path: Path) -> None:
+    """The engine fails every label call: the commit stands (the weights hold v1), but
+    the gate stays closed, the status and the refused reopening say why, and no request
+    is served under the old label. Once the engine answers again, reopening sets the
+    label first. Fails on 30d8475, which reopened the gate with v1 labelled "default"."""
+    store = MemoryStore()
+    svc, engine = labelled_service(versions, store, failures=-1)
+    assert refit_to_1(svc, store, versions, tmp_path).committed_version == 1
+    st = svc.status()
+    assert (st.version, st.gate_open) == (1, False)
+    assert st.error is not None
+    assert "the engine's version label could not be set" in st.error
+    assert (engine.version(), engine.gate.paused, engine.tries) == ("default", True, 3)
+
+    with pytest.raises(AgentConflict, match=r"rx: the request gate stays closed: the "
+                       r"weights hold version 1, .* in 3 tries \(.*does not answer"):
+        svc.open_gate()
+    assert (svc.status().gate_open, engine.gate.paused) == (False, True)
+
+    engine.failures = 0  # the engine answers again
+    st = svc.open_gate()
+    assert (st.version, st.gate_open, st.error) == (1, True, None)
+    assert (engine.version(), engine.gate.paused) == ("1", False)

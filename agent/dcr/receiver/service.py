@@ -52,6 +52,7 @@ S = AttemptState
 
 
 SourceFor = Callable[[AttemptSpec], Source]
+LABEL_RETRY_S = (0.2, 1.0, 3.0)  # pauses between tries to set the engine's version label
 
 
 class AgentService:
@@ -102,6 +103,9 @@ class AgentService:
         self._drained = False  # the gate closed and no request in flight since (apply needs it)
         self._gate_opens = 0  # counts openings: a drain counts only if none came between
         self._loading: int | None = None  # the version a dense load is restoring
+        self._label_due: int | None = None  # the label the engine must carry before it serves
+        self._label_error: str | None = None  # why the gate stays closed without it
+        self.label_retry_s: Sequence[float] = LABEL_RETRY_S
         self.waits = 0  # waits in progress (metrics)
         removed = self.staging.clear()
         if removed:
@@ -156,7 +160,8 @@ class AgentService:
             return AgentStatus(
                 name=self.name, version=self.weights.held, dirty=self.weights.dirty,
                 unknown=self.weights.unknown, attempt=run.spec.attempt if run else None,
-                state=run.state.value if run else None, error=run.error if run else None,
+                state=run.state.value if run else None,
+                error=(run.error if run else None) or self._label_error,
                 gate_open=self._gate_open,
                 payloads_staged=len(run.staged) if run else 0,
                 payloads_applied=run.applied if run else 0,
@@ -221,16 +226,16 @@ class AgentService:
             self.engine.pause(self.pause_mode)
 
     def _resume(self) -> None:
+        """Open the gate: the weights hold a version, and the engine labels it so first."""
         with self._gate_lock:
+            with self._cond:
+                due = self._servable()
+            if due is not None:
+                self._set_label(due)  # raises, the gate closed, where it cannot be set
             with self._cond:  # under the lock: open_apply cannot start writes meanwhile
-                w = self.weights
-                if not w.servable:
-                    raise AgentConflict(f"{self.name}: will not serve weights that hold no "
-                                        f"version (dirty {w.dirty}, unknown {w.unknown}).")
-                run = self._run
-                if run is not None and run.state not in FINAL and run.apply_open.is_set():
-                    raise AgentConflict(f"{self.name}: attempt {run.spec.attempt} is "
-                                        "applying; the gate opens after its commit or stop.")
+                if self._servable() is not None:
+                    raise AgentConflict(f"{self.name}: another version label became due "
+                                        "while the gate was opening; open it again.")
                 self._drained = False
                 self._gate_opens += 1
                 self._gate_open = True  # clean weights hold ``version``: safe to serve
@@ -240,6 +245,44 @@ class AgentService:
                 with self._cond:
                     self._gate_open = False
                 raise
+
+    def _servable(self) -> int | None:
+        """Raise unless the weights may serve now; the label still to set first, if any.
+        Hold the lock."""
+        w = self.weights
+        if not w.servable:
+            raise AgentConflict(f"{self.name}: will not serve weights that hold no "
+                                f"version (dirty {w.dirty}, unknown {w.unknown}).")
+        run = self._run
+        if run is not None and run.state not in FINAL and run.apply_open.is_set():
+            raise AgentConflict(f"{self.name}: attempt {run.spec.attempt} is "
+                                "applying; the gate opens after its commit or stop.")
+        return self._label_due
+
+    def _set_label(self, version: int) -> None:
+        """Set the engine's label to ``version``, retried after each pause of
+        ``label_retry_s`` (every call bounded by the driver's own timeout); where it cannot
+        be set, :class:`AgentConflict` says why and the status reports it."""
+        error: EngineError | None = None
+        for pause in (0.0, *self.label_retry_s):
+            time.sleep(pause)
+            try:
+                self.engine.set_version(str(version))
+            except EngineError as e:
+                error = e
+                continue
+            with self._cond:
+                if self._label_due == version:
+                    self._label_due, self._label_error = None, None
+            return
+        why = (f"{self.name}: the request gate stays closed: the weights hold version "
+               f"{version}, but the engine's version label could not be set to it in "
+               f"{1 + len(self.label_retry_s)} tries ({error}); they would serve under "
+               "an older label.")
+        with self._cond:
+            self._label_error = why
+        log.warning("%s", why)
+        raise AgentConflict(why)
 
     # --- protocol calls ------------------------------------------------------------
 
@@ -419,13 +462,11 @@ class AgentService:
         return self.snapshot()
 
     def _label(self, version: int) -> None:
-        """The engine's weight-version label: what it reports with its outputs. Best
-        effort: the weights hold ``version`` whether or not the label follows."""
-        try:
-            self.engine.set_version(str(version))
-        except EngineError as e:
-            log.warning("%s: the engine's version label stays behind %s: %s", self.name,
-                        version, e)
+        """The engine's weight-version label (what it reports with its outputs) must be
+        ``version`` before the gate next opens: :meth:`_resume` sets it, and keeps the gate
+        closed until it has, so new weights never serve under an old label."""
+        with self._cond:
+            self._label_due, self._label_error = version, None
 
     def stop_and_wait(self, attempt: str) -> AgentStatus:
         with self._cond:
