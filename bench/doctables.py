@@ -279,10 +279,42 @@ def region_sums() -> str:
                   "GB/s of tensor", "time / xxh3"], rows)
 
 
+# --- docs/benchmarks.md, the store's checks ------------------------------------------------
+
+
+def store_checks_refit() -> str:
+    d = load("store-checks")["refit"]
+    rows = []
+    for kind, r in d.items():
+        b, a, x = r["before"], r["after"], r["after_over_before"]
+        rows.append([kind, str(a["refits"]), f"{b['prepare_to_commit_s']:.3f}",
+                     f"{a['prepare_to_commit_s']:.3f}", f"{x['prepare_to_commit_s']:.2f}x",
+                     f"{b['total_s']:.3f}", f"{a['total_s']:.3f}", f"{x['total_s']:.2f}x",
+                     f"{b['flush_s']:.3f} / {a['flush_s']:.3f}",
+                     f"{b['commit_s'] + b['finish_s']:.3f} / "
+                     f"{a['commit_s'] + a['finish_s']:.3f}"])
+    return table(["refit", "refits", "prepare..commit s, before", "after", "after / before",
+                  "whole refit s, before", "after", "after / before",
+                  "flush s, before / after", "commit + finish s, before / after"], rows)
+
+
+def store_checks_catch_up() -> str:
+    d = load("store-checks")["catch_up"]
+    how = {"replay": "replay every delta from a seed of v0",
+           "snapshot": "newest snapshot + the deltas after it"}
+    rows = [[how[route], f"{r['before_s']:.2f}", f"{r['after_s']:.2f}",
+             f"{r['after_over_before']:.2f}x", mb(r["fetched_bytes"])]
+            for route, r in d.items()]
+    return table(["materialize the newest version by", "before s", "after s",
+                  "after / before", "fetched"], rows)
+
+
 TABLES: dict[str, dict[str, Callable[[], str]]] = {
     "docs/benchmarks.md": {"codec-size": codec_size, "codec-speed": codec_speed,
                            "manifest": manifest, "transport": transport,
-                           "protocol": protocol, "region-sums": region_sums},
+                           "protocol": protocol, "region-sums": region_sums,
+                           "store-checks-refit": store_checks_refit,
+                           "store-checks-catch-up": store_checks_catch_up},
     "docs/apply.md": {"coverage": coverage, "engines": engines, "reference": reference,
                       "expand": expand},
     "docs/evaluation-catchup.md": {"catchup": catchup},
