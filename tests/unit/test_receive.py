@@ -448,11 +448,10 @@ def test_payloads_listed_once_are_fetched_without_listing_again() -> None:
 
 
 def test_a_receiver_waiting_for_its_owners_lists_the_store_ever_less_often() -> None:
-    """Fails on 1f924c7, where a receiver listed every 10 ms however long it waited: about
-    150 LISTs over the 1.5 s before anything is published here, 100,000 a second for
-    1,000 agents waiting on one bucket. Now it waits an eighth of its quiet time between
-    LISTs (at most 2 s): O(log T) LISTs in T seconds, about 33 here (fewer on a busy
-    machine), and still every payload and the manifest arrive."""
+    """Fails on 71d139e, whose first idle waits were 10 ms (about 27 LISTs in the first
+    second, over 30 in the 1.5 s before anything is published here). Now the first wait is
+    50 ms and each quiet one doubles: about 6 LISTs here (fewer on a busy machine), and
+    still every payload and the manifest arrive."""
     _, objects = published()
     live = Logged()
 
@@ -467,7 +466,80 @@ def test_a_receiver_waiting_for_its_owners_lists_the_store_ever_less_often() -> 
     sender.join()
     lists = [arg for op, arg in live.log if op == "LIST"]
     assert len(manifest.payloads) >= 6
-    assert len(lists) <= 45, f"{len(lists)} LISTs while waiting 1.5 s"
+    assert len(lists) <= 15, f"{len(lists)} LISTs while waiting 1.5 s"
+
+
+class FakeTime:
+    """Monotonic time that passes only when the receive loop sleeps, standing in for the
+    ``time`` module receive.py reads; ``at`` holds actions to run once their second is
+    reached (an owner publishing). No real second passes."""
+
+    def __init__(self, at: list[tuple[float, Callable[[], None]]] | None = None) -> None:
+        self.t = 0.0
+        self.at = sorted(at or [], key=lambda a: a[0])
+        self.sleeps = 0
+
+    def monotonic(self) -> float:
+        return self.t
+
+    def sleep(self, seconds: float, wake: threading.Event | None = None) -> None:
+        self.sleeps += 1
+        end = self.t + max(seconds, 1e-3)  # a loop at its deadline still moves on
+        while self.at and self.at[0][0] <= end:
+            self.t = max(self.t, self.at[0][0])
+            self.at.pop(0)[1]()
+            if wake is not None and wake.is_set():
+                return
+        self.t = end
+
+    now = monotonic  # as a receive Clock
+
+
+def test_a_receiver_waiting_an_hour_for_its_owners_asks_the_store_about_1200_times(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fails on 71d139e: an hour of waiting with nothing published cost 1,800 LISTs (one
+    every 2 s) and 3,600 GETs that missed (the owner's part and the version manifest,
+    each asked for again every 2 s). Now idle waits double up to 4 s (jittered down by up
+    to a quarter) and a miss is asked again twice as late each time, up to a minute: at
+    most 3,600 / 3 LISTs and about 130 misses. Counted on simulated time."""
+    clock = FakeTime()
+    monkeypatch.setattr(rx, "time", clock)
+    live = Logged()
+    with pytest.raises(ManifestError, match="not complete after 3600"):
+        receive(StoreSource(store=live, version=1, attempt="a-1"), "a-1", lambda p: None,
+                release="when_listed", timeout_s=3600)
+    lists = sum(op == "LIST" for op, _ in live.log)
+    assert lists <= 3600 / 3 + 20, f"{lists} LISTs in a simulated hour"
+    assert len(live.missed) <= 150, f"{len(live.missed)} GETs missed in a simulated hour"
+
+
+def test_a_payload_that_lands_after_a_long_wait_is_staged_within_one_idle_wait() -> None:
+    """After ten simulated minutes of waiting, the first payload is staged at most
+    ``max_poll_s`` after it lands; the rest follow, and the manifest completes the receive
+    as soon as the coordinator's call after publishing sets ``wake``, even from a store
+    whose LIST never shows the manifest."""
+    _, objects = published()
+    payloads = sorted(k for k in objects if k.endswith(".dcrp"))
+    live = Logged(hides=lambda key: key.endswith(".dcrm"))
+    wake = threading.Event()
+    land, sealed = 600.0, 700.0
+
+    def publish() -> None:
+        for k in payloads:
+            live.put(k, objects[k])
+
+    def seal() -> None:
+        live.put(manifest_key(1), objects[manifest_key(1)])
+        wake.set()
+
+    clock = FakeTime([(land, publish), (sealed, seal)])
+    staged_at: list[float] = []
+    source = StoreSource(store=live, version=1, attempt="a-1", clock=clock)
+    manifest = receive(source, "a-1", lambda p: staged_at.append(clock.t),
+                       release="on_arrival", timeout_s=3600, wake=wake, clock=clock)
+    assert len(staged_at) == len(manifest.payloads) == len(payloads)
+    assert land < staged_at[0] <= land + 4.0
+    assert clock.t == sealed  # the manifest was read at once, no idle wait later
 
 
 def test_a_stopped_receiver_stops_within_one_idle_wait() -> None:

@@ -96,6 +96,7 @@ class Run:
     cond: threading.Condition
     state: AttemptState = S.PREPARED
     stop: threading.Event = field(default_factory=threading.Event)
+    wake: threading.Event = field(default_factory=threading.Event)  # ends the receive's idle wait
     apply_open: threading.Event = field(default_factory=threading.Event)
     staged: list[Staged | None] = field(default_factory=list)  # verified, as files
     staged_bytes: int = 0  # staged, not yet applied
@@ -115,6 +116,11 @@ class Run:
     def start_receive(self, source_for: Callable[[AttemptSpec], Source]) -> None:
         self._start(lambda: self._receive(source_for(self.spec)), "receive")
 
+    def owners_published(self) -> None:
+        """The coordinator's call after publishing arrived: every manifest part is written,
+        so the receive loop asks for them now instead of at its next backed-off look."""
+        self.wake.set()
+
     def start_apply(self) -> None:
         """Let the staged payloads be applied; the caller holds the lock, the gate is
         closed and drained, and the weights are journaled dirty."""
@@ -126,6 +132,7 @@ class Run:
         then nothing more is written. Called without the lock."""
         with self.cond:
             self.stop.set()
+            self.wake.set()
             self.cond.notify_all()
             threads = list(self.threads)
         for t in threads:
@@ -153,7 +160,7 @@ class Run:
             manifest = receive(source, spec.attempt, self._stage, owners=spec.owners,
                                release="when_listed", hold_bytes=self.agent.staging_bytes,
                                timeout_s=max(0.1, spec.deadline - time.time()),
-                               stop=self.stop)
+                               stop=self.stop, wake=self.wake)
         finally:
             close = getattr(source, "close", None)
             if close is not None:  # a relay source holds a loop thread and a session

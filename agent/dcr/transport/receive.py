@@ -7,11 +7,19 @@ attempt are never fetched. ``release="when_listed"`` (the agent's) stages a payl
 its owner's manifest part lists it (docs/protocol.md, "The life of an attempt");
 ``"on_arrival"`` stages at once and compares at the end, when a foreign payload may already
 have been applied.
+
+A receiver waiting for its owners learns nothing new from most of its requests, and a fleet
+of them asks one bucket: an idle receiver's waits grow geometrically (jittered, capped at
+how late it may notice an arrival), misses on manifest keys back off the same way, and both
+start over when something new appears or when the caller says the owners have published
+(``wake``; the agent learns it from the coordinator's next call). docs/evaluation-scale.md,
+"Waiting for owners", counts the requests.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -89,27 +97,79 @@ class PartSource(Source, Protocol):
         ...
 
 
+class Clock(Protocol):
+    """What the receive loop reads of time: a seam, so a test can wait for hours at once."""
+
+    def now(self) -> float:
+        """Monotonic seconds."""
+        ...
+
+    def sleep(self, seconds: float, wake: threading.Event | None) -> None:
+        """Wait ``seconds``, or until ``wake`` is set."""
+        ...
+
+
+class RealClock:
+    def now(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, seconds: float, wake: threading.Event | None) -> None:
+        if wake is None:
+            time.sleep(seconds)
+        else:
+            wake.wait(seconds)
+
+
+REAL_CLOCK = RealClock()
+
+
+@runtime_checkable
+class ExpectingSource(Source, Protocol):
+    """A source that can be told its owners have published, so that it asks for every
+    manifest part at once instead of waiting for its next scheduled look."""
+
+    def expect_manifest(self) -> None: ...
+
+
 @dataclass(kw_only=True)
 class _Listing:
     """What a :class:`StoreSource` learnt from its store: the keys its last LIST showed
-    (None before the first), and when it last asked for manifest keys no LIST showed."""
+    (None before the first), and when each manifest key no LIST showed may next be asked
+    for: ``probe_s`` after the listing last changed, then twice as long after each miss, up
+    to ``probe_max_s``."""
 
     keys: frozenset[str] | None = None
-    since: float = field(default_factory=time.monotonic)
-    probed: dict[str, float] = field(default_factory=dict)  # key -> when last fetched unlisted
+    since: float | None = None  # when the listing last showed something new
+    due: dict[str, float] = field(default_factory=dict)  # key -> when it may be asked unlisted
+    misses: dict[str, int] = field(default_factory=dict)  # key -> unlisted asks since `since`
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def shows(self, key: str, probe_s: float) -> bool:
-        """Whether to GET ``key``: a LIST showed it, no LIST happened yet, or it was last
-        asked for unlisted ``probe_s`` ago (a LIST that lags must not stall forever)."""
+    def shows(self, key: str, now: float, probe_s: float, probe_max_s: float) -> bool:
+        """Whether to GET ``key``: a LIST showed it, no LIST happened yet, or it is due
+        (a LIST that lags must not stall forever, nor a miss be asked for every poll)."""
         with self.lock:
             if self.keys is None or key in self.keys:
                 return True
-            now = time.monotonic()
-            if now - self.probed.get(key, self.since) < probe_s:
+            since = now if self.since is None else self.since
+            if now < self.due.get(key, since + probe_s):
                 return False
-            self.probed[key] = now
+            n = self.misses.get(key, 0)
+            self.misses[key] = n + 1
+            self.due[key] = now + min(probe_max_s, probe_s * 2.0**n)
             return True
+
+    def listed(self, keys: frozenset[str], now: float) -> None:
+        """A LIST showed ``keys``: if any is new, unlisted keys are due ``probe_s`` on."""
+        with self.lock:
+            if self.since is None or not keys <= (self.keys or frozenset()):
+                self.since, self.due, self.misses = now, {}, {}
+            self.keys = keys
+
+    def expect(self) -> None:
+        """Every manifest key is due now (its owners have published)."""
+        with self.lock:
+            self.since, self.misses = float("-inf"), {}
+            self.due = {}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,14 +189,18 @@ class StoreSource:
     S3 lists strongly (read-after-write for LIST too: AWS since December 2020; MinIO,
     ``rclone serve s3`` over a directory, and the file and memory stores always did).
     A store whose LIST lags behind its writes must still not stall a refit: a manifest
-    key no LIST has shown is fetched anyway, at most once per ``probe_s``.
+    key no LIST has shown is fetched anyway, ``probe_s`` after the listing last changed,
+    then ever less often (twice the wait after each miss, at most ``probe_max_s``), and at
+    once after :meth:`expect_manifest`.
     """
 
     store: Store
     version: int
     attempt: str
     owners: int = 1
-    probe_s: float = 2.0  # seconds between GETs of manifest keys no LIST has shown
+    probe_s: float = 2.0  # seconds to the first GET of a manifest key no LIST has shown
+    probe_max_s: float = 60.0  # cap of the doubling wait between such GETs (each a miss)
+    clock: Clock = REAL_CLOCK  # a test's fake clock, shared with receive()
     limits: ManifestLimits = DEFAULT_MANIFEST_LIMITS  # the receiver's (limits_for)
     _seen: _Listing = field(default_factory=_Listing, init=False, repr=False, compare=False)
 
@@ -155,9 +219,11 @@ class StoreSource:
             k = parse_payload_key(key)
             if k is not None and (k.version, k.attempt) == (self.version, self.attempt):
                 out.append((k.owner, k.seq))
-        with self._seen.lock:
-            self._seen.keys = frozenset(keys)
+        self._seen.listed(frozenset(keys), self.clock.now())
         return out
+
+    def expect_manifest(self) -> None:
+        self._seen.expect()
 
     def fetch(self, pid: PayloadId) -> bytes:
         return self.store.get(payload_key(self.version, self.attempt, *pid))
@@ -180,7 +246,7 @@ class StoreSource:
         return m if m is not None and m.attempt == self.attempt else None
 
     def _part(self, key: str) -> Manifest | None:
-        if not self._seen.shows(key, self.probe_s):
+        if not self._seen.shows(key, self.clock.now(), self.probe_s, self.probe_max_s):
             return None
         try:
             return Manifest.parse(self.store.get(key), f"{self.store.uri}/{key}", self.limits)
@@ -231,7 +297,26 @@ class _Parts:
         return merge_manifests(parts, f"attempt {self.attempt}")
 
 
-IDLE_BACKOFF = 0.125  # an idle receiver waits this share of its quiet time between LISTs
+JITTER = 0.25  # each idle wait is drawn from [1 - JITTER, 1] of its step: a fleet spreads out
+
+
+@dataclass(kw_only=True)
+class _Idle:
+    """An idle receiver's next wait: ``first_s``, doubling per quiet poll up to ``max_s``,
+    jittered; ``news`` starts over."""
+
+    first_s: float
+    max_s: float
+    steps: int = 0
+    rng: random.Random = field(default_factory=random.Random)
+
+    def news(self) -> None:
+        self.steps = 0
+
+    def next_s(self) -> float:
+        step = min(self.max_s, self.first_s * 2.0 ** min(self.steps, 60))
+        self.steps += 1
+        return step * (1.0 - JITTER * self.rng.random())
 
 
 def receive(
@@ -243,11 +328,13 @@ def receive(
     release: Release = "on_arrival",
     hold_bytes: int = GiB,
     window: int = 4,
-    poll_s: float = 0.01,
-    max_poll_s: float = 2.0,
+    poll_s: float = 0.05,
+    max_poll_s: float = 4.0,
     idle_wait_s: float = 0.25,
     timeout_s: float = 600.0,
     stop: threading.Event | None = None,
+    wake: threading.Event | None = None,
+    clock: Clock = REAL_CLOCK,
 ) -> Manifest:
     """Stage every payload of ``attempt`` as ``release`` allows; return the manifest.
 
@@ -255,17 +342,21 @@ def receive(
     ``window`` bounds the payloads being fetched; ``hold_bytes`` those fetched but not yet
     staged (each owner's next payload is fetched regardless, so order can always make
     progress); ``stage`` may block to push back further. With nothing in flight, the loop
-    waits before asking again: ``poll_s`` at first, then an eighth of how long nothing has
-    changed, up to ``max_poll_s`` (so a receiver waiting for its owners lists a store
-    O(log T) + T / max_poll_s times in T seconds, and notices an arrival at most an eighth
-    of its wait late); from a :class:`WaitingSource`, up to ``idle_wait_s`` for a change.
-    ``stop`` is seen within one wait. Raises :class:`ManifestError`
+    waits before asking again: ``poll_s`` at first, twice as long after each poll that
+    learnt nothing, up to ``max_poll_s``, each wait jittered down by up to a quarter (so a
+    receiver waiting for its owners lists a store about log2(max_poll_s / poll_s) +
+    T / max_poll_s times in T seconds, and notices an arrival at most ``max_poll_s`` late);
+    from a :class:`WaitingSource`, up to ``idle_wait_s`` for a change. Setting ``wake``
+    ends an idle wait: the caller sets it once the owners have published (the loop starts
+    its waits over and has an :class:`ExpectingSource` ask for the manifest at once) and
+    when it sets ``stop``, which is otherwise seen within one wait. Raises :class:`ManifestError`
     if the manifest disagrees with what arrived (:class:`ForeignPayload` if an object is
     not what its owner wrote), or if ``timeout_s`` passes first, and
     :class:`ReceiveStopped` once ``stop`` is set (between payloads: a ``stage`` call in
     progress always finishes).
     """
-    deadline = time.monotonic() + timeout_s
+    deadline = clock.now() + timeout_s
+    idle = _Idle(first_s=poll_s, max_s=max(poll_s, max_poll_s))
     listed_only = release == "when_listed"
     parts = _Parts(source=source, attempt=attempt, owners=owners)
     pending: dict[PayloadId, Future[Payload]] = {}
@@ -274,7 +365,7 @@ def receive(
     objects: dict[PayloadId, tuple[int, str]] = {}  # size and object digest of what was staged
     next_seq = dict.fromkeys(range(owners), 0)
     listed_ids: set[PayloadId] = set()  # every id the source has listed so far
-    quiet_since, known = time.monotonic(), (0, 0)  # when the listing last changed; its size
+    known = (0, 0)  # the listing's size and the parts read, when last compared
 
     def wanted(pid: PayloadId) -> bool:
         owner, seq = pid
@@ -333,32 +424,29 @@ def receive(
                             )
                         _check_objects(attempt, manifest, objects)
                         return manifest
-            if time.monotonic() > deadline:
+            now = clock.now()
+            if now >= deadline:
                 raise ManifestError(
                     f"Attempt {attempt}: not complete after {timeout_s} s "
                     f"({len(staged)} payloads applied, manifest "
                     f"{'present' if manifest else 'missing'})."
                 )
-            now = time.monotonic()
-            if progressed:
-                quiet_since = now
-                continue
-            if (len(listed_ids), len(parts.got)) != known:
-                quiet_since, known = now, (len(listed_ids), len(parts.got))
+            if progressed or (len(listed_ids), len(parts.got)) != known:
+                idle.news()
+                known = (len(listed_ids), len(parts.got))
+                if progressed:
+                    continue
             if pending:  # wake for the first fetch to land, not after a fixed sleep
                 wait(pending.values(), timeout=poll_s, return_when=FIRST_COMPLETED)
             elif isinstance(source, WaitingSource):  # wake when something arrives
                 source.wait_for_change(max(0.0, min(idle_wait_s, deadline - now)))
             else:
-                pause = min(max_poll_s, max(poll_s, (now - quiet_since) * IDLE_BACKOFF))
-                _sleep(max(0.0, min(pause, deadline - now)), stop)
-
-
-def _sleep(seconds: float, stop: threading.Event | None) -> None:
-    if stop is None:
-        time.sleep(seconds)
-    else:
-        stop.wait(seconds)
+                clock.sleep(max(0.0, min(idle.next_s(), deadline - now)), wake or stop)
+            if wake is not None and wake.is_set():  # the owners have published (or a stop)
+                wake.clear()
+                idle.news()
+                if isinstance(source, ExpectingSource):
+                    source.expect_manifest()
 
 
 def _drop_unlisted(parts: _Parts, held: dict[PayloadId, Payload], listed_only: bool) -> None:
