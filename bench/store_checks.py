@@ -87,7 +87,10 @@ STAGES = ("prepare", "publish", "flush", "commit", "finish")
 
 
 class TouchedOnly(LocalDriver):
-    """The flush check before the whole-state check: only what the payloads wrote."""
+    """The flush check before the whole-state check: only what the payloads wrote. Its
+    ranks log at every flush the tensors it leaves unchecked ("no fingerprint it can
+    recompute"): every one the step did not move, such as the norm weights in BF16. That
+    is the hole the "after" fleet closes; its ranks log none."""
 
     touched: set[str]
 

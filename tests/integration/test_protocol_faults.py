@@ -1190,3 +1190,87 @@ def test_a_foreign_bit_in_one_tp_ranks_shard_fails_the_flush_and_a_dense_load_re
     assert "holds sum64:" in c.history[0].outcome
     assert c.history[1].rejoined == ("vllm-1",)
     assert victim.service.counters.dense_loads == 1
+
+
+# --- a TP 2 engine in one receiver, as the main job's vLLM-layout pods hold the model ---
+
+FP8_CFG = ReferenceConfig(**{**CFG.__dict__, "fp8_modules": ("self_attn.o_proj",)})
+NORM = "model.layers.1.input_layernorm.weight"  # every TP rank holds it whole
+UNCHECKED_AT_FLUSH = "no fingerprint can check their bits at flush"
+
+
+@pytest.fixture(scope="module")
+def norms_kept(tmp_path_factory: pytest.TempPathFactory, versions: Versions) -> Path:
+    """v0, and a v1 that moves every matrix and leaves every norm weight as v0 holds it,
+    as an AdamW step does in BF16 (1.0 less a step of 1e-3 rounds back to 1.0)."""
+    root = tmp_path_factory.mktemp("norms-kept")
+    v0, v1 = versions.states[0], versions.states[1]
+    for v, state in enumerate((v0, {n: v0[n] if n.endswith("norm.weight") else t
+                                    for n, t in v1.items()})):
+        (root / f"v{v}").mkdir()
+        save_file(state, str(root / f"v{v}" / "model.safetensors"))
+    return root
+
+
+def tp2_engine(root: Path, staging: Path, version: int) -> LocalDriver:
+    """Both ranks of a vLLM-layout TP 2 engine with FP8 ``o_proj``, loaded densely."""
+    models = [ReferenceModel(FP8_CFG, tp_size=2, tp_rank=r) for r in range(2)]
+    engine = LocalDriver(models, staging_dir=staging, checkpoint_root=root)
+    engine.load_dense(f"v{version}")
+    return engine
+
+
+def test_a_bit_flipped_in_one_tp_ranks_norm_the_step_leaves_fails_the_flush_and_a_dense_load_repairs(  # noqa: E501
+        tmp_path: Path, norms_kept: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Two TP 2 receivers of the vLLM layout with FP8 ``o_proj``; rank 1 of one holds a
+    flipped bit in a norm weight every rank holds whole and the step leaves as it is, so
+    no payload writes it. Each rank compares every fingerprint the manifest carries at
+    flush, written or not: that receiver fails the attempt, is left out and rejoined
+    densely, and the overwrite retry commits v1 with every rank of both equal to a dense
+    load. No rank logs a tensor it holds unchecked but the FP8 casts, which it names once
+    at prewarm. Before the whole-state check, v1 committed with the bit still flipped."""
+    caplog.set_level("WARNING", logger="dcr.runtimes.rank")
+    store = MemoryStore()
+    engines = {n: tp2_engine(norms_kept, tmp_path / n, 0) for n in ("clean", "flipped")}
+    services = [AgentService(n, e, lambda s: StoreSource(
+        store=store, version=s.target_version, attempt=s.attempt, owners=s.owners),
+        canonical=canonical(), staging_dir=tmp_path / n, version=0,
+        journal=Journal(tmp_path / n / "journal.json"), checkpoint_root=norms_kept)
+        for n, e in engines.items()]
+    profile = merge(ReceiverProfile.model_validate(s.profile()) for s in services)
+    prewarmed = [r.getMessage() for r in caplog.records]
+    assert [m for m in prewarmed if UNCHECKED_AT_FLUSH in m] == [
+        f"Rank {r}: 2 tensors are quantized as a whole on their way to storage (dense "
+        "path), e.g. ['model.layers.0.self_attn.o_proj.weight', "
+        f"'model.layers.1.self_attn.o_proj.weight']: {UNCHECKED_AT_FLUSH}"
+        for _ in engines for r in range(2)]
+    held = dict(engines["flipped"].runtimes[1].named_tensors())[NORM]
+    with torch.no_grad():
+        held.view(-1).view(torch.int16)[9] ^= 1
+    with Checkpoint(norms_kept / "v0") as v0, Checkpoint(norms_kept / "v1") as v1:
+        owners = [Encoder(store=store, baseline=v0, version=0, owner=k, owners=OWNERS,
+                          profile=profile) for k in range(OWNERS)]
+        for o in owners:
+            o.set_candidate(v1, 1)
+        c = Coordinator(SqliteCommitStore(tmp_path / "commit.db", V0), owners, services,
+                        settings=SETTINGS, dense_checkpoint=lambda v: str(norms_kept / f"v{v}"))
+        try:
+            assert c.refit(1, "ckpt-1").committed_version == 1
+        finally:
+            c.close()
+    assert outcomes(c) == [("mixed", "failed"), ("overwrite", "committed")]
+    assert "flipped: attempt" in c.history[0].outcome
+    assert f"'{NORM}' holds xxh3-128:" in c.history[0].outcome
+    assert c.history[1].rejoined == ("flipped",)
+    want = [_int_views(r) for r in tp2_engine(norms_kept, tmp_path / "oracle", 1).runtimes]
+    for name, engine in engines.items():
+        for r, runtime in enumerate(engine.runtimes):
+            got = _int_views(runtime)
+            assert got.keys() == want[r].keys()
+            assert [n for n in want[r] if not torch.equal(got[n], want[r][n])] == [], name
+    for s in services:
+        st = s.status()
+        assert (st.version, st.dirty, st.unknown, st.gate_open) == (1, None, None, True)
+    later = [r.getMessage() for r in caplog.records][len(prewarmed):]
+    assert [m for m in later if "no fingerprint it can recompute" in m] == []
+    assert [m for m in later if UNCHECKED_AT_FLUSH in m] == []  # once per prewarm, not flush

@@ -127,6 +127,29 @@ def uncovered(applier: Applier, keys: AbstractSet[str]) -> list[str]:
     return out
 
 
+# Why a path's bits cannot be compared at flush: storage holds no canonical bits to
+# recompute a manifest's fingerprint from (docs/protocol.md, "What is checked before and
+# after apply").
+UNCHECKABLE = {
+    "overwrite": "converted on their way to storage (a cast, FP8 storage)",
+    "dense": "quantized as a whole on their way to storage",
+    "xor": "shards written in more pieces than a region names (MAX_SPANS)",
+}
+
+
+def uncheckable(applier: Applier) -> dict[str, list[str]]:
+    """The tensors this rank holds that no fingerprint can check at flush, by path: what
+    prewarm decided, the same for every attempt until the next prewarm."""
+    out: dict[str, list[str]] = {}
+    for name, plan in sorted(applier.plans.items()):
+        if all(w.src is None for w in plan.writes) and plan.cls == "xor":
+            continue  # only constant fills: no canonical element reaches storage
+        held = name in applier.readable or name in applier.regions
+        if plan.cls in UNCHECKABLE and not (plan.cls == "xor" and held):
+            out.setdefault(plan.cls, []).append(name)
+    return out
+
+
 class EngineRank:
     """One rank of a serving engine: its runtime, the applier prewarm made, and one
     method per row of :class:`~dcr.protocol.engine_api.EngineApi`, named as the row.
@@ -183,6 +206,10 @@ class EngineRank:
         self._storages = {n: storage_key(t) for n, t in self.runtime.named_tensors()}
         for d in self.derived.layers:
             log.info("Rank %s: layer %s is derived (%s): %s", self.rank, d.name, d.kind, d.why)
+        for cls, names in uncheckable(applier).items():
+            log.warning("Rank %s: %d tensors are %s (%s path), e.g. %s: no fingerprint "
+                        "can check their bits at flush", self.rank, len(names),
+                        UNCHECKABLE[cls], cls, names[:3])
         return ProfileAnswer(rank=self.rank, profile=dict(profile.tensors),
                              regions=profile.model_dump(mode="json").get("regions", {}),
                              derived=len(self.derived.layers),
@@ -301,4 +328,4 @@ class EngineRank:
 
 
 __all__ = ["CHECKPOINT_ROOT_ENV", "INSTANCE", "STAGING_ENV", "EngineRank", "canonical_tensors",
-           "confined_checkpoint", "engine_dir", "read_staged", "uncovered"]
+           "confined_checkpoint", "engine_dir", "read_staged", "uncheckable", "uncovered"]
