@@ -48,6 +48,7 @@ from dcr.protocol.coordinator import Coordinator
 from dcr.protocol.records import CommitOutcome, CommitRecord
 from dcr.receiver import fromstore
 from dcr.receiver.fromstore import FromStore
+from dcr.receiver.attempt import AgentConflict
 from dcr.receiver.service import AgentService
 from dcr.runtimes.vllm_reference import ReferenceConfig, ReferenceModel, random_checkpoint
 from dcr.serve.local import LocalDriver
@@ -204,6 +205,27 @@ def test_a_receiver_given_the_digest_rejoins_from_the_vouched_history_alone(
     assert hs.read().committed == 1  # as the store holds it
     hs.digest = two.history_digest
     assert hs.read().committed == 2
+
+
+def test_a_committed_version_loads_densely_against_the_history_its_commit_named(
+        fleet: Fleet) -> None:
+    """An agent pinned to the history its attempt's base record vouched for learns the new
+    record's digest with the commit: a dense load of the committed version (a full refit,
+    or a rejoin from a checkpoint) is then checked against a history that names it, instead
+    of being refused because the history it was pinned to ends one version earlier."""
+    from safetensors.torch import save_file
+
+    fleet.refit(1)
+    two = fleet.refit(2)
+    (fleet.rx.checkpoint_root / "v2").mkdir()  # type: ignore[operator]
+    save_file(fleet.states[2], str(fleet.rx.checkpoint_root / "v2" / "model.safetensors"))
+    st = fleet.rx.rejoin(2, "v2")
+    assert (st.version, st.gate_open) == (2, True)
+    assert fleet.rx.store is not None and fleet.rx.store.history.digest == two.history_digest
+    (fleet.rx.checkpoint_root / "v1").mkdir()  # type: ignore[operator]
+    save_file(fleet.states[1], str(fleet.rx.checkpoint_root / "v1" / "model.safetensors"))
+    with pytest.raises(AgentConflict, match="differ|fingerprint"):
+        fleet.rx.rejoin(2, "v1")  # the wrong bits under the committed version's name
 
 
 def test_manifest_parts_the_history_names_are_read_with_the_readers_limits(

@@ -347,8 +347,8 @@ class Rank:
     def flush(self, attempt: Attempt) -> FlushAck:
         return self._live().flush(attempt)
 
-    def committed(self, attempt: str) -> AgentStatus:
-        return self._live().committed(attempt)
+    def committed(self, attempt: str, history_digest: str | None = None) -> AgentStatus:
+        return self._live().committed(attempt, history_digest)
 
     def stop_and_wait(self, attempt: str) -> AgentStatus:
         return self._live().stop_and_wait(attempt)

@@ -12,7 +12,7 @@ is one row here and one ``AgentService`` method. A test keeps this list equal to
     POST /v1/apply       AttemptRef   -> AgentStatus    open_apply: apply in declared order
     POST /v1/staged      AttemptRef   -> AgentStatus    wait until every payload is staged
     POST /v1/flush       AttemptRef   -> FlushAck       wait until all applied and checked
-    POST /v1/commit      AttemptRef   -> AgentStatus    the record names the attempt
+    POST /v1/commit      CommitRef    -> AgentStatus    the record names the attempt
     POST /v1/stop        AttemptRef   -> AgentStatus    obsolete; returns once no write can
     POST /v1/dense       DenseRequest -> AgentStatus    restore a version by a dense load
     GET  /v1/profile     -            -> dict[str, Any] the loader's classes (ReceiverProfile)
@@ -119,6 +119,14 @@ class AttemptRef(_Body):
         return AttemptDeadline(id=self.attempt, deadline=time.time() + self.timeout_s)
 
 
+class CommitRef(AttemptRef):
+    # The new record's history digest: the history that names the committed version, which
+    # later dense loads of it are checked against (left out of the JSON when absent, so
+    # agents that predate it read the call).
+    history_digest: Annotated[str | None, Field(pattern=_HEX32)] = Field(
+        default=None, exclude_if=lambda d: d is None)
+
+
 class DenseRequest(_Body):
     version: Annotated[int, Field(ge=0)]
     # The version's safetensors, under the agent's checkpoint root (a relative path is
@@ -182,6 +190,10 @@ def _ref_by_id(attempt: str) -> AttemptRef:
     return AttemptRef(attempt=attempt)
 
 
+def _commit(attempt: str, history_digest: str | None = None) -> CommitRef:
+    return CommitRef(attempt=attempt, history_digest=history_digest)
+
+
 def _dense(version: int, checkpoint: str | None = None,
            history_digest: str | None = None) -> DenseRequest:
     return DenseRequest(version=version, checkpoint=checkpoint, history_digest=history_digest)
@@ -197,6 +209,12 @@ def _as_key(body: AttemptRef) -> tuple[AttemptDeadline]:
 
 def _as_id(body: AttemptRef) -> tuple[str]:
     return (body.attempt,)
+
+
+def _as_commit(body: CommitRef) -> tuple[str] | tuple[str, str]:
+    if body.history_digest is None:  # the call as agents that predate the digest take it
+        return (body.attempt,)
+    return (body.attempt, body.history_digest)
 
 
 def _as_dense(body: DenseRequest) -> tuple[int, str | None] | tuple[int, str | None, str]:
@@ -301,8 +319,8 @@ class AgentApi:
                        doc="wait until every payload is staged")
     flush = Call("POST", "/v1/flush", AttemptRef, FlushAck, encode=_ref, decode=_as_key,
                  wait=_until_deadline, doc="wait until all applied and checked")
-    committed = Call("POST", "/v1/commit", AttemptRef, AgentStatus, encode=_ref_by_id,
-                     decode=_as_id, doc="the record names the attempt")
+    committed = Call("POST", "/v1/commit", CommitRef, AgentStatus, encode=_commit,
+                     decode=_as_commit, doc="the record names the attempt")
     stop_and_wait = Call("POST", "/v1/stop", AttemptRef, AgentStatus, encode=_ref_by_id,
                          decode=_as_id, wait=_twice, doc="obsolete; returns once no write can")
     rejoin = Call("POST", "/v1/dense", DenseRequest, AgentStatus, encode=_dense,

@@ -69,7 +69,10 @@ class ReceiverHandle(Protocol):
 
     def flush(self, attempt: Attempt) -> FlushAck: ...
 
-    def committed(self, attempt: str) -> AgentStatus: ...
+    def committed(self, attempt: str, history_digest: str | None = None) -> AgentStatus:
+        """The record names ``attempt``; ``history_digest``, the history it vouches for
+        (the one later dense loads of the committed version are checked against)."""
+        ...
 
     def stop_and_wait(self, attempt: str) -> AgentStatus:
         """Mark obsolete; return only when none of its writes can still happen."""
@@ -370,11 +373,11 @@ class Coordinator:
                 flushed = st.state == AttemptState.FLUSHED.value and st.attempt in settled \
                     and st.dirty is not None and st.dirty[1] == record.committed_version
                 if flushed and st.attempt is not None:
-                    r.committed(st.attempt)
+                    r.committed(st.attempt, record.history_digest or None)
                 elif st.version != record.committed_version:
                     return  # rejoins by a dense refit at the next admission
             else:
-                r.committed(record.attempt)
+                r.committed(record.attempt, record.history_digest or None)
             r.open_gate()
 
         errors = [e for e in self._each(settle, receivers or self.receivers, strict=False)

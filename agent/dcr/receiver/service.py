@@ -437,14 +437,19 @@ class AgentService:
             return FlushAck(attempt=attempt.id, payloads=run.applied, bytes=run.applied_bytes,
                             apply_s=run.apply_s, wait_s=time.perf_counter() - t0)
 
-    def committed(self, attempt: str) -> AgentStatus:
+    def committed(self, attempt: str, history_digest: str | None = None) -> AgentStatus:
+        """The record names ``attempt``; from now on the store's history is the one
+        ``history_digest`` names (the new record's), so a later dense load of the committed
+        version is checked against a history that names it."""
         with self._cond:
             run = self._current(attempt)
-            if run.state is S.COMMITTED:
-                return self.snapshot()
-            if run.state is not S.FLUSHED:
+            if run.state not in (S.FLUSHED, S.COMMITTED):
                 raise AgentConflict(f"{self.name}: attempt {attempt} is "
                                     f"{run.state.value}, not flushed; it cannot be committed.")
+            if self.store is not None and history_digest is not None:
+                self.store.vouch(history_digest, run.spec.target_version)
+            if run.state is S.COMMITTED:
+                return self.snapshot()
             version = run.spec.target_version
             manifest = run.manifest  # its targets check later dense loads of ``version``
             self.weights.committed(version, {t.name: t.target for t in manifest.tensors}
