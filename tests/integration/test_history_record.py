@@ -47,8 +47,8 @@ from dcr.protocol.commitstore import SqliteCommitStore
 from dcr.protocol.coordinator import Coordinator
 from dcr.protocol.records import CommitOutcome, CommitRecord
 from dcr.receiver import fromstore
-from dcr.receiver.fromstore import FromStore
 from dcr.receiver.attempt import AgentConflict
+from dcr.receiver.fromstore import FromStore
 from dcr.receiver.service import AgentService
 from dcr.runtimes.vllm_reference import ReferenceConfig, ReferenceModel, random_checkpoint
 from dcr.serve.local import LocalDriver
@@ -217,14 +217,17 @@ def test_a_committed_version_loads_densely_against_the_history_its_commit_named(
 
     fleet.refit(1)
     two = fleet.refit(2)
-    (fleet.rx.checkpoint_root / "v2").mkdir()  # type: ignore[operator]
-    save_file(fleet.states[2], str(fleet.rx.checkpoint_root / "v2" / "model.safetensors"))
+    root = fleet.rx.checkpoint_root
+    assert root is not None
+    (root / "v2").mkdir()
+    save_file(fleet.states[2], str(root / "v2" / "model.safetensors"))
     st = fleet.rx.rejoin(2, "v2")
     assert (st.version, st.gate_open) == (2, True)
-    assert fleet.rx.store is not None and fleet.rx.store.history.digest == two.history_digest
-    (fleet.rx.checkpoint_root / "v1").mkdir()  # type: ignore[operator]
-    save_file(fleet.states[1], str(fleet.rx.checkpoint_root / "v1" / "model.safetensors"))
-    with pytest.raises(AgentConflict, match="differ|fingerprint"):
+    assert fleet.rx.store is not None
+    assert fleet.rx.store.history.digest == two.history_digest
+    (root / "v1").mkdir()
+    save_file(fleet.states[1], str(root / "v1" / "model.safetensors"))
+    with pytest.raises(AgentConflict, match=r"differ|fingerprint"):
         fleet.rx.rejoin(2, "v1")  # the wrong bits under the committed version's name
 
 
