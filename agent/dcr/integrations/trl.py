@@ -157,6 +157,12 @@ class DcrWeightSync(TrainerCallback):
     def committed(self) -> int:
         return self.owner.version
 
+    @property
+    def history_digest(self) -> str | None:
+        """The history the last committed refit's record vouches for (None before one)."""
+        record = self.steps[-1].record if self.steps else None
+        return (record.history_digest or None) if record is not None else None
+
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None,
                     **_: Any) -> None:
         if model is None:

@@ -457,7 +457,8 @@ def _step(v: int, s: RefitSettings, job: _Job) -> dict[str, Any]:
     for pod in pods:
         if _status(pod).version != record.committed_version:
             pod.sidecar.client().rejoin(record.committed_version,
-                                        None if job.from_store else str(ckpt))
+                                        None if job.from_store else str(ckpt),
+                                        record.history_digest or None)
             rejoined_after.append(pod.name)
     fetched = 0
     for pod in pods:  # a restarted agent counts from zero again

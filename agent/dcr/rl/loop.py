@@ -149,12 +149,12 @@ def status_version(client: AgentClient, wait_s: float = 120.0) -> int | None:
             time.sleep(0.05)
 
 
-def catch_up(fleet: Fleet, version: int) -> list[str]:
+def catch_up(fleet: Fleet, version: int, history_digest: str | None) -> list[str]:
     """Pods whose agent is not at ``version`` (one killed mid-refit) rejoin from the
-    store's history; their names."""
+    store's history, the one ``history_digest`` (the commit record's) names; their names."""
     behind = [p for p in fleet.pods if status_version(p.client()) != version]
     for p in behind:
-        p.client().rejoin(version, None)
+        p.client().rejoin(version, None, history_digest)
     return [p.sidecar.name for p in behind]
 
 
@@ -237,7 +237,7 @@ class Reporter:
         refit_s = (refit.offer_s + refit.refit_s) if refit and not self.sync.overlap else 0.0
         check = not self.sync.overlap
         if check:
-            catch_up(self.fleet, self.sync.committed)
+            catch_up(self.fleet, self.sync.committed, self.sync.history_digest)
         row = StepRow(
             step=step, reward=self.rewards[-1], generate_s=gen.seconds,
             train_s=max(step_s - gen.seconds - refit_s, 0.0), refit_s=refit_s,
@@ -353,7 +353,7 @@ def run_rl(s: RlSettings) -> dict[str, Any]:
         grpo(s, out, trainer.model, rollout, rep.reward, [before, sync, after]).train()
         sync.wait()
         if s.overlap:  # the last refit, checked once it committed
-            catch_up(fleet, sync.committed)
+            catch_up(fleet, sync.committed, sync.history_digest)
             if not exact(fleet, base, trainer.model):
                 raise DcrError("A pod differs from a dense load of the trainer's weights.")
     finally:
