@@ -13,6 +13,7 @@ import http.client
 import os
 import re
 import secrets
+import signal
 import subprocess
 import sys
 import threading
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 BUCKET = "dcr-demo"
 REGION = "us-east-1"
 START_TIMEOUT_S = 30.0
+_COUNTS = re.compile(r"bytes up (\d+) down (\d+)")
 _ENV_LOCK = threading.Lock()  # os.environ is the process's: one store built at a time
 
 
@@ -92,6 +94,17 @@ class Link:
         self.port = int(line.rsplit(":", 1)[1])
         return self
 
+    def down(self) -> int:
+        """Bytes that have crossed it towards the pod so far (the link prints its counts
+        on SIGUSR1)."""
+        assert self.proc is not None
+        assert self.proc.stdout is not None
+        self.proc.send_signal(signal.SIGUSR1)
+        line = self.proc.stdout.readline()
+        if not (m := _COUNTS.search(line)):
+            raise DcrError(f"Link {self.name} did not report its counts (it printed {line!r}).")
+        return int(m.group(2))
+
     def stop(self) -> None:
         """Stop it and read how many bytes crossed it each way."""
         if self.proc is None:
@@ -103,8 +116,8 @@ class Link:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             out, _ = self.proc.communicate()
-        if m := re.search(r"bytes up (\d+) down (\d+)", out or ""):
-            self.bytes_up, self.bytes_down = int(m.group(1)), int(m.group(2))
+        if counts := _COUNTS.findall(out or ""):  # the last line is the final count
+            self.bytes_up, self.bytes_down = int(counts[-1][0]), int(counts[-1][1])
         self.proc = None
 
 
@@ -240,6 +253,10 @@ class Boundary:
         """Bytes that crossed each link, each way, once :meth:`close` has stopped them."""
         return {link.name: {"up": link.bytes_up, "down": link.bytes_down}
                 for link in self._links()}
+
+    def pods_down(self) -> dict[str, int]:
+        """Bytes each pod's link has carried towards its pod so far, by link name."""
+        return {link.name: link.down() for link in self.links}
 
     def _links(self) -> list[Link]:
         return [*self.links, *([self.relay_link] if self.relay_link else [])]

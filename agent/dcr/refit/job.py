@@ -1,6 +1,7 @@
 """``dcr refit`` / ``make demo``: the main job, every part a real process on one machine.
 
-It writes a table per step, ``summary.json``, ``refit.png`` and ``boundary.json``. What it
+It writes a table per step (log lines under the step's row, and in ``refit.log``),
+``summary.json``, ``refit.png`` and ``boundary.json``. What it
 runs and checks: docs/architecture.md, "The main job"; the flags: docs/cli.md.
 """
 
@@ -40,7 +41,9 @@ from dcr.refit.boundary import Boundary
 from dcr.refit.full import FullPath, full_refit
 from dcr.refit.kills import Held, Killer, KillPoint
 from dcr.refit.launch import AgentProcess, ServeProcess, free_port
+from dcr.refit.ledger import crossed_lines, mb, split_down
 from dcr.refit.plot import plot_refit
+from dcr.refit.steplog import StepLog, install
 from dcr.refit.trainer import Trainer, TrainerSettings, reference_fingerprint
 from dcr.serve.settings import ServeSettings
 from dcr.settings import option, to_argv
@@ -240,9 +243,9 @@ def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     out = s.out.resolve()
     shutil.rmtree(out, ignore_errors=True)
+    held = install(out / "refit.log")
     ckpts = out / "checkpoints"
     token = secrets.token_hex(16)
 
@@ -296,11 +299,11 @@ def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
             history=history)
         job = _Job(trainer=trainer, ckpts=ckpts, pods=pods, coordinator=coordinator,
                    owners=owners, kills=kills, full=_full_stores(boundary),
-                   from_store=history is not None)
+                   from_store=history is not None, boundary=boundary, held=held)
         where = (f"relay tree of {s.agents} nodes (fan-out {RelaySettings.fanout}), root "
                  f"{tree.urls[0]}" if relays else f"store {store}")
         print(f"model: Llama, {trainer.parameters:,} parameters, "
-              f"{_mb(trainer.parameters * 2)} BF16; AdamW lr={s.trainer.lr}; {where}")
+              f"{mb(trainer.parameters * 2)} BF16; AdamW lr={s.trainer.lr}; {where}")
         print(boundary.describe(relay=bool(relays)))
         print(f"{s.agents} rollout pods (a dcr serve server and a dcr agent each) up in "
               f"{startup_s:.1f} s ({'; '.join(sorted({p.kind for p in pods}))}); "
@@ -314,17 +317,18 @@ def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
               f"{'% dense':>8} "
               f"{'prepare':>7} {'publish':>7} {'flush':>6} {'commit':>6} {'total s':>7} "
               f"{'full s':>6}  attempts                          bit-exact")
+        held.print_held()
         rows = [_step(v, s, job) for v in range(1, s.steps + 1)]
     finally:
         _stop(coordinator, owners, pods, relays, boundary)
+        held.print_held()
     (out / "summary.json").write_text(json.dumps(rows, indent=1))
     (out / "boundary.json").write_text(json.dumps({
         "store": boundary.store_uri, "link_mbit": s.link_mbit if boundary.linked else None,
         "rtt_ms": s.rtt_ms if boundary.linked else None, "links": boundary.crossed()},
         indent=1))
-    if crossed := boundary.crossed():
-        print("bytes across the boundary (DCR and full refits together): " + ", ".join(
-            f"{k} {_mb(v['down'])} down, {_mb(v['up'])} up" for k, v in crossed.items()))
+    for line in crossed_lines(rows, boundary.crossed()):
+        print(line)
     plot = plot_refit(rows, out / "refit.png")
     exact = all(r["bit_exact"] and r["full_bit_exact"] for r in rows)
     ratios = [r["full_s"] / r["total_s"] for r in rows]
@@ -345,8 +349,17 @@ def _store_bytes_fetched(pod: _Pod) -> int:
     return int(sample(text, "dcr_agent_store_bytes_fetched_total") or 0)
 
 
-def _mb(n: int) -> str:
-    return f"{n / 1e6:.0f} MB" if n >= 10e6 else f"{n / 1e6:.1f} MB"
+
+
+def _fetched(job: _Job) -> dict[str, int]:
+    """What each pod's agent read from the store to rebuild versions since the last call
+    (a restarted agent counts from zero again), by link name."""
+    out = {}
+    for i, pod in enumerate(job.pods):
+        now, seen = _store_bytes_fetched(pod), job.fetched.get(pod.name, 0)
+        out[f"pod-{i}"] = now - seen if now >= seen else now
+        job.fetched[pod.name] = now
+    return out
 
 
 def _stop(coordinator: Coordinator | None, owners: Sequence[ProcessOwner | WarmOwner],
@@ -414,6 +427,8 @@ class _Job:
     kills: KillPoint  # the coordinator's owners publish once a step's kill has landed
     full: FullPath  # where full checkpoints travel, for the comparison
     from_store: bool  # receivers rejoin from the store's history (else a checkpoint path)
+    boundary: Boundary  # the pods' links, read before and after each phase of a step
+    held: StepLog  # log records of the step, printed under its row
     fetched: dict[str, int] = field(default_factory=dict)  # each agent's counter, last read
 
 
@@ -443,6 +458,7 @@ def _step(v: int, s: RefitSettings, job: _Job) -> dict[str, Any]:
         killer.start()
     first = len(coordinator.history)
     job.kills.killer = killer
+    down0 = job.boundary.pods_down()
     t0 = time.perf_counter()
     try:
         record = coordinator.refit(v, str(ckpt))
@@ -454,17 +470,17 @@ def _step(v: int, s: RefitSettings, job: _Job) -> dict[str, Any]:
     attempts = coordinator.history[first:]
     # A receiver the last attempt could not admit rejoins now, between attempts.
     rejoined_after = []
+    t1 = time.perf_counter()
     for pod in pods:
         if _status(pod).version != record.committed_version:
             pod.sidecar.client().rejoin(record.committed_version,
                                         None if job.from_store else str(ckpt),
                                         record.history_digest or None)
             rejoined_after.append(pod.name)
-    fetched = 0
-    for pod in pods:  # a restarted agent counts from zero again
-        now, seen = _store_bytes_fetched(pod), job.fetched.get(pod.name, 0)
-        fetched += now - seen if now >= seen else now
-        job.fetched[pod.name] = now
+    rejoin_s = time.perf_counter() - t1
+    by_pod = _fetched(job)
+    fetched = sum(by_pod.values())
+    down1 = job.boundary.pods_down()
     refs: dict[str, dict[str, str]] = {}
     exact = True
     for pod in pods:
@@ -474,6 +490,7 @@ def _step(v: int, s: RefitSettings, job: _Job) -> dict[str, Any]:
     full = full_refit(v, ckpt, [p.sidecar for p in pods], job.full,
                       [p.agent.dense_root / f"full-{p.name}" for p in pods])
     full_exact = all(p.sidecar.client().fingerprint() == refs[p.kind] for p in pods)
+    down2 = job.boundary.pods_down()
     last = attempts[-1]
     summaries = [o.summaries[last.attempt] for o in job.owners]
     changed = sum(int(str(x["changed_elements"])) for x in summaries)
@@ -489,6 +506,8 @@ def _step(v: int, s: RefitSettings, job: _Job) -> dict[str, Any]:
         "killed": killer.victim.name if killer else None,  # agent-N or serve-N
         "rejoined_after": rejoined_after,
         "rejoin_fetched_bytes": fetched,  # from the store, through the pods' links
+        "rejoin_after_s": rejoin_s,  # rejoining pods the commit left behind (after total_s)
+        "link_down_bytes": split_down(down0, down1, down2, by_pod),  # by pod, by phase
         "attempts": [asdict(h) for h in attempts],
     }
     st = last.stages
@@ -496,7 +515,7 @@ def _step(v: int, s: RefitSettings, job: _Job) -> dict[str, Any]:
     extra = [f"killed {row['killed']}"] if killer else []
     extra += [f"rejoined {', '.join(h.rejoined)}" for h in attempts if h.rejoined]
     extra += [f"rejoined {n} after" for n in rejoined_after]
-    extra += [f"rejoins fetched {_mb(fetched)} from the store"] if fetched else []
+    extra += [f"rejoins fetched {mb(fetched)} from the store"] if fetched else []
     print(f"{v:>4} {loss:>7.4f} {row['changed_pct']:>7.3f}% {row['sent_pct']:>7.3f}% "
           f"{payload:>10,} "
           f"{row['dense_pct']:>7.3f}% {st.get('prepare', 0):>7.3f} {st.get('publish', 0):>7.3f} "
@@ -504,6 +523,7 @@ def _step(v: int, s: RefitSettings, job: _Job) -> dict[str, Any]:
           f"{full['full_s']:>6.2f}  {label:<33} "
           f"{'yes' if exact and full_exact else 'NO'}"
           + (f"  ({'; '.join(extra)})" if extra else ""), flush=True)
+    job.held.print_held()
     if v > 1:  # v0 is what agents (re)start from; a rejoin needs only the committed one
         shutil.rmtree(job.ckpts / f"v{v - 1}")
     return row

@@ -5,7 +5,8 @@ then a delay line of ``rtt_ms / 2``. Run one process per link::
 
     python -m dcr.refit.linkemu --listen 127.0.0.1:9100 --to 127.0.0.1:9000 --mbit 250 --rtt-ms 20
 
-It prints ``listening HOST:PORT``, and ``bytes up N down M`` when stopped.
+It prints ``listening HOST:PORT``, and ``bytes up N down M`` on SIGUSR1 (the counts so far,
+so the main job can split them by phase) and when stopped.
 """
 
 from __future__ import annotations
@@ -99,6 +100,8 @@ async def serve(listen: str, target: str, mbit: float, rtt_ms: float) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, lambda: print(
+        f"bytes up {up.bytes} down {down.bytes}", flush=True))
     port = server.sockets[0].getsockname()[1]
     print(f"listening {lh}:{port}", flush=True)
     async with server:

@@ -1,4 +1,5 @@
-"""The main job's plot, ``refit.png``: each attempt's stages, bytes per step, and the
+"""The main job's plot, ``refit.png``: every stage of every attempt and the rejoins after
+it, bytes per step on a linear axis (DCR's share written on its bars), and the
 full-checkpoint refit's seconds beside DCR's. Without matplotlib there is no plot.
 """
 
@@ -7,6 +8,83 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 from typing import Any
+
+# The coordinator's stages in the order they run; "other" is the rest of a step's
+# total_s (admission, a rejoin at admission, abandoning a failed attempt).
+STAGES = ("prepare", "publish", "stage", "gate", "flush", "commit", "finish")
+OTHER = "admission, rejoin at admission, abandon"
+AFTER = "rejoin after the commit"
+LEGEND = {"loc": "upper center", "bbox_to_anchor": (0.5, -0.18), "fontsize": 8, "ncol": 2}
+
+
+def _timeline(ax: Any, rows: list[dict[str, Any]]) -> None:
+    """Stacked seconds per attempt; each step's bars sum to its total_s, and a step's
+    rejoin after the commit sits on its last attempt."""
+    colors = {name: f"C{k}" for k, name in enumerate((*STAGES, OTHER, AFTER))}
+    seen: set[str] = set()
+    x, ticks, top = 0.0, [], 0.0
+
+    def bar(sec: float, bottom: float, name: str, hatch: str | None) -> float:
+        if sec > 0:
+            ax.bar(x, sec, bottom=bottom, color=colors[name], hatch=hatch,
+                   label=None if name in seen else name)
+            seen.add(name)
+        return bottom + sec
+
+    for r in rows:
+        attempts = r["attempts"]
+        drawn = sum(sum(h["stages"].values()) for h in attempts)
+        for i, h in enumerate(attempts):
+            hatch = "//" if h["outcome"] != "committed" else None
+            bottom = 0.0
+            for name in STAGES:
+                bottom = bar(h["stages"].get(name, 0.0), bottom, name, hatch)
+            if i == len(attempts) - 1:
+                bottom = bar(max(0.0, r["total_s"] - drawn), bottom, OTHER, None)
+                bottom = bar(r.get("rejoin_after_s", 0.0), bottom, AFTER, None)
+            top = max(top, bottom)
+            ticks.append((x, f"{r['step']}{'' if h['mode'] == 'mixed' else ' ow'}"))
+            x += 1
+        x += 0.5
+    ax.set_xticks([t[0] for t in ticks], [t[1] for t in ticks], fontsize=8)
+    ax.set_ylim(0, 1.1 * top)
+    ax.set_xlabel("step (attempts; ow = overwrite, hatched = failed)")
+    ax.set_ylabel("seconds")
+    ax.set_title("refit timeline by stage")
+    ax.legend(**LEGEND)
+
+
+def _bytes(ax: Any, rows: list[dict[str, Any]]) -> None:
+    """Dense bytes, DCR's payload (its share written on the bar) and rejoins' fetches."""
+    steps = [r["step"] for r in rows]
+    ax.bar([s - 0.27 for s in steps], [r["dense_bytes"] / 1e6 for r in rows], 0.27,
+           label="dense (what a full refit applies)")
+    bars = ax.bar(steps, [r["payload_bytes"] / 1e6 for r in rows], 0.27,
+                  label="DCR payload")
+    ax.bar([s + 0.27 for s in steps], [r.get("rejoin_fetched_bytes", 0) / 1e6 for r in rows],
+           0.27, label="rejoins: fetched from the store")
+    for b, r in zip(bars, rows, strict=True):
+        ax.annotate(f"1/{r['dense_bytes'] / r['payload_bytes']:.0f}",
+                    (b.get_x() + b.get_width() / 2, b.get_height()), ha="center",
+                    va="bottom", fontsize=8)
+    ax.set_xticks(steps)
+    ax.set_xlabel("step")
+    ax.set_ylabel("MB")
+    ax.set_title("bytes per refit (1/N: DCR's share of dense)")
+    ax.legend(**LEGEND)
+
+
+def _times(ax: Any, rows: list[dict[str, Any]]) -> None:
+    steps = [r["step"] for r in rows]
+    ax.bar([s - 0.2 for s in steps], [r["full_s"] for r in rows], 0.4,
+           label="full checkpoint: upload, then download + dense load")
+    ax.bar([s + 0.2 for s in steps], [r["total_s"] for r in rows], 0.4,
+           label="DCR refit (all attempts)")
+    ax.set_xticks(steps)
+    ax.set_xlabel("step")
+    ax.set_ylabel("seconds")
+    ax.set_title("refit time per step, same store and links")
+    ax.legend(**LEGEND)
 
 
 def plot_refit(rows: list[dict[str, Any]], path: Path) -> Path | None:
@@ -18,45 +96,9 @@ def plot_refit(rows: list[dict[str, Any]], path: Path) -> Path | None:
     except ImportError:
         print("matplotlib is not installed: no plot", file=sys.stderr)
         return None
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4))
-    stages = ("prepare", "publish", "flush", "commit", "finish")
-    x = 0.0
-    ticks = []
-    for r in rows:
-        for h in r["attempts"]:
-            bottom = 0.0
-            for k, stage in enumerate(stages):
-                sec = h["stages"].get(stage, 0.0)
-                ax1.bar(x, sec, bottom=bottom, color=f"C{k}", label=stage if x == 0 else None,
-                        hatch="//" if h["outcome"] != "committed" else None)
-                bottom += sec
-            ticks.append((x, f"{r['step']}{'' if h['mode'] == 'mixed' else ' ow'}"))
-            x += 1
-        x += 0.5
-    ax1.set_xticks([t[0] for t in ticks], [t[1] for t in ticks], fontsize=8)
-    ax1.set_xlabel("step (attempts; ow = overwrite, hatched = failed)")
-    ax1.set_ylabel("seconds")
-    ax1.set_title("refit timeline by stage")
-    ax1.legend(fontsize=8)
-    steps = [r["step"] for r in rows]
-    ax2.bar([s - 0.2 for s in steps], [r["dense_bytes"] for r in rows], 0.4, label="dense")
-    ax2.bar([s + 0.2 for s in steps], [r["payload_bytes"] for r in rows], 0.4, label="DCR payload")
-    ax2.set_yscale("log")
-    ax2.set_xticks(steps)
-    ax2.set_xlabel("step")
-    ax2.set_ylabel("bytes")
-    ax2.set_title("bytes per refit")
-    ax2.legend(fontsize=8)
-    ax3.bar([s - 0.2 for s in steps], [r["full_s"] for r in rows], 0.4,
-            label="full checkpoint: upload, then download + dense load")
-    ax3.bar([s + 0.2 for s in steps], [r["total_s"] for r in rows], 0.4,
-            label="DCR refit (all attempts)")
-    ax3.set_xticks(steps)
-    ax3.set_ylim(0, 1.4 * max(max(r["full_s"], r["total_s"]) for r in rows))  # legend room
-    ax3.set_xlabel("step")
-    ax3.set_ylabel("seconds")
-    ax3.set_title("refit time per step, same store and links")
-    ax3.legend(fontsize=8)
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5.5))
+    for draw, ax in zip((_timeline, _bytes, _times), axes, strict=True):
+        draw(ax, rows)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
