@@ -17,6 +17,13 @@ AFTER = "rejoin after the commit"
 LEGEND = {"loc": "upper center", "bbox_to_anchor": (0.5, -0.18), "fontsize": 8, "ncol": 2}
 
 
+def _label(ax: Any, xlabel: str, ylabel: str, title: str) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(**LEGEND)
+
+
 def _timeline(ax: Any, rows: list[dict[str, Any]]) -> None:
     """Stacked seconds per attempt; each step's bars sum to its total_s, and a step's
     rejoin after the commit sits on its last attempt."""
@@ -48,10 +55,8 @@ def _timeline(ax: Any, rows: list[dict[str, Any]]) -> None:
         x += 0.5
     ax.set_xticks([t[0] for t in ticks], [t[1] for t in ticks], fontsize=8)
     ax.set_ylim(0, 1.1 * top)
-    ax.set_xlabel("step (attempts; ow = overwrite, hatched = failed)")
-    ax.set_ylabel("seconds")
-    ax.set_title("refit timeline by stage")
-    ax.legend(**LEGEND)
+    _label(ax, "step (attempts; ow = overwrite, hatched = failed)", "seconds",
+           "refit timeline by stage")
 
 
 def _bytes(ax: Any, rows: list[dict[str, Any]]) -> None:
@@ -68,10 +73,7 @@ def _bytes(ax: Any, rows: list[dict[str, Any]]) -> None:
                     (b.get_x() + b.get_width() / 2, b.get_height()), ha="center",
                     va="bottom", fontsize=8)
     ax.set_xticks(steps)
-    ax.set_xlabel("step")
-    ax.set_ylabel("MB")
-    ax.set_title("bytes per refit (1/N: DCR's share of dense)")
-    ax.legend(**LEGEND)
+    _label(ax, "step", "MB", "bytes per refit (1/N: DCR's share of dense)")
 
 
 def _times(ax: Any, rows: list[dict[str, Any]]) -> None:
@@ -81,10 +83,7 @@ def _times(ax: Any, rows: list[dict[str, Any]]) -> None:
     ax.bar([s + 0.2 for s in steps], [r["total_s"] for r in rows], 0.4,
            label="DCR refit (all attempts)")
     ax.set_xticks(steps)
-    ax.set_xlabel("step")
-    ax.set_ylabel("seconds")
-    ax.set_title("refit time per step, same store and links")
-    ax.legend(**LEGEND)
+    _label(ax, "step", "seconds", "refit time per step, same store and links")
 
 
 def plot_refit(rows: list[dict[str, Any]], path: Path) -> Path | None:
