@@ -45,6 +45,25 @@ def test_grpo_steps_refit_every_pod_bit_exact_and_survive_a_killed_agent(
     assert not (out / "dense").exists()
 
 
+def test_a_dense_full_checkpoint_refit_beside_each_step_loads_on_every_pod(
+        tmp_path: Path) -> None:
+    """--dense: after each DCR refit the same weights go to every pod as a full checkpoint
+    through the same store; the agents accept the committed version's dense load (the
+    commit told them its history) also after a pod was left out and rejoined, and the
+    next DCR refit builds on it bit-exact."""
+    s = RlSettings(out=tmp_path / "rl", steps=3, prompts=2, generations=4, max_tokens=6,
+                   kill_step=2, dense=True, link_mbit=0, rtt_ms=0)
+    summary = run_rl(s)
+    rows = summary["rows"]
+    assert [r["bit_exact"] for r in rows] == [True, True, True]
+    assert rows[1]["killed"] == "agent-0"
+    timed = [r["dense_refit_s"] is not None for r in rows]
+    assert timed == [True, False, True]  # the kill's step times DCR's recovery alone
+    assert summary["median"]["dense_refit_s"] > 0
+    assert summary["dense_step_ratio"] > 0
+    assert not list((tmp_path / "rl" / "dense").rglob("*.safetensors"))  # copies removed
+
+
 def test_samples_older_than_the_bound_are_dropped_counted_and_drawn_again(
         tmp_path: Path) -> None:
     trainer = Trainer(TrainerSettings(warmup_steps=0, **SIZES["tiny"]))
