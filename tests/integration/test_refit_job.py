@@ -113,8 +113,11 @@ def test_refit_job_recovers_from_a_killed_agent_and_ends_bit_exact(tmp_path: Pat
         assert second[1]["rejoined"] == ["agent-0"]
     else:
         assert rows[1]["rejoined_after"] == ["agent-0"]
-    assert rows[1]["record"] == {"committed_version": 2, "baseline_id": rows[1]["record"][
-        "baseline_id"], "attempt": second[1]["attempt"]}
+    record = rows[1]["record"]
+    assert record == {"committed_version": 2, "baseline_id": record["baseline_id"],
+                      "attempt": second[1]["attempt"],
+                      "history_digest": record["history_digest"]}
+    assert len(record["history_digest"]) == 32  # the record vouches for the store's history
     # Its pod holds only v0: it built v1 (or v2) from the store's history, through its
     # link, fetching a delta or two and the history, not a checkpoint.
     assert 0 < rows[1]["rejoin_fetched_bytes"] < rows[1]["dense_bytes"] / 2
