@@ -4,6 +4,7 @@ Hierarchy (``(module)``: defined beside the code that raises it; the rest here):
 
     DcrError
     ├── ConfigError              settings or arguments are wrong: fix them (names the value)
+    │   └── NoHistory            (files.inspect) the store holds no history (a dcr diff store)
     │
     ├── Refused                  a server refuses a request as written; ``status`` (on the
     │   │                        class) is the HTTP status every DCR server answers for it
@@ -12,6 +13,7 @@ Hierarchy (``(module)``: defined beside the code that raises it; the rest here):
     │   │   ├── BadPublish       (owner.server) what a publish names
     │   │   ├── ServeRefused     (serve.server) a dcr serve request (a ValueError)
     │   │   ├── BadCompletion    (serve.completions) a completion request (a ValueError)
+    │   │   ├── BadVersionHeader (http.gateway) a staleness header is not a version number
     │   │   └── UnknownMethod    (serve.workers) a collective_rpc method not the plugin's
     │   ├── StateConflict        409: does not fit the state it meets: read the state again
     │   │   ├── AgentConflict    (receiver.attempt) a call the agent's state does not allow
@@ -23,6 +25,8 @@ Hierarchy (``(module)``: defined beside the code that raises it; the rest here):
     │   │   ├── NotVouched       (receiver.fromstore) the store's history does not vouch for a
     │   │   │                    version, or it cannot be built from it
     │   │   ├── IllegalTransition (protocol.state) an attempt cannot move to that state
+    │   │   ├── StaleVersion     (http.gateway) the engine's committed version is older than
+    │   │   │                    the request accepts
     │   │   └── CommitConflict   (protocol.coordinator) the commit record moved under the
     │   │                        coordinator
     │   ├── TryLater             503: not now; the same request may succeed later
@@ -40,8 +44,10 @@ Hierarchy (``(module)``: defined beside the code that raises it; the rest here):
     │   │   ├── LimitExceeded    a declared size is over a decode limit (bomb guard)
     │   │   └── MalformedPayload a field is out of range or inconsistent
     │   ├── ManifestError        a manifest is missing, malformed, or disagrees with payloads
-    │   │   └── ForeignPayload   (transport.receive) an object under an attempt's prefix is
-    │   │                        not what its owner wrote (size or digest, or header ids)
+    │   │   ├── ForeignPayload   (transport.receive) an object under an attempt's prefix is
+    │   │   │                    not what its owner wrote (size or digest, or header ids)
+    │   │   └── HistoryRefused   (files.history) the store's history is not the vouched one,
+    │   │                        and no copy of that one is left
     │   ├── TargetMismatch       a payload does not fit the tensors it would be applied to
     │   │   └── WrongBaseVersion the target is not at the payload's base version
     │   ├── DuplicatePayload     (apply.applier) a payload id was applied before
@@ -77,6 +83,8 @@ Hierarchy (``(module)``: defined beside the code that raises it; the rest here):
     │   │                        outside the checkpoint root; nothing was written
     │   ├── OwnerEndpointFailed  (protocol.owner_endpoints) an owner endpoint refused, failed
     │   │                        or did not answer a publish, or wrote to another store
+    │   ├── RolloutError         (integrations.trl) the fleet did not answer a completion, or
+    │   │                        answered one without what a sample needs
     │   ├── CommitStoreError     (protocol.commitstore) the commit record is unreadable
     │   └── JournalError         (receiver.journal) the agent's journal is unreadable
     │
@@ -96,6 +104,8 @@ Hierarchy (``(module)``: defined beside the code that raises it; the rest here):
             │   └── WeightRefitSuperseded  the fleet committed past it
             ├── WeightRefitRefused the API server refused a call (``status``: 403, 422...)
             ├── WeightRefitUnreachable the API server did not answer until the deadline
+            ├── SampleVersionError an answer's weight versions are missing or malformed, or
+            │                    name no committed refit of the history read
             └── WeightRefitTimeout neither committed nor failed in time
 
 A server answers a :class:`Refused` with its ``status`` and any other error by its own

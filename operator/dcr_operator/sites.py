@@ -38,8 +38,9 @@ UID_LABEL = f"{GROUP}/refit-uid"
 KUBECONFIG_MAX_BYTES = 64 << 10
 
 
-class _Aliased(yaml.YAMLError):
-    """The document has an anchor or an alias."""
+class _Aliased(InvalidResource):
+    """The document has an anchor or an alias (raised from inside the loader, and said
+    again with the Secret's name by :func:`_load`)."""
 
 
 class _NoAliases(yaml.SafeLoader):

@@ -38,6 +38,7 @@ from typing import Any
 from aiohttp import ClientError, ClientResponse, ClientSession, ClientTimeout, TCPConnector, web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from dcr.errors import Invalid, StateConflict
 from dcr.http.edge import json_error
 from dcr.http.prometheus import Family
 
@@ -117,10 +118,16 @@ OUTCOMES = {
 }
 
 
-class _Refusal(Exception):
-    def __init__(self, status: int, kind: str, outcome: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.kind, self.outcome = status, kind, outcome
+class BadVersionHeader(Invalid):
+    """A staleness header is not a version number (400)."""
+
+    kind, outcome = "BadRequest", "bad_request"
+
+
+class StaleVersion(StateConflict):
+    """The engine's committed version is older than the request accepts (409)."""
+
+    kind, outcome = "StaleVersion", "stale"
 
 
 def _header_int(request: web.Request, name: str) -> int | None:
@@ -128,8 +135,7 @@ def _header_int(request: web.Request, name: str) -> int | None:
     if text is None:
         return None
     if not text.strip().isdigit():
-        raise _Refusal(400, "BadRequest", "bad_request",
-                       f"{name} {text[:40]!r} is not a version number (0 or more).")
+        raise BadVersionHeader(f"{name} {text[:40]!r} is not a version number (0 or more).")
     return int(text)
 
 
@@ -150,15 +156,14 @@ class _Bound:
 
 
 def _admit(request: web.Request, version: Version | None, keep: bool) -> _Bound:
-    """The request's bound; a :class:`_Refusal` if its headers are malformed or the
-    committed version is older than it accepts."""
+    """The request's bound. Raises :class:`BadVersionHeader` if its headers are malformed,
+    :class:`StaleVersion` if the committed version is older than it accepts."""
     least, span = _header_int(request, MIN_VERSION), _header_int(request, MAX_SPAN)
     now = version() if version is not None else None
     if least is not None and (now is None or now < least):
-        raise _Refusal(409, "StaleVersion", "stale",
-                       f"The engine's committed version is "
-                       f"{'unknown' if now is None else now}; the request accepts "
-                       f"{least} or newer ({MIN_VERSION}).")
+        raise StaleVersion(f"The engine's committed version is "
+                           f"{'unknown' if now is None else now}; the request accepts "
+                           f"{least} or newer ({MIN_VERSION}).")
     return _Bound(now, span if keep else None)
 
 
@@ -203,7 +208,7 @@ def make_gateway(upstream: str, routes: Iterable[str], *, timeout_s: float = 360
                           "here", "NotServed")
         try:
             bound = _admit(request, version, keep)
-        except _Refusal as e:
+        except (BadVersionHeader, StaleVersion) as e:
             count.ended(e.outcome)
             return json_error(e.status, str(e), e.kind)
         query = f"?{request.query_string}" if request.query_string else ""
