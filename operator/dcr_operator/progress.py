@@ -41,6 +41,7 @@ from dcr_operator.reconcile import (
     agent_failure,
     attempt_status,
     phase_of,
+    reason_of,
     set_condition,
     some_names,
 )
@@ -228,6 +229,7 @@ class Recorder:
             return {
                 "observedGeneration": self.generation,
                 "phase": phase_of(self.conditions),
+                "reason": reason_of(self.conditions),
                 "conditions": [dict(c) for c in self.conditions],
                 "attempts": [dict(a) for a in attempts],
                 "attemptCount": len(attempts),

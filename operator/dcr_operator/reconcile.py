@@ -2,7 +2,8 @@
 
 * :func:`validate`: may this WeightRefit run against the fleet's commit record now, and if
   not, why (a condition reason and a sentence with the values)?
-* :func:`set_condition`, :func:`phase_of`: condition bookkeeping; the printer's phase.
+* :func:`set_condition`, :func:`phase_of`, :func:`reason_of`: condition bookkeeping; the
+  printer's phase and reason.
 * :func:`receivers_of`: the selected pods that are Running, addressed only by pod IP;
   with ``spec.groups``, one receiver per complete group, through its leader
   (:func:`groups_of`).
@@ -87,6 +88,22 @@ def phase_of(conditions: Iterable[Mapping[str, Any]]) -> Phase:
     conditions = list(conditions)
     return next((phase for type_, phase in _PHASES if is_true(conditions, type_)),
                 Phase.PENDING)
+
+
+# While Pending, the reason of the first of these conditions that is set says what the
+# refit waits for (receivers, or its base version, fleet or encoder profile).
+_WAITING: tuple[str, ...] = (RefitCondition.APPLYING, RefitCondition.VALIDATED)
+
+
+def reason_of(conditions: Iterable[Mapping[str, Any]]) -> str | None:
+    """The reason the REASON printer column shows: that of the condition naming the phase
+    (Failed's when the refit failed), or while Pending that of what it waits for."""
+    conditions = list(conditions)
+    by_type = {c.get("type"): c for c in conditions}
+    named = next((type_ for type_, _ in _PHASES if is_true(conditions, type_)), None)
+    order = (named,) if named is not None else _WAITING
+    return next((str(by_type[t]["reason"]) for t in order
+                 if t in by_type and by_type[t].get("reason")), None)
 
 
 def is_final(phase: str | None) -> bool:

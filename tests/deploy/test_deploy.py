@@ -653,13 +653,13 @@ def test_kubectl_get_shows_the_printer_columns(cluster: Cluster) -> None:
     assert lines[0].split() == ["NAME", "VERSION", "READY", "RECEIVERS", "PODS", "REFIT",
                                 "STATUS", "AGE"]
     header = next(line for line in lines if line.startswith("NAME") and "FLEET" in line)
-    assert header.split() == ["NAME", "FLEET", "VERSION", "PHASE", "ATTEMPTS", "RECEIVERS",
-                              "BYTES", "AGE"]
+    assert header.split() == ["NAME", "FLEET", "VERSION", "PHASE", "REASON", "ATTEMPTS",
+                              "RECEIVERS", "BYTES", "AGE"]
     # (The fleet's row names the refit too, in its REFIT column, while a poll has yet to
     # see it finish.)
     row = next(line.split() for line in lines
                if line.startswith("weightrefit.dcr.dev/policy-rollout-v1 "))
-    assert row[1:6] == [FLEET, "1", "Committed", "1", str(REPLICAS)]
+    assert row[1:7] == [FLEET, "1", "Committed", "Committed", "1", str(REPLICAS)]
 
 
 def test_a_rollout_pod_deleted_mid_refit_is_replaced_and_rejoins(cluster: Cluster) -> None:

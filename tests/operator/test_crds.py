@@ -65,7 +65,8 @@ def test_dcr_crds_have_status_subresource_printer_columns_and_list_maps() -> Non
     version = refit["versions"][0]
     assert version["subresources"] == {"status": {}}
     columns = [c["name"] for c in version["additionalPrinterColumns"] if "priority" not in c]
-    assert columns == ["Fleet", "Version", "Phase", "Attempts", "Receivers", "Bytes", "Age"]
+    assert columns == ["Fleet", "Version", "Phase", "Reason", "Attempts", "Receivers", "Bytes",
+                       "Age"]
     status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
     assert status["conditions"]["x-kubernetes-list-type"] == "map"
     assert status["conditions"]["x-kubernetes-list-map-keys"] == ["type"]

@@ -474,11 +474,13 @@ def test_kubectl_get_shows_the_printer_columns(scenario: Scenario) -> None:
                                 "STATUS", "AGE"]
     assert lines[1].split()[:5] == [f"rolloutfleet.dcr.dev/{FLEET}", "3", "3", "3", "3"]
     header = next(line for line in lines if line.startswith("NAME") and "FLEET" in line)
-    assert header.split() == ["NAME", "FLEET", "VERSION", "PHASE", "ATTEMPTS", "RECEIVERS",
-                              "BYTES", "AGE"]
+    assert header.split() == ["NAME", "FLEET", "VERSION", "PHASE", "REASON", "ATTEMPTS",
+                              "RECEIVERS", "BYTES", "AGE"]
     rows = {line.split()[0]: line.split() for line in lines if "weightrefit" in line}
-    assert rows["weightrefit.dcr.dev/policy-v2"][1:6] == [FLEET, "2", "Committed", "2", "3"]
-    assert rows["weightrefit.dcr.dev/policy-stale"][3:5] == ["Failed", "0"]
+    assert rows["weightrefit.dcr.dev/policy-v2"][1:7] == [FLEET, "2", "Committed", "Committed",
+                                                          "2", "3"]
+    assert rows["weightrefit.dcr.dev/policy-stale"][3:6] == ["Failed", "BaseVersionMismatch",
+                                                             "0"]
 
 
 def test_deleting_a_refit_removes_its_payloads_and_its_jobs(scenario: Scenario) -> None:

@@ -171,6 +171,19 @@ def test_events_only_on_transitions_and_a_failed_status_write_is_not_fatal() -> 
     assert rec.status()["phase"] == "Committed"
 
 
+def test_each_status_write_carries_the_reason_beside_the_phase() -> None:
+    """The REASON printer column reads ``status.reason``: the Failed condition's reason once
+    the refit failed, and what it waits for before that."""
+    kube, events = FakeKube(), []  # type: ignore[var-annotated]
+    rec = recorder(kube, events)
+    rec.set("Validated", False, "WaitingForBaseVersion", "waits", event="Waiting")
+    rec.flush()
+    rec.set("Failed", True, "DeadlineExceeded", "too late", event="RefitFailed")
+    rec.flush()
+    assert [(b["status"]["phase"], b["status"]["reason"]) for _, b in kube.patches] == [
+        ("Pending", "WaitingForBaseVersion"), ("Failed", "DeadlineExceeded")]
+
+
 def test_a_thousand_receivers_and_32_failed_attempts_keep_the_status_small_and_rare(
         ) -> None:
     """Fails on 1802db4, where every acknowledgement wrote the whole status (1,000

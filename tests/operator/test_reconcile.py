@@ -24,6 +24,7 @@ from dcr_operator.reconcile import (
     fleet_conditions,
     groups_of,
     phase_of,
+    reason_of,
     receivers_of,
     secret_holders,
     selector_query,
@@ -111,6 +112,27 @@ def test_phase_is_derived_from_the_conditions(true: tuple[str, ...], phase: str)
     for t in ("Validated", "Encoding", "Applying", "Committed", "Failed"):
         conditions = set_condition(conditions, t, t in true, "R", at=T0)
     assert phase_of(conditions) == phase
+
+
+@pytest.mark.parametrize(("set_", "reason"), [
+    ((), None),
+    ((("Validated", False, "WaitingForBaseVersion"),), "WaitingForBaseVersion"),
+    ((("Validated", True, "BaseVersionCommitted"), ("Applying", False, "WaitingForReceivers")),
+     "WaitingForReceivers"),
+    ((("Validated", True, "BaseVersionCommitted"), ("Encoding", True, "EncoderJobRunning"),
+      ("Applying", True, "AttemptRunning")), "EncoderJobRunning"),
+    ((("Applying", False, "AttemptRunning"), ("Failed", True, "RetryLimitReached")),
+     "RetryLimitReached"),
+    ((("Validated", False, "BaseVersionMismatch"), ("Failed", True, "BaseVersionMismatch")),
+     "BaseVersionMismatch"),
+    ((("Failed", False, "Committed"), ("Committed", True, "Committed")), "Committed"),
+])
+def test_reason_is_that_of_the_condition_naming_the_phase_or_what_it_waits_for(
+        set_: tuple[tuple[str, bool, str], ...], reason: str | None) -> None:
+    conditions: list[dict[str, Any]] = []
+    for type_, status, why in set_:
+        conditions = set_condition(conditions, type_, status, why, at=T0)
+    assert reason_of(conditions) == reason
 
 
 def _pod(name: str, *, phase: str = "Running", ip: str | None = "10.0.0.7",

@@ -40,6 +40,10 @@ DESCRIPTION = "One transition of one RolloutFleet to a target version."
 PHASE_TEXT = (f"The refit's phase, {one_of(Phase)}: the first true of the Committed, Failed, "
               f"Encoding and Applying conditions, {Phase.PENDING} while none is.")
 
+REASON_TEXT = ("Why the refit is in its phase: the reason of the condition that names it "
+               "(Failed's when the refit failed), or while Pending that of the Applying or "
+               "Validated condition, which says what it waits for (api/conditions.py).")
+
 
 class RefitEncoder(SpecModel):
     """What a WeightRefit chooses of its encoder Job: a profile of its fleet and the split.
@@ -153,6 +157,8 @@ class WeightRefitStatus(StatusModel):
         default=None, description="The metadata.generation this status was written for.")
     phase: Phase | None = Field(
         default=None, description=PHASE_TEXT)
+    reason: str | None = Field(
+        default=None, description=REASON_TEXT)
     attempts: list[AttemptStatus] = Field(
         default_factory=list, json_schema_extra=list_map("id"),
         description="Every attempt, oldest first.")
@@ -183,6 +189,7 @@ PRINTER_COLUMNS = [
     column("Fleet", ".spec.fleet"),
     column("Version", ".spec.targetVersion", "integer"),
     column("Phase", ".status.phase", description=PHASE_TEXT),
+    column("Reason", ".status.reason", description=REASON_TEXT),
     column("Attempts", ".status.attemptCount", "integer"),
     column("Receivers", ".status.receiverCount", "integer"),
     column("Bytes", ".status.bytes", "integer"),
