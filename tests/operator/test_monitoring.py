@@ -117,6 +117,28 @@ def test_the_alerts_pass_promtool_check_and_unit_tests(helm: Path, monitoring: d
     assert "SUCCESS" in out
 
 
+DOCS = Path(__file__).parents[2] / "docs" / "monitoring.md"
+
+
+def _anchors(markdown: str) -> set[str]:
+    """The anchors GitHub gives a document's headings (lower case, spaces to dashes)."""
+    headings = re.findall(r"^#+\s+(.+?)\s*$", markdown, flags=re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+
+
+@pytest.mark.parametrize("base", [None, "https://wiki.example/dcr/runbooks"])
+def test_every_alert_links_its_runbook_section_of_the_monitoring_doc(
+        helm: Path, base: str | None) -> None:
+    args = [f"--set=metrics.prometheusRule.runbookBaseUrl={base}"] if base else []
+    rules = _rule_groups(helm, *args)["groups"][0]["rules"]
+    sections = _anchors(DOCS.read_text())
+    want = base or "https://github.com/dcr-dev/dcr/blob/main/docs/monitoring.md"
+    for rule in rules:
+        url, _, anchor = rule["annotations"]["runbook_url"].partition("#")
+        assert (url, anchor) == (want, rule["alert"].lower()), rule
+        assert anchor in sections, f"docs/monitoring.md has no section #{anchor}"
+
+
 def test_the_alert_thresholds_are_the_values_given(helm: Path, monitoring: dict[str, Path],
                                                    tmp_path: Path) -> None:
     groups = _rule_groups(helm, "--set=metrics.prometheusRule.failedAttempts=7",
