@@ -10,7 +10,10 @@ live in (``rbac.workloadNamespaces``): only there may it read Secrets and run Jo
 
 from __future__ import annotations
 
+import http.server
 import subprocess
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +22,9 @@ import pytest
 from controlplane import ControlPlane
 from k8sutil import CHART, apply, helm_template, install_crds
 
+from dcr_operator.errors import ApiError
 from dcr_operator.kube import KubeClient
+from dcr_operator.metrics import Metrics
 
 KUBE_VERSION = "1.37.0"  # the control plane's release line (tools/controlplane/build.sh)
 FLAVOURS = {"cluster-wide": ["--set=rbac.workloadNamespaces={elsewhere}"],
@@ -178,3 +183,77 @@ def test_with_watched_namespaces_all_that_is_cluster_wide_is_reading_crds_and_na
                      ("", "namespaces", "list"), ("", "namespaces", "watch")}
     assert "list and watch CustomResourceDefinitions and Namespaces" in " ".join(
         (CHART / "values.yaml").read_text().split())
+
+
+# --- the helm test hook ------------------------------------------------------------------
+
+
+def _test_hook(objs: list[dict[str, Any]]) -> dict[str, Any]:
+    (pod,) = [o for o in objs
+              if o.get("metadata", {}).get("annotations", {}).get("helm.sh/hook") == "test"]
+    return pod
+
+
+def test_the_helm_test_pod_runs_as_restricted_as_the_operator_and_asks_its_service(
+        helm: Path) -> None:
+    objs = helm_template(helm, "--namespace=dcr-system")
+    pod = _test_hook(objs)
+    operator = next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"]
+    service = next(o for o in objs if o["kind"] == "Service")
+    (container,) = pod["spec"]["containers"]
+    (op_container,) = operator["spec"]["containers"]
+    assert pod["spec"]["securityContext"] == operator["spec"]["securityContext"]
+    assert container["securityContext"] == op_container["securityContext"]
+    assert container["image"] == op_container["image"]
+    # Least privilege: no API token, no Service environment, not behind the operator's
+    # Service.
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    assert pod["spec"]["enableServiceLinks"] is False
+    assert not service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert container["command"][:2] == ["python", "-c"]
+    assert container["command"][-1] == "http://dcr-operator-metrics.dcr-system.svc:8081/metrics"
+    assert not [o for o in helm_template(helm, "--set=metrics.service.enabled=false")
+                if o.get("metadata", {}).get("annotations", {}).get("helm.sh/hook")]
+
+
+def test_the_helm_test_script_passes_against_the_operator_metrics(
+        helm: Path, tmp_path: Path) -> None:
+    """The hook's own script, run here against a server answering with the operator's real
+    exposition (the cluster's Service stands in for loopback)."""
+    text = Metrics().render().encode()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(text)
+
+        def log_message(self, *_: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        command = _test_hook(helm_template(helm))["spec"]["containers"][0]["command"]
+        url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        done = subprocess.run([sys.executable, "-c", command[2], url], capture_output=True,
+                              text=True, timeout=120, check=False, cwd=tmp_path)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"The DCR operator answers at {url}."
+
+
+def test_the_restricted_pod_security_standard_admits_the_helm_test_pod(
+        kube: KubeClient, helm: Path) -> None:
+    ns = "dcr-restricted"
+    apply(kube, [{"apiVersion": "v1", "kind": "Namespace", "metadata": {
+        "name": ns, "labels": {"pod-security.kubernetes.io/enforce": "restricted"}}}])
+    pod = _test_hook(helm_template(helm, f"--namespace={ns}"))
+    loose = {**pod, "metadata": {**pod["metadata"], "name": "loose"},
+             "spec": {**pod["spec"], "securityContext": {}}}
+    with pytest.raises(ApiError, match="restricted"):  # the standard is enforced here
+        kube.create(f"/api/v1/namespaces/{ns}/pods", loose)
+    created = kube.create(f"/api/v1/namespaces/{ns}/pods", pod)
+    assert created["metadata"]["name"] == "dcr-operator-test-metrics"
