@@ -57,7 +57,7 @@ from typing import Any, Literal, TypeVar
 from dcr.drivers import sglang
 from dcr.errors import ManifestError, RefitError
 from dcr.format.history import History
-from dcr.format.names import object_digest
+from dcr.format.names import DIGEST_PATTERN, object_digest
 from dcr.protocol.states import AttemptState, Phase
 
 GROUP, API_VERSION, PLURAL = "dcr.dev", "v1alpha1", "weightrefits"
@@ -576,7 +576,7 @@ def read_history(store_uri: str, history_digest: str) -> History:
     from dcr.files.history import HistoryStore
     from dcr.transport.store import open_store
 
-    if not re.fullmatch(r"[0-9a-f]{32}", history_digest):
+    if not re.fullmatch(DIGEST_PATTERN, history_digest):
         raise SampleVersionError(f"History digest {history_digest!r} is not 32 hex digits "
                                  "(the fleet's status.commit.historyDigest).")
     return HistoryStore(open_store(store_uri), history_digest).read()

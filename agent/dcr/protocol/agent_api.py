@@ -33,13 +33,16 @@ import urllib3
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from dcr.errors import HttpError, Invalid, first_validation_error
-from dcr.format.names import ATTEMPT_PATTERN, Mode
+from dcr.format.names import ATTEMPT_PATTERN, DIGEST_PATTERN, Mode
 from dcr.http.deadline import POOL_CLASSES, deadline
 from dcr.http.direct import check_url, read_bounded, unreachable_reason
 from dcr.protocol.records import Attempt
 
 _ATTEMPT = ATTEMPT_PATTERN
-_HEX32 = r"^[0-9a-f]{32}$"  # a BLAKE2b-128 digest
+# A record's history digest, left out of the JSON when absent (so agents that predate it
+# read the call).
+_Digest = Annotated[str | None, Field(pattern=DIGEST_PATTERN)]
+_OMITTED_WHEN_NONE: Any = Field(default=None, exclude_if=lambda d: d is None)
 DRAIN_S = 60.0  # how long closing the gate waits for generation requests in flight
 DENSE_S = 600.0  # how long a client waits for a dense load beyond its own timeout
 _MAX_ANSWER = 256 << 20  # bytes of an open-ended answer (fingerprints of a large model: MiBs)
@@ -96,10 +99,8 @@ class AttemptSpec(_Body):
     mode: Mode
     owners: Annotated[int, Field(ge=1, le=4096)] = 1
     deadline: float  # time.time() seconds
-    # The base record's history digest: the only store history the agent reads from now
-    # on (left out of the JSON when absent, so agents that predate it read the call).
-    history_digest: Annotated[str | None, Field(pattern=_HEX32)] = Field(
-        default=None, exclude_if=lambda d: d is None)
+    # The base record's history digest: the only store history the agent reads from now on.
+    history_digest: _Digest = _OMITTED_WHEN_NONE
 
     @classmethod
     def of(cls, attempt: Attempt | AttemptSpec) -> AttemptSpec:
@@ -121,10 +122,8 @@ class AttemptRef(_Body):
 
 class CommitRef(AttemptRef):
     # The new record's history digest: the history that names the committed version, which
-    # later dense loads of it are checked against (left out of the JSON when absent, so
-    # agents that predate it read the call).
-    history_digest: Annotated[str | None, Field(pattern=_HEX32)] = Field(
-        default=None, exclude_if=lambda d: d is None)
+    # later dense loads of it are checked against.
+    history_digest: _Digest = _OMITTED_WHEN_NONE
 
 
 class DenseRequest(_Body):
@@ -134,8 +133,7 @@ class DenseRequest(_Body):
     # None: the agent builds the version from its store's history, checked throughout.
     checkpoint: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
     # The committed record's history digest: a build from the store reads only that one.
-    history_digest: Annotated[str | None, Field(pattern=_HEX32)] = Field(
-        default=None, exclude_if=lambda d: d is None)
+    history_digest: _Digest = _OMITTED_WHEN_NONE
 
 
 class AgentStatus(_Body):
@@ -211,16 +209,18 @@ def _as_id(body: AttemptRef) -> tuple[str]:
     return (body.attempt,)
 
 
-def _as_commit(body: CommitRef) -> tuple[str] | tuple[str, str]:
-    if body.history_digest is None:  # the call as agents that predate the digest take it
-        return (body.attempt,)
-    return (body.attempt, body.history_digest)
+def _with_digest(args: tuple[Any, ...], digest: str | None) -> tuple[Any, ...]:
+    """A call's arguments, the history digest last where one came (without one, the call
+    as services that predate the digest take it)."""
+    return args if digest is None else (*args, digest)
 
 
-def _as_dense(body: DenseRequest) -> tuple[int, str | None] | tuple[int, str | None, str]:
-    if body.history_digest is None:  # the call as agents that predate the digest take it
-        return (body.version, body.checkpoint)
-    return (body.version, body.checkpoint, body.history_digest)
+def _as_commit(body: CommitRef) -> tuple[Any, ...]:
+    return _with_digest((body.attempt,), body.history_digest)
+
+
+def _as_dense(body: DenseRequest) -> tuple[Any, ...]:
+    return _with_digest((body.version, body.checkpoint), body.history_digest)
 
 
 # Timeout rules: the client's own timeout (seconds) and the body -> how long to wait.
