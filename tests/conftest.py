@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import socket
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -181,5 +182,13 @@ def namespace(control_plane: ControlPlane) -> Iterator[str]:
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}},
     )
     assert created.status == 201, created.body
+    if control_plane.has_controller_manager:
+        # Pods are admitted only once the ServiceAccount controller has made the namespace's
+        # 'default' account, which a busy controller manager may take seconds to do.
+        deadline = time.monotonic() + 60
+        while control_plane.request(
+                "GET", f"/api/v1/namespaces/{name}/serviceaccounts/default").status != 200:
+            assert time.monotonic() < deadline, f"namespace {name}: no default ServiceAccount"
+            time.sleep(0.1)
     yield name
     control_plane.request("DELETE", f"/api/v1/namespaces/{name}")
