@@ -463,3 +463,29 @@ def test_a_label_that_cannot_be_set_keeps_the_gate_closed_until_it_is(
     st = svc.open_gate()
     assert (st.version, st.gate_open, st.error) == (1, True, None)
     assert (engine.version(), engine.gate.paused) == ("1", False)
+
+
+def test_an_agent_restarted_between_commit_and_reopening_labels_before_it_serves(
+        versions: Versions, tmp_path: Path) -> None:
+    """The agent commits v1 but cannot label it (the gate stays closed), then dies; the
+    engine lives on, labelled with the old version. The agent restarted from its journal
+    labels v1 before it opens the gate, so v1 never serves under the old label. Fails
+    without the restarted agent setting the label again: it reopened the gate with v1
+    labelled "default"."""
+    store = MemoryStore()
+    journal = Journal(tmp_path / "journal.json")
+    engine = LabelFails([ReferenceModel(CFG, tp_size=1, tp_rank=0)],
+                        staging_dir=versions.root.parent / "staging",
+                        checkpoint_root=versions.root)
+    engine.load_dense("v0")
+    engine.failures = -1
+    svc = service(versions, store=store, engine=engine, journal=journal)
+    svc.label_retry_s = (0.0,)
+    assert refit_to_1(svc, store, versions, tmp_path).committed_version == 1
+    assert (svc.status().gate_open, engine.version()) == (False, "default")
+
+    engine.failures = 0  # the engine answers again; the agent that knew is gone
+    restarted = service(versions, store=store, engine=engine, journal=journal)
+    st = restarted.open_gate()
+    assert (st.version, st.gate_open, st.error) == (1, True, None)
+    assert (engine.version(), engine.gate.paused) == ("1", False)

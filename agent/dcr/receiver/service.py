@@ -103,7 +103,10 @@ class AgentService:
         self._drained = False  # the gate closed and no request in flight since (apply needs it)
         self._gate_opens = 0  # counts openings: a drain counts only if none came between
         self._loading: int | None = None  # the version a dense load is restoring
-        self._label_due: int | None = None  # the label the engine must carry before it serves
+        # The label the engine must carry before it serves. An agent restarted from its
+        # journal cannot know whether it set the label before it stopped (it may have
+        # died between a commit and reopening the gate), so it sets it again first.
+        self._label_due: int | None = self.weights.version if self.weights.restored else None
         self._label_error: str | None = None  # why the gate stays closed without it
         self.label_retry_s: Sequence[float] = LABEL_RETRY_S
         self.waits = 0  # waits in progress (metrics)

@@ -37,6 +37,7 @@ class Weights:
         self.instance: str | None = None  # the engine instance ``version`` holds under
         self._known: tuple[int, dict[str, str]] | None = None  # a version's targets
         last = journal.load() if journal else None
+        self.restored = last is not None  # the journal said what the weights held
         if last is None:
             return
         self.instance = last.instance
