@@ -72,7 +72,10 @@ class KubeClient:
 
     ``configure`` makes the library configuration on first use (so an operator without
     credentials yet starts, and its calls raise ``ApiUnreachable`` until it has some); the
-    client changes that configuration's ``retries`` so that it follows no redirect.
+    client changes that configuration's ``retries`` so that it follows no redirect. A call
+    the server answers 401 (its credentials revoked or expired) drops the configuration and
+    is made once more with a new one from ``configure``, which reads the credentials again
+    (a rotated token); a second 401 is the caller's, and the next call tries again.
     """
 
     def __init__(self, configure: Callable[[], Configuration] = configuration, *,
@@ -97,11 +100,34 @@ class KubeClient:
                 self._api = ApiClient(config)
             return self._api
 
+    def _renew(self, api: ApiClient) -> None:
+        """Forget ``api``'s configuration (the server refused its credentials), unless
+        another thread already did; the next call asks ``configure`` again."""
+        with self._lock:
+            if self._api is api:
+                self._api = None
+
     def request(self, method: str, path: str, body: Mapping[str, Any] | None = None, *,
                 query: Mapping[str, str] | None = None, content_type: str = JSON,
                 timeout_s: float | None = None) -> Any:
         """One call; the decoded JSON answer."""
+        call = (method, path, body, query, content_type, timeout_s or self.timeout_s)
         api = self._client()
+        status, raw = self._call(api, *call)
+        if status == 401:  # nothing was done: the server refused whoever asked
+            self._renew(api)
+            api = self._client()
+            status, raw = self._call(api, *call)
+            if status == 401:
+                self._renew(api)
+        if not 200 <= status < 300:
+            raise _api_error(method, path, status, raw)
+        return json.loads(raw) if raw else {}
+
+    @staticmethod
+    def _call(api: ApiClient, method: str, path: str, body: Mapping[str, Any] | None,
+              query: Mapping[str, str] | None, content_type: str, timeout_s: float
+              ) -> tuple[int, bytes]:
         headers = {"Accept": JSON, **({"Content-Type": content_type} if body is not None
                                       else {})}
         try:
@@ -109,14 +135,12 @@ class KubeClient:
             request = api.param_serialize(method, path, query_params=list((query or {}).items()),
                                           header_params=headers, auth_settings=["BearerToken"],
                                           body=None if body is None else dict(body))
-            response = api.call_api(*request, _request_timeout=timeout_s or self.timeout_s)
+            response = api.call_api(*request, _request_timeout=timeout_s)
             raw: bytes = response.read()  # type: ignore[no-untyped-call]
         except (HTTPError, ApiException, ConfigException, OSError) as e:
             raise ApiUnreachable(f"{method} {path}: no answer from {api.configuration.host}: "
                                  f"{_reason(e)}.") from e
-        if not 200 <= response.status < 300:
-            raise _api_error(method, path, response.status, raw)
-        return json.loads(raw) if raw else {}
+        return response.status, raw
 
     # --- conveniences ----------------------------------------------------------------
 

@@ -13,6 +13,7 @@ and every value taken must be a string. docs/two-clusters.md, "Two clusters"; do
 
 from __future__ import annotations
 
+import logging
 import tempfile
 import urllib.parse
 from collections.abc import Mapping
@@ -25,7 +26,7 @@ from kubernetes.config import ConfigException
 from kubernetes.config.kube_config import load_kube_config_from_dict
 
 from dcr_operator.api.common import API_VERSION, GROUP
-from dcr_operator.api.rolloutfleet import EncoderProfile
+from dcr_operator.api.rolloutfleet import EncoderProfile, KubeconfigSecretRef
 from dcr_operator.errors import InvalidResource
 from dcr_operator.fleet import ENCODER_CLUSTER, read_secret
 from dcr_operator.kube import KubeClient
@@ -36,6 +37,8 @@ CLUSTER_KEYS = frozenset({"server", "certificate-authority-data", "tls-server-na
 UID_LABEL = f"{GROUP}/refit-uid"
 # Bytes of a kubeconfig: inline CA, client certificate and key are a few KiB together.
 KUBECONFIG_MAX_BYTES = 64 << 10
+
+log = logging.getLogger(__name__)
 
 
 class _Aliased(InvalidResource):
@@ -170,15 +173,35 @@ def kubeconfig_configuration(text: str, where: str) -> Configuration:
     return config
 
 
-def encoder_site(kube: KubeClient, namespace: str, profile: EncoderProfile) -> Site:
-    """Where ``profile``'s Jobs run; InvalidResource if its cluster's Secret did not opt
-    in to that use or holds no acceptable kubeconfig."""
-    if profile.cluster is None:
-        return Site(kube, namespace)
-    ref = profile.cluster.kubeconfig_secret_ref
+def _cluster_configuration(kube: KubeClient, namespace: str, ref: KubeconfigSecretRef
+                           ) -> Configuration:
+    """The kubeconfig in Secret ``ref`` of ``namespace``, checked; InvalidResource if the
+    Secret did not opt in or holds no acceptable kubeconfig."""
     data = read_secret(kube, namespace, ref.name, ENCODER_CLUSTER)
     where = f"Secret {namespace}/{ref.name} key {ref.key!r}"
     if ref.key not in data:
         raise InvalidResource(f"{where} does not exist ({ENCODER_CLUSTER.field}).")
-    config = kubeconfig_configuration(data[ref.key], where)
-    return Site(KubeClient(lambda: config), profile.cluster.namespace, cluster=ref.name)
+    return kubeconfig_configuration(data[ref.key], where)
+
+
+def encoder_site(kube: KubeClient, namespace: str, profile: EncoderProfile) -> Site:
+    """Where ``profile``'s Jobs run; InvalidResource if its cluster's Secret did not opt
+    in to that use or holds no acceptable kubeconfig.
+
+    The Secret is read now, and again each time the training cluster refuses the
+    credentials (401: a token rotated and the old one revoked), so a Secret updated
+    mid-refit is used from the next call on (:class:`~dcr_operator.kube.KubeClient`).
+    """
+    if profile.cluster is None:
+        return Site(kube, namespace)
+    ref = profile.cluster.kubeconfig_secret_ref
+    first = [_cluster_configuration(kube, namespace, ref)]
+
+    def configure() -> Configuration:
+        if first:
+            return first.pop()
+        log.info("the cluster in Secret %s/%s refused its credentials: reading the Secret "
+                 "again", namespace, ref.name)
+        return _cluster_configuration(kube, namespace, ref)
+
+    return Site(KubeClient(configure), profile.cluster.namespace, cluster=ref.name)

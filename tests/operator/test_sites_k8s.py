@@ -1,0 +1,102 @@
+"""The training cluster's kubeconfig Secret, rotated while the operator uses it.
+
+On a real kube-apiserver: the Secret holds a ServiceAccount token bound to a Secret of the
+training namespace (``kubectl create token --bound-object-kind Secret``, as
+docs/two-clusters.md mints it), the operator's client for that cluster lists Jobs with
+it, the Secret is updated to a second token and the first one is revoked (its bound
+Secret deleted). The client's next call is refused (401), reads the kubeconfig Secret
+again and succeeds: no refit has to fail and start over for a rotation. The tokens
+appear in no log line.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+from typing import Any
+
+import pytest
+from controlplane import ControlPlane
+from k8sutil import apply, eventually
+from kubernetes.client import Configuration
+
+from dcr_operator.api.rolloutfleet import EncoderProfile
+from dcr_operator.errors import ApiError
+from dcr_operator.kube import KubeClient, api_path
+from dcr_operator.sites import encoder_site
+
+SA = "dcr-operator-remote"
+
+
+def _token(cp: ControlPlane, ns: str, bound_to: str) -> str:
+    """A token of ServiceAccount ``SA`` valid while Secret ``bound_to`` exists."""
+    uid = cp.request("GET", f"/api/v1/namespaces/{ns}/secrets/{bound_to}").body["metadata"]["uid"]
+    answer = cp.request("POST", f"/api/v1/namespaces/{ns}/serviceaccounts/{SA}/token", {
+        "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+        "spec": {"expirationSeconds": 3600, "boundObjectRef": {
+            "apiVersion": "v1", "kind": "Secret", "name": bound_to, "uid": uid}}})
+    assert answer.status == 201, answer.body
+    token: str = answer.body["status"]["token"]
+    return token
+
+
+def _kubeconfig_secret(cp: ControlPlane, token: str) -> dict[str, Any]:
+    kubeconfig = json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "training",
+        "contexts": [{"name": "training", "context": {"cluster": "training", "user": "op"}}],
+        "clusters": [{"name": "training", "cluster": {
+            "server": cp.server,
+            "certificate-authority-data": base64.b64encode(cp.ca_path.read_bytes()).decode()}}],
+        "users": [{"name": "op", "user": {"token": token}}]})
+    return {"apiVersion": "v1", "kind": "Secret",
+            "metadata": {"name": "training-cluster",
+                         "labels": {"dcr.dev/encoder-cluster": "true"}},
+            "data": {"kubeconfig": base64.b64encode(kubeconfig.encode()).decode()}}
+
+
+def _status_with(cp: ControlPlane, token: str, path: str) -> int:
+    config = Configuration(host=cp.server, ssl_ca_cert=str(cp.ca_path),
+                           api_key={"authorization": f"Bearer {token}"})
+    try:
+        KubeClient(lambda: config).get(path)
+    except ApiError as e:
+        return e.status
+    return 200
+
+
+def test_a_rotated_kubeconfig_secret_is_read_again_once_the_old_token_is_revoked(
+        control_plane: ControlPlane, kube: KubeClient, namespace: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    cp, ns = control_plane, namespace
+    jobs = api_path("batch", "v1", "jobs", ns)
+    apply(kube, [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": SA}},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+         "metadata": {"name": SA},
+         "rules": [{"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["list"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": {"name": SA},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": SA},
+         "subjects": [{"kind": "ServiceAccount", "name": SA, "namespace": ns}]},
+        *({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"op-token-{i}"}}
+          for i in (1, 2))], ns)
+    first = _token(cp, ns, "op-token-1")
+    apply(kube, [_kubeconfig_secret(cp, first)], ns)
+    profile = EncoderProfile.model_validate({"name": "training", "cluster": {
+        "kubeconfigSecretRef": {"name": "training-cluster"}, "namespace": ns}})
+    caplog.set_level(logging.DEBUG)
+    site = encoder_site(kube, ns, profile)
+    eventually(lambda: site.kube.get(jobs), what="the first token's RBAC in force")
+
+    second = _token(cp, ns, "op-token-2")
+    apply(kube, [_kubeconfig_secret(cp, second)], ns)  # the Secret first, then revoke
+    kube.delete(api_path("", "v1", "secrets", ns, "op-token-1"))
+    eventually(lambda: _status_with(cp, first, jobs) == 401, timeout_s=60,
+               what="the first token revoked")
+
+    assert site.kube.get(jobs)["items"] == []  # read the Secret again, with the second token
+    assert _status_with(cp, second, jobs) == 200
+    assert "refused its credentials: reading the Secret again" in caplog.text
+    for token in (first, second):
+        assert token not in caplog.text
