@@ -594,7 +594,10 @@ def test_encoder_jobs_run_in_a_training_cluster_reached_only_through_a_kubeconfi
     kubeconfig with an exec plugin is refused (the refit waits, saying so), the same
     refit proceeds once the Secret holds a plain token, its Jobs and the receiver
     profile run there (none in the rollout cluster), v5 commits bit-exact, and deleting
-    the refit deletes its Jobs there, which no ownerReference could."""
+    the refit deletes its Jobs there, which no ownerReference could. While its encoder
+    runs, the token is rotated as docs/two-clusters.md says (a second token into the
+    Secret, then the first revoked by deleting the Secret it is bound to): the operator
+    reads the Secret again and v5 commits in its first attempt."""
     sc = scenario
     cp_b, kube_b, kubelet_b = training
     sc.new_version(5)
@@ -625,9 +628,25 @@ def test_encoder_jobs_run_in_a_training_cluster_reached_only_through_a_kubeconfi
     assert str(marker) not in message
     assert not marker.exists()  # the command never ran
 
-    token = cp_b.service_account_token("dcr-encoders", "dcr-operator-remote")
+    encoders = "/api/v1/namespaces/dcr-encoders/secrets"
+    apply(kube_b, [{"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"op-token-{i}"}}
+                   for i in (1, 2)], "dcr-encoders")
+    token = cp_b.service_account_token("dcr-encoders", "dcr-operator-remote",
+                                        bound_secret="op-token-1")
+    kubelet_b.hold(lambda pod: pod["metadata"]["labels"].get("dcr.dev/refit") == "policy-v5")
     apply(sc.kube, [secret(_kubeconfig(cp_b, {"token": token}))], sc.ns)
+    eventually(lambda: any(p.startswith("policy-v5") for p in kubelet_b.started),
+               timeout_s=120, what="policy-v5's encoder pod started in the training cluster")
+    rotated = cp_b.service_account_token("dcr-encoders", "dcr-operator-remote",
+                                          bound_secret="op-token-2")
+    apply(sc.kube, [secret(_kubeconfig(cp_b, {"token": rotated}))], sc.ns)
+    kube_b.delete(f"{encoders}/op-token-1")  # the first token is revoked
+    eventually(lambda: cp_b.request("GET", encoders, token=token).status == 401, timeout_s=60,
+               what="the first token refused")
+    kubelet_b.release()
     refit = sc.wait_phase("policy-v5", "Committed")
+    assert [a["outcome"] for a in refit["status"]["attempts"]] == ["Committed"]
+    assert "refused its credentials: reading the Secret again" in sc.primary.tail(10_000)
     assert sc.exact(5)
     uid = refit["metadata"]["uid"]
     there = kube_b.get("/apis/batch/v1/namespaces/dcr-encoders/jobs",
@@ -643,6 +662,7 @@ def test_encoder_jobs_run_in_a_training_cluster_reached_only_through_a_kubeconfi
     for text in (sc.primary.tail(10_000), json.dumps(refit),
                  json.dumps(sc.events("policy-v5"))):
         assert token not in text
+        assert rotated not in text
 
     sc.kube.delete(path_of(refit, sc.ns, named=True))
     eventually(lambda: kube_b.get("/apis/batch/v1/namespaces/dcr-encoders/jobs",
