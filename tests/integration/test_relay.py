@@ -496,8 +496,8 @@ def test_every_endpoint_but_healthz_needs_the_token(tree7: Tree) -> None:
         ("GET", "/v1/attempts/a-auth/payloads", None),
         ("GET", "/v1/payloads/a-auth/0/0", None),
         ("PUT", "/v1/payloads/a-auth/0/0", data),
-        ("PUT", "/v1/manifests/a-auth", b"{}"),
-        ("GET", "/v1/manifests/a-auth", None),
+        ("PUT", "/v1/manifests/a-auth/0", b"{}"),
+        ("GET", "/v1/manifests/a-auth/0", None),
         ("DELETE", "/v1/attempts/a-auth", None),
         ("POST", "/v1/subscribe", b'{"index": 3}'),
         ("GET", "/v1/status", None),
@@ -548,7 +548,7 @@ def test_the_read_token_reads_but_cannot_push_replace_drop_or_subscribe(tree7: T
             manifest = make_manifest(attempt, {(0, 0): data})
             for call in (readers[1].put_manifest(attempt, manifest),
                          readers[1].delete_attempt(attempt),
-                         readers[0].subscribe(5, {}, [])):
+                         readers[0].subscribe(5, {}, {})):
                 with pytest.raises(RelayError) as e:
                     await call
                 assert e.value.status == 403
@@ -572,10 +572,12 @@ def test_ids_with_control_characters_are_refused_before_anything_logs_them(
     auth = {"Authorization": f"Bearer {TOKEN}"}
     calls = [("DELETE", f"/v1/attempts/{forged}", None),
              ("GET", f"/v1/attempts/{forged}/payloads", None),
-             ("GET", f"/v1/manifests/{forged}", None),
-             ("PUT", f"/v1/manifests/{forged}", b"{}"),
-             ("POST", "/v1/subscribe", b'{"index": 3, "held": {"a\\nFORGED-LINE": [[0, 0]]}}'),
-             ("POST", "/v1/subscribe", b'{"index": 3, "manifests": ["a\\nFORGED-LINE"]}')]
+             ("GET", f"/v1/manifests/{forged}/0", None),
+             ("PUT", f"/v1/manifests/{forged}/0", b"{}"),
+             ("POST", "/v1/subscribe",
+              b'{"wire": 2, "index": 3, "held": {"a\\nFORGED-LINE": [[0, 0]]}}'),
+             ("POST", "/v1/subscribe",
+              b'{"wire": 2, "index": 3, "manifests": {"a\\nFORGED-LINE": [0]}}')]
 
     async def scenario() -> None:
         async with aiohttp.ClientSession() as session:
@@ -837,7 +839,7 @@ def test_beyond_the_memory_budget_payloads_spill_to_the_spool_and_read_back(
             # A subscriber that lacks them is replayed from memory and spool alike.
             assert await cs[1].delete_attempt("sp") == 4
             assert await cs[1].list_payloads("sp") == []
-            assert (await cs[0].subscribe(1, {}, []))["replaying"] == 4
+            assert (await cs[0].subscribe(1, {}, {}))["replaying"] == 4
             await until(lambda: holds(cs[1], "sp", 4), 10, "the replay", tree)
             for s, data in payloads.items():
                 assert await cs[1].get_payload("sp", 0, s) == data
@@ -902,3 +904,128 @@ def test_receivers_at_every_live_member_reach_the_target_bits_when_a_node_dies(
         assert isinstance(outcome[i], Manifest), (i, outcome[i], tree.log(i))
         for s in range(5):
             assert np.array_equal(held[i][f"model.layers.0.w{s}"], arrays(s)[1]), (i, s)
+
+
+# --- several owners through the tree (relay wire 2) -------------------------------------
+
+
+def _relay_receivers(tree: Tree, sd: dict[str, Any], tmp: Path) -> tuple[list[Any], list[Any]]:
+    """shardrig's vLLM-layout agents (TP 2 and TP 1), each reading from its own member."""
+    from shardrig import DENSE, receivers
+
+    from dcr.transport.store import MemoryStore
+
+    rx, models = receivers(DENSE, sd, MemoryStore(), (2, 1), tmp)
+    for i, r in enumerate(rx):
+        url = tree.urls[i % len(tree.urls)]
+        r.source_for = lambda spec, url=url: RelaySource(url, READ_TOKEN, spec.attempt,
+                                                         owners=spec.owners)
+    return rx, models
+
+
+def _publisher(tree: Tree) -> Any:
+    from dcr.transport.relay.publish import RelayPublisher
+
+    return RelayPublisher(f"relay+{tree.urls[0]}", token=TOKEN)
+
+
+def test_two_encoder_owners_refit_every_member_bit_exactly_through_the_tree(
+        trees: Callable[..., Tree], tmp_path: Path) -> None:
+    """Fails on wire 1: the publisher refused owner 1's manifest part ("one manifest per
+    attempt") and agents refused an attempt with two owners."""
+    import torch
+    from shardrig import DENSE, V0, exact, perturbed, profile_of
+
+    from dcr.checkpoint import ArrayCheckpoint
+    from dcr.owner.encoder import Encoder
+    from dcr.protocol.commitstore import SqliteCommitStore
+    from dcr.protocol.coordinator import Coordinator
+    from dcr.runtimes.vllm_reference import random_checkpoint
+
+    def source(sd: dict[str, torch.Tensor]) -> ArrayCheckpoint:
+        return ArrayCheckpoint({n: ("BF16", tuple(t.shape), t.view(torch.int16).numpy()
+                                    .view(np.uint16)) for n, t in sd.items()})
+
+    tree = trees(3, 2)
+    v0 = random_checkpoint(DENSE, 0)
+    v1, v2 = perturbed(v0, 0.02, 1), perturbed(perturbed(v0, 0.02, 1), 0.02, 2)
+    rx, models = _relay_receivers(tree, v0, tmp_path)
+    pubs = [_publisher(tree) for _ in range(2)]
+    owners = [Encoder(store=pubs[i], baseline=source(v0), version=0, owner=i, owners=2,
+                      profile=profile_of(rx)) for i in range(2)]
+    coord = Coordinator(SqliteCommitStore(tmp_path / "c.db", V0), owners, rx)
+    try:
+        for version, sd in ((1, v1), (2, v2)):
+            for o in owners:
+                o.set_candidate(source(sd), version)
+            coord.refit(version, f"v{version}")
+            assert exact(DENSE, models, sd), version
+            assert all(o.manifests[-1].payloads for o in owners)  # both owners sent some
+    finally:
+        coord.close()
+        for p in pubs:
+            p.close()
+
+    async def parts() -> list[int]:
+        async with RelayClient(tree.urls[2], READ_TOKEN) as c:
+            return [m["owner"] for m in (await c.listing(coord.history[-1].attempt))["manifests"]]
+
+    assert asyncio.run(parts()) == [0, 1]  # a leaf holds each owner's part
+
+
+def test_rank_owners_refit_every_member_bit_exactly_through_the_tree(
+        trees: Callable[..., Tree], tmp_path: Path) -> None:
+    """Trainer ranks each write part of a tensor's sums; their parts travel apart and the
+    agents add them. Fails on wire 1 as the two-owner test does."""
+    from shardrig import DENSE, V0, exact, perturbed, profile_of, tp_shards
+
+    from dcr.owner.rank import RankOwner
+    from dcr.protocol.commitstore import SqliteCommitStore
+    from dcr.protocol.coordinator import Coordinator
+    from dcr.runtimes.vllm_reference import random_checkpoint
+
+    tree = trees(3, 2)
+    v0 = random_checkpoint(DENSE, 0)
+    v1 = perturbed(v0, 0.02, 1)
+    rx, models = _relay_receivers(tree, v0, tmp_path)
+    pubs, owners, live = [_publisher(tree) for _ in range(2)], [], []
+    for r in range(2):
+        maps, local = tp_shards(v0, r, 2, qkv=DENSE)
+        tensors = {k: t.clone() for k, t in local.items()}
+        owners.append(RankOwner(store=pubs[r], maps=maps, tensors=tensors, version=0, rank=r,
+                                ranks=2))
+        owners[-1].profile = profile_of(rx)
+        live.append(tensors)
+    coord = Coordinator(SqliteCommitStore(tmp_path / "c.db", V0), owners, rx)
+    try:
+        for r, tensors in enumerate(live):
+            for k, t in tp_shards(v1, r, 2, qkv=DENSE)[1].items():
+                tensors[k].copy_(t)
+            owners[r].offer(tensors, 1)
+        coord.refit(1, "v1")
+        assert exact(DENSE, models, v1)
+        assert [o.version for o in owners] == [1, 1]
+    finally:
+        coord.close()
+        for p in pubs:
+            p.close()
+
+
+def test_a_wire_1_manifest_or_subscription_is_refused_naming_both_wires(tree7: Tree) -> None:
+    """An older client asking for the one manifest of an attempt, or an older member
+    subscribing, is told the wire this node speaks instead of taking one owner's part for
+    the whole manifest."""
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+
+    async def scenario() -> None:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(tree7.urls[1] + "/v1/manifests/a-old", headers=auth) as r:
+                assert r.status == 410
+                assert "wire 2" in await r.text()
+                assert r.headers["DCR-Relay-Wire"] == "2"
+            async with http.post(tree7.urls[0] + "/v1/subscribe", headers=auth,
+                                 data=b'{"index": 3, "manifests": ["a-old"]}') as r:
+                assert r.status == 400
+                assert "speaks relay wire 1; this member speaks wire 2" in await r.text()
+
+    asyncio.run(scenario())

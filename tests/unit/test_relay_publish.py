@@ -24,7 +24,6 @@ def test_open_store_gives_a_publisher_that_needs_the_token_from_the_environment(
 
 
 @pytest.mark.parametrize(("key", "message"), [
-    ("v0000000001/a-1/manifest-o0001.dcrm", "one manifest per attempt"),
     ("v0000000001/a-1/notes.txt", "neither a payload nor a manifest"),
     ("v0000000001/manifest.dcrm", "not a manifest naming its attempt"),
 ])

@@ -12,8 +12,10 @@ from typing import Any, TypeVar
 import aiohttp
 
 from dcr.errors import ConfigError, RelayError, RelayNotFound
+from dcr.http.direct import unreachable_reason
+from dcr.http.tls import aiohttp_options, check_peer_url
 from dcr.transport.relay.settings import MiB
-from dcr.transport.relay.wire import Chunk, Key, Pieces
+from dcr.transport.relay.wire import WIRE, Chunk, Key, Pieces
 
 T = TypeVar("T")
 
@@ -45,7 +47,7 @@ class RelayClient:
         connect_timeout_s: float = 5.0,
         read_timeout_s: float | None = 60.0,  # per read; None for long quiet uploads
     ) -> None:
-        self.base_url = base_url.rstrip("/")
+        self.base_url = check_peer_url(base_url.rstrip("/"), "Relay")
         self._auth = {"Authorization": f"Bearer {token}"}
         self._session = session
         self._owns_session = session is None
@@ -91,10 +93,13 @@ class RelayClient:
         url = self.base_url + path
         try:
             async with self._http().request(
-                method, url, data=data, json=json_body, headers=headers, timeout=timeout
+                method, url, data=data, json=json_body, headers=headers, timeout=timeout,
+                **aiohttp_options(url),
             ) as r:
                 body = await r.read()
                 status = r.status
+        except aiohttp.ClientSSLError as e:
+            raise RelayError(f"{method} {url} failed: {unreachable_reason(e)}.") from e
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
             raise RelayError(f"{method} {url} failed: {e or type(e).__name__}.") from e
         if status < 300:
@@ -149,11 +154,14 @@ class RelayClient:
     async def get_payload(self, attempt: str, owner: int, seq: int) -> bytes:
         return await self._call("GET", Key(attempt, "payload", owner, seq).path)
 
-    async def put_manifest(self, attempt: str, data: bytes) -> str:
-        return str((await self._json("PUT", Key(attempt, "manifest").path, data=data))["status"])
+    async def put_manifest(self, attempt: str, data: bytes, owner: int = 0) -> str:
+        """Upload owner ``owner``'s part of the attempt's manifest."""
+        key = Key(attempt, "manifest", owner)
+        return str((await self._json("PUT", key.path, data=data))["status"])
 
-    async def get_manifest(self, attempt: str) -> bytes:
-        return await self._call("GET", Key(attempt, "manifest").path)
+    async def get_manifest(self, attempt: str, owner: int = 0) -> bytes:
+        """Owner ``owner``'s part of the attempt's manifest."""
+        return await self._call("GET", Key(attempt, "manifest", owner).path)
 
     async def delete_attempt(self, attempt: str) -> int:
         """Drop an attempt here and below; returns how many blobs this node dropped."""
@@ -168,10 +176,12 @@ class RelayClient:
         return await self._json("GET", "/v1/status")
 
     async def subscribe(
-        self, index: int, held: dict[str, list[tuple[int, int]]], manifests: list[str]
+        self, index: int, held: dict[str, list[tuple[int, int]]],
+        manifests: dict[str, list[int]],
     ) -> dict[str, Any]:
-        """Ask this node to forward to member ``index`` and replay what it lacks."""
-        body = {"index": index, "held": held, "manifests": manifests}
+        """Ask this node to forward to member ``index`` and replay what it lacks
+        (``manifests``: attempt -> owners whose manifest part member ``index`` holds)."""
+        body = {"wire": WIRE, "index": index, "held": held, "manifests": manifests}
         return await self._json("POST", "/v1/subscribe", json_body=body)
 
 

@@ -27,6 +27,7 @@ from dcr.errors import ConfigError, RelayError
 from dcr.format.names import ATTEMPT_PATTERN, object_hasher
 from dcr.format.payload import PREAMBLE_SIZE
 from dcr.http.edge import Listening, Statuses, answer_errors, json_error, start, unauthorized
+from dcr.http.tls import TlsSettings
 from dcr.http.tokens import bearer_matches
 from dcr.transport.relay.client import RelayClient
 from dcr.transport.relay.settings import MiB, RelaySettings
@@ -34,6 +35,8 @@ from dcr.transport.relay.staging import Blob, Staging, staged_body, verify
 from dcr.transport.relay.tree import ancestors_of, children_of, parent_of
 from dcr.transport.relay.wire import (
     MAX_LIST_WAIT_S,
+    WIRE,
+    WIRE_HEADER,
     Chunk,
     Key,
     QueueChunks,
@@ -56,9 +59,10 @@ STATUS = Statuses(otherwise=None)
 class _Subscription(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    wire: int  # the subscriber's relay wire; refused unless it is this node's
     index: int
     held: dict[_Attempt, list[tuple[int, int]]] = {}
-    manifests: list[_Attempt] = []
+    manifests: dict[_Attempt, list[int]] = {}  # attempt -> owners whose part is held
 
 
 class _LiveForward:
@@ -131,9 +135,11 @@ class RelayNode:
                            self._get_payload)
         app.router.add_get("/v1/attempts/{attempt}/payloads", self._list)
         app.router.add_delete("/v1/attempts/{attempt}", self._delete)
-        app.router.add_put("/v1/manifests/{attempt}", self._put_manifest)
-        app.router.add_get("/v1/manifests/{attempt}", self._get_manifest)
+        app.router.add_put(r"/v1/manifests/{attempt}/{owner:\d{1,10}}", self._put_manifest)
+        app.router.add_get(r"/v1/manifests/{attempt}/{owner:\d{1,10}}", self._get_manifest)
+        app.router.add_route("*", "/v1/manifests/{attempt}", _wire1_manifest)
         app.router.add_post("/v1/subscribe", self._subscribe)
+        app.on_response_prepare.append(_say_wire)
         return app
 
     async def start(self) -> None:
@@ -199,7 +205,8 @@ class RelayNode:
         if member not in self._clients:
             assert self._session is not None
             self._clients[member] = RelayClient(  # members forward: a push, so publish
-                f"http://{self.settings.members[member]}", self.settings.publish_token,
+                f"{TlsSettings.from_env().scheme}://{self.settings.members[member]}",
+                self.settings.publish_token,
                 session=self._session, connect_timeout_s=self.settings.connect_timeout_s,
                 read_timeout_s=None,
             )
@@ -235,6 +242,7 @@ class RelayNode:
         st = self.staging
         return {
             "status": "detached" if self.detached else "ok",
+            "wire": WIRE,
             "index": self.index,
             "parent": self.parent,
             "children": sorted(self.children),
@@ -451,11 +459,12 @@ class RelayNode:
             {"owner": b.key.owner, "seq": b.key.seq, "size": b.size, "digest": b.digest}
             for b in blobs if b.key.kind == "payload"
         ]
-        manifest = next(({"size": b.size, "digest": b.digest} for b in blobs
-                         if b.key.kind == "manifest"), None)
-        tag = hashlib.blake2b(json.dumps([payloads, manifest], sort_keys=True).encode(),
+        manifests = [{"owner": b.key.owner, "size": b.size, "digest": b.digest}
+                     for b in blobs if b.key.kind == "manifest"]
+        tag = hashlib.blake2b(json.dumps([payloads, manifests], sort_keys=True).encode(),
                               digest_size=8).hexdigest()
-        return {"attempt": attempt, "payloads": payloads, "manifest": manifest, "tag": tag}
+        return {"wire": WIRE, "attempt": attempt, "payloads": payloads, "manifests": manifests,
+                "tag": tag}
 
     async def _delete(self, request: web.Request) -> web.Response:
         attempt = attempt_from(request)
@@ -538,22 +547,31 @@ class RelayNode:
 
     # --- membership ---
 
-    def _held(self, arriving: bool) -> tuple[dict[str, list[tuple[int, int]]], list[str]]:
+    def _held(self, arriving: bool) -> tuple[dict[str, list[tuple[int, int]]],
+                                             dict[str, list[int]]]:
         """Ids staged here (with ``arriving``: or still arriving), as subscriptions list them."""
         held: dict[str, list[tuple[int, int]]] = {}
-        manifests: list[str] = []
+        manifests: dict[str, list[int]] = {}
         for b in sorted(self.staging.blobs(), key=lambda b: b.key):
             if b.state == "gone" or (b.state == "incoming" and not arriving):
                 continue
             if b.key.kind == "manifest":
-                manifests.append(b.key.attempt)
+                manifests.setdefault(b.key.attempt, []).append(b.key.owner)
             else:
                 held.setdefault(b.key.attempt, []).append((b.key.owner, b.key.seq))
         return held, manifests
 
     async def _subscribe(self, request: web.Request) -> web.Response:
+        body = await request.read()
         try:
-            sub = _Subscription.model_validate_json(await request.read())
+            wire = json.loads(body).get("wire", 1)  # a subscription without it is wire 1
+        except (ValueError, AttributeError):
+            wire = None
+        if wire != WIRE:
+            raise RelayRefused(400, f"The subscriber speaks relay wire {str(wire)[:20]}; this "
+                                f"member speaks wire {WIRE}: run one dcr version in a tree.")
+        try:
+            sub = _Subscription.model_validate_json(body)
         except ValidationError as e:
             raise RelayRefused(400, f"Subscription body is invalid: {e.errors()[0]['msg']}.") from e
         i, n = sub.index, len(self.settings.members)
@@ -565,7 +583,7 @@ class RelayNode:
             log.info("member %d adopted member %d", self.index, i)
             self.children.add(i)
         held = {Key(a, "payload", o, s) for a, ids in sub.held.items() for o, s in ids}
-        held |= {Key(a, "manifest") for a in sub.manifests}
+        held |= {Key(a, "manifest", o) for a, owners in sub.manifests.items() for o in owners}
         lacking = sorted((b for b in self.staging.blobs()
                           if b.key not in held and b.state != "gone"), key=lambda b: b.key)
         by_attempt: dict[str, list[Blob]] = {}
@@ -663,6 +681,17 @@ async def serve(settings: RelaySettings, stop: asyncio.Event | None = None) -> N
 def run_relay(settings: RelaySettings) -> None:
     """The ``dcr relay`` entry point: serve until SIGTERM."""
     asyncio.run(serve(settings))
+
+
+async def _wire1_manifest(request: web.Request) -> web.Response:
+    """The wire-1 spelling of a manifest (one per attempt): refused naming both wires, so
+    an older client or member never takes one owner's part for a whole manifest."""
+    raise RelayRefused(410, f"This relay speaks wire {WIRE}: a manifest is one owner's part, "
+                            f"at /v1/manifests/{{attempt}}/{{owner}}; the client speaks wire 1.")
+
+
+async def _say_wire(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers[WIRE_HEADER] = str(WIRE)
 
 
 def _long_poll(request: web.Request) -> tuple[float, str | None]:

@@ -2,8 +2,10 @@
 
 ``open_store("relay+http://host:port")`` gives it; the publish token comes from
 ``$DCR_RELAY_TOKEN``, never the URI. Each key (parsed by :mod:`dcr.format.layout`) becomes a
-``PUT`` that returns once the root has queued it. A relay carries one manifest per attempt,
-so a second owner's part is refused; the version manifest's attempt is read from its body.
+``PUT`` that returns once the root has queued it. Each owner's manifest part travels as its
+own (relay wire 2), so an attempt may have any number of owners, trainer ranks included; a
+single owner's file-level version manifest travels as owner 0's part, its attempt read from
+its body.
 """
 
 from __future__ import annotations
@@ -38,10 +40,7 @@ class RelayPublisher:
         if (p := parse_payload_key(key)) is not None:
             self._run(self._client.put_payload(p.attempt, p.owner, p.seq, data))
         elif (part := parse_manifest_part_key(key)) is not None:
-            if part.owner != 0:
-                raise ConfigError(f"{key}: a relay carries one manifest per attempt; publish "
-                                  "attempts with several owners to an object store.")
-            self._run(self._client.put_manifest(part.attempt, data))
+            self._run(self._client.put_manifest(part.attempt, data, part.owner))
         elif parse_manifest_key(key) is not None:
             try:
                 attempt = manifest_attempt(data, key)

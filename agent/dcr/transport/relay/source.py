@@ -1,7 +1,9 @@
 """A relay node as a receive source (:mod:`dcr.transport.receive`), for sync callers.
 
 The receive loop is synchronous (threads fetch, the caller applies); the relay client
-is asyncio. This facade runs the client on its own event loop thread.
+is asyncio. This facade runs the client on its own event loop thread. Each owner's manifest
+part is served on its own (a :class:`~dcr.transport.receive.PartSource`), so one owner's
+payloads are staged while the others' still stream, and the whole manifest is their merge.
 """
 
 from __future__ import annotations
@@ -12,9 +14,14 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from dcr.errors import RelayError, RelayNotFound
-from dcr.format.manifest import DEFAULT_MANIFEST_LIMITS, Manifest, ManifestLimits
+from dcr.format.manifest import (
+    DEFAULT_MANIFEST_LIMITS,
+    Manifest,
+    ManifestLimits,
+    merge_manifests,
+)
 from dcr.transport.relay.client import BlockingRelay
-from dcr.transport.relay.wire import MAX_LIST_WAIT_S
+from dcr.transport.relay.wire import MAX_LIST_WAIT_S, WIRE
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -26,13 +33,15 @@ READ_RETRY_S = (0.25, 0.5, 1.0, 2.0, 4.0)
 
 
 class RelaySource:
-    """The payloads and manifest of one attempt, as one relay node holds them."""
+    """The payloads and manifest parts of one attempt of ``owners``, as one relay node
+    holds them."""
 
     def __init__(self, url: str, token: str, attempt: str,
-                 limits: ManifestLimits = DEFAULT_MANIFEST_LIMITS) -> None:
-        self.url, self.attempt, self.limits = url, attempt, limits
+                 limits: ManifestLimits = DEFAULT_MANIFEST_LIMITS, owners: int = 1) -> None:
+        self.url, self.attempt, self.limits, self.owners = url, attempt, limits, owners
         self._relay = BlockingRelay(url, token, name="relay-source")
         self._tag: str | None = None  # of the last listing seen
+        self._parts: set[int] | None = None  # owners whose part the last listing showed
 
     def available(self) -> list[tuple[int, int]]:
         return [(p["owner"], p["seq"]) for p in self._list()]
@@ -64,7 +73,12 @@ class RelaySource:
                 self.attempt, wait_s=wait_s, known=self._tag))
         except RelayNotFound:
             return []
+        if listing.get("wire") != WIRE:
+            raise RelayError(f"The relay node {self.url} speaks wire "
+                             f"{str(listing.get('wire', 1))[:20]}; this agent reads wire {WIRE}: "
+                             "run one dcr version in the relay tree and the fleet.")
         self._tag = listing.get("tag")
+        self._parts = {int(m["owner"]) for m in listing["manifests"]}
         return list(listing["payloads"])
 
     def fetch(self, pid: tuple[int, int]) -> bytes:
@@ -73,12 +87,30 @@ class RelaySource:
                                 lambda: client.get_payload(self.attempt, *pid)))
 
     def manifest(self) -> Manifest | None:
+        """Every owner's part merged, or None while one is missing."""
+        parts = []
+        for owner in range(self.owners):
+            part = self.manifest_part(owner)
+            if part is None:
+                return None
+            parts.append(part)
+        if self.owners == 1:
+            return parts[0]
+        return merge_manifests(parts, f"{self.url} attempt {self.attempt}")
+
+    def manifest_part(self, owner: int) -> Manifest | None:
+        """Owner ``owner``'s part, or None while the last listing did not show it."""
+        if self._parts is not None and owner not in self._parts:
+            return None
         client = self._relay.client
         try:
-            data = self._read("the manifest", lambda: client.get_manifest(self.attempt))
+            data = self._read(f"owner {owner}'s manifest part",
+                              lambda: client.get_manifest(self.attempt, owner))
         except RelayNotFound:
             return None
-        return Manifest.parse(data, f"{self.url} attempt {self.attempt}", self.limits)
+        where = f"{self.url} attempt {self.attempt} owner {owner}"
+        part = Manifest.parse(data, where, self.limits)
+        return part if part.attempt == self.attempt else None
 
     def close(self) -> None:
         self._relay.close()

@@ -2,7 +2,9 @@
 
 A handler refuses a request by raising :class:`RelayRefused` with the HTTP status. Ids come
 from URLs a client spells: :func:`attempt_from` and :func:`key_from` check them before
-anything uses or logs them.
+anything uses or logs them. :data:`WIRE` is the wire's version: every answer carries it in
+:data:`WIRE_HEADER`, subscriptions must name it, and what an older member or client asks
+in a spelling it no longer has is refused naming both versions (docs/relay.md, "Endpoints").
 """
 
 from __future__ import annotations
@@ -14,9 +16,14 @@ from typing import Literal
 from aiohttp import web
 
 from dcr.errors import Refused
+from dcr.format.layout import MAX_OWNERS
 from dcr.format.names import ATTEMPT_RE
 
 MAX_ID = 2**31 - 1  # largest owner or seq (FORMAT.md)
+# The relay wire's version. 2: a manifest is one owner's part, at /v1/manifests/{attempt}/{owner}
+# (1 carried one manifest per attempt at /v1/manifests/{attempt}, so one owner per attempt).
+WIRE = 2
+WIRE_HEADER = "DCR-Relay-Wire"  # the header dcr.versions names for this wire
 Chunk = bytes | memoryview
 
 
@@ -30,7 +37,8 @@ class RelayRefused(Refused):
 
 @dataclass(frozen=True, order=True)
 class Key:
-    """What a node stages: payload ``(attempt, owner, seq)`` or the manifest of ``attempt``."""
+    """What a node stages: payload ``(attempt, owner, seq)`` or owner ``owner``'s part of
+    the manifest of ``attempt``."""
 
     attempt: str
     kind: Literal["payload", "manifest"]
@@ -40,13 +48,13 @@ class Key:
     @property
     def path(self) -> str:
         if self.kind == "manifest":
-            return f"/v1/manifests/{self.attempt}"
+            return f"/v1/manifests/{self.attempt}/{self.owner}"
         return f"/v1/payloads/{self.attempt}/{self.owner}/{self.seq}"
 
     @property
     def label(self) -> str:
         if self.kind == "manifest":
-            return f"manifest of attempt {self.attempt}"
+            return f"manifest part o{self.owner} of attempt {self.attempt}"
         return f"payload {self.attempt}/o{self.owner}/s{self.seq}"
 
 
@@ -64,12 +72,13 @@ def attempt_from(request: web.Request) -> str:
 def key_from(request: web.Request, kind: Literal["payload", "manifest"]) -> Key:
     info = request.match_info
     attempt = attempt_from(request)
-    if kind == "manifest":
-        return Key(attempt, "manifest")
-    owner, seq = int(info["owner"]), int(info["seq"])
+    owner, seq = int(info["owner"]), int(info.get("seq", "0"))
     if owner > MAX_ID or seq > MAX_ID:
         raise RelayRefused(400, f"Owner {owner} or seq {seq} is over {MAX_ID}.")
-    return Key(attempt, "payload", owner, seq)
+    if kind == "manifest" and owner >= MAX_OWNERS:
+        raise RelayRefused(400, f"Manifest part of owner {owner}: an attempt has at most "
+                                f"{MAX_OWNERS} owners.")
+    return Key(attempt, kind, owner, seq if kind == "payload" else 0)
 
 
 class Pieces:
