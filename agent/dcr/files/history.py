@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass, field
 
 from dcr.errors import ManifestError, ObjectNotFound
+from dcr.files.ranksnap import read_back_ranks
 from dcr.files.readback import declared_fits, read_back
 from dcr.files.vouched import is_tensor_file
 from dcr.format.dtypes import DTYPES
@@ -24,9 +25,11 @@ from dcr.format.history import (
     Committed,
     History,
     ObjectRef,
+    Piece,
+    RankSnapshotIndex,
     Snapshot,
-    SnapshotIndex,
     history_bound,
+    parse_index,
 )
 from dcr.format.layout import MAX_OWNERS, owner_manifest_key, version_prefix
 from dcr.format.manifest import (
@@ -313,12 +316,12 @@ class HistoryStore:
                 continue
             try:
                 expect = self.fingerprints(history, int(m[1]))
-                size = self.tensor_bytes(history, int(m[1]))
+                layout = self.layout(history, int(m[1]))
             except ManifestError as e:  # not vouched for (yet)
                 log.info("history: snapshot %s not adopted: %s", key, e)
                 continue
             try:
-                found.append(self._read_back(int(m[1]), key, expect, size))
+                found.append(self._read_back(int(m[1]), key, expect, layout))
             except (ManifestError, ObjectNotFound) as e:
                 log.warning("history: snapshot %s not adopted: %s", key, e)
         if not found:
@@ -327,19 +330,28 @@ class HistoryStore:
         return history.model_copy(update={"snapshots": snaps})
 
     def _read_back(self, version: int, key: str, expect: dict[str, str],
-                   tensor_bytes: int) -> Snapshot:
+                   layout: dict[str, tuple[str, tuple[int, ...]]]) -> Snapshot:
         data = self.store.get(key)
         digest = object_digest(data)
         if digest in self._refused:
             raise ManifestError(f"its index {digest} was refused before")
-        index = SnapshotIndex.parse(data, f"{self.store.uri}/{key}")
         try:
+            index = parse_index(data, f"{self.store.uri}/{key}")
             if index.version != version or index.tensors != expect:
                 raise ManifestError(f"its index names version {index.version} or other "
                                     f"fingerprints than the history's of version {version}")
-            declared_fits(index, tensor_bytes, f"{self.store.uri}/{key}")
-            have = read_back(index, lambda p: get_checked(self.store, ObjectRef(
-                key=p.key, size=p.size, digest=p.digest), "Snapshot piece"), key)
+            def get(p: Piece) -> bytes:
+                return get_checked(self.store, ObjectRef(key=p.key, size=p.size,
+                                                         digest=p.digest), "Snapshot piece")
+            if isinstance(index, RankSnapshotIndex):
+                if index.shapes() != layout:
+                    raise ManifestError(f"its index lays out the tensors otherwise than the "
+                                        f"manifests of version {version} (dtype, shape)")
+                have = read_back_ranks(index, get, key)
+            else:
+                declared_fits(index, sum(math.prod(s) * _itemsize(d) for d, s in
+                                         layout.values()), f"{self.store.uri}/{key}")
+                have = read_back(index, get, key)
             wrong = sorted(n for n in {*have, *expect} if have.get(n) != expect.get(n))
             if wrong:
                 raise ManifestError(f"read back, {len(wrong)} tensors differ from the "
@@ -348,7 +360,8 @@ class HistoryStore:
         except (ManifestError, ObjectNotFound):
             self._refused.add(digest)  # read once: a refused index costs one read back
             raise
-        read = sum(f.size for f in index.files if is_tensor_file(f.name))
+        read = (index.total_bytes if isinstance(index, RankSnapshotIndex)
+                else sum(f.size for f in index.files if is_tensor_file(f.name)))
         log.info("history: snapshot of version %s read back whole (%d bytes); adopted",
                  version, read)
         return Snapshot(version=version, index=ObjectRef(key=key, size=len(data),
@@ -403,11 +416,10 @@ class HistoryStore:
         tensors, at_target = self._tensors(history, version)
         return {t.name: t.target if at_target else t.base for t in tensors}
 
-    def tensor_bytes(self, history: History, version: int) -> int:
-        """The bytes of every tensor at ``version`` (shape times element size, as the
-        committed manifests list them): what a whole checkpoint of it holds, headers aside."""
-        return sum(math.prod(t.shape) * _itemsize(t.dtype)
-                   for t in self._tensors(history, version)[0])
+    def layout(self, history: History, version: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """Every tensor's dtype and shape at ``version``, as the committed manifests list
+        them."""
+        return {t.name: (t.dtype, t.shape) for t in self._tensors(history, version)[0]}
 
     def _tensors(self, history: History, version: int) -> tuple[tuple[TensorEntry, ...], bool]:
         """The manifest tensors that vouch for ``version``, and whether their targets do

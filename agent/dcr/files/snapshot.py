@@ -21,23 +21,22 @@ from pathlib import Path
 from dcr.checkpoint import Checkpoint
 from dcr.errors import CheckpointError, ManifestError
 from dcr.files.history import get_checked
+from dcr.files.ranksnap import assemble, snapshot_prefix
 from dcr.files.vouched import is_tensor_file, tensor_files
 from dcr.format.history import (
     PIECE_BYTES,
     ObjectRef,
     Piece,
+    RankSnapshotIndex,
     Snapshot,
     SnapshotFile,
     SnapshotIndex,
+    parse_index,
 )
 from dcr.format.names import object_digest
 from dcr.transport.store import Store
 
 PARALLEL = 4  # pieces in flight per reader or writer
-
-
-def snapshot_prefix(version: int) -> str:
-    return f"snapshots/v{version:010d}/"  # the history adopts snapshots/v<N>/index.dcrs
 
 
 def write_snapshot(store: Store, checkpoint: Path, version: int, *,
@@ -90,8 +89,8 @@ def fetch_snapshot(store: Store, snap: Snapshot, out: Path, expect: dict[str, st
     """Write the snapshot's checkpoint into the new directory ``out``, checked: the index
     by its digest, each piece by its own, and every tensor against ``expect`` (the
     fingerprints the history vouches for at ``snap.version``)."""
-    index = SnapshotIndex.parse(get_checked(store, snap.index, "Snapshot index"),
-                                f"{store.uri}/{snap.index.key}")
+    index = parse_index(get_checked(store, snap.index, "Snapshot index"),
+                        f"{store.uri}/{snap.index.key}")
     if index.version != snap.version:
         raise ManifestError(f"Snapshot index {snap.index.key} is of version {index.version}, "
                             f"not {snap.version}.")
@@ -105,6 +104,12 @@ def fetch_snapshot(store: Store, snap: Snapshot, out: Path, expect: dict[str, st
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".dcr-fetch", dir=out.parent))
     try:
+        if isinstance(index, RankSnapshotIndex):
+            assemble(index, lambda p: get_checked(store, ObjectRef(
+                key=p.key, size=p.size, digest=p.digest), "Snapshot piece"), tmp, expect,
+                progress)
+            os.replace(tmp, out)
+            return
         _fetch_files(store, index, tmp, progress)
         with Checkpoint(tmp) as ckpt:
             have = {n: ckpt.fingerprint(n) for n in ckpt.names()}

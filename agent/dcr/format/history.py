@@ -11,13 +11,18 @@ digest, and fingerprints check the bits before and after every step (docs/catch-
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dcr.errors import ManifestError, first_validation_error
+from dcr.format.dtypes import DTYPES
 from dcr.format.layout import MAX_OWNERS, owner_manifest_key
 from dcr.format.names import ATTEMPT_PATTERN, object_digest
+from dcr.format.regions import SUM_PATTERN, Span, extent, sum_text, sum_value
+from dcr.versions import HISTORY, Wire
 
 HISTORY_KEY = "history.dcrh"
 MAX_HISTORY_BYTES = 64 << 20  # ~250 B per version: a few hundred thousand versions
@@ -116,7 +121,8 @@ class History(_Model):
     def parse(cls, data: bytes, where: str, limit: int = MAX_HISTORY_BYTES) -> History:
         """``data`` as a history, refused unread when over ``limit`` bytes (a reader's
         :func:`history_bound`)."""
-        return _parse(cls, data, where, min(limit, MAX_HISTORY_BYTES), "History")
+        return _parse(cls, data, where, min(limit, MAX_HISTORY_BYTES), "History",
+                      wire=HISTORY)
 
 
 def _widest(parts: int) -> int:
@@ -189,15 +195,158 @@ class SnapshotIndex(_Model):
         return _parse(cls, data, where, MAX_INDEX_BYTES, "Snapshot index")
 
 
+class RankRegion(_Model):
+    """One span of a canonical tensor that a rank holds, its elements next in the rank's
+    stream in the span's row-major order (``dcr.format.regions``)."""
+
+    tensor: Annotated[str, Field(min_length=1)]
+    span: Span
+
+
+class RankTensor(_Model):
+    """A canonical tensor a rank holds part of: its dtype and shape, and the rank's part
+    of its ``sum64`` (the sum over the elements the rank's regions hold)."""
+
+    dtype: str
+    shape: tuple[Annotated[int, Field(ge=0)], ...]
+    sum: Annotated[str, Field(pattern=SUM_PATTERN)]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+class RankPart(_Model):
+    """What one rank wrote of a snapshot: its regions' elements, in order, as one stream
+    of ``size`` bytes in pieces."""
+
+    rank: Annotated[int, Field(ge=0, lt=MAX_OWNERS)]
+    size: Annotated[int, Field(ge=0)]
+    pieces: tuple[Piece, ...]
+    regions: tuple[RankRegion, ...]
+    tensors: dict[str, RankTensor]
+
+    @model_validator(mode="after")
+    def _tiled(self) -> RankPart:
+        if sum(p.size for p in self.pieces) != self.size:
+            raise ValueError(f"the pieces of rank {self.rank} do not add up to {self.size} "
+                             "bytes")
+        for t in self.tensors.values():
+            if t.dtype not in DTYPES:
+                raise ValueError(f"rank {self.rank} names dtype {t.dtype!r}, none of "
+                                 f"{sorted(DTYPES)}")
+        held = 0
+        for r in self.regions:
+            if r.tensor not in self.tensors:
+                raise ValueError(f"rank {self.rank} has a region of {r.tensor!r} but no "
+                                 "entry for it")
+            _, sizes, strides = r.span
+            shape = self.tensors[r.tensor].shape
+            count: int = math.prod(sizes)
+            if len(sizes) != len(strides) or (count and extent(r.span)[1] >= math.prod(shape)):
+                raise ValueError(f"rank {self.rank}'s region of {r.tensor!r} lies outside "
+                                 f"its shape {list(shape)}")
+            held += count * DTYPES[self.tensors[r.tensor].dtype].itemsize
+        if held != self.size:  # no byte of the stream is unchecked, none missing
+            raise ValueError(f"rank {self.rank}'s regions hold {held} bytes; its stream is "
+                             f"{self.size}")
+        return self
+
+
+class RankSnapshotIndex(_Model):
+    """A snapshot written from the ranks' memory (``format_version`` 2): one part per rank,
+    each its regions of the canonical tensors, and every tensor's whole ``sum64``."""
+
+    format: Literal["dcr-snapshot"] = "dcr-snapshot"
+    format_version: Literal[2] = 2
+    version: Annotated[int, Field(ge=0)]
+    ranks: tuple[RankPart, ...]
+    tensors: dict[str, Annotated[str, Field(pattern=SUM_PATTERN)]]  # name -> whole sum64
+
+    @model_validator(mode="after")
+    def _whole(self) -> RankSnapshotIndex:
+        if [p.rank for p in self.ranks] != list(range(len(self.ranks))) or not self.ranks:
+            raise ValueError(f"ranks must be 0..n-1 in order: {[p.rank for p in self.ranks]}")
+        for name, (_, shape, held, summed) in self._layout().items():
+            if name not in self.tensors or held != math.prod(shape):
+                raise ValueError(f"the ranks hold {held} elements of {name!r} "
+                                 f"{list(shape)}; every element exactly once is "
+                                 f"{math.prod(shape)}")
+            if sum_text(summed) != self.tensors[name]:
+                raise ValueError(f"the ranks' parts of {name!r} add up to "
+                                 f"{sum_text(summed)}, not {self.tensors[name]}")
+        if unheld := sorted(set(self.tensors) - set(self._layout())):
+            raise ValueError(f"no rank holds {unheld[:3]}")
+        return self
+
+    def _layout(self) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
+        """name -> (dtype, shape, elements held, summed parts), the ranks agreeing."""
+        out: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+        for part in self.ranks:
+            held: dict[str, int] = {}
+            for r in part.regions:
+                held[r.tensor] = held.get(r.tensor, 0) + math.prod(r.span[1])
+            for name, t in part.tensors.items():
+                dtype, shape, n, s = out.get(name, (t.dtype, t.shape, 0, 0))
+                if (dtype, shape) != (t.dtype, t.shape):
+                    raise ValueError(f"ranks disagree on {name!r}: {dtype} {list(shape)} and "
+                                     f"{t.dtype} {list(t.shape)} (rank {part.rank})")
+                out[name] = (dtype, shape, n + held.get(name, 0), s + sum_value(t.sum))
+        return out
+
+    def shapes(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """Every tensor's dtype and shape."""
+        return {n: (d, s) for n, (d, s, _, _) in self._layout().items()}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(p.size for p in self.ranks)
+
+    def pack(self) -> bytes:
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def parse(cls, data: bytes, where: str) -> RankSnapshotIndex:
+        return _parse(cls, data, where, MAX_INDEX_BYTES, "Snapshot index")
+
+
+AnyIndex = SnapshotIndex | RankSnapshotIndex
+INDEX_VERSIONS: dict[int, type[SnapshotIndex] | type[RankSnapshotIndex]] = {
+    1: SnapshotIndex,  # a checkpoint directory's files (dcr snapshot)
+    2: RankSnapshotIndex,  # the ranks' regions, from memory
+}
+
+
+def parse_index(data: bytes, where: str) -> AnyIndex:
+    """A snapshot index of any format version this reader knows; one it does not know is
+    refused naming its version and the ones read here."""
+    if len(data) > MAX_INDEX_BYTES:
+        raise ManifestError(f"Snapshot index {where} is {len(data)} bytes, over the limit of "
+                            f"{MAX_INDEX_BYTES}.")
+    try:
+        head = json.loads(data)
+        found = head.get("format_version") if isinstance(head, dict) else None
+    except ValueError as e:
+        raise ManifestError(f"Snapshot index {where} is not JSON: {e}.") from e
+    model = INDEX_VERSIONS.get(found) if isinstance(found, int) else None
+    if model is None:
+        raise ManifestError(f"Snapshot index {where} is format version {found!r}; this "
+                            f"reader reads versions {sorted(INDEX_VERSIONS)}.")
+    return model.parse(data, where)
+
+
 M = TypeVar("M", bound=BaseModel)
 
 
-def _parse(cls: type[M], data: bytes, where: str, limit: int, what: str) -> M:
+def _parse(cls: type[M], data: bytes, where: str, limit: int, what: str,
+           wire: Wire | None = None) -> M:
     if len(data) > limit:
         raise ManifestError(f"{what} {where} is {len(data)} bytes, over the limit of {limit}.")
     try:
         return cls.model_validate_json(data, strict=True)
     except ValidationError as e:
+        if wire is not None:
+            wire.refuse_invalid(e, f"{what} {where}", ManifestError)
         raise ManifestError(f"{what} {where} is invalid: {first_validation_error(e)}.") from e
 
 

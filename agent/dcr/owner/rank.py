@@ -26,7 +26,9 @@ import numpy as np
 from dcr.codec.changes import find_changes
 from dcr.codec.planes import UInt
 from dcr.errors import BaselineError, ConfigError
+from dcr.files.ranksnap import Region, write_rank_part
 from dcr.format.dtypes import dtype as dtype_of
+from dcr.format.history import RankPart
 from dcr.format.manifest import Manifest
 from dcr.format.names import Mode
 from dcr.format.profile import ReceiverProfile
@@ -234,6 +236,29 @@ class RankOwner:
             return write_shards(writer, self.maps, pairs, profile=profile, progress=progress,
                                 bucket_bytes=bucket_bytes or self.bucket_bytes,
                                 parts=self.parts)
+
+    def write_snapshot(self, version: int, committed_attempt: str | None = None, *,
+                       store: Store | None = None) -> RankPart:
+        """Write this rank's part of version ``version``'s snapshot from its baseline (first
+        advancing to it, for a commit record naming an attempt this rank published): every
+        canonical element it holds, region by region as its manifest part addresses them.
+        Offers wait meanwhile: the baseline must not move under the write."""
+        with self._lock:
+            if version != self.version and committed_attempt:
+                self._advance(version, committed_attempt)
+            if version != self.version:
+                raise BaselineError(f"{self.who}: a snapshot of version {version}; this "
+                                    f"rank's committed baseline is {self.version}.")
+            part = write_rank_part(store or self.store, version, self.rank, self._regions())
+        log.info("%s: wrote its part of version %d's snapshot (%d bytes in %d pieces)",
+                 self.who, version, part.size, len(part.pieces))
+        return part
+
+    def _regions(self) -> Iterator[Region]:
+        for name in sorted(self.maps):
+            m = self.maps[name]
+            for which, span, bits in m.pieces(self.baseline[name]):
+                yield m.canonical[which], m.dtype, m.canonical_shape(which), span, bits
 
     def advance(self, version: int, attempt: str) -> None:
         """A commit record says ``attempt`` committed ``version``: make it the baseline."""
