@@ -93,7 +93,7 @@ def test_packing_is_deterministic_and_compresses_the_document() -> None:
         ({"attempt": "../x"}, "attempt"),
         ({"mode": "fast"}, "mode"),
         ({"extra": 1}, "extra"),
-        ({"format_version": 1}, "format_version"),
+        ({"format_version": 1}, "manifest document format version 1, but this DCR"),
         ({"format_version": 3}, "format_version"),
         ({"format": "dcr-payload"}, "format"),
         ({"base_version": "1"}, "base_version"),  # strict: no string for an integer
@@ -147,8 +147,8 @@ def test_an_object_of_another_encoding_is_refused_naming_its_magic(data: bytes,
 @pytest.mark.parametrize("version", [0, 1, 3, 0xFFFF])
 def test_an_unknown_format_version_is_refused_naming_it(version: int) -> None:
     doc = json.dumps(manifest()).encode()
-    with pytest.raises(ManifestError, match=rf"format version {version}; this reader reads "
-                                            "version 2"):
+    with pytest.raises(ManifestError, match=rf"has manifest format version {version}, but "
+                                            r"this DCR \S+ reads manifest format version 2"):
         Manifest.parse(container(frame(doc), len(doc), version=version), "t")
 
 

@@ -9,10 +9,14 @@ response model back.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
+import json
 import textwrap
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -21,6 +25,7 @@ import pytest
 from aiohttp import web
 
 import dcr.protocol.agent_api as api
+from dcr import __version__
 from dcr.protocol.agent_api import (
     DENSE_S,
     DRAIN_S,
@@ -35,6 +40,7 @@ from dcr.protocol.agent_api import (
 from dcr.protocol.records import Attempt, Transition
 from dcr.receiver.server import make_app
 from dcr.receiver.service import AgentConflict, AgentService
+from dcr.versions import AGENT_API, RELEASE_HEADER
 
 TOKEN = "t0ken-for-the-api-table-tests"
 STATUS = AgentStatus(name="r0", version=1, dirty=None, unknown=None, attempt=None, state=None,
@@ -212,3 +218,40 @@ def test_client_timeouts_follow_each_rows_rule() -> None:
 def test_the_token_never_shows_in_a_clients_repr() -> None:
     client = AgentClient("r0", "http://127.0.0.1:1", TOKEN)
     assert TOKEN not in repr(client)
+
+
+def test_every_answer_names_the_agent_api_version_and_the_release(
+        served: tuple[Recording, str]) -> None:
+    _, url = served
+    client = AgentClient("r0", url, TOKEN)
+    assert client.status() == STATUS
+    assert client.release == __version__
+    req = urllib.request.Request(url + "/v1/status", headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(req, timeout=30) as resp:  # no version header: version 1
+        assert (resp.headers[AGENT_API.header], resp.headers[RELEASE_HEADER]) == (
+            str(AGENT_API.writes), __version__)
+
+
+def test_an_agent_of_the_next_api_version_is_refused_naming_both_versions(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("dcr.receiver.server.AGENT_API",
+                        dataclasses.replace(AGENT_API, writes=2, reads=(2,)))
+    service = Recording()
+    skew = (rf"Agent r0's answer \(GET /v1/status\) has agent API version 2, but this DCR "
+            f"{__version__} reads agent API version 1")
+    with serving(service) as (url, _), pytest.raises(AgentError, match=skew) as e:
+        AgentClient("r0", url, TOKEN).status()
+    assert (e.value.kind, service.calls) == ("VersionSkew", [])  # refused before its handler
+
+
+def test_an_agent_refuses_a_request_of_the_next_api_version_before_its_handler(
+        served: tuple[Recording, str]) -> None:
+    service, url = served
+    req = urllib.request.Request(url + "/v1/gate/close", data=b"", method="POST", headers={
+        "Authorization": f"Bearer {TOKEN}", AGENT_API.header: "2"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    with e.value:
+        body = json.loads(e.value.read())
+    assert (e.value.code, body["kind"], service.calls) == (400, "VersionSkew", [])
+    assert body["error"] == AGENT_API.refusal("The request", 2)

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dcr.errors import ConfigError, first_validation_error
 from dcr.format.names import DIGEST_PATTERN
+from dcr.versions import COMMIT_FILE
 
 COMMIT_FILE_KEY = "commit.json"  # the ConfigMap's key, so the file's name in its volume
 MAX_COMMIT_FILE_BYTES = 1024  # the file is ~120 bytes; anything larger is not ours
@@ -50,6 +51,7 @@ class CommitFile(BaseModel):
         try:
             return cls.model_validate_json(data)
         except ValidationError as e:
+            COMMIT_FILE.refuse_invalid(e, f"Commit file {where}", ConfigError)
             got = repr(e.errors()[0].get("input"))[:80]
             raise ConfigError(f"Commit file {where}: {first_validation_error(e)} (got "
                               f"{got}).") from e

@@ -27,8 +27,9 @@ from dcr.format.names import ATTEMPT_PATTERN, ATTEMPT_RE, Mode
 from dcr.format.payload import MAGIC as _PAYLOAD_MAGIC
 from dcr.format.payload import decompress_exact
 from dcr.format.regions import SUM_PATTERN, Spans, region_key, sum_text, sum_value
+from dcr.versions import MANIFEST, MANIFEST_DOCUMENT
 
-MANIFEST_VERSION = 2
+MANIFEST_VERSION = MANIFEST.writes
 SCHEMA_PATH = Path(__file__).with_name("manifest.schema.json")
 
 MAGIC = b"\x89DCM\r\n\x1a\n"
@@ -184,6 +185,7 @@ class Manifest(_Model):
             # Strict JSON mode: UTF-8 only, integers must be JSON integers, no coercion.
             return cls.model_validate_json(doc, strict=True)
         except ValidationError as e:
+            MANIFEST_DOCUMENT.refuse_invalid(e, f"Manifest {where}", ManifestError)
             raise ManifestError(f"Manifest {where} is invalid: "
                                 f"{first_validation_error(e)}.") from e
 
@@ -217,7 +219,7 @@ def open_document(data: bytes | memoryview, where: str,
     return doc
 
 
-_HEAD = re.compile(rb'\{"format":"dcr-manifest","format_version":[23],"base_version":\d+,'
+_HEAD = re.compile(rb'\{"format":"dcr-manifest","format_version":(\d{1,9}),"base_version":\d+,'
                    rb'"target_version":\d+,"attempt":"([^"\\]{1,128})"')
 _HEAD_BYTES = 512
 
@@ -234,10 +236,12 @@ def manifest_attempt(data: bytes | memoryview, where: str,
     except zstandard.ZstdError as e:
         raise ManifestError(f"Manifest {where}: the document's frame is corrupt: {e}.") from e
     m = _HEAD.match(head)
-    if m is None or not ATTEMPT_RE.fullmatch(m[1].decode("ascii", "replace")):
+    if m is not None:
+        MANIFEST_DOCUMENT.check(f"Manifest {where}", int(m[1]), ManifestError)
+    if m is None or not ATTEMPT_RE.fullmatch(m[2].decode("ascii", "replace")):
         raise ManifestError(f"Manifest {where} does not begin as a version 2 or 3 document "
                             "naming its attempt (fields in schema order).")
-    return m[1].decode()
+    return m[2].decode()
 
 
 def _container(data: bytes | memoryview, where: str, limits: ManifestLimits
@@ -254,9 +258,7 @@ def _container(data: bytes | memoryview, where: str, limits: ManifestLimits
     if magic != MAGIC:
         raise ManifestError(f"Manifest {where} is not a DCR manifest: magic is "
                             f"{bytes(magic)!r}{_what_it_is(bytes(magic))}, want {MAGIC!r}.")
-    if version != MANIFEST_VERSION:
-        raise ManifestError(f"Manifest {where} has format version {version}; this reader "
-                            f"reads version {MANIFEST_VERSION}.")
+    MANIFEST.check(f"Manifest {where}", version, ManifestError)
     if flags != 0 or reserved != 0:
         raise ManifestError(f"Manifest {where}: reserved preamble fields are nonzero "
                             f"(flags={flags}, reserved={reserved}).")

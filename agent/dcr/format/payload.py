@@ -31,9 +31,10 @@ from dcr.errors import (
 )
 from dcr.format.dtypes import DTYPES
 from dcr.format.names import ATTEMPT_PATTERN, EntryKind, Mode
+from dcr.versions import PAYLOAD
 
 MAGIC = b"\x89DCR\r\n\x1a\n"
-FORMAT_VERSION = 1
+FORMAT_VERSION = PAYLOAD.writes
 _PREAMBLE = struct.Struct("<8sHHIIQI")  # magic, version, flags, header packed/raw, body, reserved
 DIGEST_SIZE = 16
 DIGEST_PERSON = b"dcr-payload-v1"
@@ -346,10 +347,7 @@ def read_payload(data: bytes | memoryview, limits: DecodeLimits = DEFAULT_LIMITS
     magic, version, flags, h_packed, h_raw, body_len, reserved = _PREAMBLE.unpack_from(buf)
     if magic != MAGIC:
         raise MalformedPayload(f"Not a DCR payload: magic is {bytes(magic)!r}, want {MAGIC!r}.")
-    if version != FORMAT_VERSION:
-        raise MalformedPayload(
-            f"Payload format version {version} is not supported (this reader: {FORMAT_VERSION})."
-        )
+    PAYLOAD.check("A payload", version, MalformedPayload)
     if flags != 0 or reserved != 0:
         raise MalformedPayload(f"Reserved preamble fields are nonzero (flags={flags}, "
                                f"reserved={reserved}).")

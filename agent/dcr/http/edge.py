@@ -26,6 +26,7 @@ from aiohttp.typedefs import Handler, Middleware
 
 from dcr.errors import ConfigError, Refused
 from dcr.http.tokens import bearer_matches
+from dcr.versions import VersionSkew, Wire
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +82,12 @@ async def answer_errors(request: web.Request, handler: Handler, statuses: Status
 
 
 def guard(token: str | None, statuses: Statuses, *, open_paths: Iterable[str] = (),
-          render: Render = json_error) -> Middleware:
+          render: Render = json_error, wire: Wire | None = None) -> Middleware:
     """A middleware: every path but ``open_paths`` needs ``Bearer <token>`` (None: no
-    token is asked for), and errors answer as ``statuses`` says."""
+    token is asked for), and errors answer as ``statuses`` says. With ``wire``, every
+    authorized answer carries its version headers and a request of a version this build
+    does not read is refused (:class:`~dcr.versions.VersionSkew`, 400) before its handler
+    runs."""
     open_ = frozenset(open_paths)
 
     @web.middleware
@@ -92,9 +96,27 @@ def guard(token: str | None, statuses: Statuses, *, open_paths: Iterable[str] = 
                                                      token)  # total: never raises
         if request.path not in open_ and not authorized:
             return unauthorized()
-        return await answer_errors(request, handler, statuses, render)
+        if wire is None:
+            return await answer_errors(request, handler, statuses, render)
+        return await _versioned(request, handler, statuses, render, wire)
 
     return middleware
+
+
+async def _versioned(request: web.Request, handler: Handler, statuses: Statuses,
+                     render: Render, wire: Wire) -> web.StreamResponse:
+    async def checked(request: web.Request) -> web.StreamResponse:
+        wire.check_headers(request.headers, "The request", VersionSkew)
+        return await handler(request)
+
+    try:
+        answer = await answer_errors(request, checked, statuses, render)
+    except web.HTTPException as e:
+        e.headers.update(wire.headers())
+        raise
+    if not answer.prepared:  # a streamed answer sent its headers already
+        answer.headers.update(wire.headers())
+    return answer
 
 
 def host_port(text: str, what: str, *, default_host: str | None = DEFAULT_HOST

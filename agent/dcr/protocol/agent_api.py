@@ -36,7 +36,9 @@ from dcr.errors import HttpError, Invalid, first_validation_error
 from dcr.format.names import ATTEMPT_PATTERN, DIGEST_PATTERN, Mode
 from dcr.http.deadline import POOL_CLASSES, deadline
 from dcr.http.direct import check_url, read_bounded, unreachable_reason
+from dcr.http.tls import check_peer_url, urllib3_options
 from dcr.protocol.records import Attempt
+from dcr.versions import AGENT_API, RELEASE_HEADER
 
 _ATTEMPT = ATTEMPT_PATTERN
 # A record's history digest, left out of the JSON when absent (so agents that predate it
@@ -365,9 +367,10 @@ class AgentClient(AgentApi):
 
     def __init__(self, name: str, url: str, token: str, *, timeout_s: float = 30.0) -> None:
         self.name = name
-        self.url = check_url(url, f"Agent {name}")
+        self.url = check_peer_url(check_url(url, f"Agent {name}"), f"Agent {name}")
         self._token = token
         self.timeout_s = timeout_s
+        self.release = ""  # the DCR release the agent's last answer named ("": none yet)
 
     def __repr__(self) -> str:  # never the token
         return f"AgentClient({self.name!r}, {self.url!r})"
@@ -397,17 +400,22 @@ class AgentClient(AgentApi):
         where = f"({method} {path})"
         try:
             wait_s = left()
-            resp = _POOL.request(
-                method, self.url + path,
+            at = urllib3.util.parse_url(self.url + path)
+            pool = _POOL.connection_from_url(self.url, pool_kwargs=urllib3_options())
+            resp = pool.urlopen(
+                method, at.request_uri, assert_same_host=False,
                 body=body.model_dump_json().encode() if body is not None else None,
                 headers={"Authorization": f"Bearer {self._token}",
-                         "Content-Type": "application/json"},
+                         "Content-Type": "application/json", **AGENT_API.headers()},
                 timeout=urllib3.Timeout(connect=wait_s, read=wait_s),
                 preload_content=False, redirect=False, retries=False)
         except (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError) as e:
             raise self._unreachable(where, e) from e
         whole = False  # the answer read to its end: its connection may serve the next call
         try:
+            self.release = resp.headers.get(RELEASE_HEADER, "")[:64]
+            AGENT_API.check_headers(resp.headers, f"Agent {self.name}'s answer {where}",
+                                    lambda m: AgentError(m, resp.status, "VersionSkew"))
             if 300 <= resp.status < 400:  # never followed: the token stays with this agent
                 raise AgentError(f"Agent {self.name} {where} answered HTTP {resp.status}, a "
                                  "redirect; agent calls follow none.", resp.status)

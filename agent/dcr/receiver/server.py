@@ -23,6 +23,7 @@ from dcr.http.prometheus import Family, render
 from dcr.protocol.agent_api import AgentApi, AttemptDeadline, Call, parse_body
 from dcr.receiver.service import AgentService, AttemptFailed
 from dcr.receiver.settings import AgentSettings
+from dcr.versions import AGENT_API
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 # Which pool runs a call (by its row's name; "control" otherwise), and each pool's threads.
@@ -119,8 +120,8 @@ def make_app(service: AgentService, token: str, *, max_waits: int = AgentSetting
         for pool in pools.values():
             pool.shutdown(wait=False, cancel_futures=True)
 
-    app = web.Application(middlewares=[guard(token, STATUS, open_paths=OPEN_PATHS)],
-                          client_max_size=1 << 20)
+    app = web.Application(middlewares=[guard(token, STATUS, open_paths=OPEN_PATHS,
+                                             wire=AGENT_API)], client_max_size=1 << 20)
     app.on_cleanup.append(shutdown)
     app.add_routes([
         *(route(call) for call in AgentApi.calls()),
