@@ -6,8 +6,9 @@
 # policies give receivers a read-only key; for the chart's monitoring, promtool (tests the
 # alert rules) and prometheus-operator's CRDs (monitoring-crds: a directory of the
 # ServiceMonitor, PodMonitor and PrometheusRule CRDs); LeaderWorkerSet's CRD (lws-crds),
-# which the multi-node rollout example is checked against; and the image registry
-# (registry, from distribution) the deploy tier's node pulls from.
+# which the multi-node rollout example is checked against; the image registry
+# (registry, from distribution) the deploy tier's node pulls from; and toxiproxy, the TCP
+# fault-injecting proxy the fault campaign (bench/faults.py) puts in front of the S3 store.
 #
 # Binaries land outside the repository, one directory per component and version:
 #   ${DCR_INFRA_CACHE:-$HOME/.cache/dcr-infra}/<component>-<version>/<component>
@@ -16,7 +17,7 @@
 #
 # Usage: tools/controlplane/build.sh [component ...]   (default: the control plane's four;
 #        `node` names the node's five, `monitoring` promtool and monitoring-crds, `all` all
-#        fourteen)
+#        fifteen)
 # Prints one line per component: "built|reused <component> <version> <path> ...".
 set -euo pipefail
 
@@ -31,6 +32,7 @@ readonly MONITORING_CRDS=(servicemonitors podmonitors prometheusrules)
 readonly LWS_VERSION=v0.8.0  # sigs.k8s.io/lws: its config/crd/bases
 readonly REGISTRY_VERSION=v3.0.0  # github.com/distribution/distribution/v3 (cmd/registry)
 readonly COREDNS_VERSION=v1.13.1  # github.com/coredns/coredns: the node's cluster DNS
+readonly TOXIPROXY_VERSION=v2.5.0  # github.com/Shopify/toxiproxy/v2 (cmd/server)
 readonly LWS_CRD=leaderworkerset.x-k8s.io_leaderworkersets.yaml
 
 readonly HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -38,7 +40,8 @@ readonly CACHE="${DCR_INFRA_CACHE:-$HOME/.cache/dcr-infra}"
 readonly CONTROL_PLANE=(etcd kube-apiserver kube-controller-manager helm)
 readonly NODE=(kubelet kube-scheduler kube-proxy kubectl coredns)
 readonly MONITORING=(promtool monitoring-crds)
-readonly ALL_COMPONENTS=("${CONTROL_PLANE[@]}" "${NODE[@]}" versitygw "${MONITORING[@]}" lws-crds registry)
+readonly ALL_COMPONENTS=("${CONTROL_PLANE[@]}" "${NODE[@]}" versitygw "${MONITORING[@]}" lws-crds registry
+    toxiproxy)
 
 GO="${GO:-$(command -v go || echo /usr/local/go/bin/go)}"
 # Never fetch a different Go toolchain behind our back; static binaries, no cgo.
@@ -65,6 +68,7 @@ version_of() {
         lws-crds) echo "$LWS_VERSION" ;;
         registry) echo "$REGISTRY_VERSION" ;;
         coredns) echo "$COREDNS_VERSION" ;;
+        toxiproxy) echo "$TOXIPROXY_VERSION" ;;
         *) die "unknown component '$1' (known: ${ALL_COMPONENTS[*]})" ;;
     esac
 }
@@ -160,6 +164,10 @@ build_one() {
             ;;
         coredns)
             go_install "github.com/coredns/coredns@$COREDNS_VERSION" "-s -w" "$tmp" || return
+            ;;
+        toxiproxy)
+            go_install "github.com/Shopify/toxiproxy/v2/cmd/server@$TOXIPROXY_VERSION" "-s -w" \
+                "$tmp" || return
             ;;
         registry)
             go_install "github.com/distribution/distribution/v3/cmd/registry@$REGISTRY_VERSION" \
