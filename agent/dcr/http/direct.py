@@ -2,21 +2,30 @@
 
 :data:`OPENER` follows no redirect (a credential never reaches a second address), uses no
 proxy and has no ``file:``, ``ftp:`` or ``data:`` handler; :func:`check_url` admits only
-``http(s)://host``. A peer's answer is read bounded and quoted only as a short printable
-:func:`excerpt`. Stdlib-only, at the bottom layer.
+``http(s)://host``; HTTPS verifies peers as :mod:`dcr.http.tls` says. A peer's answer is
+read bounded and quoted only as a short printable :func:`excerpt`. Stdlib-only, at the
+bottom layer.
 """
 
 from __future__ import annotations
 
+import http.client
 import re
 import urllib.parse
 import urllib.request
 from typing import Protocol
 
 from dcr.errors import ConfigError
+from dcr.http.tls import VerifiedHTTPSConnection, refusal
+
+
+class _HTTPSHandler(urllib.request.HTTPSHandler):
+    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(VerifiedHTTPSConnection, req)
+
 
 OPENER = urllib.request.OpenerDirector()
-for _handler in (urllib.request.HTTPHandler(), urllib.request.HTTPSHandler(),
+for _handler in (urllib.request.HTTPHandler(), _HTTPSHandler(),
                  urllib.request.HTTPDefaultErrorHandler(), urllib.request.HTTPErrorProcessor(),
                  urllib.request.UnknownHandler()):
     OPENER.add_handler(_handler)
@@ -54,11 +63,14 @@ def excerpt(text: str | bytes, limit: int = EXCERPT_CHARS) -> str:
 
 
 def unreachable_reason(e: BaseException) -> str:
-    """Why a call got no answer, without the peer's bytes: an OS error's text or the
-    exception's class name, of the innermost error a client library wrapped."""
-    while (inner := e.__cause__ or next(
+    """Why a call got no answer, without the peer's bytes: a TLS refusal's sentence, or an
+    OS error's text or the exception's class name, of the innermost error a client library
+    wrapped."""
+    while (said := refusal(e)) is None and (inner := e.__cause__ or next(
             (a for a in e.args if isinstance(a, BaseException)), None)) is not None:
         e = inner  # urllib's URLError(reason), urllib3's ProtocolError("...", error), ...
+    if said is not None:
+        return said
     reason = getattr(e, "reason", e)
     if isinstance(reason, str):
         return excerpt(reason, 80)

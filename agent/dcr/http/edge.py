@@ -25,6 +25,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from dcr.errors import ConfigError, Refused
+from dcr.http.tls import TlsSettings, server_context
 from dcr.http.tokens import bearer_matches
 from dcr.versions import VersionSkew, Wire
 
@@ -137,10 +138,11 @@ class Listening:
     runner: web.AppRunner
     host: str  # as given, brackets and all: what a URL names
     port: int  # as bound (a port 0 asked for any)
+    scheme: str = "http"  # https when it serves TLS
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{self.scheme}://{self.host}:{self.port}"
 
     async def close(self) -> None:
         await self.runner.cleanup()
@@ -148,20 +150,26 @@ class Listening:
 
 async def start(app: web.Application, listen: str, what: str, *,
                 handler_cancellation: bool = True, shutdown_timeout: float = 60.0,
-                reuse_address: bool | None = None) -> Listening:
+                reuse_address: bool | None = None, tls: TlsSettings | None = None
+                ) -> Listening:
     """Serve ``app`` on ``listen`` (``host:port``; port 0 picks a free one), without an
-    access log. ``handler_cancellation``: a handler is cancelled when its client leaves.
-    :class:`ConfigError` names ``what`` when the address is malformed or taken."""
+    access log, over HTTPS only when ``tls`` (default: the environment's,
+    :mod:`dcr.http.tls`) has a certificate. ``handler_cancellation``: a handler is cancelled
+    when its client leaves. :class:`ConfigError` names ``what`` when the address is
+    malformed or taken, or the certificate does not load."""
     host, port = host_port(listen, f"{what}: the listen address")
+    tls = tls or TlsSettings.from_env()
+    context = server_context(tls)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=handler_cancellation,
                            shutdown_timeout=shutdown_timeout)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host.strip("[]"), port, reuse_address=reuse_address).start()
+        await web.TCPSite(runner, host.strip("[]"), port, reuse_address=reuse_address,
+                          ssl_context=context).start()
     except OSError as e:
         await runner.cleanup()
         raise ConfigError(f"{what} cannot listen on {listen}: {e}.") from e
-    return Listening(runner, host, int(runner.addresses[0][1]))
+    return Listening(runner, host, int(runner.addresses[0][1]), tls.scheme)
 
 
 __all__ = ["DEFAULT_HOST", "UNAUTHORIZED", "Listening", "Render", "Statuses", "answer_errors",

@@ -36,6 +36,7 @@ from dcr.errors import HttpError, Invalid, first_validation_error
 from dcr.format.names import ATTEMPT_PATTERN, DIGEST_PATTERN, Mode
 from dcr.http.deadline import POOL_CLASSES, deadline
 from dcr.http.direct import check_url, read_bounded, unreachable_reason
+from dcr.http.tls import check_peer_url, urllib3_options
 from dcr.protocol.records import Attempt
 from dcr.versions import AGENT_API, RELEASE_HEADER
 
@@ -366,7 +367,7 @@ class AgentClient(AgentApi):
 
     def __init__(self, name: str, url: str, token: str, *, timeout_s: float = 30.0) -> None:
         self.name = name
-        self.url = check_url(url, f"Agent {name}")
+        self.url = check_peer_url(check_url(url, f"Agent {name}"), f"Agent {name}")
         self._token = token
         self.timeout_s = timeout_s
         self.release = ""  # the DCR release the agent's last answer named ("": none yet)
@@ -399,8 +400,10 @@ class AgentClient(AgentApi):
         where = f"({method} {path})"
         try:
             wait_s = left()
-            resp = _POOL.request(
-                method, self.url + path,
+            at = urllib3.util.parse_url(self.url + path)
+            pool = _POOL.connection_from_url(self.url, pool_kwargs=urllib3_options())
+            resp = pool.urlopen(
+                method, at.request_uri, assert_same_host=False,
                 body=body.model_dump_json().encode() if body is not None else None,
                 headers={"Authorization": f"Bearer {self._token}",
                          "Content-Type": "application/json", **AGENT_API.headers()},

@@ -22,6 +22,7 @@ from dcr.errors import HttpError, first_validation_error
 from dcr.format.names import ATTEMPT_PATTERN, Mode
 from dcr.format.profile import ReceiverProfile
 from dcr.http.direct import OPENER, check_url, read_bounded, unreachable_reason
+from dcr.http.tls import check_peer_url
 from dcr.versions import ENCODER_API
 
 MAX_BODY_BYTES = 64 << 20  # a publish body: the merged profile names every tensor
@@ -99,7 +100,8 @@ class EncoderClient:
 
     def __init__(self, url: str, token: str, *, name: str = "encoder") -> None:
         self.name = name
-        self.url = check_url(url, f"Encoder endpoint {name}")
+        self.url = check_peer_url(check_url(url, f"Encoder endpoint {name}"),
+                                  f"Encoder endpoint {name}")
         self._token = token
 
     def __repr__(self) -> str:  # never the token

@@ -20,6 +20,7 @@ from typing import IO, ClassVar
 
 from dcr.drivers.vllm import VllmDriver
 from dcr.errors import DcrError
+from dcr.http.tls import TlsSettings
 from dcr.http.tokens import write_token_file
 from dcr.protocol.agent_api import AgentClient
 from dcr.protocol.encoder_api import EncoderClient
@@ -82,7 +83,9 @@ class Process:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        """``https`` when its environment gives it a certificate (:mod:`dcr.http.tls`)."""
+        scheme = TlsSettings.from_env({**os.environ, **self.env}).scheme
+        return f"{scheme}://{self.host}:{self.port}"
 
     def argv(self) -> list[str]:
         """The arguments the launcher passes before ``args`` (written files included)."""
