@@ -24,6 +24,8 @@ Hierarchy (``(module)``: defined beside the code that raises it; the rest here):
     │   │   ├── BaselineError    an owner cannot vouch for that baseline version
     │   │   ├── NotVouched       (receiver.fromstore) the store's history does not vouch for a
     │   │   │                    version, or it cannot be built from it
+    │   │   ├── NotLent          (receiver.donor) a donor lends no copy now: none held, a newer
+    │   │   │                    one, an attempt or a rebuild in progress
     │   │   ├── IllegalTransition (protocol.state) an attempt cannot move to that state
     │   │   ├── StaleVersion     (http.gateway) the engine's committed version is older than
     │   │   │                    the request accepts
@@ -85,6 +87,8 @@ Hierarchy (``(module)``: defined beside the code that raises it; the rest here):
     │   │                        or did not answer a publish, or wrote to another store
     │   ├── RolloutError         (integrations.trl) the fleet did not answer a completion, or
     │   │                        answered one without what a sample needs
+    │   ├── PeerRefused          (receiver.peers) a donor's copy is not taken: not lent, an
+    │   │                        offer no checkpoint of the version can be, or unreachable
     │   ├── CommitStoreError     (protocol.commitstore) the commit record is unreadable
     │   └── JournalError         (receiver.journal) the agent's journal is unreadable
     │

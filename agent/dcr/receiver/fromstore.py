@@ -4,8 +4,12 @@ versions it builds for dense loads, and the committed version ``/readyz`` compar
 A build goes to ``dcr-from-store`` under the checkpoint root (the pod's own volume, which
 the engine reads too): the last build advanced by the committed deltas (its version is
 recorded there), else the seed (the checkpoint the engine started from) advanced, else a
-snapshot and the deltas after it (:func:`~dcr.files.materialize.materialize`).
-docs/catch-up.md, "The agent".
+snapshot and the deltas after it (:func:`~dcr.files.materialize.materialize`). Given
+donors (``--donor``), a build first takes the newest copy a peer lends when it is nearer
+than what this pod holds, judged by the history's fingerprints like any start, and goes
+on to the next donor, then to the store, when one is refused (:mod:`dcr.receiver.peers`).
+The build is lent to peers in turn (:mod:`dcr.receiver.donor`): it is rewritten only once
+no lease is held. docs/catch-up.md, "The agent" and "From a peer".
 """
 
 from __future__ import annotations
@@ -22,11 +26,15 @@ from dcr.files.history import HistoryStore
 from dcr.files.materialize import Materialized, materialize, recorded_version
 from dcr.files.mirror import Generation
 from dcr.files.mirror import current as mirror_current
+from dcr.files.vouched import copy_vouched
 from dcr.format.history import AHEAD_VERSIONS
+from dcr.receiver.donor import Leases
+from dcr.receiver.peers import Bound, PeerClient, PeerRefused, take
 
 log = logging.getLogger(__name__)
 
 FROM_STORE = "dcr-from-store"  # under the checkpoint root: the version built from the store
+FROM_PEER = ".dcr-from-peer"  # under the checkpoint root: a peer's copy until it is judged
 HISTORY_TTL_S = 5.0  # how long committed() trusts its last reading
 
 
@@ -49,6 +57,10 @@ class FromStore:
     _refresh: threading.Lock = field(default_factory=threading.Lock)  # one read at a time
     _committed: tuple[float, int | None] | None = None  # when read, what
     told: int = 0  # the newest version a coordinator named to this agent
+    peers: tuple[PeerClient, ...] = ()  # donors asked first, in this order
+    leases: Leases = field(default_factory=Leases)  # peers reading the build
+    peer_bytes: int = 0  # fetched from donors into builds that were used
+    peer_refusals: int = 0  # donors' copies refused (or not lent)
 
     def vouch(self, digest: str | None, version: int | None = None,
               owners: int | None = None) -> None:
@@ -82,11 +94,15 @@ class FromStore:
             raise NotVouched("no checkpoint root to build versions under")
         out = self.root / FROM_STORE
         held, seed = self.seed if self.seed is not None else (None, None)
-        with self._lock:  # materialize reuses the last build where its version is recorded
+        with self._lock, self.leases.writing():  # no peer reads the build while it changes
             gen, have = self._mirrored(), recorded_version(out)
             if gen is not None and (have if have is not None else -1) < gen.version <= version:
                 held, seed = gen.version, gen.path  # nearer than what this pod holds
                 shutil.rmtree(out, ignore_errors=True)
+            near = max(v for v in (have, held, -1) if v is not None)
+            done = self._from_peers(out, version, near) if near < version else None
+            if done is not None:
+                return FROM_STORE, done
             try:
                 done = materialize(self.history.store, out, version=version, held=held,
                                    seed=seed, digest=self.history.digest,
@@ -99,6 +115,51 @@ class FromStore:
                  "bytes", version, done.plan.route, done.plan.start, done.plan.steps,
                  done.fetched_bytes)
         return FROM_STORE, done
+
+    def _from_peers(self, out: Path, version: int, near: int) -> Materialized | None:
+        """``version`` built in ``out`` from the first donor whose copy is newer than
+        ``near`` and holds what the history vouches for (then advanced by the deltas
+        after it); None when no donor's is (each refusal logged with the donor's URL)."""
+        assert self.root is not None
+        fresh = self.root / FROM_PEER
+        for peer in self.peers:
+            try:
+                got = take(peer, version, near, fresh, self._bound)
+                done = materialize(self.history.store, fresh, version=version,
+                                   held=got.version, digest=self.history.digest,
+                                   limits=self.history.limits)
+            except (PeerRefused, DcrError) as e:
+                self.peer_refusals += 1
+                log.warning("the copy of peer %s is refused; the next donor or the store "
+                            "is used: %s", peer.url, e)
+                shutil.rmtree(fresh, ignore_errors=True)
+                continue
+            self._take_place(fresh, out)
+            self.peer_bytes += got.bytes
+            log.info("took version %s from peer %s (%d bytes) and advanced it to %s",
+                     got.version, got.donor, got.bytes, version)
+            return done
+        return None
+
+    def _bound(self, version: int) -> Bound:
+        """What a checkpoint of ``version`` can hold, as the history says."""
+        try:
+            return Bound.of(self.history.layout(self.history.read(), version))
+        except (ManifestError, StoreError) as e:
+            raise PeerRefused(f"the history does not vouch for version {version}: "
+                              f"{e}") from e
+
+    def _take_place(self, fresh: Path, out: Path) -> None:
+        """``fresh`` (a judged peer copy) becomes ``out``, with the seed's carried files
+        (configs and tokenizer come only from this pod's own side)."""
+        if self.seed is not None:
+            copy_vouched(self.seed[1], fresh, tensors=False)
+        old = out.with_name(f".{out.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        if out.exists():
+            out.rename(old)
+        fresh.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
 
     def _mirrored(self) -> Generation | None:
         """The mirror's current generation; a broken mirror is passed over (the store and

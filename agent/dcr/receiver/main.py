@@ -25,6 +25,7 @@ from dcr.http.tokens import check_token, read_token
 from dcr.receiver.settings import (
     AGENT_TOKEN_ENV,
     ENGINE_KEY_ENV,
+    PEER_TOKEN_ENV,
     RELAY_TOKEN_ENV,
     SOURCES,
     AgentSettings,
@@ -33,6 +34,7 @@ from dcr.settings import add_options, from_args
 
 if TYPE_CHECKING:
     from dcr.drivers.base import CanonicalSpec, Driver
+    from dcr.receiver.donor import Donor
     from dcr.receiver.fromstore import FromStore
     from dcr.receiver.member import MemberService
     from dcr.receiver.service import AgentService, SourceFor
@@ -53,6 +55,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _token(path: Path | None, env: str) -> str:
     what = "relay read token" if env == RELAY_TOKEN_ENV else "agent token"
     return read_token(what, path, env)  # one check for every token: dcr.http.tokens
+
+
+def peer_token(s: AgentSettings) -> str | None:
+    """The fleet's peer read token from ``--peer-token-file`` or ``$DCR_PEER_TOKEN``; None
+    when neither is given (the agent then lends nothing and asks no peer)."""
+    if s.peer_token_file is None and not os.environ.get(PEER_TOKEN_ENV, "").strip():
+        if s.donors:
+            raise ConfigError(f"Agent {s.name!r}: --donor needs the peer read token "
+                              f"(--peer-token-file or ${PEER_TOKEN_ENV}).")
+        return None
+    return read_token("peer read token", s.peer_token_file, PEER_TOKEN_ENV)
 
 
 def engine_key(s: AgentSettings) -> str | None:
@@ -126,6 +139,14 @@ def build_service(s: AgentSettings, engine: Driver | None = None) -> AgentServic
     from dcr.receiver.service import AgentService
 
     source_for, from_store, canonical = _sources(s)
+    token = peer_token(s)
+    if s.donors and from_store is None:
+        raise ConfigError(f"Agent {s.name!r}: --donor needs the store's history, which "
+                          "judges a peer's copy; this agent reads none.")
+    if from_store is not None and token is not None:
+        from dcr.receiver.peers import PeerClient
+
+        from_store.peers = tuple(PeerClient(url, token) for url in s.donors)
     group = None
     if s.members:
         token = (_token(s.member_token_file, AGENT_TOKEN_ENV) if s.member_token_file
@@ -163,6 +184,19 @@ def attach_in_background(service: AgentService) -> threading.Thread:
     return t
 
 
+def _donor(service: AgentService, s: AgentSettings) -> tuple[Donor, str] | None:
+    """What the agent lends peers (its build from the store), with the peer read token;
+    None without a token or a store's history."""
+    from dcr.receiver.donor import Donor, why_busy
+    from dcr.receiver.fromstore import FROM_STORE
+
+    token, store = peer_token(s), service.store
+    if token is None or store is None or store.root is None:
+        return None
+    return Donor(service.name, store.root / FROM_STORE, store.leases,
+                 lambda: why_busy(service)), token
+
+
 async def _serve(service: AgentService, token: str, s: AgentSettings) -> None:
     from dcr.http.edge import start
     from dcr.http.gateway import DoorCounters, make_gateway
@@ -171,7 +205,7 @@ async def _serve(service: AgentService, token: str, s: AgentSettings) -> None:
     door = DoorCounters() if s.client_listen else None
     app = make_app(service, token, max_waits=s.max_waits,
                    liveness_timeout_s=s.liveness_timeout_s,
-                   more_metrics=door.families if door else None)
+                   more_metrics=door.families if door else None, donor=_donor(service, s))
     server = await start(app, s.listen, f"Agent {service.name!r}")
     shown: dict[str, Any] = {"url": server.url, "name": service.name,
                              "version": service.snapshot().version}

@@ -21,6 +21,8 @@ from dcr.errors import Busy
 from dcr.http.edge import Statuses, guard
 from dcr.http.prometheus import Family, render
 from dcr.protocol.agent_api import AgentApi, AttemptDeadline, Call, parse_body
+from dcr.protocol.peer_api import PATHS as PEER_PATHS
+from dcr.receiver.donor import Donor, peer_routes
 from dcr.receiver.service import AgentService, AttemptFailed
 from dcr.receiver.settings import AgentSettings
 from dcr.versions import AGENT_API
@@ -45,9 +47,11 @@ if TYPE_CHECKING:
 
 def make_app(service: AgentService, token: str, *, max_waits: int = AgentSettings.max_waits,
              liveness_timeout_s: float = AgentSettings.liveness_timeout_s,
-             more_metrics: Callable[[], list[Family]] | None = None) -> web.Application:
+             more_metrics: Callable[[], list[Family]] | None = None,
+             donor: tuple[Donor, str] | None = None) -> web.Application:
     """The agent's routes; ``more_metrics``: families its ``/metrics`` adds (the client
-    door's)."""
+    door's); ``donor``: what it lends peers, and the peer read token those routes ask
+    for instead of ``token``."""
     sizes = {**POOL_THREADS, "wait": max_waits}
     pools: dict[str, Executor] = {
         name: ThreadPoolExecutor(n, thread_name_prefix=f"agent-{name}")
@@ -120,7 +124,8 @@ def make_app(service: AgentService, token: str, *, max_waits: int = AgentSetting
         for pool in pools.values():
             pool.shutdown(wait=False, cancel_futures=True)
 
-    app = web.Application(middlewares=[guard(token, STATUS, open_paths=OPEN_PATHS,
+    open_paths = OPEN_PATHS | (PEER_PATHS if donor is not None else frozenset())
+    app = web.Application(middlewares=[guard(token, STATUS, open_paths=open_paths,
                                              wire=AGENT_API)], client_max_size=1 << 20)
     app.on_cleanup.append(shutdown)
     app.add_routes([
@@ -129,6 +134,8 @@ def make_app(service: AgentService, token: str, *, max_waits: int = AgentSetting
         web.get("/readyz", readyz),
         web.get("/metrics", metrics),
     ])
+    if donor is not None:
+        app.add_routes(peer_routes(*donor))
     return app
 
 
@@ -156,6 +163,12 @@ def render_metrics(service: AgentService,
         Family("dcr_agent_store_bytes_fetched_total", "counter", "Bytes read from the store "
                "to build versions for dense refits (history, manifests, payloads, snapshots).",
                [({}, c.store_bytes_fetched)]),
+        Family("dcr_agent_peer_bytes_fetched_total", "counter", "Bytes of peers' copies "
+               "taken into builds (checked by the history's fingerprints).",
+               [({}, service.store.peer_bytes if service.store else 0)]),
+        Family("dcr_agent_peer_refusals_total", "counter", "Peers' copies refused: not "
+               "lent, or not what the history vouches for.",
+               [({}, service.store.peer_refusals if service.store else 0)]),
         Family("dcr_agent_waits", "gauge", "Staged and flush waits in progress.",
                [({}, service.waits)]),
     ])

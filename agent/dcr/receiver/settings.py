@@ -24,6 +24,7 @@ the engine's, for Prometheus to scrape on the client port."""
 AGENT_TOKEN_ENV = "DCR_AGENT_TOKEN"
 RELAY_TOKEN_ENV = "DCR_RELAY_TOKEN"
 ENGINE_KEY_ENV = "DCR_ENGINE_API_KEY"
+PEER_TOKEN_ENV = "DCR_PEER_TOKEN"
 SOURCES = ("store", "relay")  # where payloads come from: exactly one of these fields
 
 
@@ -109,6 +110,19 @@ class AgentSettings:
                                  "starts from its current generation, at local disk speed, "
                                  "where that is newer than what this pod holds (checked by "
                                  "fingerprints like any start)")
+    donors: tuple[str, ...] = option((), flag="--donor", metavar="URL",
+                                     doc="a peer agent's control URL (repeatable, asked in "
+                                     "order): a rejoin built from the store first takes the "
+                                     "copy of a committed version that peer lends, checked "
+                                     "against the history's fingerprints, and falls back to "
+                                     "the store; needs the peer read token")
+    peer_token_file: Path | None = option(None, metavar="PATH",
+                                          doc="file holding the fleet's peer read token, "
+                                          "checked as --token-file (default: "
+                                          f"${PEER_TOKEN_ENV}; neither: this agent lends "
+                                          "nothing and asks no peer): with it, the agent "
+                                          "lends its copy built from the store to peers "
+                                          "(/v1/peer/*) and reads its --donor peers")
     pause_mode: Literal["wait", "abort", "keep"] = option(
         "wait", doc="how closing the gate pauses the engine: wait (requests in flight "
         "finish: the sync-RL gate), abort (they end now), keep (they freeze and continue "
@@ -171,6 +185,8 @@ class AgentSettings:
                               "--member and --client-listen belong on the leader's agent.")
         for url in self.members:
             check_url(url, f"Agent {self.name!r}: --member")
+        for url in self.donors:
+            check_url(url, f"Agent {self.name!r}: --donor")
         if self.client_max_connections < 0:
             raise ConfigError(f"Agent {self.name!r}: --client-max-connections "
                               f"{self.client_max_connections} is negative (0: no bound).")
