@@ -146,6 +146,11 @@ def materialize(store: Store, out: Path, *, version: int | None = None,
                                   f"it records none ({VERSION_FILE}).")
         shutil.rmtree(out, ignore_errors=True)
         copy_vouched(seed, out)
+    if held is not None and history.versions and not history.vouches(held):
+        log.info("materialize %s: the history no longer vouches for version %s (it holds "
+                 "%s, retention pruned the rest): the held copy is not used", out, held,
+                 history.span())
+        held = None  # nothing checks it: a snapshot starts the build
     if held is not None and not (held == 0 == target and not history.versions):
         _check_held(hs, history, out, held)  # (nothing vouches for a start with no commit)
     refused: list[str] = []

@@ -109,6 +109,11 @@ class History(_Model):
                                 f"{start} to {end} (it holds {self.span()}).")
         return steps
 
+    def vouches(self, version: int) -> bool:
+        """Whether the committed manifests list fingerprints of ``version`` (a committed
+        version, or the first one's base): what a held copy of it is checked by."""
+        return any(version in (c.version, c.base_version) for c in self.versions)
+
     def span(self) -> str:
         if not self.versions:
             return "no committed version"

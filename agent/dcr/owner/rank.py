@@ -37,7 +37,7 @@ from dcr.owner.server import BackgroundServer, EncoderService, Work
 from dcr.owner.settings import EncodeSettings
 from dcr.owner.shards import RegionParts, ShardMap, write_shards
 from dcr.owner.writer import AttemptWriter
-from dcr.protocol.encoder_api import PublishRequest
+from dcr.protocol.encoder_api import PublishRequest, SnapshotRequest
 from dcr.protocol.records import Attempt, CommitRecord
 from dcr.settings import MiB
 from dcr.transport.store import Store
@@ -308,14 +308,20 @@ class RankPublisher:
                 bucket_bytes=req.bucket_mib * MiB if req.bucket_mib else None)
         return work
 
+    def snapshot(self, req: SnapshotRequest, store: Store) -> RankPart:
+        """The warm-encoder protocol's snapshot: this rank's part, from its baseline."""
+        self.owner.check_index(req.owner, req.owners)
+        return self.owner.write_snapshot(req.version, req.committed_attempt, store=store)
+
 
 def serve(owner: RankOwner, *, token: str, listen: str = "127.0.0.1:0",
           stop_wait_s: float = 120.0) -> BackgroundServer:
     """Answer the warm-encoder protocol for ``owner`` on ``listen`` from a thread of this
     process, writing into ``owner.store``; ``.url`` is where, ``.close()`` ends it."""
     check_token(token, f"rank {owner.rank}'s encoder token")
-    service = EncoderService(owner.store, RankPublisher(owner), max_publishes=2,
-                             stop_wait_s=stop_wait_s)
+    publisher = RankPublisher(owner)
+    service = EncoderService(owner.store, publisher, max_publishes=2, stop_wait_s=stop_wait_s,
+                             snapshotter=publisher.snapshot)
     return BackgroundServer(service, token, listen=listen)
 
 

@@ -36,12 +36,19 @@ from dcr.errors import (
     StateConflict,
     first_validation_error,
 )
+from dcr.format.history import RankPart
 from dcr.format.manifest import Manifest
 from dcr.http.edge import Listening, Statuses, guard, start
 from dcr.http.tokens import read_token
 from dcr.owner.diff import diff_checkpoints, encode_summary
 from dcr.owner.settings import EncodeSettings
-from dcr.protocol.encoder_api import MAX_BODY_BYTES, PublishRequest, StopAnswer, StopRequest
+from dcr.protocol.encoder_api import (
+    MAX_BODY_BYTES,
+    PublishRequest,
+    SnapshotRequest,
+    StopAnswer,
+    StopRequest,
+)
 from dcr.settings import MiB, option
 from dcr.transport.store import Store, open_store
 from dcr.versions import ENCODER_API
@@ -156,6 +163,7 @@ class _StopGuard:
 
 
 Work = Callable[[Store, Callable[[int], None]], Manifest]
+Snapshotter = Callable[[SnapshotRequest, Store], RankPart]  # a rank's part, from memory
 
 
 class Publisher(Protocol):
@@ -207,8 +215,8 @@ class EncoderService:
     """Runs publishes into one store, at most ``max_publishes`` at once; thread-safe."""
 
     def __init__(self, store: Store, publisher: Publisher, *, max_publishes: int = 4,
-                 stop_wait_s: float = 120.0) -> None:
-        self.store, self.publisher = store, publisher
+                 stop_wait_s: float = 120.0, snapshotter: Snapshotter | None = None) -> None:
+        self.store, self.publisher, self.snapshotter = store, publisher, snapshotter
         self.max_publishes, self.stop_wait_s = max_publishes, stop_wait_s
         self._lock = threading.Lock()
         self._running: dict[tuple[str, int], _Publish] = {}
@@ -254,6 +262,13 @@ class EncoderService:
             with self._lock:
                 self._running.pop((req.attempt, req.owner), None)
             entry.done.set()
+
+    def snapshot(self, req: SnapshotRequest) -> RankPart:
+        """Write this owner's part of a snapshot (a trainer rank's, from memory). Blocking."""
+        if self.snapshotter is None:
+            raise BadPublish("This encoder diffs checkpoints and writes no snapshot from "
+                             "memory; dcr snapshot writes one of a checkpoint directory.")
+        return self.snapshotter(req, self.store)
 
     def stop(self, attempt: str) -> StopAnswer:
         """Mark ``attempt`` obsolete; return once its publishes ended (or the wait ran out)."""
@@ -315,6 +330,12 @@ def make_app(service: EncoderService, token: str) -> web.Application:
                                                                   req.attempt)
         return web.Response(body=answer.model_dump_json(), content_type="application/json")
 
+    async def snapshot(request: web.Request) -> web.StreamResponse:
+        req: SnapshotRequest = await body(request, SnapshotRequest)
+        part = await asyncio.get_running_loop().run_in_executor(publishes, service.snapshot,
+                                                                req)
+        return web.Response(body=part.model_dump_json(), content_type="application/json")
+
     async def healthz(_: web.Request) -> web.StreamResponse:
         return web.Response(text="ok\n")
 
@@ -327,6 +348,7 @@ def make_app(service: EncoderService, token: str) -> web.Application:
                           client_max_size=MAX_BODY_BYTES)
     app.on_cleanup.append(shutdown)
     app.add_routes([web.post("/v1/publish", publish), web.post("/v1/stop", stop),
+                    web.post("/v1/snapshot", snapshot),
                     web.get("/healthz", healthz)])
     return app
 

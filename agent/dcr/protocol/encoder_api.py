@@ -1,7 +1,9 @@
 """The warm encoder's HTTP API (``dcr encoder``), declared once: bodies and a client.
 
 ``POST /v1/publish`` has :mod:`dcr.owner.server` do what ``dcr encode`` does for those
-arguments; ``POST /v1/stop`` ends an attempt's publishes; every call but ``GET /healthz``
+arguments; ``POST /v1/stop`` ends an attempt's publishes; ``POST /v1/snapshot`` has a
+trainer rank write its part of a committed version's snapshot from memory (an encoder of
+checkpoints answers 400: ``dcr snapshot`` reads those); every call but ``GET /healthz``
 needs the bearer token. Errors are ``{"error", "kind"}``; :class:`EncoderError` carries the
 sentence. Torch-free, for the operator. A publish's socket timeout comes from the caller,
 since it lasts as long as its attempt may. docs/publishing.md, "Warm encoder".
@@ -19,6 +21,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dcr.errors import HttpError, first_validation_error
+from dcr.format.history import RankPart
 from dcr.format.names import ATTEMPT_PATTERN, Mode
 from dcr.format.profile import ReceiverProfile
 from dcr.http.direct import OPENER, check_url, read_bounded, unreachable_reason
@@ -29,6 +32,7 @@ MAX_BODY_BYTES = 64 << 20  # a publish body: the merged profile names every tens
 MAX_PATH_CHARS = 4096
 MAX_OWNERS = 256  # as a WeightRefit's spec.encoder.owners
 _MAX_ANSWER = 1 << 20  # bytes of one answer (a summary is a few hundred)
+_MAX_PART = 32 << 20  # a snapshot part lists each of a rank's regions (~100 B each)
 _MAX_ERROR = 64 << 10  # bytes of an error body read for its sentence
 
 
@@ -85,6 +89,23 @@ class PublishRequest(_Body):
         return self
 
 
+class SnapshotRequest(_Body):
+    """Owner ``owner`` of ``owners``: write your part of ``version``'s snapshot, from the
+    committed baseline (advancing first by ``committed_attempt``, the attempt the commit
+    record names for ``version``)."""
+
+    version: Annotated[int, Field(ge=0)]
+    owner: Annotated[int, Field(ge=0)] = 0
+    owners: Annotated[int, Field(ge=1, le=MAX_OWNERS)] = 1
+    committed_attempt: Annotated[str, Field(pattern=ATTEMPT_PATTERN)] | None = None
+
+    @model_validator(mode="after")
+    def _an_owner(self) -> SnapshotRequest:
+        if self.owner >= self.owners:
+            raise ValueError(f"owner {self.owner} is outside 0..{self.owners - 1}")
+        return self
+
+
 class StopRequest(_Body):
     attempt: Annotated[str, Field(pattern=ATTEMPT_PATTERN)]
 
@@ -120,6 +141,20 @@ class EncoderClient:
                                "something else than a JSON summary object.")
         return answer
 
+    def snapshot(self, request: SnapshotRequest, *, timeout_s: float) -> RankPart:
+        """The part of the snapshot this rank wrote; waits at most ``timeout_s``."""
+        raw = self._send("/v1/snapshot", request, timeout_s=timeout_s, limit=_MAX_PART)
+        try:
+            part = RankPart.model_validate_json(raw, strict=True)
+        except ValidationError as e:
+            raise EncoderError(f"Encoder endpoint {self.name} answered a snapshot with "
+                               f"something else than a rank's part "
+                               f"({first_validation_error(e)}).") from e
+        if part.rank != request.owner:
+            raise EncoderError(f"Encoder endpoint {self.name} answered a snapshot for owner "
+                               f"{request.owner} with rank {part.rank}'s part.")
+        return part
+
     def stop(self, attempt: str, *, timeout_s: float = 60.0) -> StopAnswer:
         raw = self._send("/v1/stop", StopRequest(attempt=attempt), timeout_s=timeout_s)
         try:
@@ -128,7 +163,8 @@ class EncoderClient:
             raise EncoderError(f"Encoder endpoint {self.name} answered a stop with something "
                                f"else than a stop answer ({first_validation_error(e)}).") from e
 
-    def _send(self, path: str, body: BaseModel, *, timeout_s: float) -> bytes:
+    def _send(self, path: str, body: BaseModel, *, timeout_s: float,
+              limit: int = _MAX_ANSWER) -> bytes:
         req = urllib.request.Request(
             self.url + path, data=body.model_dump_json().encode(), method="POST",
             headers={"Authorization": f"Bearer {self._token}",
@@ -137,7 +173,7 @@ class EncoderClient:
         try:
             with OPENER.open(req, timeout=timeout_s) as resp:
                 self._check_version(dict(resp.headers.items()), where, resp.status)
-                raw = read_bounded(resp, _MAX_ANSWER)
+                raw = read_bounded(resp, limit)
         except urllib.error.HTTPError as e:
             with e:  # closes the connection
                 self._check_version(dict(e.headers.items()), where, e.code)
@@ -154,7 +190,7 @@ class EncoderClient:
             raise EncoderError(f"{where} at {self.url} got no answer: "
                                f"{unreachable_reason(e)}.") from e
         if raw is None:
-            raise EncoderError(f"{where} answered more than {_MAX_ANSWER} bytes.")
+            raise EncoderError(f"{where} answered more than {limit} bytes.")
         return raw
 
     @staticmethod
@@ -163,5 +199,5 @@ class EncoderClient:
                                   lambda m: EncoderError(m, status, "VersionSkew"))
 
 
-__all__ = ["MAX_BODY_BYTES", "EncoderClient", "EncoderError", "PublishRequest", "StopAnswer",
-           "StopRequest"]
+__all__ = ["MAX_BODY_BYTES", "EncoderClient", "EncoderError", "PublishRequest",
+           "SnapshotRequest", "StopAnswer", "StopRequest"]

@@ -20,14 +20,21 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dcr.errors import ExternalError
+from dcr.format.history import RankPart
 from dcr.format.payload import Mode
 from dcr.format.profile import ReceiverProfile
-from dcr.protocol.encoder_api import EncoderClient, EncoderError, PublishRequest
+from dcr.protocol.encoder_api import (
+    EncoderClient,
+    EncoderError,
+    PublishRequest,
+    SnapshotRequest,
+)
 from dcr.protocol.records import Attempt, CommitRecord
 
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 60.0  # how long a stop waits for an encoder's publishes of the attempt
+SNAPSHOT_TIMEOUT_S = 1800.0  # a rank's part of a snapshot: its shards written to the store
 
 
 class OwnerEndpointFailed(ExternalError):
@@ -149,6 +156,27 @@ class OwnerEndpoints:
             return
         with ThreadPoolExecutor(min(16, len(calls)), thread_name_prefix="encoder-stop") as pool:
             list(pool.map(lambda call: self._stop_one(*call), calls))
+
+    def snapshot(self, record: CommitRecord, *, timeout_s: float = SNAPSHOT_TIMEOUT_S
+                 ) -> list[RankPart]:
+        """Have every rank write its part of the snapshot of the version ``record``
+        committed, from memory (a rank advances to it first by the record's attempt); the
+        parts, in owner order. Raises ``error`` naming the first endpoint that failed."""
+        def one(k: int) -> RankPart:
+            req = SnapshotRequest(version=record.committed_version, owner=k,
+                                  owners=len(self.clients),
+                                  committed_attempt=record.attempt or None)
+            try:
+                return self.clients[k].snapshot(req, timeout_s=timeout_s)
+            except EncoderError as e:
+                raise self.error(f"Owner {k}'s part of the snapshot of version "
+                                 f"{record.committed_version}: " + self.describe(
+                                     f"Encoder endpoint {self.clients[k].name} "
+                                     "(POST /v1/snapshot)", e)) from e
+
+        with ThreadPoolExecutor(min(16, len(self.clients)),
+                                thread_name_prefix="encoder-snapshot") as pool:
+            return list(pool.map(one, range(len(self.clients))))
 
     @staticmethod
     def _stop_one(attempt: str, client: EncoderClient) -> None:
