@@ -10,13 +10,15 @@ what it got and what it reads, instead of failing later on a field it does not k
 HTTP peer without the header predates it and speaks version 1. docs/upgrades.md argues the
 skew policy these numbers serve.
 
-``DCR_WIRE_VERSIONS`` (``agent-api=2,manifest=3``) makes this process write and read only
-the versions it names: how tests stand up a build one version ahead without a second build.
+``DCR_WIRE_VERSIONS`` (``agent-api=2,manifest=3``; ``release=0.2.0`` renames the release)
+makes this process write and read only the versions it names: how tests stand up a build
+one version ahead, or an upgraded one, without a second build. Never set it in production.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -27,7 +29,6 @@ from dcr.errors import ConfigError, Invalid
 if TYPE_CHECKING:
     from pydantic import ValidationError
 
-RELEASE = __version__  # this build's DCR release
 OVERRIDE_ENV = "DCR_WIRE_VERSIONS"
 RELEASE_HEADER = "DCR-Release"  # every HTTP answer names the release that wrote it
 UNVERSIONED = 1  # what an HTTP peer without the version header speaks
@@ -87,6 +88,13 @@ class Wire:
         self.check(what, got, error)
 
 
+def release_of(headers: Mapping[str, str]) -> str:
+    """The release an answer names (:data:`RELEASE_HEADER`), or "" when it names none or
+    something that is not a release: the peer's bytes reach status only as a release."""
+    text = headers.get(RELEASE_HEADER) or ""
+    return text if _RELEASE_RE.fullmatch(text) else ""
+
+
 def _versions(reads: tuple[int, ...]) -> str:
     if len(reads) == 1:
         return f"version {reads[0]}"
@@ -109,19 +117,26 @@ _BUILT = (
 )
 
 
-def _overridden(wires: tuple[Wire, ...], text: str) -> dict[str, Wire]:
-    """The table, with each ``key=N`` of ``text`` writing and reading only version N."""
-    table = {w.key: w for w in wires}
+_RELEASE_RE = re.compile(r"[0-9A-Za-z.+-]{1,64}")
+
+
+def _overridden(wires: tuple[Wire, ...], text: str) -> tuple[dict[str, Wire], str]:
+    """The table, with each ``key=N`` of ``text`` writing and reading only version N; and
+    the release (``release=`` of ``text``, else this build's)."""
+    table, release = {w.key: w for w in wires}, __version__
     for item in filter(None, (s.strip() for s in text.split(","))):
-        key, _, number = item.partition("=")
-        if key not in table or not number.isdigit():
+        key, _, value = item.partition("=")
+        if key == "release" and _RELEASE_RE.fullmatch(value):
+            release = value
+        elif key in table and value.isdigit():
+            table[key] = replace(table[key], writes=int(value), reads=(int(value),))
+        else:
             raise ConfigError(f"{OVERRIDE_ENV} item {item!r} is not WIRE=N with WIRE one of "
-                              f"{sorted(table)}.")
-        table[key] = replace(table[key], writes=int(number), reads=(int(number),))
-    return table
+                              f"{sorted(table)}, nor release=VERSION.")
+    return table, release
 
 
-WIRES = _overridden(_BUILT, os.environ.get(OVERRIDE_ENV, ""))
+WIRES, RELEASE = _overridden(_BUILT, os.environ.get(OVERRIDE_ENV, ""))
 PAYLOAD = WIRES["payload"]
 MANIFEST = WIRES["manifest"]
 MANIFEST_DOCUMENT = WIRES["manifest-document"]

@@ -31,6 +31,7 @@ from promtext import samples, value
 from replica_group import flip_bits
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from dcr import __version__
 from dcr.drivers.base import merge_fingerprints
 from dcr.errors import DcrError
 from dcr.format.layout import manifest_key, payload_key, version_prefix
@@ -38,10 +39,16 @@ from dcr.format.profile import ReceiverProfile, dumps, merge
 from dcr.owner.process import ProcessOwner
 from dcr.protocol.agent_api import AgentClient, AgentError, AgentStatus, FlushAck
 from dcr.protocol.commitstore import SqliteCommitStore
-from dcr.protocol.coordinator import Coordinator, CoordinatorSettings, ReceiverHandle
+from dcr.protocol.coordinator import (
+    Coordinator,
+    CoordinatorSettings,
+    ReceiverHandle,
+    RefitFailed,
+)
 from dcr.protocol.records import Attempt, CommitRecord, Transition
 from dcr.refit.launch import AgentProcess, ServeProcess
 from dcr.refit.trainer import reference_fingerprint
+from dcr.versions import AGENT_API, OVERRIDE_ENV
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow, pytest.mark.e2e]
 
@@ -153,9 +160,10 @@ class Fleet:
         path.mkdir(parents=True, exist_ok=True)
         return path
 
-    def start(self, *specs: tuple[str, str]) -> list[Agent]:
-        """Start pods ``(name, runtime)`` side by side (a running server is kept); return
-        once each agent is listening."""
+    def start(self, *specs: tuple[str, str], env: dict[str, str] | None = None
+              ) -> list[Agent]:
+        """Start pods ``(name, runtime)`` side by side (a running server is kept), their
+        agents with ``env`` added; return once each agent is listening."""
         pods = []
         for name, runtime in specs:
             server = self.server(name, runtime)
@@ -163,7 +171,8 @@ class Fleet:
                 name=name, state_dir=self.tmp / name / "agent", token=TOKEN,
                 args=["--store", self.store.as_uri(), "--engine-url", server.url,
                       "--staging-dir", str(self.staging(name)),
-                      "--canonical", str(self.ckpts.dir(0)), "--model-version", "0"])
+                      "--canonical", str(self.ckpts.dir(0)), "--model-version", "0"],
+                env=dict(env or {}))
             agent.start()
             self.agents.append(agent)
             pods.append((name, runtime, agent, server))
@@ -602,3 +611,112 @@ def _commits_after_rejoin(fleet: Fleet, checkpoints: Checkpoints, flips: dict[st
         st = a.client.status()
         assert (st.version, st.dirty, st.unknown, st.gate_open) == (1, None, None, True)
     c.close()
+
+
+# --- versions: skew and upgrades (docs/upgrades.md) ----------------------------------
+
+NEXT_RELEASE = "0.999.0"  # the "new build" of an upgrade: this code, named another release
+
+
+def test_an_agent_one_api_version_ahead_is_refused_by_name_and_left_out_of_the_refit(
+        fleet: Fleet) -> None:
+    (a,) = fleet.start(("a", "hf"))
+    ahead_of_us = (r"Agent ahead's answer \(GET /v1/profile\) has agent API version 2, but "
+                   rf"this DCR {__version__} reads agent API version 1")
+    with pytest.raises(AgentError, match=ahead_of_us):
+        fleet.start(("ahead", "hf"), env={OVERRIDE_ENV: "agent-api=2"})
+    ahead = fleet.agents[-1].client()
+    code, text = http(ahead.url + "/v1/status", token=TOKEN)  # as an older client asks
+    assert (code, json.loads(text)) == (400, {"kind": "VersionSkew", "error": (
+        f"The request has agent API version 1, but this DCR {__version__} reads agent API "
+        "version 2: upgrade the older side within the supported skew (docs/upgrades.md, "
+        '"Skew").')})
+
+    commits = SqliteCommitStore(fleet.tmp / "commit.db", V0)
+    owners = [fleet.owner(profile_path=profile_file(fleet.tmp, [a]))]
+    c = Coordinator(commits, owners, [a.client, ahead], settings=SETTINGS,
+                    dense_checkpoint=fleet.ckpts.dense)
+    try:
+        record = c.refit(1, "ckpt-1")
+    finally:
+        c.close()
+    assert outcomes(c) == [("mixed", "committed")]
+    assert (c.history[0].receivers, c.history[0].left_out) == (("a",), ("ahead",))
+    assert record == commits.read()
+    fleet.assert_holds(a, 1)
+    req = urllib.request.Request(ahead.url + "/v1/status", headers={
+        "Authorization": f"Bearer {TOKEN}", AGENT_API.header: "2"})
+    with urllib.request.urlopen(req, timeout=30) as resp:  # in its own version: untouched
+        st = json.loads(resp.read())
+    assert (st["version"], st["attempt"], st["gate_open"]) == (0, None, True)
+
+
+def test_a_manifest_of_the_next_format_is_refused_by_name_before_any_gate_closes(
+        fleet: Fleet) -> None:
+    (a,) = fleet.start(("a", "hf"))
+    commits = SqliteCommitStore(fleet.tmp / "commit.db", V0)
+    owners = [fleet.owner(profile_path=profile_file(fleet.tmp, [a]),
+                          env={OVERRIDE_ENV: "manifest=3"})]  # an encoder one format ahead
+    c = Coordinator(commits, owners, [a.client], dense_checkpoint=fleet.ckpts.dense,
+                    settings=CoordinatorSettings(attempt_timeout_s=60.0, gate="async",
+                                                 max_attempts=1))
+    try:
+        with pytest.raises(RefitFailed):
+            c.refit(1, "ckpt-1")
+    finally:
+        c.close()
+    (failed,) = c.history
+    part = (fleet.store / f"v0000000001/{failed.attempt}/manifest-o0000.dcrm").as_uri()
+    assert (f"Manifest {part} has manifest format version 3, but this DCR {__version__} "
+            "reads manifest format version 2") in failed.outcome
+    assert "gate" not in failed.stages  # refused while staging, before any gate closed
+    assert commits.read() == V0
+    fleet.assert_holds(a, 0)
+
+
+class UpgradedBeforeFlush:
+    """An agent's handle whose process is rolled onto the new build (SIGTERM, then the
+    same pod started with :data:`NEXT_RELEASE`) the first time the coordinator flushes it,
+    as a rolling update of the fleet's pods would replace it mid-refit; the flush goes on
+    once the new pod is ready (its engine met and prewarmed), as the rollout waits for a
+    replaced pod's readiness before it rolls the next."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent, self.name, self.rolled = agent, agent.name, False
+
+    def __getattr__(self, call: str) -> Any:
+        return getattr(self.agent.client, call)
+
+    def flush(self, attempt: Attempt) -> FlushAck:
+        if not self.rolled:
+            self.rolled = True
+            self.agent.process.stop()
+            self.agent.process.env[OVERRIDE_ENV] = f"release={NEXT_RELEASE}"
+            self.agent.process.start()
+            self.agent.process.wait_ready()
+            self.agent.client.profile()  # returns once the engine is prewarmed
+        return self.agent.client.flush(attempt)
+
+
+def test_agents_rolled_one_at_a_time_onto_a_new_build_mid_refit_keep_refits_bit_exact(
+        fleet: Fleet) -> None:
+    a, b = fleet.start(("a", "hf"), ("b", "vllm-ref"))
+    profile = profile_file(fleet.tmp, [a, b])
+    owners = [fleet.owner(owner=k, owners=2, profile_path=profile) for k in range(2)]
+    commits = SqliteCommitStore(fleet.tmp / "commit.db", V0)
+    assert {a.client.release, b.client.release} == {__version__}
+    for version, rolled in ((1, a), (2, b)):  # one pod per refit, as maxUnavailable: 1
+        handles: list[ReceiverHandle] = [
+            UpgradedBeforeFlush(p) if p is rolled else p.client for p in (a, b)]
+        c = Coordinator(commits, owners, handles, settings=SETTINGS,
+                        dense_checkpoint=fleet.ckpts.dense)
+        try:
+            record = c.refit(version, f"ckpt-{version}")
+        finally:
+            c.close()
+        assert record == commits.read()
+        assert record.committed_version == version
+        assert outcomes(c)[-1] == ("overwrite", "committed")  # after the rolled pod's retry
+        for pod in (a, b):
+            fleet.assert_holds(pod, version)  # every parameter and buffer, bit for bit
+    assert (a.client.release, b.client.release) == (NEXT_RELEASE, NEXT_RELEASE)

@@ -28,7 +28,15 @@ from dcr.format.payload import pack_payload, read_payload
 from dcr.http.edge import Statuses, guard
 from dcr.protocol.encoder_api import EncoderClient, EncoderError
 from dcr.transport.relay.wire import WIRE, WIRE_HEADER
-from dcr.versions import ENCODER_API, OVERRIDE_ENV, WIRES, Wire, _overridden
+from dcr.versions import (
+    ENCODER_API,
+    OVERRIDE_ENV,
+    RELEASE_HEADER,
+    WIRES,
+    Wire,
+    _overridden,
+    release_of,
+)
 
 FP = "xxh3-128:" + "0" * 32
 TOKEN = "t0ken-for-the-version-tests"
@@ -103,10 +111,12 @@ def test_a_version_that_is_not_a_number_is_named_as_it_came() -> None:
 
 
 def test_the_test_override_names_a_wire_and_a_number_or_is_refused() -> None:
-    bumped = _overridden(tuple(WIRES.values()), "agent-api=2, manifest=3")
-    assert (bumped["agent-api"].writes, bumped["agent-api"].reads) == (2, (2,))
+    bumped, release = _overridden(tuple(WIRES.values()), "agent-api=2, release=0.2.0rc1")
+    assert (bumped["agent-api"].writes, bumped["agent-api"].reads, release) == (
+        2, (2,), "0.2.0rc1")
     assert bumped["payload"] == WIRES["payload"]
-    for bad in ("agent=2", "agent-api=two", "agent-api"):
+    assert _overridden(tuple(WIRES.values()), "") == (WIRES, __version__)
+    for bad in ("agent=2", "agent-api=two", "agent-api", "release=0.2 beta"):
         with pytest.raises(ConfigError, match=rf"{OVERRIDE_ENV} item '{bad}' is not WIRE=N"):
             _overridden(tuple(WIRES.values()), bad)
 
@@ -162,6 +172,13 @@ def test_an_encoder_refuses_a_request_of_the_next_api_version_before_its_handler
     assert (e.value.code, body["kind"]) == (400, "VersionSkew")
     assert body["error"].startswith("The request " + f"has encoder API version 2, but this "
                                     f"DCR {__version__} reads encoder API version 1")
+
+
+def test_a_release_header_reaches_status_only_when_it_is_a_release() -> None:
+    assert release_of({RELEASE_HEADER: "0.2.0+cu128"}) == "0.2.0+cu128"
+    for hostile in ("0.2.0\nX-Injected: 1", "x" * 65, "<script>", ""):
+        assert release_of({RELEASE_HEADER: hostile}) == ""
+    assert release_of({}) == ""
 
 
 def test_the_relays_own_version_is_the_tables() -> None:

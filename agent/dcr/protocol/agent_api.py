@@ -38,7 +38,7 @@ from dcr.http.deadline import POOL_CLASSES, deadline
 from dcr.http.direct import check_url, read_bounded, unreachable_reason
 from dcr.http.tls import check_peer_url, urllib3_options
 from dcr.protocol.records import Attempt
-from dcr.versions import AGENT_API, RELEASE_HEADER
+from dcr.versions import AGENT_API, release_of
 
 _ATTEMPT = ATTEMPT_PATTERN
 # A record's history digest, left out of the JSON when absent (so agents that predate it
@@ -413,7 +413,7 @@ class AgentClient(AgentApi):
             raise self._unreachable(where, e) from e
         whole = False  # the answer read to its end: its connection may serve the next call
         try:
-            self.release = resp.headers.get(RELEASE_HEADER, "")[:64]
+            self.release = release_of(resp.headers)
             AGENT_API.check_headers(resp.headers, f"Agent {self.name}'s answer {where}",
                                     lambda m: AgentError(m, resp.status, "VersionSkew"))
             if 300 <= resp.status < 400:  # never followed: the token stays with this agent
