@@ -148,7 +148,9 @@ def test_refit_job_over_a_relay_tree_recovers_from_a_killed_agent_and_a_killed_s
     """Step 1 kills pod 1's agent, step 2 pod 0's server: the restarted server answers a
     new instance id, so its agent reports unknown weights and is restored by a dense
     refit before the pod counts again; both steps end bit-exact on every pod. The
-    trainer publishes to the root through a link, which carries every payload."""
+    trainer publishes to the root through a link, which carries every payload, and
+    writes each attempt through to the store, whose history the pods rejoin from (they
+    hold none of the trainer's checkpoints)."""
     proc, out = _refit(tmp_path, "--steps", "2", "--agents", "2", "--transport", "relay",
                        "--kill-receiver-every", "1")
     rows = json.loads((out / "summary.json").read_text())
@@ -167,7 +169,7 @@ def test_refit_job_over_a_relay_tree_recovers_from_a_killed_agent_and_a_killed_s
     assert "relay tree of 2 nodes" in proc.stdout
     assert ("boundary: the trainer reaches the relay root through one emulated link "
             "(200 Mbit/s each way, 20 ms RTT)") in proc.stdout
-    assert "1 warm encoder in this process" in proc.stdout  # publishes with the token
+    assert "2 warm encoders in this process" in proc.stdout  # two owners through the tree
     assert "all 2 refits bit-exact on every live agent" in proc.stdout
     _full_refits_ran(rows, proc.stdout, out)  # through the store beside the relay
     assert "(the relay carries only DCR attempts)" in proc.stdout

@@ -15,6 +15,7 @@ import http.client
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -1029,3 +1030,181 @@ def test_a_wire_1_manifest_or_subscription_is_refused_naming_both_wires(tree7: T
                 assert "speaks relay wire 1; this member speaks wire 2" in await r.text()
 
     asyncio.run(scenario())
+
+
+# --- a relay fleet's history: catch-up without the training side ----------------------
+
+
+@dataclass
+class RelayFleet:
+    """Rollout pods of a relay fleet: each agent reads attempts from its member and the
+    history from the fleet's store (in the training cluster's region), and holds only the
+    run's starting model on its own volume: nothing of the training side is mounted."""
+
+    tree: Tree
+    store: Any  # FileStore: the fleet's store, which owners write through to
+    home: Path
+    states: dict[int, Any]
+
+    def pod(self, name: str, member: int, *, history: bool = True,
+            trust_labels: bool = False) -> Any:
+        from safetensors.torch import save_file
+        from shardrig import DENSE
+
+        from dcr.apply.plan import CanonicalTensor
+        from dcr.files.history import HistoryStore
+        from dcr.receiver.fromstore import FromStore
+        from dcr.receiver.service import AgentService
+        from dcr.runtimes.vllm_reference import ReferenceModel
+        from dcr.serve.local import LocalDriver
+
+        root, staging = self.home / name / "weights", self.home / name / "staging"
+        (root / "v0").mkdir(parents=True)
+        save_file(self.states[0], str(root / "v0" / "model.safetensors"))
+        model = ReferenceModel(DENSE, tp_size=1, tp_rank=0)
+        engine = LocalDriver([model], staging_dir=staging, checkpoint_root=root)
+        engine.load_dense("v0")
+        canonical = [CanonicalTensor(name=n, dtype="BF16", shape=tuple(t.shape))
+                     for n, t in self.states[0].items()]
+        url = self.tree.urls[member]
+        agent = AgentService(
+            name, engine, lambda spec: RelaySource(url, READ_TOKEN, spec.attempt,
+                                                   owners=spec.owners),
+            canonical=canonical, staging_dir=staging, version=0, checkpoint_root=root,
+            store=FromStore(HistoryStore(self.store), root, seed=(0, root / "v0"))
+            if history else None, trust_labels=trust_labels)
+        agent.attach()
+        agent.model = model  # type: ignore[attr-defined]  # for the bit-exact check
+        return agent
+
+
+def _relay_fleet(tree: Tree, tmp: Path, versions: int) -> RelayFleet:
+    import torch
+    from shardrig import DENSE, perturbed
+
+    from dcr.runtimes.vllm_reference import random_checkpoint
+    from dcr.transport.store import FileStore
+
+    states: dict[int, torch.Tensor] = {0: random_checkpoint(DENSE, 0)}
+    for v in range(1, versions + 1):
+        states[v] = perturbed(states[v - 1], 0.02, v)
+    return RelayFleet(tree=tree, store=FileStore(tmp / "store"), home=tmp / "pods",
+                      states=states)
+
+
+def _bit_exact(agent: Any, state: dict[str, Any]) -> bool:
+    import torch
+    from shardrig import DENSE
+
+    from dcr.runtimes.vllm_reference import ReferenceModel, dense_state
+
+    dense = ReferenceModel(DENSE, tp_size=1, tp_rank=0)
+    dense.load_weights(state.items())
+    a, b = dense_state(agent.model), dense_state(dense)
+    return all(torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a)
+
+
+def test_a_fresh_pod_of_a_relay_fleet_catches_up_from_its_history_after_the_tree_lost_its_spool(
+        trees: Callable[..., Tree], tmp_path: Path) -> None:
+    """Two owners write each attempt through to the fleet's store and to the root; the
+    coordinator writes the history there. After v2 every member restarts with an empty
+    spool, and a pod added then (its volume: the starting model only) is rejoined at v2
+    from the history, then refit to v3 through the tree, bit-exact like the others.
+    Fails without a relay fleet's history: the coordinator had only the training side's
+    checkpoint path to offer, which this pod cannot reach."""
+    import torch
+    from shardrig import V0, profile_of
+
+    from dcr.checkpoint import ArrayCheckpoint
+    from dcr.files.history import HistoryStore
+    from dcr.owner.encoder import Encoder
+    from dcr.protocol.commitstore import SqliteCommitStore
+    from dcr.protocol.coordinator import Coordinator
+    from dcr.transport.relay.publish import RelayPublisher
+
+    def source(sd: dict[str, torch.Tensor]) -> ArrayCheckpoint:
+        return ArrayCheckpoint({n: ("BF16", tuple(t.shape), t.view(torch.int16).numpy()
+                                    .view(np.uint16)) for n, t in sd.items()})
+
+    spool = tmp_path / "spool"
+    tree = trees(3, 2, "--budget-mib", "1", "--spool", str(spool))
+    fleet = _relay_fleet(tree, tmp_path, 3)
+    pods = [fleet.pod(f"pod-{i}", i) for i in range(3)]
+    pub = RelayPublisher(f"relay+{tree.urls[0]}", token=TOKEN, through=fleet.store)
+    owners = [Encoder(store=pub, baseline=source(fleet.states[0]), version=0, owner=i,
+                      owners=2, profile=profile_of(pods)) for i in range(2)]
+    commits = SqliteCommitStore(tmp_path / "c.db", V0)
+    history = HistoryStore(fleet.store)
+    coord = Coordinator(commits, owners, pods, history=history)
+    try:
+        for v in (1, 2):
+            for o in owners:
+                o.set_candidate(source(fleet.states[v]), v)
+            coord.refit(v, f"v{v}")
+    finally:
+        coord.close()
+    assert [c.version for c in history.read().versions] == [1, 2]
+
+    for i in range(3):  # every member loses what it staged, its spool included
+        tree.kill(i)
+    shutil.rmtree(spool)
+    for i in range(3):
+        tree.start(i)
+    asyncio.run(_wait_ready(tree))
+
+    added = fleet.pod("added", 1)
+    coord = Coordinator(commits, owners, [*pods, added], history=history)
+    try:
+        for o in owners:
+            o.set_candidate(source(fleet.states[3]), 3)
+        record = coord.refit(3, "v3")
+    finally:
+        coord.close()
+        pub.close()
+    assert record.committed_version == 3
+    assert coord.history[-1].rejoined == ("added",)
+    assert added.counters.store_bytes_fetched > 0  # v2 built from the history
+    for p in [*pods, added]:
+        assert _bit_exact(p, fleet.states[3]), p.name
+
+
+def test_a_fresh_agent_of_a_relay_fleet_without_history_refuses_an_unverifiable_label(
+        trees: Callable[..., Tree], tmp_path: Path) -> None:
+    """Nothing vouches for version 2's bits: no history, and the agent committed no attempt
+    of it. A checkpoint offered as "version 2" is refused by name, the weights and gate as
+    they were; the same agent given the fleet's history loads v2 once it is vouched for.
+    Fails before: the label alone decided, and v1's bits would serve as version 2."""
+    from safetensors.torch import save_file
+
+    from dcr.receiver.service import AgentConflict
+
+    tree = trees(1, 2)
+    fleet = _relay_fleet(tree, tmp_path, 2)
+    bare = fleet.pod("bare", 0, history=False)
+    (bare.checkpoint_root / "v2").mkdir()
+    save_file(fleet.states[1], str(bare.checkpoint_root / "v2" / "model.safetensors"))
+    before = bare.engine.fingerprint()
+    with pytest.raises(AgentConflict, match=r"bare: dense load of version 2 refused: no "
+                       r"history vouches .* checkpoint labelled 2 cannot be checked"):
+        bare.rejoin(2, "v2")
+    assert bare.engine.fingerprint() == before
+    assert (bare.status().version, bare.status().gate_open) == (0, True)
+    # What every agent did before (and an in-process caller that made the checkpoint
+    # still may): the label alone decides, and v1's bits serve as version 2.
+    trusting = fleet.pod("trusting", 0, history=False, trust_labels=True)
+    (trusting.checkpoint_root / "v2").mkdir()
+    save_file(fleet.states[1], str(trusting.checkpoint_root / "v2" / "model.safetensors"))
+    assert trusting.rejoin(2, "v2").version == 2
+    assert _bit_exact(trusting, fleet.states[1])
+
+    # ``dcr agent`` builds its agent so: a relay agent without --store trusts no label.
+    from dcr.receiver.main import build_service
+    from dcr.receiver.settings import AgentSettings
+
+    (tmp_path / "read-token").write_text(READ_TOKEN + "\n")
+    settings = AgentSettings(name="cli", state_dir=tmp_path / "cli-state",
+                             staging_dir=tmp_path / "cli-staging",
+                             canonical=bare.checkpoint_root / "v0", relay=tree.urls[0],
+                             relay_token_file=tmp_path / "read-token",
+                             engine_url="http://127.0.0.1:9")
+    assert build_service(settings, engine=bare.engine).trust_labels is False

@@ -45,9 +45,9 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """``dcr agent``'s options, from :class:`AgentSettings`; one payload source required."""
+    """``dcr agent``'s options, from :class:`AgentSettings`; a store, a relay, or both."""
     add_options(p, AgentSettings, skip=SOURCES)
-    sources = p.add_mutually_exclusive_group(required=True)
+    sources = p.add_argument_group("where attempts come from (--store, --relay or both)")
     others = tuple(f.name for f in dataclasses.fields(AgentSettings) if f.name not in SOURCES)
     add_options(sources, AgentSettings, skip=others)
 
@@ -99,8 +99,9 @@ def canonical_tensors(checkpoint: Path) -> list[CanonicalSpec]:
 
 
 def _sources(s: AgentSettings) -> tuple[SourceFor, FromStore | None, list[CanonicalSpec]]:
-    """Where an attempt's payloads come from, the store's history for dense loads (with
-    a store), and the canonical tensors."""
+    """Where an attempt's payloads come from (the relay where given, else the store), the
+    store's history for dense loads (with a store: a relay fleet's too), and the canonical
+    tensors."""
     from dcr.files.history import HistoryStore
     from dcr.format.manifest import limits_for
     from dcr.protocol.agent_api import AttemptSpec
@@ -120,14 +121,15 @@ def _sources(s: AgentSettings) -> tuple[SourceFor, FromStore | None, list[Canoni
         def source_for(spec: AttemptSpec) -> Source:
             return StoreSource(store=store, version=spec.target_version, attempt=spec.attempt,
                                owners=spec.owners, limits=limits)
-    else:
+    if s.relay:
         from dcr.transport.relay.source import RelaySource
 
         relay, relay_token = s.relay, _token(s.relay_token_file, RELAY_TOKEN_ENV)
-        assert relay is not None  # AgentSettings holds exactly one source
 
-        def source_for(spec: AttemptSpec) -> Source:
+        def from_relay(spec: AttemptSpec) -> Source:
             return RelaySource(relay, relay_token, spec.attempt, limits, owners=spec.owners)
+
+        source_for = from_relay
 
     return source_for, from_store, canonical
 
@@ -157,7 +159,8 @@ def build_service(s: AgentSettings, engine: Driver | None = None) -> AgentServic
                         version=s.start_version, journal=Journal(s.state_dir / "journal.json"),
                         staging_bytes=s.staging_bytes, checkpoint_root=s.dense_root,
                         store=from_store,
-                        max_wait_s=s.max_wait_s, pause_mode=s.pause_mode, group=group)
+                        max_wait_s=s.max_wait_s, pause_mode=s.pause_mode, group=group,
+                        trust_labels=False)
 
 
 def build_member(s: AgentSettings) -> MemberService:

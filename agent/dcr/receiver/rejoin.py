@@ -36,6 +36,7 @@ class Host(Protocol):
     engine: Driver
     group: Group | None
     store: FromStore | None
+    trust_labels: bool  # without a store: whether an unverifiable label may load
     checkpoint_root: Path | None
     weights: Weights
     counters: Counters
@@ -141,8 +142,10 @@ def _digest(agent: Host) -> str | None:
 
 def _vouched(agent: Host, version: int) -> dict[str, str] | None:
     """The fingerprints a dense load of ``version`` must have: the store history's,
-    or while it names nothing (or without one), those of the attempt this agent
-    committed to it (else None: unchecked)."""
+    or while it names nothing, those of the attempt this agent committed to it (else
+    None: unchecked). Without a history at all (a relay fleet that keeps none) an agent
+    that committed no attempt of ``version`` refuses, unless told to trust labels
+    (in-process callers): :func:`unverifiable`."""
     vouched = None
     if agent.store is not None:
         try:
@@ -150,7 +153,21 @@ def _vouched(agent: Host, version: int) -> dict[str, str] | None:
         except NotVouched as e:
             raise AgentConflict(f"{agent.name}: dense load of version {version} refused: "
                                 f"{e}") from e
-    return vouched if vouched is not None else agent.weights.expected(version)
+    expect = vouched if vouched is not None else agent.weights.expected(version)
+    if expect is None and agent.store is None and not agent.trust_labels:
+        raise unverifiable(agent.name, version)
+    return expect
+
+
+def unverifiable(name: str, version: int) -> AgentConflict:
+    """The refusal of a checkpoint labelled ``version`` that nothing can check: no history
+    vouches for it and this agent committed no attempt of it, so the label alone would
+    decide which bits serve as ``version``."""
+    return AgentConflict(f"{name}: dense load of version {version} refused: no history "
+                         f"vouches for its fingerprints and this agent committed no attempt "
+                         f"of it, so a checkpoint labelled {version} cannot be checked; give "
+                         "the agent the fleet's store (--store, beside --relay for a relay "
+                         "fleet), whose history the coordinator writes.")
 
 
 def _from_store(agent: Host, version: int) -> str:

@@ -67,7 +67,7 @@ class AgentService:
                  store: FromStore | None = None,
                  max_wait_s: float = AgentSettings.max_wait_s,
                  pause_mode: PauseMode = AgentSettings.pause_mode,
-                 group: Group | None = None) -> None:
+                 group: Group | None = None, trust_labels: bool = True) -> None:
         """``canonical``: the tensors the engine's ranks are prewarmed with.
         ``staging_dir``: the directory shared with the engine, as this process sees it.
         ``checkpoint_root``: dense loads only from under it, passed to the engine
@@ -75,7 +75,10 @@ class AgentService:
         ``store``: the store's history; with it every dense load is checked against
         the fingerprints it vouches for, and a rejoin needs no checkpoint path (the
         version is built under ``checkpoint_root`` from the store). ``group``: the member
-        agents of a replica spanning pods, whose engine this agent drives as its leader."""
+        agents of a replica spanning pods, whose engine this agent drives as its leader.
+        ``trust_labels``: without ``store``, whether a checkpoint's version label alone may
+        decide a dense load nothing can check (in-process callers that made the checkpoint;
+        ``dcr agent`` refuses: :func:`dcr.receiver.rejoin.unverifiable`)."""
         self.name = name
         self.engine = engine
         self.group = group
@@ -85,6 +88,7 @@ class AgentService:
         self.staging_bytes = staging_bytes
         self.checkpoint_root = checkpoint_root.resolve() if checkpoint_root else None
         self.store = store
+        self.trust_labels = trust_labels
         self.max_wait_s = max_wait_s
         self.pause_mode = pause_mode
         self.counters = Counters()

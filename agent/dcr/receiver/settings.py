@@ -25,7 +25,7 @@ AGENT_TOKEN_ENV = "DCR_AGENT_TOKEN"
 RELAY_TOKEN_ENV = "DCR_RELAY_TOKEN"
 ENGINE_KEY_ENV = "DCR_ENGINE_API_KEY"
 PEER_TOKEN_ENV = "DCR_PEER_TOKEN"
-SOURCES = ("store", "relay")  # where payloads come from: exactly one of these fields
+SOURCES = ("store", "relay")  # where payloads come from: the relay where given, else the store
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,7 +60,9 @@ class AgentSettings:
                              doc="where the journal lives: it tells a restarted agent which "
                              "version its weights hold, so keep it across restarts")
     store: str | None = option(None, metavar="URI",
-                               doc="object store URI the owners publish to (file://, s3://)")
+                               doc="object store URI the owners publish to (file://, s3://); "
+                               "with --relay, the relay fleet's store holding its history, "
+                               "which rejoins and catch-up read")
     relay: str | None = option(None, metavar="URL", doc="URL of this node's relay (dcr relay)")
     relay_token_file: Path | None = option(None, metavar="PATH",
                                            doc="file holding the relay's read token (it "
@@ -161,10 +163,9 @@ class AgentSettings:
         return (self.checkpoint_root or self.canonical.resolve().parent).resolve()
 
     def __post_init__(self) -> None:
-        given = [s for s in SOURCES if getattr(self, s)]
-        if len(given) != 1:
-            raise ConfigError(f"Agent {self.name!r}: give exactly one of --store and --relay; "
-                              f"got store={self.store!r}, relay={self.relay!r}.")
+        if not self.store and not self.relay:
+            raise ConfigError(f"Agent {self.name!r}: give --store, --relay, or both (a relay "
+                              "fleet's store with its history); got neither.")
         host_port(self.listen, f"Agent {self.name!r}: --listen")
         if self.client_listen is not None:
             host_port(self.client_listen, f"Agent {self.name!r}: --client-listen")

@@ -67,8 +67,7 @@ class RefitSettings:
                          "dcr agent: the last server holds both ranks of a vLLM-layout TP2 "
                          "model, the others a transformers model (so 4 ranks by default)")
     owners: int | None = option(None, metavar="M", doc="owners splitting the tensors "
-                                "(default 2; 1 with the relay, which carries one owner "
-                                "per attempt)")
+                                "(default 2)")
     owner_form: Literal["warm", "process"] = option(
         "warm", doc="warm: each owner an in-process encoder in this (the trainer's) process "
         "holding the committed checkpoint memory-mapped, so a publish starts no process; "
@@ -97,11 +96,8 @@ class RefitSettings:
         "fails after 5 minutes rather than a cluster's 10")
 
     def __post_init__(self) -> None:
-        if self.owners is None:  # the default depends on the transport
-            object.__setattr__(self, "owners", 1 if self.transport == "relay" else 2)
-        if self.transport == "relay" and self.owners != 1:
-            raise ConfigError(f"--transport relay carries one owner per attempt; got --owners "
-                              f"{self.owners} (use --owners 1, or the store).")
+        if self.owners is None:
+            object.__setattr__(self, "owners", 2)
         if self.steps < 1 or self.owner_count < 1 or self.kill_receiver_every < 0:
             raise ConfigError(f"steps ({self.steps}) and owners ({self.owners}) must be >= 1, "
                               f"kill_receiver_every ({self.kill_receiver_every}) >= 0.")
@@ -156,8 +152,8 @@ def _pod(i: int, n: int, out: Path, source: dict[str, Any], ckpts: Path,
     home = out / "pods" / f"pod-{i}"
     staging = home / "staging"
     staging.mkdir(parents=True, exist_ok=True)
-    weights = ckpts  # over the relay, which keeps no history: the trainer's checkpoints
-    if "store" in source:
+    weights = ckpts  # without a store's history: the trainer's checkpoints
+    if "store" in source:  # the store fleet's and the relay fleet's pods alike
         # The pod's own volume: the run's starting model (as a public base model would
         # be), and later what it builds from the store; never the trainer's checkpoints.
         weights = home / "weights"
@@ -266,11 +262,13 @@ def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
         if s.transport == "relay":
             tree = start_relays(out / "relay", s.agents)
             relays = tree.procs
-            sources = [{"relay": u, "relay_token_file": tree.read_token_file}
+            # Attempts travel the tree; the store beside it keeps every attempt and the
+            # history, which the pods catch up from (docs/relay.md, "History and catch-up").
+            sources = [{"relay": u, "relay_token_file": tree.read_token_file, "store": store}
                        for u in tree.urls]
             root = boundary.relay_root(int(tree.urls[0].rsplit(":", 1)[1]))
-            publish_to = f"relay+http://127.0.0.1:{root}"
-            owner_env = {TOKEN_ENV: tree.publish_token_file.read_text()}  # owners push
+            publish_to = f"relay+http://127.0.0.1:{root}?through={store}"
+            owner_env = {**owner_env, TOKEN_ENV: tree.publish_token_file.read_text()}
         pods = [_pod(i, s.agents, out, sources[i], ckpts, token, boundary.pod_env(i))
                 for i in range(s.agents)]
         t0 = time.perf_counter()
@@ -289,14 +287,12 @@ def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
         commits = SqliteCommitStore(out / "commit.db", CommitRecord(
             committed_version=0, baseline_id=str(ckpts / "v0"), attempt=""))
         kills = KillPoint()
-        # Through the store, receivers rejoin from its history alone (through their links);
-        # the relay keeps no history, so there they dense-load the trainer's checkpoint.
-        history = HistoryStore(boundary.direct_store()) if s.transport == "store" else None
+        # Receivers rejoin from the store's history alone (through their links), with
+        # either transport: a relay fleet's owners write every attempt through to the store.
+        history = HistoryStore(boundary.direct_store())
         coordinator = Coordinator(
             commits, [Held(owner=o, point=kills) for o in owners], clients,
-            settings=s.coordinator,
-            dense_checkpoint=None if history else lambda v: str(ckpts / f"v{v}"),
-            history=history)
+            settings=s.coordinator, history=history)
         job = _Job(trainer=trainer, ckpts=ckpts, pods=pods, coordinator=coordinator,
                    owners=owners, kills=kills, full=_full_stores(boundary),
                    from_store=history is not None, boundary=boundary, held=held)
@@ -368,11 +364,13 @@ def _stop(coordinator: Coordinator | None, owners: Sequence[ProcessOwner | WarmO
     """Stop everything the job started, in the order it depends on each other."""
     if coordinator is not None:
         coordinator.close()
+    publishers = {id(o.store): o.store for o in owners
+                  if isinstance(o, WarmOwner) and isinstance(o.store, RelayPublisher)}
     for o in owners:
         if isinstance(o, WarmOwner):
             o.close()
-            if isinstance(o.store, RelayPublisher):
-                o.store.close()  # one owner with the relay
+    for publisher in publishers.values():  # the warm owners share one
+        publisher.close()
     for pod in pods:
         pod.stop()
     for r in relays:
@@ -395,8 +393,9 @@ def _owners(s: RefitSettings, publish_to: str, owner_env: dict[str, str], ckpts:
                              owners=n, profile_path=profile_path, env=owner_env)
                 for k in range(n)]
     token = owner_env.get(TOKEN_ENV)  # the relay's publish token, given, not inherited
-    store: Store = (RelayPublisher(publish_to, token=token.strip()) if token is not None
-                    else boundary.direct_store())
+    direct = boundary.direct_store()
+    store: Store = (RelayPublisher(publish_to, token=token.strip(), through=direct)
+                    if token is not None else direct)
     return [WarmOwner.open(checkpoints=checkpoints, version=0, store=store, owner=k, owners=n,
                            profile=profile)
             for k in range(n)]
