@@ -14,6 +14,8 @@ Hierarchy (``(module)``: defined beside the code that raises it; the rest here):
     │   │   ├── ServeRefused     (serve.server) a dcr serve request (a ValueError)
     │   │   ├── BadCompletion    (serve.completions) a completion request (a ValueError)
     │   │   ├── BadVersionHeader (http.gateway) a staleness header is not a version number
+    │   │   ├── VersionSkew      (versions) a request speaks an API version the server does
+    │   │   │                    not read (docs/upgrades.md)
     │   │   └── UnknownMethod    (serve.workers) a collective_rpc method not the plugin's
     │   ├── StateConflict        409: does not fit the state it meets: read the state again
     │   │   ├── AgentConflict    (receiver.attempt) a call the agent's state does not allow
