@@ -79,6 +79,8 @@ class RlSettings:
         if self.generations < 2:
             raise ConfigError(f"--generations {self.generations}: GRPO compares at least 2 "
                               "completions of a prompt.")
+        if not self.lr > 0:
+            raise ConfigError(f"--lr {self.lr} must be positive.")
         if not 0 <= self.kill_step <= self.steps:
             raise ConfigError(f"--kill-step {self.kill_step} is outside 0..{self.steps}.")
 
@@ -110,10 +112,13 @@ class StepRow:
     samples: int  # samples the reward functions saw
     versioned: int  # of them, those whose weight_versions cover every completion token
     changed_elements: int
+    changed_share: float  # of the model's elements: what the step changed in BF16
     attempts: int
     bit_exact: bool
     killed: str | None
     dense_refit_s: float | None  # export + upload + every pod's download and dense load
+    dcr_bytes: int | None  # down every pod's link during the DCR refit (None: no links)
+    dense_bytes: int | None  # and during the dense refit
 
 
 def summarize(s: RlSettings, rows: list[StepRow], parameters: int) -> dict[str, Any]:
@@ -122,14 +127,19 @@ def summarize(s: RlSettings, rows: list[StepRow], parameters: int) -> dict[str, 
         return float(statistics.median(getattr(r, key) for r in rows))
 
     dense = [r.dense_refit_s for r in rows if r.dense_refit_s is not None]
+    sent = [(r.dcr_bytes, r.dense_bytes) for r in rows
+            if r.dcr_bytes is not None and r.dense_bytes is not None]
     out: dict[str, Any] = {
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(s).items()},
         "parameters": parameters, "rows": [asdict(r) for r in rows],
         "bit_exact": all(r.bit_exact for r in rows),
         "reward_first": rows[0].reward, "reward_last": rows[-1].reward,
         "median": {k: med(k) for k in ("generate_s", "train_s", "refit_s", "refit_share",
-                                       "step_s", "tokens_per_s")},
+                                       "step_s", "tokens_per_s", "changed_share")},
     }
+    if sent:
+        out["median"]["dcr_bytes"] = statistics.median(a for a, _ in sent)
+        out["median"]["dense_bytes"] = statistics.median(b for _, b in sent)
     if dense:
         other = statistics.median(r.generate_s + r.train_s for r in rows)
         dense_step = other + statistics.median(dense)

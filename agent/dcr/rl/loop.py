@@ -203,6 +203,8 @@ class Reporter:
     rows: list[StepRow] = field(default_factory=list)
     killer: Killer | None = None
     started: float = 0.0
+    parameters: int = 1
+    down: int | None = None  # bytes down the pods' links when the step's refit began
 
     versioned: list[tuple[int, int]] = field(default_factory=list)  # (samples, versioned)
 
@@ -218,12 +220,23 @@ class Reporter:
         self.started = time.perf_counter()
 
     def arm(self, step: int) -> None:
+        self.down = self.crossed()
         if step != self.s.kill_step:
             return
         victim = self.fleet.pods[step % len(self.fleet.pods)].sidecar
         self.killer = Killer(victim, victim)
         self.killer.start()
         self.fleet.kills.killer = self.killer
+
+    def crossed(self) -> int | None:
+        """Bytes down every pod's link so far (None without links)."""
+        b = self.fleet.boundary
+        return sum(b.pods_down().values()) if b.linked and b.links else None
+
+    def since(self, before: int | None) -> tuple[int | None, int | None]:
+        """The bytes down the links since ``before``, and the count now."""
+        now = self.crossed()
+        return (None if now is None or before is None else now - before), now
 
     def report(self, step: int, model: torch.nn.Module) -> StepRow:
         self.sync.wait() if not self.sync.overlap else None
@@ -238,6 +251,12 @@ class Reporter:
         check = not self.sync.overlap
         if check:
             catch_up(self.fleet, self.sync.committed, self.sync.history_digest)
+        dcr_bytes, now = self.since(self.down)
+        bit_exact = exact(self.fleet, self.base, model) if check else True  # before the dense
+        dense_s = (dense_refit(self.fleet, self.out, step, model)
+                   if self.s.dense and check and not killed else None)
+        dense_bytes = self.since(now)[0] if dense_s is not None else None
+        changed = refit.changed_elements if refit else 0
         row = StepRow(
             step=step, reward=self.rewards[-1], generate_s=gen.seconds,
             train_s=max(step_s - gen.seconds - refit_s, 0.0), refit_s=refit_s,
@@ -246,12 +265,10 @@ class Reporter:
             versions={str(k): v for k, v in sorted(gen.versions.items())},
             dropped=gen.dropped, samples=self.versioned[-1][0],
             versioned=self.versioned[-1][1],
-            changed_elements=refit.changed_elements if refit else 0,
+            changed_elements=changed, changed_share=changed / self.parameters,
             attempts=refit.attempts if refit else 0,
-            bit_exact=exact(self.fleet, self.base, model) if check else True,
-            killed=killed,
-            dense_refit_s=(dense_refit(self.fleet, self.out, step, model)
-                           if self.s.dense and check and not killed else None))
+            bit_exact=bit_exact, killed=killed, dense_refit_s=dense_s, dcr_bytes=dcr_bytes,
+            dense_bytes=dense_bytes)
         self.rows.append(row)
         print(line(row), flush=True)
         return row
@@ -259,7 +276,8 @@ class Reporter:
 
 WHEN = {True: "overlapping the next batch", False: "before the next batch"}
 HEADER = (f"{'step':>4} {'reward':>6} {'gen s':>6} {'train s':>7} {'refit s':>7} "
-          f"{'share':>6} {'tok/s':>6} {'dense s':>7}  versions (tokens)  bit-exact")
+          f"{'share':>6} {'tok/s':>6} {'dense s':>7} {'changed':>7}  "
+          "versions (tokens)  bit-exact")
 
 
 def line(r: StepRow) -> str:
@@ -269,7 +287,8 @@ def line(r: StepRow) -> str:
     notes += [f"{r.dropped} stale samples drawn again"] if r.dropped else []
     dense = f"{r.dense_refit_s:>7.2f}" if r.dense_refit_s is not None else f"{'-':>7}"
     return (f"{r.step:>4} {r.reward:>6.3f} {r.generate_s:>6.2f} {r.train_s:>7.2f} "
-            f"{r.refit_s:>7.2f} {100 * r.refit_share:>5.1f}% {r.tokens_per_s:>6.0f} {dense}  "
+            f"{r.refit_s:>7.2f} {100 * r.refit_share:>5.1f}% {r.tokens_per_s:>6.0f} {dense} "
+            f"{100 * r.changed_share:>6.1f}%  "
             f"{versions:<17} {'yes' if r.bit_exact else 'NO'}"
             + (f"  ({'; '.join(notes)})" if notes else ""))
 
@@ -339,7 +358,8 @@ def run_rl(s: RlSettings) -> dict[str, Any]:
                                settings=RolloutSettings(max_tokens=s.max_tokens,
                                                         max_staleness=s.max_staleness,
                                                         seed=s.seed))
-        rep = Reporter(s=s, fleet=fleet, sync=sync, rollout=rollout, base=base, out=out)
+        rep = Reporter(s=s, fleet=fleet, sync=sync, rollout=rollout, base=base, out=out,
+                       parameters=trainer.parameters)
         before, after = callbacks(rep)
         print(f"model: Llama ({s.size}), {trainer.parameters:,} parameters; GRPO, "
               f"{s.prompts} prompts x {s.generations} completions of {s.max_tokens} tokens "
