@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from fsdp2_rank import CONFIG
+from hf_pods import hf_pods
 from safetensors.torch import load_file
 from trainer_ranks import TrainerRanks
 from transformers import LlamaForCausalLM
@@ -27,7 +28,6 @@ from dcr.coordinate import LocalFleet, version_name
 from dcr.files.history import HistoryStore
 from dcr.protocol.agent_api import AgentClient
 from dcr.protocol.coordinator import CoordinatorSettings
-from dcr.refit.launch import AgentProcess, ServeProcess
 from dcr.refit.trainer import reference_fingerprint
 from dcr.transport.store import FileStore
 
@@ -46,31 +46,8 @@ def v0(tmp_path: Path) -> Path:
 @pytest.fixture
 def agents(tmp_path: Path, v0: Path) -> Iterator[list[AgentClient]]:
     """Two rollout pods: a ``dcr serve`` of v0 and the ``dcr agent`` beside it."""
-    procs: list[AgentProcess | ServeProcess] = []
-    clients = []
-    try:
-        for k in range(2):
-            pod = tmp_path / f"pod{k}"
-            (pod / "staging").mkdir(parents=True)
-            server = ServeProcess(name=f"serve-{k}", workdir=pod / "serve", args=[
-                "--runtime", "hf", "--model", str(v0), "--staging-dir", str(pod / "staging"),
-                "--checkpoint-root", str(tmp_path), "--weight-version", "0"])
-            procs.append(server)
-            server.start()
-            server.wait_ready()
-            agent = AgentProcess(name=f"pod{k}", state_dir=pod / "agent", token=AGENT_TOKEN,
-                                 args=["--store", (tmp_path / "store").as_uri(),
-                                       "--engine-url", server.url,
-                                       "--staging-dir", str(pod / "staging"),
-                                       "--canonical", str(v0), "--model-version", "0"])
-            procs.append(agent)
-            agent.start()
-            agent.wait_ready()
-            clients.append(agent.client(timeout_s=120.0))
+    with hf_pods(tmp_path, v0, tmp_path / "store", AGENT_TOKEN) as clients:
         yield clients
-    finally:
-        for p in procs:
-            p.kill()
 
 
 def test_rank_processes_refit_agents_without_kubernetes_and_a_late_pod_catches_up(

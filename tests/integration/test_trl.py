@@ -4,24 +4,36 @@ Mechanics only (learning is shown by bench/rl.py, not asserted): every refit bit
 against a dense load of the trainer's weights, per-token versions on every sample the
 reward functions see, no checkpoint written on the trainer's side, a kill mid-refit
 recovered, and the staleness bound dropping and drawing again every sample older than it.
+A trainer of FSDP2 ranks (gloo processes) refits ``dcr serve`` pods through the same
+callback, each rank offering only its own shards.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from fsdp2_rank import CONFIG
+from hf_pods import hf_pods
+from trainer_ranks import TrainerRanks
+from transformers import LlamaForCausalLM
 
 from dcr.integrations.trl import DcrWeightSync, FleetRollout, RolloutSettings
+from dcr.protocol.commitstore import SqliteCommitStore
 from dcr.protocol.coordinator import CoordinatorSettings
-from dcr.refit.trainer import Trainer, TrainerSettings
+from dcr.protocol.records import CommitRecord
+from dcr.refit.trainer import Trainer, TrainerSettings, reference_fingerprint
 from dcr.rl.job import SIZES, RlSettings
 from dcr.rl.loop import exact, run_rl, start_fleet
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+SYNC_RANK = Path(__file__).resolve().parents[1] / "support" / "sync_rank.py"
+RANK_TOKEN = "trl-rank-token-0123456789abcdef"
+AGENT_TOKEN = "trl-agent-token-0123456789abcdef"
 
 
 def test_grpo_steps_refit_every_pod_bit_exact_and_survive_a_killed_agent(
@@ -102,3 +114,37 @@ def test_samples_older_than_the_bound_are_dropped_counted_and_drawn_again(
         assert (stats.dropped, dict(stats.versions)) == (0, {1: 8})
     finally:
         fleet.close()
+
+
+@pytest.mark.timeout(600)
+def test_fsdp2_ranks_offer_their_shards_and_rank_0_refits_every_pod_bit_exact(
+        tmp_path: Path) -> None:
+    """Two gloo ranks train a ``fully_shard`` Llama (FP32 master weights) and call the
+    callback after each real AdamW step, as TRL does (``DcrWeightSync.for_ranks``): each
+    rank offers its own shards, BF16, to the owner it serves (no gather, no checkpoint),
+    and rank 0's ``LocalFleet`` refits two ``dcr serve`` pods. Every version is on every
+    pod bit-exact against a dense load of the gathered weights, and the commit record
+    and the agents say it."""
+    torch.manual_seed(0)
+    v0 = tmp_path / "v0"
+    LlamaForCausalLM(CONFIG).to(torch.bfloat16).save_pretrained(v0)
+    store = tmp_path / "store"
+    with hf_pods(tmp_path, v0, store, AGENT_TOKEN) as agents:
+        (tmp_path / "fleet.json").write_text(json.dumps({
+            "agents": [a.url for a in agents], "agent_token": AGENT_TOKEN,
+            "record": str(tmp_path / "commit.db")}))
+        with TrainerRanks.start(2, v0, 0, store.as_uri(), RANK_TOKEN, tmp_path,
+                                worker=SYNC_RANK) as ranks:
+            for version in (1, 2, 3):
+                assert min(ranks.step(version)) > 0  # both ranks offered changed elements
+                want = reference_fingerprint(ranks.out / f"v{version}", "hf")
+                for agent in agents:
+                    assert agent.fingerprint() == want, f"{agent.name} differs at v{version}"
+                    assert agent.status().version == version
+    record = SqliteCommitStore(tmp_path / "commit.db", CommitRecord(
+        committed_version=0, baseline_id="", attempt="")).read()
+    assert record.committed_version == 3
+    # Each rank published its own part of every version; no checkpoint went to the store.
+    parts = sorted(p.name for p in store.rglob("manifest-o*.dcrm"))
+    assert parts == sorted(["manifest-o0000.dcrm", "manifest-o0001.dcrm"] * 3)
+    assert not list(store.rglob("*.safetensors"))

@@ -35,8 +35,9 @@ class TrainerRanks:
 
     @classmethod
     def start(cls, world: int, checkpoint: Path, version: int, store: str, token: str,
-              workdir: Path, layout: str = "fsdp") -> TrainerRanks:
-        """``layout``: as :mod:`fsdp2_rank` takes it (``fsdp``, ``hsdp``, ``fsdp-tp``)."""
+              workdir: Path, layout: str = "fsdp", worker: Path = WORKER) -> TrainerRanks:
+        """``layout``: as :mod:`fsdp2_rank` takes it (``fsdp``, ``hsdp``, ``fsdp-tp``);
+        ``worker``: a rank script taking :mod:`fsdp2_rank`'s arguments."""
         token_file = workdir / "rank-token"
         token_file.write_text(token)
         port = free_port_on("127.0.0.1")
@@ -44,7 +45,7 @@ class TrainerRanks:
         for r in range(world):
             with (workdir / f"rank{r}.log").open("w") as log:
                 procs.append(subprocess.Popen(
-                    [sys.executable, str(WORKER), str(r), str(world), str(port),
+                    [sys.executable, str(worker), str(r), str(world), str(port),
                      str(checkpoint), str(version), store, str(token_file), str(workdir),
                      layout],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True))

@@ -15,7 +15,10 @@ Two of TRL's public extension points (``trl==1.16``), nothing patched:
   checkpoint is written: the owner keeps the committed baseline's bits and the step's
   changed elements, and publishes those. With ``overlap`` the refit runs while the next
   batch is generated (one step off: tokens may come from the version before, which the
-  staleness bound then governs); otherwise the next batch waits for the commit.
+  staleness bound then governs); otherwise the next batch waits for the commit. A
+  trainer of several ranks (FSDP2, or data parallel) uses :meth:`DcrWeightSync.for_ranks`:
+  each rank offers its own shards and serves them, rank 0 drives the refit
+  (:mod:`dcr.integrations.ranks`).
 
 docs/trainer.md, "With TRL".
 """
@@ -40,6 +43,7 @@ from transformers import TrainerCallback
 from dcr.client import token_versions
 from dcr.errors import ConfigError, ExternalError
 from dcr.http.gateway import MIN_VERSION
+from dcr.integrations.ranks import FleetFor, RankGroup
 from dcr.owner.layouts import replicated_shards
 from dcr.owner.rank import RankOwner
 from dcr.protocol.coordinator import Coordinator
@@ -48,6 +52,8 @@ from dcr.settings import option
 
 if TYPE_CHECKING:
     import torch
+
+    from dcr.transport.store import Store
 
 log = logging.getLogger(__name__)
 RETRY_S = 0.2  # between tries of a completion answered 503 (engine busy or paused)
@@ -121,15 +127,25 @@ class RefitStep:
 class DcrWeightSync(TrainerCallback):
     """After each optimizer step, the trainer's weights reach the fleet by DCR.
 
-    ``owner`` holds the committed baseline of every parameter (whole, one process);
-    ``coordinator`` drives the fleet's agents with that owner. Version ``base + k``
-    follows the k-th optimizer step. :meth:`for_model` builds the owner."""
+    ``owner`` holds the committed baseline of every parameter it owns; ``coordinator``
+    drives the fleet's agents with that owner (one process, :meth:`for_model`), or
+    ``group`` has rank 0 drive them with every rank's owner (:meth:`for_ranks`). Version
+    ``base + k`` follows the k-th optimizer step."""
 
-    def __init__(self, *, owner: RankOwner, coordinator: Coordinator, overlap: bool = False,
+    def __init__(self, *, owner: RankOwner, coordinator: Coordinator | None = None,
+                 group: RankGroup | None = None, overlap: bool = False,
                  dtype: torch.dtype | None = None) -> None:
-        self.owner, self.coordinator, self.overlap = owner, coordinator, overlap
+        if (coordinator is None) == (group is None):
+            raise ConfigError("DcrWeightSync needs a coordinator (one process) or a rank "
+                              "group (several), not both or neither.")
+        if group is not None and overlap:
+            raise ConfigError("DcrWeightSync over ranks refits before the next batch: "
+                              "overlap=True is for one process.")
+        self.owner, self.coordinator, self.group = owner, coordinator, group
+        self.overlap = overlap
         self.base = owner.version
         self.version = owner.version  # the trainer's: the newest offered
+        self._committed = owner.version  # what the last refit committed, over ranks
         self.dtype = dtype
         self.steps: list[RefitStep] = []
         self._running: threading.Thread | None = None
@@ -153,9 +169,29 @@ class DcrWeightSync(TrainerCallback):
         return cls(owner=owner, coordinator=coordinator_for(owner), overlap=overlap,
                    dtype=dtype)
 
+    @classmethod
+    def for_ranks(cls, model: torch.nn.Module, *, store: str | Store, token: str,
+                  fleet_for: FleetFor, version: int = 0, dtype: torch.dtype | None = None,
+                  copies: tuple[str, ...] | None = None,
+                  listen: str = "127.0.0.1:0") -> DcrWeightSync:
+        """Collective, on every rank of the trainer's default group: this rank's owner
+        over its shards of ``model`` (FSDP2's, or rows of a whole one), served on
+        ``listen`` with ``token`` for rank 0's ``fleet_for(rank urls)``, a
+        :class:`~dcr.coordinate.LocalFleet` (:meth:`RankGroup.join`). :meth:`close`
+        stops the endpoint once training is over."""
+        group = RankGroup.join(model, store=store, token=token, fleet_for=fleet_for,
+                               version=version, dtype=dtype, copies=copies, listen=listen)
+        return cls(owner=group.owner, group=group, dtype=dtype)
+
+    def close(self) -> None:
+        """Stop this rank's endpoint (a rank group's; nothing for one process)."""
+        if self.group is not None:
+            self.group.close()
+
     @property
     def committed(self) -> int:
-        return self.owner.version
+        """The fleet's committed version, as this process knows it."""
+        return self.owner.version if self.group is None else self._committed
 
     @property
     def history_digest(self) -> str | None:
@@ -170,7 +206,7 @@ class DcrWeightSync(TrainerCallback):
         self.wait()
         version = self.base + int(state.global_step)
         t0 = time.perf_counter()
-        overlay = self.owner.offer(self.tensors(model, self.dtype)[1], version)
+        overlay = self.owner.offer(self._shards(model), version)
         offer_s = time.perf_counter() - t0
         self.version = version
         if not self.overlap:
@@ -181,6 +217,11 @@ class DcrWeightSync(TrainerCallback):
                                          daemon=True)
         self._running.start()
 
+    def _shards(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        if self.group is not None:
+            return self.group.shards(model)
+        return self.tensors(model, self.dtype)[1]
+
     def _refit_catching(self, version: int, changed: int, offer_s: float) -> None:
         try:
             self._refit(version, changed, offer_s)
@@ -188,14 +229,22 @@ class DcrWeightSync(TrainerCallback):
             self._error = e
 
     def _refit(self, version: int, changed: int, offer_s: float) -> None:
-        first = len(self.coordinator.history)
         t0 = time.perf_counter()
-        record = self.coordinator.refit(version, f"trainer:v{version}")
+        record, attempts = self._commit(version)
+        self._committed = record.committed_version
         self.steps.append(RefitStep(
             version=version, changed_elements=changed, offer_s=offer_s,
-            refit_s=time.perf_counter() - t0, record=record,
-            attempts=len(self.coordinator.history) - first))
+            refit_s=time.perf_counter() - t0, record=record, attempts=attempts))
         log.info("Refit to version %d committed (attempt %s).", version, record.attempt)
+
+    def _commit(self, version: int) -> tuple[CommitRecord, int]:
+        """Commit ``version`` on the fleet: its record and the attempts it took."""
+        if self.group is not None:
+            return self.group.refit(version)
+        assert self.coordinator is not None
+        first = len(self.coordinator.history)
+        record = self.coordinator.refit(version, f"trainer:v{version}")
+        return record, len(self.coordinator.history) - first
 
     def wait(self) -> None:
         """Until the refit in flight (if any) has committed; its failure raises here."""
