@@ -79,13 +79,15 @@ class SecretUse:
 
 AGENT_TOKEN = SecretUse(field="spec.agent.tokenSecretRef", label=f"{GROUP}/agent-token")
 RELAY_TOKEN = SecretUse(field="spec.relay.tokenSecretRef", label=f"{GROUP}/relay-token")
+RELAY_CA = SecretUse(field="spec.relay.caSecretRef", label=f"{GROUP}/relay-ca")
 STORE_CREDENTIALS = SecretUse(field="spec.store.credentialsSecretRef",
                               label=f"{GROUP}/store-credentials")
 ENCODER_TOKEN = SecretUse(field="spec.encoderProfiles[].endpoint.tokenSecretRef",
                           label=f"{GROUP}/encoder-token")
 ENCODER_CLUSTER = SecretUse(field="spec.encoderProfiles[].cluster.kubeconfigSecretRef",
                             label=f"{GROUP}/encoder-cluster")
-SECRET_USES = (AGENT_TOKEN, RELAY_TOKEN, STORE_CREDENTIALS, ENCODER_TOKEN, ENCODER_CLUSTER)
+SECRET_USES = (AGENT_TOKEN, RELAY_TOKEN, RELAY_CA, STORE_CREDENTIALS, ENCODER_TOKEN,
+               ENCODER_CLUSTER)
 
 
 def read_secret(kube: KubeClient, namespace: str, name: str, use: SecretUse
@@ -146,6 +148,8 @@ def check_job_secrets(kube: KubeClient, namespace: str, spec: RolloutFleetSpec) 
     store_credentials(kube, namespace, spec)
     if spec.relay is not None:
         read_secret(kube, namespace, spec.relay.token_secret_ref.name, RELAY_TOKEN)
+        if spec.relay.ca_secret_ref is not None:
+            read_secret(kube, namespace, spec.relay.ca_secret_ref.name, RELAY_CA)
 
 
 AGENT_CALLS = 64  # agents the operator calls at once (status polls, profiles)

@@ -21,12 +21,18 @@ from pathlib import Path
 from typing import Any
 
 from dcr.format.payload import Mode
+from dcr.http.tls import ENV_CA_DATA, ENV_SERVER_NAME
 from dcr.owner.settings import EncodeSettings
 from dcr.protocol import termination
 from dcr.protocol.records import Attempt, CommitRecord
 from dcr.settings import MiB
 from dcr_operator.api.common import GROUP
-from dcr_operator.api.rolloutfleet import DEFAULT_PROFILE, EncoderProfile, RolloutFleetSpec
+from dcr_operator.api.rolloutfleet import (
+    DEFAULT_PROFILE,
+    EncoderProfile,
+    RelaySpec,
+    RolloutFleetSpec,
+)
 from dcr_operator.api.volumes import PROFILE_DIR, PROFILE_VOLUME
 from dcr_operator.api.weightrefit import WeightRefitSpec
 from dcr_operator.errors import (
@@ -184,6 +190,18 @@ def _pod(shape: EncoderProfile, fleet: RolloutFleetSpec, args: list[str],
     return pod, container
 
 
+def relay_tls_env(relay: RelaySpec) -> list[dict[str, Any]]:
+    """What an encoder Job verifies a TLS relay root with (:mod:`dcr.http.tls`): the CA
+    bundle from its Secret, as data (no volume), and the name its certificate carries."""
+    env: list[dict[str, Any]] = []
+    if relay.ca_secret_ref is not None:
+        env.append({"name": ENV_CA_DATA, "valueFrom": {"secretKeyRef": {
+            "name": relay.ca_secret_ref.name, "key": relay.ca_secret_ref.key}}})
+    if relay.server_name:
+        env.append({"name": ENV_SERVER_NAME, "value": relay.server_name})
+    return env
+
+
 def job_manifest(*, refit: Mapping[str, Any], spec: WeightRefitSpec, fleet: RolloutFleetSpec,
                  fleet_name: str, base_checkpoint: str, attempt: Attempt,
                  settings: OperatorSettings, profile: str | None, site: Site
@@ -200,6 +218,7 @@ def job_manifest(*, refit: Mapping[str, Any], spec: WeightRefitSpec, fleet: Roll
     if relay is not None:  # the token from its Secret, never in the arguments
         env.append({"name": "DCR_RELAY_TOKEN", "valueFrom": {"secretKeyRef": {
             "name": relay.token_secret_ref.name, "key": relay.token_secret_ref.key}}})
+        env.extend(relay_tls_env(relay))
     destination = f"relay+{relay.url}" if relay is not None else (
         store.uri if store is not None else "")
     args = encode_args(base=base_checkpoint, target=spec.source.checkpoint, store=destination,

@@ -257,3 +257,49 @@ def test_the_restricted_pod_security_standard_admits_the_helm_test_pod(
         kube.create(f"/api/v1/namespaces/{ns}/pods", loose)
     created = kube.create(f"/api/v1/namespaces/{ns}/pods", pod)
     assert created["metadata"]["name"] == "dcr-operator-test-metrics"
+
+
+TLS = ["--set=tls.enabled=true", "--set=tls.certificates.enabled=true",
+       "--set=tls.certificates.issuerRef.name=dcr-ca", "--set=tls.certificates.namespace=rl",
+       "--set=tls.certificates.roles.encoder.dnsNames={dcr-encoder.rl.svc}"]
+
+
+def test_with_tls_the_operator_trusts_the_ca_secret_and_checks_the_server_name(
+        helm: Path) -> None:
+    (deployment,) = [o for o in helm_template(helm, *TLS) if o["kind"] == "Deployment"]
+    spec = deployment["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["DCR_TLS_SERVER_NAME"] == "peer.dcr.internal"
+    assert "DCR_TLS_CERT" not in env  # it serves nothing that needs a key
+    (mount,) = [m for m in c["volumeMounts"] if env["DCR_TLS_CA"].startswith(m["mountPath"])]
+    assert mount["readOnly"] is True
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"] == {"secretName": "dcr-operator-tls",
+                                "items": [{"key": "ca.crt", "path": "ca.crt"}]}
+    plain = [o for o in helm_template(helm) if o["kind"] == "Deployment"][0]
+    assert not any(e["name"].startswith("DCR_TLS_")
+                   for e in plain["spec"]["template"]["spec"]["containers"][0]["env"])
+
+
+def test_cert_manager_certificates_per_server_role_name_the_server_name(helm: Path) -> None:
+    certs = {o["metadata"]["name"]: o for o in helm_template(helm, *TLS)
+             if o["kind"] == "Certificate"}
+    assert set(certs) == {"dcr-agent-tls", "dcr-encoder-tls", "dcr-relay-tls",
+                          "dcr-operator-tls"}
+    for name in ("dcr-agent-tls", "dcr-encoder-tls", "dcr-relay-tls"):
+        spec = certs[name]["spec"]
+        assert certs[name]["metadata"]["namespace"] == "rl"
+        assert spec["secretName"] == name
+        assert spec["dnsNames"][0] == "peer.dcr.internal"
+        assert "server auth" in spec["usages"]
+        assert spec["issuerRef"] == {"name": "dcr-ca", "kind": "ClusterIssuer",
+                                     "group": "cert-manager.io"}
+    assert certs["dcr-encoder-tls"]["spec"]["dnsNames"] == ["peer.dcr.internal",
+                                                           "dcr-encoder.rl.svc"]
+    assert certs["dcr-relay-tls"]["spec"]["secretTemplate"] == {
+        "labels": {"dcr.dev/relay-ca": "true"}}  # what spec.relay.caSecretRef asks of it
+    assert certs["dcr-operator-tls"]["metadata"]["namespace"] == "default"
+    no_issuer = _helm(helm, "template", "dcr", str(CHART), "--set=tls.certificates.enabled=true")
+    assert no_issuer.returncode != 0
+    assert "tls.certificates.issuerRef.name" in no_issuer.stderr

@@ -220,6 +220,37 @@ def test_a_relay_fleet_publishes_to_the_root_with_the_token_from_its_secret() ->
     assert not any("relay-tok" in a or a == "token" for a in args)
 
 
+def test_a_tls_relay_is_verified_by_jobs_against_the_ca_from_its_labelled_secret() -> None:
+    relay = {"url": "https://relay-0.rollout:8470", "tokenSecretRef": {"name": "relay-tok"},
+             "caSecretRef": {"name": "dcr-relay-tls", "key": "ca.crt"},
+             "serverName": "peer.dcr.internal"}
+    fleet = RolloutFleetSpec.model_validate({
+        "selector": {"matchLabels": {"app": "r"}},
+        "agent": {"tokenSecretRef": {"name": "tok"}}, "relay": relay,
+        "initial": {"checkpoint": "/ckpt/v0"}})
+    spec = WeightRefitSpec.model_validate({
+        "fleet": "f", "baseVersion": 2, "targetVersion": 3,
+        "source": {"checkpoint": "/ckpt/v3"}})
+    job = job_manifest(refit=REFIT, spec=spec, fleet=fleet, fleet_name="f",
+                       base_checkpoint="/ckpt/v2", attempt=attempt(),
+                       settings=OperatorSettings(encoder_image="img:1"), profile=None,
+                       site=SITE)
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["DCR_TLS_CA_DATA"]["valueFrom"] == {
+        "secretKeyRef": {"name": "dcr-relay-tls", "key": "ca.crt"}}  # ca.crt alone, no key
+    assert env["DCR_TLS_SERVER_NAME"]["value"] == "peer.dcr.internal"
+    assert "volumes" not in job["spec"]["template"]["spec"]
+    args = container["args"]
+    assert args[args.index("--store") + 1] == "relay+https://relay-0.rollout:8470"
+    with pytest.raises(ValidationError, match="is plain http: use an https:// url"):
+        RolloutFleetSpec.model_validate({
+            "selector": {"matchLabels": {"app": "r"}},
+            "agent": {"tokenSecretRef": {"name": "tok"}},
+            "relay": {**relay, "url": "http://relay-0.rollout:8470"},
+            "initial": {"checkpoint": "/ckpt/v0"}})
+
+
 @pytest.mark.parametrize("where", [{}, {
     "store": {"uri": "s3://b/p"},
     "relay": {"url": "http://r:8470", "tokenSecretRef": {"name": "t"}}}])

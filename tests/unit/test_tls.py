@@ -213,3 +213,18 @@ def test_bad_tls_settings_are_errors_that_name_the_variable(leaf: Leaf, tmp_path
     assert TlsSettings.from_env({}).scheme == "http"
     assert TlsSettings.from_env({"DCR_TLS_CERT": str(leaf.cert),
                                  "DCR_TLS_KEY": str(leaf.key)}).scheme == "https"
+
+
+def test_a_ca_bundle_given_as_data_verifies_like_a_file(
+        served: Served, leaf: Leaf, other_ca: Authority, monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    monkeypatch.setenv("DCR_TLS_CA_DATA", leaf.ca.read_text())  # an encoder Job's relay CA
+    assert _relay_status(served.url) == {"counters": {"served": 1}}
+    with pytest.raises(ConfigError, match="is plain HTTP, but DCR_TLS_CA_DATA is set"):
+        RelayClient("http://127.0.0.1:1", TOKEN)
+    monkeypatch.setenv("DCR_TLS_CA_DATA", other_ca.path.read_text())
+    with pytest.raises(RelayError, match="TLS certificate did not verify"):
+        _relay_status(served.url)
+    monkeypatch.setenv("DCR_TLS_CA", str(leaf.ca))
+    with pytest.raises(ConfigError, match="Set one of DCR_TLS_CA and DCR_TLS_CA_DATA"):
+        TlsSettings.from_env()

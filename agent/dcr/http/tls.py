@@ -7,6 +7,8 @@ as files, cert-manager's ``tls.crt``, ``tls.key`` and ``ca.crt``):
 ``DCR_TLS_CERT``            PEM certificate chain every server of this process presents
 ``DCR_TLS_KEY``             its private key (PEM); set both or neither
 ``DCR_TLS_CA``              PEM bundle this process's clients verify DCR peers against
+``DCR_TLS_CA_DATA``         the bundle itself, instead of a file (what an encoder Job gets
+                            from the Secret a relay fleet names: ``spec.relay.caSecretRef``)
 ``DCR_TLS_SERVER_NAME``     the name a peer's certificate must carry, instead of the URL's
                             host (peers reached by pod IP: the kubeconfig's tls-server-name)
 ==========================  ===============================================================
@@ -45,7 +47,7 @@ from dcr.errors import ConfigError
 log = logging.getLogger(__name__)
 
 ENV_CERT, ENV_KEY = "DCR_TLS_CERT", "DCR_TLS_KEY"
-ENV_CA, ENV_SERVER_NAME = "DCR_TLS_CA", "DCR_TLS_SERVER_NAME"
+ENV_CA, ENV_CA_DATA, ENV_SERVER_NAME = "DCR_TLS_CA", "DCR_TLS_CA_DATA", "DCR_TLS_SERVER_NAME"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +57,7 @@ class TlsSettings:
     cert: Path | None = None  # certificate chain its servers present (PEM); with key
     key: Path | None = None  # the chain's private key (PEM)
     ca: Path | None = None  # CA bundle its clients verify DCR peers against (PEM)
+    ca_data: str | None = None  # the bundle inline, instead of ``ca`` (PEM)
     server_name: str | None = None  # the name peers' certificates carry (None: URL's host)
 
     def __post_init__(self) -> None:
@@ -62,6 +65,9 @@ class TlsSettings:
             raise ConfigError(f"TLS needs both {ENV_CERT} and {ENV_KEY} (a certificate and "
                               f"its key); got {ENV_CERT}={_shown(self.cert)} and "
                               f"{ENV_KEY}={_shown(self.key)}.")
+        if self.ca is not None and self.ca_data is not None:
+            raise ConfigError(f"Set one of {ENV_CA} and {ENV_CA_DATA}, not both; got "
+                              f"{ENV_CA}={_shown(self.ca)} and a bundle in {ENV_CA_DATA}.")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> TlsSettings:
@@ -71,7 +77,13 @@ class TlsSettings:
             return Path(e[name]) if e.get(name, "").strip() else None
 
         return cls(cert=path(ENV_CERT), key=path(ENV_KEY), ca=path(ENV_CA),
+                   ca_data=e.get(ENV_CA_DATA, "").strip() or None,
                    server_name=e.get(ENV_SERVER_NAME, "").strip() or None)
+
+    @property
+    def verifies(self) -> bool:
+        """Does this process trust a CA of its own (and speak only TLS to DCR peers)?"""
+        return self.ca is not None or self.ca_data is not None
 
     @property
     def scheme(self) -> str:
@@ -139,34 +151,37 @@ def server_context(settings: TlsSettings) -> ssl.SSLContext | None:
     return front
 
 
-_clients: dict[tuple[str | None, Any], ssl.SSLContext] = {}
+_clients: dict[tuple[str | None, Any, str | None], ssl.SSLContext] = {}
 _clients_lock = threading.Lock()
 
 
 def client_context(settings: TlsSettings | None = None) -> ssl.SSLContext:
     """The context clients verify peers with: ``DCR_TLS_CA``'s bundle (rebuilt when the
-    file changes), else the system's; hostname checked. ConfigError names an unreadable
-    bundle."""
+    file changes) or ``DCR_TLS_CA_DATA``'s, else the system's; hostname checked.
+    ConfigError names a bundle that does not load."""
     s = settings or TlsSettings.from_env()
     try:
-        key = (None if s.ca is None else str(s.ca), None if s.ca is None else _stamp(s.ca))
+        key = (None if s.ca is None else str(s.ca), None if s.ca is None else _stamp(s.ca),
+               s.ca_data)
         with _clients_lock:
             if key not in _clients:
                 _clients.clear()  # one bundle per process: drop the replaced one
                 _clients[key] = ssl.create_default_context(
-                    cafile=None if s.ca is None else str(s.ca))
+                    cafile=None if s.ca is None else str(s.ca), cadata=s.ca_data)
             return _clients[key]
     except (OSError, ssl.SSLError) as e:
-        raise ConfigError(f"The TLS CA bundle {ENV_CA}={str(s.ca)!r} does not load: "
-                          f"{e}.") from e
+        shown = f"{ENV_CA}={str(s.ca)!r}" if s.ca is not None else ENV_CA_DATA
+        raise ConfigError(f"The TLS CA bundle {shown} does not load: {e}.") from e
 
 
 def check_peer_url(url: str, what: str, settings: TlsSettings | None = None) -> str:
-    """``url``, unless TLS is configured (``DCR_TLS_CA``) and it is plain ``http://``: a
-    token for a DCR peer is then never sent in clear (ConfigError naming ``what``)."""
+    """``url``, unless TLS is configured (``DCR_TLS_CA`` or ``DCR_TLS_CA_DATA``) and it is
+    plain ``http://``: a token for a DCR peer is then never sent in clear (ConfigError
+    naming ``what``)."""
     s = settings or TlsSettings.from_env()
-    if s.ca is not None and urllib.parse.urlsplit(url).scheme in ("http", "relay+http"):
-        raise ConfigError(f"{what}: {url!r} is plain HTTP, but {ENV_CA} is set: this "
+    if s.verifies and urllib.parse.urlsplit(url).scheme in ("http", "relay+http"):
+        which = ENV_CA if s.ca is not None else ENV_CA_DATA
+        raise ConfigError(f"{what}: {url!r} is plain HTTP, but {which} is set: this "
                           "process sends its tokens to DCR peers over TLS only; give an "
                           "https:// URL.")
     return url
@@ -220,6 +235,6 @@ def refusal(e: BaseException) -> str | None:
     return None
 
 
-__all__ = ["ENV_CA", "ENV_CERT", "ENV_KEY", "ENV_SERVER_NAME", "TlsSettings",
+__all__ = ["ENV_CA", "ENV_CA_DATA", "ENV_CERT", "ENV_KEY", "ENV_SERVER_NAME", "TlsSettings",
            "VerifiedHTTPSConnection", "aiohttp_options", "check_peer_url", "client_context",
            "refusal", "server_context", "server_hostname", "urllib3_options"]

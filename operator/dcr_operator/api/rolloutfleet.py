@@ -144,14 +144,32 @@ class RelaySpec(SpecModel):
     """The root of a relay tree encoder Jobs publish to (agents read from their own node).
 
     The relay nodes run beside the agents (``dcr relay``, see docs/publishing.md); each
-    payload crosses from the training side once. A relay carries one manifest per
-    attempt, so refits of a relay fleet run one encoder owner.
+    payload crosses from the training side once, every owner's manifest part beside it.
+    With ``store`` set too, encoder Jobs write each attempt through to that store and the
+    operator keeps the fleet's history there, which its pods catch up from
+    (docs/relay.md, "History and catch-up").
     """
 
     url: Annotated[str, Field(pattern=r"^https?://\S+$")] = Field(
         description="The root node's URL, as encoder pods reach it.")
     token_secret_ref: SecretKeyRef = Field(
         description="Secret key holding the relay tree's bearer token.")
+    ca_secret_ref: SecretKeyRef | None = Field(
+        default=None, description="For an https url: the Secret key holding the CA bundle "
+        "(PEM; cert-manager's ca.crt) the root's certificate chains to, which encoder Jobs "
+        "verify it against (DCR_TLS_CA_DATA); the Secret must be labelled "
+        "dcr.dev/relay-ca=true and exist where the Jobs run. Unset: the image's CAs.")
+    server_name: str | None = Field(
+        default=None, pattern=r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$",
+        description="For an https url: the DNS name the root's certificate carries, when "
+        "it is not the url's host (DCR_TLS_SERVER_NAME).")
+
+    @model_validator(mode="after")
+    def _tls_needs_https(self) -> RelaySpec:
+        if not self.url.startswith("https://") and (self.ca_secret_ref or self.server_name):
+            raise ValueError(f"caSecretRef and serverName verify a TLS relay, but url "
+                             f"{self.url!r} is plain http: use an https:// url")
+        return self
 
 
 class InitialVersion(SpecModel):
@@ -374,15 +392,22 @@ class RolloutFleetSpec(SpecModel):
     """Which pods are the fleet, how to reach them, and how their refits run."""
 
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{
-        "rule": "has(self.store) != has(self.relay)",
-        "message": "set exactly one of store and relay: where encoder Jobs publish"}]})
+        "rule": "has(self.store) || has(self.relay)",
+        "message": "set store, relay, or both: where encoder Jobs publish"}, {
+        "rule": "has(self.store) || !has(self.retention) || (!has(self.retention.snapshotEvery)"
+                " && !has(self.retention.keepSnapshots))",
+        "message": "retention needs the store that holds the history: set store (beside "
+                   "relay for a relay fleet)"}]})
 
     selector: LabelSelector
     agent: AgentSpec
     store: StoreSpec | None = Field(
-        default=None, description="The object store encoders publish to (or relay).")
+        default=None, description="The object store encoders publish to; with relay, the "
+        "store in the training cluster's region that encoders write every attempt through "
+        "to and that holds the fleet's history (pods catch up from it).")
     relay: RelaySpec | None = Field(
-        default=None, description="The relay tree encoders publish to (or store).")
+        default=None, description="The relay tree encoders publish to (attempts reach the "
+        "pods through it); without store the fleet keeps no history.")
     groups: ReplicaGroups | None = Field(
         default=None, description="Replicas span pods: one receiver per group of selected "
         "pods, through its leader's agent. Default: each selected pod is a receiver.")
@@ -410,8 +435,12 @@ class RolloutFleetSpec(SpecModel):
 
     @model_validator(mode="after")
     def _one_destination(self) -> RolloutFleetSpec:
-        if (self.store is None) == (self.relay is None):
-            raise ValueError("set exactly one of store and relay: where encoder Jobs publish")
+        if self.store is None and self.relay is None:
+            raise ValueError("set store, relay, or both: where encoder Jobs publish")
+        r = self.retention
+        if self.store is None and (r.snapshot_every is not None or r.keep_snapshots is not None):
+            raise ValueError("retention needs the store that holds the history: set store "
+                             "(beside relay for a relay fleet)")
         return self
 
     def encoder_profile(self, name: str) -> EncoderProfile | None:
