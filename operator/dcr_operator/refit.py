@@ -34,8 +34,10 @@ from dcr.protocol.coordinator import (
     RefitAborted,
     RefitFailed,
 )
+from dcr.protocol.owner_endpoints import OwnerEndpointFailed, OwnerEndpoints
 from dcr.protocol.records import Attempt, CommitRecord
 from dcr.protocol.states import AttemptOutcome, Phase
+from dcr.transport.store import Store
 from dcr_operator.api.conditions import RefitCondition, RefitReason
 from dcr_operator.api.rolloutfleet import RolloutFleetSpec
 from dcr_operator.api.weightrefit import WeightRefitSpec
@@ -78,6 +80,7 @@ from dcr_operator.jobs import (
 from dcr_operator.kube import KubeClient, api_path
 from dcr_operator.metrics import METRICS
 from dcr_operator.progress import Emit, Recorder, TrackedReceiver
+from dcr_operator.ranksnap import rank_snapshot
 from dcr_operator.reconcile import Verdict, agent_failure, is_final, now, parse_time, validate
 from dcr_operator.settings import OperatorSettings
 from dcr_operator.sites import Site, encoder_site, owner_reference
@@ -142,7 +145,32 @@ class RefitRun:
                                       encoder_pod(spec, fleet_spec, spec.fleet, self.settings))
         return self._site
 
-    def _snapshot(self, spec: WeightRefitSpec, fleet_spec: RolloutFleetSpec) -> None:
+    def _snapshot(self, spec: WeightRefitSpec, fleet_spec: RolloutFleetSpec,
+                  committed: CommitRecord, owners: list[OwnerHandle], store: Store) -> None:
+        """Have the snapshot of the version just committed written: by the owner
+        endpoints from memory where they are ranks (on a thread of its own), else by a
+        Job (:mod:`dcr_operator.ranksnap`)."""
+        endpoints = next((o.endpoints for o in owners if isinstance(o, EndpointOwner)), None)
+        if endpoints is None:
+            self._snapshot_job(spec, fleet_spec)
+            return
+        threading.Thread(target=self._snapshot_from_ranks, daemon=True,
+                         name=f"snapshot-{self.name}",
+                         args=(spec, fleet_spec, endpoints, committed, store)).start()
+
+    def _snapshot_from_ranks(self, spec: WeightRefitSpec, fleet_spec: RolloutFleetSpec,
+                             endpoints: OwnerEndpoints, committed: CommitRecord,
+                             store: Store) -> None:
+        try:
+            if rank_snapshot(endpoints, committed, store) is not None:
+                return
+        except (OwnerEndpointFailed, StoreError, ManifestError) as e:
+            log.warning("%s: the ranks wrote no snapshot of version %s: %s", self.name,
+                        committed.committed_version, e)
+            return
+        self._snapshot_job(spec, fleet_spec)
+
+    def _snapshot_job(self, spec: WeightRefitSpec, fleet_spec: RolloutFleetSpec) -> None:
         """Start the Job that writes a snapshot of the version just committed. Best
         effort: the commit stands, and a missing snapshot only makes catch-up longer."""
         site = self.site(spec, fleet_spec)
@@ -193,7 +221,7 @@ class RefitRun:
         record = record_of(fleet)
         verdict = validate(self.name, spec, spec.fleet, record,
                            created=self.refit["metadata"].get("creationTimestamp"),
-                           at=self.clock(), relay=fleet_spec.relay is not None)
+                           at=self.clock())
         if verdict.action == "reject":
             return self._fail(rec, verdict.reason, verdict.message, validated=False)
         if verdict.action == "wait":
@@ -270,8 +298,10 @@ class RefitRun:
                                   f"committed one is {record.committed_version}.")
             return record.baseline_id
 
-        # A store fleet's receivers rejoin from the store's history, which this coordinator
-        # writes after each commit; a relay fleet's dense-load the committed checkpoint.
+        # A fleet with a store (a relay fleet's beside its relay too) rejoins its receivers
+        # from the store's history, which this coordinator writes after each commit; a
+        # relay fleet without one dense-loads the committed checkpoint, which its agents
+        # refuse unless they committed it themselves (nothing else can check it).
         history = fleet_history(self.kube, self.namespace, fleet_spec)
         if history is not None and verdict.action == "run":
             # Manifest parts are read with what the fleet's receivers can use, never more.
@@ -283,7 +313,7 @@ class RefitRun:
             keep_history(self.kube, self.namespace, spec.fleet, fleet_spec, history)
             every = fleet_spec.retention.snapshot_every
             if every and committed.committed_version % every == 0:
-                self._snapshot(spec, fleet_spec)
+                self._snapshot(spec, fleet_spec, committed, owners, history.store)
 
         def started(attempt: Attempt) -> None:
             assert self._coordinator is not None
