@@ -277,7 +277,7 @@ def test_with_tls_the_operator_trusts_the_ca_secret_and_checks_the_server_name(
     (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
     assert volume["secret"] == {"secretName": "dcr-operator-tls",
                                 "items": [{"key": "ca.crt", "path": "ca.crt"}]}
-    plain = [o for o in helm_template(helm) if o["kind"] == "Deployment"][0]
+    plain = next(o for o in helm_template(helm) if o["kind"] == "Deployment")
     assert not any(e["name"].startswith("DCR_TLS_")
                    for e in plain["spec"]["template"]["spec"]["containers"][0]["env"])
 

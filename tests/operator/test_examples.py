@@ -316,7 +316,7 @@ def test_the_warm_encoder_example_is_locked_down_and_serves_the_fleets_warm_prof
     service = objs["Service"]
     (port,) = service["spec"]["ports"]
     assert set(warm.endpoint.urls) == {
-        f"http://{service['metadata']['name']}.rl.svc:{port['port']}"}
+        f"https://{service['metadata']['name']}.rl.svc:{port['port']}"}
     assert len(warm.endpoint.urls) <= int(arg(c, "--max-publishes"))
     assert objs["Deployment"]["spec"]["replicas"] == 1  # a stop reaches the publisher
 
@@ -449,7 +449,7 @@ def test_the_relay_example_is_a_tree_its_fleet_publishes_to_and_its_pods_read() 
     assert arg(relay, "--index") == "$(POD_INDEX)"
     assert env(relay)["POD_INDEX"] == {"fieldRef": {
         "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
-    assert spec.relay.url == f"http://{members[0]}"
+    assert spec.relay.url == f"https://{members[0]}"
     publish = tokens[spec.relay.token_secret_ref.name]
     assert publish["metadata"]["labels"] == {"dcr.dev/relay-token": "true"}
     read = next(t for n, t in tokens.items() if n != spec.relay.token_secret_ref.name)
@@ -517,3 +517,57 @@ def test_the_apiserver_accepts_every_example_with_strict_field_validation(
                 kube.create(path + "?fieldValidation=Strict", obj)
     finally:
         control_plane.request("DELETE", f"/api/v1/namespaces/{ns}")
+
+
+def serves_tls(spec: dict[str, Any], c: dict[str, Any]) -> str:
+    """The cert-manager Secret container ``c`` serves HTTPS from (its tls.crt, tls.key and
+    ca.crt, mounted read-only), every HTTP probe of it asking HTTPS."""
+    e = env(c)
+    files = {e[f"DCR_TLS_{k}"] for k in ("CERT", "KEY", "CA")}
+    directory = {f.rsplit("/", 1)[0] for f in files}
+    assert len(directory) == 1, (c["name"], files)
+    (where,) = directory
+    assert {f.rsplit("/", 1)[1] for f in files} == {"tls.crt", "tls.key", "ca.crt"}
+    (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == where]
+    assert mount["readOnly"] is True
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        if "httpGet" in c.get(probe, {}):
+            assert c[probe]["httpGet"]["scheme"] == "HTTPS", (c["name"], probe)
+    name: str = volume["secret"]["secretName"]
+    return name
+
+
+def test_the_cross_cluster_examples_speak_tls_with_cert_manager_secrets() -> None:
+    """relay.yaml, encoder-endpoint.yaml and trainer-ranks.yaml: every DCR server serves
+    HTTPS from its role's Secret (the chart's tls.certificates names); the relay's nodes
+    and the agents check one server name, which the fleet gives its encoder Jobs with the
+    relay's CA; the fleet calls its agents, warm encoders and ranks over https."""
+    relay = pod_specs(RELAY)
+    (node,) = relay["statefulset"]["containers"]
+    (agent,) = [c for c in relay["deployment"]["containers"] if c["name"] == "agent"]
+    (engine,) = [c for c in relay["deployment"]["containers"] if c["name"] == "engine"]
+    assert serves_tls(relay["statefulset"], node) == "dcr-relay-tls"
+    assert serves_tls(relay["deployment"], agent) == "dcr-agent-tls"
+    assert "DCR_TLS_CERT" not in env(engine)  # on loopback, behind the agent's door
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert engine[probe]["httpGet"]["scheme"] == "HTTPS"  # the agent's door, port 8000
+    assert arg(agent, "--relay").startswith("https://")
+    (fleet,) = [o for o in objects(RELAY) if o["kind"] == "RolloutFleet"]
+    spec = RolloutFleetSpec.model_validate(fleet["spec"])
+    assert spec.agent.scheme == "https"
+    assert spec.relay is not None
+    assert spec.relay.ca_secret_ref is not None
+    assert (spec.relay.ca_secret_ref.name, spec.relay.ca_secret_ref.key) == (
+        "dcr-relay-tls", "ca.crt")
+    assert spec.relay.server_name == env(node)["DCR_TLS_SERVER_NAME"] == env(agent)[
+        "DCR_TLS_SERVER_NAME"]
+    (encoder,) = pod("encoder-endpoint.yaml")["containers"]
+    assert serves_tls(pod("encoder-endpoint.yaml"), encoder) == "dcr-encoder-tls"
+    (job,) = [o for o in objects(TRAINER) if o["kind"] == "Job"]
+    ranks = job["spec"]["template"]["spec"]
+    assert serves_tls(ranks, ranks["containers"][0]) == "dcr-encoder-tls"
+    (main,) = [o for o in objects("rolloutfleet.yaml") if o["kind"] == "RolloutFleet"]
+    for profile in RolloutFleetSpec.model_validate(main["spec"]).encoder_profiles:
+        if profile.endpoint is not None:
+            assert all(u.startswith("https://") for u in profile.endpoint.urls)
