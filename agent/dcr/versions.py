@@ -54,7 +54,7 @@ class Wire:
     def refusal(self, what: str, got: object) -> str:
         """The one sentence: ``what`` (the object or peer) speaks version ``got``, this
         build reads these; which side to upgrade."""
-        shown = repr(got)[:24] if not isinstance(got, int) else str(got)
+        shown = str(got) if type(got) is int else "(not a version number)"  # never bytes
         return (f"{what} has {self.name} version {shown}, but this DCR {RELEASE} reads "
                 f"{self.name} {_versions(self.reads)}: upgrade the older side within the "
                 "supported skew (docs/upgrades.md, \"Skew\").")
@@ -84,7 +84,7 @@ class Wire:
         name = self.header.lower()  # header names are case-insensitive
         text = next((v for k, v in headers.items() if k.lower() == name), None)
         got: object = UNVERSIONED if text is None else (
-            int(text) if text.isdigit() and len(text) < 10 else text)
+            int(text) if text.isascii() and text.isdigit() and len(text) < 10 else text)
         self.check(what, got, error)
 
 

@@ -200,7 +200,7 @@ def _report(client: AgentClient, receiver: Receiver, at: str, catch_up: CommitRe
     except Exception as e:  # any failure: the receiver is reported unreachable
         entry["error"] = agent_failure(client.name, call, e)[:1024]
         return entry
-    entry.update(agent_report(st), lastSeen=at)
+    entry.update(agent_report(st), lastSeen=at, release=client.release or None)
     return {k: v for k, v in entry.items() if v is not None}
 
 

@@ -16,6 +16,7 @@ import pytest
 from k8sutil import apply, install_crds
 from stubs import Stub, stubs
 
+from dcr import __version__
 from dcr_operator.api.rolloutfleet import RolloutFleetSpec
 from dcr_operator.errors import InvalidResource
 from dcr_operator.fleet import clients, discover, prune_refits, refresh
@@ -64,8 +65,9 @@ def _pods(kube: KubeClient, namespace: str, ips: dict[str, str],
             "phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]}})
 
 
-def _answers(stub: Stub, status: dict[str, Any] = STATUS) -> None:
-    stub.answer = (200, {"Content-Type": "application/json"}, json.dumps(status).encode())
+def _answers(stub: Stub, status: dict[str, Any] = STATUS, **headers: str) -> None:
+    stub.answer = (200, {"Content-Type": "application/json", **headers},
+                   json.dumps(status).encode())
 
 
 def test_fleet_status_says_what_happened_in_our_words_never_an_agents(
@@ -107,6 +109,34 @@ def test_fleet_status_says_what_happened_in_our_words_never_an_agents(
                                          "(its GET /v1/status and log say why).")
         assert elsewhere.seen == []
         assert redirecting.tokens() == [f"Bearer {TOKEN}"]
+
+
+def test_fleet_status_names_each_agents_release_and_the_api_version_it_cannot_read(
+        kube: KubeClient, namespace: str) -> None:
+    """An agent of another release within the skew shows its release; one that speaks an
+    agent API version the operator does not read shows our sentence naming both versions,
+    never a header's bytes."""
+    install_crds(kube)
+    apply(kube, [_secret("agent-token", "agent-token")], namespace)
+    with stubs("127.0.0.2", "127.0.0.3", "127.0.0.4") as (newer, ahead, odd):
+        _answers(newer, **{"DCR-Agent-API": "1", "DCR-Release": "0.2.0"})
+        _answers(ahead, **{"DCR-Agent-API": "2", "DCR-Release": "0.3.0"})
+        _answers(odd, **{"DCR-Agent-API": "1", "DCR-Release": f"<{SECRET}>"})
+        _pods(kube, namespace, {"newer": "127.0.0.2", "ahead": "127.0.0.3",
+                                "odd": "127.0.0.4"})
+        (fleet,) = apply(kube, [_fleet(newer.port, "agent-token")], namespace)
+        refresh(kube, fleet, clock=now, active=None)
+        status = kube.get(f"/apis/dcr.dev/v1alpha1/namespaces/{namespace}/rolloutfleets/"
+                          "fleet")["status"]
+    got = {r["name"]: r for r in status["receivers"]}
+    assert (got["newer"]["version"], got["newer"]["release"]) == (0, "0.2.0")
+    assert "release" not in got["odd"]  # not a release: nothing of it in status
+    assert SECRET not in json.dumps(status)
+    assert got["ahead"]["error"] == (
+        "Agent ahead's answer (GET /v1/status) has agent API version 2, but this DCR "
+        f"{__version__} reads agent API version 1: upgrade the older side within the "
+        'supported skew (docs/upgrades.md, "Skew").')
+    assert "version" not in got["ahead"]
 
 
 def test_the_fleet_says_which_pods_are_handed_the_stores_write_credentials(

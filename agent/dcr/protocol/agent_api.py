@@ -415,7 +415,7 @@ class AgentClient(AgentApi):
         try:
             self.release = release_of(resp.headers)
             AGENT_API.check_headers(resp.headers, f"Agent {self.name}'s answer {where}",
-                                    lambda m: AgentError(m, resp.status, "VersionSkew"))
+                                    lambda m: AgentError(m, None, "VersionSkew"))
             if 300 <= resp.status < 400:  # never followed: the token stays with this agent
                 raise AgentError(f"Agent {self.name} {where} answered HTTP {resp.status}, a "
                                  "redirect; agent calls follow none.", resp.status)

@@ -172,11 +172,11 @@ class EncoderClient:
         where = f"Encoder endpoint {self.name} (POST {path})"
         try:
             with OPENER.open(req, timeout=timeout_s) as resp:
-                self._check_version(dict(resp.headers.items()), where, resp.status)
+                self._check_version(dict(resp.headers.items()), where)
                 raw = read_bounded(resp, limit)
         except urllib.error.HTTPError as e:
             with e:  # closes the connection
-                self._check_version(dict(e.headers.items()), where, e.code)
+                self._check_version(dict(e.headers.items()), where)
                 if 300 <= e.code < 400:  # never followed: the token stays with this peer
                     raise EncoderError(f"{where} answered HTTP {e.code}, a redirect; encoder "
                                        "calls follow none.", e.code) from None
@@ -194,9 +194,11 @@ class EncoderClient:
         return raw
 
     @staticmethod
-    def _check_version(headers: Mapping[str, str], where: str, status: int) -> None:
+    def _check_version(headers: Mapping[str, str], where: str) -> None:
+        """Refuse an answer in an encoder-API version this build does not read; our own
+        sentence (status None), as status shows it (the version only when a number)."""
         ENCODER_API.check_headers(headers, f"The answer of {where}",
-                                  lambda m: EncoderError(m, status, "VersionSkew"))
+                                  lambda m: EncoderError(m, None, "VersionSkew"))
 
 
 __all__ = ["MAX_BODY_BYTES", "EncoderClient", "EncoderError", "PublishRequest",

@@ -467,6 +467,11 @@ class ReceiverState(StatusModel):
         default=None, description="When it last acknowledged a flush.")
     last_seen: Annotated[str | None, Field(json_schema_extra=RFC3339)] = Field(
         default=None, description="When its agent last answered (RFC 3339, UTC).")
+    release: str | None = Field(
+        default=None, description="The DCR release its agent runs, as its last answer "
+        "named it: another release than the operator's is fine within the supported skew "
+        "(docs/upgrades.md); an agent API version the operator does not read shows in "
+        "error.")
 
 
 class ServingVersion(StatusModel):
