@@ -277,6 +277,13 @@ def test_with_tls_the_operator_trusts_the_ca_secret_and_checks_the_server_name(
     (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
     assert volume["secret"] == {"secretName": "dcr-operator-tls",
                                 "items": [{"key": "ca.crt", "path": "ca.crt"}]}
+    (monitor,) = [o for o in helm_template(helm, *TLS, "--set=metrics.agentPodMonitor.enabled=true",
+                                           "--set=metrics.agentPodMonitor.selector.app=x")
+                  if o["kind"] == "PodMonitor"]
+    (scrape,) = monitor["spec"]["podMetricsEndpoints"]
+    assert scrape["scheme"] == "https"
+    assert scrape["tlsConfig"] == {"ca": {"secret": {"name": "dcr-operator-tls", "key": "ca.crt"}},
+                                   "serverName": "peer.dcr.internal"}
     plain = next(o for o in helm_template(helm) if o["kind"] == "Deployment")
     assert not any(e["name"].startswith("DCR_TLS_")
                    for e in plain["spec"]["template"]["spec"]["containers"][0]["env"])
