@@ -6,10 +6,12 @@ coordinator process, bench/faultcoord.py), the record as read back (``record``),
 agent's status and whole-state fingerprints (``agent``, grouped in polling ``round``\\ s),
 fingerprints of a dense load of each version's checkpoint through each pod kind's loader
 (``reference``), the tensors ``dcr materialize`` built from the store and the checkpoint's
-own (``materialized``, ``checkpoint``), and when the campaign stopped its faults
-(``faults_stopped``, with the bound it promises). What the harness meant to do (its fault
-schedule) is not read here. It lives in bench, not in the product: it judges a harness's
-log, and a product path gains nothing from it. docs/faults.md says what each kind means.
+own (``materialized``, ``checkpoint``), the per-token weight versions each completion
+was answered with (``completion``, from a client of each pod's server), and when the
+campaign stopped its faults (``faults_stopped``, with the bound it promises). What the
+harness meant to do (its fault schedule) is not read here. It lives in bench, not in the
+product: it judges a harness's log, and a product path gains nothing from it.
+docs/faults.md says what each kind means.
 
 ``python bench/faultcheck.py EVENTS.jsonl`` prints the violations (exit 1 if any).
 """
@@ -37,6 +39,11 @@ KINDS = {  # each violation kind and the invariant it breaks
                   "a dense load of that version",
     "not_buildable": "a committed version could not be built from the store, or was built "
                      "with other bits than its checkpoint",
+    "completion_uncommitted": "a completion was answered with tokens of a weight version "
+                              "no successful compare-and-set named (nor the initial one)",
+    "completion_mixed": "two completions of the same prompt labelled with one version by "
+                        "pods of one kind answered different tokens or logprobs (greedy: "
+                        "the same bits answer the same)",
     "not_converged": "after the faults stopped, the fleet did not reach the newest "
                      "committed version (every agent, its bits) within the bound",
 }
@@ -140,6 +147,26 @@ def check_bits(events: Sequence[Event], rep: Report) -> None:
                         + (" without its bits" if seen.get("version") == v else ""), seen["t"])
 
 
+def check_completions(events: Sequence[Event], rep: Report) -> None:
+    committed = {"0"} | {str(c["new"]["version"]) for c in _commits(events)}
+    for e in _of(events, "completion"):
+        named = {str(s["version"]) for s in e.get("versions") or []}
+        if not named or named - committed:
+            rep.add("completion_uncommitted", f"{e['pod']} answered tokens of version(s) "
+                    f"{sorted(named) or 'unreported'}; committed: {sorted(committed)}", e["t"])
+    first: dict[tuple[str, str], Event] = {}
+    for e in _of(events, "completion"):
+        spans = e.get("versions") or []
+        if len(spans) != 1:
+            continue  # a switch between tokens: each token's version is reported
+        key = (str(e["pod_kind"]), str(spans[0]["version"]))
+        seen = first.setdefault(key, e)
+        if (seen["tokens"], seen["logprobs"]) != (e["tokens"], e["logprobs"]):
+            rep.add("completion_mixed", f"{e['pod']} answered version {key[1]} with tokens "
+                    f"{e['tokens']} {e['logprobs']}; {seen['pod']} with {seen['tokens']} "
+                    f"{seen['logprobs']}", e["t"])
+
+
 def check_buildable(events: Sequence[Event], rep: Report) -> None:
     built = {int(e["version"]): e for e in _of(events, "materialized")}
     wanted = {int(e["version"]): e["tensors"] for e in _of(events, "checkpoint")}
@@ -182,7 +209,8 @@ def check_convergence(events: Sequence[Event], rep: Report) -> None:
 
 def check(events: Sequence[Event]) -> Report:
     rep = Report()
-    for fn in (check_record, check_bits, check_buildable, check_convergence):
+    for fn in (check_record, check_bits, check_completions, check_buildable,
+               check_convergence):
         fn(events, rep)
     return rep
 

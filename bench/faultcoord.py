@@ -93,14 +93,14 @@ def main(spec_path: str, version: str) -> int:
     try:
         record = coordinator.refit(target, spec["checkpoint"].format(v=target))
     except Exception as e:
-        emit(events, "coordinator", "failed", target=target, error=f"{type(e).__name__}: {e}",
-             attempts=[h.outcome for h in coordinator.history])
+        emit(events, "coordinator", "failed", target=target, pid=os.getpid(),
+             error=f"{type(e).__name__}: {e}", attempts=[h.outcome for h in coordinator.history])
         logging.getLogger("faultcoord").error("refit to %d failed: %s", target, e)
         return 1
     finally:
         coordinator.close()
-    emit(events, "coordinator", "done", target=target, record=record_fields(record),
-         attempts=[h.outcome for h in coordinator.history])
+    emit(events, "coordinator", "done", target=target, pid=os.getpid(),
+         record=record_fields(record), attempts=[h.outcome for h in coordinator.history])
     return 0
 
 

@@ -31,12 +31,14 @@ import os
 import random
 import secrets
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -305,8 +307,7 @@ def _kill(f: Fleet, k: Kill, version: int, running: threading.Event,
         time.sleep(k.restart_after_s)
         victim.start()
         victim.wait_ready()
-    out.landed.append({"fault": "kill", "victim": k.victim.rsplit("-", 1)[0],
-                       "stage": k.stage})
+    _landed(f, out, {"fault": f"kill {k.victim.rsplit('-', 1)[0]}", "stage": k.stage})
 
 
 def _toxic(f: Fleet, t: Toxic, running: threading.Event, out: Outcome) -> None:
@@ -319,9 +320,15 @@ def _toxic(f: Fleet, t: Toxic, running: threading.Event, out: Outcome) -> None:
         f.toxi.enable(t.link, False)
     else:
         f.toxi.toxic(t.link, t.kind, _attributes(t), name=f"campaign-{t.kind}")
-    out.landed.append({"fault": t.kind, "link": "train" if t.link == "train" else "pod"})
+    _landed(f, out, {"fault": t.kind, "link": "train" if t.link == "train" else "pod"})
     time.sleep(t.for_s)
     _clear(f)
+
+
+def _landed(f: Fleet, out: Outcome, fault: dict[str, str]) -> None:
+    """A fault that happened (logged for the record; the checker does not read it)."""
+    out.landed.append(fault)
+    emit(f.events, "harness", "fault", **fault)
 
 
 def _clear(f: Fleet) -> None:
@@ -346,12 +353,37 @@ def _drive(f: Fleet, version: int, kill: Kill | None, out: Outcome) -> None:
             time.sleep(kill.restart_after_s)
 
 
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def complete(f: Fleet, pod: _Pod, running: threading.Event) -> None:
+    """A client of ``pod``'s server: greedy completions while the refit runs, each answer's
+    per-token weight versions logged as the server reported them."""
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 4, "return_weight_versions": True,
+                       "logprobs": 0}).encode()
+    while running.is_set():
+        req = urllib.request.Request(pod.server.url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                choice = json.loads(r.read())["choices"][0]
+        except (OSError, ValueError, KeyError):  # killed, restarting, or refused
+            time.sleep(0.1)
+            continue
+        emit(f.events, "client", "completion", pod=pod.server.name, pod_kind=pod.kind,
+             versions=choice.get("weight_versions"), tokens=choice["token_ids"],
+             logprobs=choice["logprobs"]["token_logprobs"])
+        time.sleep(0.05)
+
+
 def refit(f: Fleet, version: int, step: Step) -> Outcome:
     out = Outcome()
     running = threading.Event()
     running.set()
     threads = [threading.Thread(target=_toxic, args=(f, t, running, out), daemon=True)
                for t in step.toxics]
+    threads += [threading.Thread(target=complete, args=(f, p, running), daemon=True)
+                for p in f.pods]
     if step.kill is not None:
         threads.append(threading.Thread(target=_kill, args=(f, step.kill, version, running,
                                                            out), daemon=True))
@@ -452,6 +484,20 @@ class Campaign:
     outcomes: list[Outcome] = field(default_factory=list)
     report: Report = field(default_factory=Report)
     events: Path | None = None
+    attempts: list[int] = field(default_factory=list)  # per committed version
+
+
+def attempts_per_commit(events: list[dict[str, Any]]) -> list[int]:
+    """Attempts each committed version took, over every coordinator process that worked on
+    it, as each reported them; a process killed before it could report counts one."""
+    ended = {e["pid"]: len(e["attempts"]) for e in events if e["kind"] in ("done", "failed")}
+    per: Counter[int] = Counter()
+    for e in events:
+        if e["kind"] == "start":
+            per[int(e["target"])] += ended.get(e["pid"], 1)
+    done = {int(e["new"]["version"]) for e in events
+            if e["kind"] == "cas" and e["outcome"] == "success"}
+    return [per[v] for v in sorted(done)]
 
 
 def run(seed: int, steps: int, out: Path, *, pods: int = 3, owners: int = 2,
@@ -486,7 +532,9 @@ def run(seed: int, steps: int, out: Path, *, pods: int = 3, owners: int = 2,
                 f" in {time.monotonic() - t0:.1f} s, {o.coordinator_runs} coordinator runs; "
                 f"landed {o.landed}")
         materialize_all(f)
-    c.report = check(read_events(f.events))
+    events = read_events(f.events)
+    c.report = check(events)
+    c.attempts = attempts_per_commit(events)
     for v in c.report.violations:
         say(f"  VIOLATION seed {seed}: {v}")
     say(f"seed {seed}: {c.refits} committed, {c.failed_refits} not, "
@@ -501,16 +549,18 @@ def _percentile(xs: list[float], q: float) -> float | None:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
-def summary(campaigns: list[Campaign], minutes: float) -> dict[str, Any]:
+def summary(campaigns: list[Campaign], minutes: float, steps: int) -> dict[str, Any]:
     landed = [x for c in campaigns for o in c.outcomes for x in o.landed]
     recovery = [x for c in campaigns for x in c.report.recovery_s]
     runs = [o.coordinator_runs for c in campaigns for o in c.outcomes if o.committed]
+    attempts = [n for c in campaigns for n in c.attempts]
     return {
-        "command": f"python bench/faults.py --soak --minutes {minutes:g}",
-        "seeds": [c.seed for c in campaigns], "minutes": minutes,
+        "command": f"python bench/faults.py --soak --minutes {minutes:g} --seed "
+                   f"{campaigns[0].seed} --steps {steps}",
+        "seeds": [c.seed for c in campaigns], "minutes": minutes, "steps_per_seed": steps,
         "refits_committed": sum(c.refits for c in campaigns),
         "refits_not_committed": sum(c.failed_refits for c in campaigns),
-        "faults_by_kind": dict(Counter(x.get("victim", x["fault"]) for x in landed)),
+        "faults_by_kind": dict(Counter(x["fault"] for x in landed)),
         "kills_by_stage": dict(Counter(x["stage"] for x in landed if "stage" in x)),
         "violations": [{"seed": c.seed, "kind": v.kind, "detail": v.detail}
                        for c in campaigns for v in c.report.violations],
@@ -519,6 +569,10 @@ def summary(campaigns: list[Campaign], minutes: float) -> dict[str, Any]:
                        "bound": SETTLE_BOUND_S},
         "coordinator_runs_per_commit": {
             "mean": statistics.mean(runs) if runs else None, "max": max(runs, default=None)},
+        "attempts_per_commit": {
+            "mean": statistics.mean(attempts) if attempts else None,
+            "p99": _percentile([float(a) for a in attempts], 0.99),
+            "max": max(attempts, default=None)},
         "cpus": os.cpu_count(),
     }
 
@@ -534,6 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="working directory (default: a "
                     "temporary one)")
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the parties on the way out
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
     work = args.out or Path(tempfile.mkdtemp(prefix="dcr-faults-"))
     campaigns = []
@@ -544,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
             break
         seed += 1
     if args.soak:
-        result = summary(campaigns, args.minutes)
+        result = summary(campaigns, args.minutes, args.steps)
         RESULTS.write_text(json.dumps(result, indent=1) + "\n")
         print(json.dumps(result, indent=1))
     return 1 if any(c.report.violations for c in campaigns) else 0

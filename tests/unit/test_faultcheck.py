@@ -105,6 +105,29 @@ def test_a_dirty_agent_is_not_held_to_any_version() -> None:
     assert kinds(log) == set()
 
 
+def test_a_completion_from_an_uncommitted_version_is_caught() -> None:
+    log = clean_log()
+    answer = {"t": 15.0, "party": "client", "kind": "completion", "pod": "serve-0",
+              "pod_kind": "hf", "tokens": [1, 2], "logprobs": [-0.1, -0.2],
+              "versions": [{"version": "0", "start": 0, "end": 1},
+                           {"version": "1", "start": 1, "end": 2}]}
+    assert kinds([*log, answer]) == set()  # a switch at a token, both committed
+    answer["versions"] = [{"version": "3", "start": 0, "end": 2}]
+    assert kinds([*log, answer]) == {"completion_uncommitted"}
+
+
+def test_completions_of_one_version_answering_differently_are_caught() -> None:
+    def answer(t: float, pod: str, logprobs: list[float]) -> dict[str, Any]:
+        return {"t": t, "party": "client", "kind": "completion", "pod": pod,
+                "pod_kind": "hf", "tokens": [7, 7], "logprobs": logprobs,
+                "versions": [{"version": "2", "start": 0, "end": 2}]}
+
+    log = [*clean_log(), answer(25.0, "serve-0", [-0.5, -0.25]),
+           answer(26.0, "serve-1", [-0.5, -0.25])]
+    assert kinds(log) == set()
+    assert kinds([*log, answer(27.0, "serve-1", [-0.5, -0.375])]) == {"completion_mixed"}
+
+
 @pytest.mark.parametrize("broken", ["missing", "error", "bits"])
 def test_a_committed_version_not_buildable_from_the_store_is_caught(broken: str) -> None:
     log = clean_log()
@@ -136,7 +159,8 @@ def test_every_violation_kind_has_a_test_here() -> None:
     caught = {"cas_step": "skips", "record_backwards": "backwards",
               "record_unexplained": "no_compare", "counted_not_holding": "counted",
               "wrong_bits": "without_its_bits", "not_buildable": "buildable",
-              "not_converged": "does_not_reach"}
+              "not_converged": "does_not_reach", "completion_uncommitted": "uncommitted",
+              "completion_mixed": "answering_differently"}
     assert caught.keys() == KINDS.keys()
     for word in caught.values():
         assert any(word in n for n in names), word
