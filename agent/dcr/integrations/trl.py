@@ -5,10 +5,12 @@ Two of TRL's public extension points (``trl==1.16``), nothing patched:
 - :class:`FleetRollout` is GRPOTrainer's ``rollout_func``: each prompt's completions come
   from the rollout pods' client door (OpenAI-compatible ``/v1/completions``, token ids in,
   token ids out), with the behaviour logprobs (``logprobs: 0``) and the weight version of
-  every token (``return_weight_versions``, read by :func:`dcr.client.token_versions`).
-  Each sample carries its per-token versions to the reward functions
-  (``weight_versions``); a sample with a token older than ``max_staleness`` versions
-  behind the trainer is dropped, counted, and drawn again from the newest weights.
+  every token (``return_weight_versions``, read by :func:`dcr.client.token_versions`);
+  or (``api="generate"``) from vLLM's token route ``/inference/v1/generate``, the one
+  that reports weight versions before vLLM 0.33 (``--enable-scale-out``). Each sample
+  carries its per-token versions to the reward functions (``weight_versions``); a
+  sample with a token older than ``max_staleness`` versions behind the trainer is
+  dropped, counted, and drawn again from the newest weights.
 - :class:`DcrWeightSync` is a ``TrainerCallback``: after each optimizer step it offers
   the trainer's live parameters (BF16, as an export would hold them) to an in-process
   :class:`~dcr.owner.rank.RankOwner` and has the coordinator refit the fleet to them. No
@@ -33,10 +35,10 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from transformers import TrainerCallback
 
@@ -64,6 +66,32 @@ class RolloutError(ExternalError):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Api:
+    """One inference route a sample can come from: where, what to send, where the
+    behaviour logprobs are in its answer's choice."""
+
+    path: str
+    body: Callable[[list[int], int, int, float], dict[str, Any]]  # prompt, tokens, seed, T
+    logprobs: Callable[[dict[str, Any]], list[Any]]
+
+
+APIS: dict[str, Api] = {
+    "completions": Api(
+        path="/v1/completions",
+        body=lambda prompt, n, seed, t: {
+            "prompt": prompt, "max_tokens": n, "temperature": t, "seed": seed,
+            "logprobs": 0, "return_weight_versions": True},
+        logprobs=lambda choice: list(choice["logprobs"]["token_logprobs"])),
+    "generate": Api(
+        path="/inference/v1/generate",
+        body=lambda prompt, n, seed, t: {
+            "token_ids": prompt, "sampling_params": {
+                "max_tokens": n, "temperature": t, "seed": seed, "logprobs": 0}},
+        logprobs=lambda choice: [c["logprob"] for c in choice["logprobs"]["content"]]),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
 class RolloutSettings:
     """How :class:`FleetRollout` asks the fleet for completions."""
 
@@ -79,8 +107,16 @@ class RolloutSettings:
     redraws: int = option(3, metavar="N", doc="times a dropped sample is drawn again "
                           "before the rollout fails")
     seed: int = option(0, doc="seed of the per-completion sampler seeds")
+    api: Literal["completions", "generate"] = option(
+        "completions", doc="completions: POST /v1/completions (dcr serve, vLLM 0.33 and "
+        "later); generate: vLLM's token route POST /inference/v1/generate, which reports "
+        "weight versions in earlier releases (the door must list it in --client-route)")
+    model: str | None = option(None, doc="the served model name to ask for (None: the "
+                               "engine's only one)")
 
     def __post_init__(self) -> None:
+        if self.api not in APIS:
+            raise ConfigError(f"Rollout api {self.api!r} is not one of {sorted(APIS)}.")
         if self.max_tokens < 1 or self.concurrency < 1 or self.redraws < 0:
             raise ConfigError(f"Rollout max_tokens ({self.max_tokens}) and concurrency "
                               f"({self.concurrency}) must be >= 1, redraws ({self.redraws}) "
@@ -339,20 +375,22 @@ class FleetRollout:
         """Prompt ``i``'s completion from door ``i mod n``; None when the door says the
         engine's weights are older than ``floor`` (409)."""
         s = self.settings
-        body = {"prompt": prompt, "max_tokens": s.max_tokens, "temperature": s.temperature,
-                "seed": seed, "logprobs": 0, "return_weight_versions": True}
+        api = APIS[s.api]
+        body = api.body(prompt, s.max_tokens, seed, s.temperature)
+        if s.model is not None:
+            body["model"] = s.model
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         if floor is not None:
             headers[MIN_VERSION] = str(max(floor, 0))
-        url = self.doors[i % len(self.doors)] + "/v1/completions"
+        url = self.doors[i % len(self.doors)] + api.path
         req = urllib.request.Request(url, json.dumps(body).encode(), headers, method="POST")
         deadline = time.monotonic() + s.timeout_s
         while True:
             try:
                 with urllib.request.urlopen(req, timeout=s.timeout_s) as r:
-                    return _sample(i, prompt, json.loads(r.read()))
+                    return _sample(i, prompt, json.loads(r.read()), api)
             except urllib.error.HTTPError as e:
                 if e.code == 409 and floor is not None:
                     return None  # the engine's weights are older than the bound
@@ -364,13 +402,13 @@ class FleetRollout:
             time.sleep(RETRY_S)
 
 
-def _sample(i: int, prompt: list[int], answer: dict[str, Any]) -> Sample:
-    """The sample in a ``/v1/completions`` answer, or :class:`RolloutError` naming what
-    it lacks."""
+def _sample(i: int, prompt: list[int], answer: dict[str, Any], api: Api) -> Sample:
+    """The sample in an answer of ``api``, or :class:`RolloutError` naming what it
+    lacks."""
     try:
         choice = answer["choices"][0]
         ids = [int(t) for t in choice["token_ids"]]
-        logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+        logprobs = [float(x) for x in api.logprobs(choice)]
     except (KeyError, IndexError, TypeError, ValueError) as e:
         raise RolloutError(f"Completion {i}: the answer lacks token_ids or logprobs "
                            f"({type(e).__name__}: {e}); the engine must return token ids "
@@ -389,5 +427,5 @@ def _sample(i: int, prompt: list[int], answer: dict[str, Any]) -> Sample:
                   versions=versions)
 
 
-__all__ = ["DcrWeightSync", "FleetRollout", "RefitStep", "RolloutError", "RolloutSettings",
-           "RolloutStats", "Sample"]
+__all__ = ["APIS", "Api", "DcrWeightSync", "FleetRollout", "RefitStep", "RolloutError",
+           "RolloutSettings", "RolloutStats", "Sample"]
