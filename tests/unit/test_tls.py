@@ -106,6 +106,7 @@ def _relay_status(url: str) -> dict[str, Any]:
 
 def test_a_server_given_a_certificate_serves_https_that_each_client_verifies(
         served: Served, leaf: Leaf, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without edge.start's ssl context the URL is http:// and no handshake happens."""
     monkeypatch.setenv("DCR_TLS_CA", str(leaf.ca))
     assert served.url.startswith("https://127.0.0.1:")
     assert _get(served.url) == {"counters": {"served": 1}}
@@ -118,6 +119,8 @@ def test_a_server_given_a_certificate_serves_https_that_each_client_verifies(
 
 def test_a_client_with_another_ca_is_refused_naming_the_address(
         served: Served, other_ca: Authority, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without verification the token reaches the server (``seen``); without
+    :func:`dcr.http.tls.refusal` the sentence says only ``SSLCertVerificationError``."""
     monkeypatch.setenv("DCR_TLS_CA", str(other_ca.path))
     with pytest.raises(AgentError) as agent:
         AgentClient("r0", served.url, TOKEN, timeout_s=10).status()
@@ -133,6 +136,7 @@ def test_a_client_with_another_ca_is_refused_naming_the_address(
 
 
 def test_a_plain_http_client_gets_no_answer_from_a_tls_server(served: Served) -> None:
+    """A server that also listened in plain would answer 200 and see the token."""
     with pytest.raises((http.client.HTTPException, OSError)):
         plain_get(served.listening.port, "/v1/status", TOKEN)
     assert served.seen == []
@@ -140,6 +144,8 @@ def test_a_plain_http_client_gets_no_answer_from_a_tls_server(served: Served) ->
 
 def test_with_tls_configured_no_client_sends_a_token_to_a_plain_http_peer(
         leaf: Leaf, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without :func:`dcr.http.tls.check_peer_url` each client is built and would send
+    its token in clear at its first call."""
     monkeypatch.setenv("DCR_TLS_CA", str(leaf.ca))
     with socket.socket() as listener:  # a plain peer that would read what it is sent
         listener.bind(("127.0.0.1", 0))
@@ -157,6 +163,8 @@ def test_with_tls_configured_no_client_sends_a_token_to_a_plain_http_peer(
 
 def test_peers_reached_by_address_are_checked_against_the_server_name(
         ca: Authority, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without DCR_TLS_SERVER_NAME a peer at a pod IP never verifies; a client that
+    skipped the name check would accept the wrong name at the end."""
     named = ca.leaf(tmp_path / "named", dns=("agent.dcr.internal",), ips=())
     s = Served(TlsSettings(cert=named.cert, key=named.key))
     try:
@@ -181,6 +189,8 @@ def test_peers_reached_by_address_are_checked_against_the_server_name(
 def test_a_renewed_certificate_is_served_at_the_next_handshake(
         ca: Authority, other_ca: Authority, served: Served, leaf: Leaf, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the reload (the SNI callback's swap) the old certificate stays served
+    and the first call after the renewal still verifies against the old CA."""
     monkeypatch.setenv("DCR_TLS_CA", str(ca.path))
     assert _get(served.url)["counters"] == {"served": 1}
     renewed = other_ca.leaf(tmp_path / "renewed")
@@ -196,6 +206,7 @@ def test_a_renewed_certificate_is_served_at_the_next_handshake(
 
 def test_a_half_written_pair_keeps_the_previous_one(served: Served, leaf: Leaf,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reload that failed without keeping the old pair would fail the handshake."""
     monkeypatch.setenv("DCR_TLS_CA", str(leaf.ca))
     leaf.key.write_text("-----BEGIN PRIVATE KEY-----\ntruncated")
     assert _get(served.url)["counters"] == {"served": 1}
