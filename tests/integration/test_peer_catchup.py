@@ -223,6 +223,8 @@ def hostile_donor(run: Run) -> Server:
 
 def test_a_peer_offering_wrong_bits_is_refused_by_name_and_the_store_is_used(
         run: Run) -> None:
+    """Without the check of the donor's copy against the history, the pod takes v3's bits
+    as v4, the engine's own check refuses the dense load and the rejoin fails (409)."""
     stub = hostile_donor(run)
     try:
         pod = run.pod("misled", "--donor", stub.url)
@@ -241,7 +243,8 @@ def test_a_peer_offering_wrong_bits_is_refused_by_name_and_the_store_is_used(
 def test_a_donor_in_an_attempt_lends_nothing_and_the_reader_uses_the_store(
         run: Run, donor: AgentClient) -> None:
     """While the donor stages an attempt its copy is not lent (409 naming the attempt); a
-    reader then builds from the store, and once the attempt is stopped it lends again."""
+    reader then builds from the store, and once the attempt is stopped it lends again.
+    Without the check the lease answers 200 mid-attempt."""
     spec = AttemptSpec(attempt="a-peer-busy-0001", base_version=LAST,
                        target_version=LAST + 1, mode="mixed", deadline=time.time() + 600)
     donor.prepare(spec)
@@ -270,6 +273,7 @@ def test_a_donor_in_an_attempt_lends_nothing_and_the_reader_uses_the_store(
 
 def test_the_donor_routes_ask_for_the_peer_read_token_and_nothing_else(
         run: Run, donor: AgentClient) -> None:
+    """Without the donor routes' own token check a lease without a token answers 200."""
     assert lease(donor.url, None)[0] == 401
     assert lease(donor.url, TOKEN)[0] == 401  # the agent token drives refits, not this
     assert lease(donor.url, "x" * 32)[0] == 401

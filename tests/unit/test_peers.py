@@ -22,6 +22,7 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def test_a_rebuild_waits_for_a_held_lease_and_lends_nothing_meanwhile() -> None:
+    """Without the lease a rebuild starts at once, rewriting the copy being read."""
     leases = Leases(lease_s=600.0)
     lease = leases.take("the copy")
     entered = threading.Event()
@@ -75,6 +76,7 @@ BOUND = Bound.of({"a": ("BF16", (1024,)), "b": ("F32", (256,))})  # 2048 + 1024 
 ])
 def test_an_offer_that_no_checkpoint_of_the_version_can_be_is_refused_before_fetching(
         files: tuple[tuple[str, int], ...], says: str) -> None:
+    """Without the bounds the reader fetches what the offer names (``../``, code, GiBs)."""
     with pytest.raises(PeerRefused, match=says):
         BOUND.check(offer(*files), "http://peer")
 
