@@ -151,7 +151,7 @@ def test_a_reader_of_format_version_1_refuses_the_rank_index_by_its_version(
         fleet: tuple[FileStore, list[RankOwner], list[State]]) -> None:
     store, _, _ = fleet
     key = "snapshots/v0000000004/index.dcrs"
-    with pytest.raises(ManifestError, match=r"format_version.*1"):
+    with pytest.raises(ManifestError, match=r"[Ff]ormat.version"):
         SnapshotIndex.parse(store.get(key), key)
     with pytest.raises(ManifestError, match=r"format version 3; this reader reads versions "
                                             r"\[1, 2\]"):

@@ -30,6 +30,7 @@ from dcr.errors import ManifestError
 from dcr.format.dtypes import DTYPES
 from dcr.format.history import (
     PIECE_BYTES,
+    AnyIndex,
     ObjectRef,
     Piece,
     RankPart,
@@ -39,7 +40,7 @@ from dcr.format.history import (
     Snapshot,
 )
 from dcr.format.names import object_digest
-from dcr.format.regions import Span, sum_text
+from dcr.format.regions import Span, sum_text, sum_value
 from dcr.transport.store import Store
 
 PARALLEL = 4  # pieces in flight per reader
@@ -96,14 +97,20 @@ def write_rank_index(store: Store, version: int, parts: Iterable[RankPart]) -> S
     totals: dict[str, int] = {}
     for p in ranks:
         for n, t in p.tensors.items():
-            totals[n] = (totals.get(n, 0) + int(t.sum.removeprefix("sum64:"), 16)) & MASK64
-    index = RankSnapshotIndex(version=version, ranks=ranks,
-                              tensors={n: sum_text(v) for n, v in sorted(totals.items())})
+            totals[n] = (totals.get(n, 0) + sum_value(t.sum)) & MASK64
+    return put_index(store, RankSnapshotIndex(
+        version=version, ranks=ranks,
+        tensors={n: sum_text(v) for n, v in sorted(totals.items())}))
+
+
+def put_index(store: Store, index: AnyIndex) -> Snapshot:
+    """Write a snapshot's index, last, under its version's prefix; what the history
+    records of the snapshot once a commit adopted it."""
     data = index.pack()
-    key = f"{snapshot_prefix(version)}index.dcrs"
+    key = f"{snapshot_prefix(index.version)}index.dcrs"
     store.put(key, data)
-    return Snapshot(version=version, index=ObjectRef(key=key, size=len(data),
-                                                     digest=object_digest(data)),
+    return Snapshot(version=index.version, index=ObjectRef(key=key, size=len(data),
+                                                           digest=object_digest(data)),
                     bytes=index.total_bytes)
 
 
@@ -247,5 +254,5 @@ def assemble(index: RankSnapshotIndex, get: Callable[[Piece], bytes], into: Path
         os.fsync(done.fileno())
 
 
-__all__ = ["OUT_NAME", "assemble", "read_back_ranks", "snapshot_prefix", "walk",
+__all__ = ["OUT_NAME", "assemble", "put_index", "read_back_ranks", "snapshot_prefix", "walk",
            "write_rank_index", "write_rank_part"]

@@ -21,7 +21,7 @@ from pathlib import Path
 from dcr.checkpoint import Checkpoint
 from dcr.errors import CheckpointError, ManifestError
 from dcr.files.history import get_checked
-from dcr.files.ranksnap import assemble, snapshot_prefix
+from dcr.files.ranksnap import assemble, put_index, snapshot_prefix
 from dcr.files.vouched import is_tensor_file, tensor_files
 from dcr.format.history import (
     PIECE_BYTES,
@@ -75,13 +75,8 @@ def write_snapshot(store: Store, checkpoint: Path, version: int, *,
                     for i, off in enumerate(range(0, size, piece_bytes))]
             files.append(SnapshotFile(name=name, size=size,
                                       pieces=tuple(pool.map(put_piece, jobs))))
-    index = SnapshotIndex(version=version, files=tuple(files), tensors=tensors)
-    data = index.pack()
-    key = f"{prefix}index.dcrs"
-    store.put(key, data)
-    return Snapshot(version=version, index=ObjectRef(key=key, size=len(data),
-                                                     digest=object_digest(data)),
-                    bytes=index.total_bytes)
+    return put_index(store, SnapshotIndex(version=version, files=tuple(files),
+                                          tensors=tensors))
 
 
 def fetch_snapshot(store: Store, snap: Snapshot, out: Path, expect: dict[str, str], *,

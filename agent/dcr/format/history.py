@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Literal, Self, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -174,7 +174,18 @@ class SnapshotFile(_Model):
         return self
 
 
-class SnapshotIndex(_Model):
+class _Index(_Model):
+    """What every snapshot index's version shares: compact JSON, at most 64 MiB."""
+
+    def pack(self) -> bytes:
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def parse(cls, data: bytes, where: str) -> Self:
+        return _parse(cls, data, where, MAX_INDEX_BYTES, "Snapshot index")
+
+
+class SnapshotIndex(_Index):
     format: Literal["dcr-snapshot"] = "dcr-snapshot"
     format_version: Literal[1] = 1
     version: Annotated[int, Field(ge=0)]
@@ -191,13 +202,6 @@ class SnapshotIndex(_Model):
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
-
-    def pack(self) -> bytes:
-        return self.model_dump_json().encode()
-
-    @classmethod
-    def parse(cls, data: bytes, where: str) -> SnapshotIndex:
-        return _parse(cls, data, where, MAX_INDEX_BYTES, "Snapshot index")
 
 
 class RankRegion(_Model):
@@ -258,7 +262,7 @@ class RankPart(_Model):
         return self
 
 
-class RankSnapshotIndex(_Model):
+class RankSnapshotIndex(_Index):
     """A snapshot written from the ranks' memory (``format_version`` 2): one part per rank,
     each its regions of the canonical tensors, and every tensor's whole ``sum64``."""
 
@@ -306,13 +310,6 @@ class RankSnapshotIndex(_Model):
     @property
     def total_bytes(self) -> int:
         return sum(p.size for p in self.ranks)
-
-    def pack(self) -> bytes:
-        return self.model_dump_json().encode()
-
-    @classmethod
-    def parse(cls, data: bytes, where: str) -> RankSnapshotIndex:
-        return _parse(cls, data, where, MAX_INDEX_BYTES, "Snapshot index")
 
 
 AnyIndex = SnapshotIndex | RankSnapshotIndex
