@@ -2,7 +2,7 @@
 sentence a reader refuses another version with.
 
 A wire is anything one DCR process writes and another reads: the payload and manifest
-containers, the store's history and the commit file, and the HTTP APIs
+containers, the store's history, snapshot indexes and the commit file, and the HTTP APIs
 (agent, warm encoder, relay). Each carries its version explicitly (a preamble field, a
 ``format_version`` field, or the :attr:`Wire.header` of every request and answer), and a
 reader that meets a version it does not read says so with :meth:`Wire.refusal`, naming
@@ -48,9 +48,6 @@ class Wire:
     reads: tuple[int, ...]  # ascending
     header: str = ""  # the HTTP header carrying the version ("" for a file format)
 
-    def reads_version(self, got: object) -> bool:
-        return type(got) is int and got in self.reads
-
     def refusal(self, what: str, got: object) -> str:
         """The one sentence: ``what`` (the object or peer) speaks version ``got``, this
         build reads these; which side to upgrade."""
@@ -59,10 +56,11 @@ class Wire:
                 f"{self.name} {_versions(self.reads)}: upgrade the older side within the "
                 "supported skew (docs/upgrades.md, \"Skew\").")
 
-    def check(self, what: str, got: object, error: Callable[[str], Exception]) -> None:
-        """Raise ``error(sentence)`` unless this build reads version ``got``."""
-        if not self.reads_version(got):
+    def check(self, what: str, got: object, error: Callable[[str], Exception]) -> int:
+        """``got``, a version this build reads; else raise ``error(sentence)``."""
+        if type(got) is not int or got not in self.reads:
             raise error(self.refusal(what, got))
+        return got
 
     def refuse_invalid(self, e: ValidationError, what: str,
                        error: Callable[[str], Exception]) -> None:
@@ -108,6 +106,8 @@ _BUILT = (
     Wire(key="manifest", name="manifest format", writes=2, reads=(2,)),
     Wire(key="manifest-document", name="manifest document format", writes=3, reads=(2, 3)),
     Wire(key="history", name="history format", writes=1, reads=(1,)),
+    # dcr.format.history.INDEX_VERSIONS: 1 a checkpoint's files, 2 the ranks' parts.
+    Wire(key="snapshot-index", name="snapshot index format", writes=2, reads=(1, 2)),
     Wire(key="commit-file", name="commit file format", writes=1, reads=(1,)),
     Wire(key="agent-api", name="agent API", writes=1, reads=(1,), header="DCR-Agent-API"),
     Wire(key="encoder-api", name="encoder API", writes=1, reads=(1,),
@@ -141,6 +141,7 @@ PAYLOAD = WIRES["payload"]
 MANIFEST = WIRES["manifest"]
 MANIFEST_DOCUMENT = WIRES["manifest-document"]
 HISTORY = WIRES["history"]
+SNAPSHOT_INDEX = WIRES["snapshot-index"]
 COMMIT_FILE = WIRES["commit-file"]
 AGENT_API = WIRES["agent-api"]
 ENCODER_API = WIRES["encoder-api"]

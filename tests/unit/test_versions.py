@@ -22,7 +22,7 @@ from aiohttp import web
 from dcr import __version__
 from dcr.errors import ConfigError, MalformedPayload, ManifestError
 from dcr.format.commitfile import CommitFile
-from dcr.format.history import History
+from dcr.format.history import INDEX_VERSIONS, History, parse_index
 from dcr.format.manifest import Manifest, manifest_attempt, seal_document
 from dcr.format.payload import pack_payload, read_payload
 from dcr.http.edge import Statuses, guard
@@ -32,6 +32,7 @@ from dcr.versions import (
     ENCODER_API,
     OVERRIDE_ENV,
     RELEASE_HEADER,
+    SNAPSHOT_INDEX,
     WIRES,
     Wire,
     _overridden,
@@ -94,6 +95,14 @@ def test_a_history_of_the_next_format_is_refused_naming_both_versions() -> None:
     with pytest.raises(ManifestError, match="History h " + refusal("history format", 2,
                                                                    "version 1")):
         History.parse(json.dumps(doc).encode(), "h")
+
+
+def test_a_snapshot_index_of_the_next_format_is_refused_naming_both_versions() -> None:
+    assert tuple(sorted(INDEX_VERSIONS)) == SNAPSHOT_INDEX.reads
+    doc = b'{"format":"dcr-snapshot","format_version":3,"version":4,"files":[],"tensors":{}}'
+    with pytest.raises(ManifestError, match="Snapshot index s " + refusal(
+            "snapshot index format", 3, "versions 1-2")):
+        parse_index(doc, "s")
 
 
 def test_a_commit_file_of_the_next_format_is_refused_naming_both_versions() -> None:

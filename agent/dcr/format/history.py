@@ -22,7 +22,7 @@ from dcr.format.dtypes import DTYPES
 from dcr.format.layout import MAX_OWNERS, owner_manifest_key
 from dcr.format.names import ATTEMPT_PATTERN, object_digest
 from dcr.format.regions import SUM_PATTERN, Span, extent, sum_text, sum_value
-from dcr.versions import HISTORY, Wire
+from dcr.versions import HISTORY, SNAPSHOT_INDEX, Wire
 
 HISTORY_KEY = "history.dcrh"
 MAX_HISTORY_BYTES = 64 << 20  # ~250 B per version: a few hundred thousand versions
@@ -330,11 +330,8 @@ def parse_index(data: bytes, where: str) -> AnyIndex:
         found = head.get("format_version") if isinstance(head, dict) else None
     except ValueError as e:
         raise ManifestError(f"Snapshot index {where} is not JSON: {e}.") from e
-    model = INDEX_VERSIONS.get(found) if isinstance(found, int) else None
-    if model is None:
-        raise ManifestError(f"Snapshot index {where} is format version {found!r}; this "
-                            f"reader reads versions {sorted(INDEX_VERSIONS)}.")
-    return model.parse(data, where)
+    version = SNAPSHOT_INDEX.check(f"Snapshot index {where}", found, ManifestError)
+    return INDEX_VERSIONS[version].parse(data, where)
 
 
 M = TypeVar("M", bound=BaseModel)
