@@ -2,8 +2,8 @@
 
 The operator is the fleet's coordinator, so it is the history's one writer
 (:class:`dcr.files.history.HistoryStore`); it reaches the store with the fleet's own
-credentials Secret. A relay fleet keeps no history: its receivers rejoin from a
-checkpoint path (docs/two-clusters.md, "Two clusters").
+credentials Secret. A relay fleet keeps its history in the store beside its relay
+(docs/relay.md, "History and catch-up"); one without a store keeps none.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 def fleet_store(kube: KubeClient, namespace: str, spec: RolloutFleetSpec) -> Store | None:
-    """The fleet's object store, opened with its credentials; None for a relay fleet."""
+    """The fleet's object store, opened with its credentials; None without one."""
     if spec.store is None:
         return None
     uri = spec.store.uri

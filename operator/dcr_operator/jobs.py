@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from dcr.format.payload import Mode
 from dcr.http.tls import ENV_CA_DATA, ENV_SERVER_NAME
@@ -219,8 +220,10 @@ def job_manifest(*, refit: Mapping[str, Any], spec: WeightRefitSpec, fleet: Roll
         env.append({"name": "DCR_RELAY_TOKEN", "valueFrom": {"secretKeyRef": {
             "name": relay.token_secret_ref.name, "key": relay.token_secret_ref.key}}})
         env.extend(relay_tls_env(relay))
-    destination = f"relay+{relay.url}" if relay is not None else (
-        store.uri if store is not None else "")
+    destination = store.uri if store is not None else ""
+    if relay is not None:  # with a store beside it, each attempt is written through to it
+        destination = f"relay+{relay.url}" + (
+            f"?through={quote(store.uri, safe=':/')}" if store is not None else "")
     args = encode_args(base=base_checkpoint, target=spec.source.checkpoint, store=destination,
                        attempt=attempt, owners=enc.owners, profile=profile is not None,
                        bucket_mib=enc.bucket_mib,
@@ -253,7 +256,7 @@ def snapshot_job_manifest(*, refit: Mapping[str, Any], spec: WeightRefitSpec,
                           settings: OperatorSettings, site: Site) -> dict[str, Any]:
     """The Job that writes a snapshot of the version the refit committed, from its source
     checkpoint on the training side (``dcr snapshot``; the next commit adopts it)."""
-    assert fleet.store is not None  # a relay fleet keeps no history
+    assert fleet.store is not None  # a fleet without a store keeps no history
     shape = encoder_pod(spec, fleet, fleet_name, settings)
     refit_name = refit["metadata"]["name"]
     labels = {"app.kubernetes.io/name": "dcr-encoder", "app.kubernetes.io/managed-by":

@@ -123,15 +123,9 @@ class Verdict:
 
 
 def validate(name: str, spec: WeightRefitSpec, fleet: str, record: CommitRecord, *,
-             created: str | None = None, at: str | None = None,
-             relay: bool = False) -> Verdict:
+             created: str | None = None, at: str | None = None) -> Verdict:
     """Check a WeightRefit against the fleet's commit record (and its deadline)."""
     target, base = spec.target_version, spec.base_version
-    if relay and spec.encoder.owners > 1:
-        return Verdict(action="reject", reason=RefitReason.RELAY_CARRIES_ONE_OWNER,
-                       message=f"WeightRefit {name} asks for {spec.encoder.owners} encoder "
-                               f"owners, but RolloutFleet {fleet} publishes through a relay "
-                               "tree, which carries one manifest per attempt: use owners: 1.")
     held = (f"RolloutFleet {fleet} has committed version {record.committed_version} "
             f"(checkpoint {record.baseline_id}"
             + (f", attempt {record.attempt})" if record.attempt else ")"))

@@ -221,7 +221,7 @@ class RefitRun:
         record = record_of(fleet)
         verdict = validate(self.name, spec, spec.fleet, record,
                            created=self.refit["metadata"].get("creationTimestamp"),
-                           at=self.clock(), relay=fleet_spec.relay is not None)
+                           at=self.clock())
         if verdict.action == "reject":
             return self._fail(rec, verdict.reason, verdict.message, validated=False)
         if verdict.action == "wait":
@@ -298,8 +298,10 @@ class RefitRun:
                                   f"committed one is {record.committed_version}.")
             return record.baseline_id
 
-        # A store fleet's receivers rejoin from the store's history, which this coordinator
-        # writes after each commit; a relay fleet's dense-load the committed checkpoint.
+        # A fleet with a store (a relay fleet's beside its relay too) rejoins its receivers
+        # from the store's history, which this coordinator writes after each commit; a
+        # relay fleet without one dense-loads the committed checkpoint, which its agents
+        # refuse unless they committed it themselves (nothing else can check it).
         history = fleet_history(self.kube, self.namespace, fleet_spec)
         if history is not None and verdict.action == "run":
             # Manifest parts are read with what the fleet's receivers can use, never more.

@@ -474,10 +474,26 @@ def test_the_relay_example_is_a_tree_its_fleet_publishes_to_and_its_pods_read() 
     token_dir = arg(agent, "--relay-token-file").rsplit("/", 1)[0]
     assert secrets[mounts(agent)[token_dir]] == read["metadata"]["name"]
     assert publish["metadata"]["name"] not in secrets.values()
-    assert not any(a.startswith("--store") for a in agent["args"])
-    assert arg(engine, "--model") == spec.initial.checkpoint == arg(agent, "--canonical")
+    # The history lives in the fleet's store, which the pods catch up from: they mount
+    # nothing of the training side (the encoder profile's checkpoints volume).
+    assert spec.store is not None
+    assert arg(agent, "--store") == spec.store.uri
+    (init,) = rollout["spec"]["initContainers"]
+    assert init["command"] == ["dcr", "materialize"]
+    assert arg(init, "--store") == spec.store.uri
+    commit = {v["name"]: v.get("configMap", {}).get("name") for v in rollout["spec"]["volumes"]}
+    assert arg(init, "--commit-file").startswith("/etc/dcr/commit/")
+    assert commit[mounts(init)["/etc/dcr/commit"]] == f"{fleet['metadata']['name']}-commit"
+    trained = {v["persistentVolumeClaim"]["claimName"] for p in spec.encoder_profiles
+               for v in (x.model_dump(by_alias=True) for x in p.volumes)
+               if v.get("persistentVolumeClaim")}
+    claims = {v["persistentVolumeClaim"]["claimName"] for v in rollout["spec"]["volumes"]
+              if "persistentVolumeClaim" in v}
+    assert trained
+    assert not trained & claims
+    assert arg(engine, "--model") == arg(agent, "--canonical") == arg(init, "--out")
     assert arg(engine, "--checkpoint-root") == arg(agent, "--checkpoint-root")
-    assert spec.initial.checkpoint.startswith(arg(agent, "--checkpoint-root") + "/")
+    assert arg(init, "--out").startswith(arg(agent, "--checkpoint-root") + "/")
 
 
 @pytest.fixture(scope="session")

@@ -251,17 +251,53 @@ def test_a_tls_relay_is_verified_by_jobs_against_the_ca_from_its_labelled_secret
             "initial": {"checkpoint": "/ckpt/v0"}})
 
 
-@pytest.mark.parametrize("where", [{}, {
-    "store": {"uri": "s3://b/p"},
-    "relay": {"url": "http://r:8470", "tokenSecretRef": {"name": "t"}}}])
-def test_a_fleet_names_exactly_one_of_store_and_relay(where: dict[str, Any]) -> None:
+def _fleet(**where: Any) -> RolloutFleetSpec:
+    return RolloutFleetSpec.model_validate({
+        "selector": {"matchLabels": {"app": "r"}},
+        "agent": {"tokenSecretRef": {"name": "tok"}}, "initial": {"checkpoint": "/c"},
+        **where})
+
+
+RELAY = {"url": "http://relay-0.rollout:8470", "tokenSecretRef": {"name": "relay-tok"}}
+STORE = {"uri": "s3://b/p", "credentialsSecretRef": {"name": "weights-s3"}}
+
+
+def test_a_fleet_names_a_store_a_relay_or_both() -> None:
     from pydantic import ValidationError
 
-    with pytest.raises(ValidationError, match="exactly one of store and relay"):
-        RolloutFleetSpec.model_validate({
-            "selector": {"matchLabels": {"app": "r"}},
-            "agent": {"tokenSecretRef": {"name": "tok"}}, "initial": {"checkpoint": "/c"},
-            **where})
+    with pytest.raises(ValidationError, match="set store, relay, or both"):
+        _fleet()
+    both = _fleet(store=STORE, relay=RELAY, retention={"snapshotEvery": 5})
+    assert both.store is not None
+    assert both.relay is not None
+
+
+def test_retention_on_a_relay_fleet_without_a_store_is_refused() -> None:
+    """Fails before: snapshotEvery on a relay fleet was accepted and did nothing."""
+    from pydantic import ValidationError
+
+    for retention in ({"snapshotEvery": 5}, {"keepSnapshots": 2}):
+        with pytest.raises(ValidationError, match="retention needs the store"):
+            _fleet(relay=RELAY, retention=retention)
+
+
+def test_a_relay_fleet_with_a_store_writes_every_attempt_through_to_it() -> None:
+    """Encoder Jobs publish to the root and through to the fleet's store (with its
+    credentials), where the operator keeps the history. Fails before: such a fleet was
+    refused, and a relay fleet's Jobs wrote nowhere but the root."""
+    spec = WeightRefitSpec.model_validate({
+        "fleet": "f", "baseVersion": 2, "targetVersion": 3, "encoder": {"owners": 2},
+        "source": {"checkpoint": "/ckpt/v3"}})
+    job = job_manifest(refit=REFIT, spec=spec, fleet=_fleet(store=STORE, relay=RELAY),
+                       fleet_name="f", base_checkpoint="/ckpt/v2", attempt=attempt(),
+                       settings=OperatorSettings(encoder_image="img:1"), profile=None,
+                       site=SITE)
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    args = container["args"]
+    assert args[args.index("--store") + 1] == (
+        "relay+http://relay-0.rollout:8470?through=s3://b/p")
+    assert container["envFrom"] == [{"secretRef": {"name": "weights-s3"}}]
+    assert job["spec"]["completions"] == 2
 
 
 CHECKPOINTS = {"name": "checkpoints", "mountPath": "/checkpoints",

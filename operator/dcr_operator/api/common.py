@@ -101,7 +101,7 @@ class CommitRecordStatus(StatusModel):
     history_digest: Annotated[str | None, Field(pattern=r"^[0-9a-f]{32}$")] = Field(
         default=None, description="BLAKE2b-128 of the store's history written with this "
         "commit: readers of the store (agents, init containers, mirrors) refuse any other "
-        "history. Absent for a relay fleet and before the first commit.")
+        "history. Absent for a fleet without a store and before the first commit.")
     refit: str | None = Field(default=None, description="The WeightRefit that committed it.")
     committed_at: Annotated[str | None, Field(json_schema_extra=RFC3339)] = Field(
         default=None, description="When it was committed (RFC 3339, UTC).")

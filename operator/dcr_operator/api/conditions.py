@@ -69,8 +69,6 @@ class RefitReason:
 
     FLEET_NOT_FOUND: Final = "FleetNotFound"
     """False: ``spec.fleet`` names no RolloutFleet of the namespace (yet)."""
-    RELAY_CARRIES_ONE_OWNER: Final = "RelayCarriesOneOwner"
-    """Failed: more than one encoder owner for a fleet that publishes through a relay."""
     ALREADY_COMMITTED: Final = "AlreadyCommitted"
     """True: the fleet has already committed this refit's target and checkpoint."""
     DEADLINE_EXCEEDED: Final = "DeadlineExceeded"
