@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo demo-rl test test-fast test-engines test-vllm-pod gpu-check lint bench tables evaluate schema crds values-schema cli-doc image image-vllm-cpu push clean
+.PHONY: install demo demo-rl test test-fast test-engines test-vllm-pod gpu-check lint bench tables evaluate schema crds values-schema cli-doc image image-vllm-cpu image-vllm chart push clean
 
 install: $(STAMP)
 
@@ -110,6 +110,13 @@ image:
 image-vllm-cpu:
 	DCR_IMAGES=vllm-cpu tools/image/build.sh
 
+# The GPU rollout image (opt-in): localhost/dcr-vllm:<version>, `vllm serve` from PyPI's vllm
+# (the CUDA wheel, its torch and nvidia-* wheels) with DCR's worker extension, the engine
+# container of charts/dcr/examples/rollout-vllm.yaml on GPU nodes; docs/images.md, "The GPU
+# rollout image" (what its build needs, and what of it the tests run).
+image-vllm:
+	DCR_IMAGES=vllm tools/image/build.sh
+
 # The rollout pod for real (opt-in): rollout-vllm.yaml's pod running `vllm serve` from the
 # vllm-cpu image beside the agent on the deploy tier's node, refit by the operator
 # (tests/deploy/test_vllm_pod.py; builds the image the first time).
@@ -117,11 +124,20 @@ test-vllm-pod: install
 	@tools/controlplane/packages.sh
 	DCR_DEPLOY_VLLM=1 $(PY) -m pytest tests/deploy/test_vllm_pod.py
 
-# Push what make image built to REGISTRY as <REGISTRY>/dcr:<version> and dcr-serve:<version>
-# (credentials: podman login, or REGISTRY_AUTH_FILE); e.g. make push REGISTRY=ghcr.io/dcr-dev.
+# The chart as a Helm package: dist/dcr-<version>.tgz, its version the project's (pyproject.toml;
+# tests/operator/test_chart_package.py holds them equal).
+HELM ?= helm
+chart:
+	$(HELM) package charts/dcr --destination dist
+
+# Push what make image built to REGISTRY as <REGISTRY>/dcr:<version> and dcr-serve:<version>,
+# and the chart as the OCI artifact <REGISTRY>/charts/dcr:<version> (credentials: podman login,
+# or REGISTRY_AUTH_FILE; helm reads the same file); e.g. make push REGISTRY=ghcr.io/dcr-dev.
+# PUSH names other roles (vllm, vllm-cpu); tools/image/push.sh's header has the rest.
+PUSH ?= dcr serve chart
 push:
 	@test -n "$(REGISTRY)" || { echo "make push REGISTRY=host[:port][/path]" >&2; exit 2; }
-	tools/image/push.sh $(REGISTRY)
+	HELM=$(HELM) tools/image/push.sh $(REGISTRY) $(PUSH)
 
 clean:
 	rm -rf $(VENV) refit-out .mypy_cache .ruff_cache .pytest_cache .hypothesis
