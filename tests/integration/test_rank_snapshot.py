@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from shardrig import DENSE, V0, perturbed, receivers, tp_shards
 
 from dcr.errors import BaselineError, ManifestError
@@ -104,6 +104,19 @@ def test_rank_snapshots_are_adopted_and_retention_keeps_the_newest_and_later_del
     same_bits(tmp_path / "late", states[5])
     materialize(store, tmp_path / "at4", version=4)
     same_bits(tmp_path / "at4", states[4])
+
+
+def test_a_seed_older_than_the_pruned_history_gives_way_to_the_snapshot(
+        fleet: tuple[FileStore, list[RankOwner], list[State]], tmp_path: Path) -> None:
+    """A new pod's init container holds the public v0, which retention left no delta
+    from and no fingerprint of: it builds from the snapshot (configs would come from the
+    seed) instead of failing on a check nothing can vouch for."""
+    store, _, states = fleet
+    (tmp_path / "seed").mkdir()
+    save_file(states[0], str(tmp_path / "seed" / "model.safetensors"))
+    done = materialize(store, tmp_path / "pod", held=0, seed=tmp_path / "seed")
+    assert (done.plan.route, done.plan.start) == ("snapshot", 4)
+    same_bits(tmp_path / "pod", states[5])
 
 
 def test_a_tampered_rank_piece_is_refused_by_name(
