@@ -227,10 +227,11 @@ class Retention(SpecModel):
     """What the store keeps for catch-up beyond what the current version needs."""
 
     snapshot_every: Annotated[int, Field(ge=1)] | None = Field(
-        default=None, description="After committing every K-th version, start a Job on the "
-        "refit's encoder profile that writes a snapshot of its source checkpoint (dcr "
-        "snapshot); the next commit adopts it into the history. Default: none (the "
-        "training side may run dcr snapshot itself).")
+        default=None, description="After committing every K-th version, have a snapshot "
+        "of it written: where the encoder profile's endpoints are trainer ranks, each rank "
+        "writes its part from memory; otherwise a Job on the refit's encoder profile writes "
+        "one of its source checkpoint (dcr snapshot). The next commit adopts it into the "
+        "history. Default: none (the training side may run dcr snapshot itself).")
     keep_snapshots: Annotated[int, Field(ge=1, le=1000)] | None = Field(
         default=None, description="Keep the newest N snapshots and every committed delta "
         "from the oldest of them on; after a commit the operator removes older ones (a pod "
