@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import http.client
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from fsdp2_rank import CONFIG
+from hf_pods import hf_pods
 from safetensors.torch import save_file
 from tlsca import Authority, Leaf, plain_get
 from trainer_ranks import TrainerRanks
@@ -35,7 +34,8 @@ from dcr.format.profile import ReceiverProfile
 from dcr.protocol.agent_api import AgentClient, AgentError
 from dcr.protocol.coordinator import CoordinatorSettings
 from dcr.protocol.encoder_api import PublishRequest
-from dcr.refit.launch import AgentProcess, EncoderProcess, Process, ServeProcess, free_port
+from dcr.refit.job import start_relays
+from dcr.refit.launch import EncoderProcess
 from dcr.refit.trainer import reference_fingerprint
 from dcr.transport.relay import RelayClient
 from dcr.transport.store import FileStore
@@ -44,8 +44,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 RANK_TOKEN = "tls-rank-token-0123456789abcdef"
 AGENT_TOKEN = "tls-agent-token-0123456789abcdef"
 ENCODER_TOKEN = "tls-encoder-token-0123456789abc"
-RELAY_TOKEN = "tls-relay-publish-token-01234567"
-RELAY_READ_TOKEN = "tls-relay-read-token-0123456789"
 
 
 @pytest.fixture
@@ -70,48 +68,24 @@ def plain_refused(url: str, path: str = "/healthz") -> None:
 
 
 @pytest.fixture
-def agents(tmp_path: Path, tls_env: Leaf) -> Iterator[tuple[Path, list[AgentProcess]]]:
+def agents(tmp_path: Path, tls_env: Leaf) -> Iterator[tuple[Path, list[AgentClient]]]:
     """Two rollout pods of v0, ``dcr serve`` and ``dcr agent`` both on HTTPS."""
     torch.manual_seed(0)
     v0 = tmp_path / "v0"
     LlamaForCausalLM(CONFIG).to(torch.bfloat16).save_pretrained(v0)
-    procs: list[Process] = []
-    agents = []
-    try:
-        for k in range(2):
-            pod = tmp_path / f"pod{k}"
-            (pod / "staging").mkdir(parents=True)
-            server = ServeProcess(name=f"serve-{k}", workdir=pod / "serve", args=[
-                "--runtime", "hf", "--model", str(v0), "--staging-dir", str(pod / "staging"),
-                "--checkpoint-root", str(tmp_path), "--weight-version", "0"])
-            procs.append(server)
-            server.start()
-            assert server.wait_ready()["url"] == server.url
-            agent = AgentProcess(name=f"pod{k}", state_dir=pod / "agent", token=AGENT_TOKEN,
-                                 args=["--store", (tmp_path / "store").as_uri(),
-                                       "--engine-url", server.url,
-                                       "--staging-dir", str(pod / "staging"),
-                                       "--canonical", str(v0), "--model-version", "0"])
-            procs.append(agent)
-            agent.start()
-            assert agent.wait_ready()["url"] == agent.url
-            agents.append(agent)
-        yield v0, agents
-    finally:
-        for p in procs:
-            p.kill()
+    with hf_pods(tmp_path, v0, tmp_path / "store", AGENT_TOKEN) as clients:
+        yield v0, clients
 
 
 def test_a_refit_over_https_between_processes_is_bit_exact(
-        tmp_path: Path, agents: tuple[Path, list[AgentProcess]]) -> None:
-    v0, procs = agents
-    clients = [a.client(timeout_s=120.0) for a in procs]
+        tmp_path: Path, agents: tuple[Path, list[AgentClient]]) -> None:
+    v0, clients = agents
     store = FileStore(tmp_path / "store")
     with TrainerRanks.start(2, v0, 0, store.uri, RANK_TOKEN, tmp_path) as ranks:
         assert all(u.startswith("https://127.0.0.1:") for u in ranks.urls)
         fleet = LocalFleet(name="policy", store=store.uri, record=tmp_path / "commit.db",
                            owners=ranks.urls, owner_token=RANK_TOKEN,
-                           agents=[a.url for a in procs], agent_token=AGENT_TOKEN,
+                           agents=[a.url for a in clients], agent_token=AGENT_TOKEN,
                            settings=CoordinatorSettings(attempt_timeout_s=300.0))
         for version in (1, 2):
             assert min(ranks.step(version)) > 0
@@ -120,22 +94,22 @@ def test_a_refit_over_https_between_processes_is_bit_exact(
             want = reference_fingerprint(ranks.out / f"v{version}", "hf")
             for c in clients:
                 assert c.fingerprint() == want, f"{c.name} differs at v{version}"
-        for url in [*ranks.urls, *(a.url for a in procs)]:
+        for url in [*ranks.urls, *(a.url for a in clients)]:
             plain_refused(url)
 
 
 def test_a_coordinator_holding_another_ca_reaches_no_agent(
-        tmp_path: Path, agents: tuple[Path, list[AgentProcess]],
+        tmp_path: Path, agents: tuple[Path, list[AgentClient]],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    _, procs = agents
+    _, clients = agents
+    assert all(a.url.startswith("https://") for a in clients)
     monkeypatch.setenv("DCR_TLS_CA", str(Authority.mint(tmp_path / "other", "other").path))
-    for a in procs:
+    for a in clients:
         with pytest.raises(AgentError) as e:
             AgentClient(a.name, a.url, AGENT_TOKEN, timeout_s=30).status()
         assert a.url in str(e.value)
         assert "TLS certificate did not verify" in str(e.value)
-        log = a.log_path.read_text()
-        assert AGENT_TOKEN not in log
+        assert AGENT_TOKEN not in (tmp_path / a.name / "agent" / "agent.log").read_text()
 
 
 # --- the relay ----------------------------------------------------------------------
@@ -154,26 +128,9 @@ def checkpoints(root: Path) -> tuple[Path, Path]:
     return root / "v0", root / "v1"
 
 
-def start_relay(root: Path, n: int) -> tuple[list[subprocess.Popen[bytes]], list[str]]:
-    root.mkdir(parents=True)
-    (root / "read").write_text(RELAY_READ_TOKEN)
-    (root / "publish").write_text(RELAY_TOKEN)
-    ports = [free_port() for _ in range(n)]
-    members = ",".join(f"127.0.0.1:{p}" for p in ports)
-    procs = []
-    for i, port in enumerate(ports):
-        with open(root / f"member-{i}.log", "ab") as log:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "dcr", "relay", "--listen", f"127.0.0.1:{port}",
-                 "--members", members, "--index", str(i), "--fanout", "1",
-                 "--token-file", str(root / "read"), "--publish-token-file",
-                 str(root / "publish")], stdout=log, stderr=subprocess.STDOUT))
-    return procs, [f"https://127.0.0.1:{p}" for p in ports]
-
-
-async def leaf_payloads(url: str, expected: int) -> list[bytes]:
+async def leaf_payloads(url: str, token: str, expected: int) -> list[bytes]:
     """Every payload of the attempt the leaf at ``url`` holds, once it holds ``expected``."""
-    async with RelayClient(url, RELAY_READ_TOKEN) as c:
+    async with RelayClient(url, token) as c:
         deadline = time.monotonic() + 120
         while True:
             try:
@@ -189,13 +146,14 @@ async def leaf_payloads(url: str, expected: int) -> list[bytes]:
 def test_a_warm_encoder_publishes_through_a_relay_tree_over_https(
         tmp_path: Path, tls_env: Leaf) -> None:
     base, target = checkpoints(tmp_path / "ckpt")
-    relays, urls = start_relay(tmp_path / "relay", 3)  # a chain: 0 -> 1 -> 2
+    tree = start_relays(tmp_path / "relay", 3)  # a root and two leaves
+    urls, publish = tree.urls, tree.publish_token_file.read_text().strip()
     encoders = []
     try:
         for name, store in (("relay", f"relay+{urls[0]}"),
                             ("file", (tmp_path / "store").as_uri())):
             enc = EncoderProcess(name=name, workdir=tmp_path / name, token=ENCODER_TOKEN,
-                                 env={"DCR_RELAY_TOKEN": RELAY_TOKEN},
+                                 env={"DCR_RELAY_TOKEN": publish},
                                  args=["--store", store, "--checkpoint-root",
                                        str(tmp_path / "ckpt")])
             encoders.append(enc)
@@ -211,19 +169,20 @@ def test_a_warm_encoder_publishes_through_a_relay_tree_over_https(
                  if (k := parse_payload_key(str(p.relative_to(tmp_path / "store"))))}
         assert files
         assert {k.attempt for k in files} == {ATTEMPT}
-        got = asyncio.run(leaf_payloads(urls[2], len(files)))
+        read = tree.read_token_file.read_text().strip()
+        got = asyncio.run(leaf_payloads(urls[2], read, len(files)))
         digest = hashlib.sha256
         assert sorted(digest(b).hexdigest() for b in got) == sorted(
             digest(p.read_bytes()).hexdigest() for p in files.values())
         for url in [*urls, *(e.url for e in encoders)]:
             plain_refused(url)
         for i in range(3):
-            log = (tmp_path / "relay" / f"member-{i}.log").read_text()
-            assert RELAY_TOKEN not in log
+            log = (tmp_path / "relay" / f"relay-{i}.log").read_text()
+            assert publish not in log
             assert "Traceback" not in log, log[-2000:]
     finally:
         for enc in encoders:
             enc.stop()
-        for p in relays:
+        for p in tree.procs:
             p.kill()
             p.wait(10)

@@ -196,19 +196,24 @@ def test_job_state_reads_indexes_and_failure() -> None:
     assert job_state(complete, 5) == "done"
 
 
-def test_a_relay_fleet_publishes_to_the_root_with_the_token_from_its_secret() -> None:
+def relay_job(relay: dict[str, Any]) -> dict[str, Any]:
+    """The encoder Job of a relay fleet's refit."""
     fleet = RolloutFleetSpec.model_validate({
         "selector": {"matchLabels": {"app": "r"}},
-        "agent": {"tokenSecretRef": {"name": "tok"}},
-        "relay": {"url": "http://relay-0.rollout:8470", "tokenSecretRef": {"name": "relay-tok"}},
+        "agent": {"tokenSecretRef": {"name": "tok"}}, "relay": relay,
         "initial": {"checkpoint": "/ckpt/v0"}})
     spec = WeightRefitSpec.model_validate({
         "fleet": "f", "baseVersion": 2, "targetVersion": 3,
         "source": {"checkpoint": "/ckpt/v3"}})
-    job = job_manifest(refit=REFIT, spec=spec, fleet=fleet, fleet_name="f",
-                       base_checkpoint="/ckpt/v2", attempt=attempt(),
-                       settings=OperatorSettings(encoder_image="img:1"), profile=None,
-                       site=SITE)
+    return job_manifest(refit=REFIT, spec=spec, fleet=fleet, fleet_name="f",
+                        base_checkpoint="/ckpt/v2", attempt=attempt(),
+                        settings=OperatorSettings(encoder_image="img:1"), profile=None,
+                        site=SITE)
+
+
+def test_a_relay_fleet_publishes_to_the_root_with_the_token_from_its_secret() -> None:
+    job = relay_job({"url": "http://relay-0.rollout:8470",
+                     "tokenSecretRef": {"name": "relay-tok"}})
     container = job["spec"]["template"]["spec"]["containers"][0]
     args = container["args"]
     assert args[args.index("--store") + 1] == "relay+http://relay-0.rollout:8470"
@@ -224,17 +229,7 @@ def test_a_tls_relay_is_verified_by_jobs_against_the_ca_from_its_labelled_secret
     relay = {"url": "https://relay-0.rollout:8470", "tokenSecretRef": {"name": "relay-tok"},
              "caSecretRef": {"name": "dcr-relay-tls", "key": "ca.crt"},
              "serverName": "peer.dcr.internal"}
-    fleet = RolloutFleetSpec.model_validate({
-        "selector": {"matchLabels": {"app": "r"}},
-        "agent": {"tokenSecretRef": {"name": "tok"}}, "relay": relay,
-        "initial": {"checkpoint": "/ckpt/v0"}})
-    spec = WeightRefitSpec.model_validate({
-        "fleet": "f", "baseVersion": 2, "targetVersion": 3,
-        "source": {"checkpoint": "/ckpt/v3"}})
-    job = job_manifest(refit=REFIT, spec=spec, fleet=fleet, fleet_name="f",
-                       base_checkpoint="/ckpt/v2", attempt=attempt(),
-                       settings=OperatorSettings(encoder_image="img:1"), profile=None,
-                       site=SITE)
+    job = relay_job(relay)
     container = job["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e for e in container["env"]}
     assert env["DCR_TLS_CA_DATA"]["valueFrom"] == {
@@ -244,11 +239,7 @@ def test_a_tls_relay_is_verified_by_jobs_against_the_ca_from_its_labelled_secret
     args = container["args"]
     assert args[args.index("--store") + 1] == "relay+https://relay-0.rollout:8470"
     with pytest.raises(ValidationError, match="is plain http: use an https:// url"):
-        RolloutFleetSpec.model_validate({
-            "selector": {"matchLabels": {"app": "r"}},
-            "agent": {"tokenSecretRef": {"name": "tok"}},
-            "relay": {**relay, "url": "http://relay-0.rollout:8470"},
-            "initial": {"checkpoint": "/ckpt/v0"}})
+        relay_job({**relay, "url": "http://relay-0.rollout:8470"})
 
 
 def _fleet(**where: Any) -> RolloutFleetSpec:

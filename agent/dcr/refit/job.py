@@ -28,7 +28,9 @@ from dcr.drivers.base import merge_fingerprints
 from dcr.errors import ConfigError, DcrError
 from dcr.files.history import HistoryStore
 from dcr.format.profile import ReceiverProfile, coverage, dumps, merge
+from dcr.http.direct import OPENER
 from dcr.http.prometheus import sample
+from dcr.http.tls import TlsSettings
 from dcr.http.tokens import write_token_file
 from dcr.owner.process import ProcessOwner
 from dcr.owner.warm import WarmOwner
@@ -184,7 +186,8 @@ class RelayTree:
 
 
 def start_relays(work: Path, n: int) -> RelayTree:
-    """``dcr relay`` nodes, one per agent, in one tree."""
+    """``dcr relay`` nodes, one per agent, in one tree (HTTPS when the environment gives
+    them a certificate, :mod:`dcr.http.tls`)."""
     work.mkdir(parents=True, exist_ok=True)
     read_file = write_token_file(work / "read-token", secrets.token_hex(16))
     publish_file = write_token_file(work / "publish-token", secrets.token_hex(16))
@@ -198,12 +201,12 @@ def start_relays(work: Path, n: int) -> RelayTree:
                  "--members", members, "--index", str(i), "--token-file", str(read_file),
                  "--publish-token-file", str(publish_file)],
                 stdout=subprocess.DEVNULL, stderr=log_file))
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    urls = [f"{TlsSettings.from_env().scheme}://127.0.0.1:{p}" for p in ports]
     deadline = time.monotonic() + 60
     for url, proc in zip(urls, procs, strict=True):
         while True:
             try:
-                with urllib.request.urlopen(url + "/healthz", timeout=2):
+                with OPENER.open(url + "/healthz", timeout=2):
                     break
             except OSError as e:
                 if proc.poll() is not None or time.monotonic() > deadline:

@@ -159,10 +159,10 @@ class RelaySpec(SpecModel):
         "(PEM; cert-manager's ca.crt) the root's certificate chains to, which encoder Jobs "
         "verify it against (DCR_TLS_CA_DATA); the Secret must be labelled "
         "dcr.dev/relay-ca=true and exist where the Jobs run. Unset: the image's CAs.")
-    server_name: str | None = Field(
-        default=None, pattern=r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$",
-        description="For an https url: the DNS name the root's certificate carries, when "
-        "it is not the url's host (DCR_TLS_SERVER_NAME).")
+    server_name: Annotated[str, Field(pattern=r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+                           ] | None = Field(default=None, description=(
+                               "For an https url: the DNS name the root's certificate "
+                               "carries, when not the url's host (DCR_TLS_SERVER_NAME)."))
 
     @model_validator(mode="after")
     def _tls_needs_https(self) -> RelaySpec:
