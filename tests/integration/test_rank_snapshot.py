@@ -26,13 +26,15 @@ from dcr.files.materialize import materialize
 from dcr.files.ranksnap import write_rank_index
 from dcr.format.history import RankSnapshotIndex, SnapshotIndex, parse_index
 from dcr.format.names import object_digest
-from dcr.owner.rank import RankOwner
+from dcr.owner.rank import RankOwner, serve
 from dcr.protocol.commitstore import SqliteCommitStore
 from dcr.protocol.coordinator import Coordinator
+from dcr.protocol.encoder_api import EncoderClient, EncoderError, SnapshotRequest
 from dcr.runtimes.vllm_reference import random_checkpoint
 from dcr.transport.store import FileStore
 
 State = dict[str, torch.Tensor]
+TOKEN = "rank-snapshot-test-token-0123456789"
 
 
 def rank_owners(sd: State, store: FileStore) -> tuple[list[RankOwner], list[State]]:
@@ -181,3 +183,24 @@ def test_a_rank_writes_a_snapshot_only_of_its_committed_baseline(tmp_path: Path)
     assert part.rank == 1
     assert part.size == sum(p.size for p in part.pieces)
     assert all(p.key.startswith("snapshots/v0000000000/rank-00001.") for p in part.pieces)
+
+
+def test_over_http_a_rank_writes_only_its_own_part_and_only_with_the_token(
+        tmp_path: Path) -> None:
+    store = FileStore(tmp_path / "store")
+    owners, _ = rank_owners(random_checkpoint(DENSE, 0), store)
+    server = serve(owners[1], token=TOKEN)
+    try:
+        client = EncoderClient(server.url, TOKEN, name="rank-1")
+        with pytest.raises(EncoderError, match="rank 1 of 2; the request is for owner 0") as e:
+            client.snapshot(SnapshotRequest(version=0, owner=0, owners=2), timeout_s=30)
+        assert e.value.status == 400
+        with pytest.raises(EncoderError, match="Missing or wrong bearer token"):
+            EncoderClient(server.url, "x" * 32).snapshot(
+                SnapshotRequest(version=0, owner=1, owners=2), timeout_s=30)
+        assert not store.list("snapshots/")
+        part = client.snapshot(SnapshotRequest(version=0, owner=1, owners=2), timeout_s=30)
+    finally:
+        server.close()
+    assert part.rank == 1
+    assert [p.key for p in part.pieces] == store.list("snapshots/v0000000000/")
