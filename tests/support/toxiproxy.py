@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from controlplane import built
+from s3server import stop_process
 from stubs import free_port_on
 
 TOXICS = ("latency", "bandwidth", "reset_peer", "timeout", "limit_data", "slicer")
@@ -112,9 +113,4 @@ def toxiproxy_server(workdir: Path, seed: int = 0,
                 time.sleep(0.05)
         yield server
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
