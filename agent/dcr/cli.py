@@ -67,7 +67,8 @@ def _emit(args: argparse.Namespace, summary: dict[str, Any], text: str) -> None:
 
 STORE_WRITE_HELP = ("where to write: file:///abs/path (or a plain path), s3://bucket/prefix "
                     "(credentials and endpoint from the AWS_* environment), or "
-                    "relay+http(s)://host:port, a relay tree's root")
+                    "relay+http(s)://host:port, a relay tree's root (?through=URI also "
+                    "writes every object to that store: a relay fleet's history)")
 HISTORY_DIGEST_HELP = ("BLAKE2b-128 the history object must have (else the store's is "
                        "trusted)")
 COMMIT_FILE_HELP = ("the fleet's commit file (its <fleet>-commit ConfigMap, mounted): the "
