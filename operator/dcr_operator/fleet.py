@@ -162,7 +162,10 @@ def clients(kube: KubeClient, namespace: str, spec: RolloutFleetSpec,
     """Clients of the receivers' agents, with the fleet's timeout (or a shorter one)."""
     token = agent_token(kube, namespace, spec)
     wait_s = min(spec.agent.timeout_seconds, timeout_s or spec.agent.timeout_seconds)
-    return [AgentClient(r.name, r.url, token, timeout_s=wait_s) for r in receivers]
+    try:
+        return [AgentClient(r.name, r.url, token, timeout_s=wait_s) for r in receivers]
+    except ConfigError as e:  # an http:// agent while the operator speaks TLS (tls.enabled)
+        raise InvalidResource(f"{e} Set spec.agent.scheme: https.") from None
 
 
 def behind(st: AgentStatus, record: CommitRecord) -> bool:
