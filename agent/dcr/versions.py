@@ -3,12 +3,12 @@ sentence a reader refuses another version with.
 
 A wire is anything one DCR process writes and another reads: the payload and manifest
 containers, the store's history, snapshot indexes and the commit file, and the HTTP APIs
-(agent, warm encoder, relay). Each carries its version explicitly (a preamble field, a
-``format_version`` field, or the :attr:`Wire.header` of every request and answer), and a
-reader that meets a version it does not read says so with :meth:`Wire.refusal`, naming
-what it got and what it reads, instead of failing later on a field it does not know. An
-HTTP peer without the header predates it and speaks version 1. docs/upgrades.md argues the
-skew policy these numbers serve.
+(agent, warm encoder, replica-group member, relay). Each carries its version explicitly
+(a preamble field, a ``format_version`` field, or the :attr:`Wire.header` of every request
+and answer), and a reader that meets a version it does not read says so with
+:meth:`Wire.refusal`, naming what it got and what it reads, instead of failing later on a
+field it does not know. An HTTP peer without the header predates it and speaks version 1.
+docs/upgrades.md argues the skew policy these numbers serve.
 
 ``DCR_WIRE_VERSIONS`` (``agent-api=2,manifest=3``; ``release=0.2.0`` renames the release)
 makes this process write and read only the versions it names: how tests stand up a build
@@ -112,6 +112,7 @@ _BUILT = (
     Wire(key="agent-api", name="agent API", writes=1, reads=(1,), header="DCR-Agent-API"),
     Wire(key="encoder-api", name="encoder API", writes=1, reads=(1,),
          header="DCR-Encoder-API"),
+    Wire(key="member-api", name="member API", writes=1, reads=(1,), header="DCR-Member-API"),
     # dcr.transport.relay.wire.WIRE: the relay refuses wire 1's spellings itself (410).
     Wire(key="relay-wire", name="relay wire", writes=2, reads=(2,), header="DCR-Relay-Wire"),
 )
@@ -145,4 +146,5 @@ SNAPSHOT_INDEX = WIRES["snapshot-index"]
 COMMIT_FILE = WIRES["commit-file"]
 AGENT_API = WIRES["agent-api"]
 ENCODER_API = WIRES["encoder-api"]
+MEMBER_API = WIRES["member-api"]
 RELAY_WIRE = WIRES["relay-wire"]

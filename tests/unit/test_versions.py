@@ -27,9 +27,11 @@ from dcr.format.manifest import Manifest, manifest_attempt, seal_document
 from dcr.format.payload import pack_payload, read_payload
 from dcr.http.edge import Statuses, guard
 from dcr.protocol.encoder_api import EncoderClient, EncoderError
+from dcr.receiver.member_api import MemberClient, MemberError
 from dcr.transport.relay.wire import WIRE, WIRE_HEADER
 from dcr.versions import (
     ENCODER_API,
+    MEMBER_API,
     OVERRIDE_ENV,
     RELEASE_HEADER,
     SNAPSHOT_INDEX,
@@ -132,18 +134,21 @@ def test_the_test_override_names_a_wire_and_a_number_or_is_refused() -> None:
             _overridden(tuple(WIRES.values()), bad)
 
 
-# --- the warm encoder's API --------------------------------------------------------
+# --- the warm encoder's and a group member's APIs -----------------------------------
+
+STOPPED = {"attempt": "a-1", "stopped": 0, "running": 0}
+MEMBER = {"name": "m", "attempt": "a-1", "staged": [], "received": False, "error": None}
 
 
 @contextmanager
-def encoder(wire: Wire) -> Iterator[str]:
-    """An encoder-API server speaking ``wire`` on loopback, answering every stop."""
+def server(wire: Wire, path: str = "/v1/stop", answer: object = STOPPED) -> Iterator[str]:
+    """A server speaking ``wire`` on loopback behind DCR's edge, answering ``path``."""
 
-    async def stop(_: web.Request) -> web.StreamResponse:
-        return web.json_response({"attempt": "a-1", "stopped": 0, "running": 0})
+    async def answered(_: web.Request) -> web.StreamResponse:
+        return web.json_response(answer)
 
     app = web.Application(middlewares=[guard(TOKEN, Statuses(), wire=wire)])
-    app.add_routes([web.post("/v1/stop", stop)])
+    app.add_routes([web.route("*", path, answered)])
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(app, access_log=None)
     loop.run_until_complete(runner.setup())
@@ -160,18 +165,18 @@ def encoder(wire: Wire) -> Iterator[str]:
 
 
 def test_an_encoder_of_the_next_api_version_is_refused_by_name() -> None:
-    with encoder(ENCODER_API) as url:
+    with server(ENCODER_API) as url:
         assert EncoderClient(url, TOKEN).stop("a-1").attempt == "a-1"
     skew = r"The answer of Encoder endpoint encoder \(POST /v1/stop\) " + refusal(
         "encoder API", 2, "version 1")
-    with (encoder(replace(ENCODER_API, writes=2, reads=(2,))) as url,
+    with (server(replace(ENCODER_API, writes=2, reads=(2,))) as url,
           pytest.raises(EncoderError, match=skew) as e):
         EncoderClient(url, TOKEN).stop("a-1")
     assert e.value.kind == "VersionSkew"
 
 
 def test_an_encoder_refuses_a_request_of_the_next_api_version_before_its_handler() -> None:
-    with encoder(ENCODER_API) as url:
+    with server(ENCODER_API) as url:
         req = urllib.request.Request(
             url + "/v1/stop", data=b"{}", method="POST",
             headers={"Authorization": f"Bearer {TOKEN}", ENCODER_API.header: "2"})
@@ -195,3 +200,14 @@ def test_a_release_header_reaches_status_only_when_it_is_a_release() -> None:
 def test_the_relays_own_version_is_the_tables() -> None:
     relay = WIRES["relay-wire"]
     assert (relay.writes, relay.reads, relay.header) == (WIRE, (WIRE,), WIRE_HEADER)
+
+
+def test_a_group_member_of_the_next_api_version_is_refused_by_name() -> None:
+    ahead = replace(MEMBER_API, writes=2, reads=(2,))
+    with server(MEMBER_API, "/v1/member/status", MEMBER) as url:
+        assert MemberClient(url, TOKEN).status("a-1").attempt == "a-1"
+    skew = (r"member http://\S+: status: The answer of member agent at \S+: status \(GET "
+            r"/v1/member/status\?attempt=a-1\) " + refusal("member API", 2, "version 1"))
+    with (server(ahead, "/v1/member/status", MEMBER) as url,
+          pytest.raises(MemberError, match=skew)):
+        MemberClient(url, TOKEN).status("a-1")

@@ -18,6 +18,7 @@ from typing import Any
 from dcr.drivers.errors import BadAnswer, EngineError
 from dcr.errors import ConfigError
 from dcr.http.direct import OPENER, check_url, excerpt, read_bounded, unreachable_reason
+from dcr.versions import Wire
 
 MAX_ANSWER = 256 << 20  # bytes of one answer (every rank's fingerprints of a large model)
 MAX_ERROR = 64 << 10  # bytes of an error body read for its message
@@ -43,10 +44,13 @@ def _message(raw: bytes) -> str:
 
 
 class JsonHttp:
-    """Calls to one engine at ``url``; ``what`` names it in sentences ("vLLM engine")."""
+    """Calls to one engine at ``url``; ``what`` names it in sentences ("vLLM engine").
+    With ``wire`` (a DCR API, not an engine's), requests carry its version headers and an
+    answer of a version this build does not read is refused by name."""
 
-    def __init__(self, what: str, url: str, api_key: str | None = None) -> None:
-        self.what = what
+    def __init__(self, what: str, url: str, api_key: str | None = None, *,
+                 wire: Wire | None = None) -> None:
+        self.what, self.wire = what, wire
         self.url = check_url(url, what)
         if api_key is not None and not (api_key and all("!" <= c <= "~" for c in api_key)):
             raise ConfigError(f"{what}: the API key must be printable ASCII without spaces "
@@ -84,7 +88,8 @@ class JsonHttp:
         """The answer's bytes and the phrase naming the call, or :class:`EngineError`."""
         endpoint = path + ("?" + urllib.parse.urlencode(query) if query else "")
         where = f"{self.what} at {self.url}: {call} ({method} {endpoint})"
-        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        headers = {"Content-Type": "application/json", "Accept": "application/json",
+                   **(self.wire.headers() if self.wire else {})}
         if self._api_key is not None:
             headers["Authorization"] = f"Bearer {self._api_key}"
         data = None if body is None else json.dumps(body).encode()
@@ -92,9 +97,11 @@ class JsonHttp:
                                      headers=headers)
         try:
             with OPENER.open(req, timeout=timeout_s) as resp:
+                self._check_version(dict(resp.headers.items()), where, call)
                 raw = read_bounded(resp, MAX_ANSWER)
         except urllib.error.HTTPError as e:
             with e:  # closes the connection
+                self._check_version(dict(e.headers.items()), where, call)
                 if 300 <= e.code < 400:
                     raise EngineError(f"{where} answered HTTP {e.code}, a redirect; engine "
                                       "calls follow none.", e.code, call=call) from None
@@ -110,6 +117,11 @@ class JsonHttp:
         if raw is None:
             raise BadAnswer(f"{where} answered more than {MAX_ANSWER} bytes.", call=call)
         return raw, where
+
+    def _check_version(self, headers: dict[str, str], where: str, call: str) -> None:
+        if self.wire is not None:
+            self.wire.check_headers(headers, f"The answer of {where}",
+                                    lambda m: EngineError(m, call=call))
 
 
 __all__ = ["MAX_ANSWER", "JsonHttp"]

@@ -29,6 +29,7 @@ from dcr.receiver.fromstore import FromStore
 from dcr.receiver.member_api import MemberError, MemberStatus, parse
 from dcr.receiver.staging import StagingDir
 from dcr.transport.receive import ReceiveStopped, Source, receive
+from dcr.versions import MEMBER_API
 
 log = logging.getLogger(__name__)
 # Beside each Refused's own status (BadRequest 400; MemberConflict, NotVouched 409): any
@@ -246,8 +247,8 @@ def make_member_app(service: MemberService, token: str) -> Any:
         pool.shutdown(wait=False, cancel_futures=True)
         dense_pool.shutdown(wait=False, cancel_futures=True)
 
-    app = web.Application(middlewares=[guard(token, STATUS, open_paths={"/healthz"})],
-                          client_max_size=1 << 20)
+    app = web.Application(middlewares=[guard(token, STATUS, open_paths={"/healthz"},
+                                             wire=MEMBER_API)], client_max_size=1 << 20)
     app.add_routes([web.post("/v1/member/stage", stage), web.get("/v1/member/status", status),
                     web.post("/v1/member/release", release), web.post("/v1/member/end", end),
                     web.post("/v1/member/dense", dense), web.get("/healthz", healthz)])

@@ -33,6 +33,7 @@ from dcr.drivers.http import JsonHttp
 from dcr.errors import HttpError, first_validation_error
 from dcr.format.names import ATTEMPT_PATTERN, DIGEST_PATTERN
 from dcr.protocol.agent_api import AttemptSpec
+from dcr.versions import MEMBER_API
 
 MAX_NAMES = 1 << 16  # staged names in one answer or release
 
@@ -94,7 +95,7 @@ class MemberClient:
     """The leader's side of one member agent at ``url``."""
 
     def __init__(self, url: str, token: str, *, timeout_s: float = 30.0) -> None:
-        self.http = JsonHttp("member agent", url, token)
+        self.http = JsonHttp("member agent", url, token, wire=MEMBER_API)
         self.url = self.http.url
         self.timeout_s = timeout_s
 
