@@ -34,6 +34,7 @@ class Loopback:
     redirects: dict[str, str] = field(default_factory=dict)
     seen: list[tuple[str, str, str | None]] = field(default_factory=list)  # method, path, auth
     url: str = ""
+    refused: set[str] = field(default_factory=set)  # Authorization values answered 401
 
     def handler(self) -> type[http.server.BaseHTTPRequestHandler]:
         server = self
@@ -43,6 +44,11 @@ class Loopback:
                 length = int(self.headers.get("Content-Length") or 0)
                 self.rfile.read(length)
                 server.seen.append((self.command, self.path, self.headers.get("Authorization")))
+                if self.headers.get("Authorization") in server.refused:
+                    self.send_response(401)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 if self.path in server.redirects:
                     self.send_response(server.status)
                     self.send_header("Location", server.redirects[self.path])
@@ -109,6 +115,33 @@ def test_a_redirect_is_not_followed_so_the_token_goes_nowhere_else(
     assert TOKEN not in str(e.value)
     assert TOKEN not in caplog.text
     assert TOKEN not in repr(kube)
+
+
+def test_a_refused_token_is_read_again_and_the_call_made_once_more(loopback: Any) -> None:
+    """Fails without the renewal: the client kept its first configuration, so a revoked
+    token failed every call until the process restarted. A 401 makes the client ask
+    ``configure`` again (a rotated Secret, a re-read token file) and repeat the call once;
+    a second 401 is the caller's, and the next call asks again."""
+    api = loopback(Loopback())
+    tokens = iter(["old", "new", "newer", "newest"])
+    asked: list[str] = []
+
+    def configure() -> Configuration:
+        asked.append(next(tokens))
+        return Configuration(host=api.url, api_key={"BearerToken": f"Bearer {asked[-1]}"})
+
+    kube = KubeClient(configure)
+    path = api_path("", "v1", "configmaps", "ns")
+    api.refused.add("Bearer old")
+    assert kube.get(path) == {}
+    assert [auth for _, _, auth in api.seen] == ["Bearer old", "Bearer new"]
+
+    api.refused.update({"Bearer new", "Bearer newer"})
+    with pytest.raises(ApiError) as e:
+        kube.create(path, {"metadata": {"name": "x"}})
+    assert e.value.status == 401
+    assert kube.get(path) == {}  # the next call configures again
+    assert asked == ["old", "new", "newer", "newest"]
 
 
 def test_a_client_without_credentials_is_unreachable_and_says_why(
