@@ -97,6 +97,18 @@ class PartSource(Source, Protocol):
         ...
 
 
+def whole_manifest(source: PartSource, owners: int, where: str) -> Manifest | None:
+    """Every owner's part of ``source`` merged (one owner's part as it is), or None while
+    one is missing; ``where`` names the attempt in errors."""
+    parts = []
+    for owner in range(owners):
+        part = source.manifest_part(owner)
+        if part is None:
+            return None
+        parts.append(part)
+    return parts[0] if owners == 1 else merge_manifests(parts, where)
+
+
 class Clock(Protocol):
     """What the receive loop reads of time: a seam, so a test can wait for hours at once."""
 
@@ -229,15 +241,7 @@ class StoreSource:
         return self.store.get(payload_key(self.version, self.attempt, *pid))
 
     def manifest(self) -> Manifest | None:
-        parts = []
-        for owner in range(self.owners):
-            part = self.manifest_part(owner)
-            if part is None:
-                return None
-            parts.append(part)
-        if self.owners == 1:
-            return parts[0]
-        return merge_manifests(parts, f"{self.store.uri}/{self._prefix}")
+        return whole_manifest(self, self.owners, f"{self.store.uri}/{self._prefix}")
 
     def manifest_part(self, owner: int) -> Manifest | None:
         m = self._part(owner_manifest_key(self.version, self.attempt, owner))

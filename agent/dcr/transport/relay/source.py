@@ -14,12 +14,8 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from dcr.errors import RelayError, RelayNotFound
-from dcr.format.manifest import (
-    DEFAULT_MANIFEST_LIMITS,
-    Manifest,
-    ManifestLimits,
-    merge_manifests,
-)
+from dcr.format.manifest import DEFAULT_MANIFEST_LIMITS, Manifest, ManifestLimits
+from dcr.transport.receive import whole_manifest
 from dcr.transport.relay.client import BlockingRelay
 from dcr.transport.relay.wire import MAX_LIST_WAIT_S, WIRE
 
@@ -88,15 +84,7 @@ class RelaySource:
 
     def manifest(self) -> Manifest | None:
         """Every owner's part merged, or None while one is missing."""
-        parts = []
-        for owner in range(self.owners):
-            part = self.manifest_part(owner)
-            if part is None:
-                return None
-            parts.append(part)
-        if self.owners == 1:
-            return parts[0]
-        return merge_manifests(parts, f"{self.url} attempt {self.attempt}")
+        return whole_manifest(self, self.owners, f"{self.url} attempt {self.attempt}")
 
     def manifest_part(self, owner: int) -> Manifest | None:
         """Owner ``owner``'s part, or None while the last listing did not show it."""
