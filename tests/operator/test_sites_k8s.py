@@ -6,7 +6,8 @@ docs/two-clusters.md mints it), the operator's client for that cluster lists Job
 it, the Secret is updated to a second token and the first one is revoked (its bound
 Secret deleted). The client's next call is refused (401), reads the kubeconfig Secret
 again and succeeds: no refit has to fail and start over for a rotation. The tokens
-appear in no log line.
+appear in no log line. And the example Role (charts/dcr/examples/training-cluster.yaml)
+grants that ServiceAccount exactly the calls the operator makes there, nothing more.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import logging
 from typing import Any
 
 import pytest
+import yaml
 from controlplane import ControlPlane
-from k8sutil import apply, eventually
+from k8sutil import REPO, apply, eventually
 
 from dcr_operator.api.rolloutfleet import EncoderProfile
 from dcr_operator.kube import KubeClient, api_path
@@ -75,3 +77,35 @@ def test_a_rotated_kubeconfig_secret_is_read_again_once_the_old_token_is_revoked
     assert "refused its credentials: reading the Secret again" in caplog.text
     for token in (first, second):
         assert token not in caplog.text
+
+
+# What the operator does in the training cluster (docs/two-clusters.md, "Setting it up,
+# step by step", the table under step 1): the example Role must grant exactly this.
+OPERATOR_CALLS = {("batch", "jobs"): {"create", "get", "list", "delete"},
+                  ("", "configmaps"): {"create", "get", "delete"},
+                  ("", "secrets"): {"get"},
+                  ("", "pods"): {"list"}}
+
+
+def _granted(cp: ControlPlane, namespace: str, account: str) -> set[tuple[str, str, str]]:
+    """(group, resource, verb) that ServiceAccount ``account`` may use in ``namespace``."""
+    review = cp.request(
+        "POST", "/apis/authorization.k8s.io/v1/selfsubjectrulesreviews",
+        {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectRulesReview",
+         "spec": {"namespace": namespace}},
+        token=cp.service_account_token(namespace, account))
+    assert review.status == 201, review.body
+    return {(group, resource, verb) for rule in review.body["status"]["resourceRules"]
+            for group in rule.get("apiGroups", []) for resource in rule.get("resources", [])
+            for verb in rule["verbs"]}
+
+
+def test_the_example_training_cluster_role_grants_exactly_the_operators_calls(
+        control_plane: ControlPlane, kube: KubeClient, namespace: str) -> None:
+    example = REPO / "charts" / "dcr" / "examples" / "training-cluster.yaml"
+    apply(kube, [o for o in yaml.safe_load_all(example.read_text()) if o], namespace)
+    # What every ServiceAccount may do (ask who it is, read trust bundles) is not the Role's.
+    everyone = _granted(control_plane, namespace, "default")
+    extra = _granted(control_plane, namespace, SA) - everyone
+    assert extra == {(group, resource, verb) for (group, resource), verbs
+                     in OPERATOR_CALLS.items() for verb in verbs}
