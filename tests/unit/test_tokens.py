@@ -262,8 +262,7 @@ def test_the_main_jobs_relay_tree_gets_two_private_token_files(
     from dcr.refit import job as refit
 
     monkeypatch.setattr(refit.subprocess, "Popen", _NoProcess)
-    monkeypatch.setattr(refit.urllib.request, "urlopen",
-                        lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(refit.OPENER, "open", lambda *a, **k: contextlib.nullcontext())
     _NoProcess.started.clear()
     with _no_chmod_and_umask_0(monkeypatch):
         tree = refit.start_relays(tmp_path / "relay", 3)
