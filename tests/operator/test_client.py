@@ -15,11 +15,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from controlplane import ControlPlane
-from k8sutil import admin_client, install_crds
+from k8sutil import CHART, admin_client, apply, install_crds
+from kubernetes import config
 from kubernetes.client import ApiClient, Configuration
 
 from dcr.client import (
@@ -140,6 +143,27 @@ def test_a_refit_is_created_as_asked_and_returns_at_its_commit_with_progress(
     assert seen[-1].applied == seen[-1].receivers == 2
     assert seen[-1].bytes == 1234
     assert seen[-1].message == "Committed/Committed: version 7"
+
+
+def test_a_trainer_in_another_cluster_refits_through_a_kubeconfig_of_the_example_role(
+        control_plane: ControlPlane, kube: KubeClient, namespace: str, tmp_path: Path) -> None:
+    """docs/two-clusters.md, step 5, as written: the example's ``trainer`` ServiceAccount and
+    Role (create, get, list, watch on weightrefits, nothing more) in the rollout cluster, a
+    token of it in a kubeconfig file, ``new_client_from_config`` and ``api_client=``: the
+    refit is created and waited on to its commit with those rights alone."""
+    example = yaml.safe_load_all((CHART / "examples" / "trainer-ranks.yaml").read_text())
+    apply(kube, [o for o in example if o and o["kind"] in ("ServiceAccount", "Role",
+                                                            "RoleBinding")], namespace)
+    token = control_plane.service_account_token(namespace, "trainer")
+    rollout = control_plane.write_kubeconfig_for_token(token, tmp_path / "kubeconfig")
+    op = Operator(kube, namespace, "policy-v7", [ENCODING, PUBLISHED, COMMITTED])
+    op.start()
+    with config.new_client_from_config(config_file=str(rollout)) as trainer_api:
+        handle = refit("policy", 7, CKPT, namespace=namespace, api_client=trainer_api,
+                       progress_bar=False, timeout_s=60)
+    op.join(5)
+    assert op.error is None
+    assert handle.get()["status"]["phase"] == "Committed"
 
 
 def test_asynchronous_rl_returns_once_published_then_waits_for_the_commit(
