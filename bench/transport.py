@@ -317,7 +317,7 @@ def node_main(args: argparse.Namespace) -> None:
         source = StoreSource(store=open_store(f"s3://{BUCKET}/dcr"), version=1,
                              attempt=ATTEMPT, owners=args.owners)
     else:
-        source = RelaySource(f"http://{args.endpoint}", TOKEN, ATTEMPT)
+        source = RelaySource(f"http://{args.endpoint}", TOKEN, ATTEMPT, owners=args.owners)
     held = reset_peak_rss()  # the model's copy and the libraries: what the node holds anyway
     print("ready", flush=True)
     sys.stdin.readline()
@@ -489,7 +489,7 @@ def run_dcr_s3(procs: Procs, s3_port: int, v0: Path, v1: Path, n: int, mbit: flo
 
 
 def run_dcr_relay(procs: Procs, v0: Path, v1: Path, n: int, mbit: float, rtt: float,
-                  fanout: int, work: Path, threads: int) -> dict[str, Any]:
+                  fanout: int, work: Path, threads: int, owners: int = 1) -> dict[str, Any]:
     ports = [free_port() for _ in range(n)]
     members = ",".join(f"127.0.0.1:{p}" for p in ports)
     token_file = write_token_file(work / "token", TOKEN)
@@ -505,23 +505,25 @@ def run_dcr_relay(procs: Procs, v0: Path, v1: Path, n: int, mbit: float, rtt: fl
         wait_http(f"http://127.0.0.1:{port}/healthz")
     link, link_port = start_link(procs, ports[0], mbit, rtt)  # trainer -> root: the boundary
     nodes = start_nodes(procs, n, "dcr-relay", v0, [f"127.0.0.1:{p}" for p in ports],
-                        threads=threads)
-    push = RelayPublisher(f"relay+http://127.0.0.1:{link_port}", token=PUBLISH_TOKEN)
+                        owners, threads)
+    pushes: list[Store] = [RelayPublisher(f"relay+http://127.0.0.1:{link_port}",
+                                          token=PUBLISH_TOKEN) for _ in range(owners)]
     results_box: list[list[dict[str, Any]]] = []
     cpu = CpuUse({"owner and harness": [os.getpid()], "nodes": [p.pid for p in nodes],
                   "relays": [p.pid for p in relays], "links": [link.pid]})
     t0 = time.monotonic()
     waiter = threading.Thread(target=lambda: results_box.append(go(nodes)))
     waiter.start()  # nodes poll their relay while the trainer streams: pipelined
-    (m,) = encode(v0, v1, [push], threads)
+    parts = encode(v0, v1, pushes, threads)  # every owner's part through the one root
     publish = time.monotonic() - t0
     waiter.join()
     total = max(r["done_monotonic"] for r in results_box[0]) - t0
     cpu_s = cpu.stop()
     results = verified(nodes, results_box[0])
-    push.close()
+    for push in pushes:
+        push.close()  # type: ignore[attr-defined]
     up, _ = link_bytes(link)
-    return {"publish_s": publish, "payload_bytes": m.stats.payload_bytes,
+    return {"publish_s": publish, "payload_bytes": sum(m.stats.payload_bytes for m in parts),
             "nodes": results, "total_s": total, "boundary_bytes": up, "cpu_s": cpu_s,
             "relay_peak_rss_bytes": [peak_rss(r.pid) for r in relays]}
 
@@ -567,7 +569,7 @@ def main() -> None:
     ap.add_argument("--rtt-ms", type=float, default=20.0)
     ap.add_argument("--fanout", type=int, default=2)
     ap.add_argument("--owners", type=int, default=1,
-                    help="encoders splitting the tensors (object store only)")
+                    help="encoders splitting the tensors, each publishing its part")
     ap.add_argument("--threads", type=int, default=2,
                     help="threads of each owner and each node's apply")
     ap.add_argument("--bucket-mib", type=int, default=256, help="dense MiB per payload")
@@ -585,8 +587,6 @@ def main() -> None:
     ways = args.ways.split(",")
     if not set(ways) <= set(WAYS):
         ap.error(f"--ways {args.ways!r}: choose from {', '.join(WAYS)}")
-    if args.owners > 1 and "dcr-relay" in ways:
-        ap.error("the relay takes one owner per attempt; --owners > 1 needs --ways dcr-s3")
     global BUCKET_BYTES
     BUCKET_BYTES = args.bucket_mib << 20
     procs = Procs()
@@ -617,7 +617,7 @@ def main() -> None:
                                         args.owners, args.threads)
         if "dcr-relay" in ways:
             rows["dcr-relay"] = run_dcr_relay(procs, v0, v1, n, mbit, rtt, args.fanout, work,
-                                              args.threads)
+                                              args.threads, args.owners)
     finally:
         procs.stop()
         shutil.rmtree(work, ignore_errors=True)
