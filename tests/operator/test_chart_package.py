@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from controlplane import ControlPlaneError, built, go_available
 from k8sutil import CHART, REPO
 from registry import registry
 
@@ -39,8 +40,19 @@ def _push(helm: Path, registry_path: str, env: dict[str, str]
                           env={**os.environ, "HELM": str(helm), **env})
 
 
+@pytest.fixture(scope="session")
+def registry_binary() -> None:
+    """The registry tools/controlplane/build.sh builds (skip if it cannot)."""
+    try:
+        built("registry")
+    except ControlPlaneError as e:
+        if not go_available():
+            pytest.skip(f"no registry binary and no Go toolchain to build it: {e}")
+        raise
+
+
 def test_make_push_puts_the_chart_of_the_projects_version_into_an_oci_registry(
-        helm: Path, tmp_path: Path) -> None:
+        helm: Path, registry_binary: None, tmp_path: Path) -> None:
     version = _project_version()
     with registry(tmp_path / "registry", host="127.0.0.1") as reg:
         login = {"REGISTRY_AUTH_FILE": str(reg.auth_file), "DCR_PUSH_CERT_DIR": str(reg.cert_dir)}
