@@ -55,17 +55,18 @@ def test_the_engines_options_are_dcr_serves_not_the_agents(moved: str) -> None:
               moved, "1")
 
 
-def test_agent_without_a_source_or_with_both_is_a_usage_error() -> None:
+def test_an_agent_needs_a_source_and_may_take_a_relay_with_its_store() -> None:
+    """A relay fleet's agent reads attempts from its node and the history from the store."""
     base = ("agent", "--name", "r0", "--state-dir", "/s", *ENGINE_FLAGS)
-    with pytest.raises(SystemExit):
-        parse(*base)
-    with pytest.raises(SystemExit):
-        parse(*base, "--store", "s", "--relay", "http://r:1")
+    with pytest.raises(ConfigError, match="give --store, --relay, or both"):
+        AgentSettings(name="r0", state_dir=Path("/s"), staging_dir=Path("/st"),
+                      canonical=Path("/c"), engine_url="http://e:1")
+    ns = parse(*base, "--store", "s", "--relay", "http://r:1")
+    assert (ns.store, ns.relay) == ("s", "http://r:1")
 
 
 @pytest.mark.parametrize(("given", "named"), [
-    ({"store": "s", "relay": "http://r:1"}, "store='s', relay='http://r:1'"),
-    ({}, "store=None, relay=None"),
+    ({}, "give --store, --relay, or both"),
     ({"store": "s", "engine": "sglang"}, "give --pause-mode abort or keep"),
     ({"store": "s", "engine_url": "unix:///x"}, "'unix:///x' is not an http"),
     ({"store": "s", "listen": "nowhere"}, "'nowhere'"),
@@ -104,12 +105,10 @@ def test_relay_refuses_an_unreadable_token_file_naming_it(tmp_path: Path) -> Non
         relay_settings(ns)
 
 
-def test_refit_owners_default_by_transport_and_the_relay_refuses_two() -> None:
+def test_refit_owners_default_to_two_through_the_store_or_the_relay() -> None:
     assert RefitSettings().owners == 2
     assert RefitSettings().owner_form == "warm"
-    assert RefitSettings(transport="relay").owners == 1
-    with pytest.raises(ConfigError, match="--owners 2"):
-        RefitSettings(transport="relay", owners=2)
+    assert RefitSettings(transport="relay").owners == 2  # the relay carries every part
     with pytest.raises(ConfigError, match="--agents 1"):
         RefitSettings(agents=1)
 
@@ -119,7 +118,7 @@ def test_refit_flags_set_the_job_and_its_trainer() -> None:
                "--kill-receiver-every", "2", "--seed", "5", "--lr", "1e-5")
     s = from_args(RefitSettings, ns, trainer=from_args(TrainerSettings, ns))
     assert (s.out, s.steps, s.agents, s.owners, s.transport, s.kill_receiver_every) == (
-        Path("o"), 2, 2, 1, "relay", 2)
+        Path("o"), 2, 2, 2, "relay", 2)
     assert s.trainer == TrainerSettings(seed=5, lr=1e-5)
     assert s.owner_form == "warm"
     ns = parse("refit", "--owner-form", "process")
