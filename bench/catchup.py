@@ -10,6 +10,9 @@ snapshot every ``--snapshot-every`` versions. A rollout pod that holds version N
 * **snapshot**: the newest snapshot at or below N and the deltas after it;
 * **mirror**: a copy of the rollout cluster's mirror (``dcr mirror``, kept at N on a local
   volume), checked against the history's fingerprints: only those cross the link;
+* **peer**: the agent's own build (``FromStore.build`` given ``--donor``): a live peer's
+  copy of N taken under a lease over loopback (inside the rollout cluster), checked against
+  the history's fingerprints; the history and manifests cross the link;
 * **full**: a download of version N's checkpoint.
 
 The mirror's own cost is measured too: its sync from N - 1 to N across the same link,
@@ -24,6 +27,7 @@ result is checked bit for bit against the training side's version N.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import platform
@@ -31,6 +35,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -42,14 +47,19 @@ from dcr.files.history import HistoryStore
 from dcr.files.materialize import materialize
 from dcr.files.mirror import CURRENT, sync
 from dcr.files.snapshot import write_snapshot
+from dcr.http.edge import start
 from dcr.owner.encoder import Encoder
 from dcr.protocol.records import Attempt, CommitRecord, Transition
+from dcr.receiver.donor import Donor, Leases, peer_routes
+from dcr.receiver.fromstore import FROM_STORE, FromStore
+from dcr.receiver.peers import PeerClient
 from dcr.transport.s3 import S3Store
 from transport import BIN, KEY, SECRET, Procs, free_port, link_bytes, start_link, wait_http
 
 BUCKET = "catchup"
 TENSORS = 64
 CREDS = {"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET}
+PEER_TOKEN = "bench-peer-read-token-0123456789"
 
 
 def save(bits: dict[str, np.ndarray], path: Path) -> None:
@@ -87,6 +97,19 @@ def commit(owner: Encoder, history: HistoryStore, bits: dict[str, np.ndarray], v
     owner.advance_baseline(CommitRecord(committed_version=v, baseline_id=f"v{v}",
                                         attempt=attempt.id))
     return attempt.id
+
+
+def lend(copy: Path) -> str:
+    """Serve ``copy`` (a donor agent's build of a committed version) on the donor routes,
+    from an event loop on a thread; its URL."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.add_routes(peer_routes(Donor("donor", copy, Leases(), lambda: None), PEER_TOKEN))
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    return asyncio.run_coroutine_threadsafe(start(app, "127.0.0.1:0", "the donor"),
+                                            loop).result(30).url
 
 
 def bits_of(path: Path) -> dict[str, bytes]:
@@ -158,10 +181,14 @@ def main() -> None:
                        "bit_exact": bits_of(mirror / CURRENT) == want}
         pod.close()
         print(json.dumps({"mirror_sync": mirror_sync}), flush=True)
+        donor = work / "donor" / FROM_STORE  # a peer that rejoined N from the store
+        materialize(direct, donor, version=last, held=last - 1,
+                    seed=work / "train" / f"v{last - 1}")
+        donor_url = lend(donor)
 
         for m in missed:
             held = last - m
-            for way in ("replay", "snapshot", "mirror", "full"):
+            for way in ("replay", "snapshot", "mirror", "full", "peer"):
                 link, port = start_link(procs, s3_port, args.mbit, args.rtt_ms)
                 pod = S3Store(f"s3://{BUCKET}/policy", endpoint=f"http://127.0.0.1:{port}",
                               region="us-east-1", credentials=CREDS)
@@ -174,6 +201,15 @@ def main() -> None:
                     (out / "model.safetensors").write_bytes(
                         pod.get(f"full/v{last}/model.safetensors"))
                     plan = {"route": "full"}
+                elif way == "peer":
+                    agent = FromStore(HistoryStore(pod), out,
+                                      seed=(held, work / "train" / f"v{held}"),
+                                      peers=(PeerClient(donor_url, PEER_TOKEN),))
+                    _, done = agent.build(last)
+                    plan = {"route": "peer", "from": done.plan.start, "deltas": done.plan.steps,
+                            "fetched_bytes": done.fetched_bytes,
+                            "peer_bytes": agent.peer_bytes}
+                    assert agent.peer_refusals == 0
                 elif way == "mirror":
                     done = materialize(pod, out, seed=mirror / CURRENT)
                     plan = {"route": "mirror", "from": done.plan.start, "deltas": 0,
@@ -187,7 +223,7 @@ def main() -> None:
                 seconds = time.perf_counter() - t
                 pod.close()
                 _, down = link_bytes(link)
-                exact = bits_of(out) == want
+                exact = bits_of(out / FROM_STORE if way == "peer" else out) == want
                 shutil.rmtree(out)
                 row = {"missed": m, "held": held, "way": way, "seconds": round(seconds, 3),
                        "boundary_bytes": down, "bit_exact": exact, **plan}

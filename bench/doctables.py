@@ -219,7 +219,8 @@ def expand() -> str:
 # --- docs/evaluation-catchup.md, docs/evaluation-peer.md -----------------------------------
 
 WAYS = {"replay": "replay the committed deltas", "snapshot": "snapshot + the deltas after it",
-        "mirror": "copy the rollout cluster's mirror", "full": "download the full checkpoint"}
+        "mirror": "copy the rollout cluster's mirror", "full": "download the full checkpoint",
+        "peer": "take a live peer's copy"}
 
 
 def catchup() -> str:
@@ -231,6 +232,8 @@ def catchup() -> str:
         how = WAYS[r["way"]]
         if r["way"] in ("replay", "snapshot"):
             how += f" ({r['deltas']} from v{r['from']})"
+        if r["way"] == "peer":
+            how += f" (v{r['from']}, {mb(r['peer_bytes'])} inside the cluster)"
         rows.append([str(r["missed"]), how, f"{r['seconds']:.1f}", mb(r["boundary_bytes"]),
                      f"{f['boundary_bytes'] / r['boundary_bytes']:,.1f}x",
                      f"{f['seconds'] / r['seconds']:.2f}x",
