@@ -311,6 +311,18 @@ class VictimRun:
     commits: SqliteCommitStore
 
 
+def refit(fleet: Fleet, commits: SqliteCommitStore, owners: list[ProcessOwner],
+          receivers: list[ReceiverHandle], version: int) -> tuple[Coordinator, CommitRecord]:
+    """Refit ``receivers`` to ``version`` (baseline ``ckpt-<version>``) by a coordinator of
+    its own, rejoining by a dense load of the fleet's checkpoints; it and the record."""
+    c = Coordinator(commits, owners, receivers, settings=SETTINGS,
+                    dense_checkpoint=fleet.ckpts.dense)
+    try:
+        return c, c.refit(version, f"ckpt-{version}")
+    finally:
+        c.close()
+
+
 def refit_with_a_victim(fleet: Fleet, victim_of: Callable[[Agent], Any]) -> VictimRun:
     """Refit two pods to v1 through two encoder processes, pod ``b`` behind the handle
     ``victim_of(b)`` that breaks something mid-attempt."""
@@ -319,12 +331,7 @@ def refit_with_a_victim(fleet: Fleet, victim_of: Callable[[Agent], Any]) -> Vict
     owners = [fleet.owner(owner=k, owners=2, profile_path=profile) for k in range(2)]
     commits = SqliteCommitStore(fleet.tmp / "commit.db", V0)
     victim = victim_of(b)
-    c = Coordinator(commits, owners, [a.client, victim], settings=SETTINGS,
-                    dense_checkpoint=fleet.ckpts.dense)
-    try:
-        record = c.refit(1, "ckpt-1")
-    finally:
-        c.close()
+    c, record = refit(fleet, commits, owners, [a.client, victim], 1)
     return VictimRun(a=a, b=b, victim=victim, coordinator=c, record=record, owners=owners,
                      commits=commits)
 
@@ -634,12 +641,7 @@ def test_an_agent_one_api_version_ahead_is_refused_by_name_and_left_out_of_the_r
 
     commits = SqliteCommitStore(fleet.tmp / "commit.db", V0)
     owners = [fleet.owner(profile_path=profile_file(fleet.tmp, [a]))]
-    c = Coordinator(commits, owners, [a.client, ahead], settings=SETTINGS,
-                    dense_checkpoint=fleet.ckpts.dense)
-    try:
-        record = c.refit(1, "ckpt-1")
-    finally:
-        c.close()
+    c, record = refit(fleet, commits, owners, [a.client, ahead], 1)
     assert outcomes(c) == [("mixed", "committed")]
     assert (c.history[0].receivers, c.history[0].left_out) == (("a",), ("ahead",))
     assert record == commits.read()
@@ -708,12 +710,7 @@ def test_agents_rolled_one_at_a_time_onto_a_new_build_mid_refit_keep_refits_bit_
     for version, rolled in ((1, a), (2, b)):  # one pod per refit, as maxUnavailable: 1
         handles: list[ReceiverHandle] = [
             UpgradedBeforeFlush(p) if p is rolled else p.client for p in (a, b)]
-        c = Coordinator(commits, owners, handles, settings=SETTINGS,
-                        dense_checkpoint=fleet.ckpts.dense)
-        try:
-            record = c.refit(version, f"ckpt-{version}")
-        finally:
-            c.close()
+        c, record = refit(fleet, commits, owners, handles, version)
         assert record == commits.read()
         assert record.committed_version == version
         assert outcomes(c)[-1] == ("overwrite", "committed")  # after the rolled pod's retry
