@@ -189,6 +189,12 @@ def _build(hs: HistoryStore, history: History, p: Plan, out: Path, seed: Path | 
     except BaseException:
         shutil.rmtree(fresh, ignore_errors=True)
         raise
+    take_place(fresh, out)
+
+
+def take_place(fresh: Path, out: Path) -> None:
+    """The whole directory ``fresh`` becomes ``out`` (the old one moved aside first and
+    removed after, so ``out`` is never a mix of both)."""
     old = out.with_name(f".{out.name}.old")
     shutil.rmtree(old, ignore_errors=True)
     if out.exists():

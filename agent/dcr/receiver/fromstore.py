@@ -23,7 +23,7 @@ from pathlib import Path
 
 from dcr.errors import CheckpointError, DcrError, ManifestError, StateConflict, StoreError
 from dcr.files.history import HistoryStore
-from dcr.files.materialize import Materialized, materialize, recorded_version
+from dcr.files.materialize import Materialized, materialize, recorded_version, take_place
 from dcr.files.mirror import Generation
 from dcr.files.mirror import current as mirror_current
 from dcr.files.vouched import copy_vouched
@@ -154,12 +154,7 @@ class FromStore:
         (configs and tokenizer come only from this pod's own side)."""
         if self.seed is not None:
             copy_vouched(self.seed[1], fresh, tensors=False)
-        old = out.with_name(f".{out.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        if out.exists():
-            out.rename(old)
-        fresh.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
+        take_place(fresh, out)
 
     def _mirrored(self) -> Generation | None:
         """The mirror's current generation; a broken mirror is passed over (the store and
