@@ -95,7 +95,7 @@ def _exported_names() -> set[str]:
         counters=SimpleNamespace(payloads_applied=0, payload_bytes_applied=0,
                                  apply_seconds=0.0, attempts={"committed": 1}, dense_loads=0,
                                  store_bytes_fetched=0),
-        waits=0)
+        store=SimpleNamespace(peer_bytes=0, peer_refusals=0), waits=0)
     text = m.render() + render_metrics(agent)  # type: ignore[arg-type]
     return {name for name, _ in samples(text)}
 
