@@ -16,9 +16,10 @@ from dcr.refit.launch import AgentProcess, ServeProcess
 
 
 @contextlib.contextmanager
-def hf_pods(root: Path, v0: Path, store: Path, token: str, n: int = 2
+def hf_pods(root: Path, v0: Path, store: Path | str, token: str, n: int = 2
             ) -> Iterator[list[AgentClient]]:
-    """``n`` pods under ``root`` serving ``v0``, their agents reading ``store``."""
+    """``n`` pods under ``root`` serving ``v0``, their agents reading ``store`` (a file
+    store's directory, or a store URI)."""
     procs: list[AgentProcess | ServeProcess] = []
     clients = []
     try:
@@ -31,8 +32,9 @@ def hf_pods(root: Path, v0: Path, store: Path, token: str, n: int = 2
             procs.append(server)
             server.start()
             server.wait_ready()
+            uri = store.as_uri() if isinstance(store, Path) else store
             agent = AgentProcess(name=f"pod{k}", state_dir=pod / "agent", token=token,
-                                 args=["--store", store.as_uri(), "--engine-url", server.url,
+                                 args=["--store", uri, "--engine-url", server.url,
                                        "--staging-dir", str(pod / "staging"),
                                        "--canonical", str(v0), "--model-version", "0"])
             procs.append(agent)
