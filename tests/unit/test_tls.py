@@ -34,6 +34,7 @@ from dcr.http.tls import TlsSettings, client_context, server_context
 from dcr.protocol import agent_api
 from dcr.protocol.agent_api import AgentClient, AgentError
 from dcr.protocol.encoder_api import EncoderClient, EncoderError
+from dcr.receiver.peers import PeerClient
 from dcr.transport.relay import RelayClient
 
 TOKEN = "tls-test-token-5b8e0c1d2f"
@@ -153,7 +154,7 @@ def test_with_tls_configured_no_client_sends_a_token_to_a_plain_http_peer(
         url = f"http://127.0.0.1:{listener.getsockname()[1]}"
         for make in (lambda: AgentClient("r0", url, TOKEN),
                      lambda: EncoderClient(url, TOKEN, name="e0"),
-                     lambda: RelayClient(url, TOKEN)):
+                     lambda: RelayClient(url, TOKEN), lambda: PeerClient(url, TOKEN)):
             with pytest.raises(ConfigError, match="is plain HTTP, but DCR_TLS_CA is set"):
                 make()
         listener.settimeout(0.2)

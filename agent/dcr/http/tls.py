@@ -24,7 +24,8 @@ Choices, and why:
 - Files are re-read when they change (kubelet swaps a Secret volume's files when
   cert-manager renews): a server picks the new pair at the next handshake, a client the
   new bundle at its next connection; a pair that does not load keeps the old one, logged.
-- Stdlib ``ssl`` only, TLS 1.2 or later (``ssl.create_default_context``'s floor).
+- Stdlib ``ssl``, TLS 1.2 or later (``ssl.create_default_context``'s floor); the same
+  context handed to urllib3's pools (:func:`pooled_request`) and aiohttp's requests.
 
 docs/security-wire.md, "TLS".
 """
@@ -41,6 +42,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import urllib3
 
 from dcr.errors import ConfigError
 
@@ -208,6 +211,15 @@ def urllib3_options() -> dict[str, Any]:
     return {"ssl_context": client_context(s), "server_hostname": s.server_name}
 
 
+def pooled_request(manager: urllib3.PoolManager, method: str, url: str, **kw: Any
+                   ) -> urllib3.BaseHTTPResponse:
+    """``manager.request(method, url, **kw)`` through a pool that verifies HTTPS peers as
+    this module says (a pool per address and context, kept alive between calls)."""
+    pool = manager.connection_from_url(url, pool_kwargs=urllib3_options())
+    return pool.urlopen(method, urllib3.util.parse_url(url).request_uri,
+                        assert_same_host=False, **kw)
+
+
 class VerifiedHTTPSConnection(http.client.HTTPSConnection):
     """http.client's HTTPS with this module's context, checking ``DCR_TLS_SERVER_NAME``
     when set (http.client would check the URL's host)."""
@@ -237,4 +249,4 @@ def refusal(e: BaseException) -> str | None:
 
 __all__ = ["ENV_CA", "ENV_CA_DATA", "ENV_CERT", "ENV_KEY", "ENV_SERVER_NAME", "TlsSettings",
            "VerifiedHTTPSConnection", "aiohttp_options", "check_peer_url", "client_context",
-           "refusal", "server_context", "server_hostname", "urllib3_options"]
+           "pooled_request", "refusal", "server_context", "server_hostname", "urllib3_options"]

@@ -36,7 +36,7 @@ from dcr.errors import HttpError, Invalid, first_validation_error
 from dcr.format.names import ATTEMPT_PATTERN, DIGEST_PATTERN, Mode
 from dcr.http.deadline import POOL_CLASSES, deadline
 from dcr.http.direct import check_url, read_bounded, unreachable_reason
-from dcr.http.tls import check_peer_url, urllib3_options
+from dcr.http.tls import check_peer_url, pooled_request
 from dcr.protocol.records import Attempt
 from dcr.versions import AGENT_API, release_of
 
@@ -400,10 +400,8 @@ class AgentClient(AgentApi):
         where = f"({method} {path})"
         try:
             wait_s = left()
-            at = urllib3.util.parse_url(self.url + path)
-            pool = _POOL.connection_from_url(self.url, pool_kwargs=urllib3_options())
-            resp = pool.urlopen(
-                method, at.request_uri, assert_same_host=False,
+            resp = pooled_request(
+                _POOL, method, self.url + path,
                 body=body.model_dump_json().encode() if body is not None else None,
                 headers={"Authorization": f"Bearer {self._token}",
                          "Content-Type": "application/json", **AGENT_API.headers()},

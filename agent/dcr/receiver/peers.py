@@ -31,6 +31,7 @@ from dcr.files.vouched import is_tensor_file
 from dcr.format.dtypes import DTYPES
 from dcr.http.deadline import POOL_CLASSES
 from dcr.http.direct import check_url, excerpt, read_bounded, unreachable_reason
+from dcr.http.tls import check_peer_url, pooled_request
 from dcr.protocol.peer_api import (
     FILE_NAME,
     FILE_PATH,
@@ -100,7 +101,7 @@ class PeerClient:
     """One donor's routes, with the fleet's peer read token; no redirect is followed."""
 
     def __init__(self, url: str, token: str, *, timeout_s: float = 60.0) -> None:
-        self.url = check_url(url, "A donor")
+        self.url = check_peer_url(check_url(url, "A donor"), "A donor")
         self._token, self.timeout_s = token, timeout_s
 
     def __repr__(self) -> str:  # never the token
@@ -109,8 +110,8 @@ class PeerClient:
     def _request(self, method: str, path: str, body: bytes | None = None
                  ) -> urllib3.BaseHTTPResponse:
         try:
-            resp = _POOL.request(
-                method, self.url + path, body=body, preload_content=False, redirect=False,
+            resp = pooled_request(
+                _POOL, method, self.url + path, body=body, preload_content=False, redirect=False,
                 retries=False, timeout=urllib3.Timeout(connect=self.timeout_s,
                                                        read=self.timeout_s),
                 headers={"Authorization": f"Bearer {self._token}",
