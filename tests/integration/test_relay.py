@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 import yarl
 
+from dcr import __version__
 from dcr.codec.decode import Target, apply_items, decode
 from dcr.codec.encode import PayloadBuilder, diff_range, encode_item
 from dcr.format.dtypes import dtype
@@ -1027,7 +1028,8 @@ def test_a_wire_1_manifest_or_subscription_is_refused_naming_both_wires(tree7: T
             async with http.post(tree7.urls[0] + "/v1/subscribe", headers=auth,
                                  data=b'{"index": 3, "manifests": ["a-old"]}') as r:
                 assert r.status == 400
-                assert "speaks relay wire 1; this member speaks wire 2" in await r.text()
+                assert ("The subscriber has relay wire version 1, but this DCR "
+                        f"{__version__} reads relay wire version 2") in await r.text()
 
     asyncio.run(scenario())
 

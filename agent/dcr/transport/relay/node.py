@@ -44,6 +44,7 @@ from dcr.transport.relay.wire import (
     attempt_from,
     key_from,
 )
+from dcr.versions import RELAY_WIRE
 
 log = logging.getLogger(__package__)  # "dcr.transport.relay": one logger for the tree
 
@@ -567,9 +568,7 @@ class RelayNode:
             wire = json.loads(body).get("wire", 1)  # a subscription without it is wire 1
         except (ValueError, AttributeError):
             wire = None
-        if wire != WIRE:
-            raise RelayRefused(400, f"The subscriber speaks relay wire {str(wire)[:20]}; this "
-                                f"member speaks wire {WIRE}: run one dcr version in a tree.")
+        RELAY_WIRE.check("The subscriber", wire, lambda m: RelayRefused(400, m))
         try:
             sub = _Subscription.model_validate_json(body)
         except ValidationError as e:

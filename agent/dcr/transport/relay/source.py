@@ -17,7 +17,8 @@ from dcr.errors import RelayError, RelayNotFound
 from dcr.format.manifest import DEFAULT_MANIFEST_LIMITS, Manifest, ManifestLimits
 from dcr.transport.receive import whole_manifest
 from dcr.transport.relay.client import BlockingRelay
-from dcr.transport.relay.wire import MAX_LIST_WAIT_S, WIRE
+from dcr.transport.relay.wire import MAX_LIST_WAIT_S
+from dcr.versions import RELAY_WIRE
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -69,10 +70,8 @@ class RelaySource:
                 self.attempt, wait_s=wait_s, known=self._tag))
         except RelayNotFound:
             return []
-        if listing.get("wire") != WIRE:
-            raise RelayError(f"The relay node {self.url} speaks wire "
-                             f"{str(listing.get('wire', 1))[:20]}; this agent reads wire {WIRE}: "
-                             "run one dcr version in the relay tree and the fleet.")
+        RELAY_WIRE.check(f"The listing of relay node {self.url}", listing.get("wire", 1),
+                         RelayError)
         self._tag = listing.get("tag")
         self._parts = {int(m["owner"]) for m in listing["manifests"]}
         return list(listing["payloads"])

@@ -18,12 +18,13 @@ from aiohttp import web
 from dcr.errors import Refused
 from dcr.format.layout import MAX_OWNERS
 from dcr.format.names import ATTEMPT_RE
+from dcr.versions import RELAY_WIRE
 
 MAX_ID = 2**31 - 1  # largest owner or seq (FORMAT.md)
 # The relay wire's version. 2: a manifest is one owner's part, at /v1/manifests/{attempt}/{owner}
 # (1 carried one manifest per attempt at /v1/manifests/{attempt}, so one owner per attempt).
-WIRE = 2
-WIRE_HEADER = "DCR-Relay-Wire"  # the header dcr.versions names for this wire
+WIRE = RELAY_WIRE.writes  # 2, declared with every other wire in dcr.versions
+WIRE_HEADER = RELAY_WIRE.header
 Chunk = bytes | memoryview
 
 
