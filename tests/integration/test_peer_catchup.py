@@ -6,7 +6,8 @@ s3``) and records each in the store's history. Rollout pods are real processes: 
 serve`` (the ``hf`` runtime) and its ``dcr agent`` on ``--store s3://...``, each holding
 only the run's starting model (v0) on its own volume. The donor pod rejoins v4 from the
 store; a new pod given ``--donor`` then takes the donor's copy, with only the history and
-manifests read from the store. A hostile donor (a stub lending v3's bits as v4), a donor
+manifests read from the store; a relay fleet's pod (``--relay`` and ``--store``) takes an
+older donor's v2 and replays the rest from the store. A hostile donor (a stub lending v3's bits as v4), a donor
 in the middle of an attempt and requests without the peer read token are refused; every
 pod ends bit-exact with a dense load of v4 (integer views of every parameter and buffer).
 """
@@ -295,3 +296,23 @@ def test_the_donor_routes_ask_for_the_peer_read_token_and_nothing_else(
         headers={"Authorization": f"Bearer {PEER_TOKEN}"})
     with urllib.request.urlopen(donor_release, timeout=30) as r:
         assert r.status == 200
+
+
+def test_a_relay_fleets_pod_takes_an_older_peer_copy_and_replays_the_rest_from_the_store(
+        run: Run, donor: AgentClient) -> None:
+    """A donor whose copy is v2 (it rejoined then); a pod of a relay fleet (``--relay``
+    for attempts, ``--store`` for the history) takes that copy, checked against the
+    history's v2, and replays v3 and v4 from the store: bit-exact, with half the deltas a
+    replay from its own v0 fetches (the donor's v0 -> v4)."""
+    old = run.pod("old-donor")
+    assert old.rejoin(2, None, run.digest).version == 2
+    relay_token = write_token_file(run.tmp / "relay.token", "relay-read-token-0123456789ab")
+    pod = run.pod("relay-reader", "--donor", old.url, "--relay", "http://127.0.0.1:9",
+                  "--relay-token-file", str(relay_token))
+    assert pod.rejoin(LAST, None, run.digest).version == LAST
+    run.assert_holds_last(pod)
+    m, whole = metrics(pod), metrics(donor)
+    assert m["peer_refusals"] == 0
+    assert m["peer_bytes_fetched"] > 0
+    assert 0 < m["store_bytes_fetched"] < 0.75 * whole["store_bytes_fetched"]  # v3, v4 only
+    assert "took version 2 from peer" in run.log("relay-reader")
