@@ -7,9 +7,10 @@ serve`` (the ``hf`` runtime) and its ``dcr agent`` on ``--store s3://...``, each
 only the run's starting model (v0) on its own volume. The donor pod rejoins v4 from the
 store; a new pod given ``--donor`` then takes the donor's copy, with only the history and
 manifests read from the store; a relay fleet's pod (``--relay`` and ``--store``) takes an
-older donor's v2 and replays the rest from the store. A hostile donor (a stub lending v3's bits as v4), a donor
-in the middle of an attempt and requests without the peer read token are refused; every
-pod ends bit-exact with a dense load of v4 (integer views of every parameter and buffer).
+older donor's v2 and replays the rest from the store. A hostile donor (a stub lending v3's
+bits as v4), a donor in the middle of an attempt and requests without the peer read token
+are refused; every pod ends bit-exact with a dense load of v4 (integer views of every
+parameter and buffer).
 """
 
 from __future__ import annotations
