@@ -15,16 +15,18 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from shardrig import DENSE, V0, perturbed, receivers, tp_shards
 
+from dcr.codec.sums import whole_sum
 from dcr.errors import BaselineError, ManifestError
 from dcr.files.history import HistoryStore
 from dcr.files.materialize import materialize
-from dcr.files.ranksnap import write_rank_index
-from dcr.format.history import RankSnapshotIndex, SnapshotIndex, parse_index
+from dcr.files.ranksnap import assemble, read_back_ranks, write_rank_index
+from dcr.format.history import Piece, RankSnapshotIndex, SnapshotIndex, parse_index
 from dcr.format.names import object_digest
 from dcr.owner.rank import RankOwner, serve
 from dcr.protocol.commitstore import SqliteCommitStore
@@ -204,3 +206,27 @@ def test_over_http_a_rank_writes_only_its_own_part_and_only_with_the_token(
         server.close()
     assert part.rank == 1
     assert [p.key for p in part.pieces] == store.list("snapshots/v0000000000/")
+
+
+@pytest.mark.parametrize("piece_bytes", [1001, 65536])
+def test_pieces_that_split_elements_and_regions_read_back_and_assemble_exactly(
+        tmp_path: Path, piece_bytes: int) -> None:
+    """Pieces of 1001 bytes split BF16 elements and regions; 64 KiB hold several regions.
+    Each rank's stream sums to its part and assembles into the dense state's bits."""
+    store = FileStore(tmp_path / "store")
+    sd = random_checkpoint(DENSE, 0)
+    owners, _ = rank_owners(sd, store)
+    snap = write_rank_index(store, 0, [o.write_snapshot(0, piece_bytes=piece_bytes)
+                                       for o in owners])
+    index = RankSnapshotIndex.parse(store.get(snap.index.key), snap.index.key)
+    expect = {n: whole_sum(t.contiguous().view(torch.int16).numpy().view(np.uint16))
+              for n, t in sd.items()}
+    assert index.tensors == expect
+
+    def get(p: Piece) -> bytes:
+        return store.get(p.key)
+
+    assert read_back_ranks(index, get, "here") == expect
+    (tmp_path / "out").mkdir()
+    assemble(index, get, tmp_path / "out", expect)
+    same_bits(tmp_path / "out", sd)

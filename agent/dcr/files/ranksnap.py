@@ -81,9 +81,11 @@ def write_rank_part(store: Store, version: int, rank: int, regions: Iterable[Reg
         listed.append(RankRegion(tensor=name, span=span))
         tensors[name] = (dtype, tuple(shape))
         sums[name] = (sums.get(name, 0) + span_sum(flat, span)) & MASK64
-        buf += flat.tobytes()
+        raw = flat.view(np.uint8).data  # a view: no copy of the region beyond a piece
+        for lo in range(0, len(raw), piece_bytes):
+            buf += raw[lo:lo + piece_bytes]
+            flush(False)
         size += flat.nbytes
-        flush(False)
     flush(True)
     return RankPart(rank=rank, size=size, pieces=tuple(pieces), regions=tuple(listed),
                     tensors={n: RankTensor(dtype=d, shape=s, sum=sum_text(sums[n]))

@@ -28,7 +28,7 @@ from dcr.codec.planes import UInt
 from dcr.errors import BaselineError, ConfigError
 from dcr.files.ranksnap import Region, write_rank_part
 from dcr.format.dtypes import dtype as dtype_of
-from dcr.format.history import RankPart
+from dcr.format.history import PIECE_BYTES, RankPart
 from dcr.format.manifest import Manifest
 from dcr.format.names import Mode
 from dcr.format.profile import ReceiverProfile
@@ -238,7 +238,7 @@ class RankOwner:
                                 parts=self.parts)
 
     def write_snapshot(self, version: int, committed_attempt: str | None = None, *,
-                       store: Store | None = None) -> RankPart:
+                       store: Store | None = None, piece_bytes: int = PIECE_BYTES) -> RankPart:
         """Write this rank's part of version ``version``'s snapshot from its baseline (first
         advancing to it, for a commit record naming an attempt this rank published): every
         canonical element it holds, region by region as its manifest part addresses them.
@@ -249,7 +249,8 @@ class RankOwner:
             if version != self.version:
                 raise BaselineError(f"{self.who}: a snapshot of version {version}; this "
                                     f"rank's committed baseline is {self.version}.")
-            part = write_rank_part(store or self.store, version, self.rank, self._regions())
+            part = write_rank_part(store or self.store, version, self.rank, self._regions(),
+                                   piece_bytes=piece_bytes)
         log.info("%s: wrote its part of version %d's snapshot (%d bytes in %d pieces)",
                  self.who, version, part.size, len(part.pieces))
         return part
