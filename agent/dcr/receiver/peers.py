@@ -98,7 +98,8 @@ class Bound:
 
 
 class PeerClient:
-    """One donor's routes, with the fleet's peer read token; no redirect is followed."""
+    """One donor's routes, with the fleet's peer read token; no redirect is followed, and
+    HTTPS peers are verified as every DCR client verifies them (:mod:`dcr.http.tls`)."""
 
     def __init__(self, url: str, token: str, *, timeout_s: float = 60.0) -> None:
         self.url = check_peer_url(check_url(url, "A donor"), "A donor")
