@@ -198,14 +198,19 @@ class RankOwner:
         """Raise unless this rank can publish ``base_version -> target_version``; advance
         first if ``committed_attempt`` commits a version this rank published."""
         with self._lock:
-            if base_version != self.version and committed_attempt:
-                self._advance(base_version, committed_attempt)
-            if base_version != self.version:
-                raise BaselineError(f"{self.who}: a publish from version {base_version}; this "
-                                    f"rank's committed baseline is {self.version}.")
+            self._at(base_version, committed_attempt, "a publish from")
             if target_version not in self.offers:
                 raise BaselineError(f"{self.who}: version {target_version} was not offered "
                                     f"(held: {sorted(self.offers) or 'none'}).")
+
+    def _at(self, version: int, committed_attempt: str | None, what: str) -> None:
+        """Raise unless the baseline is ``version`` (the lock held), advancing first if
+        ``committed_attempt`` commits it and this rank published that attempt."""
+        if version != self.version and committed_attempt:
+            self._advance(version, committed_attempt)
+        if version != self.version:
+            raise BaselineError(f"{self.who}: {what} version {version}; this rank's "
+                                f"committed baseline is {self.version}.")
 
     def publish(self, attempt: Attempt) -> None:
         """``OwnerHandle``: publish in process (a coordinator in the training job)."""
@@ -244,11 +249,7 @@ class RankOwner:
         canonical element it holds, region by region as its manifest part addresses them.
         Offers wait meanwhile: the baseline must not move under the write."""
         with self._lock:
-            if version != self.version and committed_attempt:
-                self._advance(version, committed_attempt)
-            if version != self.version:
-                raise BaselineError(f"{self.who}: a snapshot of version {version}; this "
-                                    f"rank's committed baseline is {self.version}.")
+            self._at(version, committed_attempt, "a snapshot of")
             part = write_rank_part(store or self.store, version, self.rank, self._regions(),
                                    piece_bytes=piece_bytes)
         log.info("%s: wrote its part of version %d's snapshot (%d bytes in %d pieces)",
