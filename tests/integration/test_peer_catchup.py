@@ -125,6 +125,14 @@ def lease(url: str, token: str | None, version: int = LAST) -> tuple[int, dict[s
             return e.code, json.loads(e.read() or b"{}")  # every DCR error is a JSON body
 
 
+def release(url: str, lease_id: str) -> None:
+    req = urllib.request.Request(f"{url}/v1/peer/release", method="POST",
+                                 data=json.dumps({"lease": lease_id}).encode(),
+                                 headers={"Authorization": f"Bearer {PEER_TOKEN}"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.status == 200
+
+
 def commit_versions(train: Path, store: S3Store) -> str:
     """v1..v4 through the encoder, each recorded in the history as a coordinator does;
     the last history digest."""
@@ -266,11 +274,7 @@ def test_a_donor_in_an_attempt_lends_nothing_and_the_reader_uses_the_store(
     status, body = lease(donor.url, PEER_TOKEN)
     assert status == 200
     assert body["version"] == LAST
-    release = urllib.request.Request(f"{donor.url}/v1/peer/release", method="POST",
-                                     data=json.dumps({"lease": body["lease"]}).encode(),
-                                     headers={"Authorization": f"Bearer {PEER_TOKEN}"})
-    with urllib.request.urlopen(release, timeout=30) as r:
-        assert r.status == 200
+    release(donor.url, str(body["lease"]))
 
 
 def test_the_donor_routes_ask_for_the_peer_read_token_and_nothing_else(
@@ -291,12 +295,7 @@ def test_the_donor_routes_ask_for_the_peer_read_token_and_nothing_else(
     assert refused.value.status == 401  # the peer token drives nothing
     status, body = lease(donor.url, PEER_TOKEN)
     assert status == 200
-    donor_release = urllib.request.Request(
-        f"{donor.url}/v1/peer/release", method="POST",
-        data=json.dumps({"lease": body["lease"]}).encode(),
-        headers={"Authorization": f"Bearer {PEER_TOKEN}"})
-    with urllib.request.urlopen(donor_release, timeout=30) as r:
-        assert r.status == 200
+    release(donor.url, str(body["lease"]))
 
 
 def test_a_relay_fleets_pod_takes_an_older_peer_copy_and_replays_the_rest_from_the_store(
