@@ -22,6 +22,7 @@ from dcr.format.dtypes import DTYPES
 from dcr.format.history import (
     HISTORY_KEY,
     MAX_HISTORY_BYTES,
+    AnyIndex,
     Committed,
     History,
     ObjectRef,
@@ -340,18 +341,7 @@ class HistoryStore:
             if index.version != version or index.tensors != expect:
                 raise ManifestError(f"its index names version {index.version} or other "
                                     f"fingerprints than the history's of version {version}")
-            def get(p: Piece) -> bytes:
-                return get_checked(self.store, ObjectRef(key=p.key, size=p.size,
-                                                         digest=p.digest), "Snapshot piece")
-            if isinstance(index, RankSnapshotIndex):
-                if index.shapes() != layout:
-                    raise ManifestError(f"its index lays out the tensors otherwise than the "
-                                        f"manifests of version {version} (dtype, shape)")
-                have = read_back_ranks(index, get, key)
-            else:
-                declared_fits(index, sum(math.prod(s) * _itemsize(d) for d, s in
-                                         layout.values()), f"{self.store.uri}/{key}")
-                have = read_back(index, get, key)
+            have = self._tensors_read_back(index, layout, key)
             wrong = sorted(n for n in {*have, *expect} if have.get(n) != expect.get(n))
             if wrong:
                 raise ManifestError(f"read back, {len(wrong)} tensors differ from the "
@@ -360,12 +350,31 @@ class HistoryStore:
         except (ManifestError, ObjectNotFound):
             self._refused.add(digest)  # read once: a refused index costs one read back
             raise
-        read = (index.total_bytes if isinstance(index, RankSnapshotIndex)
+        read = (index.total_bytes if isinstance(index, RankSnapshotIndex)  # all tensors
                 else sum(f.size for f in index.files if is_tensor_file(f.name)))
         log.info("history: snapshot of version %s read back whole (%d bytes); adopted",
                  version, read)
         return Snapshot(version=version, index=ObjectRef(key=key, size=len(data),
                                                          digest=digest), bytes=read)
+
+    def _tensors_read_back(self, index: AnyIndex,
+                           layout: dict[str, tuple[str, tuple[int, ...]]], key: str
+                           ) -> dict[str, str]:
+        """Every tensor's fingerprint, from the snapshot's pieces read back (each checked
+        by its digest), after the index is checked against ``layout`` (the manifests'
+        dtypes and shapes) before any piece is fetched."""
+        def get(p: Piece) -> bytes:
+            return get_checked(self.store, ObjectRef(key=p.key, size=p.size,
+                                                     digest=p.digest), "Snapshot piece")
+
+        if isinstance(index, RankSnapshotIndex):
+            if index.shapes() != layout:
+                raise ManifestError(f"its index lays out the tensors otherwise than the "
+                                    f"manifests of version {index.version} (dtype, shape)")
+            return read_back_ranks(index, get, key)
+        declared_fits(index, sum(math.prod(s) * _itemsize(d) for d, s in layout.values()),
+                      f"{self.store.uri}/{key}")
+        return read_back(index, get, key)
 
     def snapshot(self, snap: Snapshot) -> str:
         """Record a snapshot the store now holds; the history's new digest. Only where no
