@@ -78,10 +78,9 @@ def rig(tmp_path: Path, checkpoint_root: Path) -> Iterator[Rig]:
                                "--client-listen", door, *routes])
     coordinators: list[Coordinator] = []
     try:
-        server.start()
-        server.wait_ready()
-        agent.start()
-        agent.wait_ready()
+        for proc in (server, agent):  # the agent finds its engine up, as in a pod
+            proc.start()
+            proc.wait_ready()
         client = agent.client(timeout_s=600)
         profile = ReceiverProfile.model_validate(client.profile())
 

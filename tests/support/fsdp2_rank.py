@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,15 +45,37 @@ CONFIG = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_h
                      max_position_embeddings=64)
 
 
-def main() -> None:
+@dataclass(frozen=True, kw_only=True)
+class RankArgs:
+    """A rank script's arguments, in the order :mod:`trainer_ranks` passes them."""
+
+    rank: int
+    world: int
+    checkpoint: Path
+    version: int
+    store: str
+    token_file: Path
+    out: Path
+    layout: str
+
+
+def joined(argv: list[str]) -> RankArgs:
+    """Log to stderr, read ``argv`` and join the gloo group it names."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    rank, world, port = (int(a) for a in sys.argv[1:4])
-    checkpoint, version, (store, token_file, out) = Path(sys.argv[4]), int(sys.argv[5]), \
-        sys.argv[6:9]
-    layout = sys.argv[9] if len(sys.argv) > 9 else "fsdp"
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    a = RankArgs(rank=int(argv[1]), world=int(argv[2]), checkpoint=Path(argv[4]),
+                 version=int(argv[5]), store=argv[6], token_file=Path(argv[7]),
+                 out=Path(argv[8]), layout=argv[9] if len(argv) > 9 else "fsdp")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=argv[3])
+    dist.init_process_group("gloo", rank=a.rank, world_size=a.world)
+    return a
+
+
+def main() -> None:
+    a = joined(sys.argv)
+    rank, world, checkpoint, version, layout = a.rank, a.world, a.checkpoint, a.version, \
+        a.layout
+    store, token_file, out = a.store, a.token_file, a.out
     torch.manual_seed(0)
     if checkpoint.is_dir():
         model = LlamaForCausalLM.from_pretrained(checkpoint, torch_dtype=torch.bfloat16)

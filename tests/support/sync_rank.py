@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
-import os
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-from fsdp2_rank import shard
+from fsdp2_rank import joined, shard
 from safetensors.torch import save_file
 from transformers import LlamaForCausalLM
 
@@ -36,20 +33,14 @@ LR = 1e-3  # high enough that every rank's shards change at each step
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    rank, world, port = (int(a) for a in sys.argv[1:4])
-    checkpoint, version, (store, token_file, out) = Path(sys.argv[4]), int(sys.argv[5]), \
-        sys.argv[6:9]
-    layout = sys.argv[9] if len(sys.argv) > 9 else "fsdp"
-    fleet = json.loads((Path(out) / "fleet.json").read_text())
-    token = Path(token_file).read_text().strip()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    model = LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    a = joined(sys.argv)
+    rank, version, store, out = a.rank, a.version, a.store, a.out
+    fleet = json.loads((out / "fleet.json").read_text())
+    token = a.token_file.read_text().strip()
+    model = LlamaForCausalLM.from_pretrained(a.checkpoint, dtype=torch.float32)
     export_config = copy.deepcopy(model.config)
     export_config.dtype = "bfloat16"
-    shard(model, layout, world)
+    shard(model, a.layout, a.world)
     optim = torch.optim.AdamW(model.parameters(), lr=LR)
 
     def fleet_for(urls: list[str]) -> LocalFleet:
@@ -72,7 +63,7 @@ def main() -> None:
                          model=model)
         dense = {n: p.full_tensor().to(torch.bfloat16) for n, p in model.named_parameters()}
         if rank == 0:
-            there = Path(out) / f"v{step}"
+            there = out / f"v{step}"
             there.mkdir(parents=True)
             save_file({n: t.contiguous() for n, t in dense.items()},
                       str(there / "model.safetensors"))
