@@ -9,7 +9,7 @@ same weights through the same store and links (``--no-dense`` leaves it out). Th
 learning rate decides what DCR can save: the job's 3e-3 (a tiny model learning in a few
 steps) changes nearly every element each step, RL fine-tuning's 1e-6..1e-5 a small part.
 Writes ``bench/results/rl.json`` (one run per size and rate, each with its settings);
-docs/evaluation.md quotes it.
+docs/evaluation-rl.md quotes it.
 
     .venv/bin/python bench/rl.py --steps 8 --lrs 3e-3,1e-5,1e-6
 """

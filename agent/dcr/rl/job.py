@@ -52,7 +52,8 @@ class RlSettings:
     generations: int = option(8, metavar="G", doc="completions per prompt (GRPO's group)")
     max_tokens: int = option(16, metavar="N", doc="tokens per completion")
     lr: float = option(3e-3, doc="learning rate (constant; high, for a tiny model to learn "
-                       "in few steps)")
+                       "in few steps, which changes nearly every BF16 element each step; "
+                       "RL fine-tuning's 1e-6..1e-5 changes a few percent)")
     kill_step: int = option(2, metavar="K", doc="kill a pod's agent in the middle of this "
                             "step's refit (0: never)")
     overlap: bool = option(False, doc="refit while the next batch is generated (one step "
