@@ -69,6 +69,7 @@ from faultcoord import emit, record_fields
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "faults.json"
 STAGES = ("stage", "apply", "flush", "commit", "gate-open")
+PARTIES = ("agent", "serve", "owner", "coordinator")  # serve: the engine
 STORE_FAULTS = ("latency", "bandwidth", "reset_peer", "timeout", "limit_data", "slicer",
                 "http5xx")
 LINK_FAULTS = ("partition", "bandwidth")
@@ -104,9 +105,10 @@ class Step:
 
 def draw(rng: random.Random, pods: int, owners: int) -> Step:
     """One refit's faults, from the campaign's generator alone (so a seed replays)."""
-    victims = ([f"agent-{i}" for i in range(pods)] + [f"serve-{i}" for i in range(pods)]
-               + [f"owner-{k}" for k in range(owners)] + ["coordinator"])
-    kill = Kill(victim=rng.choice(victims), stage=rng.choice(STAGES),
+    kind = rng.choice(PARTIES)  # each kind of party as often, however many of it run
+    victim = {"agent": f"agent-{rng.randrange(pods)}", "serve": f"serve-{rng.randrange(pods)}",
+              "owner": f"owner-{rng.randrange(owners)}", "coordinator": "coordinator"}[kind]
+    kill = Kill(victim=victim, stage=rng.choice(STAGES),
                 restart_after_s=round(rng.uniform(0.0, 2.0), 2)) if rng.random() < 0.7 else None
     links = ["train"] + [f"pod-{i}" for i in range(pods)]
     toxics = []
