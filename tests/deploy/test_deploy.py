@@ -252,25 +252,59 @@ def rollout_manifests(c: Cluster) -> list[dict[str, Any]]:
 def relay_manifests(c: Cluster) -> list[dict[str, Any]]:
     """The relay example: its tree, fleet and rollout pods with this cluster's images,
     random tokens and small requests; the rollout pods' engine key is rollout-reference's
-    Secret, which the store fleet's pods already use."""
+    Secret, which the store fleet's pods already use. The fleet's store (its history) is
+    this cluster's S3 server, which the rollout pods reach only through their link and with
+    the read-only key; nothing of the training side is mounted. TLS is the TLS tests'
+    concern: here every party speaks plain HTTP (no certificates are issued)."""
     objs = load_yaml(EXAMPLES / "relay.yaml")
+    keys = [{"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "labels": labels},
+             "stringData": {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret}}
+            for name, labels, key, secret in (
+                ("weights-s3", {"dcr.dev/store-credentials": "true"}, c.s3.access_key,
+                 c.s3.secret_key),
+                ("weights-s3-read", {}, c.s3.read_access_key, c.s3.read_secret_key))]
     for obj in objs:
         if obj["kind"] == "Secret":
             obj["stringData"]["token"] = secrets.token_hex(24)
         if obj["kind"] == "RolloutFleet":
-            obj["spec"]["commitPolicy"] = {"attemptTimeoutSeconds": 180}
-            (profile,) = obj["spec"]["encoderProfiles"]
+            spec = obj["spec"]
+            spec["commitPolicy"] = {"attemptTimeoutSeconds": 180}
+            spec["store"].update(endpoint=c.s3.endpoint, region=c.s3.region)
+            spec["agent"]["scheme"] = "http"
+            spec["relay"]["url"] = spec["relay"]["url"].replace("https://", "http://")
+            for tls in ("caSecretRef", "serverName"):
+                spec["relay"].pop(tls)
+            (profile,) = spec["encoderProfiles"]
             profile["resources"] = {"requests": {"cpu": "100m", "memory": "256Mi"},
                                     "limits": {"memory": "2Gi"}}
             profile["imagePullPolicy"] = "Never"
         if obj["kind"] in ("StatefulSet", "Deployment"):
-            for container in obj["spec"]["template"]["spec"]["containers"]:
+            pod = obj["spec"]["template"]["spec"]
+            pod["volumes"] = [v for v in pod["volumes"] if v["name"] != "tls"]
+            for container in pod.get("initContainers", []) + pod["containers"]:
+                _plain_http(container, f"http://{GATEWAY}:{c.rollout_link.port}")
                 container["image"] = (c.images.serve if container["name"] == "engine"
                                       else c.images.dcr)
                 container["imagePullPolicy"] = "Never"
                 container["resources"] = {"requests": {"cpu": "100m", "memory": "256Mi"},
                                           "limits": {"memory": "3Gi"}}
-    return objs
+    return [*keys, *objs]
+
+
+def _plain_http(container: dict[str, Any], store_endpoint: str) -> None:
+    """``container`` without the example's TLS (its env, Secret mount and HTTPS probes and
+    URLs), reaching the store at ``store_endpoint`` (the rollout Pods' link)."""
+    container["env"] = [e for e in container.get("env", [])
+                        if not e["name"].startswith("DCR_TLS_")]
+    for e in container["env"]:
+        if e["name"] == "AWS_ENDPOINT_URL":
+            e["value"] = store_endpoint
+    container["volumeMounts"] = [m for m in container.get("volumeMounts", [])
+                                 if m["name"] != "tls"]
+    container["args"] = [a.replace("https://", "http://") for a in container.get("args", [])]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        if probe in container:
+            container[probe]["httpGet"]["scheme"] = "HTTP"
 
 
 GROUP = "policy-group"  # a replica of two pods, StatefulSets shaped like a group
@@ -959,11 +993,14 @@ def test_the_fleet_keeps_at_most_refit_history_limit_finished_refits(cluster: Cl
 def test_a_refit_through_the_relay_tree_survives_a_relay_pod_killed_mid_refit(
         cluster: Cluster) -> None:
     """examples/relay.yaml: a StatefulSet of three relay nodes that find each other by
-    name (cluster DNS), a relay fleet whose encoder Job publishes to the root, and two
-    rollout pods reading through the read Service. Relay node 1 is killed once the
+    name (cluster DNS), a relay fleet whose encoder Job of two owners publishes to the root
+    and writes through to the fleet's store, and two rollout pods that mount nothing of
+    the training side reading through the read Service. Relay node 1 is killed once the
     attempt started; its replacement rejoins under the same name, the refit commits, and
-    both rollout pods hold v1 bit for bit."""
+    both rollout pods hold v1 bit for bit; the store's history names v1."""
     c = cluster
+    if not (c.ckpts / "v1").exists():  # run without the store fleet's refits before it
+        c.new_version(1)
     c.apply(relay_manifests(c))
 
     def pods(app: str) -> list[dict[str, Any]]:
@@ -980,8 +1017,12 @@ def test_a_refit_through_the_relay_tree_survives_a_relay_pod_killed_mid_refit(
         raise AssertionError(f"{e}\n{c.diagnostics()}") from None
     (victim,) = [p for p in pods("rollout-relay")
                  if p["metadata"]["name"] == "rollout-relay-1"]
+    for p in pods("relay-rollout"):  # nothing of the training side: its checkpoints claim
+        claims = {v["persistentVolumeClaim"]["claimName"] for v in p["spec"]["volumes"]
+                  if "persistentVolumeClaim" in v}
+        assert claims == {"policy-base-model"}, claims
     refit = refit_example("relay-rollout-v1", 0, 1, fleet="relay-rollout")
-    refit["spec"]["encoder"] = {"profile": "training-pool", "owners": 1}
+    refit["spec"]["encoder"] = {"profile": "training-pool", "owners": 2}
     c.apply([refit])
     eventually(lambda: (c.refit("relay-rollout-v1").get("status") or {}).get("attempts"),
                timeout_s=120, what="an attempt started")
@@ -993,10 +1034,19 @@ def test_a_refit_through_the_relay_tree_survives_a_relay_pod_killed_mid_refit(
                       timeout_s=180, what="relay node 1 replaced and Ready")
     assert back[0]["metadata"]["uid"] != victim["metadata"]["uid"]
     want = reference_fingerprint(c.ckpts / "v1")
+
+    def both_ready() -> list[dict[str, Any]] | None:  # /readyz: once they hold the commit
+        ready = pods("relay-rollout")
+        return ready if len(ready) == 2 else None
+
+    ready = eventually(both_ready, timeout_s=120,
+                       what="both rollout Pods Ready at the committed version")
     agents = [AgentClient(p["metadata"]["name"], f"http://{p['status']['podIP']}:8471",
-                          c.agent_token, timeout_s=30) for p in pods("relay-rollout")]
-    assert len(agents) == 2
+                          c.agent_token, timeout_s=30) for p in ready]
     assert all(a.fingerprint() == want for a in agents)
+    relay_store = c.s3.data_dir / c.s3.bucket / "policy-a-relay"
+    history = History.parse((relay_store / HISTORY_KEY).read_bytes(), "the relay fleet's store")
+    assert [e.version for e in history.versions] == [1]
     c.kubectl("-n", NS, "get", "statefulsets,pods", "-l", "app in (rollout-relay,relay-rollout)",
               "-o", "wide", record=True)
     # Leave the namespace as the tests after this one expect it.
