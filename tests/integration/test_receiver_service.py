@@ -489,3 +489,49 @@ def test_an_agent_restarted_between_commit_and_reopening_labels_before_it_serves
     st = restarted.open_gate()
     assert (st.version, st.gate_open, st.error) == (1, True, None)
     assert (engine.version(), engine.gate.paused) == ("1", False)
+
+
+class RestartsWhileLabelled(LocalDriver):
+    """An engine that dies on its first label call after the commit and is back at once,
+    restarted: a new instance, labelled as it starts, its gate open."""
+
+    armed = False
+
+    def set_version(self, label: str) -> None:
+        if self.armed:
+            self.armed = False
+            self.restart()
+            super().set_version("0")  # what a restarted server labels its start weights
+            self.resume()  # and it serves at once
+            raise EngineError(f"{self.what}: set_version: connection reset.", None,
+                              call="set_version")
+        super().set_version(label)
+
+
+def test_an_engine_restarted_while_its_label_is_retried_is_not_labelled_the_commit(
+        versions: Versions, tmp_path: Path) -> None:
+    """The engine dies between the commit and the label call, and a retry meets it
+    restarted: the agent must not give the new instance (which holds what it loaded at
+    start) the committed version's label, nor open a gate for it. Found by the fault
+    campaign (bench/faults.py --seed 217, an engine killed at gate open: completions
+    labelled 3 carried version 0's logprobs); fails without the instance check in
+    ``_set_label``, which labelled the restarted engine "1"."""
+    store = MemoryStore()
+    engine = RestartsWhileLabelled([ReferenceModel(CFG, tp_size=1, tp_rank=0)],
+                                   staging_dir=versions.root.parent / "staging",
+                                   checkpoint_root=versions.root)
+    engine.load_dense("v0")
+    svc = service(versions, store=store, engine=engine)
+    svc.label_retry_s = (0.0, 0.01)
+    engine.armed = True
+    assert refit_to_1(svc, store, versions, tmp_path).committed_version == 1
+    st = svc.status()
+    assert engine.version() == "0"  # not "1": the new instance holds no version 1
+    assert (st.version, st.gate_open) == (None, False)
+    assert st.unknown is not None
+    assert "the engine restarted" in st.unknown
+    with pytest.raises(AgentConflict, match="will not serve weights that hold no version"):
+        svc.open_gate()
+    restored = svc.rejoin(1, str(versions.dir(1)))
+    assert (restored.version, restored.gate_open) == (1, True)
+    assert engine.version() == "1"

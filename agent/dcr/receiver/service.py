@@ -6,6 +6,7 @@ an engine call. docs/protocol.md argues the design.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -274,7 +275,9 @@ class AgentService:
         for pause in (0.0, *self.label_retry_s):
             time.sleep(pause)
             try:
+                self._same_engine(version)  # a retry may meet an engine that restarted
                 self.engine.set_version(str(version))
+                self._same_engine(version, labelled=True)
             except EngineError as e:
                 error = e
                 continue
@@ -289,6 +292,26 @@ class AgentService:
         with self._cond:
             self._label_error = why
         log.warning("%s", why)
+        raise AgentConflict(why)
+
+    def _same_engine(self, version: int, labelled: bool = False) -> None:
+        """Raise unless the engine is still the instance the weights were written to: a
+        restarted one holds what it loaded at start, and ``version``'s label would lie
+        about its outputs. One that restarted during the label call (``labelled``) got
+        the label: its gate is closed, so it serves nothing until a dense load."""
+        now = self.engine.instance()
+        with self._cond:
+            self.seen(now)
+            if self.weights.servable:
+                return
+            why = (f"{self.name}: the engine restarted before its version label was set to "
+                   f"{version}: {self.weights.unknown}; the gate stays closed until a dense "
+                   "load.")
+            self._label_due, self._label_error = None, why
+        log.warning("%s", why)
+        if labelled:
+            with contextlib.suppress(EngineError):
+                self.engine.pause(self.pause_mode)
         raise AgentConflict(why)
 
     # --- protocol calls ------------------------------------------------------------
