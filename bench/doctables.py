@@ -1,6 +1,6 @@
 """The number tables of docs/benchmarks.md, apply.md, trainer.md, evaluation-catchup.md and
-evaluation-peer.md, written from bench/results (``bench/evaluate.py`` writes
-docs/evaluation.md's).
+evaluation-peer.md, and the fault campaign's in evaluation.md, written from bench/results
+(``bench/evaluate.py`` writes docs/evaluation.md's others).
 
 Each table sits between ``<!-- table NAME -->`` and ``<!-- /table -->`` in its doc and is
 written from the JSON a benchmark left; the prose around the markers is written by hand.
@@ -312,6 +312,27 @@ def store_checks_catch_up() -> str:
                   "after / before", "fetched"], rows)
 
 
+def faults() -> str:
+    d = load("faults")
+    r = d["recovery_s"]
+    kinds = ", ".join(f"{k} {n}" for k, n in sorted(d["faults_by_kind"].items()))
+    stages = ", ".join(f"{k} {n}" for k, n in sorted(d["kills_by_stage"].items()))
+    runs = d["coordinator_runs_per_commit"]
+    rows = [["seeds", f"{len(d['seeds'])} ({d['seeds'][0]}..{d['seeds'][-1]}), "
+             f"{d['minutes']:g} min on {d['cpus']} cores"],
+            ["refits committed / not", f"{d['refits_committed']} / {d['refits_not_committed']}"],
+            ["faults landed, by kind", kinds], ["kills, by stage", stages],
+            ["invariant violations", str(len(d["violations"]))],
+            ["recovery after faults stop, p50 / p99 / max s",
+             f"{r['p50']:.1f} / {r['p99']:.1f} / {r['max']:.1f} (bound {r['bound']:.0f}, "
+             f"{r['n']} settles)"],
+            ["attempts per commit, mean / max",
+             f"{d['attempts_per_commit']['mean']:.2f} / {d['attempts_per_commit']['max']}"],
+            ["coordinator processes per commit, mean / max",
+             f"{runs['mean']:.2f} / {runs['max']}"]]
+    return table(["fault campaign", "measured"], rows)
+
+
 TABLES: dict[str, dict[str, Callable[[], str]]] = {
     "docs/benchmarks.md": {"codec-size": codec_size, "codec-speed": codec_speed,
                            "manifest": manifest, "transport": transport,
@@ -323,6 +344,7 @@ TABLES: dict[str, dict[str, Callable[[], str]]] = {
     "docs/evaluation-catchup.md": {"catchup": catchup},
     "docs/evaluation-peer.md": {"peer": peer},
     "docs/trainer.md": {"rank-owner": rank_owner},
+    "docs/evaluation.md": {"faults": faults},
 }
 
 

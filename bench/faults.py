@@ -471,8 +471,9 @@ def materialize_all(f: Fleet) -> None:
                  error=run.stderr.strip().splitlines()[-1:], tensors={})
         else:
             emit(f.events, "harness", "materialized", version=v, tensors=_tensor_sums(dest))
-        emit(f.events, "harness", "checkpoint", version=v,
-             tensors=_tensor_sums(f.ckpts / f"v{v}"))
+        if (f.ckpts / f"v{v}").exists():  # else the record names a version never trained
+            emit(f.events, "harness", "checkpoint", version=v,
+                 tensors=_tensor_sums(f.ckpts / f"v{v}"))
         shutil.rmtree(dest, ignore_errors=True)
 
 
