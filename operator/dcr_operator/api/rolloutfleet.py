@@ -230,7 +230,7 @@ class Retention(SpecModel):
         default=None, description="After committing every K-th version, have a snapshot "
         "of it written: where the encoder profile's endpoints are trainer ranks, each rank "
         "writes its part from memory; otherwise a Job on the refit's encoder profile writes "
-        "one of its source checkpoint (dcr snapshot). The next commit adopts it into the "
+        "a snapshot of its source checkpoint (dcr snapshot). The next commit adopts it into the "
         "history. Default: none (the training side may run dcr snapshot itself).")
     keep_snapshots: Annotated[int, Field(ge=1, le=1000)] | None = Field(
         default=None, description="Keep the newest N snapshots and every committed delta "
