@@ -16,8 +16,6 @@ packages missing); ``.ci/run`` installs the packages, so CI runs the tier.
 from __future__ import annotations
 
 import ipaddress
-import os
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,12 +31,11 @@ from node import (
     NodeError,
     missing_prerequisites,
 )
-from registry import Pushed, registry
+from registry import Pushed, push, registry
 from s3server import S3Server, scoped_s3_server
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGE_SCRIPT = REPO / "tools" / "image" / "build.sh"
-PUSH_SCRIPT = REPO / "tools" / "image" / "push.sh"
 
 
 @pytest.fixture(scope="session")
@@ -98,17 +95,11 @@ def pushed(progress: Callable[[str], None], node: Node,
                   progress=progress) as reg:
         node.trust_registry(reg.address, reg.ca)
         progress(f"tests/deploy: make push REGISTRY={reg.address}/dcr-dev")
-        done = subprocess.run(
-            ["bash", str(PUSH_SCRIPT), f"{reg.address}/dcr-dev", "dcr"], capture_output=True,
-            text=True, timeout=600, check=False,
-            env={**os.environ, "REGISTRY_AUTH_FILE": str(reg.auth_file),
-                 "DCR_PUSH_CERT_DIR": str(reg.cert_dir)})
-        lines = [line.split() for line in done.stdout.splitlines()]
-        if done.returncode != 0 or len(lines) != 1 or lines[0][:2] != ["pushed", "dcr"]:
-            pytest.fail(f"{PUSH_SCRIPT} exited with {done.returncode}:\n{done.stdout}\n"
-                        f"{done.stderr[-3000:]}")
-        ((_, _, ref, digest),) = lines
-        yield Pushed(ref=ref, digest=digest, registry=reg)
+        try:
+            pushed = push(reg, "dcr-dev")
+        except RuntimeError as e:
+            pytest.fail(str(e))
+        yield pushed
 
 
 @pytest.fixture(scope="session")

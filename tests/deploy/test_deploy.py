@@ -59,7 +59,7 @@ from k8sutil import (
 )
 from node import GATEWAY, Images, Node
 from promtext import Key, samples, value
-from registry import Pushed
+from registry import Pushed, push
 from s3server import S3Server
 
 from dcr.drivers.base import merge_fingerprints
@@ -224,7 +224,15 @@ def _conditions(obj: dict[str, Any]) -> dict[str, tuple[str, str]]:
 
 
 def fleet_manifests(c: Cluster) -> list[dict[str, Any]]:
-    return fleet_example(c.s3, c.agent_token, attempt_timeout_s=180)
+    """The fleet example; its warm profile calls the warm encoder over plain HTTP, as
+    :func:`encoder_manifests` serves it (no certificates are issued in this cluster)."""
+    objs = fleet_example(c.s3, c.agent_token, attempt_timeout_s=180)
+    for obj in objs:
+        for profile in obj.get("spec", {}).get("encoderProfiles", []):
+            if "endpoint" in profile:
+                urls = profile["endpoint"]["urls"]
+                profile["endpoint"]["urls"] = [u.replace("https://", "http://") for u in urls]
+    return objs
 
 
 def rollout_manifests(c: Cluster) -> list[dict[str, Any]]:
@@ -280,15 +288,23 @@ def relay_manifests(c: Cluster) -> list[dict[str, Any]]:
             profile["imagePullPolicy"] = "Never"
         if obj["kind"] in ("StatefulSet", "Deployment"):
             pod = obj["spec"]["template"]["spec"]
-            pod["volumes"] = [v for v in pod["volumes"] if v["name"] != "tls"]
+            _plain_http_pod(pod, f"http://{GATEWAY}:{c.rollout_link.port}")
             for container in pod.get("initContainers", []) + pod["containers"]:
-                _plain_http(container, f"http://{GATEWAY}:{c.rollout_link.port}")
                 container["image"] = (c.images.serve if container["name"] == "engine"
                                       else c.images.dcr)
                 container["imagePullPolicy"] = "Never"
                 container["resources"] = {"requests": {"cpu": "100m", "memory": "256Mi"},
                                           "limits": {"memory": "3Gi"}}
     return [*keys, *objs]
+
+
+def _plain_http_pod(pod: dict[str, Any], store_endpoint: str) -> None:
+    """A Pod spec of an example without its TLS: no certificate volume, and each of its
+    containers as :func:`_plain_http` leaves it. TLS is the TLS tests' concern: no
+    certificates are issued in this cluster."""
+    pod["volumes"] = [v for v in pod["volumes"] if v["name"] != "tls"]
+    for container in pod.get("initContainers", []) + pod["containers"]:
+        _plain_http(container, store_endpoint)
 
 
 def _plain_http(container: dict[str, Any], store_endpoint: str) -> None:
@@ -408,14 +424,15 @@ def encoder_manifests(c: Cluster) -> list[dict[str, Any]]:
     by_kind = {o["kind"]: o for o in objs}
     by_kind["Secret"]["stringData"]["token"] = secrets.token_hex(24)
     pod = by_kind["Deployment"]["spec"]["template"]["spec"]
+    _plain_http_pod(pod, c.s3.endpoint)
     (container,) = pod["containers"]
     container["image"] = c.images.dcr
     container["imagePullPolicy"] = "Never"
     container["resources"] = {"requests": {"cpu": "100m", "memory": "256Mi"},
                               "limits": {"memory": "2Gi"}}
     for env in container["env"]:
-        env["value"] = {"AWS_ENDPOINT_URL": c.s3.endpoint,
-                        "AWS_DEFAULT_REGION": c.s3.region}[env["name"]]
+        if env["name"] == "AWS_DEFAULT_REGION":
+            env["value"] = c.s3.region
     return objs
 
 
@@ -846,6 +863,7 @@ def trainer_manifests(c: Cluster) -> list[dict[str, Any]]:
         if obj["kind"] == "Secret":
             obj["stringData"]["token"] = secrets.token_hex(24)
         if obj["kind"] == "Job":
+            _plain_http_pod(obj["spec"]["template"]["spec"], c.s3.endpoint)
             (container,) = obj["spec"]["template"]["spec"]["containers"]
             container["image"] = c.images.serve
             container["imagePullPolicy"] = "Never"
@@ -1065,17 +1083,10 @@ def test_a_group_of_two_pods_refits_bit_exact_and_recovers_its_killed_worker_pod
     c.apply(group_manifests(c))
 
     def status() -> dict[str, Any]:
-        return c.get("-n", NS, "rolloutfleet", GROUP).get("status") or {}
+        return group_status(c)
 
     def holds(v: int) -> bool:
-        want = merge_fingerprints([reference_fingerprint(c.ckpts / f"v{v}", "vllm-ref",
-                                                         tp_size=2, tp_rank=r)
-                                   for r in range(2)])
-        (leader,) = c.get("-n", NS, "pods", "-l", f"app={GROUP},dcr.dev/group-role=leader")[
-            "items"]
-        agent = AgentClient(GROUP, f"http://{leader['status']['podIP']}:8471", c.agent_token,
-                            timeout_s=60)
-        return agent.fingerprint() == want
+        return group_holds(c, v)
 
     try:
         eventually(lambda: status().get("readyReceivers") == 1, timeout_s=300,
@@ -1119,6 +1130,56 @@ def test_a_group_of_two_pods_refits_bit_exact_and_recovers_its_killed_worker_pod
     assert back["metadata"]["uid"] != victim["metadata"]["uid"]
     assert holds(2)
     c.kubectl("-n", NS, "get", "rolloutfleet", GROUP, "-o", "wide", record=True)
+    # The next test refits the group once more across an upgrade of the operator, then
+    # removes it.
+
+
+def group_status(c: Cluster) -> dict[str, Any]:
+    return c.get("-n", NS, "rolloutfleet", GROUP).get("status") or {}
+
+
+def group_holds(c: Cluster, v: int) -> bool:
+    """The group's two ranks hold, bit for bit, a dense load of version ``v``."""
+    want = merge_fingerprints([reference_fingerprint(c.ckpts / f"v{v}", "vllm-ref",
+                                                     tp_size=2, tp_rank=r)
+                               for r in range(2)])
+    (leader,) = c.get("-n", NS, "pods", "-l", f"app={GROUP},dcr.dev/group-role=leader")[
+        "items"]
+    agent = AgentClient(GROUP, f"http://{leader['status']['podIP']}:8471", c.agent_token,
+                        timeout_s=60)
+    return agent.fingerprint() == want
+
+
+def test_helm_upgrade_to_a_new_operator_image_mid_refit_and_the_refit_commits(
+        cluster: Cluster) -> None:
+    """docs/upgrades.md, "Upgrading the operator": ``helm upgrade`` to a new operator
+    image while the group's refit to v3 runs. The image is the same build pushed under
+    another repository (``make push`` to REGISTRY/dcr-next): what is tried is the upgrade
+    itself (the Deployment replaced mid-attempt, the new Pod pulling the new reference,
+    encoder Jobs after it naming the new image), not a skew between releases, which
+    tests/integration/test_receiver_process.py tries with agents one version apart. The
+    refit commits and both ranks hold v3 bit for bit."""
+    c = cluster
+    if not (c.ckpts / "v3").exists():  # the store fleet's tests made it, if they ran
+        c.new_version(3)
+    upgraded = push(c.pushed.registry, "dcr-next")
+    (old,) = [p for p in c.operator_pods() if pod_ready(p)]
+    c.apply([refit_example(f"{GROUP}-v3", 2, 3, fleet=GROUP)])
+    eventually(lambda: (c.refit(f"{GROUP}-v3").get("status") or {}).get("attempts"),
+               timeout_s=120, what="an attempt started")
+    repo, tag = upgraded.ref.rsplit(":", 1)
+    c.helm_run("upgrade", RELEASE, str(REPO / "charts" / "dcr"), "--namespace", SYSTEM,
+               "--reuse-values", f"--set=image.repository={repo}", f"--set=image.tag={tag}",
+               "--wait", "--timeout=300s")
+    (new,) = eventually(lambda: [p for p in c.operator_pods() if pod_ready(p)
+                                 and p["metadata"]["name"] != old["metadata"]["name"]],
+                        timeout_s=180, what="the upgraded operator Pod")
+    assert new["spec"]["containers"][0]["image"] == upgraded.ref
+    c.wait_phase(f"{GROUP}-v3", "Committed", timeout_s=500)
+    eventually(lambda: (group_status(c).get("receivers") or [{}])[0].get("version") == 3,
+               timeout_s=120, what="the group's status at v3")
+    assert group_holds(c, 3), c.diagnostics(f"{GROUP}-v3")
+    c.kubectl("-n", NS, "get", "weightrefit", f"{GROUP}-v3", "-o", "wide", record=True)
     for kind, name in (("statefulset", f"{GROUP}-leader"), ("statefulset", f"{GROUP}-worker"),
                        ("rolloutfleet", GROUP)):
         c.kubectl("-n", NS, "delete", kind, name, "--timeout=180s")

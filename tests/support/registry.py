@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import os
 import secrets
 import shutil
 import ssl
@@ -26,11 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import bcrypt
-from controlplane import built
+from controlplane import REPO_ROOT, built
 from s3server import stop_process
 from stubs import free_port_on
 
 USER = "dcr-deploy"
+PUSH_SCRIPT = REPO_ROOT / "tools" / "image" / "push.sh"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,3 +135,20 @@ def registry(root: Path, *, host: str, progress: Callable[[str], None] | None = 
                        log=log, password=password)
     finally:
         stop_process(proc)
+
+
+def push(reg: Registry, path: str, role: str = "dcr") -> Pushed:
+    """``make push REGISTRY=<registry>/<path>`` of one image role, with the registry's
+    login and CA; what it pushed. Raises ``RuntimeError`` with push.sh's output when it
+    fails or reports anything but that one image."""
+    done = subprocess.run(
+        ["bash", str(PUSH_SCRIPT), f"{reg.address}/{path}", role], capture_output=True,
+        text=True, timeout=600, check=False,
+        env={**os.environ, "REGISTRY_AUTH_FILE": str(reg.auth_file),
+             "DCR_PUSH_CERT_DIR": str(reg.cert_dir)})
+    lines = [line.split() for line in done.stdout.splitlines()]
+    if done.returncode != 0 or len(lines) != 1 or lines[0][:2] != ["pushed", role]:
+        raise RuntimeError(f"{PUSH_SCRIPT} exited with {done.returncode}:\n{done.stdout}\n"
+                           f"{done.stderr[-3000:]}")
+    ((_, _, ref, digest),) = lines
+    return Pushed(ref=ref, digest=digest, registry=reg)
