@@ -963,25 +963,6 @@ def test_a_training_loops_ranks_are_the_owners_on_pods_and_no_checkpoint_is_writ
         "owners": 2, "receivers": REPLICAS, **c.latency}, indent=1) + "\n")
 
 
-def test_the_rollout_side_reached_the_store_only_through_its_link(
-        cluster: Cluster, progress: Callable[[str], None]) -> None:
-    """Every byte the rollout Pods read (refits' payloads, the init containers' builds,
-    the history) crossed one emulated 200 Mbit/s link; the total is reported. The link
-    stops here: the tests after it need no store on the rollout side."""
-    c = cluster
-    c.rollout_link.stop()
-    down, up = c.rollout_link.bytes_down, c.rollout_link.bytes_up
-    full = sum(f.stat().st_size for f in (c.ckpts / "v5").glob("*.safetensors"))
-    report = (f"rollout side <- store across the link: {down:,} bytes down, {up:,} up; "
-              f"the init containers' builds {sum(c.fetched.values()):,} of them "
-              f"({', '.join(f'{k} {v:,}' for k, v in sorted(c.fetched.items()))}); one full "
-              f"checkpoint is {full:,} bytes")
-    progress(f"tests/deploy: {report}")
-    c.transcript.append(report)
-    assert len(c.fetched) == 2  # the replacement and the scaled-up Pod
-    assert down >= sum(c.fetched.values()) > 0
-
-
 def test_the_fleet_keeps_at_most_refit_history_limit_finished_refits(cluster: Cluster) -> None:
     """A run leaves one WeightRefit per step; with refitHistoryLimit the operator's fleet
     poll deletes all but the newest finished ones (their finalizer cleans the store)."""
@@ -1071,6 +1052,26 @@ def test_a_refit_through_the_relay_tree_survives_a_relay_pod_killed_mid_refit(
     for kind, name in (("weightrefit", "relay-rollout-v1"), ("deployment", "relay-rollout"),
                        ("statefulset", "rollout-relay"), ("rolloutfleet", "relay-rollout")):
         c.kubectl("-n", NS, "delete", kind, name, "--timeout=180s")
+
+
+def test_the_rollout_side_reached_the_store_only_through_its_link(
+        cluster: Cluster, progress: Callable[[str], None]) -> None:
+    """Every byte the rollout Pods read (refits' payloads, the init containers' builds,
+    the history) crossed one emulated 200 Mbit/s link; the total is reported. The link
+    stops here, after the relay fleet's pods (which build from the store through it too):
+    the group's pods after it reach the store directly."""
+    c = cluster
+    c.rollout_link.stop()
+    down, up = c.rollout_link.bytes_down, c.rollout_link.bytes_up
+    full = sum(f.stat().st_size for f in (c.ckpts / "v5").glob("*.safetensors"))
+    report = (f"rollout side <- store across the link: {down:,} bytes down, {up:,} up; "
+              f"the init containers' builds {sum(c.fetched.values()):,} of them "
+              f"({', '.join(f'{k} {v:,}' for k, v in sorted(c.fetched.items()))}); one full "
+              f"checkpoint is {full:,} bytes")
+    progress(f"tests/deploy: {report}")
+    c.transcript.append(report)
+    assert len(c.fetched) == 2  # the replacement and the scaled-up Pod
+    assert down >= sum(c.fetched.values()) > 0
 
 
 def test_a_group_of_two_pods_refits_bit_exact_and_recovers_its_killed_worker_pod(
