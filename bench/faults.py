@@ -59,7 +59,7 @@ from dcr.http.tokens import write_token_file
 from dcr.protocol.agent_api import AgentClient, AgentStatus
 from dcr.protocol.commitstore import SqliteCommitStore
 from dcr.protocol.records import CommitRecord
-from dcr.refit.job import _Pod, _pod, _reference  # the main job's own pods
+from dcr.refit.job import Pod, pod_reference, rollout_pod  # the main job's own pods
 from dcr.refit.launch import EncoderProcess, Process
 from dcr.refit.trainer import Trainer, TrainerSettings
 from dcr_operator.fleet import behind  # the operator's catch-up decision
@@ -160,7 +160,7 @@ class Fleet:
     out: Path
     events: Path
     ckpts: Path
-    pods: list[_Pod]
+    pods: list[Pod]
     owners: list[EncoderProcess]
     toxi: Toxiproxy
     layer: Http5xx
@@ -219,7 +219,7 @@ def fleet(out: Path, seed: int, pods: int, owners: int, size: TrainerSettings
         train_env = _env(f"http://{links['train']}", s3)
         running: list[Process] = []
         stack.callback(lambda: [p.stop() for p in reversed(running)])
-        the_pods = [_pod(i, pods, out, {"store": store}, ckpts, token,
+        the_pods = [rollout_pod(i, pods, out, {"store": store}, ckpts, token,
                          _env(f"http://{links[f'pod-{i}']}", s3)) for i in range(pods)]
         the_owners = [EncoderProcess(name=f"owner-{k}", workdir=out / "owners" / f"owner-{k}",
                                      token=owner_token, env=train_env,
@@ -358,7 +358,7 @@ def _drive(f: Fleet, version: int, kill: Kill | None, out: Outcome) -> None:
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 
 
-def complete(f: Fleet, pod: _Pod, running: threading.Event) -> None:
+def complete(f: Fleet, pod: Pod, running: threading.Event) -> None:
     """A client of ``pod``'s server: greedy completions while the refit runs, each answer's
     per-token weight versions logged as the server reported them."""
     body = json.dumps({"prompt": PROMPT, "max_tokens": 4, "return_weight_versions": True,
@@ -447,7 +447,7 @@ def references(f: Fleet, version: int) -> None:
     ckpt = f.ckpts / f"v{version}"
     for kind, pod in {p.kind: p for p in f.pods}.items():
         emit(f.events, "harness", "reference", version=version, pod_kind=kind,
-             fingerprint=_reference(pod, ckpt))
+             fingerprint=pod_reference(pod, ckpt))
 
 
 def _tensor_sums(ckpt: Path) -> dict[str, str]:

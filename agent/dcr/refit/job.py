@@ -117,7 +117,7 @@ class RefitSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
-class _Pod:
+class Pod:
     """One rollout pod: its server and its agent, and their settings."""
 
     serve: ServeSettings
@@ -146,8 +146,8 @@ class _Pod:
         self.server.stop()
 
 
-def _pod(i: int, n: int, out: Path, source: dict[str, Any], ckpts: Path,
-         token: str, env: dict[str, str]) -> _Pod:
+def rollout_pod(i: int, n: int, out: Path, source: dict[str, Any], ckpts: Path,
+                token: str, env: dict[str, str]) -> Pod:
     """Pod ``i`` of ``n``: the last one serves both ranks of the vLLM-layout TP2 model,
     the others a transformers model; server and agent share ``staging``; the agent's
     environment adds ``env`` (how it reaches the store)."""
@@ -171,7 +171,7 @@ def _pod(i: int, n: int, out: Path, source: dict[str, Any], ckpts: Path,
                           canonical=weights / "v0", checkpoint_root=weights, **source)
     sidecar = AgentProcess(name=agent.name, args=to_argv(agent, skip=LAUNCHED),
                            state_dir=agent.state_dir, token=token, env=env)
-    return _Pod(serve=serve, agent=agent, server=server, sidecar=sidecar)
+    return Pod(serve=serve, agent=agent, server=server, sidecar=sidecar)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -216,7 +216,7 @@ def start_relays(work: Path, n: int) -> RelayTree:
                       publish_token_file=publish_file)
 
 
-def _reference(pod: _Pod, ckpt: Path) -> dict[str, str]:
+def pod_reference(pod: Pod, ckpt: Path) -> dict[str, str]:
     """What a dense load of ``ckpt`` through the pod's server's own loader holds, every
     rank of it, as its agent's fingerprint says it."""
     s = pod.serve
@@ -224,7 +224,7 @@ def _reference(pod: _Pod, ckpt: Path) -> dict[str, str]:
                                                      tp_rank=r, fp8=s.fp8) for r in s.ranks])
 
 
-def _status(pod: _Pod, wait_s: float = 120.0) -> AgentStatus:
+def _status(pod: Pod, wait_s: float = 120.0) -> AgentStatus:
     """The pod's agent's status, waiting while it answers 503: a restarted agent (or one
     beside a restarted server) prewarms its engine before it reports."""
     client = pod.sidecar.client()
@@ -254,7 +254,7 @@ def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
                         store_kind=s.store_kind, pods=s.agents, link_mbit=s.link_mbit,
                         rtt_ms=s.rtt_ms)
     relays: list[subprocess.Popen[bytes]] = []
-    pods: list[_Pod] = []
+    pods: list[Pod] = []
     coordinator: Coordinator | None = None
     owners: list[ProcessOwner | WarmOwner] = []
     try:
@@ -272,7 +272,8 @@ def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
             root = boundary.relay_root(int(tree.urls[0].rsplit(":", 1)[1]))
             publish_to = f"relay+http://127.0.0.1:{root}?through={store}"
             owner_env = {**owner_env, TOKEN_ENV: tree.publish_token_file.read_text()}
-        pods = [_pod(i, s.agents, out, sources[i], ckpts, token, boundary.pod_env(i))
+        pods = [rollout_pod(i, s.agents, out, sources[i], ckpts, token,
+                            boundary.pod_env(i))
                 for i in range(s.agents)]
         t0 = time.perf_counter()
         for proc in [p.server for p in pods] + [p.sidecar for p in pods]:
@@ -341,7 +342,7 @@ def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
     return rows
 
 
-def _store_bytes_fetched(pod: _Pod) -> int:
+def _store_bytes_fetched(pod: Pod) -> int:
     """What the pod's agent has read from the store to build versions for rejoins."""
     with urllib.request.urlopen(f"{pod.sidecar.url}/metrics", timeout=30) as r:
         text = r.read().decode()
@@ -362,7 +363,7 @@ def _fetched(job: _Job) -> dict[str, int]:
 
 
 def _stop(coordinator: Coordinator | None, owners: Sequence[ProcessOwner | WarmOwner],
-          pods: Sequence[_Pod], relays: Sequence[subprocess.Popen[bytes]],
+          pods: Sequence[Pod], relays: Sequence[subprocess.Popen[bytes]],
           boundary: Boundary) -> None:
     """Stop everything the job started, in the order it depends on each other."""
     if coordinator is not None:
@@ -423,7 +424,7 @@ class _Job:
 
     trainer: Trainer
     ckpts: Path
-    pods: list[_Pod]
+    pods: list[Pod]
     coordinator: Coordinator
     owners: Sequence[ProcessOwner | WarmOwner]
     kills: KillPoint  # the coordinator's owners publish once a step's kill has landed
@@ -487,7 +488,7 @@ def _step(v: int, s: RefitSettings, job: _Job) -> dict[str, Any]:
     exact = True
     for pod in pods:
         if pod.kind not in refs:
-            refs[pod.kind] = _reference(pod, ckpt)
+            refs[pod.kind] = pod_reference(pod, ckpt)
         exact &= pod.sidecar.client().fingerprint() == refs[pod.kind]
     full = full_refit(v, ckpt, [p.sidecar for p in pods], job.full,
                       [p.agent.dense_root / f"full-{p.name}" for p in pods])
