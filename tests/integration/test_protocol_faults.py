@@ -436,9 +436,11 @@ class Fleet:
 
     def coordinator(self, *, commits: CommitStore | None = None,
                     owners: Sequence[OwnerHandle] | None = None,
-                    settings: CoordinatorSettings = SETTINGS) -> Coordinator:
+                    settings: CoordinatorSettings = SETTINGS,
+                    wait: Callable[[float], bool] | None = None) -> Coordinator:
         c = Coordinator(commits or self.commits, owners or self.owners, self.ranks,
-                        settings=settings, dense_checkpoint=self.versions.checkpoint)
+                        settings=settings, dense_checkpoint=self.versions.checkpoint,
+                        wait=wait)
         self.commits.coordinators.append(c)
         return c
 
@@ -595,6 +597,29 @@ def test_a_one_time_fault_fails_the_first_attempt_and_the_overwrite_retry_commit
     record = c.refit(1, "ckpt-1")
     assert outcomes(c) == [("mixed", "failed"), ("overwrite", "committed")]
     assert reason in c.history[0].outcome
+    fleet.assert_committed(record, 1, c)
+
+
+def test_a_store_down_for_seconds_is_outlasted_by_the_waits_between_attempts(
+        fleet: Fleet) -> None:
+    """Fails on a coordinator that retries at once: every attempt meets the outage
+    (RefitFailed after four). The waits are counted on a clock only they move."""
+    clock = [0.0]
+
+    def down(key: str, data: bytes) -> bytes:
+        if is_payload(key) and clock[0] < 4.0:
+            raise StoreError(f"Injected outage at t={clock[0]:.1f} s on {key!r}.")
+        return data
+
+    def wait(seconds: float) -> bool:
+        clock[0] += seconds
+        return False
+
+    fleet.store.on_put.append(down)
+    c = fleet.coordinator(wait=wait)
+    record = c.refit(1, "ckpt-1")
+    assert [o for _, o in outcomes(c)][-1] == "committed"
+    assert len(c.history) == 3  # waits of 1.5-2 s and 3-4 s pass the 4 s outage
     fleet.assert_committed(record, 1, c)
 
 

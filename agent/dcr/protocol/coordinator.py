@@ -4,12 +4,14 @@ The algorithm is docs/protocol.md ("The life of an attempt", "Admission and rejo
 "Coordinator failover"). Its invariants: the record moves only by compare-and-set from the
 one the refit started from; owners advance, receivers learn the commit and gates reopen only
 after that succeeded; after a failure every receiver has stopped before the next attempt,
-which runs in overwrite mode.
+which runs in overwrite mode, after a wait that grows with each failure (``retry_wait_s``):
+a store or link fault that lasts seconds outlasts few attempts, and an abort cuts it short.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -29,6 +31,7 @@ from dcr.settings import option
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _FINAL = frozenset(s.value for s in FINAL)
+RETRY_JITTER = 0.25  # a wait between attempts is drawn from [1 - this, 1] of its step
 
 
 class CommitConflict(StateConflict):
@@ -133,11 +136,29 @@ class CoordinatorSettings:
     receiver_calls: int = option(64, metavar="N", doc="calls to receivers in flight at once: "
                                  "a fleet of thousands is driven by this many threads, not a "
                                  "thread each (owners get one each: a publish is long)")
+    retry_wait_s: float = option(2.0, metavar="S", doc="seconds from a failed attempt to the "
+                                 "next, doubled after each further failure up to "
+                                 "retry_wait_max_s, each wait jittered down by up to a "
+                                 "quarter: a fault of the store or a link that lasts seconds "
+                                 "then outlasts few attempts, not every one; 0 retries at once")
+    retry_wait_max_s: float = option(30.0, metavar="S", doc="the longest wait between two "
+                                     "attempts: past it, waiting longer mostly delays the "
+                                     "repair of a fleet left mixed")
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1 or self.min_receivers < 1 or self.attempt_timeout_s <= 0 \
                 or self.receiver_calls < 1:
             raise ConfigError(f"Coordinator settings out of range: {self}.")
+        if not 0 <= self.retry_wait_s <= self.retry_wait_max_s:
+            raise ConfigError(f"retry_wait_s is {self.retry_wait_s} and retry_wait_max_s "
+                              f"{self.retry_wait_max_s}: the first must be at least 0 and "
+                              "the second at least the first.")
+
+    def retry_wait(self, failures: int, draw: float) -> float:
+        """Seconds to wait after ``failures`` failed attempts (1 or more); ``draw`` in
+        [0, 1) picks where in the jitter band (the top quarter of the step) it falls."""
+        step = min(self.retry_wait_max_s, self.retry_wait_s * 2.0 ** min(failures - 1, 60))
+        return step * (1.0 - RETRY_JITTER * draw)
 
 
 @dataclass(kw_only=True)
@@ -159,13 +180,17 @@ class Coordinator:
                  settings: CoordinatorSettings | None = None,
                  dense_checkpoint: Callable[[int], str] | None = None,
                  on_commit: Callable[[CommitRecord, int], None] | None = None,
-                 history: HistoryWriter | None = None) -> None:
+                 history: HistoryWriter | None = None,
+                 wait: Callable[[float], bool] | None = None,
+                 rng: random.Random | None = None) -> None:
         """``dense_checkpoint(v)`` names a full checkpoint of version ``v`` for rejoins;
         without it a receiver rejoins from its store's history. ``history``: the store's
         history, staged before each commit so the record carries its digest and written
         once receivers are settled. ``on_commit(record, owners)`` runs after that, once the
         record names a new version; it must be idempotent, as a refit that finishes a
-        committed transition again calls it again."""
+        committed transition again calls it again. ``wait(s)`` pauses between attempts
+        and says whether it was cut short (default: ``abort.wait``, so an abort, and the
+        operator's deadline, which aborts, end it at once); ``rng`` draws the jitter."""
         self.commits = commits
         self.owners = owners
         self.receivers = receivers
@@ -174,6 +199,8 @@ class Coordinator:
         self.on_commit = on_commit
         self.writer = history
         self.abort = threading.Event()  # set by an operator: no further attempt starts
+        self._wait = wait or self.abort.wait
+        self._rng = rng or random.Random()
         self.history: list[AttemptResult] = []
         self._pool = ThreadPoolExecutor(
             max(1, min(self.settings.receiver_calls, len(receivers))),
@@ -203,7 +230,9 @@ class Coordinator:
                                 target_version=target_version)
         mode: Mode = "mixed"
         last: Exception | None = None
-        for _ in range(self.settings.max_attempts):
+        for n in range(self.settings.max_attempts):
+            if n and self.settings.retry_wait_s > 0 and not self.abort.is_set():
+                self._pause(n, last)
             if self.abort.is_set():
                 raise RefitAborted(f"Refit to {target_version} aborted after "
                                    f"{len(self.history)} attempts; last: {last}.")
@@ -254,6 +283,14 @@ class Coordinator:
             f"Refit to version {target_version} failed {self.settings.max_attempts} "
             f"attempts; last: {last}"
         ) from last
+
+    def _pause(self, failures: int, last: Exception | None) -> None:
+        """Wait before the attempt after ``failures`` failed ones; an abort ends it."""
+        seconds = self.settings.retry_wait(failures, self._rng.random())
+        log.info("%d attempts failed (last: %s); the next starts in %.1f s", failures, last,
+                 seconds)
+        if self._wait(seconds):
+            log.info("the wait before the next attempt was cut short: the refit is aborted")
 
     # --- admission -----------------------------------------------------------------
 
