@@ -18,9 +18,9 @@ import logging
 from typing import Any
 
 from dcr.format.commitfile import COMMIT_FILE_KEY, CommitFile
-from dcr_operator.commitstore import record_of
 from dcr_operator.errors import Conflict, InvalidResource, NotFound
 from dcr_operator.fleet import fleet_path
+from dcr_operator.fleetrecord import record_of
 from dcr_operator.jobs import short_name
 from dcr_operator.kube import KubeClient, api_path
 from dcr_operator.sites import owner_reference

@@ -4,7 +4,8 @@
 in ``status.commit``, and publishes it to the fleet's pods as it writes it
 (:mod:`dcr_operator.commitmap`). A CAS patches the status subresource under the
 ``resourceVersion`` it read, and succeeds only if the answer carries the record written; a
-409 is settled by reading again.
+409 is settled by reading again. How a fleet object holds the record:
+:mod:`dcr_operator.fleetrecord`.
 Why: docs/operator.md, "Inside the operator".
 """
 
@@ -18,41 +19,13 @@ from dcr.protocol.commitstore import CommitStoreError
 from dcr.protocol.records import CommitOutcome, CommitRecord
 from dcr_operator.api.common import GROUP, VERSION
 from dcr_operator.api.rolloutfleet import PLURAL as FLEET_PLURAL
+from dcr_operator.commitmap import publish_commit
 from dcr_operator.errors import ApiError, ApiUnreachable, Conflict, InvalidResource, NotFound
+from dcr_operator.fleetrecord import commit_status, initial_record, record_of
 from dcr_operator.kube import KubeClient, api_path
 from dcr_operator.reconcile import now
 
 log = logging.getLogger(__name__)
-
-
-def initial_record(fleet: Mapping[str, Any]) -> CommitRecord:
-    """The record before any refit: the fleet's ``spec.initial``."""
-    initial = fleet["spec"]["initial"]
-    return CommitRecord(committed_version=int(initial.get("version", 0)),
-                        baseline_id=str(initial["checkpoint"]), attempt="")
-
-
-def record_of(fleet: Mapping[str, Any]) -> CommitRecord:
-    """The commit record a fleet object holds (the initial one if none was written yet)."""
-    commit = (fleet.get("status") or {}).get("commit")
-    if not commit:
-        return initial_record(fleet)
-    return CommitRecord(committed_version=int(commit["committedVersion"]),
-                        baseline_id=str(commit["baselineId"]), attempt=str(commit["attempt"]),
-                        history_digest=str(commit.get("historyDigest") or ""))
-
-
-def commit_status(record: CommitRecord, *, refit: str | None = None,
-                  at: str | None = None) -> dict[str, Any]:
-    out: dict[str, Any] = {"committedVersion": record.committed_version,
-                           "baselineId": record.baseline_id, "attempt": record.attempt}
-    if record.history_digest:
-        out["historyDigest"] = record.history_digest
-    if refit is not None:
-        out["refit"] = refit
-    if at is not None:
-        out["committedAt"] = at
-    return out
 
 
 def _carries(answer: Any, record: CommitRecord) -> bool:
@@ -125,8 +98,6 @@ class FleetCommitStore:
     def _publish(self) -> None:
         """Publish the record to the fleet's pods (``<fleet>-commit``). A failure changes
         no outcome: the record moved, and each fleet poll publishes it again."""
-        from dcr_operator.commitmap import publish_commit  # it imports this module
-
         try:
             publish_commit(self.kube, self.namespace, self.name)
         except (ApiError, ApiUnreachable, InvalidResource) as e:

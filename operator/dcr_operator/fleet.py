@@ -25,8 +25,8 @@ from dcr_operator.api.common import GROUP, VERSION, SecretKeyRef
 from dcr_operator.api.rolloutfleet import PLURAL as FLEET_PLURAL
 from dcr_operator.api.rolloutfleet import RolloutFleetSpec
 from dcr_operator.api.weightrefit import PLURAL as REFIT_PLURAL
-from dcr_operator.commitstore import record_of
 from dcr_operator.errors import ApiError, InvalidResource, NotFound
+from dcr_operator.fleetrecord import record_of
 from dcr_operator.kube import KubeClient, api_path
 from dcr_operator.metrics import METRICS
 from dcr_operator.reconcile import (
@@ -188,8 +188,9 @@ def _report(client: AgentClient, receiver: Receiver, at: str, catch_up: CommitRe
             from_store: bool) -> dict[str, Any]:
     """One receiver's status entry; with ``catch_up`` (no refit running on the fleet), an
     agent that is :func:`behind` is first brought to the committed version by a dense
-    load, as a refit's admission would: built from the store's history (``from_store``),
-    else of the committed checkpoint."""
+    load, as a refit's admission would: built from the store's history (``from_store``:
+    the one the record's digest names, so a peer's copy or a delta is judged by it), else
+    of the committed checkpoint."""
     entry = _entry(receiver)
     call: Call[..., Any, AgentStatus] = AgentApi.status
     try:
@@ -198,8 +199,9 @@ def _report(client: AgentClient, receiver: Receiver, at: str, catch_up: CommitRe
             log.info("%s holds %s (dirty %s): dense refit to the committed version %d",
                      client.name, st.version, st.dirty, catch_up.committed_version)
             call = AgentApi.rejoin
-            st = client.rejoin(catch_up.committed_version,
-                               None if from_store else catch_up.baseline_id)
+            st = (client.rejoin(catch_up.committed_version, None,  # the history it names
+                                catch_up.history_digest or None) if from_store
+                  else client.rejoin(catch_up.committed_version, catch_up.baseline_id))
     except Exception as e:  # any failure: the receiver is reported unreachable
         entry["error"] = agent_failure(client.name, call, e)[:1024]
         return entry

@@ -41,7 +41,7 @@ from dcr.transport.store import Store
 from dcr_operator.api.conditions import RefitCondition, RefitReason
 from dcr_operator.api.rolloutfleet import RolloutFleetSpec
 from dcr_operator.api.weightrefit import WeightRefitSpec
-from dcr_operator.commitstore import FleetCommitStore, commit_status, record_of
+from dcr_operator.commitstore import FleetCommitStore
 from dcr_operator.endpoint import (
     EncoderEndpoints,
     EndpointOwner,
@@ -66,6 +66,7 @@ from dcr_operator.fleet import (
     refresh,
     set_active,
 )
+from dcr_operator.fleetrecord import commit_status, record_of
 from dcr_operator.history import fleet_history, keep_history
 from dcr_operator.jobs import (
     PROFILE_KEY,
