@@ -188,8 +188,9 @@ def _report(client: AgentClient, receiver: Receiver, at: str, catch_up: CommitRe
             from_store: bool) -> dict[str, Any]:
     """One receiver's status entry; with ``catch_up`` (no refit running on the fleet), an
     agent that is :func:`behind` is first brought to the committed version by a dense
-    load, as a refit's admission would: built from the store's history (``from_store``),
-    else of the committed checkpoint."""
+    load, as a refit's admission would: built from the store's history (``from_store``:
+    the one the record's digest names, so a peer's copy or a delta is judged by it), else
+    of the committed checkpoint."""
     entry = _entry(receiver)
     call: Call[..., Any, AgentStatus] = AgentApi.status
     try:
@@ -198,8 +199,9 @@ def _report(client: AgentClient, receiver: Receiver, at: str, catch_up: CommitRe
             log.info("%s holds %s (dirty %s): dense refit to the committed version %d",
                      client.name, st.version, st.dirty, catch_up.committed_version)
             call = AgentApi.rejoin
-            st = client.rejoin(catch_up.committed_version,
-                               None if from_store else catch_up.baseline_id)
+            st = (client.rejoin(catch_up.committed_version, None,  # the history it names
+                                catch_up.history_digest or None) if from_store
+                  else client.rejoin(catch_up.committed_version, catch_up.baseline_id))
     except Exception as e:  # any failure: the receiver is reported unreachable
         entry["error"] = agent_failure(client.name, call, e)[:1024]
         return entry

@@ -32,6 +32,7 @@ from dcr_operator.commitstore import FleetCommitStore
 from dcr_operator.errors import ApiError, ApiUnreachable, InvalidResource, NotFound, NotYet
 from dcr_operator.fleet import fleet_path, prune_refits, refresh
 from dcr_operator.kube import KubeClient, api_path
+from dcr_operator.peers import publish_peers
 from dcr_operator.polls import FleetPolls
 from dcr_operator.progress import Emit
 from dcr_operator.reconcile import is_final, now
@@ -149,6 +150,11 @@ def _refresh_fleet(kube: KubeClient, fleet: Mapping[str, Any]) -> None:
         publish_commit(kube, meta["namespace"], meta["name"])
     except (ApiError, ApiUnreachable, InvalidResource) as e:
         log.warning("RolloutFleet %s/%s: its commit is not published to its pods: %s",
+                    meta["namespace"], meta["name"], e)
+    try:  # spec.catchUp.peers: the peer token Secret and the peers' Service
+        publish_peers(kube, fleet)
+    except (ApiError, ApiUnreachable, InvalidResource) as e:
+        log.warning("RolloutFleet %s/%s: its pods are not given their peers: %s",
                     meta["namespace"], meta["name"], e)
 
 

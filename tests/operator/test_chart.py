@@ -90,6 +90,8 @@ USED = [
     ("patch", "configmaps", "", ""),
     ("create", "events", "", ""), ("create", "jobs", "batch", ""),
     ("delete", "jobs", "batch", ""), ("get", "jobs", "batch", ""),
+    ("create", "secrets", "", ""), ("get", "services", "", ""), ("create", "services", "", ""),
+    ("patch", "services", "", ""),
 ]
 # Things it never does: none of them may be granted.
 UNUSED = [
@@ -98,6 +100,8 @@ UNUSED = [
     ("delete", "pods", "", ""), ("create", "pods", "", ""), ("patch", "jobs", "batch", ""),
     ("delete", "configmaps", "", ""), ("create", "deployments", "apps", ""),
     ("create", "rolebindings", "rbac.authorization.k8s.io", ""),
+    ("patch", "secrets", "", ""), ("update", "secrets", "", ""), ("delete", "secrets", "", ""),
+    ("delete", "services", "", ""),
 ]
 
 

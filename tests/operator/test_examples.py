@@ -34,6 +34,7 @@ from dcr_operator.api.rolloutfleet import LWS_GROUP_KEY, LWS_WORKER_INDEX, Rollo
 from dcr_operator.api.weightrefit import WeightRefitSpec
 from dcr_operator.commitmap import commit_map_name
 from dcr_operator.kube import KubeClient
+from dcr_operator.peers import service_name, token_secret_name
 from dcr_operator.reconcile import secret_holders
 
 KUBE_VERSION = "1.37.0"  # as test_chart.py: the control plane's release line
@@ -83,10 +84,10 @@ def pod(name: str) -> dict[str, Any]:
 def pod_specs(name: str) -> dict[str, dict[str, Any]]:
     """The rollout pods of an example, by role: a Deployment's pod, or a LeaderWorkerSet's
     leader and worker."""
-    if name == RELAY:
-        kinds = {o["kind"]: o for o in objects(name)}
-        return {kind.lower(): kinds[kind]["spec"]["template"]["spec"]
-                for kind in ("StatefulSet", "Deployment")}
+    if name == RELAY:  # the tree's nodes and the fleet's rollout pods, both StatefulSets
+        sets = {o["metadata"]["name"]: o for o in objects(name) if o["kind"] == "StatefulSet"}
+        return {role: sets[name]["spec"]["template"]["spec"]
+                for role, name in (("relay", "rollout-relay"), ("rollout", "relay-rollout"))}
     if name != MULTINODE:
         return {"pod": pod(name)}
     (lws,) = [o for o in objects(name) if o["kind"] == "LeaderWorkerSet"]
@@ -430,10 +431,11 @@ def test_the_relay_example_is_a_tree_its_fleet_publishes_to_and_its_pods_read() 
     from the fleet's initial checkpoint, which engine and agent resolve under the same
     checkpoint root; each node mounts both tokens, each rollout pod only the read one."""
     objs = objects(RELAY)
-    kinds = {o["kind"]: o for o in objs if o["kind"] not in ("Secret", "Service")}
+    kinds = {o["kind"]: o for o in objs if o["kind"] not in ("Secret", "Service", "StatefulSet")}
     services = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Service"}
     tokens = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Secret"}
-    sts, fleet = kinds["StatefulSet"], kinds["RolloutFleet"]
+    sets = {o["metadata"]["name"]: o for o in objs if o["kind"] == "StatefulSet"}
+    sts, fleet = sets["rollout-relay"], kinds["RolloutFleet"]
     spec = RolloutFleetSpec.model_validate(fleet["spec"])
     assert spec.relay is not None
     (relay,) = sts["spec"]["template"]["spec"]["containers"]
@@ -460,7 +462,7 @@ def test_the_relay_example_is_a_tree_its_fleet_publishes_to_and_its_pods_read() 
     assert by_mount[arg(relay, "--publish-token-file").rsplit("/", 1)[0]] == (
         publish["metadata"]["name"])
 
-    rollout = kinds["Deployment"]["spec"]["template"]
+    rollout = sets["relay-rollout"]["spec"]["template"]
     assert fleet["spec"]["selector"]["matchLabels"].items() <= rollout["metadata"][
         "labels"].items()
     (agent,) = [c for c in rollout["spec"]["containers"] if c["name"] == "agent"]
@@ -478,12 +480,6 @@ def test_the_relay_example_is_a_tree_its_fleet_publishes_to_and_its_pods_read() 
     # nothing of the training side (the encoder profile's checkpoints volume).
     assert spec.store is not None
     assert arg(agent, "--store") == spec.store.uri
-    (init,) = rollout["spec"]["initContainers"]
-    assert init["command"] == ["dcr", "materialize"]
-    assert arg(init, "--store") == spec.store.uri
-    commit = {v["name"]: v.get("configMap", {}).get("name") for v in rollout["spec"]["volumes"]}
-    assert arg(init, "--commit-file").startswith("/etc/dcr/commit/")
-    assert commit[mounts(init)["/etc/dcr/commit"]] == f"{fleet['metadata']['name']}-commit"
     trained = {v["persistentVolumeClaim"]["claimName"] for p in spec.encoder_profiles
                for v in (x.model_dump(by_alias=True) for x in p.volumes)
                if v.get("persistentVolumeClaim")}
@@ -491,9 +487,41 @@ def test_the_relay_example_is_a_tree_its_fleet_publishes_to_and_its_pods_read() 
               if "persistentVolumeClaim" in v}
     assert trained
     assert not trained & claims
-    assert arg(engine, "--model") == arg(agent, "--canonical") == arg(init, "--out")
+    # Both start from the run's starting model (version 0, read-only) and dense-load what
+    # the agent builds under the pod's own checkpoint root.
+    assert arg(engine, "--model") == arg(agent, "--canonical")
+    volumes = {v["name"]: v for v in rollout["spec"]["volumes"]}
+    base = next(m for m in agent["volumeMounts"]
+                if arg(agent, "--canonical").startswith(m["mountPath"] + "/"))
+    assert base["readOnly"]
+    assert "persistentVolumeClaim" in volumes[base["name"]]
     assert arg(engine, "--checkpoint-root") == arg(agent, "--checkpoint-root")
-    assert arg(init, "--out").startswith(arg(agent, "--checkpoint-root") + "/")
+    assert "emptyDir" in volumes[mounts(agent)[arg(agent, "--checkpoint-root")]]
+
+
+def test_the_relay_examples_pods_catch_up_from_each_other_by_what_the_operator_makes() -> None:
+    """relay.yaml with spec.catchUp.peers: the rollout StatefulSet's pods are named on the
+    operator's <fleet>-peers Service (its serviceName), each agent asks its siblings by
+    those names, over the fleet's agent scheme and port, with the peer token the operator
+    keeps in <fleet>-peer-token mounted as a file (never in argv or env)."""
+    (fleet,) = [o for o in objects(RELAY) if o["kind"] == "RolloutFleet"]
+    spec = RolloutFleetSpec.model_validate(fleet["spec"])
+    name = fleet["metadata"]["name"]
+    assert spec.catch_up.peers
+    (rollout,) = [o for o in objects(RELAY) if o["kind"] == "StatefulSet"
+                  and o["metadata"]["name"] == name]
+    assert rollout["spec"]["serviceName"] == service_name(name)
+    pod = rollout["spec"]["template"]["spec"]
+    (agent,) = [c for c in pod["containers"] if c["name"] == "agent"]
+    donors = [a.split("=", 1)[1] for a in agent["args"] if a.startswith("--donor=")]
+    assert donors == [f"{spec.agent.scheme}://{name}-{i}.{service_name(name)}:{spec.agent.port}"
+                      for i in range(len(donors))]
+    assert len(donors) > rollout["spec"]["replicas"]  # one more: a pod added by scaling
+    token_dir = arg(agent, "--peer-token-file").rsplit("/", 1)[0]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[mounts(agent)[token_dir]]["secret"]["secretName"] == token_secret_name(name)
+    assert "DCR_PEER_TOKEN" not in env(agent)
+    assert token_secret_name(name) not in str(agent.get("env", []))
 
 
 @pytest.fixture(scope="session")
@@ -560,11 +588,11 @@ def test_the_cross_cluster_examples_speak_tls_with_cert_manager_secrets() -> Non
     and the agents check one server name, which the fleet gives its encoder Jobs with the
     relay's CA; the fleet calls its agents, warm encoders and ranks over https."""
     relay = pod_specs(RELAY)
-    (node,) = relay["statefulset"]["containers"]
-    (agent,) = [c for c in relay["deployment"]["containers"] if c["name"] == "agent"]
-    (engine,) = [c for c in relay["deployment"]["containers"] if c["name"] == "engine"]
-    assert serves_tls(relay["statefulset"], node) == "dcr-relay-tls"
-    assert serves_tls(relay["deployment"], agent) == "dcr-agent-tls"
+    (node,) = relay["relay"]["containers"]
+    (agent,) = [c for c in relay["rollout"]["containers"] if c["name"] == "agent"]
+    (engine,) = [c for c in relay["rollout"]["containers"] if c["name"] == "engine"]
+    assert serves_tls(relay["relay"], node) == "dcr-relay-tls"
+    assert serves_tls(relay["rollout"], agent) == "dcr-agent-tls"
     assert "DCR_TLS_CERT" not in env(engine)  # on loopback, behind the agent's door
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert engine[probe]["httpGet"]["scheme"] == "HTTPS"  # the agent's door, port 8000

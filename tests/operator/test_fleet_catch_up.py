@@ -14,7 +14,8 @@ import pytest
 
 from dcr.protocol.agent_api import AgentStatus
 from dcr.protocol.records import CommitRecord
-from dcr_operator.fleet import behind, serving_versions
+from dcr_operator.fleet import _report, behind, serving_versions
+from dcr_operator.reconcile import Receiver
 
 RECORD = CommitRecord(committed_version=2, baseline_id="/checkpoints/policy-a/v2",
                       attempt="a-0123456789ab")
@@ -51,3 +52,36 @@ def test_the_fleet_status_counts_the_versions_its_receivers_serve_newest_first()
                {"name": "r4", "version": 1, "error": "timed out"}, {"name": "r5"}]
     assert serving_versions(reports) == [{"version": 3, "receivers": 2},
                                          {"version": 2, "receivers": 1}]
+
+
+class _Agent:
+    """An agent client that records the dense loads it is asked for."""
+
+    name, release = "rollout-0", "0.1.0"
+
+    def __init__(self) -> None:
+        self.rejoins: list[tuple[Any, ...]] = []
+
+    def status(self) -> AgentStatus:
+        return _status(version=0)
+
+    def rejoin(self, *args: Any) -> AgentStatus:
+        self.rejoins.append(args)
+        return _status()
+
+
+@pytest.mark.parametrize(("from_store", "expected"), [
+    (True, (2, None, "ab" * 16)),  # built from the history the record names, and only it
+    (False, (2, "/checkpoints/policy-a/v2")),  # the committed checkpoint, by path
+])
+def test_a_pod_behind_rejoins_from_the_history_the_record_vouches_for(
+        from_store: bool, expected: tuple[Any, ...]) -> None:
+    """A pod built from the store (or a peer's copy judged by its history) is told the
+    record's history digest, so a store writer cannot swap the history that judges it."""
+    record = CommitRecord(committed_version=2, baseline_id="/checkpoints/policy-a/v2",
+                          attempt="a-0123456789ab", history_digest="ab" * 16)
+    agent = _Agent()
+    entry = _report(agent, Receiver(name="rollout-0", url="http://10.0.0.1:8471"),  # type: ignore[arg-type]
+                    "2026-01-01T00:00:00Z", record, from_store)
+    assert agent.rejoins == [expected]
+    assert entry["version"] == 2

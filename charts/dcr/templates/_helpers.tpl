@@ -76,6 +76,15 @@ is granted per namespace (rbac.workloadNamespaces) unless rbac.workloadsClusterW
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get"]
+# A fleet's peer read token (spec.catchUp.peers: <fleet>-peer-token), made once; never
+# updated, listed or deleted (the fleet's ownerReference removes it).
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["create"]
+# A fleet's peers' headless Service (<fleet>-peers), kept on the fleet's labels and port.
+- apiGroups: [""]
+  resources: ["services"]
+  verbs: ["get", "create", "patch"]
 # The merged receiver profile handed to encoder Jobs; each fleet's commit (<fleet>-commit),
 # which its pods mount, kept equal to the record (patch).
 - apiGroups: [""]

@@ -238,6 +238,30 @@ class Retention(SpecModel):
         "further behind starts from a kept snapshot). Default: keep everything.")
 
 
+class CatchUp(SpecModel):
+    """Where a pod behind the committed version takes it from, besides the store."""
+
+    peers: bool = Field(
+        default=False, description="Pods may take the committed version from a live peer "
+        "(docs/catch-up.md, \"From a peer\"): the operator keeps a peer read token Secret "
+        "<fleet>-peer-token (key token, created once, owned by the fleet) and a headless "
+        "Service <fleet>-peers over the selected Ready pods at agent.port; pods mount the "
+        "Secret for --peer-token-file and name donors by --donor (status.peers says what). "
+        "Needs store (its history judges a peer's copy) and a selector of matchLabels "
+        "alone (the Service's). Default false.")
+
+
+class PeersStatus(StatusModel):
+    """What the fleet's pods are given to catch up from each other (spec.catchUp.peers)."""
+
+    service: str | None = Field(default=None, description="The headless Service over the "
+                                "fleet's Ready pods: donors are its pods.")
+    donor: str | None = Field(default=None, description="A --donor URL naming any Ready "
+                              "pod of the fleet, through the Service.")
+    token_secret: str | None = Field(default=None, description="The Secret whose key token "
+                                     "is the peer read token (mounted as --peer-token-file).")
+
+
 class HistoryStatus(StatusModel):
     """What the store's history holds, as the operator last wrote it."""
 
@@ -389,6 +413,11 @@ class EncoderProfile(SpecModel):
         return self
 
 
+_PEERS_NEED = ("catchUp.peers needs store (its history judges a peer's copy) and a selector "
+               "of matchLabels alone (the peers' Service selects by them, and every pod it "
+               "selects is sent the peer token)")
+
+
 class RolloutFleetSpec(SpecModel):
     """Which pods are the fleet, how to reach them, and how their refits run."""
 
@@ -398,7 +427,10 @@ class RolloutFleetSpec(SpecModel):
         "rule": "has(self.store) || !has(self.retention) || (!has(self.retention.snapshotEvery)"
                 " && !has(self.retention.keepSnapshots))",
         "message": "retention needs the store that holds the history: set store (beside "
-                   "relay for a relay fleet)"}]})
+                   "relay for a relay fleet)"}, {
+        "rule": "!has(self.catchUp) || !has(self.catchUp.peers) || !self.catchUp.peers || "
+                "(has(self.store) && !has(self.selector.matchExpressions))",
+        "message": _PEERS_NEED}]})
 
     selector: LabelSelector
     agent: AgentSpec
@@ -421,6 +453,9 @@ class RolloutFleetSpec(SpecModel):
     retention: Retention = Field(
         default_factory=Retention, description="What the store keeps for catch-up (a store "
         "fleet); default: everything.")
+    catch_up: CatchUp = Field(
+        default_factory=CatchUp, description="Where pods behind the committed version may "
+        "take it from besides the store; default: the store alone.")
     refit_history_limit: Annotated[int, Field(ge=0, le=10_000)] = Field(
         default=100, description="Finished (Committed or Failed) WeightRefits of this fleet "
         "the operator keeps, the newest; older ones are deleted, their finalizer removing "
@@ -442,6 +477,9 @@ class RolloutFleetSpec(SpecModel):
         if self.store is None and (r.snapshot_every is not None or r.keep_snapshots is not None):
             raise ValueError("retention needs the store that holds the history: set store "
                              "(beside relay for a relay fleet)")
+        if self.catch_up.peers and (self.store is None
+                                    or self.selector.match_expressions is not None):
+            raise ValueError(_PEERS_NEED)
         return self
 
     def encoder_profile(self, name: str) -> EncoderProfile | None:
@@ -510,6 +548,9 @@ class RolloutFleetStatus(StatusModel):
         "each: what a trainer bounding staleness (X-DCR-Min-Version) may be answered with.")
     history: HistoryStatus | None = Field(
         default=None, description="What the store keeps for catch-up (a store fleet).")
+    peers: PeersStatus | None = Field(
+        default=None, description="What the pods are given to catch up from each other "
+        "(spec.catchUp.peers).")
     conditions: list[Condition] = Field(
         default_factory=list, json_schema_extra=CONDITIONS_LIST,
         description="Ready, Progressing and Degraded (api/conditions.py).")
