@@ -62,6 +62,8 @@ Hierarchy (``(module)``: defined beside the code that raises it; the rest here):
     │   ├── FingerprintMismatch  (receiver.attempt) after apply, a tensor's bits differ from
     │   │                        the target fingerprint its manifest lists
     │   ├── AttemptFailed        (receiver.attempt) the current attempt failed on this agent
+    │   ├── StagingError         (receiver.staging) the staging directory cannot take a
+    │   │                        payload (its volume full, or not writable): names the path
     │   └── GroupError           (receiver.group) a member cannot stage, hold or build what
     │                            its leader needs
     │
