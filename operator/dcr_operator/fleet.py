@@ -217,18 +217,22 @@ def serving_versions(reports: Sequence[Mapping[str, Any]]) -> list[dict[str, int
 
 
 def refresh(kube: KubeClient, fleet: Mapping[str, Any], *, clock: Callable[[], str],
-            active: str | None, acks: Mapping[str, str] | None = None) -> dict[str, Any]:
+            active: str | None, acks: Mapping[str, str] | None = None,
+            fresh: bool = False) -> dict[str, Any]:
     """Poll the fleet's agents and write its status (not the commit record); the status.
 
     ``active`` is the WeightRefit running on the fleet (None: none); with none running,
     an agent behind the committed version rejoins it now rather than at the next refit,
     so a replaced or added pod serves the committed weights. ``acks`` are flush
-    acknowledgment times to record as ``lastAck``.
+    acknowledgment times to record as ``lastAck``. The record and status are read afresh
+    unless ``fresh`` says ``fleet`` was read just now (a poll's own read): an older copy
+    (kopf's body, a refit's from its start) could name a version since superseded, and
+    catch-up would load it.
     """
     meta = fleet["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     spec = RolloutFleetSpec.model_validate(fleet["spec"])
-    current = kube.get(fleet_path(namespace, name))
+    current = fleet if fresh else kube.get(fleet_path(namespace, name))
     status = current.get("status") or {}
     at = clock()
     pods = selected_pods(kube, namespace, spec)

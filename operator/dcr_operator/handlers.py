@@ -142,12 +142,15 @@ async def fleet_changed(body: kopf.Body, memo: Any, namespace: str | None, name:
         raise kopf.TemporaryError(str(e), delay=SETTINGS.retry_seconds) from e
 
 
-def _refresh_fleet(kube: KubeClient, fleet: Mapping[str, Any]) -> None:
+def _refresh_fleet(kube: KubeClient, fleet: Mapping[str, Any], *, fresh: bool = False) -> None:
+    """The fleet's status, refits, commit ConfigMap and peers put right; ``fresh``: ``fleet``
+    was read just now, so none of them reads it again (:func:`~dcr_operator.fleet.refresh`)."""
     meta = fleet["metadata"]
-    refresh(kube, fleet, clock=now, active=holder(meta["namespace"], meta["name"]))
+    refresh(kube, fleet, clock=now, active=holder(meta["namespace"], meta["name"]),
+            fresh=fresh)
     prune_refits(kube, fleet, at=now())
     try:  # what a failed or lost publish at the commit left behind
-        publish_commit(kube, meta["namespace"], meta["name"])
+        publish_commit(kube, meta["namespace"], meta["name"], fleet=fleet)
     except (ApiError, ApiUnreachable, InvalidResource) as e:
         log.warning("RolloutFleet %s/%s: its commit is not published to its pods: %s",
                     meta["namespace"], meta["name"], e)
@@ -171,13 +174,13 @@ def _polls(memo: Any) -> FleetPolls:
 
 
 def _poll_fleet(kube: KubeClient, namespace: str, name: str) -> None:
-    """One poll of a fleet: read it and refresh its status."""
+    """One poll of a fleet: read it (once) and refresh its status."""
     try:
         fleet = kube.get(fleet_path(namespace, name))
     except NotFound:  # deleted since it was indexed
         metrics.METRICS.fleet_deleted(namespace=namespace, fleet=name)
         return
-    _refresh_fleet(kube, fleet)
+    _refresh_fleet(kube, fleet, fresh=True)
 
 
 @kopf.on.startup()

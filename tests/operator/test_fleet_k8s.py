@@ -275,3 +275,71 @@ def test_a_fleet_keeps_only_its_newest_finished_refits(kube: KubeClient,
     left = sorted(r["metadata"]["name"] for r in kube.get(base)["items"])
     assert left == ["other", "v3", "v4", "v5"]
     assert prune_refits(kube, fleet, at=now()) == []
+
+
+def _counting(kube: KubeClient, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    """Every request ``kube`` makes from now on, as (method, path)."""
+    seen: list[tuple[str, str]] = []
+    request = kube.request
+
+    def counted(method: str, path: str, *args: Any, **kwargs: Any) -> Any:
+        seen.append((method, path))
+        return request(method, path, *args, **kwargs)
+
+    monkeypatch.setattr(kube, "request", counted)
+    return seen
+
+
+def test_a_fleet_poll_reads_the_fleet_once_and_its_commit_configmap_once(
+        kube: KubeClient, namespace: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fails on a6417f9: each poll read the fleet three times (the poll, the status
+    refresh, the commit's publisher), counted here through the API client."""
+    from dcr_operator.commitstore import FleetCommitStore
+    from dcr_operator.handlers import _poll_fleet
+
+    install_crds(kube)
+    apply(kube, [_secret("agent-token", "agent-token")], namespace)
+    with stubs("127.0.0.2") as (agent,):
+        _answers(agent)
+        _pods(kube, namespace, {"r0": "127.0.0.2"})
+        apply(kube, [_fleet(agent.port, "agent-token")], namespace)
+        FleetCommitStore(kube, namespace, "fleet").initialize()  # and its ConfigMap
+        seen = _counting(kube, monkeypatch)
+        _poll_fleet(kube, namespace, "fleet")
+    fleet = f"/apis/dcr.dev/v1alpha1/namespaces/{namespace}/rolloutfleets/fleet"
+    cm = f"/api/v1/namespaces/{namespace}/configmaps/fleet-commit"
+    assert seen.count(("GET", fleet)) == 1
+    assert seen.count(("GET", cm)) == 1
+    assert [m for m, p in seen if p == cm] == ["GET"]  # nothing to write
+    status = kube.get(fleet)["status"]
+    assert (status["receiverCount"], status["readyReceivers"]) == (1, 1)
+
+
+def test_a_poll_holding_an_older_copy_of_the_fleet_never_publishes_an_older_record(
+        kube: KubeClient, namespace: str) -> None:
+    """The publisher trusts a caller's copy of the fleet only to see that nothing needs
+    writing: a copy read before a commit leaves the newer record in place, and a ConfigMap
+    that needs writing gets the record read afresh."""
+    from dcr.format.commitfile import COMMIT_FILE_KEY
+    from dcr.protocol.records import CommitOutcome, CommitRecord
+    from dcr_operator.commitmap import publish_commit
+    from dcr_operator.commitstore import FleetCommitStore
+
+    install_crds(kube)
+    apply(kube, [_fleet(9, "agent-token")], namespace)
+    store = FleetCommitStore(kube, namespace, "fleet")
+    v0 = store.initialize()
+    older = kube.get(store.path)  # a poll's copy, read before the commit
+    v1 = CommitRecord(committed_version=1, baseline_id="/ckpt/v1", attempt="a-000000000001")
+    assert store.compare_and_set(v0, v1) is CommitOutcome.SUCCESS  # publishes v1
+    cm = f"/api/v1/namespaces/{namespace}/configmaps/fleet-commit"
+
+    def published() -> int:
+        return int(json.loads(kube.get(cm)["data"][COMMIT_FILE_KEY])["committed_version"])
+
+    assert published() == 1
+    assert publish_commit(kube, namespace, "fleet", fleet=older) is False
+    assert published() == 1
+    kube.merge_patch(cm, {"data": {COMMIT_FILE_KEY: '{"committed_version": 9}'}})  # by hand
+    assert publish_commit(kube, namespace, "fleet", fleet=older) is True
+    assert published() == 1
