@@ -341,11 +341,17 @@ class ControlPlane:
         self._workdir = None
         self._server = None
 
-    def restart_apiserver(self, while_down: Callable[[], None] | None = None) -> None:
+    def restart_apiserver(self, while_down: Callable[[], None] | None = None, *,
+                          hard: bool = False) -> None:
         """Kill kube-apiserver and start it again on the same port (etcd keeps every
         object); ``while_down`` runs in between. Clients see refused connections and
-        dropped watches, as in an API server's rolling restart."""
-        _kill_group(self._processes.pop("kube-apiserver"), "kube-apiserver")
+        dropped watches, as in an API server's rolling restart; with ``hard``, a kill -9
+        (no graceful shutdown: requests in flight are cut, as in a crash)."""
+        process = self._processes.pop("kube-apiserver")
+        if hard:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+        _kill_group(process, "kube-apiserver")
         if while_down is not None:
             while_down()
         self._start_apiserver(self._ports["apiserver"])
