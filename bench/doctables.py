@@ -110,6 +110,22 @@ def transport() -> str:
                   "speedup vs full"], rows, left=(0, 1))
 
 
+def relay_owners() -> str:
+    d = load("transport-relay-owners")
+    rows = []
+    for k, med in d["median"].items():
+        runs = [r for r in d["runs"] if str(r["owners"]) == k]
+        totals = [r["total_s"] for r in runs]
+        rows.append([k, str(len(runs)), f"{med['total_s']:.2f}",
+                     f"{min(totals):.2f}-{max(totals):.2f}", f"{med['publish_s']:.2f}",
+                     mb(med["boundary_bytes"]), f"{med['total_over_first']:.2f}x",
+                     f"{med['boundary_over_first']:.3f}x",
+                     "yes" if all(r["exact"] for r in runs) else "NO"])
+    return table(["owners", "runs", "median total s", "range s", "median publish s",
+                  "bytes across the boundary", "time vs 1 owner", "bytes vs 1 owner",
+                  "every node exact"], rows, left=(8,))
+
+
 def protocol() -> str:
     d = load("protocol")
     return table(["measure", "result", "target"], [
@@ -220,7 +236,9 @@ def expand() -> str:
 
 WAYS = {"replay": "replay the committed deltas", "snapshot": "snapshot + the deltas after it",
         "mirror": "copy the rollout cluster's mirror", "full": "download the full checkpoint",
-        "peer": "take a live peer's copy"}
+        "peer": "take a live peer's copy",
+        "relay": "the agent's rejoin from its history",
+        "relay-peer": "take a live peer's copy"}
 
 
 def catchup() -> str:
@@ -230,17 +248,18 @@ def catchup() -> str:
     for r in d["results"]:
         f = full[r["missed"]]
         how = WAYS[r["way"]]
-        if r["way"] in ("replay", "snapshot"):
+        if r["route"] in ("replay", "snapshot"):
             how += f" ({r['deltas']} from v{r['from']})"
-        if r["way"] == "peer":
+        if r["route"] == "peer":
             how += f" (v{r['from']}, {mb(r['peer_bytes'])} inside the cluster)"
-        rows.append([str(r["missed"]), how, f"{r['seconds']:.1f}", mb(r["boundary_bytes"]),
+        rows.append([str(r["missed"]), r.get("fleet", "store"), how, f"{r['seconds']:.1f}",
+                     mb(r["boundary_bytes"]),
                      f"{f['boundary_bytes'] / r['boundary_bytes']:,.1f}x",
                      f"{f['seconds'] / r['seconds']:.2f}x",
                      "yes" if r["bit_exact"] else "NO"])
-    return table(["versions missed", "way", "seconds", "bytes across the link",
+    return table(["versions missed", "fleet", "way", "seconds", "bytes across the link",
                   "fewer bytes than full", "faster than full", "bit-exact"], rows,
-                 left=(0, 1, 6))
+                 left=(0, 1, 2, 7))
 
 
 def peer() -> str:
@@ -336,6 +355,7 @@ def faults() -> str:
 TABLES: dict[str, dict[str, Callable[[], str]]] = {
     "docs/benchmarks.md": {"codec-size": codec_size, "codec-speed": codec_speed,
                            "manifest": manifest, "transport": transport,
+                           "relay-owners": relay_owners,
                            "protocol": protocol, "region-sums": region_sums,
                            "store-checks-refit": store_checks_refit,
                            "store-checks-catch-up": store_checks_catch_up},

@@ -549,6 +549,54 @@ def limit(alone: dict[str, Any], threads: int, mbit: float, rtt_ms: float, nodes
 WAYS = ("full", "dcr-s3", "dcr-relay")
 
 
+def relay_run(v0: Path, v1: Path, args: argparse.Namespace, work: Path, owners: int
+              ) -> dict[str, Any]:
+    """One refit through a fresh relay tree by ``owners`` owners, its processes stopped
+    after it (four nodes' copies of the model are all this machine can hold at once)."""
+    procs = Procs()
+    load = os.getloadavg()
+    try:
+        r = run_dcr_relay(procs, v0, v1, args.nodes, args.mbit, args.rtt_ms, args.fanout,
+                          work, args.threads, owners)
+    finally:
+        procs.stop()
+    return {"owners": owners, "total_s": r["total_s"], "publish_s": r["publish_s"],
+            "boundary_bytes": r["boundary_bytes"], "payload_bytes": r["payload_bytes"],
+            "node_seconds": [n["seconds"] for n in r["nodes"]],
+            "exact": all(n["exact"] for n in r["nodes"]), "cpu_s": r["cpu_s"],
+            "node_peak_rss_bytes": max(n["peak_rss_bytes"] for n in r["nodes"]),
+            "relay_peak_rss_bytes": max(r["relay_peak_rss_bytes"]),
+            "load_before": [round(x, 2) for x in load],
+            "load_after": [round(x, 2) for x in os.getloadavg()]}
+
+
+def compare_owners(v0: Path, v1: Path, args: argparse.Namespace, work: Path
+                   ) -> dict[str, Any]:
+    """The relay refit by each owner count of ``--compare-owners``, ``--rounds`` times,
+    interleaved (each round starts with the count the last one ended with, so a busy spell
+    of this shared machine falls on both); per count the median of its runs, and each
+    count's median over the first's."""
+    counts = [int(c) for c in args.compare_owners.split(",")]
+    runs = []
+    for r in range(args.rounds):
+        for k in counts if r % 2 == 0 else counts[::-1]:
+            runs.append({"round": r, **relay_run(v0, v1, args, work, k)})
+            print(json.dumps(runs[-1]), flush=True)
+
+    def median(k: int, key: str) -> float:
+        return float(np.median([x[key] for x in runs if x["owners"] == k]))
+
+    summary = {str(k): {key: median(k, key) for key in ("total_s", "publish_s",
+                                                       "boundary_bytes")}
+               for k in counts}
+    first = summary[str(counts[0])]
+    for s in summary.values():
+        s["total_over_first"] = s["total_s"] / first["total_s"]
+        s["boundary_over_first"] = s["boundary_bytes"] / first["boundary_bytes"]
+    return {"runs": runs, "median": summary,
+            "all_exact": all(x["exact"] for x in runs)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -579,10 +627,17 @@ def main() -> None:
                     help="which of full, dcr-s3, dcr-relay to run (comma-separated)")
     ap.add_argument("--cache", type=Path, default=None,
                     help="keep the generated checkpoints here and reuse them")
+    ap.add_argument("--compare-owners", default=None, metavar="N,M",
+                    help="instead of the ways: the relay refit by each of these owner "
+                    "counts, side by side (--rounds times, interleaved)")
+    ap.add_argument("--rounds", type=int, default=1, help="runs per owner count")
     ap.add_argument("--out", default="bench/results/transport.json")
     args = ap.parse_args()
     if args.cmd == "node":
         node_main(args)
+        return
+    if args.compare_owners:
+        owners_main(args)
         return
     ways = args.ways.split(",")
     if not set(ways) <= set(WAYS):
@@ -670,6 +725,35 @@ def main() -> None:
               f"link {lim['link_s']:.3f}, apply {lim['apply_s']:.3f}, rtt {lim['rtt_s']:.3f}; "
               f"on this machine's shared cores {lim['machine_s']:.3f}); "
               f"changed {alone['changed_pct']:.2f}%; all exact: {doc['all_exact']}")
+
+
+def owners_main(args: argparse.Namespace) -> None:
+    """``--compare-owners``: the relay refit by each owner count, into ``--out``."""
+    global BUCKET_BYTES
+    BUCKET_BYTES = args.bucket_mib << 20
+    work = Path(tempfile.mkdtemp(prefix="dcr-transport-"))
+    try:
+        v0, v1 = make_checkpoints(work, args.gib, args.pct, "synthetic", args.cache)
+        dense = v1.stat().st_size
+        compared = compare_owners(v0, v1, args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    doc = {"benchmark": "transport-relay-owners",
+           "command": " ".join(["python", "bench/transport.py", *sys.argv[1:]]),
+           "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "setup": {"nodes": args.nodes, "checkpoint_bytes": dense, "data": "synthetic",
+                     "changed_pct": args.pct, "link_mbit": args.mbit, "rtt_ms": args.rtt_ms,
+                     "relay_fanout": args.fanout, "threads": args.threads,
+                     "topology": "per-node", "bucket_mib": args.bucket_mib,
+                     "rounds": args.rounds, "cpus": os.cpu_count(),
+                     "python": platform.python_version()},
+           **compared}
+    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    for k, s in compared["median"].items():
+        print(f"owners {k}: median total {s['total_s']:.2f} s "
+              f"({s['total_over_first']:.2f}x the first), publish {s['publish_s']:.2f} s, "
+              f"{s['boundary_bytes'] / 1e6:.1f} MB across the boundary")
+    print(f"all exact: {compared['all_exact']}; wrote {args.out}")
 
 
 if __name__ == "__main__":
