@@ -97,8 +97,9 @@ class Http5xx:
             cw.close()
             return
         self._writers.update((cw, sw))
-        try:
-            await asyncio.gather(_pump(cr, sw), _pump(sr, cw), return_exceptions=True)
+        try:  # cancelled when the layer stops: the connection just ends
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.gather(_pump(cr, sw), _pump(sr, cw), return_exceptions=True)
         finally:
             for w in (cw, sw):
                 self._writers.discard(w)
