@@ -6,7 +6,9 @@ receivers, with the SQLite commit record and the store's history, as ``dcr.coord
 does in a trainer (whose owners name no checkpoint; these encoders read the trainer's
 exports). Started again after a kill it reads the record and carries on: a committed
 version is finished, anything else retried, as the operator's coordinator does across
-restarts. The store is reached as the environment says (the campaign's proxied link).
+restarts. The store is reached as the environment says (the campaign's proxied link); it
+holds the history. Through a relay tree the spec's ``publish`` names the root the owners
+publish to, which their answers must name.
 
 Every compare-and-set is appended to the event log *as the commit store answered it*, with
 the receivers the attempt counted: the checker (bench/faultcheck.py) reads these answers,
@@ -82,7 +84,7 @@ def main(spec_path: str, version: str) -> int:
     endpoints = OwnerEndpoints(
         name="campaign owners", urls=spec["owners"], token=owner_token,
         target=spec["checkpoint"].format(v=target), base_checkpoint=start.baseline_id,
-        base_attempt=start.attempt, store=store.uri,
+        base_attempt=start.attempt, store=spec.get("publish", store.uri),
         profile=ReceiverProfile.model_validate_json(Path(spec["profile"]).read_text()))
     agents = [AgentClient(name, url, agent_token, timeout_s=spec["agent_timeout_s"])
               for name, url in spec["agents"]]

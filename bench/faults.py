@@ -13,7 +13,15 @@ http5xx.py). Per refit, ``random.Random(seed)`` draws:
   ``dcr.refit.kills`` waits for ``applying``), restarted after a random delay;
 - a store fault on one link: latency, a bandwidth drop, resets, a hang, truncated bodies,
   sliced writes (Toxiproxy), or 503 answers (the 5xx layer);
-- a link fault of one pod: a partition or a bandwidth drop.
+- a link fault of one pod: a partition or a bandwidth drop;
+- a full staging volume: each pod's staging directory is a small tmpfs of its own, and a
+  filler file fills one for a while (drawn from a second generator, so a seed's other
+  draws stay as they were).
+
+With ``--transport relay`` the owners publish through a relay tree (``dcr relay``
+processes: a root, an intermediate node, two leaves; every object written through to the
+store, which keeps the history) and the pods receive through it; a relay node joins the
+parties killed.
 
 Then the faults stop and the fleet settles as the operator's refresh drives it
 (``dcr_operator.fleet.behind``: an agent behind the record rejoins it). Parties' answers go
@@ -42,7 +50,7 @@ import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,14 +70,19 @@ from dcr.protocol.records import CommitRecord
 from dcr.refit.job import Pod, pod_reference, rollout_pod  # the main job's own pods
 from dcr.refit.launch import EncoderProcess, Process
 from dcr.refit.trainer import Trainer, TrainerSettings
+from dcr.transport.relay.publish import TOKEN_ENV, split_through
 from dcr_operator.fleet import behind  # the operator's catch-up decision
 from faultcheck import Report, check, read_events
 from faultcoord import emit, record_fields
+from faultparts import RelayNode, fill, free, relay_tree, small_volume
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "faults.json"
 STAGES = ("stage", "apply", "flush", "commit", "gate-open")
 PARTIES = ("agent", "serve", "owner", "coordinator")  # serve: the engine
+TRANSPORTS = ("store", "relay")  # how attempts reach the pods: the store, or a relay tree
+RELAY_NODES = 4  # fan-out 2: the root, an intermediate node (pod 0's) and two leaves
+STAGING_VOLUME_BYTES = 16 << 20  # each pod's staging tmpfs: many attempts of the model
 STORE_FAULTS = ("latency", "bandwidth", "reset_peer", "timeout", "limit_data", "slicer",
                 "http5xx")
 LINK_FAULTS = ("partition", "bandwidth")
@@ -98,16 +111,29 @@ class Toxic:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Fill:
+    pod: int  # whose staging volume fills
+    after_s: float  # from the refit's start
+    for_s: float
+    leave_bytes: int  # what stays free
+
+
+@dataclass(frozen=True, kw_only=True)
 class Step:
     kill: Kill | None
     toxics: tuple[Toxic, ...]
+    fill: Fill | None = None
 
 
-def draw(rng: random.Random, pods: int, owners: int) -> Step:
+def draw(rng: random.Random, pods: int, owners: int, relays: int = 0) -> Step:
     """One refit's faults, from the campaign's generator alone (so a seed replays)."""
-    kind = rng.choice(PARTIES)  # each kind of party as often, however many of it run
-    victim = {"agent": f"agent-{rng.randrange(pods)}", "serve": f"serve-{rng.randrange(pods)}",
-              "owner": f"owner-{rng.randrange(owners)}", "coordinator": "coordinator"}[kind]
+    kinds = (*PARTIES, "relay") if relays else PARTIES
+    kind = rng.choice(kinds)  # each kind of party as often, however many of it run
+    victims = {"agent": f"agent-{rng.randrange(pods)}", "serve": f"serve-{rng.randrange(pods)}",
+               "owner": f"owner-{rng.randrange(owners)}", "coordinator": "coordinator"}
+    if relays:  # drawn after the others: a store campaign's seeds draw as they always did
+        victims["relay"] = f"relay-{rng.randrange(relays)}"
+    victim = victims[kind]
     kill = Kill(victim=victim, stage=rng.choice(STAGES),
                 restart_after_s=round(rng.uniform(0.0, 2.0), 2)) if rng.random() < 0.7 else None
     links = ["train"] + [f"pod-{i}" for i in range(pods)]
@@ -124,6 +150,14 @@ def draw(rng: random.Random, pods: int, owners: int) -> Step:
                             after_s=round(rng.uniform(0, 1.5), 2),
                             for_s=round(rng.uniform(0.5, 4.0), 2), amount=_amount(rng, kind)))
     return Step(kill=kill, toxics=tuple(toxics))
+
+
+def draw_fill(rng: random.Random, pods: int) -> Fill | None:
+    """Whether a pod's staging volume fills during the refit, from a generator of its own."""
+    if rng.random() >= 0.3:
+        return None
+    return Fill(pod=rng.randrange(pods), after_s=round(rng.uniform(0, 3.0), 2),
+                for_s=round(rng.uniform(1.0, 5.0), 2), leave_bytes=rng.randint(0, 64 << 10))
 
 
 AMOUNTS: dict[str, tuple[int, int]] = {  # the range each kind's size is drawn from
@@ -170,6 +204,8 @@ class Fleet:
     direct_env: dict[str, str]
     store: str
     trainer: Trainer
+    relays: list[RelayNode] = field(default_factory=list)  # empty: a store campaign
+    volumes: list[Path] = field(default_factory=list)  # the pods' staging tmpfs mounts
     coordinator: subprocess.Popen[bytes] | None = None
     round: int = 0
     last_record: tuple[int, str] | None = None
@@ -181,6 +217,7 @@ class Fleet:
         table: dict[str, Process] = {p.sidecar.name: p.sidecar for p in self.pods}
         table.update({f"serve-{i}": p.server for i, p in enumerate(self.pods)})
         table.update({o.name: o for o in self.owners})
+        table.update({r.name: r for r in self.relays})
         return table.get(name)
 
     def observe_record(self) -> CommitRecord:
@@ -200,9 +237,9 @@ def _env(endpoint: str, s3: Any) -> dict[str, str]:
 
 
 @contextmanager
-def fleet(out: Path, seed: int, pods: int, owners: int, size: TrainerSettings
-          ) -> Iterator[Fleet]:
-    """Start every party; stop them all on exit."""
+def fleet(out: Path, seed: int, pods: int, owners: int, size: TrainerSettings,
+          transport: str = "store") -> Iterator[Fleet]:
+    """Start every party; stop them all on exit (then unmount the staging volumes)."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     ckpts = out / "checkpoints"
@@ -217,15 +254,29 @@ def fleet(out: Path, seed: int, pods: int, owners: int, size: TrainerSettings
                  for name in ["train"] + [f"pod-{i}" for i in range(pods)]}
         store = f"s3://{s3.bucket}/policy"
         train_env = _env(f"http://{links['train']}", s3)
+        sources: list[dict[str, Any]] = [{"store": store}] * pods
+        publish, owner_env, relays = store, train_env, []
+        if transport == "relay":
+            tree = relay_tree(out / "relay", max(RELAY_NODES, pods + 1))
+            relays = tree.nodes
+            # No pod at the root; pod 0 at the intermediate node, the last pod at a leaf
+            # below it. Every pod still reads the history (its rejoins) from the store.
+            sources = [{"relay": relays[len(relays) - pods + i].url, "store": store,
+                        "relay_token_file": tree.read_token_file} for i in range(pods)]
+            publish = tree.publish_uri(store)
+            owner_env = {**train_env, TOKEN_ENV: tree.publish_token_file.read_text().strip()}
+        the_pods = [rollout_pod(i, pods, out, sources[i], ckpts, token,
+                                _env(f"http://{links[f'pod-{i}']}", s3)) for i in range(pods)]
+        volumes = [p.serve.staging_dir for p in the_pods]
+        mounted = [stack.enter_context(small_volume(v, STAGING_VOLUME_BYTES)) for v in volumes]
         running: list[Process] = []
         stack.callback(lambda: [p.stop() for p in reversed(running)])
-        the_pods = [rollout_pod(i, pods, out, {"store": store}, ckpts, token,
-                         _env(f"http://{links[f'pod-{i}']}", s3)) for i in range(pods)]
         the_owners = [EncoderProcess(name=f"owner-{k}", workdir=out / "owners" / f"owner-{k}",
-                                     token=owner_token, env=train_env,
-                                     args=["--store", store, "--checkpoint-root", str(ckpts),
+                                     token=owner_token, env=owner_env,
+                                     args=["--store", publish, "--checkpoint-root", str(ckpts),
                                            "--threads", "1"]) for k in range(owners)]
-        procs: list[Process] = [p.server for p in the_pods] + [p.sidecar for p in the_pods]
+        procs: list[Process] = [*relays, *(p.server for p in the_pods),
+                                *(p.sidecar for p in the_pods)]
         for p in [*procs, *the_owners]:
             p.start()
             running.append(p)
@@ -237,7 +288,9 @@ def fleet(out: Path, seed: int, pods: int, owners: int, size: TrainerSettings
         spec = out / "coordinator.json"
         spec.write_text(json.dumps({
             "events": str(out / "events.jsonl"), "record": str(out / "commit.db"),
-            "checkpoint": str(ckpts / "v{v}"), "store": store, "profile": str(out / "profile.json"),
+            "checkpoint": str(ckpts / "v{v}"), "store": store,
+            "publish": split_through(publish)[0],  # where the owners say they wrote
+            "profile": str(out / "profile.json"),
             "owners": [o.url for o in the_owners], "agents": [[c.name, c.url] for c in clients],
             "agent_token_file": str(write_token_file(out / "agent-token", token)),
             "owner_token_file": str(write_token_file(out / "owner-token", owner_token)),
@@ -248,7 +301,8 @@ def fleet(out: Path, seed: int, pods: int, owners: int, size: TrainerSettings
         f = Fleet(out=out, events=out / "events.jsonl", ckpts=ckpts, pods=the_pods,
                   owners=the_owners, toxi=toxi, layer=layer, spec=spec, record=record,
                   train_env=train_env, direct_env=_env(s3.endpoint, s3), store=store,
-                  trainer=trainer)
+                  trainer=trainer, relays=relays,
+                  volumes=[v for v, m in zip(volumes, mounted, strict=True) if m])
         try:
             yield f
         finally:
@@ -327,6 +381,18 @@ def _toxic(f: Fleet, t: Toxic, running: threading.Event, out: Outcome) -> None:
     _clear(f)
 
 
+def _fill(f: Fleet, v: Fill, running: threading.Event, out: Outcome) -> None:
+    """Fill pod ``v.pod``'s staging volume for ``v.for_s``, then free it."""
+    time.sleep(v.after_s)
+    volume = f.pods[v.pod].serve.staging_dir
+    if not running.is_set() or volume not in f.volumes:  # not root: no volume to fill
+        return
+    fill(volume, v.leave_bytes)
+    _landed(f, out, {"fault": "volume_full", "link": "pod"})
+    time.sleep(v.for_s)
+    free(volume)
+
+
 def _landed(f: Fleet, out: Outcome, fault: dict[str, str]) -> None:
     """A fault that happened (logged for the record; the checker does not read it)."""
     out.landed.append(fault)
@@ -336,6 +402,8 @@ def _landed(f: Fleet, out: Outcome, fault: dict[str, str]) -> None:
 def _clear(f: Fleet) -> None:
     f.toxi.reset()
     f.layer.disarm()
+    for volume in f.volumes:
+        free(volume)
 
 
 def _drive(f: Fleet, version: int, kill: Kill | None, out: Outcome) -> None:
@@ -386,6 +454,9 @@ def refit(f: Fleet, version: int, step: Step) -> Outcome:
                for t in step.toxics]
     threads += [threading.Thread(target=complete, args=(f, p, running), daemon=True)
                 for p in f.pods]
+    if step.fill is not None:
+        threads.append(threading.Thread(target=_fill, args=(f, step.fill, running, out),
+                                        daemon=True))
     if step.kill is not None:
         threads.append(threading.Thread(target=_kill, args=(f, step.kill, version, running,
                                                            out), daemon=True))
@@ -482,6 +553,7 @@ def materialize_all(f: Fleet) -> None:
 @dataclass
 class Campaign:
     seed: int
+    transport: str = "store"
     refits: int = 0
     failed_refits: int = 0
     outcomes: list[Outcome] = field(default_factory=list)
@@ -503,23 +575,36 @@ def attempts_per_commit(events: list[dict[str, Any]]) -> list[int]:
     return [per[v] for v in sorted(done)]
 
 
+def schedule(seed: int, steps: int, pods: int, owners: int, transport: str = "store"
+             ) -> list[Step]:
+    """The campaign's faults, from ``seed`` alone."""
+    rng, volumes = random.Random(seed), random.Random(f"staging volumes {seed}")
+    relays = max(RELAY_NODES, pods + 1) if transport == "relay" else 0
+    return [replace(draw(rng, pods, owners, relays), fill=draw_fill(volumes, pods))
+            for _ in range(steps)]
+
+
 def run(seed: int, steps: int, out: Path, *, pods: int = 3, owners: int = 2,
-        size: TrainerSettings = SMALL, say: Callable[[str], None] = print) -> Campaign:
+        size: TrainerSettings = SMALL, transport: str = "store",
+        say: Callable[[str], None] = print) -> Campaign:
     """``steps`` refits under faults drawn from ``seed``, then the check."""
-    rng = random.Random(seed)
-    schedule = [draw(rng, pods, owners) for _ in range(steps)]
-    say(f"seed {seed}: {steps} refits, {pods} pods, {owners} owners (replay: "
-        f"python bench/faults.py --seed {seed} --steps {steps})")
-    for i, s in enumerate(schedule, 1):
+    plan = schedule(seed, steps, pods, owners, transport)
+    say(f"seed {seed}: {steps} refits, {pods} pods, {owners} owners, through the "
+        f"{transport} (replay: python bench/faults.py --seed {seed} --steps {steps} "
+        f"--transport {transport})")
+    for i, s in enumerate(plan, 1):
         say(f"  refit {i}: kill {asdict(s.kill) if s.kill else None}; "
-            f"toxics {[asdict(t) for t in s.toxics]}")
-    c = Campaign(seed=seed)
-    with fleet(out, seed, pods, owners, size) as f:
+            f"toxics {[asdict(t) for t in s.toxics]}; "
+            f"fill {asdict(s.fill) if s.fill else None}")
+    c = Campaign(seed=seed, transport=transport)
+    with fleet(out, seed, pods, owners, size, transport) as f:
+        if len(f.volumes) < pods:
+            say("  (not root: the staging volumes are plain directories; no fill lands)")
         c.events = f.events
         emit(f.events, "harness", "campaign", seed=seed, steps=steps)
         f.observe_record()
         references(f, 0)
-        for i, s in enumerate(schedule, 1):
+        for i, s in enumerate(plan, 1):
             version = f.record.read().committed_version + 1
             if not (f.ckpts / f"v{version}").exists():
                 f.trainer.step()
@@ -559,7 +644,7 @@ def summary(campaigns: list[Campaign], minutes: float, steps: int) -> dict[str, 
     attempts = [n for c in campaigns for n in c.attempts]
     return {
         "command": f"python bench/faults.py --soak --minutes {minutes:g} --seed "
-                   f"{campaigns[0].seed} --steps {steps}",
+                   f"{campaigns[0].seed} --steps {steps} --transport {campaigns[0].transport}",
         "seeds": [c.seed for c in campaigns], "minutes": minutes, "steps_per_seed": steps,
         "refits_committed": sum(c.refits for c in campaigns),
         "refits_not_committed": sum(c.failed_refits for c in campaigns),
@@ -588,6 +673,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--soak", action="store_true", help="run seeds until --minutes pass, "
                     "then write bench/results/faults.json")
     ap.add_argument("--minutes", type=float, default=60.0)
+    ap.add_argument("--transport", choices=TRANSPORTS, default="store",
+                    help="relay: attempts travel a relay tree whose nodes are killed too")
     ap.add_argument("--out", type=Path, default=None, help="working directory (default: a "
                     "temporary one)")
     args = ap.parse_args(argv)
@@ -597,7 +684,8 @@ def main(argv: list[str] | None = None) -> int:
     campaigns = []
     end = time.monotonic() + args.minutes * 60
     while True:
-        campaigns.append(run(seed, args.steps, work / f"seed-{seed}"))
+        campaigns.append(run(seed, args.steps, work / f"seed-{seed}",
+                             transport=args.transport))
         if not args.soak or time.monotonic() > end:
             break
         seed += 1
