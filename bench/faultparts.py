@@ -89,13 +89,14 @@ def relay_tree(work: Path, n: int) -> RelayTree:
 def small_volume(path: Path, size_bytes: int) -> Iterator[bool]:
     """Mount a tmpfs of ``size_bytes`` at ``path`` for the block; unmounted on the way out,
     even after a failure (lazily if a process still holds it). Yields whether it is
-    mounted: mounting needs root, and without it the directory stays as it was."""
-    if os.geteuid() != 0:
+    mounted: mounting needs root (and a container that lets root mount), and without it
+    the directory stays as it was."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size_bytes},mode=0700", "tmpfs", str(path)],
+            check=False, capture_output=True).returncode != 0:
         yield False
         return
-    path.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes},mode=0700", "tmpfs",
-                    str(path)], check=True, capture_output=True)
     try:
         yield True
     finally:
