@@ -992,26 +992,33 @@ def test_the_fleet_keeps_at_most_refit_history_limit_finished_refits(cluster: Cl
 def test_a_refit_through_the_relay_tree_survives_a_relay_pod_killed_mid_refit(
         cluster: Cluster) -> None:
     """examples/relay.yaml: a StatefulSet of three relay nodes that find each other by
-    name (cluster DNS), a relay fleet whose encoder Job of two owners publishes to the root
-    and writes through to the fleet's store, and two rollout pods that mount nothing of
+    name (cluster DNS), a relay fleet whose encoder Jobs of two owners publish to the root
+    and write through to the fleet's store, and two rollout pods that mount nothing of
     the training side reading through the read Service. Relay node 1 is killed once the
-    attempt started; its replacement rejoins under the same name, the refit commits, and
-    both rollout pods hold v1 bit for bit; the store's history names v1."""
+    first attempt started; its replacement rejoins under the same name, v1 commits, and
+    both rollout pods hold v1 bit for bit; v2 and v3 follow through the tree; the store's
+    history names all three. Then a rollout pod is deleted and one added by scaling, each
+    reaching v3 bit for bit from the history (spec.catchUp.peers): the replacement from
+    the store (no sibling holds a copy built for a rejoin: they refit in place), the one
+    added after it from the replacement's copy, as their agents' counters say."""
     c = cluster
-    if not (c.ckpts / "v1").exists():  # run without the store fleet's refits before it
-        c.new_version(1)
+    for v in (1, 2, 3):  # run without the store fleet's refits before it
+        if not (c.ckpts / f"v{v}").exists():
+            c.new_version(v)
     c.apply(relay_manifests(c))
 
     def pods(app: str) -> list[dict[str, Any]]:
         items: list[dict[str, Any]] = c.get("-n", NS, "pods", "-l", f"app={app}")["items"]
         return [p for p in items if "deletionTimestamp" not in p["metadata"] and pod_ready(p)]
 
+    def fleet_ready(n: int) -> bool:  # every receiver polled at the committed version
+        status = c.get("-n", NS, "rolloutfleet", "relay-rollout").get("status") or {}
+        return status.get("readyReceivers") == status.get("receiverCount") == n
+
     try:
         eventually(lambda: len(pods("rollout-relay")) == 3 and len(pods("relay-rollout")) == 2,
                    timeout_s=300, what="three relay nodes and two rollout Pods Ready")
-        eventually(lambda: (c.get("-n", NS, "rolloutfleet", "relay-rollout").get("status")
-                            or {}).get("readyReceivers") == 2, timeout_s=180,
-                   what="the relay fleet Ready")
+        eventually(lambda: fleet_ready(2), timeout_s=180, what="the relay fleet Ready")
     except AssertionError as e:
         raise AssertionError(f"{e}\n{c.diagnostics()}") from None
     (victim,) = [p for p in pods("rollout-relay")
@@ -1020,9 +1027,13 @@ def test_a_refit_through_the_relay_tree_survives_a_relay_pod_killed_mid_refit(
         claims = {v["persistentVolumeClaim"]["claimName"] for v in p["spec"]["volumes"]
                   if "persistentVolumeClaim" in v}
         assert claims == {"policy-base-model"}, claims
-    refit = refit_example("relay-rollout-v1", 0, 1, fleet="relay-rollout")
-    refit["spec"]["encoder"] = {"profile": "training-pool", "owners": 2}
-    c.apply([refit])
+
+    def relay_refit(v: int) -> None:
+        refit = refit_example(f"relay-rollout-v{v}", v - 1, v, fleet="relay-rollout")
+        refit["spec"]["encoder"] = {"profile": "training-pool", "owners": 2}
+        c.apply([refit])
+
+    relay_refit(1)
     eventually(lambda: (c.refit("relay-rollout-v1").get("status") or {}).get("attempts"),
                timeout_s=120, what="an attempt started")
     c.kubectl("-n", NS, "delete", "pod", "rollout-relay-1", "--grace-period=0", "--force",
@@ -1032,26 +1043,59 @@ def test_a_refit_through_the_relay_tree_survives_a_relay_pod_killed_mid_refit(
                                if p["metadata"]["name"] == "rollout-relay-1"],
                       timeout_s=180, what="relay node 1 replaced and Ready")
     assert back[0]["metadata"]["uid"] != victim["metadata"]["uid"]
+
+    def agents(n: int, what: str) -> dict[str, AgentClient]:  # /readyz: at the commit
+        ready = eventually(lambda: (lambda r: r if len(r) == n and fleet_ready(n) else None)(
+            pods("relay-rollout")), timeout_s=300, what=what)
+        return {p["metadata"]["name"]: AgentClient(
+            p["metadata"]["name"], f"http://{p['status']['podIP']}:8471", c.agent_token,
+            timeout_s=30) for p in ready}
+
     want = reference_fingerprint(c.ckpts / "v1")
-
-    def both_ready() -> list[dict[str, Any]] | None:  # /readyz: once they hold the commit
-        ready = pods("relay-rollout")
-        return ready if len(ready) == 2 else None
-
-    ready = eventually(both_ready, timeout_s=120,
-                       what="both rollout Pods Ready at the committed version")
-    agents = [AgentClient(p["metadata"]["name"], f"http://{p['status']['podIP']}:8471",
-                          c.agent_token, timeout_s=30) for p in ready]
-    assert all(a.fingerprint() == want for a in agents)
+    assert all(a.fingerprint() == want for a in agents(
+        2, "both rollout Pods Ready at v1").values())
+    for v in (2, 3):
+        relay_refit(v)
+        c.wait_phase(f"relay-rollout-v{v}", "Committed", timeout_s=500)
     relay_store = c.s3.data_dir / c.s3.bucket / "policy-a-relay"
     history = History.parse((relay_store / HISTORY_KEY).read_bytes(), "the relay fleet's store")
-    assert [e.version for e in history.versions] == [1]
+    assert [e.version for e in history.versions] == [1, 2, 3]
+    want = reference_fingerprint(c.ckpts / "v3")
+    assert all(a.fingerprint() == want for a in agents(
+        2, "both rollout Pods Ready at v3").values())
+
+    # A pod deleted, then one added by scaling: each starts from version 0 and the
+    # operator rejoins it to v3, built from a peer's copy or the store.
+    (gone,) = [p for p in pods("relay-rollout") if p["metadata"]["name"] == "relay-rollout-0"]
+    c.kubectl("-n", NS, "delete", "pod", "relay-rollout-0", "--grace-period=0", "--force",
+              record=True)
+    eventually(lambda: [p for p in pods("relay-rollout") if p["metadata"]["name"] ==
+                        "relay-rollout-0" and p["metadata"]["uid"] != gone["metadata"]["uid"]],
+               timeout_s=300, what="rollout Pod 0 replaced and Ready")
+    agents(2, "the replacement rejoined v3")
+    c.kubectl("-n", NS, "scale", "statefulset", "relay-rollout", "--replicas=3", record=True)
+    now = agents(3, "the Pod added by scaling rejoined v3")
+    assert all(a.fingerprint() == want for a in now.values())
+    counters = {name: _peer_counters(a) for name, a in now.items()}
+    c.transcript.append(f"relay fleet peer catch-up (bytes from peers, refusals): {counters}")
+    assert counters["relay-rollout-0"][0] == 0  # from the store: no sibling lent a copy
+    assert counters["relay-rollout-0"][1] >= 1  # ... each asked first
+    assert counters["relay-rollout-2"][0] > 0  # from relay-rollout-0's copy of v3
     c.kubectl("-n", NS, "get", "statefulsets,pods", "-l", "app in (rollout-relay,relay-rollout)",
               "-o", "wide", record=True)
     # Leave the namespace as the tests after this one expect it.
-    for kind, name in (("weightrefit", "relay-rollout-v1"), ("deployment", "relay-rollout"),
-                       ("statefulset", "rollout-relay"), ("rolloutfleet", "relay-rollout")):
+    for kind, name in (*(("weightrefit", f"relay-rollout-v{v}") for v in (1, 2, 3)),
+                       ("statefulset", "relay-rollout"), ("statefulset", "rollout-relay"),
+                       ("rolloutfleet", "relay-rollout")):
         c.kubectl("-n", NS, "delete", kind, name, "--timeout=180s")
+
+
+def _peer_counters(agent: AgentClient) -> tuple[float, float]:
+    """An agent's bytes fetched from peers' copies it used, and peers' copies refused."""
+    with urllib.request.urlopen(f"{agent.url}/metrics", timeout=30) as r:
+        m = samples(r.read().decode())
+    return (value(m, "dcr_agent_peer_bytes_fetched_total"),
+            value(m, "dcr_agent_peer_refusals_total"))
 
 
 def test_the_rollout_side_reached_the_store_only_through_its_link(
