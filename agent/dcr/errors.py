@@ -13,7 +13,7 @@ Hierarchy (``(module)``: defined beside the code that raises it; the rest here):
     │   │   ├── BadPublish       (owner.server) what a publish names
     │   │   ├── ServeRefused     (serve.server) a dcr serve request (a ValueError)
     │   │   ├── BadCompletion    (serve.completions) a completion request (a ValueError)
-    │   │   ├── BadVersionHeader (http.gateway) a staleness header is not a version number
+    │   │   ├── BadVersionHeader (http.admission) a staleness header is not a version number
     │   │   ├── VersionSkew      (versions) a request speaks an API version the server does
     │   │   │                    not read (docs/upgrades.md)
     │   │   └── UnknownMethod    (serve.workers) a collective_rpc method not the plugin's
@@ -29,7 +29,7 @@ Hierarchy (``(module)``: defined beside the code that raises it; the rest here):
     │   │   ├── NotLent          (receiver.donor) a donor lends no copy now: none held, a newer
     │   │   │                    one, an attempt or a rebuild in progress
     │   │   ├── IllegalTransition (protocol.state) an attempt cannot move to that state
-    │   │   ├── StaleVersion     (http.gateway) the engine's committed version is older than
+    │   │   ├── StaleVersion     (http.admission) the engine's committed version is older than
     │   │   │                    the request accepts
     │   │   └── CommitConflict   (protocol.coordinator) the commit record moved under the
     │   │                        coordinator

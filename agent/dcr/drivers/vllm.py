@@ -3,7 +3,9 @@
 Every call is one request to vLLM's own HTTP server (docs/engines.md, "The calls"): plugin
 calls to ``POST /collective_rpc``, the gate to ``/pause`` and ``/resume``, the label to the
 weight-version routes. The adapter sends the API key on every call, though vLLM checks it
-only on ``/v1`` paths: ``dcr serve`` checks it on all but ``/health``.
+only on ``/v1`` paths: ``dcr serve`` checks it on all but ``/health``. Behind the engine's
+client guard (:mod:`dcr.http.engine_guard`) it sends the engine admin token instead: every
+call it makes is outside ``/v1``, and the guard lets only that token through to them.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ RPC_MARGIN_S = 10.0  # the socket waits this much longer than the rpc's own time
 
 
 class VllmDriver(PluginDriver):
-    """A vLLM server (or ``dcr serve``) at ``url``, driven through its HTTP API."""
+    """A vLLM server (or ``dcr serve``) at ``url``, driven through its HTTP API;
+    ``admin_token``: the engine admin token its client guard asks for."""
 
     def __init__(self, url: str, api_key: str | None = None, *,
-                 timeouts: EngineTimeouts | None = None) -> None:
-        self.http = JsonHttp("vLLM engine", url, api_key)
+                 timeouts: EngineTimeouts | None = None, admin_token: str | None = None
+                 ) -> None:
+        self.http = JsonHttp("vLLM engine", url, admin_token or api_key)
         self.what = f"vLLM engine at {self.http.url}"
         self.timeouts = timeouts or EngineTimeouts()
 

@@ -29,18 +29,30 @@ Choices, and why:
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import ClientError, ClientResponse, ClientSession, ClientTimeout, TCPConnector, web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from dcr.errors import Invalid, StateConflict
+from dcr.http.admission import (
+    MAX_SPAN,
+    MIN_VERSION,
+    OURS,
+    OUTCOMES,
+    BadVersionHeader,
+    Bound,
+    ClientCounters,
+    StaleVersion,
+    Version,
+    admit,
+    ended_message,
+    not_served,
+    parse_routes,
+    span_event,
+)
 from dcr.http.edge import json_error
-from dcr.http.prometheus import Family
 
 log = logging.getLogger(__name__)
 
@@ -49,23 +61,8 @@ log = logging.getLogger(__name__)
 _HOP = frozenset({"connection", "keep-alive", "proxy-connection", "proxy-authenticate",
                   "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade",
                   "host", "content-length"})
-MIN_VERSION = "X-DCR-Min-Version"  # the oldest committed version the request accepts
-MAX_SPAN = "X-DCR-Max-Version-Span"  # the most versions its answer may span under keep
-_OURS = frozenset({MIN_VERSION.lower(), MAX_SPAN.lower()})  # never forwarded
 SMALL_BODY = 1 << 20  # a body up to this many bytes with a Content-Length is read whole
-Version = Callable[[], int | None]  # the engine's committed version now (None: unknown)
-
-
-def parse_routes(routes: Iterable[str]) -> frozenset[tuple[str, str]]:
-    """``"METHOD /path"`` entries as (method, path) pairs; ValueError naming a bad one."""
-    out = set()
-    for route in routes:
-        method, _, path = route.partition(" ")
-        if not method.isalpha() or not method.isupper() or not path.startswith("/") or (
-                " " in path or "?" in path or "#" in path):
-            raise ValueError(f"client route {route!r} is not 'METHOD /path' (an exact path)")
-        out.add((method, path))
-    return frozenset(out)
+DoorCounters = ClientCounters  # the door's series are dcr_door_* (ClientCounters' default)
 
 
 def end_to_end(headers: Mapping[str, str], *, drop: frozenset[str] = frozenset()
@@ -76,95 +73,6 @@ def end_to_end(headers: Mapping[str, str], *, drop: frozenset[str] = frozenset()
               if key.lower() in ("connection", "proxy-connection") for name in value.split(",")}
     gone = _HOP | listed | drop
     return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in gone)
-
-
-@dataclass
-class DoorCounters:
-    """What the door has done since it started (the agent's ``/metrics``)."""
-
-    requests: dict[str, int] = field(default_factory=dict)  # by outcome (OUTCOMES)
-    in_flight: int = 0
-    bytes_in: int = 0  # request body bytes forwarded to the engine
-    bytes_out: int = 0  # answer body bytes forwarded to clients
-
-    def ended(self, outcome: str) -> None:
-        self.requests[outcome] = self.requests.get(outcome, 0) + 1
-
-    def families(self) -> list[Family]:
-        return [
-            Family("dcr_door_requests_total", "counter", "Client requests the door ended, "
-                   "by outcome: " + ", ".join(f"{k} ({v})" for k, v in OUTCOMES.items()) + ".",
-                   [({"outcome": k}, self.requests.get(k, 0)) for k in OUTCOMES]),
-            Family("dcr_door_requests_in_flight", "gauge", "Client requests the door is "
-                   "forwarding now.", [({}, self.in_flight)]),
-            Family("dcr_door_errors_total", "counter", "Client requests the door itself "
-                   "answered with an error (every outcome but forwarded).",
-                   [({}, sum(v for k, v in self.requests.items() if k != "forwarded"))]),
-            Family("dcr_door_bytes_total", "counter", "Body bytes through the door, by "
-                   "direction (in: to the engine, out: to clients).",
-                   [({"direction": "in"}, self.bytes_in),
-                    ({"direction": "out"}, self.bytes_out)]),
-        ]
-
-
-OUTCOMES = {
-    "forwarded": "the engine's answer passed to the client, whatever its status",
-    "not_served": "404: not a client route",
-    "bad_request": "400: a malformed X-DCR header",
-    "stale": "409: the committed version is older than X-DCR-Min-Version",
-    "span_exceeded": "ended: a refit took the version past X-DCR-Max-Version-Span",
-    "unreachable": "502: the engine did not answer",
-    "client_gone": "the client left before the answer ended",
-}
-
-
-class BadVersionHeader(Invalid):
-    """A staleness header is not a version number (400)."""
-
-    kind, outcome = "BadRequest", "bad_request"
-
-
-class StaleVersion(StateConflict):
-    """The engine's committed version is older than the request accepts (409)."""
-
-    kind, outcome = "StaleVersion", "stale"
-
-
-def _header_int(request: web.Request, name: str) -> int | None:
-    text = request.headers.get(name)
-    if text is None:
-        return None
-    if not text.strip().isdigit():
-        raise BadVersionHeader(f"{name} {text[:40]!r} is not a version number (0 or more).")
-    return int(text)
-
-
-@dataclass(frozen=True)
-class _Bound:
-    """A request's staleness bound: the version it started on and how far it may span."""
-
-    start: int | None
-    span: int | None
-
-    def exceeded(self, now: int | None) -> str | None:
-        if self.span is None or self.start is None or now is None or (
-                now - self.start <= self.span):
-            return None
-        return (f"a refit under keep took the committed version from {self.start} to {now}, "
-                f"more than the {self.span} versions X-DCR-Max-Version-Span allows; the "
-                "answer would mix them")
-
-
-def _admit(request: web.Request, version: Version | None, keep: bool) -> _Bound:
-    """The request's bound. Raises :class:`BadVersionHeader` if its headers are malformed,
-    :class:`StaleVersion` if the committed version is older than it accepts."""
-    least, span = _header_int(request, MIN_VERSION), _header_int(request, MAX_SPAN)
-    now = version() if version is not None else None
-    if least is not None and (now is None or now < least):
-        raise StaleVersion(f"The engine's committed version is "
-                           f"{'unknown' if now is None else now}; the request accepts "
-                           f"{least} or newer ({MIN_VERSION}).")
-    return _Bound(now, span if keep else None)
 
 
 def make_gateway(upstream: str, routes: Iterable[str], *, timeout_s: float = 3600.0,
@@ -204,10 +112,10 @@ def make_gateway(upstream: str, routes: Iterable[str], *, timeout_s: float = 360
     async def forward(request: web.Request) -> web.StreamResponse:
         if (request.method, request.path) not in allowed:
             count.ended("not_served")
-            return json_error(404, f"{request.method} {request.path} is not served to clients "
-                          "here", "NotServed")
+            status, answer = not_served(request.method, request.path)
+            return web.json_response(answer, status=status)
         try:
-            bound = _admit(request, version, keep)
+            bound = admit(request.headers.get, version, keep)
         except (BadVersionHeader, StaleVersion) as e:
             count.ended(e.outcome)
             return json_error(e.status, str(e), e.kind)
@@ -217,7 +125,7 @@ def make_gateway(upstream: str, routes: Iterable[str], *, timeout_s: float = 360
             try:  # the path matched, as decoded: that is what the engine is asked for
                 up = await sessions[0].request(
                     request.method, base + request.path + query,
-                    headers=end_to_end(request.headers, drop=_OURS), allow_redirects=False,
+                    headers=end_to_end(request.headers, drop=OURS), allow_redirects=False,
                     data=await body(request))
             except (ClientError, OSError) as e:
                 log.warning("client door: %s %s: the engine did not answer: %s",
@@ -248,7 +156,7 @@ def _answer_headers(up: ClientResponse) -> CIMultiDict[str]:
     return headers
 
 
-async def _relay(request: web.Request, up: ClientResponse, bound: _Bound,
+async def _relay(request: web.Request, up: ClientResponse, bound: Bound,
                  version: Version | None, count: DoorCounters) -> web.StreamResponse:
     """The engine's answer to the client, chunk by chunk; ended with its reason when a
     refit takes the version past the request's bound."""
@@ -259,7 +167,7 @@ async def _relay(request: web.Request, up: ClientResponse, bound: _Bound,
     if reason is not None:  # nothing sent yet: a plain 409
         count.ended("span_exceeded")
         up.close()
-        return json_error(409, f"The request was ended: {reason}.", "VersionSpanExceeded")
+        return json_error(409, ended_message(reason), "VersionSpanExceeded")
     out = web.StreamResponse(status=up.status, reason=up.reason, headers=_answer_headers(up))
     try:
         await out.prepare(request)
@@ -290,12 +198,10 @@ async def _end_stream(out: web.StreamResponse, up: ClientResponse, reason: str,
     events; no ``[DONE]``), the engine's request dropped, the connection closed."""
     up.close()  # the engine sees its client leave and aborts the request
     if events:
-        error = {"error": {"message": f"The request was ended: {reason}.",
-                           "type": "VersionSpanExceeded", "code": 409}}
-        await out.write(f"data: {json.dumps(error)}\n\n".encode())
+        await out.write(span_event(reason))
     out.force_close()
     await out.write_eof()
 
 
-__all__ = ["MAX_SPAN", "MIN_VERSION", "OUTCOMES", "DoorCounters", "Version", "end_to_end",
-           "make_gateway", "parse_routes"]
+__all__ = ["MAX_SPAN", "MIN_VERSION", "OUTCOMES", "BadVersionHeader", "DoorCounters",
+           "StaleVersion", "Version", "end_to_end", "make_gateway", "parse_routes"]

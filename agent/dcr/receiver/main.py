@@ -80,12 +80,14 @@ def engine_key(s: AgentSettings) -> str | None:
 def build_engine(s: AgentSettings) -> Driver:
     """The adapter of ``--engine`` at ``--engine-url``."""
     from dcr.drivers import EngineTimeouts, SglangDriver, VllmDriver
+    from dcr.http.engine_guard import admin_token
     from dcr.protocol.agent_api import DRAIN_S
 
     timeouts = EngineTimeouts(drain_s=DRAIN_S)  # a drain ends before the client gives up
     if s.engine == "sglang":
         return SglangDriver(s.engine_url, s.staging_dir, engine_key(s), timeouts=timeouts)
-    return VllmDriver(s.engine_url, engine_key(s), timeouts=timeouts)
+    return VllmDriver(s.engine_url, engine_key(s), timeouts=timeouts,
+                      admin_token=admin_token())  # the engine's client guard's, if any
 
 
 def canonical_tensors(checkpoint: Path) -> list[CanonicalSpec]:

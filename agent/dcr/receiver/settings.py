@@ -11,15 +11,10 @@ from pathlib import Path
 from typing import Literal
 
 from dcr.errors import ConfigError
+from dcr.http.admission import CLIENT_ROUTES
 from dcr.http.direct import check_url
 from dcr.http.edge import host_port
 from dcr.settings import GiB, MiB, option
-
-CLIENT_ROUTES: tuple[str, ...] = (
-    "POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health",
-    "GET /metrics")
-"""What rollout clients call by default (the agent's ``--client-listen``); ``/metrics`` is
-the engine's, for Prometheus to scrape on the client port."""
 
 AGENT_TOKEN_ENV = "DCR_AGENT_TOKEN"
 RELAY_TOKEN_ENV = "DCR_RELAY_TOKEN"
@@ -169,7 +164,7 @@ class AgentSettings:
         host_port(self.listen, f"Agent {self.name!r}: --listen")
         if self.client_listen is not None:
             host_port(self.client_listen, f"Agent {self.name!r}: --client-listen")
-            from dcr.http.gateway import parse_routes
+            from dcr.http.admission import parse_routes
 
             try:
                 parse_routes(self.client_route)
