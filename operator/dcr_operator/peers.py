@@ -3,9 +3,10 @@
 Two objects in the fleet's namespace, owned by the RolloutFleet (deleted with it):
 
 - ``<fleet>-peer-token``, a Secret whose key ``token`` is the fleet's peer read token,
-  made here from :func:`secrets.token_hex` once and never rewritten, read back or logged
-  (pods mount it as a file for ``--peer-token-file``; the operator itself never calls a
-  donor). A Secret of that name the fleet does not own is left alone and reported.
+  made here from :func:`secrets.token_hex` once and never rewritten or logged (a poll
+  reads it only to see that it exists and is the fleet's; pods mount it as a file for
+  ``--peer-token-file``; the operator itself never calls a donor). A Secret of that name
+  the fleet does not own is left alone and reported.
 - ``<fleet>-peers``, a headless Service over the selected pods at ``agent.port``, Ready
   ones only: a pod catching up is not Ready (its ``/readyz`` answers 503 while behind), so
   it is never its own donor. Pods name donors through it: the Service name alone (any
@@ -86,28 +87,33 @@ def _meta(name: str, fleet: Mapping[str, Any], labels: Mapping[str, str]) -> dic
 
 def ensure_token(kube: KubeClient, fleet: Mapping[str, Any]) -> str:
     """Create ``<fleet>-peer-token`` unless it exists; its name. The token is made here
-    and goes only into the Secret. :class:`InvalidResource` if one of that name is not the
-    fleet's."""
+    and goes only into the Secret (one read per poll once it exists). :class:`InvalidResource`
+    if one of that name is not the fleet's."""
     namespace, name = fleet["metadata"]["namespace"], fleet["metadata"]["name"]
     secret = token_secret_name(name)
     path = api_path("", "v1", "secrets", namespace)
-    token = base64.b64encode(secrets.token_hex(TOKEN_BYTES).encode()).decode()
-    try:
-        kube.create(path, {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-                           "metadata": _meta(secret, fleet, {PEER_TOKEN_LABEL: "true"}),
-                           "data": {TOKEN_KEY: token}})
-        log.info("Secret %s/%s: the peer read token of RolloutFleet %s (made)", namespace,
-                 secret, name)
-        return secret
-    except Conflict:  # it exists: keep it (pods hold it), if it is the fleet's
-        pass
-    there = kube.get(f"{path}/{secret}")
-    if not _owned(there, fleet):
-        raise InvalidResource(f"Secret {namespace}/{secret} is not RolloutFleet {name}'s (no "
-                              "ownerReference to it): the operator leaves it alone and its "
-                              "pods would present it to peers; delete it to have the fleet's "
-                              "peer token made there.")
-    return secret
+    for _ in range(2):  # a create that lost a race reads the winner's
+        try:
+            there: dict[str, Any] = kube.get(f"{path}/{secret}")
+        except NotFound:
+            token = base64.b64encode(secrets.token_hex(TOKEN_BYTES).encode()).decode()
+            try:
+                kube.create(path, {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+                                   "metadata": _meta(secret, fleet, {PEER_TOKEN_LABEL: "true"}),
+                                   "data": {TOKEN_KEY: token}})
+            except Conflict:
+                continue
+            log.info("Secret %s/%s: the peer read token of RolloutFleet %s (made)",
+                     namespace, secret, name)
+            return secret
+        if not _owned(there, fleet):
+            raise InvalidResource(f"Secret {namespace}/{secret} is not RolloutFleet {name}'s "
+                                  "(no ownerReference to it): the operator leaves it alone "
+                                  "and its pods would present it to peers; delete it to have "
+                                  "the fleet's peer token made there.")
+        return secret  # kept as it is: pods hold it
+    raise Conflict(f"Secret {namespace}/{secret} was made and gone again while the peer "
+                   "token was made.", 409)
 
 
 def ensure_service(kube: KubeClient, fleet: Mapping[str, Any], spec: RolloutFleetSpec) -> str:
