@@ -13,6 +13,7 @@ Completions (the serving side, not the agent's) are posted with a small helper.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -571,3 +572,59 @@ def test_a_completion_frozen_by_keep_across_a_refit_reports_both_versions_where_
                                                       "max_tokens": FLIGHT - k})
         assert tokens[k:] == rest["choices"][0]["token_ids"]
         assert tokens[k:] != before["choices"][0]["token_ids"][k:]  # the label is not vacuous
+
+
+@contextlib.contextmanager
+def asking(server: Server, body: Any, headers: dict[str, str]
+           ) -> Iterator[http.client.HTTPResponse]:
+    """A completion with ``headers``; its answer, to be read while the connection lasts."""
+    parts = urllib.parse.urlsplit(server.url)
+    conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=300)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body), {
+            "Content-Type": "application/json", "Authorization": f"Bearer {KEY}", **headers})
+        yield conn.getresponse()
+    finally:
+        conn.close()
+
+
+def ask(server: Server, body: Any, headers: dict[str, str]) -> tuple[int, Any]:
+    with asking(server, body, headers) as answer:
+        return answer.status, json.loads(answer.read())
+
+
+def test_completions_honour_the_staleness_headers_as_the_client_door_does(
+        servers: Servers) -> None:
+    """X-DCR-Min-Version is a 409 naming both versions while the label is older; a
+    completion that X-DCR-Max-Version-Span: 0 bounds, frozen by a keep pause while the label
+    moves on, is ended with the reason: a stream's last event (no [DONE]), else a 409.
+    Without the headers' checks both completions end normally with [DONE] and a 200."""
+    server = servers.start(extra=("--min-step-s", str(STEP_S)))
+    engine = server.engine
+    engine.set_version("1")
+    body = {"prompt": [1, 2, 3], "max_tokens": FLIGHT}
+    status, error = ask(server, body, {"X-DCR-Min-Version": "2"})
+    assert (status, error["kind"]) == (409, "StaleVersion")
+    assert "committed version is 1; the request accepts 2 or newer" in error["error"]
+    assert ask(server, body, {"X-DCR-Min-Version": "x"})[1]["kind"] == "BadRequest"
+    span = {"X-DCR-Max-Version-Span": "0"}
+    with ThreadPoolExecutor(1) as pool, asking(server, {**body, "stream": True},
+                                               span) as streamed:
+        whole = pool.submit(ask, server, body, span)
+        lines = [streamed.readline()]  # its first token: both are under way
+        until(server, "num_requests_running", 2)
+        engine.pause("keep")  # what the agent does around a refit under keep
+        engine.set_version("2")
+        engine.resume()
+        lines += list(streamed)
+        unstreamed = whole.result(timeout=300)
+    events = [json.loads(line[6:]) for line in lines
+              if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]")]
+    assert streamed.status == 200
+    assert b"data: [DONE]\n" not in lines
+    error = events[-1]["error"]
+    assert (error["type"], error["code"]) == ("VersionSpanExceeded", 409)
+    assert "from 1 to 2, more than the 0 versions" in error["message"]
+    assert 0 < len(events) - 1 < FLIGHT  # ended at the refit
+    assert (unstreamed[0], unstreamed[1]["kind"]) == (409, "VersionSpanExceeded")
+    assert ask(server, body, {"X-DCR-Min-Version": "2", **span})[0] == 200  # a new one is served

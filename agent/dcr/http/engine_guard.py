@@ -17,8 +17,8 @@ Choices, and why:
   percent-encoded variant of a client route is one, so it is a 404 the app never sees.
 - The committed version is the label the agent last set through ``POST
   /update_weight_version`` that answered 2xx, observed here: unknown after a restart until
-  the agent sets it. The span bound applies while the agent's last ``POST /pause`` asked
-  for ``keep``, as the door applies it under ``--pause-mode keep``.
+  the agent sets it. The span bound ends an answer only while the agent's last ``POST
+  /pause`` asked for ``keep``, as the door applies it under ``--pause-mode keep``.
 - The staleness headers and the admin token's ``Authorization`` stop here.
 - Its counters (``dcr_guard_*``) are a collector in prometheus_client's default registry,
   which vLLM's ``/metrics`` serves when it runs one API server process.
@@ -169,7 +169,7 @@ class EngineGuard:
             return await _json(send, *not_served(method, path))
         try:
             bound = admit(lambda name: _header(headers, name.lower().encode()),
-                          lambda: self.committed, self.keep)
+                          lambda: self.committed, True)  # the span: while keep, below
         except (BadVersionHeader, StaleVersion) as e:
             self.counters.ended(e.outcome)
             return await _json(send, e.status, {"error": str(e), "kind": e.kind})
@@ -270,7 +270,7 @@ class _Answer:
             self.start = m
             return
         if m["type"] == "http.response.body":
-            reason = self.bound.exceeded(self.guard.committed)
+            reason = self.bound.exceeded(self.guard.committed) if self.guard.keep else None
             if reason is not None:
                 return await self._end(reason)
             self.count.bytes_out += len(m.get("body", b""))

@@ -3,7 +3,9 @@
 The endpoints, bodies and errors are vLLM's (docs/engines.md, "The reference engine"),
 streamed completions included (server-sent events in vLLM's chunk shape), but stricter:
 every path but ``/health`` and ``/metrics`` needs the API key, and ``/collective_rpc``
-runs only the plugin's methods, one at a time under the model lock.
+runs only the plugin's methods, one at a time under the model lock. Completions honour the
+staleness headers as the client door does (:mod:`dcr.http.admission`; docs/client-door.md,
+"Staleness a trainer can bound"), so clients can call it directly.
 """
 
 from __future__ import annotations
@@ -20,8 +22,17 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dcr.errors import DcrError, Invalid, TryLater, first_validation_error
+from dcr.http.admission import (
+    BadVersionHeader,
+    Bound,
+    StaleVersion,
+    admit,
+    ended_message,
+    label_version,
+    span_event,
+)
 from dcr.http.direct import excerpt
-from dcr.http.edge import Statuses, guard
+from dcr.http.edge import Statuses, guard, json_error
 from dcr.http.prometheus import Family, render
 from dcr.serve.completions import DONE, Stream, greedy, parse_completion, response
 from dcr.serve.gate import Mode, PauseGate
@@ -87,12 +98,18 @@ class State:
         self.workers = workers
         self.gate = PauseGate()
         self.label: str = s.weight_version
+        self.keep = False  # the last pause asked for keep: X-DCR-Max-Version-Span applies
         self.running = 0
         self.pools: dict[str, Executor] = {
             "rpc": ThreadPoolExecutor(1, thread_name_prefix="serve-rpc"),
             "pause": ThreadPoolExecutor(2, thread_name_prefix="serve-pause"),
             "generate": ThreadPoolExecutor(s.max_running, thread_name_prefix="serve-gen"),
         }
+
+    def past(self, bound: Bound) -> str | None:
+        """Why a completion under ``bound`` must end now: a refit under keep took the label
+        past it (under wait and abort no completion spans a refit)."""
+        return bound.exceeded(label_version(self.label)) if self.keep else None
 
     async def run(self, pool: str, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.pools[pool], fn, *args)
@@ -118,6 +135,7 @@ def make_app(s: ServeSettings, workers: Workers, api_key: str | None) -> web.App
         if mode not in MODES:
             raise ServeRefused(f"pause: mode {mode[:32]!r} is not one of {list(MODES)}.")
         await st.run("pause", st.gate.pause, mode)
+        st.keep = mode == "keep"
         log.info("paused (%s)", mode)
         return web.json_response({"status": "paused"})
 
@@ -156,6 +174,10 @@ def make_app(s: ServeSettings, workers: Workers, api_key: str | None) -> web.App
         if forward is None:
             raise NotImplementedError(f"Runtime {s.runtime} has no forward pass; completions "
                                       "need --runtime hf.")
+        try:
+            bound = admit(request.headers.get, lambda: label_version(st.label), True)
+        except (BadVersionHeader, StaleVersion) as e:
+            return json_error(e.status, str(e), e.kind)
         body = parse_completion(await request.read(), vocab=workers.vocab,
                                 max_input=s.max_input_tokens, max_tokens=s.max_tokens)
         if st.running >= s.max_running:
@@ -163,13 +185,17 @@ def make_app(s: ServeSettings, workers: Workers, api_key: str | None) -> web.App
         st.running += 1
         try:
             if body.stream:
-                return await _stream(request, st, Stream(body, s.model.name), forward)
+                return await _stream(request, st, Stream(body, s.model.name), forward, bound)
             done = await st.run("generate", lambda: greedy(
                 forward, body.prompt, body.max_tokens, gate=st.gate, lock=workers.lock,
                 label=lambda: st.label, min_step_s=s.min_step_s,
-                temperature=body.temperature, seed=body.seed))
+                temperature=body.temperature, seed=body.seed,
+                gone=lambda: st.past(bound) is not None))
         finally:
             st.running -= 1
+        reason = st.past(bound)
+        if reason is not None:
+            return json_error(409, ended_message(reason), "VersionSpanExceeded")
         return web.json_response(response(body, done, s.model.name))
 
     async def shutdown(_: web.Application) -> None:
@@ -196,10 +222,11 @@ def make_app(s: ServeSettings, workers: Workers, api_key: str | None) -> web.App
 
 
 async def _stream(request: web.Request, st: State, sse: Stream,
-                  forward: Callable[[Any], Any]) -> web.StreamResponse:
+                  forward: Callable[[Any], Any], bound: Bound) -> web.StreamResponse:
     """Server-sent events as the tokens are made. The status and headers wait for the first
     token (or the end), so a completion the gate refuses is the same JSON error as
-    unstreamed; a client that leaves ends the completion at its next step."""
+    unstreamed; a client that leaves ends the completion at its next step, and so does a
+    refit that takes the label past ``bound`` (its reason the last event, no ``[DONE]``)."""
     loop = asyncio.get_running_loop()
     tokens: asyncio.Queue[int] = asyncio.Queue()
     left = threading.Event()
@@ -213,10 +240,18 @@ async def _stream(request: web.Request, st: State, sse: Stream,
         first = await _next(tokens, job)
         if first is None:
             await job  # refused before any token: the error answers as JSON
+        reason = st.past(bound)
+        if reason is not None:
+            return json_error(409, ended_message(reason), "VersionSpanExceeded")
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                           "Cache-Control": "no-cache"})
         await out.prepare(request)
         while first is not None:
+            reason = st.past(bound)
+            if reason is not None:
+                await out.write(span_event(reason))
+                await out.write_eof()
+                return out
             await out.write(sse.token(first))
             first = await _next(tokens, job)
         try:
