@@ -19,12 +19,16 @@ taken last, since a dense load rebuilds everything it touches.
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -37,6 +41,8 @@ if vllm_serve.cpu_build() is None:
 from dcr.client import token_versions
 from dcr.drivers.base import PauseMode
 from dcr.errors import DcrError
+from dcr.http.admission import MAX_SPAN, MIN_VERSION
+from dcr.http.engine_guard import TOKEN_FILE_ENV
 from dcr.owner.process import ProcessOwner
 from dcr.protocol.agent_api import AgentClient
 from dcr.protocol.coordinator import Coordinator
@@ -47,6 +53,7 @@ pytestmark = [pytest.mark.timeout(900), pytest.mark.slow, pytest.mark.e2e]
 STEPS = 3
 LR = 1e-5
 TOKEN = "vllm-serve-agent-token-0123456789ab"
+ENGINE_TOKEN = "vllm-serve-engine-admin-token-0123456789"
 PROMPT = [5, 6, 7, 8, 9]
 LONG = list(range(10, 170))  # whole KV blocks, which vLLM's prefix cache keeps
 
@@ -119,11 +126,13 @@ class Pod:
 def pods(tmp_path: Path, dirs: list[Path]) -> Iterator[Callable[..., Pod]]:
     made: list[Pod] = []
 
-    def make(*, tp: int = 1, pause_mode: PauseMode = "keep", slow_steps: bool = False) -> Pod:
+    def make(*, tp: int = 1, pause_mode: PauseMode = "keep", slow_steps: bool = False,
+             guard: bool = False) -> Pod:
         staging = tmp_path / "staging"
         server = vllm_serve.VllmServer(name="rollout-0", model=dirs[0], root=dirs[0].parent,
                                        staging=staging, workdir=tmp_path / "vllm", tp=tp,
-                                       slow_steps=slow_steps)
+                                       slow_steps=slow_steps,
+                                       guard_token=ENGINE_TOKEN if guard else None)
         server.start()
         server.wait_ready()
         store = tmp_path / "store"
@@ -131,7 +140,8 @@ def pods(tmp_path: Path, dirs: list[Path]) -> Iterator[Callable[..., Pod]]:
                              args=["--store", store.as_uri(), "--engine", "vllm",
                                    "--engine-url", server.url, "--staging-dir", str(staging),
                                    "--canonical", str(dirs[0]), "--model-version", "0",
-                                   "--pause-mode", pause_mode])
+                                   "--pause-mode", pause_mode],
+                             env={TOKEN_FILE_ENV: str(server.token_file)} if guard else {})
         agent.start()
         agent.wait_ready()
         client = agent.client(timeout_s=600)
@@ -328,3 +338,74 @@ def test_completions_report_weight_versions_across_a_keep_refit(
     k = versions.index("2")
     assert 0 < k < 200
     assert versions == ["1"] * k + ["2"] * (200 - k)
+
+
+def status_of(url: str, method: str, path: str, headers: dict[str, str] | None = None,
+              body: bytes | None = None) -> tuple[int, dict[str, Any]]:
+    """The status and JSON body of one request (an error status included)."""
+    req = urllib.request.Request(url + path, body, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            raw, code = r.read(), r.status
+    except urllib.error.HTTPError as e:
+        raw, code = e.read(), e.code
+    try:
+        return code, json.loads(raw)
+    except ValueError:
+        return code, {}
+
+
+def stream_events(url: str, body: dict[str, Any], headers: dict[str, str],
+                  first: threading.Event) -> list[str]:
+    """The data lines of a streamed completion; ``first`` is set at its first event."""
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json", **headers})
+    events = []
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for line in r:
+            if line.startswith(b"data: "):
+                events.append(line[6:].decode().strip())
+                first.set()
+    return events
+
+
+def test_clients_reach_a_guarded_engine_directly_and_only_the_agent_its_admin_routes(
+        pods: Callable[..., Pod]) -> None:
+    """``vllm serve --middleware dcr.http.engine_guard.EngineGuard``: the client routes
+    answer without a token; the admin routes are the door's 404 to anyone without the
+    engine admin token, and the agent, which has it, refits through them bit-exactly; the
+    staleness headers answer as the door's."""
+    pod = pods(pause_mode="keep", slow_steps=True, guard=True)
+    url = pod.server.url
+    assert status_of(url, "GET", "/v1/models")[0] == 200
+    for method, path in [("POST", "/collective_rpc"), ("POST", "/pause"),
+                         ("POST", "/update_weight_version"), ("GET", "/weight_info"),
+                         ("POST", "/inference/v1/generate"), ("GET", "/v1/models/"),
+                         ("POST", "/v1//completions")]:
+        code, answer = status_of(url, method, path, body=b"{}" if method == "POST" else None)
+        assert (code, answer.get("kind")) == (404, "NotServed"), (method, path)
+    wrong = {"Authorization": f"Bearer {ENGINE_TOKEN}x"}
+    assert status_of(url, "POST", "/pause", wrong, b"")[0] == 404
+    assert status_of(url, "GET", "/v1/models", {MIN_VERSION: "1"})[1]["kind"] == \
+        "StaleVersion"  # unknown until the agent sets the label
+    assert pod.refit(1).committed_version == 1
+    code, answer = status_of(url, "GET", "/v1/models", {MIN_VERSION: "2"})
+    assert (code, answer["kind"]) == (409, "StaleVersion")
+    assert "committed version is 1; the request accepts 2 or newer" in answer["error"]
+    assert status_of(url, "GET", "/v1/models", {MIN_VERSION: "1"})[0] == 200
+
+    first = threading.Event()
+    body = {"model": vllm_serve.SERVED, "prompt": PROMPT, "max_tokens": 200,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    with ThreadPoolExecutor(1) as pool:
+        flight = pool.submit(stream_events, url, body, {MAX_SPAN: "0"}, first)
+        assert first.wait(300)
+        assert pod.refit(2).committed_version == 2  # keep: the stream is frozen across it
+        events = flight.result(timeout=600)
+    assert "[DONE]" not in events
+    error = json.loads(events[-1])["error"]
+    assert (error["type"], error["code"]) == ("VersionSpanExceeded", 409)
+    assert "from 1 to 2, more than the 0 versions" in error["message"]
+    assert len(events) < 200  # ended at the refit, not after every token
+    pod.assert_holds(2)  # completions as a fresh server's; fingerprints as a dense load's

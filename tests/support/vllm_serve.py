@@ -33,6 +33,8 @@ from typing import IO, Any
 from vllm_cpu import Family, make_versions
 
 from dcr.drivers.vllm import VllmDriver
+from dcr.http.engine_guard import TOKEN_FILE_ENV
+from dcr.http.tokens import write_token_file
 from dcr.owner.process import ProcessOwner
 from dcr.protocol.agent_api import AgentClient
 from dcr.protocol.commitstore import SqliteCommitStore
@@ -95,6 +97,7 @@ class VllmServer:
     workdir: Path
     tp: int = 1
     slow_steps: bool = False  # every engine step sleeps vllm_steps.STEP_S first
+    guard_token: str | None = None  # with one: DCR's client guard inside, asking for it
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
@@ -121,6 +124,9 @@ class VllmServer:
         env = {**os.environ, **ENV, "DCR_STAGING_DIR": str(self.staging),
                "DCR_CHECKPOINT_ROOT": str(self.root),
                "VLLM_CACHE_ROOT": str(self.workdir / "vllm-cache")}
+        if self.guard_token is not None:
+            argv += ["--middleware", "dcr.http.engine_guard.EngineGuard"]
+            env[TOKEN_FILE_ENV] = str(self.token_file)
         if self.slow_steps:
             argv += ["--logits-processors", "vllm_steps:SlowSteps"]
             env["PYTHONPATH"] = os.pathsep.join(
@@ -149,6 +155,12 @@ class VllmServer:
                 raise RuntimeError(f"vllm serve {self.name} not healthy after {timeout_s} s")
             time.sleep(0.5)
 
+    @property
+    def token_file(self) -> Path:
+        """The engine admin token's file (0600), which the agent beside it reads too."""
+        assert self.guard_token is not None
+        return write_token_file(self.workdir / "engine-token", self.guard_token)
+
     def kill(self) -> None:
         """SIGKILL to every process of the server."""
         if self.proc is not None and self.proc.poll() is None:
@@ -162,7 +174,7 @@ class VllmServer:
         self.wait_ready()
 
     def engine(self) -> VllmDriver:
-        return VllmDriver(self.url)
+        return VllmDriver(self.url, admin_token=self.guard_token)
 
 
 def refitter(tmp: Path, dirs: list[Path], client: AgentClient, store: Path
@@ -181,9 +193,10 @@ def refitter(tmp: Path, dirs: list[Path], client: AgentClient, store: Path
                               dense_checkpoint=lambda v: str(dirs[v]))
 
 
-def post(url: str, path: str, body: dict[str, Any], timeout_s: float = 120) -> Any:
+def post(url: str, path: str, body: dict[str, Any], timeout_s: float = 120, *,
+         headers: dict[str, str] | None = None) -> Any:
     req = urllib.request.Request(url + path, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+                                 {"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
         return json.loads(r.read())
 
