@@ -21,9 +21,9 @@ import pytest
 from aiohttp import ClientSession, TCPConnector, web
 from aiohttp.test_utils import BaseTestServer, TestServer
 
+from dcr.http.admission import CLIENT_ROUTES
 from dcr.http.gateway import MAX_SPAN, MIN_VERSION, DoorCounters, make_gateway, parse_routes
 from dcr.http.prometheus import render, sample
-from dcr.http.admission import CLIENT_ROUTES
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,7 +89,7 @@ class Answer:
         return json.loads(self.body)
 
 
-async def call(app: Any, method: str, path: str, *, headers: list[tuple[bytes, bytes]] = (),
+async def call(app: Any, method: str, path: str, *, headers: Sequence[tuple[bytes, bytes]] = (),
                body: bytes = b"", root_path: str = "", raw_path: bytes | None = None,
                kind: str = "http", query: bytes = b"", answer: Answer | None = None) -> Answer:
     """One request as uvicorn hands it to the app (``path`` decoded; ``raw_path`` as sent)."""
@@ -149,7 +149,7 @@ async def test_client_routes_pass_without_a_token_and_the_admin_routes_do_not() 
     assert [s["path"] for s in engine.seen] == ["/health", "/v1/models"]
 
 
-@pytest.mark.parametrize("method,path,root", [
+@pytest.mark.parametrize(("method", "path", "root"), [
     ("POST", "/v1/completions/", ""), ("POST", "//v1/completions", ""),
     ("HEAD", "/health", ""), ("OPTIONS", "/v1/completions", ""),
     ("GET", "/v1/completions", ""), ("POST", "/V1/completions", ""),
@@ -228,20 +228,29 @@ async def test_min_version_is_refused_until_the_agent_commits_it() -> None:
     assert (bad.status, bad.json()["kind"]) == (400, "BadRequest")
 
 
-@sync
-async def test_a_stream_a_refit_takes_past_its_span_ends_with_the_reason() -> None:
-    engine = Engine()
-    registry = CollectorRegistry()
+async def across_a_refit(mode: str, body: bytes) -> tuple[Engine, CollectorRegistry, Answer]:
+    """A stream bounded by X-DCR-Max-Version-Span: 0 through a guard, frozen after its first
+    chunk while the agent pauses in ``mode`` and moves the label from 1 to 2, then let go
+    to its end (or the guard's)."""
+    engine, registry = Engine(), CollectorRegistry()
     guard = guarded(engine, registry)
-    await label(guard, "1", mode="keep")
+    await label(guard, "1", mode=mode)
     answer = Answer()
     flight = asyncio.ensure_future(call(
-        guard, "POST", "/v1/completions", answer=answer, body=b"{}",
+        guard, "POST", "/v1/completions", answer=answer, body=body,
         headers=[(b"x-dcr-max-version-span", b"0")]))
     await answer.first.wait()
-    await label(guard, "2", mode="keep")  # a refit under keep while the stream is frozen
-    engine.step.set()
-    await asyncio.wait_for(flight, 10)
+    await label(guard, "2", mode=mode)  # a refit while the stream is frozen
+    while not flight.done():  # every chunk, to the end
+        engine.step.set()
+        await asyncio.sleep(0.01)
+    await call(guard, "POST", "/collective_rpc")  # one not served, for the counters
+    return engine, registry, answer
+
+
+@sync
+async def test_a_stream_a_refit_takes_past_its_span_ends_with_the_reason() -> None:
+    engine, registry, answer = await across_a_refit("keep", b"{}")
     events = answer.body.decode().split("\n\n")
     assert events[0] == 'data: {"n": 1}'
     error = json.loads(events[1].removeprefix("data: "))["error"]
@@ -256,21 +265,8 @@ async def test_a_stream_a_refit_takes_past_its_span_ends_with_the_reason() -> No
 
 @sync
 async def test_a_span_under_wait_is_not_bounded_and_the_counters_count() -> None:
-    engine = Engine()
-    registry = CollectorRegistry()
-    guard = guarded(engine, registry)
-    await label(guard, "1", mode="wait")
-    answer = Answer()
-    flight = asyncio.ensure_future(call(
-        guard, "POST", "/v1/completions", answer=answer, body=b'{"p": 1}',
-        headers=[(b"x-dcr-max-version-span", b"0")]))
-    await answer.first.wait()
-    await label(guard, "2", mode="wait")
-    while not flight.done():  # every chunk, to the end
-        engine.step.set()
-        await asyncio.sleep(0.01)
+    _, registry, answer = await across_a_refit("wait", b'{"p": 1}')
     assert answer.body.endswith(b"data: [DONE]\n\n")
-    await call(guard, "POST", "/collective_rpc")
     text = generate_latest(registry).decode()
     assert sample(text, "dcr_guard_requests_total", outcome="forwarded") == 1
     assert sample(text, "dcr_guard_requests_total", outcome="not_served") == 1
