@@ -488,8 +488,10 @@ def run_dcr_s3(procs: Procs, s3_port: int, v0: Path, v1: Path, n: int, mbit: flo
             "nodes": results, "total_s": total, "boundary_bytes": crossed, "cpu_s": cpu_s}
 
 
-def run_dcr_relay(procs: Procs, v0: Path, v1: Path, n: int, mbit: float, rtt: float,
-                  fanout: int, work: Path, threads: int, owners: int = 1) -> dict[str, Any]:
+def start_relays(procs: Procs, work: Path, n: int, fanout: int = 2
+                 ) -> tuple[list[int], list[subprocess.Popen[str]]]:
+    """A relay tree of ``n`` ``dcr relay`` processes on loopback, each answering its
+    health probe; their ports (the root's first) and processes."""
     ports = [free_port() for _ in range(n)]
     members = ",".join(f"127.0.0.1:{p}" for p in ports)
     token_file = write_token_file(work / "token", TOKEN)
@@ -503,6 +505,12 @@ def run_dcr_relay(procs: Procs, v0: Path, v1: Path, n: int, mbit: float, rtt: fl
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     for port in ports:
         wait_http(f"http://127.0.0.1:{port}/healthz")
+    return ports, relays
+
+
+def run_dcr_relay(procs: Procs, v0: Path, v1: Path, n: int, mbit: float, rtt: float,
+                  fanout: int, work: Path, threads: int, owners: int = 1) -> dict[str, Any]:
+    ports, relays = start_relays(procs, work, n, fanout)
     link, link_port = start_link(procs, ports[0], mbit, rtt)  # trainer -> root: the boundary
     nodes = start_nodes(procs, n, "dcr-relay", v0, [f"127.0.0.1:{p}" for p in ports],
                         owners, threads)
