@@ -376,7 +376,7 @@ class EncoderJobs:
                                 settings=self.settings, profile=self.profile,
                                 site=self.site)
             try:
-                self.kube.create(self.path(), body)
+                self._create(body, attempt)
             except Conflict:
                 existing = self.kube.get(self.path(name))
                 found = existing["metadata"].get("annotations", {}).get(f"{GROUP}/attempt")
@@ -389,6 +389,20 @@ class EncoderJobs:
             if self.on_created is not None:
                 self.on_created(attempt, name)
             return name
+
+    def _create(self, body: dict[str, Any], attempt: Attempt) -> None:
+        """Create the Job; while the API server does not answer (a restart), try again until
+        the attempt's deadline, as :meth:`wait` reads through it. A create that got no
+        answer may have been made: the next one's Conflict finds it."""
+        while True:
+            try:
+                self.kube.create(self.path(), body)
+                return
+            except ApiUnreachable as e:
+                if attempt.expired:
+                    raise
+                log.warning("encoder Job of attempt %s not created yet: %s", attempt.id, e)
+            time.sleep(self.settings.job_poll_seconds)
 
     def wait(self, attempt: Attempt, index: int) -> None:
         """Return once index ``index`` completed; raise if the Job fails or runs late."""

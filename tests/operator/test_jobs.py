@@ -13,8 +13,9 @@ from dcr.protocol.records import Attempt, Transition
 from dcr_operator.api.rolloutfleet import RolloutFleetSpec
 from dcr_operator.api.volumes import ABSOLUTE_PATH, MOUNT_PATH, PROFILE_DIR
 from dcr_operator.api.weightrefit import WeightRefitSpec
-from dcr_operator.errors import InvalidResource
+from dcr_operator.errors import ApiUnreachable, Conflict, InvalidResource
 from dcr_operator.jobs import (
+    EncoderJobs,
     encoder_pod,
     job_manifest,
     job_name,
@@ -523,3 +524,51 @@ def test_the_encoder_container_writes_its_termination_message_where_kubernetes_r
     assert (container["terminationMessagePath"], container["terminationMessagePolicy"]) == (
         "/dev/termination-log", "File")
     assert {"name": "DCR_TERMINATION_LOG", "value": "/dev/termination-log"} in container["env"]
+
+
+class _RestartingApi:
+    """A client of an API server that is restarting: its first ``down`` creates get no
+    answer (the first of them made the Job all the same, when ``made``)."""
+
+    def __init__(self, down: int, made: bool) -> None:
+        self.down, self.made = down, made
+        self.jobs: dict[str, dict[str, Any]] = {}
+
+    def create(self, path: str, body: dict[str, Any]) -> Any:
+        name = body["metadata"]["name"]
+        if self.down:
+            self.down -= 1
+            if self.made:
+                self.jobs[name], self.made = body, False
+            raise ApiUnreachable(f"POST {path}: no answer from https://10.0.0.1:443.")
+        if name in self.jobs:
+            raise Conflict(f"POST {path}: {name} exists", 409)
+        self.jobs[name] = body
+        return body
+
+    def get(self, path: str) -> Any:
+        return self.jobs[path.rsplit("/", 1)[1]]
+
+
+@pytest.mark.parametrize("made", [False, True])
+def test_an_encoder_job_is_created_through_an_api_server_restart(made: bool) -> None:
+    """The API server restarting as the attempt creates its Job (connections reset, then
+    refused) does not fail the attempt: the create is tried again until it is answered,
+    and a create that was made without an answer is found as the attempt's own."""
+    api = _RestartingApi(down=3, made=made)
+    jobs = EncoderJobs(site=Site(api, "ns"), refit=REFIT, spec=refit_spec(), fleet=FLEET,  # type: ignore[arg-type]
+                       fleet_name="f", base_checkpoint="/ckpt/v2",
+                       settings=OperatorSettings(encoder_image="img:1", job_poll_seconds=0.01))
+    assert jobs.ensure(attempt()) == job_name("policy-v3", "a-0123456789ab")
+    assert list(api.jobs) == [job_name("policy-v3", "a-0123456789ab")]
+
+
+def test_an_api_server_down_past_the_attempts_deadline_fails_the_job_create() -> None:
+    api = _RestartingApi(down=10**6, made=False)
+    jobs = EncoderJobs(site=Site(api, "ns"), refit=REFIT, spec=refit_spec(), fleet=FLEET,  # type: ignore[arg-type]
+                       fleet_name="f", base_checkpoint="/ckpt/v2",
+                       settings=OperatorSettings(encoder_image="img:1", job_poll_seconds=0.01))
+    late = Attempt(transition=Transition(base_version=2, target_version=3), mode="mixed",
+                   receivers=("p0",), deadline=time.time() + 0.2, owners=2, id="a-0123456789ab")
+    with pytest.raises(ApiUnreachable, match="no answer"):
+        jobs.ensure(late)
