@@ -214,6 +214,16 @@ class Recorder:
                       f"Attempt {a['id']} ({a['mode']}) {a['outcome'].lower()}: "
                       f"{a.get('reason', '')}")
 
+    def committed_by(self, attempt: str) -> None:
+        """The commit record names ``attempt``: it committed, though a previous operator,
+        stopped between its compare-and-set and writing the outcome, left it Running
+        (and so Abandoned when this one started)."""
+        with self._lock:
+            a = self.attempts.get(attempt)
+            if a is not None and a.get("outcome") != AttemptOutcome.COMMITTED:
+                a.pop("reason", None)
+                a["outcome"] = AttemptOutcome.COMMITTED
+
     def finish(self, **fields: Any) -> None:
         with self._lock:
             self.extra.update(fields)

@@ -398,6 +398,7 @@ class RefitRun:
 
     def _committed(self, rec: Recorder, spec: WeightRefitSpec, record: CommitRecord,
                    fleet: Mapping[str, Any]) -> str:
+        rec.committed_by(record.attempt)
         st = rec.status()
         msg = (f"RolloutFleet {spec.fleet} committed version {record.committed_version} "
                f"(attempt {record.attempt}) after {st['attemptCount']} attempts; "

@@ -15,9 +15,12 @@ import pytest
 
 from dcr.protocol.agent_api import AgentApi, AgentError, FlushAck
 from dcr.protocol.coordinator import AttemptResult
-from dcr.protocol.records import Attempt, Transition
+from dcr.protocol.records import Attempt, CommitRecord, Transition
+from dcr_operator.api.weightrefit import WeightRefitSpec
 from dcr_operator.errors import ApiUnreachable
 from dcr_operator.progress import STEPS, Recorder, TrackedReceiver
+from dcr_operator.refit import RefitRun
+from dcr_operator.settings import OperatorSettings
 from status import ScaleReceiver  # bench/status.py: the benchmark's stand-in
 
 REFIT = {"metadata": {"name": "r", "namespace": "ns", "generation": 1},
@@ -227,3 +230,23 @@ def test_a_thousand_receivers_and_32_failed_attempts_keep_the_status_small_and_r
     assert len(status["attempts"]) == 33  # the resumed refit's abandoned one, and 32
     applying = next(c for c in status["conditions"] if c["type"] == "Applying")
     assert applying["message"].endswith("rollout-0009 and 990 more.")
+
+
+def test_an_attempt_committed_before_the_operator_restarted_is_reported_committed() -> None:
+    """The operator stopped between its compare-and-set and writing the attempt's outcome:
+    the next one starts with the attempt Running (Abandoned), finds the record naming it,
+    and the refit's status says that attempt committed, as the record does."""
+    kube, events = FakeKube(), []  # type: ignore[var-annotated]
+    rec = recorder(kube, events)
+    assert rec.status()["attempts"][0]["outcome"] == "Abandoned"
+    run = RefitRun(kube, REFIT, settings=OperatorSettings(encoder_image="img:1"),  # type: ignore[arg-type]
+                   emit=lambda _obj, t, r, m: events.append((t, r, m)),
+                   clock=lambda: "2025-01-01T00:00:00Z")
+    spec = WeightRefitSpec.model_validate({"fleet": "f", "baseVersion": 1, "targetVersion": 2,
+                                           "source": {"checkpoint": "/ckpt/v2"}})
+    record = CommitRecord(committed_version=2, baseline_id="/ckpt/v2", attempt="a-old")
+    assert run._committed(rec, spec, record, {"metadata": {"name": "f"}}) == "Committed"
+    written = kube.patches[-1][1]["status"]
+    assert [(a["id"], a["outcome"], a.get("reason")) for a in written["attempts"]] == [
+        ("a-old", "Committed", None)]
+    assert written["committed"]["attempt"] == "a-old"
