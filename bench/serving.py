@@ -1,15 +1,19 @@
-"""What the client door costs: concurrent streaming completions straight to the engine and
-through the agent's door (``dcr agent --client-listen``), side by side in one run.
+"""What the client door and the engine's client guard cost: concurrent streaming
+completions straight to the engine, through the agent's door (``dcr agent
+--client-listen``) and to an engine with the guard inside (``vllm serve --middleware
+dcr.http.engine_guard.EngineGuard``), side by side in one run.
 
-Runs from vLLM's CPU build (``DCR_VLLM_FLAVOUR=cpu tools/engines/setup.sh``): one real
+Runs from vLLM's CPU build (``DCR_VLLM_FLAVOUR=cpu tools/engines/setup.sh``): a real
 ``vllm serve`` (the tests' small Llama, ``--max-num-seqs 256``) and one ``dcr serve`` of the
 same checkpoint, each with a door in front of it (the door's code as the agent runs it,
-in a process of its own). For each engine and each concurrency level (1, 64, 256, 1,024
-by default) the same requests go straight to the engine and through the door, in the
-order direct, door, door, direct (``--rounds`` pairs), so a drift of the machine's load
-falls on both. Per run: wall time, tokens per second, time to first token and the gap
-between tokens (p50 and p99 over every request), and errors; per level: door over
-direct (throughput ratio, added p50 time to first token).
+in a process of its own), and a second ``vllm serve`` of the same checkpoint with the guard
+(``dcr serve`` has its checks inside, so it has no guard column). For each engine and each
+concurrency level (1, 64, 256, 1,024 by default) the same requests go straight to the
+engine, through the door and to the guarded engine, in the order direct, door, guard,
+guard, door, direct (``--rounds`` times), so a drift of the machine's load falls on all.
+Per run: wall time, tokens per second, time to first token and the gap between tokens
+(p50 and p99 over every request), and errors; per level: door and guard over direct
+(throughput ratio, added p50 time to first token).
 
 ``dcr serve`` answers server-sent events where it streams; where it refuses
 ``stream=true`` the run records ``"streamed": false`` and times whole answers
@@ -28,6 +32,7 @@ import itertools
 import json
 import os
 import platform
+import secrets
 import statistics
 import subprocess
 import sys
@@ -115,22 +120,34 @@ def merged(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-async def compare(direct: str, door: str, levels: list[int], body: dict[str, Any],
+ORDER = ("direct", "door", "guard", "guard", "door", "direct")  # one round
+
+
+def versus(path: dict[str, Any], direct: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """``path`` over ``direct``: the throughput ratio and the added p50 first-token time."""
+    added = (_r(path["ttft_ms_p50"] - direct["ttft_ms_p50"])
+             if path["ttft_ms_p50"] is not None and direct["ttft_ms_p50"] is not None
+             else None)
+    return {f"{prefix}throughput_ratio": round(path["tokens_per_s"] / direct["tokens_per_s"],
+                                               3),
+            f"{prefix}added_ttft_ms_p50": added}
+
+
+async def compare(urls: dict[str, str], levels: list[int], body: dict[str, Any],
                   stream: bool, rounds: int) -> list[dict[str, Any]]:
+    """``urls``: direct, door and (where there is one) guard."""
     rows = []
     for n in levels:
-        await level(direct, min(n, 8), body, stream)  # warm both paths' connections
-        await level(door, min(n, 8), body, stream)
-        runs: dict[str, list[dict[str, Any]]] = {"direct": [], "door": []}
+        for url in urls.values():  # warm every path's connections
+            await level(url, min(n, 8), body, stream)
+        runs: dict[str, list[dict[str, Any]]] = {path: [] for path in urls}
         for _ in range(rounds):
-            for path in ("direct", "door", "door", "direct"):
-                runs[path].append(await level(direct if path == "direct" else door, n, body,
-                                              stream))
-        d, g = merged(runs["direct"]), merged(runs["door"])
-        row = {"concurrency": n, "direct": d, "door": g,
-               "throughput_ratio": round(g["tokens_per_s"] / d["tokens_per_s"], 3),
-               "added_ttft_ms_p50": _r(g["ttft_ms_p50"] - d["ttft_ms_p50"])
-               if g["ttft_ms_p50"] is not None and d["ttft_ms_p50"] is not None else None}
+            for path in (p for p in ORDER if p in urls):
+                runs[path].append(await level(urls[path], n, body, stream))
+        got = {path: merged(r) for path, r in runs.items()}
+        row = {"concurrency": n, **got, **versus(got["door"], got["direct"], "")}
+        if "guard" in got:
+            row.update(versus(got["guard"], got["direct"], "guard_"))
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
@@ -140,9 +157,9 @@ async def compare(direct: str, door: str, levels: list[int], body: dict[str, Any
 
 def door_main(upstream: str) -> None:
     """The door as the agent serves it (``--client-listen``), in a process of its own."""
+    from dcr.http.admission import CLIENT_ROUTES
     from dcr.http.edge import start
     from dcr.http.gateway import make_gateway
-    from dcr.receiver.settings import CLIENT_ROUTES
 
     async def go() -> None:
         door = await start(make_gateway(upstream, CLIENT_ROUTES), "127.0.0.1:0", "door",
@@ -189,7 +206,10 @@ def support() -> Any:
     return importlib.import_module("vllm_serve")
 
 
-def start_vllm(model: Path, work: Path, max_seqs: int) -> tuple[subprocess.Popen[bytes], str]:
+def start_vllm(model: Path, work: Path, max_seqs: int, *, guard_token: str | None = None
+               ) -> tuple[subprocess.Popen[bytes], str]:
+    from dcr.http.engine_guard import TOKEN_FILE_ENV
+    from dcr.http.tokens import write_token_file
     from dcr.refit.launch import free_port
 
     ENV, SERVED = support().ENV, support().SERVED  # noqa: N806 (the module's constants)
@@ -203,6 +223,9 @@ def start_vllm(model: Path, work: Path, max_seqs: int) -> tuple[subprocess.Popen
     env = {**os.environ, **ENV, "DCR_STAGING_DIR": str(work / "staging"),
            "DCR_CHECKPOINT_ROOT": str(model.parent), "VLLM_CACHE_ROOT": str(work / "cache")}
     (work / "staging").mkdir(parents=True, exist_ok=True)
+    if guard_token is not None:  # the guard inside, as a pod whose clients reach it runs it
+        argv += ["--middleware", "dcr.http.engine_guard.EngineGuard"]
+        env[TOKEN_FILE_ENV] = str(write_token_file(work / "engine-token", guard_token))
     log = open(work / "vllm.log", "ab")  # noqa: SIM115 (owned by the process)
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
@@ -232,7 +255,8 @@ def main() -> int:
     p.add_argument("--door", metavar="UPSTREAM", help=argparse.SUPPRESS)
     p.add_argument("--levels", default="1,64,256,1024")
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--rounds", type=int, default=1, help="direct, door, door, direct: times")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="direct, door, guard, guard, door, direct: times")
     p.add_argument("--max-num-seqs", type=int, default=256, help="vllm serve's batch")
     p.add_argument("--engines", default="vllm,dcr-serve")
     p.add_argument("--out", type=Path, default=OUT)
@@ -254,7 +278,11 @@ def main() -> int:
             model = support().serve_versions(Path(tmp) / "ckpt", steps=0, lr=0.0)[0]
             for engine in a.engines.split(","):
                 proc: subprocess.Popen[Any]
+                guard: str | None = None
                 if engine == "vllm":
+                    guarded, guard = start_vllm(model, Path(tmp) / "vllm-guard",
+                                                a.max_num_seqs, guard_token=secrets.token_hex(16))
+                    procs.append(guarded)
                     proc, url = start_vllm(model, Path(tmp) / "vllm", a.max_num_seqs)
                     body: dict[str, Any] = {"model": "policy", "max_tokens": a.max_tokens,
                                             "temperature": 0, "ignore_eos": True}
@@ -268,11 +296,13 @@ def main() -> int:
                 procs.append(door_proc)
                 stream = asyncio.run(streams(url))
                 print(f"{engine}: streamed={stream}", flush=True)
-                rows = asyncio.run(compare(url, door_url, levels, body, stream, a.rounds))
+                urls = {"direct": url, "door": door_url, **({"guard": guard} if guard else {})}
+                rows = asyncio.run(compare(urls, levels, body, stream, a.rounds))
                 result["engines"][engine] = {**what, "streamed": stream, "levels": rows}
-                for q in (door_proc, proc):
-                    os.killpg(q.pid, 9)
-                    q.wait()
+                for q in procs:
+                    if q.poll() is None:
+                        os.killpg(q.pid, 9)
+                        q.wait()
     finally:
         for q in procs:
             if q.poll() is None:
