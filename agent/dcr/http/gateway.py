@@ -6,7 +6,10 @@ port, none guarded by its API key: a client that reaches that port can change th
 without the agent knowing. So the engine listens on loopback and the agent's
 ``--client-listen`` serves the pod's clients: each request whose method and path are an
 exact entry of the route list is forwarded to the engine as it came; any other is a 404
-that never reaches the engine. docs/client-door.md; docs/security.md.
+that never reaches the engine. For vLLM, the client guard inside the engine
+(:mod:`dcr.http.engine_guard`) does the same without a hop; the door stays for engines
+without a middleware hook (SGLang). Both keep the rules of :mod:`dcr.http.admission`.
+docs/client-door.md; docs/security.md.
 
 Choices, and why:
 
@@ -30,7 +33,7 @@ Choices, and why:
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any
 
 from aiohttp import ClientError, ClientResponse, ClientSession, ClientTimeout, TCPConnector, web
