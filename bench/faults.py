@@ -675,6 +675,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--minutes", type=float, default=60.0)
     ap.add_argument("--transport", choices=TRANSPORTS, default="store",
                     help="relay: attempts travel a relay tree whose nodes are killed too")
+    ap.add_argument("--results", type=Path, default=RESULTS, help="where --soak writes its "
+                    "summary (default: bench/results/faults.json)")
     ap.add_argument("--out", type=Path, default=None, help="working directory (default: a "
                     "temporary one)")
     args = ap.parse_args(argv)
@@ -691,7 +693,9 @@ def main(argv: list[str] | None = None) -> int:
         seed += 1
     if args.soak:
         result = summary(campaigns, args.minutes, args.steps)
-        RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+        if args.results != RESULTS:
+            result["command"] += f" --results {args.results}"
+        args.results.write_text(json.dumps(result, indent=1) + "\n")
         print(json.dumps(result, indent=1))
     return 1 if any(c.report.violations for c in campaigns) else 0
 
