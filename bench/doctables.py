@@ -236,9 +236,8 @@ def expand() -> str:
 
 WAYS = {"replay": "replay the committed deltas", "snapshot": "snapshot + the deltas after it",
         "mirror": "copy the rollout cluster's mirror", "full": "download the full checkpoint",
-        "peer": "take a live peer's copy",
-        "relay": "the agent's rejoin from its history",
-        "relay-peer": "take a live peer's copy"}
+        "peer": "take a live peer's copy", "rejoin": "the agent's rejoin from its history"}
+WAYS |= {"relay": WAYS["rejoin"], "relay-peer": WAYS["peer"]}  # a relay fleet's pod
 
 
 def catchup() -> str:
