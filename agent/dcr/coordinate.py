@@ -39,7 +39,12 @@ from dcr.format.history import Snapshot
 from dcr.format.profile import ReceiverProfile, merge
 from dcr.protocol.agent_api import AgentClient
 from dcr.protocol.commitstore import SqliteCommitStore
-from dcr.protocol.coordinator import AttemptResult, Coordinator, CoordinatorSettings
+from dcr.protocol.coordinator import (
+    AttemptCache,
+    AttemptResult,
+    Coordinator,
+    CoordinatorSettings,
+)
 from dcr.protocol.owner_endpoints import OwnerEndpointFailed, OwnerEndpoints
 from dcr.protocol.records import CommitRecord
 from dcr.transport.store import FileStore, Store, open_store
@@ -129,8 +134,9 @@ class LocalFleet:
             name=f"{self.name} owners", urls=self.owner_urls, token=self._owner_token,
             target=version_name(self.name, version), base_checkpoint=start.baseline_id,
             base_attempt=start.attempt, store=self.store.uri, profile=self.profile())
+        cache = self.store if isinstance(self.store, AttemptCache) else None  # the relay
         coordinator = Coordinator(self.commits, endpoints.owners(), self.agents,
-                                  settings=self.settings, history=self.history)
+                                  settings=self.settings, history=self.history, cache=cache)
         try:
             record = coordinator.refit(version, version_name(self.name, version))
         finally:

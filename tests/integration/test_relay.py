@@ -1210,3 +1210,170 @@ def test_a_fresh_agent_of_a_relay_fleet_without_history_refuses_an_unverifiable_
                              relay_token_file=tmp_path / "read-token",
                              engine_url="http://127.0.0.1:9")
     assert build_service(settings, engine=bare.engine).trust_labels is False
+
+
+# --- what the tree keeps: the latest committed attempt -----------------------------------
+
+
+@dataclass
+class _Owner:
+    """An encoder owner whose publish of ``version`` does something around it once:
+    ``fail`` after publishing (the attempt then fails and is retried), ``before`` and
+    ``after`` run beside the publish while the receivers wait in the attempt."""
+
+    inner: Any
+    version: int = 0
+    fail: bool = False
+    before: Callable[[], None] = lambda: None
+    after: Callable[[], None] = lambda: None
+    done: bool = False
+
+    def publish(self, attempt: Any) -> None:
+        once = attempt.transition.target_version == self.version and not self.done
+        if once:
+            self.before()
+        self.inner.publish(attempt)
+        if once:
+            self.done = True
+            self.after()
+            if self.fail:
+                from dcr.errors import DcrError
+
+                raise DcrError(f"owner lost after publishing {attempt.id}")
+
+    def advance_baseline(self, record: Any) -> None:
+        self.inner.advance_baseline(record)
+
+
+def _tree_holds(tree: Tree) -> list[dict[str, int]]:
+    """Each member's staged bytes per attempt (``/v1/status``), after asserting that they
+    add up to its ``staged_bytes``."""
+
+    async def read() -> list[dict[str, int]]:
+        async with Clients(tree, READ_TOKEN) as cs:
+            out = []
+            for i, c in enumerate(cs):
+                st = await c.status()
+                assert st["staged_bytes"] == sum(st["attempts"].values()), (i, st)
+                out.append(st["attempts"])
+            return out
+
+    return asyncio.run(read())
+
+
+def _keeping_fleet(trees: Callable[..., Tree], tmp: Path, versions: int
+                   ) -> tuple[RelayFleet, list[Any], Any]:
+    """A 3-member tree (a spool, so no upload ever waits for budget), a pod at each
+    member and one encoder owner writing through to the fleet's store."""
+    from shardrig import profile_of
+
+    from dcr.owner.encoder import Encoder
+    from dcr.transport.relay.publish import RelayPublisher
+
+    tree = trees(3, 2, "--budget-mib", "1", "--spool", str(tmp / "spool"))
+    fleet = _relay_fleet(tree, tmp, versions)
+    pods = [fleet.pod(f"pod-{i}", i) for i in range(3)]
+    pub = RelayPublisher(f"relay+{tree.urls[0]}", token=TOKEN, through=fleet.store)
+    owner = Encoder(store=pub, baseline=_array(fleet.states[0]), version=0, owner=0,
+                    owners=1, profile=profile_of(pods))
+    return fleet, pods, owner
+
+
+def _array(sd: dict[str, Any]) -> Any:
+    import torch
+
+    from dcr.checkpoint import ArrayCheckpoint
+
+    return ArrayCheckpoint({n: ("BF16", tuple(t.shape), t.view(torch.int16).numpy()
+                                .view(np.uint16)) for n, t in sd.items()})
+
+
+def test_after_n_refits_every_member_holds_only_the_latest_committed_attempt(
+        trees: Callable[..., Tree], tmp_path: Path) -> None:
+    """Four refits through the tree, the second failing once after its payloads were
+    staged everywhere: each commit drops, at the root and so at every member, the attempt
+    it replaced and the refit's failed one. Fails without the coordinator's drop: every
+    member still held all five attempts (the staged bytes grew with every version until
+    uploads waited for budget and got 503)."""
+    from shardrig import V0
+
+    from dcr.files.history import HistoryStore
+    from dcr.protocol.commitstore import SqliteCommitStore
+    from dcr.protocol.coordinator import Coordinator, CoordinatorSettings
+
+    fleet, pods, encoder = _keeping_fleet(trees, tmp_path, 4)
+    owner = _Owner(inner=encoder, version=2, fail=True)
+    pub = encoder.store
+    coord = Coordinator(SqliteCommitStore(tmp_path / "c.db", V0), [owner], pods,
+                        history=HistoryStore(fleet.store), cache=pub,
+                        settings=CoordinatorSettings(retry_wait_s=0.0))
+    try:
+        for v in range(1, 5):
+            encoder.set_candidate(_array(fleet.states[v]), v)
+            record = coord.refit(v, f"v{v}")
+            held = _tree_holds(fleet.tree)
+            assert all(list(h) == [record.attempt] for h in held), (v, held)
+    finally:
+        coord.close()
+        pub.close()
+    outcomes = [h.outcome.split(":")[0] for h in coord.history]
+    assert outcomes == ["committed", "failed", "committed", "committed", "committed"]
+    assert all(h[record.attempt] > 0 for h in held)
+    for p in pods:
+        assert _bit_exact(p, fleet.states[4]), p.name
+    # the fleet's store keeps every attempt for catch-up: the drop is the tree's alone
+    keys = fleet.store.list("")
+    assert all(any(f"/{h.attempt}/" in k for k in keys) for h in coord.history)
+
+
+def test_a_refit_in_flight_survives_the_drop_of_the_attempt_it_replaces(
+        trees: Callable[..., Tree], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The replaced attempt is dropped (as a late cleanup from a coordinator that failed
+    over would) while every pod waits in the next attempt, before and again after its
+    payloads reach the tree: the pods still reach v2 bit-exactly, and then a pod added at
+    v2 rejoins from the history, not from the tree. The coordinator's own drop after v2
+    goes to a root that is down: the commit stands, with a warning. Fails without
+    ``RelayPublisher.drop_attempts`` (no party could drop an attempt: AttributeError)."""
+    from shardrig import V0
+
+    from dcr.files.history import HistoryStore
+    from dcr.protocol.commitstore import SqliteCommitStore
+    from dcr.protocol.coordinator import Coordinator
+    from dcr.transport.relay.publish import RelayPublisher
+
+    fleet, pods, encoder = _keeping_fleet(trees, tmp_path, 3)
+    pub = encoder.store
+    commits = SqliteCommitStore(tmp_path / "c.db", V0)
+    history = HistoryStore(fleet.store)
+    first: list[str] = []
+    owner = _Owner(inner=encoder, version=2, before=lambda: pub.drop_attempts(first),
+                   after=lambda: pub.drop_attempts(first))
+    down = RelayPublisher(f"relay+http://127.0.0.1:{free_ports(1)[0]}", token=TOKEN)
+    coord = Coordinator(commits, [owner], pods, history=history, cache=down)
+    try:
+        encoder.set_candidate(_array(fleet.states[1]), 1)
+        first.append(coord.refit(1, "v1").attempt)
+        assert all(list(h) == first for h in _tree_holds(fleet.tree))
+        encoder.set_candidate(_array(fleet.states[2]), 2)
+        with caplog.at_level("WARNING", logger="dcr.protocol.coordinator"):
+            second = coord.refit(2, "v2").attempt
+    finally:
+        coord.close()
+        down.close()
+    assert f"could not drop replaced attempts {first[0]}" in caplog.text
+    assert all(list(h) == [second] for h in _tree_holds(fleet.tree))
+    for p in pods:
+        assert _bit_exact(p, fleet.states[2]), p.name
+
+    added = fleet.pod("added", 2)
+    coord = Coordinator(commits, [owner], [*pods, added], history=history, cache=pub)
+    try:
+        encoder.set_candidate(_array(fleet.states[3]), 3)
+        third = coord.refit(3, "v3").attempt
+    finally:
+        coord.close()
+        pub.close()
+    assert coord.history[-1].rejoined == ("added",)
+    assert all(list(h) == [third] for h in _tree_holds(fleet.tree))
+    for p in [*pods, added]:
+        assert _bit_exact(p, fleet.states[3]), p.name

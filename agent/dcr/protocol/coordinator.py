@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, TypeVar
+from typing import Literal, Protocol, TypeVar, runtime_checkable
 
 from dcr.errors import ConfigError, DcrError, RefitError, StateConflict
 from dcr.format.payload import Mode
@@ -109,6 +109,17 @@ class HistoryWriter(Protocol):
         ...
 
 
+@runtime_checkable
+class AttemptCache(Protocol):
+    """Where attempts are staged for receivers only until a newer one commits (the relay
+    tree: ``dcr.transport.relay.publish.RelayPublisher``). Not a history: nothing reads a
+    dropped attempt again."""
+
+    def drop_attempts(self, attempts: Sequence[str]) -> None:
+        """Drop each attempt (one not held is no error); raise naming those not dropped."""
+        ...
+
+
 class OwnerHandle(Protocol):
     def publish(self, attempt: Attempt) -> None:
         """Encode the candidate against the baseline and send the attempt's payloads."""
@@ -181,16 +192,20 @@ class Coordinator:
                  dense_checkpoint: Callable[[int], str] | None = None,
                  on_commit: Callable[[CommitRecord, int], None] | None = None,
                  history: HistoryWriter | None = None,
+                 cache: AttemptCache | None = None,
                  wait: Callable[[float], bool] | None = None,
                  rng: random.Random | None = None) -> None:
         """``dense_checkpoint(v)`` names a full checkpoint of version ``v`` for rejoins;
         without it a receiver rejoins from its store's history. ``history``: the store's
         history, staged before each commit so the record carries its digest and written
-        once receivers are settled. ``on_commit(record, owners)`` runs after that, once the
-        record names a new version; it must be idempotent, as a refit that finishes a
-        committed transition again calls it again. ``wait(s)`` pauses between attempts
-        and says whether it was cut short (default: ``abort.wait``, so an abort, and the
-        operator's deadline, which aborts, end it at once); ``rng`` draws the jitter."""
+        once receivers are settled. ``cache``: where attempts wait for receivers (the
+        relay tree); once a commit is settled, the attempt it replaced and every other
+        attempt of the refit are dropped there, best effort. ``on_commit(record, owners)``
+        runs after that, once the record names a new version; it must be idempotent, as a
+        refit that finishes a committed transition again calls it again. ``wait(s)``
+        pauses between attempts and says whether it was cut short (default:
+        ``abort.wait``, so an abort, and the operator's deadline, which aborts, end it at
+        once); ``rng`` draws the jitter."""
         self.commits = commits
         self.owners = owners
         self.receivers = receivers
@@ -198,6 +213,7 @@ class Coordinator:
         self.dense_checkpoint = dense_checkpoint
         self.on_commit = on_commit
         self.writer = history
+        self.cache = cache
         self.abort = threading.Event()  # set by an operator: no further attempt starts
         self._wait = wait or self.abort.wait
         self._rng = rng or random.Random()
@@ -228,6 +244,7 @@ class Coordinator:
             self.writer.vouched(start)
         transition = Transition(base_version=start.committed_version,
                                 target_version=target_version)
+        first = len(self.history)  # this refit's attempts are history[first:]
         mode: Mode = "mixed"
         last: Exception | None = None
         for n in range(self.settings.max_attempts):
@@ -262,6 +279,7 @@ class Coordinator:
                     result.outcome = f"superseded: {seen.attempt} had committed"
                     with _Stages(result.stages)("finish"):
                         self._finish(seen, ours=ours)
+                    self._drop_replaced(seen, start, self.history[first:])
                     return seen
                 result.outcome, result.error = f"conflict: {e}", type(e).__name__
                 raise
@@ -278,6 +296,7 @@ class Coordinator:
             # committed transition. It reaches the caller; ``refit`` again finishes.
             with _Stages(result.stages)("finish"):
                 self._finish(record, live)
+            self._drop_replaced(record, start, self.history[first:])
             return record
         raise RefitFailed(
             f"Refit to version {target_version} failed {self.settings.max_attempts} "
@@ -427,6 +446,28 @@ class Coordinator:
             self.writer.publish(record, len(self.owners))
         if record.attempt and self.on_commit is not None:
             self.on_commit(record, len(self.owners))
+
+    def _drop_replaced(self, record: CommitRecord, start: CommitRecord,
+                       tried: Sequence[AttemptResult]) -> None:
+        """After ``record`` committed and settled: drop from the cache the attempt it
+        replaced (``start``'s) and this refit's others (failed or superseded). No receiver
+        reads them again: those that flushed ``record`` hold its bits, the rest rejoin from
+        a checkpoint or the history, never from the cache. Best effort: the commit stands,
+        and a node's own bound (``keep_attempts``) evicts what a failed drop leaves."""
+        if self.cache is None:
+            return
+        older = [start.attempt, *(t.attempt for t in tried)]
+        drop = [a for a in dict.fromkeys(older) if a and a != record.attempt]
+        if not drop:
+            return
+        try:
+            self.cache.drop_attempts(drop)
+        except Exception as e:
+            log.warning("after commit %s: could not drop replaced attempts %s: %s",
+                        record.attempt, ", ".join(drop), e)
+        else:
+            log.info("after commit %s: dropped replaced attempts %s", record.attempt,
+                     ", ".join(drop))
 
     def _abandon(self, attempt: Attempt, live: list[ReceiverHandle]) -> None:
         def stop(r: ReceiverHandle) -> None:

@@ -256,6 +256,7 @@ def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
     relays: list[subprocess.Popen[bytes]] = []
     pods: list[Pod] = []
     coordinator: Coordinator | None = None
+    cache: RelayPublisher | None = None  # the coordinator drops replaced attempts there
     owners: list[ProcessOwner | WarmOwner] = []
     try:
         boundary.start()
@@ -272,6 +273,8 @@ def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
             root = boundary.relay_root(int(tree.urls[0].rsplit(":", 1)[1]))
             publish_to = f"relay+http://127.0.0.1:{root}?through={store}"
             owner_env = {**owner_env, TOKEN_ENV: tree.publish_token_file.read_text()}
+            cache = RelayPublisher(f"relay+http://127.0.0.1:{root}",
+                                   token=tree.publish_token_file.read_text().strip())
         pods = [rollout_pod(i, s.agents, out, sources[i], ckpts, token,
                             boundary.pod_env(i))
                 for i in range(s.agents)]
@@ -296,7 +299,7 @@ def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
         history = HistoryStore(boundary.direct_store())
         coordinator = Coordinator(
             commits, [Held(owner=o, point=kills) for o in owners], clients,
-            settings=s.coordinator, history=history)
+            settings=s.coordinator, history=history, cache=cache)
         job = _Job(trainer=trainer, ckpts=ckpts, pods=pods, coordinator=coordinator,
                    owners=owners, kills=kills, full=_full_stores(boundary),
                    from_store=history is not None, boundary=boundary, held=held)
@@ -320,6 +323,8 @@ def run_refit(s: RefitSettings) -> list[dict[str, Any]]:
         held.print_held()
         rows = [_step(v, s, job) for v in range(1, s.steps + 1)]
     finally:
+        if cache is not None:
+            cache.close()
         _stop(coordinator, owners, pods, relays, boundary)
         held.print_held()
     (out / "summary.json").write_text(json.dumps(rows, indent=1))

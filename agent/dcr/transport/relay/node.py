@@ -266,8 +266,12 @@ class RelayNode:
              "seq": b.key.seq, "received": b.received, "size": b.size}
             for b in self.staging.blobs() if b.state == "incoming"
         ]
+        attempts: Counter[str] = Counter()
+        for b in self.staging.staged():
+            attempts[b.key.attempt] += b.size
         return web.json_response(
-            {**self._health(), "counters": dict(self.counters), "arriving": arriving}
+            {**self._health(), "counters": dict(self.counters), "arriving": arriving,
+             "attempts": dict(sorted(attempts.items()))}
         )
 
     # --- uploads ---

@@ -12,14 +12,19 @@ store (the fleet's store in the training cluster's region) before it goes to the
 store then holds every attempt beside the history the coordinator writes there, so a relay
 fleet's pods catch up from the store's history while refits travel the tree
 (docs/relay.md, "History and catch-up"). Reads of such a publisher are the store's.
+
+It is also the coordinator's ``AttemptCache``: ``drop_attempts`` deletes attempts a commit
+replaced at the root, which drops them at every member below (docs/relay.md, "What the
+tree keeps"); the write-through store keeps them, under its own retention.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
-from dcr.errors import ConfigError, ManifestError
+from dcr.errors import ConfigError, ManifestError, RelayError
 from dcr.format.layout import parse_manifest_key, parse_manifest_part_key, parse_payload_key
 from dcr.format.manifest import manifest_attempt
 from dcr.http.tokens import check_token
@@ -93,6 +98,19 @@ class RelayPublisher:
         else:
             raise ConfigError(f"{key!r} is neither a payload nor a manifest key; the relay "
                               "carries only those.")
+
+    def drop_attempts(self, attempts: Sequence[str]) -> None:
+        """``DELETE`` each attempt at the root (it passes the DELETE to its children); every
+        one is tried, then RelayError names those the root did not take."""
+        failed: list[str] = []
+        for attempt in attempts:
+            try:
+                self._run(self._client.delete_attempt(attempt))
+            except RelayError as e:
+                failed.append(f"{attempt} ({e})")
+        if failed:
+            raise RelayError(f"The relay root {self.uri} did not drop {len(failed)} of "
+                             f"{len(attempts)} attempts: {'; '.join(failed)}.")
 
     def get(self, key: str) -> bytes:
         if self.through is not None:
