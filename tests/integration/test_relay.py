@@ -1377,3 +1377,47 @@ def test_a_refit_in_flight_survives_the_drop_of_the_attempt_it_replaces(
     assert all(list(h) == [third] for h in _tree_holds(fleet.tree))
     for p in [*pods, added]:
         assert _bit_exact(p, fleet.states[3]), p.name
+
+
+def test_past_keep_attempts_a_member_evicts_the_oldest_attempt_nothing_is_using(
+        trees: Callable[..., Tree]) -> None:
+    """No DELETE comes (as when the committer died): with ``--keep-attempts 2`` each member
+    evicts the oldest attempt as a newer one arrives, but never one still arriving (a slow
+    upload held open across three newer attempts), and refuses an evicted one's bytes
+    again (410), so a replay cannot bring it back. Fails without the bound: every member
+    held all four attempts (and ``dcr relay`` had no ``--keep-attempts``)."""
+    tree = trees(3, 2, "--keep-attempts", "2")
+    names = ("a-keep1", "a-keep2", "a-keep3")
+    small = {a: make_payload(a, 0, 0, elements=1000) for a in names}
+    slow = make_payload("a-slow", 0, 0, elements=200_000)
+
+    async def scenario() -> None:
+        async with Clients(tree) as cs:
+            release = asyncio.Event()
+            upload = asyncio.create_task(cs[0].put_payload(
+                "a-slow", 0, 0, slow_body(slow, pause_at=len(slow) // 2, pause=release.wait),
+                size=len(slow)))
+
+            async def arriving(c: RelayClient) -> bool:
+                return any(b["attempt"] == "a-slow" for b in (await c.status())["arriving"])
+
+            for i, c in enumerate(cs):
+                await until(lambda c=c: arriving(c), 20, f"a-slow arriving at {i}", tree)
+            for a in names:
+                assert await cs[0].put_payload(a, 0, 0, small[a]) == "queued"
+                for i, c in enumerate(cs):
+                    await until(lambda c=c, a=a: holds(c, a, 1), 20, f"{a} at {i}", tree)
+            release.set()
+            assert await upload == "queued"
+            for i, c in enumerate(cs):
+                await until(lambda c=c: holds(c, "a-slow", 1), 20, f"a-slow at {i}", tree)
+            with pytest.raises(RelayError) as e:
+                await cs[0].put_payload("a-keep1", 0, 0, small["a-keep1"])
+            assert e.value.status == 410
+            assert "evicted" in str(e.value)
+
+    asyncio.run(scenario())
+    for i, held in enumerate(_tree_holds(tree)):
+        assert {"a-slow", "a-keep3"} <= set(held), (i, held)
+        assert "a-keep1" not in held, (i, held)
+        assert len(held) <= 3, (i, held)

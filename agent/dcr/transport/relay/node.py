@@ -53,6 +53,7 @@ Role = Literal["read", "publish"]
 WRITES = frozenset({"PUT", "DELETE", "POST"})  # push, drop, subscribe: the publish token
 _Attempt = Annotated[str, Field(pattern=ATTEMPT_PATTERN)]
 _TAG = re.compile(r"[0-9a-f]{1,64}")
+EVICTED_REMEMBERED = 1024  # evicted attempt ids a node refuses again (about 16 bytes each)
 # A RelayRefused answers its own status; any other error is aiohttp's 500.
 STATUS = Statuses(otherwise=None)
 
@@ -123,6 +124,8 @@ class RelayNode:
         self._server: Listening | None = None
         self._spool: Path | None = None
         self._change = asyncio.Event()  # set (and replaced) whenever a blob is staged
+        self._reading: Counter[str] = Counter()  # attempt -> responses sending its bytes
+        self._evicted: dict[str, None] = {}  # attempts evicted here, newest last (bounded)
 
     # --- lifecycle ---
 
@@ -293,6 +296,10 @@ class RelayNode:
             raise RelayRefused(413, f"{key.label}: {size} bytes can never be staged here "
                                 f"(budget {self.staging.budget_bytes} bytes in memory, "
                                 f"{self.staging.spool_budget_bytes} on disk).")
+        if key.attempt in self._evicted:
+            raise RelayRefused(410, f"{key.label}: its attempt was evicted here, a newer one "
+                                    f"arrived past keep_attempts={self.settings.keep_attempts}.")
+        self._evict_for(key.attempt)
         blob = await self._admit(key, size)
         if blob.state == "staged":
             return await self._duplicate(request, blob)
@@ -428,6 +435,15 @@ class RelayNode:
         return await self._serve(request, key_from(request, "manifest"))
 
     async def _serve(self, request: web.Request, key: Key) -> web.StreamResponse:
+        self._reading[key.attempt] += 1
+        try:
+            return await self._send_staged(request, key)
+        finally:
+            self._reading[key.attempt] -= 1
+            if not self._reading[key.attempt]:
+                del self._reading[key.attempt]
+
+    async def _send_staged(self, request: web.Request, key: Key) -> web.StreamResponse:
         blob = self.staging.get(key)
         if blob is None or blob.state != "staged":
             raise RelayRefused(404, f"No {key.label} is staged at member {self.index}.")
@@ -482,6 +498,36 @@ class RelayNode:
             self._spawn(self._delete_at(c, attempt))
         log.info("dropped attempt %r (%d blobs)", attempt, dropped)
         return web.json_response({"dropped": dropped})
+
+    def _evict_for(self, attempt: str) -> None:
+        """Before the first blob of ``attempt``: evict the oldest attempts held until it
+        makes ``keep_attempts``, skipping any still in use (:meth:`_in_use`). An evicted
+        attempt is refused here from then on (410), so a parent's replay cannot bring it
+        back and push out another."""
+        held = self.staging.attempts()
+        if attempt in held:
+            return
+        excess = len(held) + 1 - self.settings.keep_attempts
+        for old in held:
+            if excess <= 0:
+                return
+            if self._in_use(old):
+                continue
+            dropped = self.staging.drop_attempt(old)
+            self._evicted[old] = None
+            while len(self._evicted) > EVICTED_REMEMBERED:
+                del self._evicted[next(iter(self._evicted))]
+            excess -= 1
+            self.counters["evicted"] += 1
+            log.info("evicted attempt %r (%d blobs): %r arrived past keep_attempts=%d",
+                     old, dropped, attempt, self.settings.keep_attempts)
+
+    def _in_use(self, attempt: str) -> bool:
+        """Whether a receiver is reading ``attempt`` here, or a blob of it is arriving or
+        on its way to a child."""
+        return attempt in self._reading or any(a == attempt for _, a in self._inflight) \
+            or any(b.state == "incoming" for b in self.staging.blobs()
+                   if b.key.attempt == attempt)
 
     async def _delete_at(self, child: int, attempt: str) -> None:
         try:

@@ -86,6 +86,12 @@ class RelaySettings:
                           "(connection error or 5xx)")
     retry_delay_s: float = option(0.25, metavar="S", doc="seconds before the first re-send; "
                                   "doubles each time (0.25 .. 2 s)")
+    keep_attempts: int = option(8, metavar="N", doc="attempts a node holds at most: before "
+                                "the first blob of one more, it evicts the oldest that no "
+                                "receiver is reading and no upload or forward is carrying; "
+                                "a backstop for the coordinator's drop of replaced attempts "
+                                "(a committer that died), twice the attempts one refit "
+                                "tries by default (4)")
     max_manifest_bytes: int = option(64 * MiB, unit=MiB, doc="largest manifest accepted "
                                      "(as the manifest reader's own limit); manifests take "
                                      "about 40 bytes per tensor, far less")
@@ -127,6 +133,9 @@ class RelaySettings:
         for name, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"Relay setting {name}={value} must be positive.")
+        if self.keep_attempts < 2:
+            raise ConfigError(f"Relay keep_attempts={self.keep_attempts} must be at least 2: "
+                              "the committed attempt and the one arriving.")
         if self.retries < 0 or self.retry_delay_s < 0:
             raise ConfigError(
                 f"Relay retries={self.retries} and retry_delay_s={self.retry_delay_s} "

@@ -53,6 +53,7 @@ class Staging:
         self.spool_bytes = 0  # reserved on disk, arriving or staged
         self.waiting = 0  # uploads waiting for space
         self._blobs: dict[Key, Blob] = {}
+        self._arrived: dict[str, int] = {}  # attempt -> blobs held, in order of first arrival
         self._waiters: list[asyncio.Future[None]] = []
 
     @property
@@ -64,6 +65,10 @@ class Staging:
 
     def blobs(self) -> list[Blob]:
         return list(self._blobs.values())
+
+    def attempts(self) -> list[str]:
+        """The attempts held (staged or arriving), oldest first arrival first."""
+        return list(self._arrived)
 
     def staged(self, attempt: str | None = None) -> list[Blob]:
         return sorted(
@@ -124,6 +129,7 @@ class Staging:
             blob.path = Path(name)
             blob.file = os.fdopen(fd, "wb")
         self._blobs[key] = blob
+        self._arrived[key.attempt] = self._arrived.get(key.attempt, 0) + 1
         return blob
 
     @staticmethod
@@ -152,6 +158,9 @@ class Staging:
             return
         if self._blobs.get(blob.key) is blob:
             del self._blobs[blob.key]
+            self._arrived[blob.key.attempt] -= 1  # in place: the order stays
+            if not self._arrived[blob.key.attempt]:
+                del self._arrived[blob.key.attempt]
         blob.state = "gone"
         blob.done.set()
         if blob.file is not None:
