@@ -1421,3 +1421,34 @@ def test_past_keep_attempts_a_member_evicts_the_oldest_attempt_nothing_is_using(
         assert {"a-slow", "a-keep3"} <= set(held), (i, held)
         assert "a-keep1" not in held, (i, held)
         assert len(held) <= 3, (i, held)
+
+
+def test_a_member_that_evicted_an_attempt_its_parent_holds_is_not_offered_it_again(
+        trees: Callable[..., Tree]) -> None:
+    """Members evict by their own arrival order, which may differ: the leaf takes a-a2
+    first (a publisher put it there), the root a-z1, so a fourth attempt makes each evict
+    another. The leaf's subscriptions claim what it evicted as held, so the root's resyncs
+    do not offer it again. Fails without the claim: every resync re-sent a-a2 and the leaf
+    refused it (410)."""
+    tree = trees(2, 1, "--keep-attempts", "3", "--resync-interval-s", "0.3")
+    names = ("a-z1", "a-a2", "a-m3", "a-n4")
+    data = {a: make_payload(a, 0, 0, elements=1000) for a in names}
+
+    async def scenario() -> None:
+        async with Clients(tree) as cs:
+            assert await cs[1].put_payload("a-a2", 0, 0, data["a-a2"]) == "queued"
+            for a in names:
+                assert await cs[0].put_payload(a, 0, 0, data[a]) == "queued"
+                await until(lambda a=a: holds(cs[1], a, 1), 30, f"{a} at the leaf", tree)
+            seen = (await counters(cs[0]))["subscriptions"]
+
+            async def resynced() -> bool:
+                return (await counters(cs[0]))["subscriptions"] >= seen + 3
+
+            await until(resynced, 30, "three resyncs of the leaf", tree)
+            assert (await counters(cs[1]))["refused_evicted"] == 0
+
+    asyncio.run(scenario())
+    root, leaf = _tree_holds(tree)
+    assert set(root) == {"a-a2", "a-m3", "a-n4"}, root  # a-z1 arrived first at the root
+    assert set(leaf) == {"a-z1", "a-m3", "a-n4"}, leaf  # a-a2 arrived first at the leaf

@@ -125,7 +125,9 @@ class RelayNode:
         self._spool: Path | None = None
         self._change = asyncio.Event()  # set (and replaced) whenever a blob is staged
         self._reading: Counter[str] = Counter()  # attempt -> responses sending its bytes
-        self._evicted: dict[str, None] = {}  # attempts evicted here, newest last (bounded)
+        # attempts evicted here, newest last (bounded), with the ids they held: a
+        # subscription claims those as held, so the parent does not offer them again
+        self._evicted: dict[str, list[Key]] = {}
 
     # --- lifecycle ---
 
@@ -297,6 +299,7 @@ class RelayNode:
                                 f"(budget {self.staging.budget_bytes} bytes in memory, "
                                 f"{self.staging.spool_budget_bytes} on disk).")
         if key.attempt in self._evicted:
+            self.counters["refused_evicted"] += 1
             raise RelayRefused(410, f"{key.label}: its attempt was evicted here, a newer one "
                                     f"arrived past keep_attempts={self.settings.keep_attempts}.")
         self._evict_for(key.attempt)
@@ -502,8 +505,8 @@ class RelayNode:
     def _evict_for(self, attempt: str) -> None:
         """Before the first blob of ``attempt``: evict the oldest attempts held until it
         makes ``keep_attempts``, skipping any still in use (:meth:`_in_use`). An evicted
-        attempt is refused here from then on (410), so a parent's replay cannot bring it
-        back and push out another."""
+        attempt is refused here from then on (410) and claimed as held when this node
+        subscribes, so a parent's replay cannot bring it back and push out another."""
         held = self.staging.attempts()
         if attempt in held:
             return
@@ -513,8 +516,9 @@ class RelayNode:
                 return
             if self._in_use(old):
                 continue
+            keys = [b.key for b in self.staging.blobs() if b.key.attempt == old]
             dropped = self.staging.drop_attempt(old)
-            self._evicted[old] = None
+            self._evicted[old] = keys
             while len(self._evicted) > EVICTED_REMEMBERED:
                 del self._evicted[next(iter(self._evicted))]
             excess -= 1
@@ -603,13 +607,14 @@ class RelayNode:
         """Ids staged here (with ``arriving``: or still arriving), as subscriptions list them."""
         held: dict[str, list[tuple[int, int]]] = {}
         manifests: dict[str, list[int]] = {}
-        for b in sorted(self.staging.blobs(), key=lambda b: b.key):
-            if b.state == "gone" or (b.state == "incoming" and not arriving):
-                continue
-            if b.key.kind == "manifest":
-                manifests.setdefault(b.key.attempt, []).append(b.key.owner)
+        keys = [b.key for b in self.staging.blobs()
+                if b.state == "staged" or (b.state == "incoming" and arriving)]
+        keys += [k for evicted in self._evicted.values() for k in evicted]
+        for k in sorted(set(keys)):
+            if k.kind == "manifest":
+                manifests.setdefault(k.attempt, []).append(k.owner)
             else:
-                held.setdefault(b.key.attempt, []).append((b.key.owner, b.key.seq))
+                held.setdefault(k.attempt, []).append((k.owner, k.seq))
         return held, manifests
 
     async def _subscribe(self, request: web.Request) -> web.Response:
@@ -628,6 +633,7 @@ class RelayNode:
             raise RelayRefused(400, f"Member {i} is not below member {self.index} in the tree "
                                 f"of {n} members with fan-out {self.settings.fanout}.")
         adopted = i not in self.children
+        self.counters["subscriptions"] += 1
         if adopted:
             log.info("member %d adopted member %d", self.index, i)
             self.children.add(i)
