@@ -176,6 +176,13 @@ def test_refit_job_over_a_relay_tree_recovers_from_a_killed_agent_and_a_killed_s
     links = _links_carried(out, rows, pods=2)
     committed = sum(r["attempts"][-1]["payload_bytes"] for r in rows)
     assert links["relay-root"]["up"] > committed > 0  # every payload crossed the root's link
+    # Each commit dropped, at every member, what it replaced: the failed attempt of its
+    # step and the previous step's committed one; only the last commit stays.
+    tried = [a["attempt"] for r in rows for a in r["attempts"]]
+    for i in range(2):
+        log = (out / "relay" / f"relay-{i}.log").read_text()
+        dropped = [a for a in tried if f"dropped attempt {a!r}" in log]
+        assert dropped == tried[:-1], (i, tried, dropped)
 
 
 @pytest.mark.slow
