@@ -28,6 +28,10 @@ from kubelet import expand
 
 from dcr.cli import build_parser
 from dcr.drivers.sglang import LOADER
+from dcr.errors import ConfigError
+from dcr.http.admission import CLIENT_ROUTES
+from dcr.http.engine_guard import TOKEN_FILE_ENV
+from dcr.http.tokens import check_token
 from dcr.format.commitfile import COMMIT_FILE_KEY
 from dcr.loop import parser as ranks_parser
 from dcr_operator.api.rolloutfleet import LWS_GROUP_KEY, LWS_WORKER_INDEX, RolloutFleetSpec
@@ -43,6 +47,8 @@ ROLLOUTS = {"rollout-vllm.yaml": "vllm", "rollout-sglang.yaml": "sglang",
             "rollout-reference.yaml": "vllm"}  # file -> the agent's --engine
 CUSTOM = {"RolloutFleet": RolloutFleetSpec, "WeightRefit": WeightRefitSpec}
 MULTINODE = "rollout-vllm-multinode.yaml"  # a LeaderWorkerSet: replicas of two pods
+GUARDED = ("rollout-vllm.yaml", MULTINODE)  # vLLM with the client guard inside
+GUARD = "dcr.http.engine_guard.EngineGuard"
 RELAY = "relay.yaml"  # the relay tree, its fleet and that fleet's rollout pods
 TRAINER = "trainer-ranks.yaml"  # a training loop whose ranks are the owners
 
@@ -172,6 +178,8 @@ def test_rollout_pod_keeps_the_sidecar_engine_contract(name: str) -> None:
     assert url.startswith("http://127.0.0.1:")
     if ROLLOUTS[name] == "sglang":  # its admin routes need --admin-api-key
         assert url in [f"http://127.0.0.1:{p['containerPort']}" for p in engine["ports"]]
+    elif name in GUARDED:  # its admin routes need the engine admin token: the next test
+        assert not any(a.startswith("--client-listen") for a in agent["args"])
     else:
         # vLLM's dev-mode admin routes answer whoever reaches its port: it listens on
         # loopback only, and clients reach the inference routes through the agent.
@@ -409,8 +417,7 @@ def test_the_multinode_example_drives_each_group_through_its_leader() -> None:
         agents[role] = agent
     (serve,) = pod_specs(MULTINODE)["leader"]["containers"][0]["args"]
     assert "--worker-extension-cls=dcr.runtimes.vllm.DcrWorkerExtension" in serve
-    assert "--host=127.0.0.1" in serve
-    assert arg(agents["leader"], "--engine-url") == "http://127.0.0.1:8001"
+    assert arg(agents["leader"], "--engine-url") == "http://127.0.0.1:8000"
     name = lws["metadata"]["name"]
     members = [a.split("=", 1)[1] for a in agents["leader"]["args"]
                if a.startswith("--member=")]
@@ -421,6 +428,75 @@ def test_the_multinode_example_drives_each_group_through_its_leader() -> None:
     assert arg(agents["worker"], "--role") == "member"
     assert not any(a.startswith(("--engine", "--member", "--client-listen"))
                    for a in agents["worker"]["args"])
+
+
+def engine_args(engine: dict[str, Any]) -> list[str]:
+    """vLLM's arguments, a ``sh -c`` line's words after ``exec`` included."""
+    if engine["command"] == ["vllm", "serve"]:
+        return list(engine["args"])
+    (line,) = engine["args"]
+    return shlex.split(line.split("exec ", 1)[1])
+
+
+def probe_port(container: dict[str, Any], probe: str) -> int:
+    port = container[probe]["httpGet"]["port"]
+    named = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
+    return int(named.get(port, port))
+
+
+@pytest.mark.parametrize("name", GUARDED)
+def test_clients_of_a_vllm_pod_reach_the_engine_whose_guard_only_the_agent_passes(
+        name: str) -> None:
+    """vLLM listens on the pod's client port with the guard inside; the agent calls that
+    port on loopback and serves no client door; the engine admin token is a Secret of its
+    own (a refused placeholder in the file, not the agent token), mounted read-only as the
+    file both containers name in DCR_ENGINE_TOKEN_FILE, never a value or an argument; the
+    probes hit /health, a client route, on the engine's port; the NetworkPolicy admits
+    clients to that port. The worker pods of a group drive no engine and hold no token."""
+    specs = pod_specs(name)
+    spec = specs["pod" if name != MULTINODE else "leader"]
+    (agent,) = [c for c in spec["containers"] if c["name"] == "agent"]
+    (engine,) = [c for c in spec["containers"] if c["name"] != "agent"]
+    args = engine_args(engine)
+    assert f"--middleware={GUARD}" in args, args
+    port = int(next(a for a in args if a.startswith("--port=")).split("=", 1)[1])
+    assert "--host=0.0.0.0" in args
+    assert port in [p["containerPort"] for p in engine["ports"]]
+    assert arg(agent, "--engine-url") == f"http://127.0.0.1:{port}"
+    assert not any(a.startswith("--client-listen") for a in agent["args"])
+    assert port not in [p["containerPort"] for p in agent["ports"]]
+    assert "GET /health" in CLIENT_ROUTES
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert engine[probe]["httpGet"]["path"] == "/health"
+        assert probe_port(engine, probe) == port
+
+    (secret,) = [o for o in objects(name) if o["kind"] == "Secret"]
+    token = secret["stringData"]["token"]
+    assert secret["metadata"]["name"] != "rollout-agent-token"
+    with pytest.raises(ConfigError, match="placeholder"):
+        check_token(token, "engine admin token")
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    for c in (engine, agent):
+        path = Path(env(c)[TOKEN_FILE_ENV])  # a plain value: a path
+        (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == str(path.parent)]
+        assert mount["readOnly"] is True
+        assert volumes[mount["name"]]["secret"] == {
+            "secretName": secret["metadata"]["name"], "defaultMode": 0o400}
+        assert path.name == "token"
+    holders = [{"metadata": {"name": role}, "spec": s} for role, s in specs.items()]
+    assert secret_holders(holders, secret["metadata"]["name"]) == [
+        "pod" if name != MULTINODE else "leader"]
+    for c in [c for s in specs.values() for c in s.get("initContainers", []) + s["containers"]]:
+        assert not any(token in a for a in c.get("args", [])), c["name"]
+        refs = [e.get("valueFrom", {}).get("secretKeyRef", {}) for e in c.get("env", [])]
+        refs += [e.get("secretRef", {}) for e in c.get("envFrom", [])]
+        assert secret["metadata"]["name"] not in [r.get("name") for r in refs], c["name"]
+
+    (policy,) = [o for o in objects(name) if o["kind"] == "NetworkPolicy"]
+    (clients,) = [r for r in policy["spec"]["ingress"]
+                  if r["from"] == [{"podSelector": {"matchLabels": {
+                      "dcr.dev/rollout-client": "true"}}}]]
+    assert clients["ports"] == [{"protocol": "TCP", "port": port}]
 
 
 def test_the_relay_example_is_a_tree_its_fleet_publishes_to_and_its_pods_read() -> None:
