@@ -16,10 +16,11 @@ the fleet rejoins it -> two refits commit through encoder pods -> a third has th
 container killed mid-refit -> the pod is deleted and its replacement is compared.
 
 Bits are checked as a user can from outside the pod: the agent's own check of every attempt
-against the manifest's targets (the commit); greedy completions with logprobs through the
-agent's client port against a new pod started on the committed version (what the engine
-computes with); and the engine's fingerprints of every parameter against that new pod's
-dense load through the same loader.
+against the manifest's targets (the commit); greedy completions with logprobs on the engine's
+own port, as clients call it (the client guard inside vLLM; its admin routes answer only the
+agent, which holds the engine admin token), against a new pod started on the committed
+version (what the engine computes with); and the engine's fingerprints of every parameter
+against that new pod's dense load through the same loader.
 
 Opt-in (``make test-vllm-pod``; CI runs it when the vllm-cpu image is in its cache): the
 image is ~7 GB; the module took 4.5-7 min here, 1.5-3 of them importing the image.
@@ -249,8 +250,11 @@ def cpu_engine(engine: dict[str, Any], image: str) -> None:
 
 
 def rollout(c: VllmCluster) -> list[dict[str, Any]]:
-    """rollout-vllm.yaml with one replica, this cluster's images and S3, on a CPU."""
-    deployment, policy = load_yaml(EXAMPLES / "rollout-vllm.yaml")
+    """rollout-vllm.yaml with one replica, this cluster's images and S3, on a CPU, and a
+    random engine admin token in place of the placeholder the guard refuses."""
+    objs = {o["kind"]: o for o in load_yaml(EXAMPLES / "rollout-vllm.yaml")}
+    engine_token, deployment = objs["Secret"], objs["Deployment"]
+    engine_token["stringData"]["token"] = secrets.token_hex(24)
     deployment["spec"]["replicas"] = 1
     pod = deployment["spec"]["template"]["spec"]
     by_name = {x["name"]: x for x in pod["initContainers"] + pod["containers"]}
@@ -266,11 +270,11 @@ def rollout(c: VllmCluster) -> list[dict[str, Any]]:
     read_key = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "weights-s3-read"},
                 "stringData": {"AWS_ACCESS_KEY_ID": c.s3.read_access_key,
                                "AWS_SECRET_ACCESS_KEY": c.s3.read_secret_key}}
-    return [read_key, deployment, policy]
+    return [read_key, engine_token, deployment, objs["NetworkPolicy"]]
 
 
 def greedy(vc: VllmCluster, pod: dict[str, Any]) -> tuple[str, list[float]]:
-    """A greedy completion with logprobs through the agent's client port, as a client asks."""
+    """A greedy completion with logprobs on the engine's port, as a client asks."""
     try:
         return vllm_serve.greedy(f"http://{pod['status']['podIP']}:8000", PROMPT, model=SERVED)
     except urllib.error.HTTPError as e:
@@ -294,6 +298,11 @@ def test_the_vllm_pod_starts_unknown_and_the_fleet_rejoins_it_from_the_store(
     agent_log = vc.node.pod_logs(NS, pod["metadata"]["name"], "agent")
     assert "derived after loading" in agent_log, agent_log
     assert "built version 0 from the store" in agent_log, agent_log
+    # Clients reach the engine's port; its admin routes are the guard's 404 without the
+    # token the agent holds (which just drove the rejoin through them).
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        vllm_serve.post(f"http://{pod['status']['podIP']}:8000", "/pause", {})
+    assert (refused.value.code, json.loads(refused.value.read())["kind"]) == (404, "NotServed")
 
 
 def test_refits_commit_through_encoder_pods(vc: VllmCluster) -> None:

@@ -29,10 +29,10 @@ from kubelet import expand
 from dcr.cli import build_parser
 from dcr.drivers.sglang import LOADER
 from dcr.errors import ConfigError
+from dcr.format.commitfile import COMMIT_FILE_KEY
 from dcr.http.admission import CLIENT_ROUTES
 from dcr.http.engine_guard import TOKEN_FILE_ENV
 from dcr.http.tokens import check_token
-from dcr.format.commitfile import COMMIT_FILE_KEY
 from dcr.loop import parser as ranks_parser
 from dcr_operator.api.rolloutfleet import LWS_GROUP_KEY, LWS_WORKER_INDEX, RolloutFleetSpec
 from dcr_operator.api.weightrefit import WeightRefitSpec
