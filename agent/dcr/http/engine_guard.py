@@ -219,6 +219,8 @@ _NOTED: dict[tuple[str, str], Callable[[EngineGuard, bytes, Scope], None]] = {
     ("POST", "/update_weight_version"): _note_label,
     ("POST", "/pause"): _note_pause,
 }
+
+
 class _Answer:
     """One client request through the app: its bytes counted, its answer's start held until
     its first body bytes, and the answer ended with its reason once a refit takes the
