@@ -521,7 +521,7 @@ def references(f: Fleet, version: int) -> None:
              fingerprint=pod_reference(pod, ckpt))
 
 
-def _tensor_sums(ckpt: Path) -> dict[str, str]:
+def tensor_sums(ckpt: Path) -> dict[str, str]:
     with Checkpoint(ckpt) as c:
         return {n: hashlib.sha256(c.bits(n).tobytes()).hexdigest()[:32] for n in c.names()}
 
@@ -541,10 +541,10 @@ def materialize_all(f: Fleet) -> None:
             emit(f.events, "harness", "materialized", version=v,
                  error=run.stderr.strip().splitlines()[-1:], tensors={})
         else:
-            emit(f.events, "harness", "materialized", version=v, tensors=_tensor_sums(dest))
+            emit(f.events, "harness", "materialized", version=v, tensors=tensor_sums(dest))
         if (f.ckpts / f"v{v}").exists():  # else the record names a version never trained
             emit(f.events, "harness", "checkpoint", version=v,
-                 tensors=_tensor_sums(f.ckpts / f"v{v}"))
+                 tensors=tensor_sums(f.ckpts / f"v{v}"))
         shutil.rmtree(dest, ignore_errors=True)
 
 

@@ -53,7 +53,7 @@ from dcr.protocol.agent_api import AgentClient
 from dcr.refit.trainer import Trainer, reference_fingerprint
 from faultcheck import check, read_events
 from faultcoord import emit
-from faults import _tensor_sums  # the campaign's per-tensor digests of a checkpoint
+from faults import tensor_sums  # the campaign's per-tensor digests of a checkpoint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -345,11 +345,11 @@ def materialize(fc: FaultCluster, versions: list[int]) -> None:
              f"s3://{fc.s3.bucket}/{PREFIX}", "--out", str(dest), "--version", str(v),
              "--held", "0", "--seed", str(fc.ckpts / "v0"), "--json"],
             capture_output=True, text=True, timeout=300, check=False, env=env)
-        built = ({"tensors": _tensor_sums(dest)} if run.returncode == 0 else
+        built = ({"tensors": tensor_sums(dest)} if run.returncode == 0 else
                  {"error": run.stderr.strip().splitlines()[-1:], "tensors": {}})
         emit(fc.events, "harness", "materialized", version=v, **built)
         emit(fc.events, "harness", "checkpoint", version=v,
-             tensors=_tensor_sums(fc.ckpts / f"v{v}"))
+             tensors=tensor_sums(fc.ckpts / f"v{v}"))
         emit(fc.events, "harness", "reference", version=v, pod_kind=RUNTIME,
              fingerprint=fc.reference(v))
         shutil.rmtree(dest, ignore_errors=True)
