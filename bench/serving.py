@@ -18,9 +18,11 @@ Per run: wall time, tokens per second, time to first token and the gap between t
 ``dcr serve`` answers server-sent events where it streams; where it refuses
 ``stream=true`` the run records ``"streamed": false`` and times whole answers
 (first token = the answer). Writes ``bench/results/serving.json``; nothing is judged.
+``--guard-off`` starts the second ``vllm serve`` without the guard: an A/A run that shows
+what the second server alone changes, which the guard's column must be read against.
 
     DCR_VLLM_FLAVOUR=cpu tools/engines/setup.sh --where   # the python to run this with
-    $PY bench/serving.py [--levels 1,64,256,1024] [--max-tokens 16] [--rounds 1]
+    $PY bench/serving.py [--levels 1,64,256,1024] [--max-tokens 16] [--rounds 1] [--guard-off]
 """
 
 from __future__ import annotations
@@ -259,6 +261,9 @@ def main() -> int:
                    help="direct, door, guard, guard, door, direct: times")
     p.add_argument("--max-num-seqs", type=int, default=256, help="vllm serve's batch")
     p.add_argument("--engines", default="vllm,dcr-serve")
+    p.add_argument("--guard-off", action="store_true",
+                   help="calibration: the guard column's vllm serve runs without the guard, "
+                        "so the column shows what a second server alone changes")
     p.add_argument("--out", type=Path, default=OUT)
     a = p.parse_args()
     if a.door:
@@ -272,6 +277,7 @@ def main() -> int:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "load_average_at_start": os.getloadavg()},
         "max_tokens": a.max_tokens, "levels": levels, "rounds": a.rounds,
+        "guard_off": a.guard_off,
         "targets": TARGETS, "engines": {}}
     try:
         with tempfile.TemporaryDirectory(prefix="dcr-serving-") as tmp:
@@ -280,8 +286,9 @@ def main() -> int:
                 proc: subprocess.Popen[Any]
                 guard: str | None = None
                 if engine == "vllm":
-                    guarded, guard = start_vllm(model, Path(tmp) / "vllm-guard",
-                                                a.max_num_seqs, guard_token=secrets.token_hex(16))
+                    guarded, guard = start_vllm(
+                        model, Path(tmp) / "vllm-guard", a.max_num_seqs,
+                        guard_token=None if a.guard_off else secrets.token_hex(16))
                     procs.append(guarded)
                     proc, url = start_vllm(model, Path(tmp) / "vllm", a.max_num_seqs)
                     body: dict[str, Any] = {"model": "policy", "max_tokens": a.max_tokens,
