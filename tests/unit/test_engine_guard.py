@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import json
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -296,3 +297,14 @@ def test_the_token_comes_from_its_file_and_a_guard_without_one_refuses_to_start(
     guard = EngineGuard(Engine(), registry=None)
     assert guard.allowed == {("POST", "/v1/completions")}
     assert TOKEN not in repr(guard)
+
+
+def test_a_guard_on_a_new_registry_never_replaces_a_collector_a_gone_one_held() -> None:
+    """A registry's id is reused once it is garbage: a guard built on the new one registers
+    its counters there, and does not try to take a gone registry's collector out of it."""
+    for _ in range(20):
+        registry = CollectorRegistry()
+        guarded(Engine(), registry)
+        assert sample(generate_latest(registry).decode(), "dcr_guard_requests_in_flight") == 0
+        del registry
+        gc.collect()

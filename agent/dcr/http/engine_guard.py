@@ -30,6 +30,7 @@ import asyncio
 import json
 import os
 import urllib.parse
+import weakref
 from collections.abc import Awaitable, Callable, Iterable, Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -115,15 +116,18 @@ class _Counted(Collector):
         return (f.metric() for f in self.counters.families())
 
 
-_REGISTERED: dict[int, Collector] = {}  # the collector each registry holds (one guard's)
+# The collector each registry holds (one guard's), held weakly: a registry's id may be
+# reused once it is gone, and a new one holds nothing to replace.
+_REGISTERED: weakref.WeakKeyDictionary[CollectorRegistry, Collector] = (
+    weakref.WeakKeyDictionary())
 
 
 def _register(registry: CollectorRegistry, collector: Collector) -> None:
-    old = _REGISTERED.pop(id(registry), None)
+    old = _REGISTERED.pop(registry, None)
     if old is not None:  # a guard built again in one process replaces the last one's
         registry.unregister(old)
     registry.register(collector)
-    _REGISTERED[id(registry)] = collector
+    _REGISTERED[registry] = collector
 
 
 class EngineGuard:
