@@ -97,6 +97,35 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     log.info("DCR operator settings: %s", SETTINGS)
 
 
+CRDS_SERVED_WAIT_S = 300.0  # how long startup waits for the API server to list the CRDs
+
+
+@kopf.on.startup()
+async def wait_until_the_crds_are_served(memo: kopf.Memo, **_: Any) -> None:
+    """kopf looks its resources up once, after the startup handlers, and never again
+    without the right to watch CustomResourceDefinitions, which the operator does not
+    have: one that started while the API server restarted, before its discovery listed
+    dcr.dev, served nothing for ever. So startup waits until the discovery lists both
+    resources, and past ``CRDS_SERVED_WAIT_S`` fails, so that the Pod restarts."""
+    kube = _kube(memo)
+    wanted, path = {FLEET_PLURAL, REFIT_PLURAL}, f"/apis/{GROUP}/{VERSION}"
+    deadline = asyncio.get_running_loop().time() + CRDS_SERVED_WAIT_S
+    while True:
+        try:
+            listed = await asyncio.to_thread(kube.get, path)
+            missing = wanted - {r.get("name") for r in listed.get("resources", [])}
+            why = f"{path} lists no {', '.join(sorted(missing))}"
+        except (ApiError, ApiUnreachable) as e:
+            missing, why = wanted, str(e)
+        if not missing:
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise kopf.PermanentError(f"The API server does not serve the DCR resources after "
+                                      f"{CRDS_SERVED_WAIT_S:g} s: {why}.")
+        log.info("waiting for the API server to serve the DCR resources: %s", why)
+        await asyncio.sleep(1.0)
+
+
 @kopf.on.startup()
 async def start_metrics(memo: kopf.Memo, **_: Any) -> None:
     memo.metrics = (await metrics.serve("0.0.0.0", SETTINGS.metrics_port)
