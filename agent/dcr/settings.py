@@ -158,4 +158,14 @@ def to_argv(settings: Any, *, skip: tuple[str, ...] = ()) -> list[str]:
     return argv
 
 
-__all__ = ["GiB", "MiB", "add_options", "doc", "from_args", "option", "to_argv"]
+JITTER = 0.25  # a wait is drawn from [1 - JITTER, 1] of its step: waiting parties spread out
+
+
+def backoff_s(first_s: float, max_s: float, step: int, draw: float) -> float:
+    """The wait before try ``step`` + 1 (0: the first wait): ``first_s`` doubled per step up
+    to ``max_s``, jittered down by ``draw`` (in [0, 1)) times :data:`JITTER` of it."""
+    return min(max_s, first_s * 2.0 ** min(step, 60)) * (1.0 - JITTER * draw)
+
+
+__all__ = ["JITTER", "GiB", "MiB", "add_options", "backoff_s", "doc", "from_args", "option",
+           "to_argv"]

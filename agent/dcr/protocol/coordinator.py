@@ -26,12 +26,11 @@ from dcr.protocol.commitstore import CommitStore
 from dcr.protocol.records import Attempt, CommitOutcome, CommitRecord, Transition
 from dcr.protocol.state import FINAL
 from dcr.protocol.states import AttemptState
-from dcr.settings import option
+from dcr.settings import backoff_s, option
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _FINAL = frozenset(s.value for s in FINAL)
-RETRY_JITTER = 0.25  # a wait between attempts is drawn from [1 - this, 1] of its step
 
 
 class CommitConflict(StateConflict):
@@ -168,8 +167,7 @@ class CoordinatorSettings:
     def retry_wait(self, failures: int, draw: float) -> float:
         """Seconds to wait after ``failures`` failed attempts (1 or more); ``draw`` in
         [0, 1) picks where in the jitter band (the top quarter of the step) it falls."""
-        step = min(self.retry_wait_max_s, self.retry_wait_s * 2.0 ** min(failures - 1, 60))
-        return step * (1.0 - RETRY_JITTER * draw)
+        return backoff_s(self.retry_wait_s, self.retry_wait_max_s, failures - 1, draw)
 
 
 @dataclass(kw_only=True)

@@ -45,7 +45,7 @@ from dcr.format.manifest import (
 )
 from dcr.format.names import object_digest
 from dcr.format.payload import Payload, read_payload
-from dcr.settings import GiB
+from dcr.settings import GiB, backoff_s
 from dcr.transport.store import Store
 
 log = logging.getLogger(__name__)
@@ -301,9 +301,6 @@ class _Parts:
         return merge_manifests(parts, f"attempt {self.attempt}")
 
 
-JITTER = 0.25  # each idle wait is drawn from [1 - JITTER, 1] of its step: a fleet spreads out
-
-
 @dataclass(kw_only=True)
 class _Idle:
     """An idle receiver's next wait: ``first_s``, doubling per quiet poll up to ``max_s``,
@@ -318,9 +315,8 @@ class _Idle:
         self.steps = 0
 
     def next_s(self) -> float:
-        step = min(self.max_s, self.first_s * 2.0 ** min(self.steps, 60))
         self.steps += 1
-        return step * (1.0 - JITTER * self.rng.random())
+        return backoff_s(self.first_s, self.max_s, self.steps - 1, self.rng.random())
 
 
 def receive(
